@@ -1,0 +1,121 @@
+// The op table. Every op is declared once, as an OpDef registered from its family's file in
+// ir/ops/ (elementwise.cc, matmul.cc, ...). Next to the declaration live its shape inference,
+// verifier, cost, gradient rule and CPU reference implementation, so adding an op touches one
+// place. The printer, parser, verifier, passes and backends all consult this table.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ir/attribute.h"
+#include "ir/ir.h"
+#include "ir/tensor_view.h"
+
+namespace kiln::ir {
+
+class Builder;
+
+// Op traits, a bit set.
+enum OpTrait : uint32_t {
+  kPure = 1u << 0,          // no side effects: CSE may merge it, DCE may drop it
+  kElementwise = 1u << 1,   // result[i] depends on operand[i] only (after broadcasting)
+  kBroadcasting = 1u << 2,  // operands broadcast numpy-style
+  kCommutative = 1u << 3,   // binary op with f(a, b) == f(b, a)
+  kTerminator = 1u << 4,    // ends a block (func.return, kiln.yield)
+  kSideEffect = 1u << 5,    // writes state (optimizer updates): never CSE'd or DCE'd
+  kReduction = 1u << 6,     // reduces over axes
+  kTypeGiven = 1u << 7,     // result types are stated, not inferred (input, parameter, reshape)
+  kNonDifferentiable = 1u << 8,  // no gradient flows through (compare, integer ops)
+  kSource = 1u << 9,        // produces a value from outside the graph (input, parameter)
+};
+
+struct AttrSpec {
+  std::string name;
+  Attribute::Kind kind;
+  bool required = false;
+  std::optional<Attribute> default_value;  // applied by the builder when absent
+  std::vector<std::string> choices;        // allowed values of a string attribute
+};
+
+// Work of one op execution, for the shared cost model.
+struct OpCost {
+  double flops = 0;
+  double bytes = 0;  // bytes read plus bytes written
+};
+
+// Autodiff: given gradients of an op's results (nullptr where a result has no gradient), the
+// rule builds gradients for its operands at the builder's insertion point.
+struct GradContext {
+  Builder& builder;
+  std::vector<Value*> result_grads;
+  std::vector<Value*> operand_grads;  // filled by the rule; nullptr = no gradient
+};
+
+// CPU reference execution: operands and results as host tensors. Result buffers are allocated
+// by the caller at their (bound) size; a kernel producing a data-dependent dim sets its size.
+struct CpuContext {
+  const SymbolBindings* symbols = nullptr;
+  int num_threads = 1;
+};
+
+using InferFn = Status (*)(const Op& op, std::vector<TensorType>& result_types);
+using VerifyFn = Status (*)(const Op& op);
+using CostFn = OpCost (*)(const Op& op, const SymbolBindings& symbols);
+using GradFn = Status (*)(GradContext& ctx, const Op& op);
+using CpuFn = Status (*)(const Op& op, const std::vector<const TensorView*>& operands,
+                         const std::vector<TensorView*>& results, const CpuContext& ctx);
+
+struct OpDef {
+  std::string name;          // "kiln.matmul"
+  std::string summary;       // one line, for docs and --help
+  int min_operands = 0;
+  int max_operands = 0;      // -1: variadic
+  int num_results = 1;       // -1: variadic (result types given)
+  std::vector<AttrSpec> attrs;
+  uint32_t traits = 0;
+  InferFn infer = nullptr;   // required unless kTypeGiven
+  VerifyFn verify = nullptr; // extra checks beyond arity, attributes and inference
+  CostFn cost = nullptr;
+  GradFn grad = nullptr;
+  CpuFn cpu = nullptr;
+
+  bool has(uint32_t t) const { return (traits & t) != 0; }
+  const AttrSpec* attrSpec(std::string_view n) const;
+};
+
+class OpRegistry {
+ public:
+  static OpRegistry& get();
+  // Registers a definition; returns false if the name is taken.
+  bool add(OpDef def);
+  const OpDef* lookup(std::string_view name) const;
+  // Mutable access, for later layers that attach a hook to an existing op.
+  OpDef* mutableLookup(std::string_view name);
+  std::vector<const OpDef*> all() const;
+
+ private:
+  OpRegistry();
+  std::map<std::string, OpDef, std::less<>> defs_;
+};
+
+// Each family file defines one of these; OpRegistry's constructor calls them all, so no
+// static-initialization order matters and nothing is dropped by the linker.
+void registerCoreOps(OpRegistry& r);         // ops/core.cc: constant, input, parameter, func.return, kiln.yield
+void registerElementwiseOps(OpRegistry& r);  // ops/elementwise.cc
+void registerMatmulOps(OpRegistry& r);       // ops/matmul.cc
+void registerShapeOps(OpRegistry& r);        // ops/shape.cc: broadcast, reshape, transpose, concat, slice, gather, cast
+void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax
+void registerEmbeddingOps(OpRegistry& r);    // ops/embedding.cc
+void registerLossOps(OpRegistry& r);         // ops/loss.cc
+
+// Shared helpers for rules.
+Status expectRank(const Op& op, unsigned operand, int64_t rank);
+// Normalizes a possibly negative axis against rank; error if out of range.
+Expected<int64_t> normalizeAxis(const Op& op, int64_t axis, int64_t rank);
+
+}  // namespace kiln::ir
