@@ -1,3 +1,40 @@
+// The `kiln` driver: dispatches to the subcommands listed in commands.def.
 #include <cstdio>
-#include "ir/op_def.h"
-int main() { std::printf("%zu ops\n", kiln::ir::OpRegistry::get().all().size()); }
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tools/cli.h"
+
+namespace kiln::cli {
+#define KILN_COMMAND(name, summary, fn) int fn(const std::vector<std::string>& args);
+#include "tools/commands.def"
+#undef KILN_COMMAND
+
+static const Command kCommands[] = {
+#define KILN_COMMAND(name, summary, fn) {#name, summary, fn},
+#include "tools/commands.def"
+#undef KILN_COMMAND
+};
+
+static void printHelp() {
+  std::printf("usage: kiln COMMAND [ARGS...]\n\nKiln compiles models for large sparse recommendation and\n"
+              "Mixture-of-Experts workloads.\n\ncommands:\n");
+  for (const Command& c : kCommands) std::printf("  %-10s %s\n", c.name, c.summary);
+  std::printf("\nRun 'kiln COMMAND --help' for a command's flags.\n");
+}
+
+}  // namespace kiln::cli
+
+int main(int argc, char** argv) {
+  using namespace kiln::cli;
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") || !std::strcmp(argv[1], "help")) {
+    printHelp();
+    return argc < 2 ? kExitUsage : kExitOk;
+  }
+  std::vector<std::string> args(argv + 2, argv + argc);
+  for (const Command& c : kCommands)
+    if (c.name == std::string(argv[1])) return c.run(args);
+  std::fprintf(stderr, "kiln: error: unknown command '%s' (see 'kiln --help')\n", argv[1]);
+  return kExitUsage;
+}

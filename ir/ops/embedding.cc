@@ -2,9 +2,10 @@
 //
 //   kiln.embedding_bag(table[R, D], ids[B, H])                     fixed hotness H per sample
 //   kiln.embedding_bag(table[R, D], ids[B, H], weights[B, H])      ... with per-id weights
-//   kiln.embedding_bag(table[R, D], ids[N], offsets[B+1])          variable length: sample b
-//                                                                  owns ids[offsets[b]:offsets[b+1]]
-//   kiln.embedding_bag(table[R, D], ids[N], offsets[B+1], weights[N])
+//   kiln.embedding_bag(table[R, D], ids[N], lengths[B])            variable length: sample b owns
+//                                                                  the next lengths[b] ids (the
+//                                                                  layout of TorchRec's jagged tensors)
+//   kiln.embedding_bag(table[R, D], ids[N], lengths[B], weights[N])
 // Result: [B, D], the sum (or mean) of the selected rows, each scaled by its weight.
 // Ids must lie in [0, R); an id out of range is a run-time error naming the table.
 #include "ir/op_def.h"
@@ -12,8 +13,6 @@
 namespace kiln::ir {
 namespace {
 
-// Offsets hold B+1 entries, a size our dims cannot spell, so with flat ids the batch dim of the
-// result is named by the `batch` attribute (e.g. batch = "B").
 Status inferEmbeddingBag(const Op& op, std::vector<TensorType>& out) {
   const TensorType& table = op.operand(0)->type();
   const TensorType& ids = op.operand(1)->type();
@@ -32,24 +31,16 @@ Status inferEmbeddingBag(const Op& op, std::vector<TensorType>& out) {
     batch = ids.dim(0);
   } else if (ids.rank() == 1) {
     if (op.numOperands() < 3)
-      return Status::error("'kiln.embedding_bag' with flat ids needs offsets: (table, ids, offsets[, weights])");
-    const TensorType& offsets = op.operand(2)->type();
-    if (offsets.rank() != 1 || !isInteger(offsets.dtype()))
-      return Status::errorf("'kiln.embedding_bag' offsets must be a 1-d integer tensor, got {}", offsets.str());
+      return Status::error("'kiln.embedding_bag' with flat ids needs lengths: (table, ids, lengths[, weights])");
+    const TensorType& lengths = op.operand(2)->type();
+    if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
+      return Status::errorf("'kiln.embedding_bag' lengths must be a 1-d integer tensor, got {}", lengths.str());
     if (op.numOperands() == 4) {
       const TensorType& w = op.operand(3)->type();
       if (w.shape() != ids.shape() || !isFloat(w.dtype()))
         return Status::errorf("'kiln.embedding_bag' weights {} must be float and shaped like ids {}", w.str(), ids.str());
     }
-    // offsets has B+1 entries; the batch dim is stated by the `batch` attribute's symbol.
-    const Attribute* b = op.attr("batch");
-    if (!b || !b->isString())
-      return Status::error("'kiln.embedding_bag' with offsets needs a 'batch' attribute naming the batch dim");
-    if (isSymbolName(b->asString())) {
-      batch = Dim::symbol(b->asString());
-    } else {
-      return Status::errorf("'kiln.embedding_bag' batch '{}' is not a symbol", b->asString());
-    }
+    batch = lengths.dim(0);
   } else {
     return Status::errorf("'kiln.embedding_bag' ids must be [B, H] or [N], got {}", ids.str());
   }
@@ -65,7 +56,6 @@ void registerEmbeddingOps(OpRegistry& r) {
          .summary = "Pooled lookup of table rows by multi-hot ids (sum or mean, optional weights)",
          .min_operands = 2, .max_operands = 4,
          .attrs = {{"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
-                   {"batch", K::String},
                    {"table", K::String}},
          .traits = kPure, .infer = inferEmbeddingBag});
 }

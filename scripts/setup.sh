@@ -1,0 +1,32 @@
+#!/bin/bash
+# Sets up a fresh Debian machine for Kiln: installs the Debian packages the build and tests
+# use, configures and builds into build/. With --deps-only, installs packages and stops.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PACKAGES=(
+  build-essential cmake            # compiler and build
+  libfmt-dev                       # formatting (fmt)
+  libgtest-dev libgmock-dev        # GoogleTest
+  llvm-14-tools python3            # FileCheck and lit, for the IR tests
+  libopenblas-dev                  # CPU GEMMs
+  clang-14 libclang-rt-14-dev      # libFuzzer for the frontend fuzz tests
+  mlir-19-tools                    # mlir-opt-19, to check our IR text parses as MLIR
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  [[ "$p" == \#* ]] && continue
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+[ "${1:-}" = "--deps-only" ] && exit 0
+
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j"$(nproc)"

@@ -1,0 +1,162 @@
+#include "tools/cli.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+namespace kiln::cli {
+
+ArgParser::ArgParser(std::string command, std::string usage, std::string description)
+    : command_(std::move(command)), usage_(std::move(usage)), description_(std::move(description)) {}
+
+void ArgParser::addOption(const std::string& name, const std::string& metavar, const std::string& help,
+                          std::optional<std::string> default_value, bool repeatable) {
+  order_.push_back(name);
+  options_[name] = Option{metavar, help, std::move(default_value), repeatable, false};
+}
+
+void ArgParser::addFlag(const std::string& name, const std::string& help) {
+  order_.push_back(name);
+  options_[name] = Option{"", help, std::nullopt, false, true};
+}
+
+void ArgParser::setPositionals(const std::string& metavar, int min, int max, const std::string& help) {
+  pos_metavar_ = metavar;
+  pos_min_ = min;
+  pos_max_ = max;
+  pos_help_ = help;
+}
+
+int ArgParser::usageError(const std::string& message) const {
+  std::fprintf(stderr, "kiln %s: error: %s\n", command_.c_str(), message.c_str());
+  return kExitUsage;
+}
+
+bool ArgParser::parse(const std::vector<std::string>& args, int* exit_code) {
+  *exit_code = kExitOk;
+  bool only_positionals = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (only_positionals || a.size() < 2 || a[0] != '-' || a == "-") {
+      positionals_.push_back(a);
+      continue;
+    }
+    if (a == "--") {
+      only_positionals = true;
+      continue;
+    }
+    if (a == "--help" || a == "-h") {
+      std::fputs(help().c_str(), stdout);
+      return false;
+    }
+    if (a.rfind("--", 0) != 0) {
+      *exit_code = usageError(fmt::format("unknown flag '{}' (see 'kiln {} --help')", a, command_));
+      return false;
+    }
+    std::string name = a.substr(2), value;
+    bool has_value = false;
+    if (size_t eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      has_value = true;
+    }
+    auto it = options_.find(name);
+    if (it == options_.end()) {
+      *exit_code = usageError(fmt::format("unknown flag '--{}' (see 'kiln {} --help')", name, command_));
+      return false;
+    }
+    const Option& opt = it->second;
+    if (opt.is_flag) {
+      if (has_value) {
+        *exit_code = usageError(fmt::format("flag '--{}' takes no value", name));
+        return false;
+      }
+      values_[name] = {"true"};
+      continue;
+    }
+    if (!has_value) {
+      if (i + 1 >= args.size()) {
+        *exit_code = usageError(fmt::format("flag '--{}' needs a value ({})", name, opt.metavar));
+        return false;
+      }
+      value = args[++i];
+    }
+    auto& vals = values_[name];
+    if (!opt.repeatable) vals.clear();
+    vals.push_back(value);
+  }
+  int n = static_cast<int>(positionals_.size());
+  if (n < pos_min_) {
+    *exit_code = usageError(pos_metavar_.empty() ? "missing arguments"
+                                                 : fmt::format("missing {} (usage: {})", pos_metavar_, usage_));
+    return false;
+  }
+  if (pos_max_ >= 0 && n > pos_max_) {
+    *exit_code = usageError(fmt::format("unexpected argument '{}' (usage: {})", positionals_[pos_max_], usage_));
+    return false;
+  }
+  return true;
+}
+
+bool ArgParser::has(const std::string& name) const {
+  if (values_.count(name)) return true;
+  auto it = options_.find(name);
+  return it != options_.end() && it->second.default_value.has_value();
+}
+
+std::string ArgParser::get(const std::string& name) const {
+  auto v = values_.find(name);
+  if (v != values_.end() && !v->second.empty()) return v->second.back();
+  auto it = options_.find(name);
+  if (it != options_.end() && it->second.default_value) return *it->second.default_value;
+  return "";
+}
+
+const std::vector<std::string>& ArgParser::getAll(const std::string& name) const {
+  static const std::vector<std::string> kEmpty;
+  auto v = values_.find(name);
+  return v == values_.end() ? kEmpty : v->second;
+}
+
+bool ArgParser::flag(const std::string& name) const { return values_.count(name) > 0; }
+
+std::optional<long long> ArgParser::getInt(const std::string& name) const {
+  std::string s = get(name);
+  char* end = nullptr;
+  long long v = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || *end != '\0') {
+    usageError(fmt::format("flag '--{}' needs an integer, got '{}'", name, s));
+    return std::nullopt;
+  }
+  return v;
+}
+
+std::optional<double> ArgParser::getDouble(const std::string& name) const {
+  std::string s = get(name);
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  if (s.empty() || *end != '\0') {
+    usageError(fmt::format("flag '--{}' needs a number, got '{}'", name, s));
+    return std::nullopt;
+  }
+  return v;
+}
+
+std::string ArgParser::help() const {
+  std::string out = fmt::format("usage: {}\n\n{}\n", usage_, description_);
+  if (!pos_metavar_.empty()) out += fmt::format("\narguments:\n  {:<28} {}\n", pos_metavar_, pos_help_);
+  if (!order_.empty()) out += "\nflags:\n";
+  for (const auto& name : order_) {
+    const Option& o = options_.at(name);
+    std::string lhs = "--" + name + (o.is_flag ? "" : "=" + o.metavar);
+    std::string rhs = o.help;
+    if (o.default_value) rhs += fmt::format(" (default: {})", *o.default_value);
+    if (o.repeatable) rhs += " (repeatable)";
+    out += fmt::format("  {:<28} {}\n", lhs, rhs);
+  }
+  out += fmt::format("  {:<28} {}\n", "--help", "show this help");
+  return out;
+}
+
+}  // namespace kiln::cli

@@ -1,0 +1,73 @@
+// A small command-line parser shared by the `kiln` subcommands: declared flags, `--help`
+// generated from the declarations, and one-line errors with exit code 2 for anything unknown.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kiln::cli {
+
+// Exit codes of every subcommand.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitError = 1;  // the input was wrong (a diagnostic was printed)
+inline constexpr int kExitUsage = 2;  // the command line was wrong
+
+class ArgParser {
+ public:
+  // `usage` is the synopsis line, e.g. "kiln opt FILE.mlir [flags]".
+  ArgParser(std::string command, std::string usage, std::string description);
+
+  // A flag taking a value: --name=V or --name V. Repeatable flags collect every value.
+  void addOption(const std::string& name, const std::string& metavar, const std::string& help,
+                 std::optional<std::string> default_value = std::nullopt, bool repeatable = false);
+  // A boolean flag: --name.
+  void addFlag(const std::string& name, const std::string& help);
+  // Positional arguments: at least `min`, at most `max` (-1: any number).
+  void setPositionals(const std::string& metavar, int min, int max, const std::string& help);
+
+  // Parses argv (without the program and command names). On `--help` prints help and returns
+  // kExitOk in *exit_code; on an error prints "kiln CMD: error: ..." and returns kExitUsage.
+  // Returns true when the command should run.
+  bool parse(const std::vector<std::string>& args, int* exit_code);
+
+  bool has(const std::string& name) const;  // given on the command line (or a default exists)
+  std::string get(const std::string& name) const;
+  const std::vector<std::string>& getAll(const std::string& name) const;
+  bool flag(const std::string& name) const;
+  const std::vector<std::string>& positionals() const { return positionals_; }
+
+  // Parses an integer option, printing a usage error on failure.
+  std::optional<long long> getInt(const std::string& name) const;
+  std::optional<double> getDouble(const std::string& name) const;
+
+  std::string help() const;
+  // Prints "kiln CMD: error: MSG" to stderr and returns kExitUsage.
+  int usageError(const std::string& message) const;
+
+ private:
+  struct Option {
+    std::string metavar, help;
+    std::optional<std::string> default_value;
+    bool repeatable = false;
+    bool is_flag = false;
+  };
+  std::string command_, usage_, description_;
+  std::vector<std::string> order_;
+  std::map<std::string, Option> options_;
+  std::map<std::string, std::vector<std::string>> values_;
+  std::vector<std::string> positionals_;
+  std::string pos_metavar_, pos_help_;
+  int pos_min_ = 0, pos_max_ = 0;
+};
+
+// A subcommand: `kiln NAME ...`.
+struct Command {
+  const char* name;
+  const char* summary;
+  int (*run)(const std::vector<std::string>& args);
+};
+
+}  // namespace kiln::cli
