@@ -14,7 +14,7 @@ struct DTypeInfo {
 constexpr DTypeInfo kDTypes[] = {
     {DType::f32, "f32", 4},       {DType::f16, "f16", 2},       {DType::bf16, "bf16", 2},
     {DType::f8e4m3, "f8e4m3", 1}, {DType::f8e5m2, "f8e5m2", 1}, {DType::i32, "i32", 4},
-    {DType::i64, "i64", 8},       {DType::i1, "i1", 1},
+    {DType::i64, "i64", 8},       {DType::i1, "i1", 1},         {DType::f64, "f64", 8},
 };
 
 std::string_view trim(std::string_view s) {
@@ -77,7 +77,7 @@ int64_t dtypeBytes(DType t) {
 }
 
 bool isFloat(DType t) {
-  return t == DType::f32 || t == DType::f16 || t == DType::bf16 || t == DType::f8e4m3 ||
+  return t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16 || t == DType::f8e4m3 ||
          t == DType::f8e5m2;
 }
 bool isInteger(DType t) { return t == DType::i32 || t == DType::i64; }

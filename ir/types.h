@@ -23,7 +23,8 @@
 
 namespace kiln::ir {
 
-enum class DType : uint8_t { f32, f16, bf16, f8e4m3, f8e5m2, i32, i64, i1 };
+// f64 is for reference computations (finite-difference gradient checks); models use the rest.
+enum class DType : uint8_t { f32, f16, bf16, f8e4m3, f8e5m2, i32, i64, i1, f64 };
 
 std::string_view dtypeName(DType t);
 std::optional<DType> parseDType(std::string_view name);

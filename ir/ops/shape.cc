@@ -151,7 +151,7 @@ void registerShapeOps(OpRegistry& r) {
   r.add({.name = "kiln.cast", .summary = "Converts the element type",
          .min_operands = 1, .max_operands = 1,
          .attrs = {{"to", K::String, true, std::nullopt,
-                    {"f32", "f16", "bf16", "f8e4m3", "f8e5m2", "i32", "i64", "i1"}}},
+                    {"f32", "f16", "bf16", "f8e4m3", "f8e5m2", "i32", "i64", "i1", "f64"}}},
          .traits = kPure | kElementwise, .infer = inferCast});
 }
 
