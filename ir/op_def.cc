@@ -18,6 +18,7 @@ OpRegistry::OpRegistry() {
   registerReduceOps(*this);
   registerEmbeddingOps(*this);
   registerLossOps(*this);
+  registerOptimizerOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {

@@ -112,6 +112,7 @@ void registerShapeOps(OpRegistry& r);        // ops/shape.cc: broadcast, reshape
 void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax
 void registerEmbeddingOps(OpRegistry& r);    // ops/embedding.cc
 void registerLossOps(OpRegistry& r);         // ops/loss.cc
+void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_update, embedding_bag_update
 
 // Shared helpers for rules.
 Status expectRank(const Op& op, unsigned operand, int64_t rank);

@@ -1,9 +1,18 @@
 // Elementwise ops: binary arithmetic with numpy broadcasting, unary math and activations,
-// comparison and selection.
+// comparison and selection, and the fused activation backward op.
+//   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for relu, gelu (tanh form), silu
+#include <cmath>
+
 #include "ir/op_def.h"
+#include "ir/ops/grad_util.h"
+#include "ir/ops/kernel_util.h"
 
 namespace kiln::ir {
 namespace {
+
+using namespace kernels;
+using CpuOperands = std::vector<const TensorView*>;
+using CpuResults = std::vector<TensorView*>;
 
 Status inferBinary(const Op& op, std::vector<TensorType>& out) {
   const TensorType& a = op.operand(0)->type();
@@ -51,53 +60,454 @@ Status inferSelect(const Op& op, std::vector<TensorType>& out) {
   return Status::ok();
 }
 
-void addBinary(OpRegistry& r, const char* name, const char* summary, uint32_t extra, bool float_only) {
+// ---- CPU kernels -------------------------------------------------------------------------------
+
+enum class Bin { add, sub, mul, div, max, min, pow };
+enum class Un { neg, abs, exp, log, sqrt, rsqrt, sigmoid, tanh, relu, gelu, silu };
+
+constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluA = 0.044715;
+
+template <class C>
+C sigmoidOf(C x) {
+  // Never exponentiates a large positive number.
+  if (x >= 0) return C(1) / (C(1) + std::exp(-x));
+  C e = std::exp(x);
+  return e / (C(1) + e);
+}
+
+template <Bin K, class C>
+C applyBin(C a, C b) {
+  if constexpr (K == Bin::add) return a + b;
+  if constexpr (K == Bin::sub) return a - b;
+  if constexpr (K == Bin::mul) return a * b;
+  if constexpr (K == Bin::div) return a / b;
+  if constexpr (K == Bin::max) return a > b ? a : b;
+  if constexpr (K == Bin::min) return a < b ? a : b;
+  if constexpr (K == Bin::pow) return std::pow(a, b);
+}
+
+template <Un K, class C>
+C applyUn(C x) {
+  if constexpr (K == Un::neg) return -x;
+  if constexpr (K == Un::abs) return x < 0 ? -x : x;
+  if constexpr (K == Un::exp) return std::exp(x);
+  if constexpr (K == Un::log) return std::log(x);
+  if constexpr (K == Un::sqrt) return std::sqrt(x);
+  if constexpr (K == Un::rsqrt) return C(1) / std::sqrt(x);
+  if constexpr (K == Un::sigmoid) return sigmoidOf(x);
+  if constexpr (K == Un::tanh) return std::tanh(x);
+  if constexpr (K == Un::relu) return x > 0 ? x : C(0);
+  if constexpr (K == Un::gelu) return C(0.5) * x * (C(1) + std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x)));
+  if constexpr (K == Un::silu) return x * sigmoidOf(x);
+}
+
+// d f(x) / dx for the activations kiln.activation_grad supports.
+template <class C>
+C activationDerivative(const std::string& act, C x) {
+  if (act == "relu") return x > 0 ? C(1) : C(0);
+  if (act == "silu") {
+    C s = sigmoidOf(x);
+    return s * (C(1) + x * (C(1) - s));
+  }
+  // gelu, tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
+  C t = std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x));
+  return C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * C(kGeluC) * (C(1) + C(3 * kGeluA) * x * x);
+}
+
+constexpr bool floatOnly(Bin k) { return k == Bin::div || k == Bin::pow; }
+constexpr bool floatOnly(Un k) { return k != Un::neg && k != Un::abs && k != Un::relu; }
+
+template <Bin K>
+Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& a = *in[0];
+  const TensorView& b = *in[1];
+  TensorView& r = *out[0];
+  auto shape = broadcastRuntime(op, a.shape, b.shape);
+  if (!shape) return shape.status();
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  auto body = [&](auto tag) -> Status {
+    using T = decltype(tag);
+    using C = typename T::Compute;
+    if constexpr (floatOnly(K) && !std::is_floating_point_v<C>) {
+      return unsupportedDType(op, a.dtype);
+    } else {
+      const auto* pa = data<T>(a);
+      const auto* pb = data<T>(b);
+      auto* pr = data<T>(r);
+      forEachIndex<2>(r.shape, {broadcastStrides(a.shape, r.shape), broadcastStrides(b.shape, r.shape)},
+                      [&](int64_t i, const std::array<int64_t, 2>& o) {
+                        pr[i] = T::store(applyBin<K, C>(T::load(pa[o[0]]), T::load(pb[o[1]])));
+                      });
+      return Status::ok();
+    }
+  };
+  return visitNumeric(op, a.dtype, body);
+}
+
+template <Un K>
+Status cpuUnary(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  TensorView& r = *out[0];
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, x.shape));
+  auto body = [&](auto tag) -> Status {
+    using T = decltype(tag);
+    using C = typename T::Compute;
+    if constexpr (floatOnly(K) && !std::is_floating_point_v<C>) {
+      return unsupportedDType(op, x.dtype);
+    } else {
+      const auto* px = data<T>(x);
+      auto* pr = data<T>(r);
+      for (int64_t i = 0, n = x.numel(); i < n; ++i) pr[i] = T::store(applyUn<K, C>(T::load(px[i])));
+      return Status::ok();
+    }
+  };
+  return visitNumeric(op, x.dtype, body);
+}
+
+Status cpuActivationGrad(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  const TensorView& dy = *in[1];
+  TensorView& r = *out[0];
+  if (x.shape != dy.shape)
+    return Status::errorf("'{}': x {} and dy {} differ in run-time shape", op.name(), shapeString(x.shape),
+                          shapeString(dy.shape));
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, x.shape));
+  const std::string act = op.strAttr("activation");
+  return visitFloat(op, x.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    using C = typename T::Compute;
+    const auto* px = data<T>(x);
+    const auto* pd = data<T>(dy);
+    auto* pr = data<T>(r);
+    for (int64_t i = 0, n = x.numel(); i < n; ++i)
+      pr[i] = T::store(T::load(pd[i]) * activationDerivative<C>(act, T::load(px[i])));
+    return Status::ok();
+  });
+}
+
+Status cpuCompare(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& a = *in[0];
+  const TensorView& b = *in[1];
+  TensorView& r = *out[0];
+  auto shape = broadcastRuntime(op, a.shape, b.shape);
+  if (!shape) return shape.status();
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  const std::string pred = op.strAttr("predicate");
+  return visitAny(op, a.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* pa = data<T>(a);
+    const auto* pb = data<T>(b);
+    auto* pr = static_cast<uint8_t*>(r.data);
+    forEachIndex<2>(r.shape, {broadcastStrides(a.shape, r.shape), broadcastStrides(b.shape, r.shape)},
+                    [&](int64_t i, const std::array<int64_t, 2>& o) {
+                      auto x = T::load(pa[o[0]]);
+                      auto y = T::load(pb[o[1]]);
+                      bool v = pred == "eq"   ? x == y
+                               : pred == "ne" ? x != y
+                               : pred == "lt" ? x < y
+                               : pred == "le" ? x <= y
+                               : pred == "gt" ? x > y
+                                              : x >= y;
+                      pr[i] = v ? 1 : 0;
+                    });
+    return Status::ok();
+  });
+}
+
+// Dtype-agnostic: elements are copied as bytes.
+Status cpuSelect(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& c = *in[0];
+  const TensorView& a = *in[1];
+  const TensorView& b = *in[2];
+  TensorView& r = *out[0];
+  auto ab = broadcastRuntime(op, a.shape, b.shape);
+  if (!ab) return ab.status();
+  auto shape = broadcastRuntime(op, c.shape, *ab);
+  if (!shape) return shape.status();
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  const size_t es = static_cast<size_t>(dtypeBytes(a.dtype));
+  const auto* pc = static_cast<const uint8_t*>(c.data);
+  const auto* pa = static_cast<const unsigned char*>(a.data);
+  const auto* pb = static_cast<const unsigned char*>(b.data);
+  auto* pr = static_cast<unsigned char*>(r.data);
+  forEachIndex<3>(r.shape,
+                  {broadcastStrides(c.shape, r.shape), broadcastStrides(a.shape, r.shape),
+                   broadcastStrides(b.shape, r.shape)},
+                  [&](int64_t i, const std::array<int64_t, 3>& o) {
+                    const unsigned char* src = pc[o[0]] ? pa + o[1] * es : pb + o[2] * es;
+                    std::memcpy(pr + static_cast<size_t>(i) * es, src, es);
+                  });
+  return Status::ok();
+}
+
+// ---- Gradient rules ----------------------------------------------------------------------------
+// Every binary rule computes the gradient at the broadcast result shape and sums it back to each
+// operand's shape. Integer operands get no gradient.
+
+using grads::binary;
+using grads::sumTo;
+using grads::unary;
+
+Status setSummed(GradContext& ctx, unsigned i, Value* g, const Op& op) {
+  auto s = sumTo(ctx.builder, g, op.operand(i)->type());
+  if (!s) return s.status();
+  ctx.operand_grads[i] = *s;
+  return Status::ok();
+}
+
+Status gradAdd(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g) return Status::ok();
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, g, op));
+  return setSummed(ctx, 1, g, op);
+}
+
+Status gradSub(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, g, op));
+  KILN_GRAD_VALUE(ng, unary(ctx.builder, "kiln.neg", g));
+  return setSummed(ctx, 1, ng, op);
+}
+
+Status gradMul(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  Builder& b = ctx.builder;
+  KILN_GRAD_VALUE(ga, binary(b, "kiln.mul", g, op.operand(1)));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, ga, op));
+  KILN_GRAD_VALUE(gb, binary(b, "kiln.mul", g, op.operand(0)));
+  return setSummed(ctx, 1, gb, op);
+}
+
+// y = a / b: da = g / b, db = -g * y / b.
+Status gradDiv(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g) return Status::ok();
+  Builder& b = ctx.builder;
+  KILN_GRAD_VALUE(ga, binary(b, "kiln.div", g, op.operand(1)));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, ga, op));
+  KILN_GRAD_VALUE(gy, binary(b, "kiln.mul", g, op.result()));
+  KILN_GRAD_VALUE(gyb, binary(b, "kiln.div", gy, op.operand(1)));
+  KILN_GRAD_VALUE(gb, unary(b, "kiln.neg", gyb));
+  return setSummed(ctx, 1, gb, op);
+}
+
+// max: the gradient goes to a where a >= b (ties to a), else to b; min likewise with <=.
+Status gradMinMax(GradContext& ctx, const Op& op, const char* predicate) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  Builder& b = ctx.builder;
+  KILN_GRAD_VALUE(mask, b.createValue("kiln.compare", {op.operand(0), op.operand(1)},
+                                      {{"predicate", Attribute(predicate)}}));
+  KILN_GRAD_VALUE(zero, grads::scalar(b, g->type().dtype(), 0.0));
+  KILN_GRAD_VALUE(ga, b.createValue("kiln.select", {mask, g, zero}));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, ga, op));
+  KILN_GRAD_VALUE(gb, b.createValue("kiln.select", {mask, zero, g}));
+  return setSummed(ctx, 1, gb, op);
+}
+Status gradMax(GradContext& ctx, const Op& op) { return gradMinMax(ctx, op, "ge"); }
+Status gradMin(GradContext& ctx, const Op& op) { return gradMinMax(ctx, op, "le"); }
+
+// y = a ** b: da = g * b * a ** (b - 1), db = g * y * log(a).
+Status gradPow(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g) return Status::ok();
+  Builder& b = ctx.builder;
+  Value* x = op.operand(0);
+  Value* e = op.operand(1);
+  KILN_GRAD_VALUE(one, grads::scalar(b, e->type().dtype(), 1.0));
+  KILN_GRAD_VALUE(em1, binary(b, "kiln.sub", e, one));
+  KILN_GRAD_VALUE(p, binary(b, "kiln.pow", x, em1));
+  KILN_GRAD_VALUE(ep, binary(b, "kiln.mul", e, p));
+  KILN_GRAD_VALUE(ga, binary(b, "kiln.mul", g, ep));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, ga, op));
+  KILN_GRAD_VALUE(lx, unary(b, "kiln.log", x));
+  KILN_GRAD_VALUE(yl, binary(b, "kiln.mul", op.result(), lx));
+  KILN_GRAD_VALUE(gb, binary(b, "kiln.mul", g, yl));
+  return setSummed(ctx, 1, gb, op);
+}
+
+// Unary rules: operand_grads[0] = g * f'(x), written with the op's result y where shorter.
+// `formula(builder, g, x, y)` builds it.
+template <class Formula>
+Status unaryRule(GradContext& ctx, const Op& op, Formula formula) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  Expected<Value*> v = formula(ctx.builder, g, op.operand(0), op.result());
+  if (!v) return v.status();
+  ctx.operand_grads[0] = *v;
+  return Status::ok();
+}
+using B = Builder;
+using V = Value*;
+using EV = Expected<Value*>;
+
+Status gradNeg(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V) -> EV { return unary(b, "kiln.neg", g); });
+}
+
+// |x|' = sign(x), with the subgradient +1 at 0.
+Status gradAbs(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V x, V) -> EV {
+    KILN_GRAD_VALUE(zero, grads::scalar(b, x->type().dtype(), 0.0));
+    KILN_GRAD_VALUE(mask, b.createValue("kiln.compare", {x, zero}, {{"predicate", Attribute("ge")}}));
+    KILN_GRAD_VALUE(ng, unary(b, "kiln.neg", g));
+    return b.createValue("kiln.select", {mask, g, ng});
+  });
+}
+
+Status gradExp(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV { return binary(b, "kiln.mul", g, y); });
+}
+
+Status gradLog(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V x, V) -> EV { return binary(b, "kiln.div", g, x); });
+}
+
+// sqrt' = 0.5 / y
+Status gradSqrt(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV {
+    KILN_GRAD_VALUE(half, grads::scalar(b, g->type().dtype(), 0.5));
+    KILN_GRAD_VALUE(gh, binary(b, "kiln.mul", g, half));
+    return binary(b, "kiln.div", gh, y);
+  });
+}
+
+// rsqrt' = -0.5 y^3
+Status gradRsqrt(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV {
+    KILN_GRAD_VALUE(c, grads::scalar(b, g->type().dtype(), -0.5));
+    KILN_GRAD_VALUE(y2, binary(b, "kiln.mul", y, y));
+    KILN_GRAD_VALUE(y3, binary(b, "kiln.mul", y2, y));
+    KILN_GRAD_VALUE(gy3, binary(b, "kiln.mul", g, y3));
+    return binary(b, "kiln.mul", gy3, c);
+  });
+}
+
+// sigmoid' = y (1 - y)
+Status gradSigmoid(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV {
+    KILN_GRAD_VALUE(one, grads::scalar(b, g->type().dtype(), 1.0));
+    KILN_GRAD_VALUE(omy, binary(b, "kiln.sub", one, y));
+    KILN_GRAD_VALUE(d, binary(b, "kiln.mul", y, omy));
+    return binary(b, "kiln.mul", g, d);
+  });
+}
+
+// tanh' = 1 - y^2
+Status gradTanh(GradContext& ctx, const Op& op) {
+  return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV {
+    KILN_GRAD_VALUE(one, grads::scalar(b, g->type().dtype(), 1.0));
+    KILN_GRAD_VALUE(y2, binary(b, "kiln.mul", y, y));
+    KILN_GRAD_VALUE(d, binary(b, "kiln.sub", one, y2));
+    return binary(b, "kiln.mul", g, d);
+  });
+}
+
+// relu, gelu, silu: one fused backward op that reads x.
+Status gradActivation(GradContext& ctx, const Op& op) {
+  std::string act = op.name().substr(std::string_view("kiln.").size());
+  return unaryRule(ctx, op, [&](B& b, V g, V x, V) -> EV {
+    return b.createValue("kiln.activation_grad", {x, g}, {{"activation", Attribute(act)}});
+  });
+}
+
+// select(c, a, b): a gets g where c holds, b elsewhere; the condition gets none.
+Status gradSelect(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  Builder& b = ctx.builder;
+  KILN_GRAD_VALUE(zero, grads::scalar(b, g->type().dtype(), 0.0));
+  KILN_GRAD_VALUE(ga, b.createValue("kiln.select", {op.operand(0), g, zero}));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 1, ga, op));
+  KILN_GRAD_VALUE(gb, b.createValue("kiln.select", {op.operand(0), zero, g}));
+  return setSummed(ctx, 2, gb, op);
+}
+
+Status inferActivationGrad(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& x = op.operand(0)->type();
+  const TensorType& dy = op.operand(1)->type();
+  if (x.dtype() != dy.dtype() || x.shape() != dy.shape())
+    return Status::errorf("'kiln.activation_grad' x {} and dy {} must have the same type", x.str(), dy.str());
+  out = {x.withSharding(std::nullopt)};
+  return Status::ok();
+}
+
+// Rough per-element flop counts: a transcendental function counts as several operations.
+template <int Flops>
+OpCost costPerElement(const Op& op, const SymbolBindings& symbols) {
+  return elementwiseCost(op, symbols, Flops);
+}
+
+void addBinary(OpRegistry& r, const char* name, const char* summary, uint32_t extra, bool float_only,
+               CpuFn cpu, GradFn grad, CostFn cost = costPerElement<1>) {
   r.add({.name = name, .summary = summary, .min_operands = 2, .max_operands = 2,
          .traits = kPure | kElementwise | kBroadcasting | extra,
          .infer = inferBinary,
-         .verify = float_only ? verifyFloatOperands : nullptr});
+         .verify = float_only ? verifyFloatOperands : nullptr,
+         .cost = cost, .grad = grad, .cpu = cpu});
 }
 
-void addUnary(OpRegistry& r, const char* name, const char* summary, bool float_only = true) {
+void addUnary(OpRegistry& r, const char* name, const char* summary, bool float_only, CpuFn cpu, GradFn grad,
+              CostFn cost = costPerElement<1>) {
   r.add({.name = name, .summary = summary, .min_operands = 1, .max_operands = 1,
          .traits = kPure | kElementwise,
          .infer = inferUnary,
-         .verify = float_only ? verifyFloatOperands : nullptr});
+         .verify = float_only ? verifyFloatOperands : nullptr,
+         .cost = cost, .grad = grad, .cpu = cpu});
 }
 
 }  // namespace
 
 void registerElementwiseOps(OpRegistry& r) {
-  addBinary(r, "kiln.add", "a + b", kCommutative, false);
-  addBinary(r, "kiln.sub", "a - b", 0, false);
-  addBinary(r, "kiln.mul", "a * b", kCommutative, false);
-  addBinary(r, "kiln.div", "a / b", 0, true);
-  addBinary(r, "kiln.max", "max(a, b)", kCommutative, false);
-  addBinary(r, "kiln.min", "min(a, b)", kCommutative, false);
-  addBinary(r, "kiln.pow", "a ** b", 0, true);
+  addBinary(r, "kiln.add", "a + b", kCommutative, false, cpuBinary<Bin::add>, gradAdd);
+  addBinary(r, "kiln.sub", "a - b", 0, false, cpuBinary<Bin::sub>, gradSub);
+  addBinary(r, "kiln.mul", "a * b", kCommutative, false, cpuBinary<Bin::mul>, gradMul);
+  addBinary(r, "kiln.div", "a / b", 0, true, cpuBinary<Bin::div>, gradDiv);
+  addBinary(r, "kiln.max", "max(a, b)", kCommutative, false, cpuBinary<Bin::max>, gradMax);
+  addBinary(r, "kiln.min", "min(a, b)", kCommutative, false, cpuBinary<Bin::min>, gradMin);
+  addBinary(r, "kiln.pow", "a ** b", 0, true, cpuBinary<Bin::pow>, gradPow, costPerElement<8>);
 
-  addUnary(r, "kiln.neg", "-x", false);
-  addUnary(r, "kiln.abs", "|x|", false);
-  addUnary(r, "kiln.exp", "e ** x");
-  addUnary(r, "kiln.log", "natural logarithm");
-  addUnary(r, "kiln.sqrt", "square root");
-  addUnary(r, "kiln.rsqrt", "1 / sqrt(x)");
-  addUnary(r, "kiln.sigmoid", "1 / (1 + exp(-x))");
-  addUnary(r, "kiln.tanh", "hyperbolic tangent");
-  addUnary(r, "kiln.relu", "max(x, 0)");
-  addUnary(r, "kiln.gelu", "x * Phi(x), the tanh approximation");
-  addUnary(r, "kiln.silu", "x * sigmoid(x)");
+  addUnary(r, "kiln.neg", "-x", false, cpuUnary<Un::neg>, gradNeg);
+  addUnary(r, "kiln.abs", "|x|", false, cpuUnary<Un::abs>, gradAbs);
+  addUnary(r, "kiln.exp", "e ** x", true, cpuUnary<Un::exp>, gradExp, costPerElement<4>);
+  addUnary(r, "kiln.log", "natural logarithm", true, cpuUnary<Un::log>, gradLog, costPerElement<4>);
+  addUnary(r, "kiln.sqrt", "square root", true, cpuUnary<Un::sqrt>, gradSqrt, costPerElement<4>);
+  addUnary(r, "kiln.rsqrt", "1 / sqrt(x)", true, cpuUnary<Un::rsqrt>, gradRsqrt, costPerElement<4>);
+  addUnary(r, "kiln.sigmoid", "1 / (1 + exp(-x))", true, cpuUnary<Un::sigmoid>, gradSigmoid, costPerElement<6>);
+  addUnary(r, "kiln.tanh", "hyperbolic tangent", true, cpuUnary<Un::tanh>, gradTanh, costPerElement<6>);
+  addUnary(r, "kiln.relu", "max(x, 0)", true, cpuUnary<Un::relu>, gradActivation);
+  addUnary(r, "kiln.gelu", "x * Phi(x), the tanh approximation", true, cpuUnary<Un::gelu>, gradActivation,
+           costPerElement<12>);
+  addUnary(r, "kiln.silu", "x * sigmoid(x)", true, cpuUnary<Un::silu>, gradActivation, costPerElement<7>);
 
   r.add({.name = "kiln.compare", .summary = "Elementwise comparison, an i1 result",
          .min_operands = 2, .max_operands = 2,
          .attrs = {{"predicate", Attribute::Kind::String, true, std::nullopt,
                     {"eq", "ne", "lt", "le", "gt", "ge"}}},
          .traits = kPure | kElementwise | kBroadcasting | kNonDifferentiable,
-         .infer = inferCompare});
+         .infer = inferCompare, .cost = costPerElement<1>, .cpu = cpuCompare});
   r.add({.name = "kiln.select", .summary = "cond ? a : b, elementwise with broadcasting",
          .min_operands = 3, .max_operands = 3,
          .traits = kPure | kElementwise | kBroadcasting,
-         .infer = inferSelect});
+         .infer = inferSelect, .cost = costPerElement<1>, .grad = gradSelect, .cpu = cpuSelect});
+  // Backward-only: autodiff emits it; no second-order gradients flow through it.
+  r.add({.name = "kiln.activation_grad", .summary = "dy * f'(x) for an activation f (backward of relu/gelu/silu)",
+         .min_operands = 2, .max_operands = 2,
+         .attrs = {{"activation", Attribute::Kind::String, true, std::nullopt, {"relu", "gelu", "silu"}}},
+         .traits = kPure | kElementwise | kNonDifferentiable,
+         .infer = inferActivationGrad, .verify = verifyFloatOperands, .cost = costPerElement<12>,
+         .cpu = cpuActivationGrad});
 }
 
 }  // namespace kiln::ir

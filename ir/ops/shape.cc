@@ -1,11 +1,24 @@
-// Data movement ops: broadcast, reshape, transpose, concat, slice, gather, cast.
+// Data movement ops: broadcast, reshape, transpose, concat, slice, gather, cast, and the ops
+// their gradients need:
+//   kiln.sum_to(x) -> stated type    sums x over the dims along which the stated type broadcasts
+//                                    to x's shape (the adjoint of broadcasting)
+//   kiln.pad(x) {axis, low, high}    zeros before and after x along a static axis (slice's adjoint)
+//   kiln.scatter_add(base, indices, updates) {axis}
+//                                    base with updates added at indices along axis (gather's adjoint);
+//                                    updates are shaped like gather(base, indices, axis)
 #include <algorithm>
 #include <numeric>
 
 #include "ir/op_def.h"
+#include "ir/ops/grad_util.h"
+#include "ir/ops/kernel_util.h"
 
 namespace kiln::ir {
 namespace {
+
+using namespace kernels;
+using CpuOperands = std::vector<const TensorView*>;
+using CpuResults = std::vector<TensorView*>;
 
 // broadcast: result type stated; the operand must broadcast to it.
 Status verifyBroadcast(const Op& op) {
@@ -127,6 +140,7 @@ Status inferCast(const Op& op, std::vector<TensorType>& out) {
   return Status::ok();
 }
 
+@@HOOKS@@
 }  // namespace
 
 void registerShapeOps(OpRegistry& r) {

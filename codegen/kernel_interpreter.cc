@@ -1,0 +1,360 @@
+#include "codegen/kernel_interpreter.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "ir/tensor_view.h"
+
+namespace kiln::codegen {
+namespace {
+
+// A scalar of any compute type: floats in f (f32 values kept exactly representable as float),
+// integers and i1 in i.
+struct Val {
+  double f = 0;
+  int64_t i = 0;
+};
+
+float gelu(float x) {
+  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+double gelu(double x) { return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+
+template <typename T>
+T unaryMath(ExprOp op, T x) {
+  switch (op) {
+    case ExprOp::Neg: return -x;
+    case ExprOp::Abs: return std::fabs(x);
+    case ExprOp::Exp: return std::exp(x);
+    case ExprOp::Log: return std::log(x);
+    case ExprOp::Log1p: return std::log1p(x);
+    case ExprOp::Sqrt: return std::sqrt(x);
+    case ExprOp::Rsqrt: return T(1) / std::sqrt(x);
+    case ExprOp::Sigmoid: return T(1) / (T(1) + std::exp(-x));
+    case ExprOp::Tanh: return std::tanh(x);
+    case ExprOp::Relu: return x > T(0) ? x : T(0);
+    case ExprOp::Gelu: return gelu(x);
+    case ExprOp::Silu: return x / (T(1) + std::exp(-x));
+    case ExprOp::RoundBf16: return static_cast<T>(ir::bf16ToFloat(ir::floatToBf16(static_cast<float>(x))));
+    default: return x;
+  }
+}
+
+template <typename T>
+T binaryMath(ExprOp op, T a, T b) {
+  switch (op) {
+    case ExprOp::Add: return a + b;
+    case ExprOp::Sub: return a - b;
+    case ExprOp::Mul: return a * b;
+    case ExprOp::Div: return a / b;
+    case ExprOp::Max: return std::fmax(a, b);
+    case ExprOp::Min: return std::fmin(a, b);
+    case ExprOp::Pow: return std::pow(a, b);
+    case ExprOp::Rem: return std::fmod(a, b);
+    default: return a;
+  }
+}
+
+template <typename T>
+bool compare(ExprOp op, T a, T b) {
+  switch (op) {
+    case ExprOp::Eq: return a == b;
+    case ExprOp::Ne: return a != b;
+    case ExprOp::Lt: return a < b;
+    case ExprOp::Le: return a <= b;
+    case ExprOp::Gt: return a > b;
+    case ExprOp::Ge: return a >= b;
+    case ExprOp::And: return a && b;
+    case ExprOp::Or: return a || b;
+    default: return false;
+  }
+}
+
+class Evaluator {
+ public:
+  Evaluator(const Kernel& k, const std::vector<void*>& buffers)
+      : k_(k), g_(k.exprs), buffers_(buffers), vals_(g_.size()), stamp_(g_.size(), 0) {}
+
+  std::vector<int64_t> coords;
+  std::vector<Val> row_values;
+
+  // Starts a new logical thread: memoized values are forgotten.
+  void next() { ++gen_; }
+
+  Val eval(int id) {
+    if (stamp_[static_cast<size_t>(id)] == gen_) return vals_[static_cast<size_t>(id)];
+    Val v = compute(g_[id]);
+    vals_[static_cast<size_t>(id)] = v;
+    stamp_[static_cast<size_t>(id)] = gen_;
+    return v;
+  }
+
+  Status store(const Store& s) {
+    if (s.guard >= 0 && !eval(s.guard).i) return Status::ok();
+    int64_t idx = eval(s.index).i;
+    const KernelBuffer& b = k_.buffers[static_cast<size_t>(s.buffer)];
+    if (idx < 0 || idx >= b.elements)
+      return Status::errorf("kernel '{}' stores out of bounds: {}[{}] of {}", k_.name, b.name, idx, b.elements);
+    write(s.buffer, idx, eval(s.value));
+    return Status::ok();
+  }
+
+  Val read(int buffer, int64_t idx) {
+    const KernelBuffer& b = k_.buffers[static_cast<size_t>(buffer)];
+    if (idx < 0 || idx >= b.elements) {
+      error_ = fmt::format("kernel '{}' loads out of bounds: {}[{}] of {}", k_.name, b.name, idx, b.elements);
+      return {};
+    }
+    void* p = buffers_[static_cast<size_t>(buffer)];
+    Val v;
+    switch (b.dtype) {
+      case DType::f32: v.f = static_cast<float*>(p)[idx]; break;
+      case DType::f64: v.f = static_cast<double*>(p)[idx]; break;
+      case DType::bf16: v.f = ir::bf16ToFloat(static_cast<uint16_t*>(p)[idx]); break;
+      case DType::i32: v.i = static_cast<int32_t*>(p)[idx]; break;
+      case DType::i64: v.i = static_cast<int64_t*>(p)[idx]; break;
+      case DType::i1: v.i = static_cast<uint8_t*>(p)[idx] != 0; break;
+      default: break;
+    }
+    return v;
+  }
+
+  void write(int buffer, int64_t idx, Val v) {
+    void* p = buffers_[static_cast<size_t>(buffer)];
+    switch (k_.buffers[static_cast<size_t>(buffer)].dtype) {
+      case DType::f32: static_cast<float*>(p)[idx] = static_cast<float>(v.f); break;
+      case DType::f64: static_cast<double*>(p)[idx] = v.f; break;
+      case DType::bf16: static_cast<uint16_t*>(p)[idx] = ir::floatToBf16(static_cast<float>(v.f)); break;
+      case DType::i32: static_cast<int32_t*>(p)[idx] = static_cast<int32_t>(v.i); break;
+      case DType::i64: static_cast<int64_t*>(p)[idx] = v.i; break;
+      case DType::i1: static_cast<uint8_t*>(p)[idx] = v.i != 0; break;
+      default: break;
+    }
+  }
+
+  const std::string& error() const { return error_; }
+
+ private:
+  Val compute(const Expr& e) {
+    Val v;
+    switch (e.op) {
+      case ExprOp::Const: v.f = e.fvalue; v.i = e.ivalue; return v;
+      case ExprOp::Coord: v.i = coords[static_cast<size_t>(e.index)]; return v;
+      case ExprOp::RowValue: return row_values[static_cast<size_t>(e.index)];
+      case ExprOp::Load: return read(e.buffer, eval(e.a).i);
+      case ExprOp::Select: return eval(e.a).i ? eval(e.b) : eval(e.c);
+      case ExprOp::Cast: return cast(eval(e.a), g_.typeOf(e.a), e.type);
+      default: break;
+    }
+    DType t = g_.typeOf(e.a);
+    if (isUnary(e.op)) {
+      Val a = eval(e.a);
+      if (e.op == ExprOp::Not) { v.i = !a.i; return v; }
+      if (t == DType::f32) v.f = unaryMath<float>(e.op, static_cast<float>(a.f));
+      else if (t == DType::f64) v.f = unaryMath<double>(e.op, a.f);
+      else v.i = e.op == ExprOp::Neg ? -a.i : e.op == ExprOp::Abs ? std::llabs(a.i)
+                 : e.op == ExprOp::Relu ? std::max<int64_t>(a.i, 0) : a.i;
+      return v;
+    }
+    Val a = eval(e.a), b = eval(e.b);
+    if (isComparison(e.op)) {
+      if (ir::isFloat(t)) v.i = compare<double>(e.op, a.f, b.f);
+      else v.i = compare<int64_t>(e.op, a.i, b.i);
+      return v;
+    }
+    if (t == DType::f32) { v.f = binaryMath<float>(e.op, static_cast<float>(a.f), static_cast<float>(b.f)); return v; }
+    if (t == DType::f64) { v.f = binaryMath<double>(e.op, a.f, b.f); return v; }
+    switch (e.op) {
+      case ExprOp::Add: v.i = a.i + b.i; break;
+      case ExprOp::Sub: v.i = a.i - b.i; break;
+      case ExprOp::Mul: v.i = a.i * b.i; break;
+      case ExprOp::Div: v.i = b.i ? a.i / b.i : 0; break;
+      case ExprOp::Rem: v.i = b.i ? a.i % b.i : 0; break;
+      case ExprOp::Max: v.i = std::max(a.i, b.i); break;
+      case ExprOp::Min: v.i = std::min(a.i, b.i); break;
+      case ExprOp::Pow: v.i = static_cast<int64_t>(std::pow(static_cast<double>(a.i), static_cast<double>(b.i))); break;
+      default: break;
+    }
+    if (t == DType::i32) v.i = static_cast<int32_t>(v.i);
+    return v;
+  }
+
+  static Val cast(Val x, DType from, DType to) {
+    Val v;
+    bool ff = ir::isFloat(from), tf = ir::isFloat(to);
+    if (tf) v.f = ff ? (to == DType::f32 ? static_cast<float>(x.f) : x.f) : (to == DType::f32 ? static_cast<float>(x.i) : static_cast<double>(x.i));
+    else if (to == DType::i1) v.i = ff ? x.f != 0 : x.i != 0;
+    else v.i = ff ? static_cast<int64_t>(x.f) : x.i;
+    if (to == DType::i32) v.i = static_cast<int32_t>(v.i);
+    return v;
+  }
+
+  const Kernel& k_;
+  const ExprGraph& g_;
+  const std::vector<void*>& buffers_;
+  std::vector<Val> vals_;
+  std::vector<uint32_t> stamp_;
+  uint32_t gen_ = 1;
+  std::string error_;
+};
+
+void unflatten(int64_t flat, const std::vector<int64_t>& shape, std::vector<int64_t>& out, size_t at) {
+  for (size_t j = shape.size(); j-- > 0;) {
+    out[at + j] = flat % shape[j];
+    flat /= shape[j];
+  }
+}
+
+Status runPointwise(const Kernel& k, Evaluator& ev) {
+  ev.coords.assign(k.space.size(), 0);
+  for (int64_t i = 0, n = k.spaceSize(); i < n; ++i) {
+    unflatten(i, k.space, ev.coords, 0);
+    ev.next();
+    for (const Store& s : k.stores) KILN_RETURN_IF_ERROR(ev.store(s));
+    if (!ev.error().empty()) return Status::error(ev.error());
+  }
+  return Status::ok();
+}
+
+Status runRow(const Kernel& k, Evaluator& ev) {
+  size_t outer = k.space.size();
+  ev.coords.assign(outer + k.row_space.size(), 0);
+  int64_t rows = k.rowSize();
+  for (int64_t o = 0, n = k.spaceSize(); o < n; ++o) {
+    unflatten(o, k.space, ev.coords, 0);
+    ev.row_values.clear();
+    ev.next();
+    if (k.guard >= 0 && !ev.eval(k.guard).i) continue;
+    for (const Phase& p : k.phases) {
+      if (p.kind == Phase::Kind::Reduce) {
+        bool f32 = k.exprs.typeOf(p.value) == DType::f32;
+        double acc = p.combiner == Combiner::Sum ? 0.0 : -INFINITY;
+        for (int64_t r = 0; r < rows; ++r) {
+          unflatten(r, k.row_space, ev.coords, outer);
+          ev.next();
+          double x = ev.eval(p.value).f;
+          acc = p.combiner == Combiner::Sum ? acc + x : std::fmax(acc, x);
+          if (f32) acc = static_cast<float>(acc);
+        }
+        ev.row_values.push_back(Val{acc, 0});
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          unflatten(r, k.row_space, ev.coords, outer);
+          ev.next();
+          for (const Store& s : p.stores) KILN_RETURN_IF_ERROR(ev.store(s));
+        }
+      }
+      if (!ev.error().empty()) return Status::error(ev.error());
+    }
+    ev.next();
+    for (const Store& s : k.stores) KILN_RETURN_IF_ERROR(ev.store(s));
+    if (!ev.error().empty()) return Status::error(ev.error());
+  }
+  return Status::ok();
+}
+
+int64_t readId(const KernelBuffer& b, const void* p, int64_t i) {
+  return b.dtype == DType::i32 ? static_cast<const int32_t*>(p)[i] : static_cast<const int64_t*>(p)[i];
+}
+
+float readFloat(const KernelBuffer& b, const void* p, int64_t i) {
+  switch (b.dtype) {
+    case DType::bf16: return ir::bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::f64: return static_cast<float>(static_cast<const double*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+void setError(const Kernel& k, const std::vector<void*>& bufs, int table) {
+  int32_t* flag = static_cast<int32_t*>(bufs[static_cast<size_t>(k.error_flag)]);
+  if (flag[0] == 0) {
+    flag[0] = 1;
+    flag[1] = table;
+  }
+}
+
+// The slot of `id` in a power-of-two open-addressing table, as the CUDA kernel finds it
+// (multiplicative hash, linear probing).
+int64_t hashSlot(int64_t* keys, int64_t capacity, int64_t id) {
+  uint64_t h = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> 17;
+  for (int64_t probe = 0; probe < capacity; ++probe) {
+    int64_t s = static_cast<int64_t>((h + static_cast<uint64_t>(probe)) & static_cast<uint64_t>(capacity - 1));
+    if (keys[s] == id) return s;
+    if (keys[s] == -1) {
+      keys[s] = id;
+      return s;
+    }
+  }
+  return -1;
+}
+
+Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
+  for (size_t ti = 0; ti < k.tables.size(); ++ti) {
+    const EmbeddingTable& t = k.tables[ti];
+    const KernelBuffer& idb = k.buffers[static_cast<size_t>(t.ids)];
+    const void* ids = bufs[static_cast<size_t>(t.ids)];
+    const void* wts = t.weights >= 0 ? bufs[static_cast<size_t>(t.weights)] : nullptr;
+    const KernelBuffer* wb = t.weights >= 0 ? &k.buffers[static_cast<size_t>(t.weights)] : nullptr;
+    const KernelBuffer& ob = k.buffers[static_cast<size_t>(t.out)];
+    void* out = bufs[static_cast<size_t>(t.out)];
+    float scale = t.mean ? 1.0f / static_cast<float>(t.hotness) : 1.0f;
+    std::vector<float> acc(static_cast<size_t>(t.dim));
+    for (int64_t b = 0; b < k.batch; ++b) {
+      if (k.kind == KernelKind::EmbeddingForward) {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        const KernelBuffer& tb = k.buffers[static_cast<size_t>(t.weight)];
+        const void* table = bufs[static_cast<size_t>(t.weight)];
+        for (int64_t h = 0; h < t.hotness; ++h) {
+          int64_t id = readId(idb, ids, b * t.hotness + h);
+          if (id < 0 || id >= t.rows) {
+            setError(k, bufs, static_cast<int>(ti));
+            continue;
+          }
+          float w = wts ? readFloat(*wb, wts, b * t.hotness + h) : 1.0f;
+          for (int64_t d = 0; d < t.dim; ++d) acc[static_cast<size_t>(d)] += w * readFloat(tb, table, id * t.dim + d);
+        }
+        for (int64_t d = 0; d < t.dim; ++d) {
+          int64_t at = b * t.out_stride + t.out_offset + d;
+          float v = acc[static_cast<size_t>(d)] * scale;
+          if (ob.dtype == DType::bf16) static_cast<uint16_t*>(out)[at] = ir::floatToBf16(v);
+          else if (ob.dtype == DType::f64) static_cast<double*>(out)[at] = v;
+          else static_cast<float*>(out)[at] = v;
+        }
+      } else {
+        auto* keys = static_cast<int64_t*>(bufs[static_cast<size_t>(t.keys)]);
+        auto* accum = static_cast<float*>(bufs[static_cast<size_t>(t.accum)]);
+        for (int64_t h = 0; h < t.hotness; ++h) {
+          int64_t id = readId(idb, ids, b * t.hotness + h);
+          if (id < 0 || (t.rows > 0 && id >= t.rows)) {
+            setError(k, bufs, static_cast<int>(ti));
+            continue;
+          }
+          int64_t slot = hashSlot(keys, t.capacity, id);
+          if (slot < 0) return Status::errorf("kernel '{}': hash table full", k.name);
+          float c = (wts ? readFloat(*wb, wts, b * t.hotness + h) : 1.0f) * scale;
+          for (int64_t d = 0; d < t.dim; ++d)
+            accum[slot * t.dim + d] += c * readFloat(ob, out, b * t.out_stride + t.out_offset + d);
+        }
+      }
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
+  if (buffers.size() != k.buffers.size())
+    return Status::errorf("kernel '{}' takes {} buffers, got {}", k.name, k.buffers.size(), buffers.size());
+  KILN_RETURN_IF_ERROR(validate(k));
+  Evaluator ev(k, buffers);
+  switch (k.kind) {
+    case KernelKind::Pointwise: return runPointwise(k, ev);
+    case KernelKind::Row: return runRow(k, ev);
+    case KernelKind::EmbeddingForward:
+    case KernelKind::EmbeddingAccumulate: return runEmbedding(k, buffers);
+  }
+  return Status::ok();
+}
+
+}  // namespace kiln::codegen

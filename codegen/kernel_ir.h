@@ -1,0 +1,168 @@
+// The kernel IR: what one GPU kernel computes, independent of how it is printed or run.
+//
+// A Kernel owns pointer parameters (buffers), an expression DAG of scalar computations, and one
+// of a few iteration structures:
+//   Pointwise  one logical thread per element of `space`; each evaluates its stores.
+//   Row        for each element of the outer `space`, phases run over the `row_space`: a Reduce
+//              phase folds an expression over the row (sum or max) into a row value that later
+//              phases read; a Map phase stores per row element; then `stores` run once per outer
+//              element. Reductions, softmax, losses and optimizer row updates are Row kernels.
+//   EmbeddingForward     pooled lookups of every table of a collection, in one launch.
+//   EmbeddingAccumulate  combines duplicate ids of an embedding backward in a hash table.
+//
+// Shapes are concrete: a kernel is specialized to the symbol bindings of its run (as XLA
+// specializes to static shapes), so index arithmetic is by constants. Floating-point values
+// of bf16 storage are computed in f32 (loads widen, stores round to nearest even).
+//
+// The CUDA emitter (cuda_emitter.h) prints a Kernel as CUDA C++; the interpreter
+// (kernel_interpreter.h) runs the same Kernel on the CPU, which is how its math is tested on
+// machines without a GPU.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/types.h"
+
+namespace kiln::codegen {
+
+using ir::DType;
+
+enum class ExprOp : uint8_t {
+  Const,     // ivalue (integer and i1 types) or fvalue (float types)
+  Coord,     // coordinate `index` of the iteration space (i64); Row kernels number the outer
+             // coordinates first, then the row coordinates
+  RowValue,  // the result of Reduce phase `index` of a Row kernel
+  Load,      // buffers[buffer][a], a: i64 element offset; bf16 widens to f32
+  // Unary.
+  Neg, Abs, Exp, Log, Log1p, Sqrt, Rsqrt, Sigmoid, Tanh, Relu, Gelu, Silu,
+  RoundBf16,  // f32 rounded to the nearest bf16 (a cast to bf16 inside a fused chain)
+  Not,
+  // Binary, both operands of one type.
+  Add, Sub, Mul, Div, Rem, Max, Min, Pow,
+  // Comparisons and logic, an i1 result.
+  Eq, Ne, Lt, Le, Gt, Ge, And, Or,
+  Select,  // a ? b : c; only the chosen branch is evaluated (a gather's or concat's loads are
+           // guarded this way)
+  Cast,    // a converted to `type`
+};
+
+const char* exprOpName(ExprOp op);
+bool isUnary(ExprOp op);
+bool isBinary(ExprOp op);
+bool isComparison(ExprOp op);
+
+struct Expr {
+  ExprOp op = ExprOp::Const;
+  DType type = DType::f32;  // compute type: f32, f64, i32, i64 or i1
+  int32_t a = -1, b = -1, c = -1;
+  int32_t buffer = -1;  // Load
+  int32_t index = 0;    // Coord, RowValue
+  int64_t ivalue = 0;   // Const of an integer or i1 type
+  double fvalue = 0;    // Const of a float type
+  bool operator==(const Expr& o) const = default;
+};
+
+// The type arithmetic happens in for values stored as `t`.
+DType computeType(DType t);
+
+// A DAG of scalar expressions. Identical nodes are shared (hash-consing), so a value used twice
+// is computed once; node ids increase along dependencies.
+class ExprGraph {
+ public:
+  int add(const Expr& e);
+  const Expr& operator[](int id) const { return nodes_[static_cast<size_t>(id)]; }
+  size_t size() const { return nodes_.size(); }
+  const std::vector<Expr>& nodes() const { return nodes_; }
+
+  int constant(double v, DType t);
+  int intConstant(int64_t v, DType t = DType::i64);
+  int coord(int axis);
+  int rowValue(int phase, DType t);
+  int load(int buffer, DType storage, int offset);
+  int unary(ExprOp op, int x);
+  int binary(ExprOp op, int x, int y);
+  int select(int cond, int x, int y);
+  int cast(int x, DType to);  // returns x itself when it already has type `to`
+  DType typeOf(int id) const { return (*this)[id].type; }
+
+ private:
+  std::vector<Expr> nodes_;
+  std::vector<std::vector<int>> buckets_;  // hash -> node ids
+};
+
+// One pointer parameter of a kernel.
+struct KernelBuffer {
+  std::string name;  // the IR value or state it holds, for comments and error messages
+  DType dtype = DType::f32;
+  int64_t elements = 0;  // elements the kernel may touch (the allocation's size)
+  bool written = false;
+};
+
+// buffers[buffer][index] = value, when `guard` (an i1 node, -1 = always) holds.
+struct Store {
+  int buffer = -1;
+  int index = -1;
+  int value = -1;
+  int guard = -1;
+};
+
+enum class Combiner : uint8_t { Sum, Max };
+
+struct Phase {
+  enum class Kind : uint8_t { Reduce, Map } kind = Kind::Map;
+  Combiner combiner = Combiner::Sum;  // Reduce
+  int value = -1;                     // Reduce: the folded expression (f32 or f64)
+  std::vector<Store> stores;          // Map
+};
+
+// One table of an embedding kernel. Buffer fields index Kernel::buffers.
+struct EmbeddingTable {
+  int weight = -1;   // [rows, dim], f32 or bf16
+  int ids = -1;      // [batch, hotness], i32 or i64
+  int weights = -1;  // optional per-id weights [batch, hotness], f32
+  int64_t rows = 0, dim = 0, hotness = 0;
+  bool mean = false;
+  // Forward: the pooled [batch, dim] output written at out[b * out_stride + out_offset + d], so
+  // one output buffer can hold the concatenation of several tables.
+  // Backward: the gradient of that output, read at the same place.
+  int out = -1;
+  int64_t out_stride = 0, out_offset = 0;
+  // Backward: the hash table of distinct ids (i64 [capacity], -1 = empty) and the summed
+  // gradient of each distinct id (f32 [capacity, dim]).
+  int keys = -1, accum = -1;
+  int64_t capacity = 0;
+};
+
+enum class KernelKind : uint8_t { Pointwise, Row, EmbeddingForward, EmbeddingAccumulate };
+const char* kernelKindName(KernelKind k);
+
+struct Kernel {
+  std::string name;  // a readable stem ("add_relu"); the emitter appends a content hash
+  KernelKind kind = KernelKind::Pointwise;
+  std::vector<KernelBuffer> buffers;
+  ExprGraph exprs;
+  std::vector<int64_t> space;      // Pointwise: the index space; Row: the outer space
+  std::vector<int64_t> row_space;  // Row
+  std::vector<Phase> phases;       // Row
+  std::vector<Store> stores;       // Pointwise: per element; Row: per outer element
+  int guard = -1;                  // Row: an outer element runs only where this holds
+  // Embedding kernels.
+  int64_t batch = 0;
+  std::vector<EmbeddingTable> tables;
+  int error_flag = -1;  // i32 [2]: set to {1, table} when an id is out of range
+
+  int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);
+  int64_t spaceSize() const;
+  int64_t rowSize() const;
+};
+
+// Checks a kernel's internal consistency (operand ids, types, coordinates in scope, buffer
+// indices); the lowering and the tests call it. An error names the kernel.
+Status validate(const Kernel& k);
+
+// The flat element offset of `coords` (node ids) in a row-major shape, as an expression.
+int rowMajorOffset(ExprGraph& g, const std::vector<int>& coords, const std::vector<int64_t>& shape);
+
+}  // namespace kiln::codegen

@@ -1,0 +1,941 @@
+#include "codegen/kernel_lowering.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "ir/op_def.h"
+#include "ir/optimizer.h"
+
+namespace kiln::codegen {
+
+using ir::Op;
+using ir::Value;
+
+Expected<std::vector<int64_t>> concreteShape(const ir::TensorType& t, const ir::SymbolBindings& symbols) {
+  std::vector<int64_t> s;
+  for (const ir::Dim& d : t.shape()) {
+    auto v = d.evaluate(symbols);
+    if (!v) return Status::errorf("dimension '{}' of {} has no value (bind it, e.g. --batch)", d.str(), t.str());
+    s.push_back(*v);
+  }
+  return s;
+}
+
+bool isSourceOrTerminator(const Op& op) {
+  return op.hasTrait(ir::kSource) || op.hasTrait(ir::kTerminator) || op.name() == "kiln.constant";
+}
+
+namespace {
+
+const std::map<std::string, ExprOp, std::less<>>& unaryOps() {
+  static const std::map<std::string, ExprOp, std::less<>> m = {
+      {"kiln.neg", ExprOp::Neg},         {"kiln.abs", ExprOp::Abs},   {"kiln.exp", ExprOp::Exp},
+      {"kiln.log", ExprOp::Log},         {"kiln.sqrt", ExprOp::Sqrt}, {"kiln.rsqrt", ExprOp::Rsqrt},
+      {"kiln.sigmoid", ExprOp::Sigmoid}, {"kiln.tanh", ExprOp::Tanh}, {"kiln.relu", ExprOp::Relu},
+      {"kiln.gelu", ExprOp::Gelu},       {"kiln.silu", ExprOp::Silu}};
+  return m;
+}
+
+const std::map<std::string, ExprOp, std::less<>>& binaryOps() {
+  static const std::map<std::string, ExprOp, std::less<>> m = {
+      {"kiln.add", ExprOp::Add}, {"kiln.sub", ExprOp::Sub}, {"kiln.mul", ExprOp::Mul}, {"kiln.div", ExprOp::Div},
+      {"kiln.max", ExprOp::Max}, {"kiln.min", ExprOp::Min}, {"kiln.pow", ExprOp::Pow}};
+  return m;
+}
+
+const std::set<std::string, std::less<>>& movementOps() {
+  static const std::set<std::string, std::less<>> s = {"kiln.broadcast", "kiln.reshape", "kiln.transpose",
+                                                       "kiln.slice",     "kiln.concat",  "kiln.gather",
+                                                       "kiln.cast",      "kiln.compare", "kiln.select",
+                                                       "kiln.activation_grad"};
+  return s;
+}
+
+std::string opLabel(const Op& op) {
+  std::string s = "'" + op.name() + "'";
+  if (op.location().known()) s += " at " + op.location().str();
+  return s;
+}
+
+std::string valueName(const Value* v) {
+  if (!v->nameHint().empty()) return v->nameHint();
+  if (Op* d = v->definingOp()) {
+    if (d->hasAttr("name")) return d->strAttr("name");
+    return d->name().substr(d->name().find('.') + 1) + "#" + std::to_string(v->index());
+  }
+  return "arg" + std::to_string(v->index());
+}
+
+std::string shortOpName(const Op& op) { return op.name().substr(op.name().find('.') + 1); }
+
+int64_t product(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+int64_t nextPow2(int64_t v) {
+  int64_t p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// Builds the kernels of one group, binding kernel buffers to group buffers.
+class GroupLowering {
+ public:
+  GroupLowering(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols)
+      : symbols_(symbols), in_group_(ops.begin(), ops.end()) {
+    out_.ops = ops;
+  }
+
+  LoweredGroup take() { return std::move(out_); }
+
+  Expected<std::vector<int64_t>> shapeOf(const Value* v) { return concreteShape(v->type(), symbols_); }
+
+  int groupBuffer(const Value* v, bool written) {
+    auto it = value_buffer_.find(v);
+    if (it != value_buffer_.end()) {
+      out_.buffers[static_cast<size_t>(it->second)].written |= written;
+      return it->second;
+    }
+    auto shape = shapeOf(v);
+    GroupBuffer b{v, valueName(v), v->type().dtype(), shape ? product(*shape) : 0, written};
+    out_.buffers.push_back(b);
+    int id = static_cast<int>(out_.buffers.size() - 1);
+    value_buffer_[v] = id;
+    return id;
+  }
+
+  int tempBuffer(std::string name, DType dtype, int64_t elements) {
+    out_.buffers.push_back({nullptr, std::move(name), dtype, elements, true});
+    return static_cast<int>(out_.buffers.size() - 1);
+  }
+
+  // One kernel under construction.
+  struct KB {
+    Kernel k;
+    std::vector<int> args;
+    std::map<int, int> kernel_buffer;  // group buffer -> kernel buffer
+    std::map<std::pair<const Value*, std::vector<int>>, int> memo;
+  };
+
+  int bind(KB& kb, int group_buffer, bool written) {
+    auto it = kb.kernel_buffer.find(group_buffer);
+    const GroupBuffer& gb = out_.buffers[static_cast<size_t>(group_buffer)];
+    if (it != kb.kernel_buffer.end()) {
+      kb.k.buffers[static_cast<size_t>(it->second)].written |= written;
+      return it->second;
+    }
+    int id = kb.k.addBuffer(gb.name, gb.dtype, gb.elements, written);
+    kb.kernel_buffer[group_buffer] = id;
+    kb.args.push_back(group_buffer);
+    return id;
+  }
+  int bindValue(KB& kb, const Value* v, bool written) { return bind(kb, groupBuffer(v, written), written); }
+
+  Status finish(KB& kb) {
+    KILN_RETURN_IF_ERROR(validate(kb.k));
+    out_.kernels.push_back(std::move(kb.k));
+    out_.args.push_back(std::move(kb.args));
+    return Status::ok();
+  }
+
+  bool computedInGroup(const Value* v) const {
+    const Op* d = v->definingOp();
+    return d && in_group_.count(d) && isPointwiseOp(*d);
+  }
+
+  // Leaves of the expressions: splat constants inline, everything else from its buffer.
+  Expected<int> load(KB& kb, const Value* v, int offset) {
+    ExprGraph& g = kb.k.exprs;
+    const Op* d = v->definingOp();
+    if (d && d->name() == "kiln.constant" && d->attr("value") && d->attr("value")->isNumber())
+      return g.constant(d->attr("value")->asDouble(), v->type().dtype());
+    DType t = v->type().dtype();
+    if (t != DType::f32 && t != DType::bf16 && t != DType::f64 && t != DType::i32 && t != DType::i64 &&
+        t != DType::i1)
+      return Status::errorf("the CUDA backend does not support {} tensors ({})", ir::dtypeName(t), v->type().str());
+    return g.load(bindValue(kb, v, false), t, offset);
+  }
+
+  // The expression for v at `coords` (node ids, one per dim of v).
+  Expected<int> valueAt(KB& kb, const Value* v, const std::vector<int>& coords) {
+    auto key = std::make_pair(v, coords);
+    auto it = kb.memo.find(key);
+    if (it != kb.memo.end()) return it->second;
+    auto r = computeValueAt(kb, v, coords);
+    if (r) kb.memo[key] = *r;
+    return r;
+  }
+
+  Expected<int> computeValueAt(KB& kb, const Value* v, const std::vector<int>& coords) {
+    ExprGraph& g = kb.k.exprs;
+    auto shape = shapeOf(v);
+    if (!shape) return shape.status();
+    if (!computedInGroup(v)) return load(kb, v, rowMajorOffset(g, coords, *shape));
+    const Op& op = *v->definingOp();
+    auto operandAt = [&](unsigned i) -> Expected<int> {
+      // numpy broadcasting: trailing dims align; size-1 dims read coordinate 0.
+      const Value* x = op.operand(i);
+      auto xs = shapeOf(x);
+      if (!xs) return xs.status();
+      std::vector<int> c;
+      size_t lead = coords.size() - xs->size();
+      for (size_t j = 0; j < xs->size(); ++j)
+        c.push_back((*xs)[j] == 1 ? g.intConstant(0) : coords[lead + j]);
+      return valueAt(kb, x, c);
+    };
+    const std::string& name = op.name();
+    if (auto u = unaryOps().find(name); u != unaryOps().end()) {
+      auto x = operandAt(0);
+      if (!x) return x;
+      return g.unary(u->second, *x);
+    }
+    if (auto b = binaryOps().find(name); b != binaryOps().end()) {
+      auto x = operandAt(0);
+      if (!x) return x;
+      auto y = operandAt(1);
+      if (!y) return y;
+      return g.binary(b->second, *x, *y);
+    }
+    if (name == "kiln.compare") {
+      static const std::map<std::string, ExprOp, std::less<>> preds = {
+          {"eq", ExprOp::Eq}, {"ne", ExprOp::Ne}, {"lt", ExprOp::Lt},
+          {"le", ExprOp::Le}, {"gt", ExprOp::Gt}, {"ge", ExprOp::Ge}};
+      auto x = operandAt(0);
+      if (!x) return x;
+      auto y = operandAt(1);
+      if (!y) return y;
+      return g.binary(preds.at(op.strAttr("predicate")), *x, *y);
+    }
+    if (name == "kiln.select") {
+      auto c = operandAt(0);
+      if (!c) return c;
+      auto x = operandAt(1);
+      if (!x) return x;
+      auto y = operandAt(2);
+      if (!y) return y;
+      return g.select(*c, *x, *y);
+    }
+    if (name == "kiln.broadcast") return operandAt(0);
+    if (name == "kiln.cast") {
+      auto x = operandAt(0);
+      if (!x) return x;
+      DType to = v->type().dtype();
+      if (to == DType::i1) {
+        DType from = g.typeOf(*x);
+        return g.binary(ExprOp::Ne, *x, ir::isFloat(from) ? g.constant(0, from) : g.intConstant(0, from));
+      }
+      int r = g.cast(*x, to);
+      if (to == DType::bf16) r = g.unary(ExprOp::RoundBf16, r);
+      return r;
+    }
+    if (name == "kiln.activation_grad") {
+      auto x = operandAt(0);
+      if (!x) return x;
+      auto dy = operandAt(1);
+      if (!dy) return dy;
+      return activationGrad(g, op.strAttr("activation"), *x, *dy);
+    }
+    if (name == "kiln.reshape") {
+      int flat = rowMajorOffset(g, coords, *shape);
+      const Value* x = op.operand(0);
+      auto xs = shapeOf(x);
+      if (!xs) return xs.status();
+      if (!computedInGroup(x)) return load(kb, x, flat);
+      std::vector<int> c(xs->size());
+      int rest = flat;
+      for (size_t j = xs->size(); j-- > 0;) {
+        c[j] = g.binary(ExprOp::Rem, rest, g.intConstant((*xs)[j]));
+        rest = g.binary(ExprOp::Div, rest, g.intConstant((*xs)[j]));
+      }
+      return valueAt(kb, x, c);
+    }
+    if (name == "kiln.transpose") {
+      std::vector<int64_t> perm = op.intsAttr("perm");
+      std::vector<int> c(coords.size());
+      for (size_t j = 0; j < perm.size(); ++j) c[static_cast<size_t>(perm[j])] = coords[j];
+      return valueAt(kb, op.operand(0), c);
+    }
+    if (name == "kiln.slice") {
+      int64_t axis = op.intAttr("axis");
+      if (axis < 0) axis += static_cast<int64_t>(coords.size());
+      std::vector<int> c = coords;
+      c[static_cast<size_t>(axis)] = g.binary(ExprOp::Add, coords[static_cast<size_t>(axis)], g.intConstant(op.intAttr("start")));
+      return valueAt(kb, op.operand(0), c);
+    }
+    if (name == "kiln.concat") {
+      int64_t axis = op.intAttr("axis");
+      if (axis < 0) axis += static_cast<int64_t>(coords.size());
+      std::vector<int64_t> starts;
+      int64_t at = 0;
+      for (const Value* x : op.operands()) {
+        auto xs = shapeOf(x);
+        if (!xs) return xs.status();
+        starts.push_back(at);
+        at += (*xs)[static_cast<size_t>(axis)];
+      }
+      int ca = coords[static_cast<size_t>(axis)];
+      int result = -1;
+      // A chain of selects, lazily evaluated: each element reads one operand only.
+      for (size_t i = op.numOperands(); i-- > 0;) {
+        std::vector<int> c = coords;
+        c[static_cast<size_t>(axis)] = g.binary(ExprOp::Sub, ca, g.intConstant(starts[i]));
+        auto x = valueAt(kb, op.operand(static_cast<unsigned>(i)), c);
+        if (!x) return x;
+        if (result < 0) {
+          result = *x;
+        } else {
+          int64_t end = starts[i + 1];
+          result = g.select(g.binary(ExprOp::Lt, ca, g.intConstant(end)), *x, result);
+        }
+      }
+      return result;
+    }
+    if (name == "kiln.gather") {
+      const Value* x = op.operand(0);
+      const Value* idx = op.operand(1);
+      auto xs = shapeOf(x);
+      if (!xs) return xs.status();
+      int64_t axis = op.intAttr("axis");
+      if (axis < 0) axis += static_cast<int64_t>(xs->size());
+      size_t ri = static_cast<size_t>(idx->type().rank());
+      std::vector<int> ic(coords.begin() + axis, coords.begin() + axis + static_cast<int64_t>(ri));
+      auto iv = valueAt(kb, idx, ic);
+      if (!iv) return iv;
+      int i64 = g.cast(*iv, DType::i64);
+      std::vector<int> c(coords.begin(), coords.begin() + axis);
+      c.push_back(i64);
+      c.insert(c.end(), coords.begin() + axis + static_cast<int64_t>(ri), coords.end());
+      auto loaded = valueAt(kb, x, c);
+      if (!loaded) return loaded;
+      // Out-of-range indices read zero rather than stray memory.
+      int in_range = g.binary(ExprOp::And, g.binary(ExprOp::Ge, i64, g.intConstant(0)),
+                              g.binary(ExprOp::Lt, i64, g.intConstant((*xs)[static_cast<size_t>(axis)])));
+      DType t = g.typeOf(*loaded);
+      return g.select(in_range, *loaded, ir::isFloat(t) ? g.constant(0, t) : g.intConstant(0, t));
+    }
+    return Status::errorf("{} has no CUDA lowering", opLabel(op));
+  }
+
+  static int activationGrad(ExprGraph& g, const std::string& act, int x, int dy) {
+    DType t = g.typeOf(x);
+    auto c = [&](double v) { return g.constant(v, t); };
+    auto mul = [&](int a, int b) { return g.binary(ExprOp::Mul, a, b); };
+    auto add = [&](int a, int b) { return g.binary(ExprOp::Add, a, b); };
+    auto sub = [&](int a, int b) { return g.binary(ExprOp::Sub, a, b); };
+    int d;
+    if (act == "relu") {
+      d = g.select(g.binary(ExprOp::Gt, x, c(0)), c(1), c(0));
+    } else if (act == "silu") {
+      int s = g.unary(ExprOp::Sigmoid, x);
+      d = mul(s, add(c(1), mul(x, sub(c(1), s))));
+    } else {  // gelu, tanh form
+      const double kc = 0.7978845608028654, ka = 0.044715;
+      int x2 = mul(x, x);
+      int tt = g.unary(ExprOp::Tanh, mul(c(kc), add(x, mul(c(ka), mul(x2, x)))));
+      d = add(mul(c(0.5), add(c(1), tt)),
+              mul(mul(mul(c(0.5), x), sub(c(1), mul(tt, tt))), mul(c(kc), add(c(1), mul(c(3 * ka), x2)))));
+    }
+    return mul(dy, d);
+  }
+
+  // Values defined in the group that something outside it reads (or nothing reads at all).
+  std::vector<const Value*> liveOuts() const {
+    std::vector<const Value*> outs;
+    for (const Op* op : out_.ops)
+      for (const Value* r : op->results()) {
+        bool escapes = !r->hasUses();
+        for (const ir::Use& u : r->uses())
+          if (!in_group_.count(u.user)) escapes = true;
+        if (escapes) outs.push_back(r);
+      }
+    return outs;
+  }
+
+  Status lowerPointwise() {
+    std::vector<const Value*> outs = liveOuts();
+    if (outs.empty()) return Status::ok();
+    auto space = shapeOf(outs.front());
+    if (!space) return space.status();
+    for (const Value* v : outs) {
+      auto s = shapeOf(v);
+      if (!s || *s != *space)
+        return Status::errorf("a fused group's outputs must share one shape: {} and {}", outs.front()->type().str(),
+                              v->type().str());
+    }
+    KB kb;
+    std::string stem;
+    for (const Op* op : out_.ops) stem += (stem.empty() ? "" : "_") + shortOpName(*op);
+    if (stem.size() > 40) stem = stem.substr(0, 40);
+    kb.k.name = stem;
+    kb.k.kind = KernelKind::Pointwise;
+    kb.k.space = *space;
+    std::vector<int> coords;
+    for (size_t i = 0; i < space->size(); ++i) coords.push_back(kb.k.exprs.coord(static_cast<int>(i)));
+    int flat = rowMajorOffset(kb.k.exprs, coords, *space);
+    for (const Value* v : outs) {
+      auto x = valueAt(kb, v, coords);
+      if (!x) return x.status();
+      int buf = bindValue(kb, v, true);
+      kb.k.stores.push_back({buf, flat, kb.k.exprs.cast(*x, v->type().dtype()), -1});
+    }
+    return finish(kb);
+  }
+
+  // ---- Row kernels ----------------------------------------------------------------------------
+
+  // Reductions and softmax read their operand through valueAt, so a producing chain in the same
+  // group is computed inline.
+  Status lowerReduce(const Op& op) {
+    const Value* x = op.operand(0);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    if (!ir::isFloat(x->type().dtype())) return Status::errorf("{} on the CUDA backend needs a float operand", opLabel(op));
+    std::set<int64_t> axes;
+    for (int64_t a : op.intsAttr("axes")) axes.insert(a < 0 ? a + static_cast<int64_t>(xs->size()) : a);
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "reduce_" + op.strAttr("kind");
+    k.kind = KernelKind::Row;
+    for (size_t i = 0; i < xs->size(); ++i) (axes.count(static_cast<int64_t>(i)) ? k.row_space : k.space).push_back((*xs)[i]);
+    if (k.space.empty()) k.space = {1};  // a full reduction: one outer element, coordinate 0 unused
+    ExprGraph& g = k.exprs;
+    std::vector<int> coords(xs->size());
+    int outer_i = 0, row_i = static_cast<int>(k.space.size());
+    for (size_t i = 0; i < xs->size(); ++i)
+      coords[i] = axes.count(static_cast<int64_t>(i)) ? g.coord(row_i++) : g.coord(outer_i++);
+    auto v = valueAt(kb, x, coords);
+    if (!v) return v.status();
+    std::string kind = op.strAttr("kind");
+    Phase p;
+    p.kind = Phase::Kind::Reduce;
+    p.combiner = kind == "max" ? Combiner::Max : Combiner::Sum;
+    p.value = *v;
+    k.phases.push_back(p);
+    DType ct = g.typeOf(*v);
+    int acc = g.rowValue(0, ct);
+    if (kind == "mean") acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(k.rowSize()), ct));
+    std::vector<int> oc;
+    for (size_t i = 0; i < k.space.size(); ++i) oc.push_back(g.coord(static_cast<int>(i)));
+    int out = bindValue(kb, op.result(), true);
+    k.stores.push_back({out, rowMajorOffset(g, oc, k.space), g.cast(acc, op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
+  // Moves `axis` last: outer = the other dims, row = [axis]; coords of x in its own order.
+  struct AxisRow {
+    std::vector<int> coords;  // per dim of x
+    std::vector<int> outer;   // outer coordinates
+  };
+  AxisRow axisRow(Kernel& k, const std::vector<int64_t>& xs, int64_t axis) {
+    AxisRow r;
+    for (size_t i = 0; i < xs.size(); ++i)
+      if (static_cast<int64_t>(i) != axis) k.space.push_back(xs[i]);
+    k.row_space = {xs[static_cast<size_t>(axis)]};
+    if (k.space.empty()) k.space = {1};
+    int oi = 0;
+    int row_coord = k.exprs.coord(static_cast<int>(k.space.size()));
+    for (size_t i = 0; i < xs.size(); ++i)
+      r.coords.push_back(static_cast<int64_t>(i) == axis ? row_coord : k.exprs.coord(oi++));
+    for (size_t i = 0; i < k.space.size(); ++i) r.outer.push_back(k.exprs.coord(static_cast<int>(i)));
+    return r;
+  }
+
+  Status lowerSoftmax(const Op& op) {
+    const Value* x = op.operand(0);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    int64_t axis = op.intAttr("axis", -1);
+    if (axis < 0) axis += static_cast<int64_t>(xs->size());
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "softmax";
+    k.kind = KernelKind::Row;
+    AxisRow ar = axisRow(k, *xs, axis);
+    ExprGraph& g = k.exprs;
+    auto v = valueAt(kb, x, ar.coords);
+    if (!v) return v.status();
+    DType ct = g.typeOf(*v);
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Max, *v, {}});
+    int shifted = g.unary(ExprOp::Exp, g.binary(ExprOp::Sub, *v, g.rowValue(0, ct)));
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, shifted, {}});
+    Phase map;
+    int out = bindValue(kb, op.result(), true);
+    map.stores.push_back({out, rowMajorOffset(g, ar.coords, *xs),
+                          g.cast(g.binary(ExprOp::Div, shifted, g.rowValue(1, ct)), op.result()->type().dtype()), -1});
+    k.phases.push_back(map);
+    return finish(kb);
+  }
+
+  Status lowerBce(const Op& op) {
+    const Value* x = op.operand(0);
+    const Value* y = op.operand(1);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "bce_with_logits";
+    k.kind = KernelKind::Row;
+    k.space = {1};
+    k.row_space = *xs;
+    if (k.row_space.empty()) k.row_space = {1};
+    ExprGraph& g = k.exprs;
+    std::vector<int> coords;
+    for (size_t i = 0; i < xs->size(); ++i) coords.push_back(g.coord(static_cast<int>(i) + 1));
+    auto xv = valueAt(kb, x, coords);
+    if (!xv) return xv.status();
+    auto yv = valueAt(kb, y, coords);
+    if (!yv) return yv.status();
+    DType ct = g.typeOf(*xv);
+    int yy = g.cast(*yv, ct);
+    // max(x, 0) - x*y + log1p(exp(-|x|)): no overflow for large |x|.
+    int loss = g.binary(ExprOp::Add,
+                        g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, *xv), g.binary(ExprOp::Mul, *xv, yy)),
+                        g.unary(ExprOp::Log1p, g.unary(ExprOp::Exp, g.unary(ExprOp::Neg, g.unary(ExprOp::Abs, *xv)))));
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, loss, {}});
+    int acc = g.rowValue(0, ct);
+    if (op.strAttr("reduction", "mean") == "mean")
+      acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(product(*xs)), ct));
+    int out = bindValue(kb, op.result(), true);
+    k.stores.push_back({out, g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
+  // Two kernels: per-row losses into a temporary, then their sum (or mean).
+  Status lowerSoftmaxCrossEntropy(const Op& op) {
+    const Value* x = op.operand(0);
+    const Value* y = op.operand(1);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    int64_t n = (*xs)[0], c = (*xs)[1];
+    int rows = tempBuffer("row_losses", DType::f32, n);
+    {
+      KB kb;
+      Kernel& k = kb.k;
+      k.name = "softmax_xent_rows";
+      k.kind = KernelKind::Row;
+      AxisRow ar = axisRow(k, *xs, 1);
+      ExprGraph& g = k.exprs;
+      auto xv = valueAt(kb, x, ar.coords);
+      if (!xv) return xv.status();
+      DType ct = g.typeOf(*xv);
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Max, *xv, {}});
+      int m = g.rowValue(0, ct);
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.unary(ExprOp::Exp, g.binary(ExprOp::Sub, *xv, m)), {}});
+      int lse = g.binary(ExprOp::Add, m, g.unary(ExprOp::Log, g.rowValue(1, ct)));
+      int loss;
+      if (y->type().rank() == 1) {
+        // lse - x[n, label]; an out-of-range label contributes lse (x read as 0 is not used).
+        auto label = valueAt(kb, y, {ar.outer[0]});
+        if (!label) return label.status();
+        int li = g.cast(*label, DType::i64);
+        auto picked = valueAt(kb, x, {ar.outer[0], li});
+        if (!picked) return picked.status();
+        int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, li, g.intConstant(0)), g.binary(ExprOp::Lt, li, g.intConstant(c)));
+        loss = g.binary(ExprOp::Sub, lse, g.select(ok, *picked, g.constant(0, ct)));
+      } else {
+        // sum_c y_c (lse - x_c) = lse * sum(y) - sum(y * x)
+        auto yv = valueAt(kb, y, ar.coords);
+        if (!yv) return yv.status();
+        int yc = g.cast(*yv, ct);
+        k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, yc, *xv), {}});
+        k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, yc, {}});
+        loss = g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, lse, g.rowValue(3, ct)), g.rowValue(2, ct));
+      }
+      k.stores.push_back({bind(kb, rows, true), ar.outer[0], g.cast(loss, DType::f32), -1});
+      KILN_RETURN_IF_ERROR(finish(kb));
+    }
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "softmax_xent_total";
+    k.kind = KernelKind::Row;
+    k.space = {1};
+    k.row_space = {n};
+    ExprGraph& g = k.exprs;
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.load(bind(kb, rows, false), DType::f32, g.coord(1)), {}});
+    int acc = g.rowValue(0, DType::f32);
+    if (op.strAttr("reduction", "mean") == "mean")
+      acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(n), DType::f32));
+    k.stores.push_back({bindValue(kb, op.result(), true), g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
+  // ---- Optimizers -----------------------------------------------------------------------------
+
+  struct Hyper {
+    int lr = -1, step = -1, scale = -1;  // nodes
+    double eps, beta1, beta2, weight_decay, momentum;
+    bool nesterov;
+  };
+
+  Hyper hyper(KB& kb, const Op& op, int lr_operand, int step_operand, int scale_operand, DType ct) {
+    ExprGraph& g = kb.k.exprs;
+    Hyper h;
+    auto scalar = [&](int i) {
+      const Value* v = op.operand(static_cast<unsigned>(i));
+      return g.cast(g.load(bindValue(kb, v, false), v->type().dtype(), g.intConstant(0)), ct);
+    };
+    h.lr = g.binary(ExprOp::Mul, g.constant(op.floatAttr("lr"), ct), scalar(lr_operand));
+    h.step = scalar(step_operand);
+    h.scale = scale_operand >= 0 ? scalar(scale_operand) : -1;
+    h.eps = op.floatAttr("eps", 1e-8);
+    h.beta1 = op.floatAttr("beta1", 0.9);
+    h.beta2 = op.floatAttr("beta2", 0.999);
+    h.weight_decay = op.floatAttr("weight_decay");
+    h.momentum = op.floatAttr("momentum");
+    h.nesterov = op.boolAttr("nesterov");
+    return h;
+  }
+
+  // The per-element update of adagrad/adam/sgd: stores new values of w and its state. `st(i)`
+  // loads state i at the element, `store_st(i, v)` stores it; returns the new w.
+  template <typename LoadSt, typename StoreSt>
+  static int elementUpdate(ExprGraph& g, const std::string& kind, const Hyper& h, int w, int grad, DType ct,
+                           LoadSt st, StoreSt store_st) {
+    auto c = [&](double v) { return g.constant(v, ct); };
+    auto mul = [&](int a, int b) { return g.binary(ExprOp::Mul, a, b); };
+    auto add = [&](int a, int b) { return g.binary(ExprOp::Add, a, b); };
+    auto sub = [&](int a, int b) { return g.binary(ExprOp::Sub, a, b); };
+    auto div = [&](int a, int b) { return g.binary(ExprOp::Div, a, b); };
+    int gr = h.scale >= 0 ? mul(grad, h.scale) : grad;
+    if (kind == "adamw") {
+      if (h.weight_decay != 0) w = sub(w, mul(mul(h.lr, c(h.weight_decay)), w));
+    } else if (h.weight_decay != 0) {
+      gr = add(gr, mul(c(h.weight_decay), w));
+    }
+    if (kind == "sgd") {
+      int d = gr;
+      if (h.momentum != 0) {
+        int m = add(mul(c(h.momentum), st(0)), gr);
+        store_st(0, m);
+        d = h.nesterov ? add(gr, mul(c(h.momentum), m)) : m;
+      }
+      return sub(w, mul(h.lr, d));
+    }
+    if (kind == "adagrad") {
+      int s = add(st(0), mul(gr, gr));
+      store_st(0, s);
+      return sub(w, div(mul(h.lr, gr), add(g.unary(ExprOp::Sqrt, s), c(h.eps))));
+    }
+    // adam, adamw
+    int m = add(mul(c(h.beta1), st(0)), mul(c(1 - h.beta1), gr));
+    int v = add(mul(c(h.beta2), st(1)), mul(mul(c(1 - h.beta2), gr), gr));
+    store_st(0, m);
+    store_st(1, v);
+    int bias1 = sub(c(1), g.binary(ExprOp::Pow, c(h.beta1), h.step));
+    int bias2 = sub(c(1), g.binary(ExprOp::Pow, c(h.beta2), h.step));
+    return sub(w, div(mul(h.lr, div(m, bias1)), add(g.unary(ExprOp::Sqrt, div(v, bias2)), c(h.eps))));
+  }
+
+  Status lowerOptimizerUpdate(const Op& op) {
+    std::string kind = op.strAttr("kind");
+    size_t nstate = ir::denseOptimizerState(kind, op.attrs()).size();
+    const Value* p = op.operand(0);
+    auto ps = shapeOf(p);
+    if (!ps) return ps.status();
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "optimizer_" + kind;
+    k.kind = KernelKind::Pointwise;
+    k.space = {product(*ps)};
+    ExprGraph& g = k.exprs;
+    DType ct = computeType(p->type().dtype());
+    int s = 2 + static_cast<int>(nstate);
+    Hyper h = hyper(kb, op, s, s + 1, op.boolAttr("scaled") ? s + 2 : -1, ct);
+    int i = g.coord(0);
+    int pw = bindValue(kb, p, true);
+    int w = g.load(pw, p->type().dtype(), i);
+    int grad = g.cast(g.load(bindValue(kb, op.operand(1), false), op.operand(1)->type().dtype(), i), ct);
+    auto st = [&](int j) {
+      const Value* sv = op.operand(static_cast<unsigned>(2 + j));
+      return g.load(bindValue(kb, sv, true), sv->type().dtype(), i);
+    };
+    auto store_st = [&](int j, int v) {
+      const Value* sv = op.operand(static_cast<unsigned>(2 + j));
+      k.stores.push_back({bindValue(kb, sv, true), i, g.cast(v, sv->type().dtype()), -1});
+    };
+    int nw = elementUpdate(g, kind, h, w, grad, ct, st, store_st);
+    k.stores.push_back({pw, i, g.cast(nw, p->type().dtype()), -1});
+    return finish(kb);
+  }
+
+  // ---- Embeddings -----------------------------------------------------------------------------
+
+  Status checkFixedHotness(const Op& op, const Value* ids) {
+    if (ids->type().rank() != 2)
+      return Status::errorf("{}: variable-length ids (ids[N] with lengths) are not supported by the CUDA backend yet",
+                            opLabel(op));
+    return Status::ok();
+  }
+
+  Status lowerEmbeddingForward(const std::vector<const Op*>& ops) {
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_bags";
+    k.kind = KernelKind::EmbeddingForward;
+    for (const Op* op : ops) {
+      const Value* table = op->operand(0);
+      const Value* ids = op->operand(1);
+      KILN_RETURN_IF_ERROR(checkFixedHotness(*op, ids));
+      auto ts = shapeOf(table);
+      auto is = shapeOf(ids);
+      if (!ts || !is) return (!ts ? ts.status() : is.status());
+      if (k.tables.empty()) k.batch = (*is)[0];
+      if ((*is)[0] != k.batch) return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*op));
+      EmbeddingTable t;
+      t.weight = bindValue(kb, table, false);
+      t.ids = bindValue(kb, ids, false);
+      if (op->numOperands() == 3) t.weights = bindValue(kb, op->operand(2), false);
+      t.rows = (*ts)[0];
+      t.dim = (*ts)[1];
+      t.hotness = (*is)[1];
+      t.mean = op->strAttr("mode", "sum") == "mean";
+      t.out = bindValue(kb, op->result(), true);
+      t.out_stride = t.dim;
+      t.out_offset = 0;
+      k.tables.push_back(t);
+    }
+    k.error_flag = bind(kb, errorFlag(), true);
+    return finish(kb);
+  }
+
+  int errorFlag() {
+    if (error_flag_ < 0) error_flag_ = tempBuffer("embedding_errors", DType::i32, 2);
+    return error_flag_;
+  }
+
+  // Clear + accumulate: duplicate ids of the batch combined into a hash table of summed
+  // gradients. Returns the table's hash-table buffers.
+  struct Accumulated {
+    int keys, accum;
+    int64_t capacity, dim;
+  };
+  Expected<Accumulated> accumulate(const Op& op, const ir::EmbeddingUpdateLayout& l, int64_t rows) {
+    const Value* ids = op.operand(static_cast<unsigned>(l.ids));
+    const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
+    KILN_RETURN_IF_ERROR(checkFixedHotness(op, ids));
+    auto is = shapeOf(ids);
+    auto gs = shapeOf(grad);
+    if (!is || !gs) return !is ? is.status() : gs.status();
+    Accumulated a;
+    a.dim = (*gs)[1];
+    int64_t n = product(*is);
+    a.capacity = std::max<int64_t>(32, nextPow2(2 * std::min(n, rows > 0 ? rows : n)));
+    std::string stem = op.hasAttr("table") ? op.strAttr("table") : valueName(grad);
+    a.keys = tempBuffer(stem + ".unique_ids", DType::i64, a.capacity);
+    a.accum = tempBuffer(stem + ".row_grads", DType::f32, a.capacity * a.dim);
+    {
+      KB kb;
+      Kernel& k = kb.k;
+      k.name = "embedding_grad_clear";
+      k.kind = KernelKind::Pointwise;
+      k.space = {a.capacity, a.dim};
+      ExprGraph& g = k.exprs;
+      int slot = g.coord(0), d = g.coord(1);
+      k.stores.push_back({bind(kb, a.keys, true), slot, g.intConstant(-1), g.binary(ExprOp::Eq, d, g.intConstant(0))});
+      k.stores.push_back({bind(kb, a.accum, true), rowMajorOffset(g, {slot, d}, k.space), g.constant(0, DType::f32), -1});
+      KILN_RETURN_IF_ERROR(finish(kb));
+    }
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_grad_combine";
+    k.kind = KernelKind::EmbeddingAccumulate;
+    k.batch = (*is)[0];
+    EmbeddingTable t;
+    t.ids = bindValue(kb, ids, false);
+    if (l.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(l.weights)), false);
+    t.rows = rows;
+    t.dim = a.dim;
+    t.hotness = (*is)[1];
+    t.mean = op.strAttr("mode", "sum") == "mean";
+    t.out = bindValue(kb, grad, false);
+    t.out_stride = a.dim;
+    t.keys = bind(kb, a.keys, true);
+    t.accum = bind(kb, a.accum, true);
+    t.capacity = a.capacity;
+    k.tables.push_back(t);
+    k.error_flag = bind(kb, errorFlag(), true);
+    KILN_RETURN_IF_ERROR(finish(kb));
+    return a;
+  }
+
+  Status lowerEmbeddingUpdate(const Op& op) {
+    auto l = ir::embeddingUpdateLayout(op);
+    if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
+    const Value* table = op.operand(static_cast<unsigned>(l->table));
+    auto ts = shapeOf(table);
+    if (!ts) return ts.status();
+    auto a = accumulate(op, *l, (*ts)[0]);
+    if (!a) return a.status();
+    std::string kind = op.strAttr("optimizer");
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_update_" + kind;
+    k.kind = KernelKind::Row;
+    k.space = {a->capacity};
+    k.row_space = {a->dim};
+    ExprGraph& g = k.exprs;
+    DType ct = computeType(table->type().dtype());
+    Hyper h = hyper(kb, op, l->lr, l->step, l->grad_scale, ct);
+    int slot = g.coord(0), d = g.coord(1);
+    int key = g.load(bind(kb, a->keys, false), DType::i64, slot);
+    k.guard = g.binary(ExprOp::Ge, key, g.intConstant(0));
+    int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a->dim)), d);
+    int tw = bindValue(kb, table, true);
+    int w = g.load(tw, table->type().dtype(), elem);
+    int grad = g.cast(g.load(bind(kb, a->accum, false), DType::f32, rowMajorOffset(g, {slot, d}, {a->capacity, a->dim})), ct);
+    auto state = [&](int j) { return op.operand(static_cast<unsigned>(l->state_begin + j)); };
+    Phase map;
+    if (kind == "rowwise_adagrad") {
+      auto c = [&](double v) { return g.constant(v, ct); };
+      int gr = h.scale >= 0 ? g.binary(ExprOp::Mul, grad, h.scale) : grad;
+      if (h.weight_decay != 0) gr = g.binary(ExprOp::Add, gr, g.binary(ExprOp::Mul, c(h.weight_decay), w));
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, gr, gr), {}});
+      int sb = bindValue(kb, state(0), true);
+      int s = g.binary(ExprOp::Add, g.load(sb, state(0)->type().dtype(), key),
+                       g.binary(ExprOp::Mul, g.rowValue(0, ct), c(1.0 / static_cast<double>(a->dim))));
+      int step = g.binary(ExprOp::Div, h.lr, g.binary(ExprOp::Add, g.unary(ExprOp::Sqrt, s), c(h.eps)));
+      map.stores.push_back({tw, elem, g.cast(g.binary(ExprOp::Sub, w, g.binary(ExprOp::Mul, step, gr)), table->type().dtype()), -1});
+      k.phases.push_back(map);
+      // After every thread has read the old accumulator (phases end with a barrier).
+      k.stores.push_back({sb, key, g.cast(s, state(0)->type().dtype()), -1});
+    } else {
+      auto st = [&](int j) { return g.load(bindValue(kb, state(j), true), state(j)->type().dtype(), elem); };
+      auto store_st = [&](int j, int v) {
+        map.stores.push_back({bindValue(kb, state(j), true), elem, g.cast(v, state(j)->type().dtype()), -1});
+      };
+      int nw = elementUpdate(g, kind, h, w, grad, ct, st, store_st);
+      map.stores.push_back({tw, elem, g.cast(nw, table->type().dtype()), -1});
+      k.phases.push_back(map);
+    }
+    return finish(kb);
+  }
+
+  Status lowerGradSqnorm(const Op& op) {
+    auto l = ir::embeddingUpdateLayout(op);
+    auto a = accumulate(op, *l, -1);
+    if (!a) return a.status();
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_grad_sqnorm";
+    k.kind = KernelKind::Row;
+    k.space = {1};
+    k.row_space = {a->capacity, a->dim};
+    ExprGraph& g = k.exprs;
+    int v = g.load(bind(kb, a->accum, false), DType::f32, rowMajorOffset(g, {g.coord(1), g.coord(2)}, k.row_space));
+    // Empty slots hold zeros, so every slot may be summed.
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, v, v), {}});
+    k.stores.push_back({bindValue(kb, op.result(), true), g.intConstant(0),
+                        g.cast(g.rowValue(0, DType::f32), op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
+  Status lower() {
+    const std::vector<const Op*>& ops = out_.ops;
+    if (ops.empty()) return Status::ok();
+    bool all_bags = std::all_of(ops.begin(), ops.end(), [](const Op* o) { return o->name() == "kiln.embedding_bag"; });
+    if (all_bags) return lowerEmbeddingForward(ops);
+    const Op& last = *ops.back();
+    bool prefix_pointwise = std::all_of(ops.begin(), ops.end() - 1, [](const Op* o) { return isPointwiseOp(*o); });
+    if (isPointwiseOp(last) && prefix_pointwise) return lowerPointwise();
+    if (!prefix_pointwise || (ops.size() > 1 && !(last.name() == "kiln.reduce" || last.name() == "kiln.softmax" ||
+                                                  last.name() == "kiln.bce_with_logits")))
+      return Status::errorf("cannot lower a group ending in {} with other ops as one unit", opLabel(last));
+    // Producers of a reduction must not escape the group: they are only computed inline.
+    for (size_t i = 0; i + 1 < ops.size(); ++i)
+      for (const ir::Use& u : ops[i]->result()->uses())
+        if (!in_group_.count(u.user))
+          return Status::errorf("{} is used outside its fused reduction group", opLabel(*ops[i]));
+    const std::string& n = last.name();
+    if (n == "kiln.matmul") {
+      out_.gemm = &last;
+      return Status::ok();
+    }
+    if (n == "kiln.reduce") return lowerReduce(last);
+    if (n == "kiln.softmax") return lowerSoftmax(last);
+    if (n == "kiln.bce_with_logits") return lowerBce(last);
+    if (n == "kiln.softmax_cross_entropy") return lowerSoftmaxCrossEntropy(last);
+    if (n == "kiln.optimizer_update") return lowerOptimizerUpdate(last);
+    if (n == "kiln.embedding_bag_update") return lowerEmbeddingUpdate(last);
+    if (n == "kiln.embedding_bag_grad_sqnorm") return lowerGradSqnorm(last);
+    return Status::errorf("{} has no CUDA lowering", opLabel(last));
+  }
+
+ private:
+  const ir::SymbolBindings& symbols_;
+  std::set<const Op*> in_group_;
+  LoweredGroup out_;
+  std::map<const Value*, int> value_buffer_;
+  int error_flag_ = -1;
+};
+
+}  // namespace
+
+bool isPointwiseOp(const Op& op) {
+  return unaryOps().count(op.name()) || binaryOps().count(op.name()) || movementOps().count(op.name());
+}
+
+std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) {
+  std::vector<std::vector<const Op*>> groups;
+  std::vector<const Op*> bags;
+  size_t bag_slot = 0;
+  auto sourcesOnly = [](const Op* op) {
+    for (const Value* v : op->operands())
+      if (!v->definingOp() || !isSourceOrTerminator(*v->definingOp())) return false;
+    return true;
+  };
+  std::vector<const Op*> current;
+  std::set<const Value*> current_values;
+  auto flush = [&] {
+    if (!current.empty()) groups.push_back(current);
+    current.clear();
+    current_values.clear();
+  };
+  for (const Op* op : ops) {
+    if (isSourceOrTerminator(*op)) continue;
+    // Every fixed-hotness bag over sources joins one group, at the first bag's place.
+    if (op->name() == "kiln.embedding_bag" && op->operand(1)->type().rank() == 2 && sourcesOnly(op)) {
+      flush();
+      if (bags.empty()) {
+        bag_slot = groups.size();
+        groups.emplace_back();
+      }
+      bags.push_back(op);
+      continue;
+    }
+    bool joins = false;
+    if (isPointwiseOp(*op) && !current.empty() && op->numResults() == 1 &&
+        op->result()->type().shape() == current.back()->result()->type().shape())
+      for (const Value* v : op->operands()) joins |= current_values.count(v) > 0;
+    if (!joins) flush();
+    current.push_back(op);
+    for (const Value* r : op->results()) current_values.insert(r);
+    if (!isPointwiseOp(*op)) flush();
+  }
+  flush();
+  if (!bags.empty()) groups[bag_slot] = bags;
+  return groups;
+}
+
+Expected<LoweredGroup> lowerGroup(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols) {
+  GroupLowering gl(ops, symbols);
+  KILN_RETURN_IF_ERROR(gl.lower());
+  return gl.take();
+}
+
+Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols) {
+  std::vector<const Op*> ops;
+  for (const auto& op : f.entry().ops()) ops.push_back(op.get());
+  std::vector<LoweredGroup> out;
+  for (const auto& group : groupOps(ops)) {
+    auto g = lowerGroup(group, symbols);
+    if (!g) return g.status();
+    out.push_back(g.take());
+  }
+  return out;
+}
+
+}  // namespace kiln::codegen

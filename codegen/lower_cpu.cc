@@ -1,0 +1,178 @@
+#include "codegen/lower_cpu.h"
+
+#include <map>
+#include <set>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "ir/op_def.h"
+
+namespace kiln::codegen {
+namespace {
+
+struct Pending {
+  int stream;
+  Instruction instr;
+  int record_event = -1;  // recorded on `stream` right after this instruction
+};
+
+class CpuLowering {
+ public:
+  CpuLowering(const ir::SymbolBindings& symbols) : symbols_(symbols) {}
+
+  Expected<Program> run(const ir::Function& f) {
+    program_.function = f.name();
+    program_.symbols = symbols_;
+    if (f.body().empty()) return Status::errorf("function @{} has no body", f.name());
+    for (ir::Op* op : f.entry().opList()) KILN_RETURN_IF_ERROR(lowerOp(*op));
+    assemble();
+    KILN_RETURN_IF_ERROR(validate(program_));
+    return std::move(program_);
+  }
+
+ private:
+  Status located(const ir::Op& op, Status s) { return std::move(s).withLocation(op.location()); }
+
+  Expected<int> newBuffer(const ir::Op& op, BufferKind kind, std::string name, const ir::TensorType& type) {
+    auto bytes = type.bytes(symbols_);
+    if (!bytes) {
+      std::string missing;
+      for (const ir::Dim& d : type.shape())
+        if (!d.sym().empty() && !symbols_.count(d.sym())) missing = d.sym();
+      return located(op, Status::errorf("'{}': symbol '{}' of {} is not bound (set it, e.g. --batch)", op.name(),
+                                        missing, type.str()));
+    }
+    Buffer b;
+    b.id = static_cast<int>(program_.buffers.size());
+    b.kind = kind;
+    b.name = std::move(name);
+    b.type = type;
+    b.bytes = *bytes;
+    program_.buffers.push_back(std::move(b));
+    return program_.buffers.back().id;
+  }
+
+  // Inputs and parameters are one buffer per name, however many ops read them.
+  Status lowerSource(const ir::Op& op, BufferKind kind, std::map<std::string, int>& by_name) {
+    std::string name = op.strAttr("name");
+    auto it = by_name.find(name);
+    if (it != by_name.end()) {
+      const Buffer& b = program_.buffers[static_cast<size_t>(it->second)];
+      if (!(b.type == op.result()->type()))
+        return located(op, Status::errorf("'{}' \"{}\" is declared twice with different types: {} and {}", op.name(),
+                                          name, b.type.str(), op.result()->type().str()));
+      buffer_of_[op.result()] = it->second;
+      return Status::ok();
+    }
+    auto id = newBuffer(op, kind, name, op.result()->type());
+    if (!id) return id.status();
+    by_name[name] = *id;
+    buffer_of_[op.result()] = *id;
+    return Status::ok();
+  }
+
+  Status lowerOp(const ir::Op& op) {
+    if (!op.def())
+      return located(op, Status::errorf("op '{}' is not in the op table; the CPU backend cannot run it", op.name()));
+    if (op.name() == "kiln.input") return lowerSource(op, BufferKind::Input, inputs_);
+    if (op.name() == "kiln.parameter") return lowerSource(op, BufferKind::Parameter, params_);
+    if (op.name() == "func.return") {
+      for (ir::Value* v : op.operands()) {
+        int id = buffer_of_.at(v);
+        Buffer& b = program_.buffers[static_cast<size_t>(id)];
+        if (b.kind == BufferKind::Temp) b.kind = BufferKind::Output;
+        program_.results.push_back(id);
+      }
+      return Status::ok();
+    }
+    Instruction in;
+    in.kind = InstrKind::Launch;
+    in.op = op.name();
+    in.attrs = op.attrs();
+    int stream = 0;
+    if (const ir::Attribute* s = op.attr("kiln.stream")) {
+      if (!s->isInt() || s->asInt() < 0 || s->asInt() > 1024)
+        return located(op, Status::errorf("'{}': kiln.stream must be a stream number, got {}", op.name(), s->str()));
+      stream = static_cast<int>(s->asInt());
+      in.attrs.erase("kiln.stream");
+    }
+    for (ir::Value* v : op.operands()) {
+      auto it = buffer_of_.find(v);
+      if (it == buffer_of_.end())
+        return located(op, Status::errorf("'{}' reads a value the CPU lowering has not seen (a block argument?)",
+                                          op.name()));
+      in.operands.push_back(it->second);
+      addDependency(stream, it->second);
+    }
+    for (ir::Value* r : op.results()) {
+      std::string hint = r->nameHint().empty() ? "" : r->nameHint();
+      auto id = newBuffer(op, BufferKind::Temp, hint, r->type());
+      if (!id) return id.status();
+      in.results.push_back(*id);
+      buffer_of_[r] = *id;
+      producer_[*id] = static_cast<int>(pending_.size());
+    }
+    pending_.push_back({stream, std::move(in)});
+    return Status::ok();
+  }
+
+  // A value produced on another stream: its producer records an event, this stream waits on it
+  // (once per stream and event).
+  void addDependency(int stream, int buffer) {
+    auto it = producer_.find(buffer);
+    if (it == producer_.end()) return;
+    Pending& prod = pending_[static_cast<size_t>(it->second)];
+    if (prod.stream == stream) return;
+    if (prod.record_event < 0) prod.record_event = program_.num_events++;
+    if (!waited_.insert({stream, prod.record_event}).second) return;
+    Instruction wait;
+    wait.kind = InstrKind::WaitEvent;
+    wait.event = prod.record_event;
+    pending_.push_back({stream, std::move(wait)});
+  }
+
+  void assemble() {
+    std::map<int, Stream> streams;
+    streams[0].id = 0;
+    int seq = 0;
+    auto emit = [&](int s, Instruction in) {
+      in.seq = seq++;
+      streams[s].id = s;
+      streams[s].instrs.push_back(std::move(in));
+    };
+    // A producer's pending record must precede any wait: waits are added after it in pending_.
+    for (Pending& p : pending_) {
+      int event = p.record_event;
+      int s = p.stream;
+      emit(s, std::move(p.instr));
+      if (event >= 0) {
+        Instruction rec;
+        rec.kind = InstrKind::RecordEvent;
+        rec.event = event;
+        emit(s, std::move(rec));
+      }
+    }
+    for (auto& [_, s] : streams) program_.streams.push_back(std::move(s));
+  }
+
+  const ir::SymbolBindings& symbols_;
+  Program program_;
+  std::unordered_map<const ir::Value*, int> buffer_of_;
+  std::map<std::string, int> inputs_, params_;
+  std::unordered_map<int, int> producer_;  // buffer -> index in pending_
+  std::vector<Pending> pending_;
+  std::set<std::pair<int, int>> waited_;
+};
+
+}  // namespace
+
+Expected<Program> lowerForCpu(const ir::Function& f, const ir::SymbolBindings& symbols,
+                              const CpuLoweringOptions& options) {
+  auto p = CpuLowering(symbols).run(f);
+  if (!p) return p.status();
+  if (options.plan_memory) KILN_RETURN_IF_ERROR(planMemory(*p, options.memory));
+  return p;
+}
+
+}  // namespace kiln::codegen

@@ -1,0 +1,145 @@
+// Inputs and embedding collections: `input ...` declarations become kiln.input ops with the
+// roles of docs/model-ir.md, and applying a collection to sparse features becomes one
+// kiln.embedding_bag per table.
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "frontend/model_lowering.h"
+
+namespace kiln::frontend {
+
+void ModelLowering::execInput(const ast::Stmt& s) {
+  Frame& f = frame();
+  if (f.is_function) fail(s.loc, "'input' belongs in a model, not in a function");
+  const std::string& name = s.names[0];
+  if (f.vars.count(name)) fail(s.name_locs[0], fmt::format("'{}' is already defined", name));
+
+  ir::Shape shape;
+  for (const auto& d : s.type.dims) {
+    Val v = eval(*d);
+    checkNotError(v);
+    if (v.kind == Val::Kind::Int) {
+      if (v.i <= 0) fail(d->loc, fmt::format("a dimension must be positive, got {}", v.i));
+      shape.push_back(ir::Dim::fixed(v.i));
+    } else if (v.kind == Val::Kind::Dim) {
+      shape.push_back(v.dim);
+    } else {
+      fail(d->loc, fmt::format("a dimension must be an integer or a 'dim', got {}", describe(v)));
+    }
+  }
+  builder_.setLocation(s.loc);
+
+  if (s.type.dtype != "ids") {
+    auto dt = ir::parseDType(s.type.dtype);
+    if (!dt || *dt == ir::DType::f64)
+      fail(s.type.loc, fmt::format("unknown element type '{}' (use f32, bf16, f16, i32, i64 or ids)", s.type.dtype));
+    if (!s.modifiers.empty())
+      fail(s.modifiers[0].loc, fmt::format("'{}' applies only to sparse inputs (ids[...])", s.modifiers[0].name));
+    std::string role = name == label_name_ ? "label" : "dense";
+    ir::Value* v = emitTyped("kiln.input", {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
+    v->setNameHint(name);
+    bind(name, Val::ofTensor(v), s.name_locs[0], "input");
+    return;
+  }
+
+  // Sparse: ids[B] is one feature, ids[B, N] is N features named NAME.0 .. NAME.<N-1>.
+  if (shape.empty() || shape.size() > 2 || !shape[0].isSymbolic())
+    fail(s.type.loc, "sparse ids are shaped [B] (one feature) or [B, N] (N features), with B a 'dim'");
+  if (shape.size() == 2 && !shape[1].isStatic()) fail(s.type.loc, "the feature count N of ids[B, N] must be static");
+  size_t n = shape.size() == 2 ? static_cast<size_t>(shape[1].size()) : 1;
+  if (n > 4096) fail(s.type.loc, fmt::format("{} sparse features in one input is too many (at most 4096)", n));
+  const ir::Dim batch = shape[0];
+
+  std::vector<int64_t> hotness(n, 1);
+  bool variable = false, weighted = false;
+  std::string id_map = "modulo";
+  bool hot_given = false;
+  for (const auto& m : s.modifiers) {
+    auto argVal = [&](size_t want) -> Val {
+      if (m.args.size() != want || (want && !m.args[0].name.empty()))
+        fail(m.loc, fmt::format("'{}' takes {} argument(s)", m.name, want));
+      return want ? eval(*m.args[0].value) : Val::none();
+    };
+    if (m.name == "hotness" || m.name == "max_hotness") {
+      if (hot_given) fail(m.loc, "give one of 'hotness' or 'max_hotness'");
+      hot_given = true;
+      variable = m.name == "max_hotness";
+      hotness = intsArg(argVal(1), m.loc, m.name.c_str(), n);
+      for (int64_t h : hotness)
+        if (h <= 0 || h > 100000) fail(m.loc, fmt::format("{} {} must lie in [1, 100000]", m.name, h));
+    } else if (m.name == "weighted") {
+      argVal(0);
+      weighted = true;
+    } else if (m.name == "id_map") {
+      id_map = wordArg(argVal(1), m.loc, "id_map");
+      if (id_map != "modulo" && id_map != "hash") fail(m.loc, fmt::format("id_map must be modulo or hash, got '{}'", id_map));
+    } else {
+      fail(m.loc, fmt::format("unknown input option '{}' (use hotness, max_hotness, weighted, id_map)", m.name));
+    }
+  }
+
+  Val group = Val::none();
+  group.kind = Val::Kind::Sparse;
+  for (size_t i = 0; i < n; ++i) {
+    SparseFeature sf;
+    sf.name = shape.size() == 2 ? fmt::format("{}.{}", name, i) : name;
+    sf.feature = next_feature_++;
+    ir::AttrDict attrs{{"name", sf.name}, {"role", "sparse"}, {"feature", sf.feature}, {"id_map", id_map}};
+    ir::TensorType ids_type;
+    if (variable) {
+      attrs["max_hotness"] = hotness[i];
+      ids_type = ir::TensorType(ir::DType::i64, {ir::Dim::bounded(batch.times(hotness[i]))});
+    } else {
+      attrs["hotness"] = hotness[i];
+      ids_type = ir::TensorType(ir::DType::i64, {batch, ir::Dim::fixed(hotness[i])});
+    }
+    sf.ids = emitTyped("kiln.input", {}, ids_type, attrs);
+    sf.ids_op = sf.ids->definingOp();
+    sf.ids->setNameHint(sf.name);
+    if (variable) {
+      sf.lengths = emitTyped("kiln.input", {}, ir::TensorType(ir::DType::i32, {batch}),
+                             {{"name", sf.name + ".lengths"}, {"role", "lengths"}, {"feature", sf.feature}});
+      sf.lengths->setNameHint(sf.name + ".lengths");
+    }
+    if (weighted) {
+      sf.weights = emitTyped("kiln.input", {}, ids_type.withDType(ir::DType::f32),
+                             {{"name", sf.name + ".weights"}, {"role", "weights"}, {"feature", sf.feature}});
+      sf.weights->setNameHint(sf.name + ".weights");
+    }
+    group.sparse.push_back(sf);
+  }
+  group.single = shape.size() == 1;
+  bind(name, std::move(group), s.name_locs[0], "input");
+}
+
+Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs& args) {
+  auto b = L.bindArgs(args, {"ids"}, 1);
+  const Val& ids = *b.get(0);
+  L.checkNotError(ids);
+  if (ids.kind != Val::Kind::Sparse)
+    L.fail(b.locs[0], fmt::format("an embedding collection is applied to sparse ids, got {}", describe(ids)));
+  if (ids.sparse.size() != tables.tables.size())
+    L.fail(args.loc, fmt::format("{} table(s) applied to {} sparse feature(s); the counts must match",
+                                 tables.tables.size(), ids.sparse.size()));
+  std::vector<Val> pooled;
+  for (size_t i = 0; i < ids.sparse.size(); ++i) {
+    const SparseFeature& f = ids.sparse[i];
+    const EmbeddingTable& t = tables.tables[i];
+    // The loader maps raw ids into [0, rows) of the table that reads them.
+    if (const ir::Attribute* r = f.ids_op->attr("rows"); r && r->asInt() != t.rows)
+      L.fail(args.loc, fmt::format("feature '{}' is read by tables of {} and {} rows", f.name, r->asInt(), t.rows));
+    f.ids_op->setAttr("rows", t.rows);
+    std::vector<ir::Value*> operands{t.table, f.ids};
+    if (f.lengths) operands.push_back(f.lengths);
+    if (f.weights) operands.push_back(f.weights);
+    L.builder().setLocation(args.loc);
+    ir::Value* v = L.emit("kiln.embedding_bag", operands, {{"mode", t.pool}, {"table", t.name}});
+    v->setNameHint(t.name + ".pooled");
+    pooled.push_back(Val::ofTensor(v));
+  }
+  if (pooled.size() == 1 && (ids.single || tables.single)) return pooled[0];
+  return Val::list(std::move(pooled));
+}
+
+}  // namespace kiln::frontend

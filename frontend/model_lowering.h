@@ -1,0 +1,187 @@
+// Internal to the frontend: the evaluator that runs a model's body at compile time and builds
+// its @forward function. Semantic analysis happens here: names resolve, compile-time values
+// (params, lists, loops, user functions) are computed, and every tensor operation is checked
+// for types and shapes as its IR op is built. Errors unwind to the enclosing statement, whose
+// target becomes a poison value that silences follow-on errors, so a run reports each
+// independent mistake once.
+#pragma once
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "frontend/ast.h"
+#include "frontend/diagnostics.h"
+#include "frontend/value.h"
+#include "ir/builder.h"
+#include "ir/ir.h"
+
+namespace kiln::frontend {
+
+// Thrown after an error was reported (or when a poison value is used): unwinds to the statement.
+struct EvalError {};
+
+class ModelLowering {
+ public:
+  ModelLowering(DiagnosticEngine& diags, std::map<std::string, const ast::FnDecl*> fns,
+                std::map<std::string, std::string> overrides)
+      : diags_(diags), fns_(std::move(fns)), overrides_(std::move(overrides)) {}
+
+  // Builds the module; nullptr when errors were reported.
+  std::unique_ptr<ir::Module> run(const ast::ModelDecl& model);
+
+  // ---- used by the builtin layers (layers.cc) and the train block (train_config.cc) ----
+  struct CallArgs {
+    Location loc;
+    std::string callee;
+    std::vector<Val> positional;
+    std::vector<Location> positional_locs;
+    std::vector<std::pair<std::string, Val>> named;
+    std::vector<Location> named_locs;
+    std::string target;  // the assignment this call is the whole right side of, for naming
+  };
+  // Arguments matched to a declared parameter list: bound[i] is parameter i, if given.
+  struct Bound {
+    std::vector<std::optional<Val>> values;
+    std::vector<Location> locs;
+    const Val* get(size_t i) const { return values[i] ? &*values[i] : nullptr; }
+  };
+
+ private:
+  friend struct Builtins;
+  struct Binding {
+    Val value;
+    Location loc;
+    bool used = false;
+    const char* what = "value";  // for the unused warning: value, input, param
+  };
+  struct Frame {
+    std::map<std::string, Binding> vars;
+    std::string prefix;  // parameter-name prefix, e.g. "top." inside `top = tower(x)`
+    std::map<std::string, int> kind_counters;
+    int loop_depth = 0;
+    bool is_function = false;
+    std::optional<Val> returned;
+  };
+
+  // statements
+  void execBlock(const ast::Block& b);
+  void exec(const ast::Stmt& s);
+  void execInput(const ast::Stmt& s);
+  void execParam(const ast::Stmt& s);
+  void execTrain(const ast::Stmt& s);
+  void bind(const std::string& name, Val v, const Location& loc, const char* what = "value");
+  void warnUnused(const Binding& b, const std::string& name);
+  void endFrame(Frame& f);
+
+  // expressions
+  Val eval(const ast::Expr& e, const std::string& target = "");
+  Val evalName(const ast::Expr& e);
+  Val evalBinary(const ast::Expr& e);
+  Val evalIndex(const ast::Expr& e);
+  Val evalCall(const ast::Expr& e, const std::string& target);
+
+ public:
+  // Calls any callable value (builtin, user function, embedding collection).
+  Val call(const Val& callee, CallArgs& args);
+  Val callUser(const ast::FnDecl& fn, CallArgs& args);
+  Bound bindArgs(CallArgs& args, const std::vector<std::string>& params, size_t required);
+
+  // Reports and unwinds.
+  [[noreturn]] void fail(const Location& loc, std::string msg);
+  void warn(const Location& loc, std::string msg);
+  // Poison values unwind silently: their error was reported where they were made.
+  void checkNotError(const Val& v) {
+    if (v.kind == Val::Kind::Error) throw EvalError{};
+  }
+
+  // typed accessors that report a located error on mismatch
+  ir::Value* tensorArg(const Val& v, const Location& loc, const char* what);
+  int64_t intArg(const Val& v, const Location& loc, const char* what);
+  double numberArg(const Val& v, const Location& loc, const char* what);
+  bool boolArg(const Val& v, const Location& loc, const char* what);
+  std::string wordArg(const Val& v, const Location& loc, const char* what);
+  // An int or list of ints broadcast to n values (n = 0: the list's own length).
+  std::vector<int64_t> intsArg(const Val& v, const Location& loc, const char* what, size_t n = 0);
+  // A record (optimizer, schedule, initializer); a bare builtin name is a record with no fields.
+  Val recordArg(const Val& v, const Location& loc, const char* what);
+
+  // IR construction at the current location
+  ir::Value* emit(const std::string& op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs = {});
+  ir::Value* emitTyped(const std::string& op, const std::vector<ir::Value*>& operands, const ir::TensorType& type,
+                       ir::AttrDict attrs = {});
+  ir::Value* scalarConstant(double v, ir::DType dtype);
+  ir::Value* reshape(ir::Value* x, ir::Shape shape);
+  ir::Value* binaryOp(const char* op, ir::Value* a, ir::Value* b, const Location& loc);
+  // A trainable parameter; `init` is an initializer record.
+  ir::Value* makeParam(const std::string& name, const ir::TensorType& type, const Val& init, const Location& loc,
+                       ir::AttrDict extra = {});
+  // The dotted name prefix for a parametric layer of `kind` called with `args`.
+  std::string layerName(const CallArgs& args, const std::string& kind, const Val* explicit_name);
+  // Applies an activation (any callable) to a tensor.
+  ir::Value* activate(const Val& act, ir::Value* x, const Location& loc);
+  // Flattens tensors and lists of tensors into one list.
+  std::vector<ir::Value*> tensorList(const Val& v, const Location& loc, const char* what);
+
+  ir::Builder& builder() { return builder_; }
+  Frame& frame() { return frames_.back(); }
+  const std::string& currentTarget() const { return current_target_; }
+  void noteLabelName(std::string n) { label_name_ = std::move(n); }
+
+  // The compiled train block, assembled by train_config.cc.
+  struct TrainConfig {
+    bool present = false;
+    Location loc;
+    ir::Value* loss = nullptr;
+    std::string prediction;
+    Location prediction_loc;
+    std::string label = "label";
+    ir::AttrDict attrs;  // optimizer, embedding_optimizer, lr_schedule, grad_clip, precision, metrics
+  };
+  TrainConfig& train() { return train_; }
+
+ private:
+  DiagnosticEngine& diags_;
+  std::map<std::string, const ast::FnDecl*> fns_;
+  std::map<std::string, std::string> overrides_;
+  std::set<std::string> used_overrides_;
+
+  std::unique_ptr<ir::Module> module_;
+  ir::Function* forward_ = nullptr;
+  ir::Builder builder_;
+  std::deque<Frame> frames_;  // a deque: references to a frame survive calls pushing more
+  std::set<std::string> param_names_;
+  std::set<std::string> layer_prefixes_;
+  std::set<std::string> warned_;
+  std::string current_target_;
+  std::string label_name_ = "label";
+  std::vector<std::pair<std::string, ir::Value*>> outputs_;
+  std::vector<Location> output_locs_;
+  int64_t next_feature_ = 0;
+  int64_t fuel_ = 2'000'000;
+  bool out_of_fuel_ = false;
+  int call_depth_ = 0;
+  TrainConfig train_;
+};
+
+// The builtins: functions, layers and record makers the language provides (layers.cc).
+using BuiltinFn = Val (*)(ModelLowering& L, ModelLowering::CallArgs& args);
+struct BuiltinInfo {
+  BuiltinFn fn;
+  const char* summary;
+};
+const BuiltinInfo* findBuiltin(const std::string& name);
+// Bare words that name settings rather than functions: dtypes, metrics, id maps.
+bool isWord(const std::string& name);
+// Optimizer settings as the attribute dictionaries of docs/model-ir.md, every field filled in
+// (train_config.cc).
+ir::Attribute denseOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc);
+ir::Attribute embeddingOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc);
+// Applies an embedding collection to sparse features (inputs.cc).
+Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs& args);
+
+}  // namespace kiln::frontend

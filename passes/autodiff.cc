@@ -1,0 +1,490 @@
+// Builds @train_step from @forward (see docs/autodiff.md):
+//   1. clone @forward, add the scalar inputs `lr` and `step`;
+//   2. walk the ops backwards from the loss, calling each op's gradient rule from the op table
+//      and summing gradients of values used several times; ops that no trainable parameter
+//      reaches, and kNonDifferentiable ops, are skipped;
+//   3. an embedding table looked up by kiln.embedding_bag gets no dense gradient: its update is
+//      one fused kiln.embedding_bag_update fed by the pooled-output gradient;
+//   4. optionally clip every gradient by the global L2 norm;
+//   5. emit one side-effecting update per parameter (with its state parameters) and return the
+//      loss and the prediction.
+#include "passes/autodiff.h"
+
+#include <map>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "ir/builder.h"
+#include "ir/op_def.h"
+#include "ir/optimizer.h"
+#include "ir/verifier.h"
+#include "passes/lr_schedule.h"
+
+namespace kiln::passes {
+namespace {
+
+using ir::AttrDict;
+using ir::Attribute;
+using ir::Builder;
+using ir::Op;
+using ir::TensorType;
+using ir::Value;
+
+// Keys an optimizer dictionary may carry, so that a typo is an error rather than a silent default.
+const std::set<std::string> kOptimizerKeys = {"kind", "lr", "momentum", "nesterov", "eps", "beta1", "beta2",
+                                              "weight_decay", "initial_accumulator"};
+
+Expected<AttrDict> dictField(const AttrDict& d, const char* key, const char* where) {
+  auto it = d.find(key);
+  if (it == d.end()) return AttrDict{};
+  if (!it->second.isDict()) return Status::errorf("{}: '{}' must be a dictionary, got {}", where, key, it->second.str());
+  return it->second.asDict();
+}
+
+std::string stringField(const AttrDict& d, const char* key, std::string dflt) {
+  auto it = d.find(key);
+  return it != d.end() && it->second.isString() ? it->second.asString() : dflt;
+}
+
+// Validates an optimizer dictionary and returns the attributes of its update op (hyperparameters
+// with per-kind defaults filled in, so the printed IR shows every number that is used).
+Expected<AttrDict> optimizerAttrs(const AttrDict& opt, bool sparse, const std::string& what) {
+  std::string kind = stringField(opt, "kind", "");
+  if (kind.empty()) return Status::errorf("{}: optimizer needs a 'kind'", what);
+  if (sparse ? !ir::isSparseOptimizer(kind) : !ir::isDenseOptimizer(kind))
+    return Status::errorf("{}: unknown optimizer '{}'; expected one of {}", what, kind,
+                          sparse ? "sgd, adagrad, rowwise_adagrad, adam" : "sgd, adagrad, adam, adamw");
+  for (const auto& [key, value] : opt) {
+    if (!kOptimizerKeys.count(key)) return Status::errorf("{}: optimizer '{}' has no setting '{}'", what, kind, key);
+    if (key == "kind") continue;
+    if (key == "nesterov" ? !value.isBool() : !value.isNumber())
+      return Status::errorf("{}: optimizer setting '{}' has the wrong kind: {}", what, key, value.str());
+  }
+  if (!opt.count("lr")) return Status::errorf("{}: optimizer '{}' needs 'lr'", what, kind);
+  if (sparse && (opt.count("momentum") || opt.count("nesterov")))
+    return Status::errorf("{}: embedding optimizers take no momentum", what);
+  AttrDict a;
+  a[sparse ? "optimizer" : "kind"] = kind;
+  a["lr"] = opt.at("lr").asDouble();
+  auto num = [&](const char* key, double dflt) {
+    auto it = opt.find(key);
+    return it != opt.end() ? it->second.asDouble() : dflt;
+  };
+  a["weight_decay"] = num("weight_decay", 0.0);
+  if (kind == "sgd" && !sparse) {
+    a["momentum"] = num("momentum", 0.0);
+    auto it = opt.find("nesterov");
+    a["nesterov"] = it != opt.end() && it->second.asBool();
+    if (a["nesterov"].asBool() && a["momentum"].asDouble() == 0)
+      return Status::errorf("{}: nesterov needs a non-zero momentum", what);
+  }
+  if (kind == "adagrad" || kind == "rowwise_adagrad") {
+    a["eps"] = num("eps", 1e-10);  // PyTorch's and FBGEMM's default
+    a["initial_accumulator"] = num("initial_accumulator", 0.0);
+  }
+  if (kind == "adam" || kind == "adamw") {
+    a["eps"] = num("eps", 1e-8);
+    a["beta1"] = num("beta1", 0.9);
+    a["beta2"] = num("beta2", 0.999);
+    if (a["beta1"].asDouble() < 0 || a["beta1"].asDouble() >= 1 || a["beta2"].asDouble() < 0 ||
+        a["beta2"].asDouble() >= 1)
+      return Status::errorf("{}: Adam's beta1 and beta2 must lie in [0, 1)", what);
+  }
+  if (a["lr"].asDouble() < 0) return Status::errorf("{}: 'lr' must be >= 0", what);
+  return a;
+}
+
+// The training step under construction.
+class TrainStepBuilder {
+ public:
+  explicit TrainStepBuilder(ir::Function& f) : func_(f), builder_(f.entry()) {}
+
+  Status run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index);
+
+ private:
+  Expected<Value*> constant(ir::DType dtype, double v) {
+    auto op = builder_.createWithTypes("kiln.constant", {}, {TensorType(dtype, {})}, {{"value", v}});
+    if (!op) return op.status();
+    return (*op)->result();
+  }
+  Expected<Value*> scalarInput(const std::string& name);
+  void markNeedsGrad();
+  Status accumulate(Value* v, Value* g, const Op& from);
+  Status backward(Value* loss);
+  Expected<Value*> clipScale(double max_norm);
+  Expected<std::vector<Value*>> stateFor(Op* param, const std::vector<ir::OptimizerStateSlot>& slots);
+  Status emitUpdates(const AttrDict& train, Value* scale);
+
+  struct SparseUse {
+    Op* lookup;       // the kiln.embedding_bag
+    Value* grad_out;  // gradient of its pooled result
+  };
+
+  ir::Function& func_;
+  Builder builder_;
+  std::vector<Op*> forward_ops_;
+  std::unordered_set<const Value*> needs_grad_;
+  std::unordered_map<const Value*, Value*> grads_;
+  std::map<const Value*, std::vector<SparseUse>> sparse_;  // table value -> its lookups
+  Value* lr_ = nullptr;
+  Value* step_ = nullptr;
+};
+
+Expected<Value*> TrainStepBuilder::scalarInput(const std::string& name) {
+  for (Op* op : func_.entry().opList())
+    if (op->name() == "kiln.input" && op->strAttr("name") == name)
+      return Status::error(fmt::format("@forward already has an input named '{}', which @train_step reserves", name),
+                           op->location());
+  auto op = builder_.createWithTypes("kiln.input", {}, {TensorType(ir::DType::f32, {})},
+                                     {{"name", name}, {"role", name}});
+  if (!op) return op.status();
+  (*op)->result()->setNameHint(name);
+  return (*op)->result();
+}
+
+bool isTrainable(const Op& op) { return op.name() == "kiln.parameter" && op.boolAttr("trainable", true); }
+
+// (table, ids[B, H], weights) or (table, ids[N], lengths, weights).
+bool isWeightedLookup(const Op& op) {
+  return op.numOperands() == 4 || (op.numOperands() == 3 && op.operand(1)->type().rank() == 2);
+}
+
+bool isSparseLookup(const Op& op) {
+  return op.name() == "kiln.embedding_bag" && op.operand(0)->definingOp() && isTrainable(*op.operand(0)->definingOp());
+}
+
+// A value needs a gradient when a trainable parameter reaches it through differentiable ops.
+void TrainStepBuilder::markNeedsGrad() {
+  for (Op* op : forward_ops_) {
+    bool needs = isTrainable(*op);
+    if (!needs && !op->hasTrait(ir::kNonDifferentiable))
+      for (Value* v : op->operands()) needs |= needs_grad_.count(v) > 0;
+    if (needs)
+      for (Value* r : op->results())
+        if (ir::isFloat(r->type().dtype())) needs_grad_.insert(r);
+  }
+}
+
+Status TrainStepBuilder::accumulate(Value* v, Value* g, const Op& from) {
+  if (g->type().withSharding(std::nullopt) != v->type().withSharding(std::nullopt))
+    return Status::error(fmt::format("gradient rule of '{}' gives {} for an operand of type {}", from.name(),
+                                     g->type().str(), v->type().str()),
+                         from.location());
+  auto [it, inserted] = grads_.emplace(v, g);
+  if (inserted) return Status::ok();
+  auto sum = builder_.createValue("kiln.add", {it->second, g});
+  if (!sum) return sum.status();
+  it->second = *sum;
+  return Status::ok();
+}
+
+Status TrainStepBuilder::backward(Value* loss) {
+  auto seed = constant(loss->type().dtype(), 1.0);
+  if (!seed) return seed.status();
+  grads_[loss] = *seed;
+  for (auto it = forward_ops_.rbegin(); it != forward_ops_.rend(); ++it) {
+    Op* op = *it;
+    std::vector<Value*> result_grads;
+    bool any = false;
+    for (Value* r : op->results()) {
+      auto g = grads_.find(r);
+      result_grads.push_back(g == grads_.end() ? nullptr : g->second);
+      any |= g != grads_.end();
+    }
+    if (!any || op->hasTrait(ir::kNonDifferentiable) || op->hasTrait(ir::kSource)) continue;
+    bool operand_needs = false;
+    for (Value* v : op->operands()) operand_needs |= needs_grad_.count(v) > 0;
+    if (!operand_needs) continue;
+    builder_.setLocation(op->location());
+
+    bool sparse = isSparseLookup(*op);
+    if (sparse) sparse_[op->operand(0)].push_back({op, result_grads[0]});
+    // Only the per-id weights can still need a gradient from the generic rule.
+    bool generic = !sparse;
+    if (sparse)
+      for (unsigned i = 1; i < op->numOperands(); ++i) generic |= needs_grad_.count(op->operand(i)) > 0;
+    if (!generic) continue;
+
+    const ir::OpDef* def = op->def();
+    if (!def || !def->grad)
+      return Status::error(fmt::format("'{}' has no gradient rule, but a trainable parameter reaches it", op->name()),
+                           op->location());
+    ir::GradContext ctx{builder_, result_grads, {}};
+    KILN_RETURN_IF_ERROR(def->grad(ctx, *op));
+    for (unsigned i = 0; i < op->numOperands() && i < ctx.operand_grads.size(); ++i) {
+      Value* g = ctx.operand_grads[i];
+      if (!g || !needs_grad_.count(op->operand(i))) continue;
+      if (sparse && i == 0) continue;  // the table's dense gradient is never used (DCE drops it)
+      KILN_RETURN_IF_ERROR(accumulate(op->operand(i), g, *op));
+    }
+  }
+  builder_.setLocation({});
+  return Status::ok();
+}
+
+// scale = max_norm / max(norm, max_norm) = min(1, max_norm / norm), where norm is the L2 norm of
+// every gradient: each dense parameter gradient and each embedding table's row gradients
+// (duplicates combined, as the update applies them).
+Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
+  std::vector<Value*> squares;
+  for (Op* op : forward_ops_) {
+    if (!isTrainable(*op)) continue;
+    auto g = grads_.find(op->result());
+    if (g == grads_.end()) continue;
+    Value* sq = nullptr;
+    auto prod = builder_.createValue("kiln.mul", {g->second, g->second});
+    if (!prod) return prod.status();
+    sq = *prod;
+    if (g->second->type().rank() > 0) {
+      std::vector<int64_t> axes;
+      for (int64_t i = 0; i < g->second->type().rank(); ++i) axes.push_back(i);
+      auto red = builder_.createValue("kiln.reduce", {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}});
+      if (!red) return red.status();
+      sq = *red;
+    }
+    squares.push_back(sq);
+  }
+  for (const auto& [table, uses] : sparse_) {
+    for (const SparseUse& u : uses) {
+      std::vector<Value*> operands(u.lookup->operands().begin() + 1, u.lookup->operands().end());
+      operands.push_back(u.grad_out);
+      AttrDict attrs{{"mode", u.lookup->strAttr("mode", "sum")}, {"weighted", isWeightedLookup(*u.lookup)}};
+      auto sq = builder_.createValue("kiln.embedding_bag_grad_sqnorm", operands, attrs);
+      if (!sq) return sq.status();
+      squares.push_back(*sq);
+    }
+  }
+  if (squares.empty()) return Status::error("grad_clip is set but no parameter has a gradient");
+  ir::DType dtype = squares[0]->type().dtype();
+  Value* total = squares[0];
+  for (size_t i = 1; i < squares.size(); ++i) {
+    Value* s = squares[i];
+    if (s->type().dtype() != dtype) {
+      auto c = builder_.createValue("kiln.cast", {s}, {{"to", std::string(ir::dtypeName(dtype))}});
+      if (!c) return c.status();
+      s = *c;
+    }
+    auto sum = builder_.createValue("kiln.add", {total, s});
+    if (!sum) return sum.status();
+    total = *sum;
+  }
+  auto norm = builder_.createValue("kiln.sqrt", {total});
+  if (!norm) return norm.status();
+  auto limit = constant(dtype, max_norm);
+  if (!limit) return limit.status();
+  auto denom = builder_.createValue("kiln.max", {*norm, *limit});
+  if (!denom) return denom.status();
+  auto scale = builder_.createValue("kiln.div", {*limit, *denom});
+  if (!scale) return scale.status();
+  (*scale)->setNameHint("grad_scale");
+  return *scale;
+}
+
+// Creates the state parameters of `param` right after it, named "<param>.<suffix>".
+Expected<std::vector<Value*>> TrainStepBuilder::stateFor(Op* param, const std::vector<ir::OptimizerStateSlot>& slots) {
+  std::vector<Value*> out;
+  std::string name = param->strAttr("name");
+  Builder b;
+  auto pos = func_.entry().find(param);
+  ++pos;
+  b.setInsertionPoint(pos->get());
+  b.setLocation(param->location());
+  for (const auto& slot : slots) {
+    const TensorType& t = param->result()->type();
+    TensorType st = slot.rowwise ? TensorType(t.dtype(), {t.dim(0)}) : t.withSharding(std::nullopt);
+    AttrDict attrs{{"name", name + "." + slot.suffix}, {"trainable", false}, {"state_of", name}};
+    if (slot.initial_value != 0) {
+      attrs["init"] = "constant";
+      attrs["value"] = slot.initial_value;
+    } else {
+      attrs["init"] = "zeros";
+    }
+    auto op = b.createWithTypes("kiln.parameter", {}, {st}, attrs);
+    if (!op) return op.status();
+    (*op)->result()->setNameHint(name + "." + slot.suffix);
+    out.push_back((*op)->result());
+  }
+  return out;
+}
+
+Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
+  auto dense_opt = dictField(train, "optimizer", "kiln.train");
+  if (!dense_opt) return dense_opt.status();
+  auto sparse_opt = dictField(train, "embedding_optimizer", "kiln.train");
+  if (!sparse_opt) return sparse_opt.status();
+  if (dense_opt->empty()) return Status::error("kiln.train has no 'optimizer'");
+
+  for (Op* param : forward_ops_) {
+    if (!isTrainable(*param)) continue;
+    Value* p = param->result();
+    std::string name = param->strAttr("name");
+    std::string where = fmt::format("parameter '{}'", name);
+    auto dense = grads_.find(p);
+    auto sparse = sparse_.find(p);
+    if (dense == grads_.end() && sparse == sparse_.end()) continue;  // does not reach the loss
+    if (sparse != sparse_.end()) {
+      if (dense != grads_.end())
+        return Status::error(fmt::format("embedding table '{}' is also used outside kiln.embedding_bag; its "
+                                         "update must be sparse",
+                                         name),
+                             param->location());
+      if (sparse->second.size() > 1)
+        return Status::error(fmt::format("embedding table '{}' is looked up by {} kiln.embedding_bag ops; a shared "
+                                         "table is not supported yet",
+                                         name, sparse->second.size()),
+                             param->location());
+      // The table's own optimizer overrides the model's embedding optimizer.
+      AttrDict opt = *sparse_opt;
+      if (const Attribute* own = param->attr("optimizer")) {
+        if (!own->isDict()) return Status::error(fmt::format("{}: 'optimizer' must be a dictionary", where), param->location());
+        opt = own->asDict();
+      }
+      if (opt.empty()) opt = *dense_opt;  // no embedding optimizer: the dense one, if it has a sparse form
+      auto attrs = optimizerAttrs(opt, /*sparse=*/true, where);
+      if (!attrs) return Status(attrs.status()).withLocation(param->location());
+      auto state = stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs));
+      if (!state) return state.status();
+      const SparseUse& use = sparse->second[0];
+      std::vector<Value*> operands = use.lookup->operands();
+      bool weighted = isWeightedLookup(*use.lookup);
+      operands.push_back(use.grad_out);
+      operands.insert(operands.end(), state->begin(), state->end());
+      operands.push_back(lr_);
+      operands.push_back(step_);
+      if (scale) operands.push_back(scale);
+      (*attrs)["mode"] = use.lookup->strAttr("mode", "sum");
+      (*attrs)["weighted"] = weighted;
+      (*attrs)["scaled"] = scale != nullptr;
+      (*attrs)["table"] = name;
+      builder_.setLocation(use.lookup->location());
+      auto op = builder_.create("kiln.embedding_bag_update", operands, *attrs);
+      if (!op) return op.status();
+      continue;
+    }
+    auto attrs = optimizerAttrs(*dense_opt, /*sparse=*/false, "kiln.train optimizer");
+    if (!attrs) return attrs.status();
+    auto state = stateFor(param, ir::denseOptimizerState((*attrs)["kind"].asString(), *attrs));
+    if (!state) return state.status();
+    std::vector<Value*> operands{p, dense->second};
+    operands.insert(operands.end(), state->begin(), state->end());
+    operands.push_back(lr_);
+    operands.push_back(step_);
+    if (scale) operands.push_back(scale);
+    (*attrs)["scaled"] = scale != nullptr;
+    (*attrs)["param"] = name;
+    builder_.setLocation(param->location());
+    auto op = builder_.create("kiln.optimizer_update", operands, *attrs);
+    if (!op) return op.status();
+  }
+  builder_.setLocation({});
+  return Status::ok();
+}
+
+Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index) {
+  ir::Block& body = func_.entry();
+  Op* ret = func_.returnOp();
+  if (!ret) return Status::error("@forward has no return", func_.loc);
+  if (loss_index >= ret->numOperands())
+    return Status::error(fmt::format("@forward returns {} values but the loss is output #{}", ret->numOperands(), loss_index),
+                         ret->location());
+  Value* loss = ret->operand(static_cast<unsigned>(loss_index));
+  if (loss->type().rank() != 0 || !ir::isFloat(loss->type().dtype()))
+    return Status::error(fmt::format("the loss must be a float scalar, got {}", loss->type().str()), ret->location());
+  Value* prediction = prediction_index ? ret->operand(static_cast<unsigned>(*prediction_index)) : nullptr;
+  body.erase(ret);
+  forward_ops_ = body.opList();
+
+  // lr and step come first, like the other sources.
+  if (!body.empty()) builder_.setInsertionPoint(body.ops().front().get());
+  auto lr = scalarInput("lr");
+  if (!lr) return lr.status();
+  auto step = scalarInput("step");
+  if (!step) return step.status();
+  lr_ = *lr;
+  step_ = *step;
+  builder_.setInsertionPointToEnd(body);
+
+  markNeedsGrad();
+  KILN_RETURN_IF_ERROR(backward(loss));
+
+  Value* scale = nullptr;
+  auto clip_it = train.find("grad_clip");
+  double clip = clip_it != train.end() && clip_it->second.isNumber() ? clip_it->second.asDouble() : 0.0;
+  if (clip < 0) return Status::errorf("kiln.train: grad_clip must be >= 0, got {}", clip);
+  if (clip > 0) {
+    auto s = clipScale(clip);
+    if (!s) return s.status();
+    scale = *s;
+  }
+  KILN_RETURN_IF_ERROR(emitUpdates(train, scale));
+
+  std::vector<Value*> results{loss};
+  if (prediction) results.push_back(prediction);
+  std::vector<TensorType> types;
+  for (Value* v : results) types.push_back(v->type());
+  auto r = builder_.createWithTypes("func.return", results, {});
+  if (!r) return r.status();
+  func_.setResultTypes(types);
+
+  // Drop what the backward built but nothing uses (e.g. dense table gradients of a weighted
+  // lookup's rule); one reverse sweep suffices since users come after their operands.
+  std::vector<Op*> ops = body.opList();
+  for (auto it = ops.rbegin(); it != ops.rend(); ++it) {
+    Op* op = *it;
+    if (!op->hasTrait(ir::kPure)) continue;
+    bool used = false;
+    for (Value* v : op->results()) used |= v->hasUses();
+    if (!used) body.erase(op);
+  }
+  return Status::ok();
+}
+
+Expected<size_t> outputIndex(const ir::Module& m, const std::string& name, const char* role) {
+  auto it = m.attrs().find("kiln.outputs");
+  if (it == m.attrs().end() || !it->second.isArray())
+    return Status::error("the module has no 'kiln.outputs' naming the results of @forward");
+  const auto& outs = it->second.asArray();
+  for (size_t i = 0; i < outs.size(); ++i)
+    if (outs[i].isString() && outs[i].asString() == name) return i;
+  return Status::errorf("kiln.train: the {} '{}' is not an output of @forward (kiln.outputs = {})", role, name,
+                        it->second.str());
+}
+
+}  // namespace
+
+Status buildTrainStep(ir::Module& module) {
+  ir::Function* forward = module.lookup("forward");
+  if (!forward) return Status::error("the module has no @forward function");
+  auto train_it = module.attrs().find("kiln.train");
+  if (train_it == module.attrs().end()) return Status::error("the model has no training block ('kiln.train')");
+  if (!train_it->second.isDict()) return Status::error("'kiln.train' must be a dictionary");
+  const AttrDict& train = train_it->second.asDict();
+
+  auto loss_index = outputIndex(module, stringField(train, "loss", "loss"), "loss");
+  if (!loss_index) return loss_index.status();
+  std::optional<size_t> prediction_index;
+  if (train.count("prediction")) {
+    auto p = outputIndex(module, stringField(train, "prediction", ""), "prediction");
+    if (!p) return p.status();
+    prediction_index = *p;
+  }
+  auto schedule = dictField(train, "lr_schedule", "kiln.train");
+  if (!schedule) return schedule.status();
+  KILN_RETURN_IF_ERROR(checkLrSchedule(*schedule));
+
+  module.eraseFunction("train_step");
+  ir::Function& step = ir::cloneFunction(*forward, module, "train_step");
+  TrainStepBuilder builder(step);
+  Status s = builder.run(train, *loss_index, prediction_index);
+  if (s) s = ir::verify(step);
+  if (!s) {
+    module.eraseFunction("train_step");  // never leave a half-built function behind
+    return s;
+  }
+  return Status::ok();
+}
+
+}  // namespace kiln::passes

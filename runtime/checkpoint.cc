@@ -1,0 +1,232 @@
+#include "runtime/checkpoint.h"
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "runtime/json.h"
+
+namespace kiln::runtime {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; add byte swaps");
+
+namespace {
+
+constexpr uint64_t kMaxHeaderBytes = 100u << 20;  // safetensors' own limit
+
+struct DTypeName {
+  ir::DType dtype;
+  std::string_view name;
+};
+constexpr DTypeName kDTypes[] = {
+    {ir::DType::f32, "F32"},         {ir::DType::f16, "F16"},         {ir::DType::bf16, "BF16"},
+    {ir::DType::f64, "F64"},         {ir::DType::i32, "I32"},         {ir::DType::i64, "I64"},
+    {ir::DType::i1, "BOOL"},         {ir::DType::f8e4m3, "F8_E4M3"},  {ir::DType::f8e5m2, "F8_E5M2"},
+};
+
+std::optional<ir::DType> parseSafetensorsDType(std::string_view s) {
+  for (const auto& d : kDTypes)
+    if (d.name == s) return d.dtype;
+  return std::nullopt;
+}
+
+std::string shapeText(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+Status writeAll(int fd, const void* data, size_t n, const std::string& path) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Status::errorf("cannot write '{}': {}", path, std::strerror(errno));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string_view safetensorsDType(ir::DType t) {
+  for (const auto& d : kDTypes)
+    if (d.dtype == t) return d.name;
+  return "?";
+}
+
+const ir::HostTensor* Checkpoint::find(const std::string& name) const {
+  for (const auto& [n, t] : tensors)
+    if (n == name) return &t;
+  return nullptr;
+}
+
+Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  json::Value header = json::Value::object();
+  json::Value meta = json::Value::object();
+  for (const auto& [k, v] : metadata) meta.set(k, v);
+  header.set("__metadata__", std::move(meta));
+  int64_t offset = 0;
+  for (const auto& [name, view] : tensors) {
+    if (name == "__metadata__" || header.find(name)) return Status::errorf("checkpoint '{}': duplicate or reserved tensor name '{}'", path, name);
+    json::Value entry = json::Value::object();
+    entry.set("dtype", std::string(safetensorsDType(view.dtype)));
+    json::Value::Array shape;
+    for (int64_t d : view.shape) shape.emplace_back(d);
+    entry.set("shape", std::move(shape));
+    entry.set("data_offsets", json::Value::Array{json::Value(offset), json::Value(offset + view.bytes())});
+    header.set(name, std::move(entry));
+    offset += view.bytes();
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
+  uint64_t n = text.size();
+
+  // A temporary file next to the target, so the rename stays within one file system.
+  std::filesystem::path target(path);
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::errorf("cannot create '{}': {}", tmp, std::strerror(errno));
+  Status st = writeAll(fd, &n, 8, tmp);
+  if (st) st = writeAll(fd, text.data(), text.size(), tmp);
+  for (size_t i = 0; st && i < tensors.size(); ++i)
+    st = writeAll(fd, tensors[i].second.data, static_cast<size_t>(tensors[i].second.bytes()), tmp);
+  if (st && ::fsync(fd) != 0) st = Status::errorf("cannot fsync '{}': {}", tmp, std::strerror(errno));
+  if (::close(fd) != 0 && st) st = Status::errorf("cannot close '{}': {}", tmp, std::strerror(errno));
+  if (st && std::rename(tmp.c_str(), path.c_str()) != 0)
+    st = Status::errorf("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno));
+  if (!st) {
+    ::unlink(tmp.c_str());
+    return st;
+  }
+  // Make the rename itself durable.
+  std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::ok();
+}
+
+Expected<Checkpoint> loadCheckpoint(const std::string& path) {
+  auto fail = [&](const std::string& msg) { return Status::errorf("checkpoint '{}': {}", path, msg); };
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat stt;
+  if (::fstat(fd, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
+  const uint64_t size = static_cast<uint64_t>(stt.st_size);
+  auto readAt = [&](void* dst, uint64_t n, uint64_t at) -> Status {
+    char* p = static_cast<char*>(dst);
+    while (n > 0) {
+      ssize_t r = ::pread(fd, p, n, static_cast<off_t>(at));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) return Status::errorf("cannot read checkpoint '{}': {}", path, r < 0 ? std::strerror(errno) : "unexpected end of file");
+      p += r;
+      n -= static_cast<uint64_t>(r);
+      at += static_cast<uint64_t>(r);
+    }
+    return Status::ok();
+  };
+  if (size < 8) return fail(fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
+  uint64_t n = 0;
+  KILN_RETURN_IF_ERROR(readAt(&n, 8, 0));
+  if (n > kMaxHeaderBytes) return fail(fmt::format("header length {} is implausible (corrupt file?)", n));
+  if (n > size - 8) return fail(fmt::format("truncated: the header needs {} bytes but the file has {} after the length", n, size - 8));
+  std::string text(n, '\0');
+  KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
+  auto header = json::parse(text);
+  if (!header) return fail("bad header: " + header.status().message());
+  if (!header->isObject()) return fail("bad header: not a JSON object");
+  const uint64_t data_bytes = size - 8 - n;
+
+  Checkpoint ckpt;
+  struct Span {
+    uint64_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  for (const auto& [name, entry] : header->asObject()) {
+    if (name == "__metadata__") {
+      if (!entry.isObject()) return fail("'__metadata__' must be an object of strings");
+      for (const auto& [k, v] : entry.asObject()) {
+        if (!v.isString()) return fail(fmt::format("metadata '{}' must be a string", k));
+        ckpt.metadata[k] = v.asString();
+      }
+      continue;
+    }
+    auto bad = [&](const std::string& msg) { return fail(fmt::format("tensor '{}': {}", name, msg)); };
+    if (!entry.isObject()) return bad("entry is not an object");
+    const json::Value* dt = entry.find("dtype");
+    const json::Value* shape = entry.find("shape");
+    const json::Value* offs = entry.find("data_offsets");
+    if (!dt || !dt->isString()) return bad("missing string 'dtype'");
+    auto dtype = parseSafetensorsDType(dt->asString());
+    if (!dtype) return bad(fmt::format("unsupported dtype '{}'", dt->asString()));
+    if (!shape || !shape->isArray()) return bad("missing array 'shape'");
+    std::vector<int64_t> dims;
+    uint64_t numel = 1;
+    for (const auto& d : shape->asArray()) {
+      if (!d.isInt() || d.asInt() < 0) return bad("shape entries must be non-negative integers");
+      dims.push_back(d.asInt());
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d.asInt()), &numel))
+        return bad(fmt::format("shape {} is impossibly large", shape->dump()));
+    }
+    if (!offs || !offs->isArray() || offs->asArray().size() != 2 || !offs->asArray()[0].isInt() || !offs->asArray()[1].isInt())
+      return bad("'data_offsets' must be [begin, end]");
+    int64_t b = offs->asArray()[0].asInt(), e = offs->asArray()[1].asInt();
+    if (b < 0 || e < b) return bad(fmt::format("bad data_offsets [{}, {}]", b, e));
+    if (static_cast<uint64_t>(e) > data_bytes)
+      return bad(fmt::format("data_offsets [{}, {}] run past the {} data bytes (truncated file?)", b, e, data_bytes));
+    uint64_t want = 0;
+    if (__builtin_mul_overflow(numel, static_cast<uint64_t>(ir::dtypeBytes(*dtype)), &want))
+      return bad(fmt::format("shape {} is impossibly large", shape->dump()));
+    if (static_cast<uint64_t>(e - b) != want)
+      return bad(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", b, e, e - b, dt->asString(), shapeText(dims), want));
+    spans.push_back({static_cast<uint64_t>(b), static_cast<uint64_t>(e), ckpt.tensors.size()});
+    ckpt.tensors.emplace_back(name, ir::HostTensor(*dtype, dims));
+  }
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin || (x.begin == y.begin && x.end < y.end); });
+  uint64_t at = 0;
+  for (const Span& s : spans) {
+    const std::string& name = ckpt.tensors[s.index].first;
+    if (s.begin < at) return fail(fmt::format("tensor '{}': its data overlaps another tensor's", name));
+    if (s.begin > at) return fail(fmt::format("tensor '{}': a gap of {} bytes before its data", name, s.begin - at));
+    at = s.end;
+  }
+  if (at != data_bytes) return fail(fmt::format("{} bytes of data follow the last tensor", data_bytes - at));
+  for (const Span& s : spans)
+    KILN_RETURN_IF_ERROR(readAt(ckpt.tensors[s.index].second.storage.data(), s.end - s.begin, 8 + n + s.begin));
+  return ckpt;
+}
+
+Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::TensorView>& dest, const std::string& path) {
+  for (const auto& [name, view] : dest) {
+    const ir::HostTensor* t = ckpt.find(name);
+    if (!t) return Status::errorf("checkpoint '{}': no tensor '{}', which the model needs", path, name);
+    if (t->view.dtype != view.dtype || t->view.shape != view.shape)
+      return Status::errorf("checkpoint '{}': tensor '{}' is {} {} but the model expects {} {}", path, name,
+                            safetensorsDType(t->view.dtype), shapeText(t->view.shape), safetensorsDType(view.dtype),
+                            shapeText(view.shape));
+  }
+  for (const auto& [name, t] : ckpt.tensors)
+    if (!dest.count(name)) return Status::errorf("checkpoint '{}': tensor '{}' is not a parameter of the model", path, name);
+  for (const auto& [name, view] : dest) std::memcpy(view.data, ckpt.find(name)->storage.data(), static_cast<size_t>(view.bytes()));
+  return Status::ok();
+}
+
+}  // namespace kiln::runtime

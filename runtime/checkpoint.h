@@ -1,0 +1,44 @@
+// Checkpoints in the safetensors format (https://github.com/huggingface/safetensors):
+//   u64 little-endian N | N bytes of JSON header | raw little-endian tensor data
+// The header maps each tensor name (the model's parameter names, optimizer state included) to
+// {"dtype": "F32", "shape": [r, c], "data_offsets": [begin, end]} (offsets relative to the data
+// section) and holds "__metadata__": an object of strings (step, model, data position, RNG
+// state: whatever a run needs to resume exactly).
+// Saving writes a temporary file in the same folder, fsyncs it, renames it into place and
+// fsyncs the folder, so a crash leaves the old checkpoint or the new one, never half of one.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ir/status.h"
+#include "ir/tensor_view.h"
+
+namespace kiln::runtime {
+
+struct Checkpoint {
+  std::vector<std::pair<std::string, ir::HostTensor>> tensors;  // in file order
+  std::map<std::string, std::string> metadata;
+
+  const ir::HostTensor* find(const std::string& name) const;
+};
+
+// Writes `tensors` (in the given order) and `metadata` to `path` atomically.
+Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata);
+
+// Reads and validates a whole checkpoint: sizes, JSON, dtypes, shapes, offsets (in range,
+// matching the tensor's size, non-overlapping, covering the data). Errors name the file and,
+// where it applies, the tensor.
+Expected<Checkpoint> loadCheckpoint(const std::string& path);
+
+// Copies a loaded checkpoint into the model's tensors: every destination must be present with
+// the same dtype and shape, and the checkpoint may hold nothing else. `path` is for messages.
+Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::TensorView>& dest, const std::string& path);
+
+// safetensors dtype names: "F32", "BF16", "I64", "BOOL", ...
+std::string_view safetensorsDType(ir::DType t);
+
+}  // namespace kiln::runtime

@@ -1,0 +1,226 @@
+#include "runtime/data/batch.h"
+
+#include <cerrno>
+#include <cstdlib>
+#include <map>
+
+namespace kiln::data {
+
+std::string StreamPosition::str() const {
+  return fmt::format("epoch={},file={},offset={},line={},sample={}", epoch, file, offset, line, sample);
+}
+
+Expected<StreamPosition> StreamPosition::parse(std::string_view s) {
+  StreamPosition p;
+  int64_t* fields[] = {&p.epoch, &p.file, &p.offset, &p.line, &p.sample};
+  const char* keys[] = {"epoch", "file", "offset", "line", "sample"};
+  for (int i = 0; i < 5; ++i) {
+    std::string_view key = keys[i];
+    if (s.substr(0, key.size()) != key || s.size() <= key.size() || s[key.size()] != '=')
+      return Status::errorf("bad data position '{}': expected '{}=' at '{}'", s, key, s);
+    s.remove_prefix(key.size() + 1);
+    size_t end = s.find(',');
+    std::string num(s.substr(0, end));
+    char* stop = nullptr;
+    errno = 0;
+    long long v = std::strtoll(num.c_str(), &stop, 10);
+    if (num.empty() || *stop != '\0' || errno || v < 0) return Status::errorf("bad data position: '{}' is not a count", num);
+    *fields[i] = v;
+    if (i < 4 && end == std::string_view::npos) return Status::error("bad data position: too few fields");
+    s = end == std::string_view::npos ? std::string_view() : s.substr(end + 1);
+  }
+  if (!s.empty()) return Status::errorf("bad data position: trailing '{}'", s);
+  return p;
+}
+
+
+std::string_view roleName(InputRole r) {
+  switch (r) {
+    case InputRole::Dense: return "dense";
+    case InputRole::Label: return "label";
+    case InputRole::Sparse: return "sparse";
+    case InputRole::Lengths: return "lengths";
+    case InputRole::Weights: return "weights";
+  }
+  return "?";
+}
+
+const InputSpec* BatchSpec::find(const std::string& name) const {
+  int i = indexOf(name);
+  return i < 0 ? nullptr : &inputs[static_cast<size_t>(i)];
+}
+
+int BatchSpec::indexOf(const std::string& name) const {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+int BatchSpec::labelIndex() const {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].role == InputRole::Label) return static_cast<int>(i);
+  return -1;
+}
+
+const ir::HostTensor* Batch::find(const std::string& name) const {
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i] == name) return &tensors[i];
+  return nullptr;
+}
+
+ir::HostTensor* Batch::find(const std::string& name) {
+  return const_cast<ir::HostTensor*>(static_cast<const Batch*>(this)->find(name));
+}
+
+float batchLabel(const Batch& b, const BatchSpec& spec, int64_t i) {
+  int li = spec.labelIndex();
+  assert(li >= 0);
+  return b.tensors[static_cast<size_t>(li)].as<float>()[i];
+}
+
+namespace {
+
+const ir::Attribute* get(const ir::AttrDict& a, std::string_view key) {
+  auto it = a.find(key);
+  return it == a.end() ? nullptr : &it->second;
+}
+
+// The leading dim must be the batch symbol (times 1).
+bool isBatchDim(const ir::Dim& d, const std::string& sym) { return d.isSymbolic() && d.sym() == sym && d.factor() == 1; }
+
+Status inputError(const std::string& name, const std::string& msg) {
+  return Status::errorf("input '{}': {}", name, msg);
+}
+
+Expected<int64_t> intAttr(const ir::AttrDict& a, const std::string& name, std::string_view key, bool required) {
+  const ir::Attribute* v = get(a, key);
+  if (!v) {
+    if (required) return inputError(name, fmt::format("missing integer attribute '{}'", key));
+    return int64_t{0};
+  }
+  if (!v->isInt()) return inputError(name, fmt::format("attribute '{}' must be an integer, got {}", key, v->str()));
+  return v->asInt();
+}
+
+}  // namespace
+
+Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::TensorType>>& decls) {
+  BatchSpec spec;
+  std::map<int, int> sparse_of_feature;  // feature -> index of its sparse input
+  for (const auto& [attrs, type] : decls) {
+    const ir::Attribute* name_attr = get(attrs, "name");
+    if (!name_attr || !name_attr->isString()) return Status::error("a 'kiln.input' has no string attribute 'name'");
+    InputSpec in;
+    in.name = name_attr->asString();
+    in.type = type;
+    const ir::Attribute* role_attr = get(attrs, "role");
+    if (!role_attr || !role_attr->isString()) return inputError(in.name, "missing string attribute 'role'");
+    const std::string& role = role_attr->asString();
+    if (role == "lr" || role == "step") continue;  // fed by the trainer, not by the data
+    if (spec.find(in.name)) return inputError(in.name, "declared twice");
+    const ir::Shape& s = type.shape();
+    auto need = [&](bool ok, const std::string& what) { return ok ? Status::ok() : inputError(in.name, what); };
+    if (role == "dense") {
+      in.role = InputRole::Dense;
+      KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32 && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
+                                    s[1].isStatic() && s[1].size() >= 1 && s[1].size() <= kNumDense,
+                                fmt::format("dense features must be f32[Bxn] with 1 <= n <= {}, got {}", kNumDense, type.str())));
+      in.dense_count = static_cast<int>(s[1].size());
+    } else if (role == "label") {
+      in.role = InputRole::Label;
+      bool shape_ok = (s.size() == 1 && isBatchDim(s[0], spec.batch_symbol)) ||
+                      (s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1] == ir::Dim::fixed(1));
+      KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32 && shape_ok,
+                                fmt::format("a label must be f32[B] or f32[Bx1], got {}", type.str())));
+      if (spec.labelIndex() >= 0) return inputError(in.name, "a second label input");
+    } else if (role == "sparse" || role == "lengths" || role == "weights") {
+      auto f = intAttr(attrs, in.name, "feature", true);
+      if (!f) return f.status();
+      if (*f < 0 || *f >= kNumSparse)
+        return inputError(in.name, fmt::format("feature {} is outside the {} categorical features", *f, kNumSparse));
+      in.feature = static_cast<int>(*f);
+      if (role == "sparse") {
+        in.role = InputRole::Sparse;
+        if (sparse_of_feature.count(in.feature))
+          return inputError(in.name, fmt::format("feature {} is already read by '{}'", in.feature,
+                                                 spec.inputs[static_cast<size_t>(sparse_of_feature[in.feature])].name));
+        auto rows = intAttr(attrs, in.name, "rows", true);
+        if (!rows) return rows.status();
+        if (*rows <= 0) return inputError(in.name, fmt::format("rows must be positive, got {}", *rows));
+        in.rows = *rows;
+        if (const ir::Attribute* m = get(attrs, "id_map")) {
+          if (!m->isString() || (m->asString() != "modulo" && m->asString() != "hash"))
+            return inputError(in.name, fmt::format("id_map must be \"modulo\" or \"hash\", got {}", m->str()));
+          in.id_map = m->asString() == "hash" ? IdMap::Hash : IdMap::Modulo;
+        }
+        KILN_RETURN_IF_ERROR(need(ir::isInteger(type.dtype()), fmt::format("ids must be i32 or i64, got {}", type.str())));
+        if (type.dtype() == ir::DType::i32 && in.rows > (int64_t{1} << 31))
+          return inputError(in.name, fmt::format("{} rows do not fit i32 ids", in.rows));
+        auto hot = intAttr(attrs, in.name, "hotness", false);
+        auto max_hot = intAttr(attrs, in.name, "max_hotness", false);
+        if (!hot) return hot.status();
+        if (!max_hot) return max_hot.status();
+        if (*max_hot > 0) {
+          in.max_hotness = static_cast<int>(*max_hot);
+          ir::Dim bound = ir::Dim::symbol(spec.batch_symbol, *max_hot);
+          KILN_RETURN_IF_ERROR(need(s.size() == 1 && s[0].isBounded() && s[0].upperBound() == bound,
+                                    fmt::format("variable-length ids with max_hotness {} must be shaped [?({}*{})], got {}",
+                                                *max_hot, *max_hot, spec.batch_symbol, type.str())));
+        } else {
+          KILN_RETURN_IF_ERROR(need(s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1].isStatic() && s[1].size() >= 1,
+                                    fmt::format("fixed-hotness ids must be shaped [BxH], got {}", type.str())));
+          if (*hot != 0 && *hot != s[1].size())
+            return inputError(in.name, fmt::format("hotness {} does not match the type {}", *hot, type.str()));
+          in.hotness = static_cast<int>(s[1].size());
+        }
+        sparse_of_feature[in.feature] = static_cast<int>(spec.inputs.size());
+      } else if (role == "lengths") {
+        in.role = InputRole::Lengths;
+        KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::i32 && s.size() == 1 && isBatchDim(s[0], spec.batch_symbol),
+                                  fmt::format("lengths must be i32[B], got {}", type.str())));
+      } else {
+        in.role = InputRole::Weights;
+        KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32, fmt::format("weights must be f32, got {}", type.str())));
+      }
+    } else {
+      return inputError(in.name, fmt::format("unknown role '{}' (expected dense, label, sparse, lengths or weights)", role));
+    }
+    spec.inputs.push_back(std::move(in));
+  }
+  // Link lengths and weights to their feature's ids, and check they agree.
+  for (size_t i = 0; i < spec.inputs.size(); ++i) {
+    InputSpec& in = spec.inputs[i];
+    if (in.role != InputRole::Lengths && in.role != InputRole::Weights) continue;
+    auto it = sparse_of_feature.find(in.feature);
+    if (it == sparse_of_feature.end())
+      return inputError(in.name, fmt::format("no sparse input reads feature {}", in.feature));
+    InputSpec& ids = spec.inputs[static_cast<size_t>(it->second)];
+    if (in.role == InputRole::Lengths) {
+      if (!ids.variableLength())
+        return inputError(in.name, fmt::format("'{}' has a fixed hotness and takes no lengths", ids.name));
+      if (ids.lengths_input >= 0) return inputError(in.name, fmt::format("a second lengths input for '{}'", ids.name));
+      ids.lengths_input = static_cast<int>(i);
+    } else {
+      if (in.type.shape() != ids.type.shape())
+        return inputError(in.name, fmt::format("weights {} must be shaped like the ids {}", in.type.str(), ids.type.str()));
+      if (ids.weights_input >= 0) return inputError(in.name, fmt::format("a second weights input for '{}'", ids.name));
+      ids.weights_input = static_cast<int>(i);
+    }
+  }
+  for (const InputSpec& in : spec.inputs)
+    if (in.role == InputRole::Sparse && in.variableLength() && in.lengths_input < 0)
+      return inputError(in.name, fmt::format("variable-length ids need a lengths input (role = \"lengths\", feature = {})", in.feature));
+  return spec;
+}
+
+Expected<BatchSpec> fromFunction(const ir::Function& fn) {
+  std::vector<std::pair<ir::AttrDict, ir::TensorType>> decls;
+  for (const auto& blk : fn.body().blocks())
+    for (const auto& op : blk->ops())
+      if (op->name() == "kiln.input") decls.emplace_back(op->attrs(), op->result()->type());
+  auto spec = fromInputs(decls);
+  if (!spec) return Status::error(fmt::format("function @{}: {}", fn.name(), spec.status().message()), fn.loc);
+  return spec;
+}
+
+}  // namespace kiln::data

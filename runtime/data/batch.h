@@ -1,0 +1,94 @@
+// What a model reads each step: the BatchSpec (the model's declared data inputs, taken from its
+// `kiln.input` ops) and a Batch (one host tensor per declared input, filled by a loader).
+// Loaders know the Criteo layout (13 dense, 26 categorical features); models only name which
+// features they read and how (docs/model-ir.md), so every model reads every data source.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/ir.h"
+#include "ir/status.h"
+#include "ir/tensor_view.h"
+#include "ir/types.h"
+
+namespace kiln::data {
+
+// The Criteo layout: a label, 13 integer features, 26 categorical features.
+inline constexpr int kNumDense = 13;
+inline constexpr int kNumSparse = 26;
+
+enum class InputRole : uint8_t { Dense, Label, Sparse, Lengths, Weights };
+enum class IdMap : uint8_t { Modulo, Hash };
+
+struct InputSpec {
+  std::string name;
+  InputRole role = InputRole::Dense;
+  ir::TensorType type;  // as declared, with the batch symbol
+  int feature = -1;     // sparse/lengths/weights: the categorical feature (0..25)
+  int dense_count = 0;  // dense: how many of the 13 dense features (the last dim)
+  int64_t rows = 0;     // sparse: table rows; ids are mapped into [0, rows)
+  int hotness = 0;      // sparse, fixed: ids per sample
+  int max_hotness = 0;  // sparse, variable length: at most this many ids per sample
+  IdMap id_map = IdMap::Modulo;
+  // Sparse, variable length: indices into BatchSpec::inputs of the feature's lengths and
+  // weights inputs (-1 when absent). Fixed hotness may have weights too.
+  int lengths_input = -1;
+  int weights_input = -1;
+
+  bool variableLength() const { return max_hotness > 0; }
+  // Ids per sample at most.
+  int idsPerSample() const { return variableLength() ? max_hotness : hotness; }
+};
+
+struct BatchSpec {
+  std::vector<InputSpec> inputs;
+  std::string batch_symbol = "B";
+
+  const InputSpec* find(const std::string& name) const;
+  int indexOf(const std::string& name) const;  // -1 when absent
+  int labelIndex() const;                      // -1 when the model has no label input
+};
+
+// Builds the spec from a function's `kiln.input` ops (the trainer-fed scalars `lr` and `step`
+// are not data and are left out). Errors name the input and the attribute at fault.
+Expected<BatchSpec> fromFunction(const ir::Function& fn);
+// The same from explicit (attributes, type) pairs, in declaration order.
+Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::TensorType>>& inputs);
+
+// Where a stream stands: the next sample to read. `offset` is a byte offset within file `file`
+// and `line` the number of lines consumed there, so a reader seeks without rescanning.
+// `sample` counts samples delivered in the current epoch.
+struct StreamPosition {
+  int64_t epoch = 0;
+  int64_t file = 0;
+  int64_t offset = 0;
+  int64_t line = 0;
+  int64_t sample = 0;
+
+  // "epoch=0,file=1,offset=4096,line=17,sample=120": stored in checkpoint metadata.
+  std::string str() const;
+  static Expected<StreamPosition> parse(std::string_view s);
+  bool operator==(const StreamPosition&) const = default;
+};
+
+// One host tensor per input of the spec, in the spec's order, holding `size` samples. Variable-
+// length ids are shaped [total ids of the batch].
+struct Batch {
+  int64_t size = 0;
+  std::vector<std::string> names;
+  std::vector<ir::HostTensor> tensors;
+  // The stream's position after this batch: saved with a checkpoint to resume at the next one.
+  StreamPosition end;
+
+  const ir::HostTensor* find(const std::string& name) const;
+  ir::HostTensor* find(const std::string& name);
+};
+
+// The label of sample i when the spec has a label input (f32 [B] or [B, 1]).
+float batchLabel(const Batch& b, const BatchSpec& spec, int64_t i);
+
+std::string_view roleName(InputRole r);
+
+}  // namespace kiln::data

@@ -1,0 +1,103 @@
+#include "runtime/data/batch_reader.h"
+
+#include <cstring>
+
+namespace kiln::data {
+
+BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records)
+    : spec_(std::move(spec)), opts_(std::move(opts)), records_(std::move(records)) {}
+
+BatchReader::BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic)
+    : spec_(std::move(spec)), opts_(std::move(opts)), synthetic_(std::make_unique<SyntheticGenerator>(std::move(synthetic))) {}
+
+static bool epochsDone(const StreamPosition& p, int64_t epochs) { return epochs > 0 && p.epoch >= epochs; }
+
+Expected<bool> BatchReader::nextRecord(RawSample& s) {
+  for (;;) {
+    if (epochsDone(pos_, opts_.epochs)) return false;
+    auto got = records_->next(s);
+    if (!got) return got.status();
+    if (*got) {
+      StreamPosition at = records_->position();
+      pos_.file = at.file;
+      pos_.offset = at.offset;
+      pos_.line = at.line;
+      ++pos_.sample;
+      return true;
+    }
+    if (pos_.sample == 0) return Status::error("the data files hold no samples");
+    // Start the next epoch at the first file.
+    pos_ = StreamPosition{.epoch = pos_.epoch + 1};
+    if (!epochsDone(pos_, opts_.epochs)) KILN_RETURN_IF_ERROR(records_->seek(pos_));
+  }
+}
+
+Expected<bool> BatchReader::next(Batch& batch) {
+  const int64_t b = opts_.batch_size;
+  if (synthetic_) {
+    // A batch is one run of consecutive samples, or two or more when it crosses an epoch's end.
+    std::vector<Batch> more;
+    int64_t got = 0;
+    while (got < b && !epochsDone(pos_, opts_.epochs)) {
+      int64_t n = std::min(b - got, opts_.synthetic_samples - pos_.sample);
+      synthetic_->generate(pos_.sample, n, got == 0 ? batch : more.emplace_back());
+      got += n;
+      pos_.sample += n;
+      if (pos_.sample == opts_.synthetic_samples) pos_ = StreamPosition{.epoch = pos_.epoch + 1};
+    }
+    if (got == 0 || (opts_.drop_last && got < b)) return false;
+    if (!more.empty()) {
+      for (size_t k = 0; k < spec_.inputs.size(); ++k) {
+        ir::HostTensor& t = batch.tensors[k];
+        std::vector<int64_t> shape = t.view.shape;
+        std::vector<unsigned char> bytes = std::move(t.storage);
+        for (const Batch& r : more) {
+          shape[0] += r.tensors[k].view.shape[0];
+          bytes.insert(bytes.end(), r.tensors[k].storage.begin(), r.tensors[k].storage.end());
+        }
+        t.reset(spec_.inputs[k].type.dtype(), shape);
+        std::memcpy(t.storage.data(), bytes.data(), bytes.size());
+      }
+    }
+    batch.size = got;
+    batch.end = pos_;
+    return true;
+  }
+  samples_.resize(static_cast<size_t>(b));
+  int64_t got = 0;
+  while (got < b) {
+    auto ok = nextRecord(samples_[static_cast<size_t>(got)]);
+    if (!ok) return ok.status();
+    if (!*ok) break;
+    ++got;
+  }
+  if (got == 0 || (opts_.drop_last && got < b)) return false;
+  assembleBatch(spec_, samples_.data(), got, batch);
+  batch.end = pos_;
+  return true;
+}
+
+Status BatchReader::seek(const StreamPosition& pos) {
+  pos_ = pos;
+  if (synthetic_) {
+    if (pos.sample > opts_.synthetic_samples)
+      return Status::errorf("data position sample {} is beyond the synthetic epoch of {}", pos.sample, opts_.synthetic_samples);
+    return Status::ok();
+  }
+  return records_->seek(pos);
+}
+
+Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts) {
+  if (opts.batch_size <= 0) return Status::errorf("batch size must be positive, got {}", opts.batch_size);
+  if (opts.epochs < 0) return Status::errorf("epochs must be >= 0, got {}", opts.epochs);
+  if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
+    if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
+    SyntheticGenerator gen(spec, opts.synthetic);
+    return std::make_unique<BatchReader>(spec, std::move(opts), std::move(gen));
+  }
+  auto records = openRecords(opts.paths, TsvOptions{opts.strict, opts.on_skip});
+  if (!records) return records.status();
+  return std::make_unique<BatchReader>(spec, std::move(opts), records.take());
+}
+
+}  // namespace kiln::data

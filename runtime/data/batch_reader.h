@@ -1,0 +1,57 @@
+// Batches for a model from any data source: synthetic, Criteo TSV files or Kiln binary files.
+// Epochs re-read the data from the start; batches run on across an epoch's end, so only the
+// last batch of the last epoch may be short (or dropped with drop_last).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/data/record_source.h"
+#include "runtime/data/synthetic.h"
+
+namespace kiln::data {
+
+struct DataOptions {
+  // {"synthetic"}, or data files read in order (TSV or binary, told apart by content).
+  std::vector<std::string> paths;
+  int64_t batch_size = 1;
+  int64_t epochs = 1;  // 0: repeat forever
+  bool drop_last = false;
+  bool strict = false;  // TSV: a malformed line is fatal
+  DiagnosticSink on_skip;
+  // Synthetic data: its seed and stream (0 trains, 1 is the held-out evaluation stream) and the
+  // size of one epoch.
+  SyntheticOptions synthetic;
+  int64_t synthetic_samples = 1 << 20;
+};
+
+class BatchReader {
+ public:
+  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records);
+  BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic);
+
+  // Fills `batch` with the next batch; false when the last epoch is done.
+  Expected<bool> next(Batch& batch);
+  // The position of the next sample; seek() continues from a position taken earlier.
+  StreamPosition position() const { return pos_; }
+  Status seek(const StreamPosition& pos);
+  // Malformed lines skipped so far.
+  int64_t malformed() const { return records_ ? records_->malformed() : 0; }
+  const BatchSpec& spec() const { return spec_; }
+
+ private:
+  Expected<bool> nextRecord(RawSample& s);
+
+  BatchSpec spec_;
+  DataOptions opts_;
+  std::unique_ptr<RecordSource> records_;
+  std::unique_ptr<SyntheticGenerator> synthetic_;
+  StreamPosition pos_;
+  std::vector<RawSample> samples_;
+};
+
+// Opens `opts.paths` for `spec`.
+Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts);
+
+}  // namespace kiln::data

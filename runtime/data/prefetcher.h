@@ -1,0 +1,48 @@
+// Reads batches on a background thread into a bounded queue, so loading overlaps compute.
+// The consumer sees batches in order, then the end of the data or the reader's error (once, in
+// its place in the stream). Destroying the prefetcher stops and joins the thread at once, even
+// when the queue is full.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "runtime/data/batch_reader.h"
+
+namespace kiln::data {
+
+class Prefetcher {
+ public:
+  // Starts reading at once; at most `depth` ready batches wait in the queue.
+  Prefetcher(std::unique_ptr<BatchReader> reader, int depth = 4);
+  ~Prefetcher();
+  Prefetcher(const Prefetcher&) = delete;
+  Prefetcher& operator=(const Prefetcher&) = delete;
+
+  // The next batch; false at the end of the data; the reader's error if it failed.
+  Expected<bool> next(Batch& batch);
+  // The position after the last batch handed out (where a resumed run continues).
+  StreamPosition position() const { return consumed_; }
+  // Malformed lines the reader skipped so far.
+  int64_t malformed() const;
+
+ private:
+  void run();
+
+  std::unique_ptr<BatchReader> reader_;
+  const size_t depth_;
+  mutable std::mutex mu_;
+  std::condition_variable not_full_, not_empty_;
+  std::deque<Batch> queue_;
+  bool done_ = false;   // the producer has finished (end of data or error)
+  bool stop_ = false;   // the consumer is going away
+  Status error_;
+  int64_t malformed_ = 0;
+  StreamPosition consumed_;
+  std::thread thread_;
+};
+
+}  // namespace kiln::data

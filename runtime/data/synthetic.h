@@ -1,0 +1,59 @@
+// `--data synthetic`: a seeded stream of samples with a learnable label.
+//
+// Ids of each table follow a power law (Zipf-like: rank r drawn with probability ~ (r+1)^-s,
+// ranks scattered over the table's rows). A hidden model decides the label:
+//   logit = bias + sum_j a_j (dense_j - c_j) + sum_f (1/n_f) sum_k w_k * h_f(id_k)
+// with a_j and h_f(row) Gaussian values derived from the seed by hashing (no tables stored),
+// and label ~ Bernoulli(sigmoid(logit)). Sample i of a stream is a pure function of
+// (seed, stream, i): streams differ between training and evaluation (held out), the hidden
+// model is shared, any batch size sees the same samples, and resuming needs only the index.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "runtime/data/batch.h"
+
+namespace kiln::data {
+
+struct SyntheticOptions {
+  uint64_t seed = 1;
+  uint64_t stream = 0;          // 0: training; 1: evaluation (held out); others: more streams
+  double zipf_exponent = 1.1;   // s of the id power law
+  double dense_strength = 1.2;  // std of the dense part of the hidden logit
+  double sparse_strength = 2.4; // std of the sparse part (for one id per feature)
+  double bias = -1.0;           // sets the base click rate
+};
+
+class SyntheticGenerator {
+ public:
+  SyntheticGenerator(const BatchSpec& spec, SyntheticOptions opts);
+
+  // Fills `batch` with samples [first, first + n) of the stream. When `logits` is given it
+  // receives the hidden model's logit of each sample (the best possible score).
+  void generate(int64_t first, int64_t n, Batch& batch, std::vector<float>* logits = nullptr) const;
+
+  const SyntheticOptions& options() const { return opts_; }
+
+ private:
+  struct Table {
+    int input = -1;  // index of the sparse input in the spec
+    int lengths = -1, weights = -1;
+    int64_t rows = 0;
+    int hotness = 0, max_hotness = 0;
+    double zipf_a = 0, zipf_inv = 0;  // inverse CDF: x = (1 + u*a)^inv
+    uint64_t mult = 1, shift = 0;     // rank -> row scatter, a bijection of [0, rows)
+    float weight_scale = 0;
+    uint64_t key = 0;                 // hashing key of h_f
+  };
+
+  int64_t drawRow(const Table& t, uint64_t bits) const;
+  float hiddenWeight(const Table& t, int64_t row) const;
+
+  BatchSpec spec_;
+  SyntheticOptions opts_;
+  std::vector<Table> tables_;
+  float dense_weight_[kNumDense] = {}, dense_center_[kNumDense] = {}, dense_scale_[kNumDense] = {};
+};
+
+}  // namespace kiln::data

@@ -1,0 +1,157 @@
+#include "runtime/parameter_store.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "runtime/cpu/thread_pool.h"
+#include "runtime/random.h"
+
+namespace kiln::runtime {
+
+Expected<ParameterInit> ParameterInit::fromOp(const ir::Op& op) {
+  ParameterInit p;
+  p.kind = op.strAttr("init", "zeros");
+  p.value = op.floatAttr("value", 0.0);
+  p.mean = op.floatAttr("mean", 0.0);
+  p.std = op.floatAttr("std", 1.0);
+  p.low = op.floatAttr("low", 0.0);
+  p.high = op.floatAttr("high", 1.0);
+  static const char* kKinds[] = {"zeros", "ones", "constant", "normal", "uniform", "xavier_uniform", "xavier_normal"};
+  bool known = false;
+  for (const char* k : kKinds) known |= p.kind == k;
+  if (!known)
+    return Status::error(fmt::format("parameter \"{}\": unknown initializer '{}'", op.strAttr("name"), p.kind),
+                         op.location());
+  if (p.kind == "normal" && !(p.std >= 0))
+    return Status::error(fmt::format("parameter \"{}\": normal std must be >= 0, got {}", op.strAttr("name"), p.std),
+                         op.location());
+  if (p.kind == "uniform" && !(p.low <= p.high))
+    return Status::error(fmt::format("parameter \"{}\": uniform needs low <= high, got [{}, {}]", op.strAttr("name"),
+                                     p.low, p.high),
+                         op.location());
+  return p;
+}
+
+Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool) {
+  ir::DType dt = t.view.dtype;
+  if (dt != ir::DType::f32 && dt != ir::DType::f64 && dt != ir::DType::bf16) {
+    if (init.kind == "zeros") {
+      std::fill(t.storage.begin(), t.storage.end(), 0);
+      return Status::ok();
+    }
+    return Status::errorf("cannot initialize a {} tensor with '{}'", ir::dtypeName(dt), init.kind);
+  }
+  const auto& shape = t.view.shape;
+  // [out, in, receptive...], as PyTorch computes fans.
+  double receptive = 1;
+  for (size_t i = 2; i < shape.size(); ++i) receptive *= static_cast<double>(shape[i]);
+  double fan_out = shape.empty() ? 1 : static_cast<double>(shape[0]) * receptive;
+  double fan_in = shape.size() < 2 ? fan_out : static_cast<double>(shape[1]) * receptive;
+
+  enum { Const, Normal, Uniform } how = Const;
+  double a = 0, b = 0;  // constant: a; normal: mean a, std b; uniform: [a, b)
+  if (init.kind == "zeros") a = 0;
+  else if (init.kind == "ones") a = 1;
+  else if (init.kind == "constant") a = init.value;
+  else if (init.kind == "normal") how = Normal, a = init.mean, b = init.std;
+  else if (init.kind == "uniform") how = Uniform, a = init.low, b = init.high;
+  else if (init.kind == "xavier_uniform") {
+    double limit = std::sqrt(6.0 / (fan_in + fan_out));
+    how = Uniform, a = -limit, b = limit;
+  } else if (init.kind == "xavier_normal") {
+    how = Normal, a = 0, b = std::sqrt(2.0 / (fan_in + fan_out));
+  } else {
+    return Status::errorf("unknown initializer '{}'", init.kind);
+  }
+
+  CounterRng rng(seed);
+  auto fill = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      double v = how == Const ? a : how == Normal ? a + b * rng.normal(static_cast<uint64_t>(i))
+                                                  : a + (b - a) * rng.uniform(static_cast<uint64_t>(i));
+      if (dt == ir::DType::f32) t.as<float>()[i] = static_cast<float>(v);
+      else if (dt == ir::DType::f64) t.as<double>()[i] = v;
+      else t.as<uint16_t>()[i] = ir::floatToBf16(static_cast<float>(v));
+    }
+  };
+  int64_t n = t.numel();
+  if (pool) pool->parallelFor(n, 1 << 16, fill);
+  else fill(0, n);
+  return Status::ok();
+}
+
+ir::HostTensor* ParameterStore::find(std::string_view name) {
+  auto it = params_.find(name);
+  return it == params_.end() ? nullptr : &it->second;
+}
+
+const ir::HostTensor* ParameterStore::find(std::string_view name) const {
+  auto it = params_.find(name);
+  return it == params_.end() ? nullptr : &it->second;
+}
+
+ir::HostTensor& ParameterStore::set(const std::string& name, ir::HostTensor t) {
+  return params_[name] = std::move(t);
+}
+
+std::vector<std::string> ParameterStore::names() const {
+  std::vector<std::string> out;
+  for (const auto& [k, _] : params_) out.push_back(k);
+  return out;
+}
+
+int64_t ParameterStore::totalBytes() const {
+  int64_t n = 0;
+  for (const auto& [_, t] : params_) n += t.view.bytes();
+  return n;
+}
+
+Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols,
+                                      ThreadPool* pool) {
+  Status status;
+  const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
+    if (!status.isOk() || op.name() != "kiln.parameter") return;
+    const std::string name = op.strAttr("name");
+    const ir::TensorType& type = op.result()->type();
+    std::vector<int64_t> shape;
+    for (const ir::Dim& d : type.shape()) {
+      auto v = d.evaluate(symbols);
+      if (!v || d.isBounded()) {
+        status = Status::error(fmt::format("parameter \"{}\" of type {} has no concrete shape", name, type.str()),
+                               op.location());
+        return;
+      }
+      shape.push_back(*v);
+    }
+    if (const ir::HostTensor* have = find(name)) {
+      if (have->view.dtype != type.dtype() || have->view.shape != shape)
+        status = Status::error(fmt::format("parameter \"{}\" is declared as {} but the store holds {} [{}]", name,
+                                           type.str(), ir::dtypeName(have->view.dtype), fmt::join(have->view.shape, ", ")),
+                               op.location());
+      return;
+    }
+    auto init = ParameterInit::fromOp(op);
+    if (!init) {
+      status = init.status();
+      return;
+    }
+    ir::HostTensor t(type.dtype(), shape);
+    Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool);
+    if (!s.isOk()) {
+      status = Status::error(fmt::format("parameter \"{}\": {}", name, s.message()), op.location());
+      return;
+    }
+    set(name, std::move(t));
+  });
+  return status;
+}
+
+Status ParameterStore::initializeFrom(const ir::Module& m, uint64_t run_seed, const ir::SymbolBindings& symbols,
+                                      ThreadPool* pool) {
+  for (const auto& f : m.functions()) KILN_RETURN_IF_ERROR(initializeFrom(*f, run_seed, symbols, pool));
+  return Status::ok();
+}
+
+}  // namespace kiln::runtime

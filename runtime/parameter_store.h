@@ -1,0 +1,55 @@
+// The parameter store: every parameter and optimizer state by name, shared by @forward,
+// @train_step and evaluation; checkpoints are this store written out. A parameter is
+// initialized from its `kiln.parameter` op's attributes with a seed derived from the run's seed
+// and its name, so initial values do not depend on op order.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "ir/ir.h"
+#include "ir/tensor_view.h"
+
+namespace kiln::runtime {
+
+class ThreadPool;
+
+// How one parameter is initialized (the attributes of its kiln.parameter op).
+struct ParameterInit {
+  std::string kind = "zeros";  // zeros, ones, constant, normal, uniform, xavier_uniform, xavier_normal
+  double value = 0;            // constant
+  double mean = 0, std = 1;    // normal
+  double low = 0, high = 1;    // uniform
+  static Expected<ParameterInit> fromOp(const ir::Op& op);
+};
+
+// Fills `t` (f32, f64 or bf16) by `init`; xavier uses fan_in/fan_out of the [out, in, ...]
+// layout. Threaded over element ranges when a pool is given; the result does not depend on it.
+Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool = nullptr);
+
+class ParameterStore {
+ public:
+  bool contains(std::string_view name) const { return params_.find(name) != params_.end(); }
+  ir::HostTensor* find(std::string_view name);
+  const ir::HostTensor* find(std::string_view name) const;
+  ir::HostTensor& set(const std::string& name, ir::HostTensor t);
+  std::vector<std::string> names() const;
+  size_t size() const { return params_.size(); }
+  int64_t totalBytes() const;
+
+  // Creates each kiln.parameter of `f` that the store lacks, shaped by its type (symbols bound
+  // by `symbols`) and initialized from its attributes with parameterSeed(run_seed, name).
+  // Parameters already present are checked against the declared type and kept.
+  Status initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
+                        ThreadPool* pool = nullptr);
+  // Same over every function of a module.
+  Status initializeFrom(const ir::Module& m, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
+                        ThreadPool* pool = nullptr);
+
+ private:
+  std::map<std::string, ir::HostTensor, std::less<>> params_;
+};
+
+}  // namespace kiln::runtime
