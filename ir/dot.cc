@@ -12,7 +12,7 @@ namespace {
 
 // A DOT double-quoted string: only '"' and '\' need escaping (and newlines).
 std::string dotQuote(std::string_view s) {
-  std::string out = "\"";
+  std::string out(1, '"');
   for (char c : s) {
     if (c == '"' || c == '\\') out += '\\';
     if (c == '\n') {
@@ -21,7 +21,8 @@ std::string dotQuote(std::string_view s) {
     }
     out += c;
   }
-  return out + "\"";
+  out += '"';
+  return out;
 }
 
 class DotWriter {
@@ -35,7 +36,7 @@ class DotWriter {
     for (Value* a : entry.arguments()) {
       std::string id = fmt::format("arg{}", a->index());
       ids_[a] = id;
-      os_ << "  " << id << " [shape=ellipse, label=" << dotQuote(namer_.name(a) + "\n" + a->type().str()) << "];\n";
+      os_ << "  " << id << " [shape=ellipse, label=" << dotQuote(fmt::format("{}\n{}", namer_.name(a), a->type().str())) << "];\n";
     }
     nodes(entry, 1);
     for (const Edge& e : edges_)
@@ -57,7 +58,7 @@ class DotWriter {
       const Op& op = *op_ptr;
       std::string id = fmt::format("op{}", next_id_++);
       std::string label = op.name();
-      for (Value* r : op.results()) label += "\n" + r->type().str();
+      for (Value* r : op.results()) label += fmt::format("\n{}", r->type().str());
       if (op.regions().empty()) {
         pad(depth);
         os_ << id << " [label=" << dotQuote(label) << "];\n";

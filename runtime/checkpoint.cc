@@ -38,7 +38,10 @@ std::optional<ir::DType> parseSafetensorsDType(std::string_view s) {
 
 std::string shapeText(const std::vector<int64_t>& s) {
   std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(s[i]);
+  }
   return out + "]";
 }
 

@@ -1,5 +1,8 @@
 // Core ops: sources of values (constants, inputs, parameters) and terminators.
+#include <algorithm>
+
 #include "ir/op_def.h"
+#include "ir/ops/kernel_util.h"
 
 namespace kiln::ir {
 namespace {
@@ -22,6 +25,34 @@ Status verifyConstant(const Op& op) {
   return Status::ok();
 }
 
+// Materializes the value at the result's allocated size (a splat fills any shape).
+Status cpuConstant(const Op& op, const std::vector<const TensorView*>&, const std::vector<TensorView*>& out,
+                   const CpuContext&) {
+  TensorView& r = *out[0];
+  const Attribute* v = op.attr("value");
+  return kernels::visitAny(op, r.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    using Acc = typename T::Acc;
+    auto* pr = kernels::data<T>(r);
+    const int64_t n = r.numel();
+    if (v->isArray()) {
+      const AttrArray& a = v->asArray();
+      for (int64_t i = 0; i < n; ++i) {
+        const Attribute& e = a[static_cast<size_t>(i)];
+        pr[i] = T::store(e.isInt() ? static_cast<Acc>(e.asInt()) : static_cast<Acc>(e.asDouble()));
+      }
+    } else {
+      const auto x = T::store(v->isInt() ? static_cast<Acc>(v->asInt()) : static_cast<Acc>(v->asDouble()));
+      std::fill(pr, pr + n, x);
+    }
+    return Status::ok();
+  });
+}
+
+OpCost costConstant(const Op& op, const SymbolBindings& symbols) {
+  return {0, kernels::typeBytes(op.result()->type(), symbols)};
+}
+
 Status verifyParameter(const Op& op) {
   if (op.result()->type().hasBoundedDims())
     return Status::error("'kiln.parameter' cannot have a data-dependent dimension");
@@ -35,8 +66,8 @@ void registerCoreOps(OpRegistry& r) {
   r.add({.name = "kiln.constant",
          .summary = "A constant tensor: a splat of one number, or every element listed",
          .min_operands = 0, .max_operands = 0,
-         .traits = kPure | kTypeGiven,
-         .verify = verifyConstant});
+         .traits = kPure | kTypeGiven | kNonDifferentiable,
+         .verify = verifyConstant, .cost = costConstant, .cpu = cpuConstant});
 
   r.add({.name = "kiln.input",
          .summary = "A named input of the model (a batch of features, labels, ids)",

@@ -259,6 +259,24 @@ Expected<std::unique_ptr<RecordSource>> openBinary(std::vector<std::string> file
   return std::unique_ptr<RecordSource>(std::move(src));
 }
 
+Expected<ConvertStats> convertToBinary(const std::vector<std::string>& inputs, const std::string& output, TsvOptions opts) {
+  for (const auto& f : inputs)
+    if (isBinaryFile(f)) return Status::errorf("'{}' is already a Kiln binary data file", f);
+  auto src = openTsv(inputs, std::move(opts));
+  if (!src) return src.status();
+  auto writer = BinaryWriter::create(output);
+  if (!writer) return writer.status();
+  RawSample s;
+  for (;;) {
+    auto got = (*src)->next(s);
+    if (!got) return got.status();
+    if (!*got) break;
+    KILN_RETURN_IF_ERROR((*writer)->append(s));
+  }
+  KILN_RETURN_IF_ERROR((*writer)->finish());
+  return ConvertStats{(*writer)->records(), (*src)->malformed()};
+}
+
 Expected<std::unique_ptr<RecordSource>> openRecords(std::vector<std::string> files, TsvOptions opts) {
   if (files.empty()) return Status::error("no data files given");
   size_t binary = 0;

@@ -56,6 +56,14 @@ bool isBinaryFile(const std::string& path);
 
 Expected<std::unique_ptr<RecordSource>> openBinary(std::vector<std::string> files);
 
+// Converts TSV files into one binary file (malformed lines skipped and counted, or fatal when
+// opts.strict). On an error no output file is left behind.
+struct ConvertStats {
+  int64_t records = 0;
+  int64_t malformed = 0;
+};
+Expected<ConvertStats> convertToBinary(const std::vector<std::string>& inputs, const std::string& output, TsvOptions opts = {});
+
 // Encodes/decodes one record (exposed for tests of corruption handling).
 void encodeRecord(const RawSample& s, unsigned char* out);
 // Checks the record's invariants; the message says which field is bad.

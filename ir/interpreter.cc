@@ -1,0 +1,152 @@
+#include "ir/interpreter.h"
+
+#include <cstring>
+#include <memory>
+#include <unordered_map>
+
+#include "ir/op_def.h"
+#include "ir/ops/kernel_util.h"
+
+namespace kiln::ir {
+namespace {
+
+class Interpreter {
+ public:
+  Interpreter(const Function& f, std::map<std::string, HostTensor>& tensors, const SymbolBindings& symbols)
+      : f_(f), tensors_(tensors), symbols_(symbols) {}
+
+  Expected<std::vector<HostTensor>> run() {
+    std::vector<const TensorView*> returned;
+    KILN_RETURN_IF_ERROR(runBlock(f_.entry(), returned));
+    std::vector<HostTensor> out;
+    for (const TensorView* v : returned) {
+      HostTensor t(v->dtype, v->shape);
+      std::memcpy(t.view.data, v->data, static_cast<size_t>(v->bytes()));
+      out.push_back(std::move(t));
+    }
+    return out;
+  }
+
+ private:
+  Status located(const Op& op, const Status& s) const {
+    const Location& loc = op.location().known() ? op.location() : (s.location().known() ? s.location() : f_.loc);
+    return Status::error(fmt::format("in @{}: {}", f_.name(), s.message()), loc);
+  }
+  Status located(const Op& op, std::string message) const { return located(op, Status::error(std::move(message))); }
+
+  // A fresh buffer for a value of type t at its bound size.
+  Expected<TensorView*> allocate(const Op& op, const TensorType& t) {
+    std::vector<int64_t> shape;
+    for (const Dim& d : t.shape()) {
+      auto n = d.evaluate(symbols_);
+      if (!n) return located(op, fmt::format("symbol '{}' of {} is not bound", d.sym(), t.str()));
+      shape.push_back(*n);
+    }
+    owned_.push_back(std::make_unique<HostTensor>(t.dtype(), std::move(shape)));
+    return &owned_.back()->view;
+  }
+
+  Status bindSource(const Op& op) {
+    const std::string name = op.strAttr("name");
+    const TensorType& t = op.result()->type();
+    auto it = tensors_.find(name);
+    if (it == tensors_.end()) return located(op, fmt::format("no tensor named '{}' for '{}'", name, op.name()));
+    const TensorView& v = it->second.view;
+    bool fits = v.dtype == t.dtype() && v.rank() == t.rank();
+    for (int64_t i = 0; fits && i < t.rank(); ++i) {
+      auto n = t.dim(i).evaluate(symbols_);
+      if (!n) return located(op, fmt::format("symbol '{}' of {} is not bound", t.dim(i).sym(), t.str()));
+      const int64_t have = v.shape[static_cast<size_t>(i)];
+      fits = t.dim(i).isBounded() ? have <= *n : have == *n;
+    }
+    if (!fits)
+      return located(op, fmt::format("'{}' is {}{} but '{}' declares {}", name, dtypeName(v.dtype),
+                                     kernels::shapeString(v.shape), op.name(), t.str()));
+    env_[op.result()] = &it->second.view;
+    return Status::ok();
+  }
+
+  // Runs the ops of a block; the operands of its terminator come back in `terminator_operands`.
+  Status runBlock(const Block& block, std::vector<const TensorView*>& terminator_operands) {
+    for (const auto& op_ptr : block.ops()) {
+      const Op& op = *op_ptr;
+      const OpDef* def = op.def();
+      if (!def) return located(op, fmt::format("unknown op '{}'", op.name()));
+      std::vector<const TensorView*> operands;
+      for (Value* v : op.operands()) {
+        auto it = env_.find(v);
+        if (it == env_.end()) return located(op, fmt::format("'{}' uses a value that was never computed", op.name()));
+        operands.push_back(it->second);
+      }
+      if (def->has(kTerminator)) {
+        terminator_operands = std::move(operands);
+        return Status::ok();
+      }
+      if (def->has(kSource)) {
+        KILN_RETURN_IF_ERROR(bindSource(op));
+        continue;
+      }
+      std::vector<TensorView*> results;
+      for (Value* r : op.results()) {
+        auto buf = allocate(op, r->type());
+        if (!buf) return buf.status();
+        results.push_back(*buf);
+        env_[r] = *buf;
+      }
+      if (def->cpu) {
+        CpuContext ctx;
+        ctx.symbols = &symbols_;
+        Status s = def->cpu(op, operands, results, ctx);
+        if (!s) return located(op, s);
+      } else if (!op.regions().empty() && !op.regions().front()->empty()) {
+        KILN_RETURN_IF_ERROR(runRegion(op, operands, results));
+      } else {
+        return located(op, fmt::format("'{}' has no CPU reference implementation", op.name()));
+      }
+    }
+    return Status::ok();
+  }
+
+  // A fused group: block arguments are the op's operands, kiln.yield gives its results.
+  Status runRegion(const Op& op, const std::vector<const TensorView*>& operands,
+                   const std::vector<TensorView*>& results) {
+    const Block& body = op.regions().front()->front();
+    if (body.numArguments() != operands.size())
+      return located(op, fmt::format("'{}' region takes {} arguments for {} operands", op.name(),
+                                     body.numArguments(), operands.size()));
+    for (unsigned i = 0; i < body.numArguments(); ++i) env_[body.argument(i)] = operands[i];
+    std::vector<const TensorView*> yielded;
+    KILN_RETURN_IF_ERROR(runBlock(body, yielded));
+    if (yielded.size() != results.size())
+      return located(op, fmt::format("'{}' region yields {} values for {} results", op.name(), yielded.size(),
+                                     results.size()));
+    for (size_t i = 0; i < results.size(); ++i) {
+      Status s = kernels::setResultShape(op, *results[i], yielded[i]->shape);
+      if (!s) return located(op, s);
+      std::memcpy(results[i]->data, yielded[i]->data, static_cast<size_t>(yielded[i]->bytes()));
+    }
+    return Status::ok();
+  }
+
+  const Function& f_;
+  std::map<std::string, HostTensor>& tensors_;
+  const SymbolBindings& symbols_;
+  std::unordered_map<const Value*, const TensorView*> env_;
+  std::vector<std::unique_ptr<HostTensor>> owned_;
+};
+
+}  // namespace
+
+Expected<std::vector<HostTensor>> interpretInPlace(const Function& f, std::map<std::string, HostTensor>& tensors,
+                                                   const SymbolBindings& symbols) {
+  return Interpreter(f, tensors, symbols).run();
+}
+
+Expected<std::vector<HostTensor>> interpret(const Function& f,
+                                            const std::map<std::string, HostTensor>& inputs_and_params_by_name,
+                                            const SymbolBindings& symbols) {
+  std::map<std::string, HostTensor> copies = inputs_and_params_by_name;
+  return interpretInPlace(f, copies, symbols);
+}
+
+}  // namespace kiln::ir

@@ -1,0 +1,280 @@
+// Canonicalization: local rewrites that make the graph smaller or more regular, to a fixpoint.
+//   - elementwise ops (and casts) whose operands are all splat constants fold to a splat
+//     constant of the result type;
+//   - identities: x*1, 1*x, x+0, 0+x, x-0, x/1 -> x (only where x already has the result's
+//     type, so that a broadcast is never dropped), neg(neg x) -> x;
+//   - reshape to the same type -> x; reshape(reshape x) -> reshape x;
+//   - transpose(transpose x) -> one transpose (none when the perms cancel), identity perm -> x;
+//   - cast to the operand's own element type -> x.
+// Pure ops left unused by these rewrites are removed; other dead code is DCE's job.
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+#include <optional>
+#include <unordered_set>
+
+#include "ir/op_def.h"
+#include "ir/tensor_view.h"
+#include "passes/pass_registry.h"
+
+namespace kiln::passes {
+namespace {
+
+using ir::Attribute;
+using ir::DType;
+using ir::Op;
+using ir::TensorType;
+using ir::Value;
+
+// The number of a splat `kiln.constant` (one value for every element), if v is one.
+std::optional<double> splatValue(const Value* v) {
+  const Op* def = v->definingOp();
+  if (!def || def->name() != "kiln.constant") return std::nullopt;
+  const Attribute* a = def->attr("value");
+  if (!a || !a->isNumber()) return std::nullopt;
+  return a->asDouble();
+}
+
+bool isSplat(const Value* v, double x) {
+  auto s = splatValue(v);
+  return s && *s == x;
+}
+
+// Rounds a double to what an element of `t` holds; nullopt where we do not model the
+// element type's rounding (f16, f8), so that folding never changes a result.
+std::optional<double> roundTo(DType t, double v) {
+  switch (t) {
+    case DType::f64:
+      return v;
+    case DType::f32:
+      return static_cast<double>(static_cast<float>(v));
+    case DType::bf16:
+      return static_cast<double>(ir::bf16ToFloat(ir::floatToBf16(static_cast<float>(v))));
+    case DType::i64:
+      return std::nearbyint(v) == v && std::fabs(v) < 9.0e15 ? std::optional<double>(v) : std::nullopt;
+    case DType::i32:
+      return std::nearbyint(v) == v && std::fabs(v) <= 2147483647.0 ? std::optional<double>(v) : std::nullopt;
+    case DType::i1:
+      return v != 0 ? 1.0 : 0.0;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<double> foldUnary(const std::string& name, double x) {
+  if (name == "kiln.neg") return -x;
+  if (name == "kiln.abs") return std::fabs(x);
+  if (name == "kiln.exp") return std::exp(x);
+  if (name == "kiln.log") return std::log(x);
+  if (name == "kiln.sqrt") return std::sqrt(x);
+  if (name == "kiln.rsqrt") return 1.0 / std::sqrt(x);
+  if (name == "kiln.sigmoid") return 1.0 / (1.0 + std::exp(-x));
+  if (name == "kiln.tanh") return std::tanh(x);
+  if (name == "kiln.relu") return x > 0 ? x : 0.0;
+  if (name == "kiln.silu") return x / (1.0 + std::exp(-x));
+  if (name == "kiln.gelu") {
+    const double k = std::sqrt(2.0 / std::numbers::pi);
+    return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
+  }
+  return std::nullopt;
+}
+
+std::optional<double> foldBinary(const Op& op, double a, double b, bool integer) {
+  const std::string& name = op.name();
+  if (name == "kiln.add") return a + b;
+  if (name == "kiln.sub") return a - b;
+  if (name == "kiln.mul") return a * b;
+  if (name == "kiln.max") return std::max(a, b);
+  if (name == "kiln.min") return std::min(a, b);
+  if (name == "kiln.div" && !integer) return a / b;
+  if (name == "kiln.pow" && !integer) return std::pow(a, b);
+  if (name == "kiln.compare") {
+    std::string p = op.strAttr("predicate");
+    if (p == "eq") return a == b;
+    if (p == "ne") return a != b;
+    if (p == "lt") return a < b;
+    if (p == "le") return a <= b;
+    if (p == "gt") return a > b;
+    if (p == "ge") return a >= b;
+  }
+  return std::nullopt;
+}
+
+class Rewriter {
+ public:
+  // Replaces op's single result with v and erases op.
+  void replace(Op* op, Value* v) {
+    op->result()->replaceAllUsesWith(v);
+    erase(op);
+  }
+
+  // Erases op, then any pure producer of its operands that it left without uses.
+  void erase(Op* op) {
+    std::vector<Op*> producers;
+    for (Value* v : op->operands())
+      if (v && v->definingOp() && std::find(producers.begin(), producers.end(), v->definingOp()) == producers.end())
+        producers.push_back(v->definingOp());
+    op->parentBlock()->erase(op);
+    erased.insert(op);
+    changed = true;
+    for (Op* p : producers) eraseIfDead(p);
+  }
+
+  void eraseIfDead(Op* op) {
+    if (erased.count(op) || !op->hasTrait(ir::kPure) || op->hasTrait(ir::kSideEffect)) return;
+    for (Value* r : op->results())
+      if (r->hasUses()) return;
+    erase(op);
+  }
+
+  bool changed = false;
+  // Erased ops, compared by address only, so that a sweep skips them in its snapshot of a block.
+  std::unordered_set<const Op*> erased;
+};
+
+// Folds an op on splat constants; returns the new constant's value or nullptr.
+Value* foldConstant(Op* op) {
+  const TensorType& type = op->result()->type();
+  bool integer = ir::isInteger(type.dtype()) || type.dtype() == DType::i1;
+  std::vector<double> in;
+  for (Value* v : op->operands()) {
+    auto s = splatValue(v);
+    if (!s) return nullptr;
+    in.push_back(*s);
+  }
+  std::optional<double> out;
+  if (op->name() == "kiln.cast") {
+    DType from = op->operand(0)->type().dtype();
+    // Float to integer conversion semantics belong to the backends; leave it to them.
+    if (ir::isFloat(from) && !ir::isFloat(type.dtype())) return nullptr;
+    out = in[0];
+  } else if (op->name() == "kiln.select") {
+    out = in[0] != 0 ? in[1] : in[2];
+  } else if (in.size() == 1) {
+    out = foldUnary(op->name(), in[0]);
+  } else if (in.size() == 2) {
+    bool int_operands = ir::isInteger(op->operand(0)->type().dtype());
+    out = foldBinary(*op, in[0], in[1], int_operands);
+  }
+  if (!out) return nullptr;
+  out = roundTo(type.dtype(), *out);
+  if (!out) return nullptr;
+  Attribute value = integer ? Attribute(static_cast<int64_t>(*out)) : Attribute(*out);
+  auto c = Op::create("kiln.constant", {}, {type}, {{"value", value}}, op->location());
+  c->result()->setNameHint(op->result()->nameHint());
+  return op->parentBlock()->insertBefore(op, std::move(c))->result();
+}
+
+// x op identity -> x, when that does not drop a broadcast.
+Value* foldIdentity(Op* op) {
+  const std::string& n = op->name();
+  if (op->numOperands() != 2) return nullptr;
+  Value* a = op->operand(0);
+  Value* b = op->operand(1);
+  const TensorType& t = op->result()->type();
+  auto keep = [&](Value* v) { return v->type() == t ? v : nullptr; };
+  if (n == "kiln.mul") {
+    if (isSplat(b, 1)) return keep(a);
+    if (isSplat(a, 1)) return keep(b);
+  } else if (n == "kiln.add") {
+    if (isSplat(b, 0)) return keep(a);
+    if (isSplat(a, 0)) return keep(b);
+  } else if (n == "kiln.sub") {
+    if (isSplat(b, 0)) return keep(a);
+  } else if (n == "kiln.div") {
+    if (isSplat(b, 1)) return keep(a);
+  }
+  return nullptr;
+}
+
+bool isIdentityPerm(const std::vector<int64_t>& perm) {
+  for (size_t i = 0; i < perm.size(); ++i)
+    if (perm[i] != static_cast<int64_t>(i)) return false;
+  return true;
+}
+
+// One rewrite of op, if one applies.
+void canonicalizeOp(Op* op, Rewriter& rw) {
+  const std::string& n = op->name();
+  if (op->numResults() != 1 || !op->hasTrait(ir::kPure) || !op->regions().empty()) return;
+  Value* result = op->result();
+
+  if ((op->hasTrait(ir::kElementwise) || n == "kiln.cast") && op->numOperands() > 0) {
+    if (Value* c = foldConstant(op)) return rw.replace(op, c);
+  }
+  if (Value* x = foldIdentity(op)) return rw.replace(op, x);
+
+  Value* in = op->numOperands() == 1 ? op->operand(0) : nullptr;
+  if (!in) return;
+  Op* producer = in->definingOp();
+
+  if (n == "kiln.neg" && producer && producer->name() == "kiln.neg" && producer->operand(0)->type() == result->type())
+    return rw.replace(op, producer->operand(0));
+
+  if (n == "kiln.reshape" || n == "kiln.cast") {
+    if (in->type() == result->type()) return rw.replace(op, in);
+  }
+  if (n == "kiln.reshape" && producer && producer->name() == "kiln.reshape") {
+    Value* src = producer->operand(0);
+    if (src->type() == result->type()) return rw.replace(op, src);
+    op->setOperand(0, src);
+    rw.changed = true;
+    rw.eraseIfDead(producer);
+    return;
+  }
+  if (n == "kiln.transpose") {
+    std::vector<int64_t> perm = op->intsAttr("perm");
+    if (isIdentityPerm(perm) && in->type() == result->type()) return rw.replace(op, in);
+    if (producer && producer->name() == "kiln.transpose") {
+      // out.dim(i) = mid.dim(perm[i]) = src.dim(inner[perm[i]]).
+      std::vector<int64_t> inner = producer->intsAttr("perm");
+      if (inner.size() != perm.size()) return;
+      std::vector<int64_t> composed(perm.size());
+      for (size_t i = 0; i < perm.size(); ++i) composed[i] = inner[static_cast<size_t>(perm[i])];
+      Value* src = producer->operand(0);
+      if (isIdentityPerm(composed) && src->type() == result->type()) return rw.replace(op, src);
+      op->setOperand(0, src);
+      op->setAttr("perm", Attribute::ints(composed));
+      rw.changed = true;
+      rw.eraseIfDead(producer);
+      return;
+    }
+  }
+}
+
+void canonicalizeBlock(ir::Block& b, Rewriter& rw) {
+  for (Op* op : b.opList()) {
+    // A rewrite erases dead producers, which come earlier than their users: skip them if the
+    // snapshot of an enclosing block still lists them.
+    if (rw.erased.count(op)) continue;
+    for (auto& r : op->regions())
+      for (auto& blk : r->blocks()) canonicalizeBlock(*blk, rw);
+    canonicalizeOp(op, rw);
+  }
+}
+
+}  // namespace
+
+class CanonicalizePass : public RegisteredPass<CanonicalizePass> {
+ public:
+  KILN_PASS_INFO(CanonicalizePass)
+
+  Expected<bool> run(ir::Module& m) override {
+    bool changed = false;
+    for (auto& f : m.functions()) {
+      // Each sweep shrinks the graph or moves an operand closer to its source, so this ends;
+      // the bound guards against a rewrite pair that would undo each other.
+      for (int sweep = 0; sweep < 64; ++sweep) {
+        Rewriter rw;
+        canonicalizeBlock(f->entry(), rw);
+        if (!rw.changed) break;
+        changed = true;
+      }
+    }
+    return changed;
+  }
+};
+
+std::unique_ptr<Pass> createCanonicalizePass() { return std::make_unique<CanonicalizePass>(); }
+
+}  // namespace kiln::passes

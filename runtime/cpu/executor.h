@@ -1,0 +1,73 @@
+// The CPU executor: runs a planned Program. Inputs are bound by name from a batch, parameters
+// come from the parameter store, temporaries and outputs live in one arena of the planned
+// size. Each launch runs a fast kernel where one supports the op (runtime/cpu/kernels/) and
+// the op table's CPU reference hook otherwise, so every op with a reference runs.
+// Streams run one after another in the program's global order; events are checked, not waited.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codegen/program.h"
+#include "ir/ir.h"
+#include "ir/tensor_view.h"
+#include "runtime/cpu/thread_pool.h"
+#include "runtime/parameter_store.h"
+
+namespace kiln::runtime::cpu {
+
+// A batch: the model's inputs by name. Views are read, never written.
+using Batch = std::map<std::string, ir::TensorView, std::less<>>;
+
+struct ExecutorOptions {
+  int threads = 1;                // --threads N (the caller counts as one)
+  bool use_fast_kernels = true;   // false: every op through its reference hook
+  bool poison_arena = false;      // fill the arena with kPoison first (tests, debugging)
+};
+
+class CpuExecutor {
+ public:
+  static constexpr uint8_t kPoison = 0xA5;
+
+  // Checks that the program is planned and that every launch has a kernel or a reference.
+  static Expected<std::unique_ptr<CpuExecutor>> create(codegen::Program program, const ExecutorOptions& options = {});
+  ~CpuExecutor();
+
+  // Runs the program once; returns its results in order, as owning tensors at their actual
+  // shapes. Side-effecting ops write the parameter store's tensors in place.
+  Expected<std::vector<ir::HostTensor>> run(const Batch& batch, ParameterStore& params);
+
+  const codegen::Program& program() const { return program_; }
+  ThreadPool& pool() { return *pool_; }
+  // The highest arena byte any kernel wrote (end of its result view) over all runs so far.
+  int64_t highWaterMark() const { return high_water_mark_; }
+  // With poison_arena: one past the highest arena byte that no longer holds kPoison.
+  int64_t scanTouchedArenaBytes() const;
+  // How many launches ran through a fast kernel / a reference hook in the last run.
+  int fastLaunches() const { return fast_launches_; }
+  int referenceLaunches() const { return reference_launches_; }
+
+ private:
+  struct Launch;
+  CpuExecutor() = default;
+  Status bindSources(const Batch& batch, ParameterStore& params);
+
+  codegen::Program program_;
+  ExecutorOptions options_;
+  std::unique_ptr<ThreadPool> pool_;
+  // Ops rebuilt from the program's instructions (kernels and hooks take an ir::Op), owned by a
+  // private module whose entry block has one argument per buffer.
+  std::unique_ptr<ir::Module> shadow_;
+  std::vector<Launch> launches_;  // by position in the global order
+  std::vector<const codegen::Instruction*> order_;
+  uint8_t* arena_ = nullptr;
+  std::vector<ir::TensorView> views_;          // per buffer, during a run
+  std::vector<std::vector<int64_t>> bound_;    // per buffer: shape at the bound symbols
+  int64_t high_water_mark_ = 0;
+  int fast_launches_ = 0, reference_launches_ = 0;
+};
+
+}  // namespace kiln::runtime::cpu

@@ -1,0 +1,120 @@
+// Data kernels: constants, reshapes (free when the planner put the result over its operand)
+// and casts between the float storage types.
+#include <cstring>
+
+#include "runtime/cpu/kernels/kernels.h"
+
+namespace kiln::runtime::cpu {
+namespace {
+
+template <typename T>
+void fillFromAttr(const ir::Attribute& v, T* out, int64_t n) {
+  if (v.isArray()) {
+    const auto& a = v.asArray();
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(a[static_cast<size_t>(i)].asDouble());
+  } else {
+    std::fill(out, out + n, static_cast<T>(v.asDouble()));
+  }
+}
+
+Status runConstant(const ir::Op& op, const std::vector<const ir::TensorView*>&,
+                   const std::vector<ir::TensorView*>& out, const KernelContext&) {
+  const ir::Attribute* v = op.attr("value");
+  if (!v) return Status::error("'kiln.constant' has no value");
+  ir::TensorView& y = *out[0];
+  int64_t n = y.numel();
+  if (v->isArray() && static_cast<int64_t>(v->asArray().size()) != n)
+    return Status::errorf("'kiln.constant' has {} values for {} elements", v->asArray().size(), n);
+  switch (y.dtype) {
+    case ir::DType::f32: fillFromAttr(*v, y.as<float>(), n); break;
+    case ir::DType::f64: fillFromAttr(*v, y.as<double>(), n); break;
+    case ir::DType::i32: fillFromAttr(*v, y.as<int32_t>(), n); break;
+    case ir::DType::i64: fillFromAttr(*v, y.as<int64_t>(), n); break;
+    case ir::DType::i1: {
+      auto* p = y.as<uint8_t>();
+      for (int64_t i = 0; i < n; ++i)
+        p[i] = (v->isArray() ? v->asArray()[static_cast<size_t>(i)].asDouble() : v->asDouble()) != 0;
+      break;
+    }
+    case ir::DType::bf16:
+      for (int64_t i = 0; i < n; ++i)
+        storeF(y.data, y.dtype, i,
+               static_cast<float>(v->isArray() ? v->asArray()[static_cast<size_t>(i)].asDouble() : v->asDouble()));
+      break;
+    default: return Status::errorf("'kiln.constant': no kernel for {}", ir::dtypeName(y.dtype));
+  }
+  return Status::ok();
+}
+
+bool supportsConstant(const ir::Op& op) {
+  ir::DType t = op.result()->type().dtype();
+  return t != ir::DType::f16 && t != ir::DType::f8e4m3 && t != ir::DType::f8e5m2;
+}
+
+// The result's dims: static and symbolic from its type, one bounded dim from the element count.
+Status runReshape(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
+                  const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
+  const ir::TensorView& x = *in[0];
+  ir::TensorView& y = *out[0];
+  const ir::TensorType& t = op.result()->type();
+  std::vector<int64_t> shape;
+  int64_t known = 1, unknown_at = -1;
+  for (int64_t i = 0; i < t.rank(); ++i) {
+    const ir::Dim& d = t.dim(i);
+    if (d.isBounded()) {
+      if (unknown_at >= 0) return Status::error("'kiln.reshape' to a type with two data-dependent dims is ambiguous");
+      unknown_at = i;
+      shape.push_back(0);
+      continue;
+    }
+    auto v = d.evaluate(ctx.symbols ? *ctx.symbols : ir::SymbolBindings{});
+    if (!v) return Status::errorf("'kiln.reshape': symbol '{}' is not bound", d.sym());
+    shape.push_back(*v);
+    known *= *v;
+  }
+  if (unknown_at >= 0) {
+    if (known == 0 || x.numel() % known != 0)
+      return Status::errorf("'kiln.reshape' cannot fit {} elements into {}", x.numel(), t.str());
+    shape[static_cast<size_t>(unknown_at)] = x.numel() / known;
+  } else if (known != x.numel()) {
+    return Status::errorf("'kiln.reshape' has {} elements at run time, {} needs {}", x.numel(), t.str(), known);
+  }
+  y.shape = shape;
+  if (y.data != x.data) std::memcpy(y.data, x.data, static_cast<size_t>(x.bytes()));
+  return Status::ok();
+}
+
+bool floatStorage(ir::DType t) { return t == ir::DType::f32 || t == ir::DType::bf16 || t == ir::DType::f64; }
+
+Status runCast(const ir::Op&, const std::vector<const ir::TensorView*>& in, const std::vector<ir::TensorView*>& out,
+               const KernelContext& ctx) {
+  const ir::TensorView& x = *in[0];
+  ir::TensorView& y = *out[0];
+  y.shape = x.shape;
+  if (x.dtype == ir::DType::f64 || y.dtype == ir::DType::f64) {
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) {
+      double v = x.dtype == ir::DType::f64 ? x.as<double>()[i] : loadF(x.data, x.dtype, i);
+      if (y.dtype == ir::DType::f64) y.as<double>()[i] = v;
+      else storeF(y.data, y.dtype, i, static_cast<float>(v));
+    }
+    return Status::ok();
+  }
+  ctx.pool->parallelFor(x.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) storeF(y.data, y.dtype, i, loadF(x.data, x.dtype, i));
+  });
+  return Status::ok();
+}
+
+bool supportsCast(const ir::Op& op) {
+  return floatStorage(op.operand(0)->type().dtype()) && floatStorage(op.result()->type().dtype());
+}
+
+}  // namespace
+
+void registerDataKernels(KernelTable& t) {
+  addKernel(t, "kiln.constant", {"constant", runConstant, supportsConstant});
+  addKernel(t, "kiln.reshape", {"reshape", runReshape, [](const ir::Op&) { return true; }});
+  addKernel(t, "kiln.cast", {"cast", runCast, supportsCast});
+}
+
+}  // namespace kiln::runtime::cpu
