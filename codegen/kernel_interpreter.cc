@@ -357,4 +357,25 @@ Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
   return Status::ok();
 }
 
+Status interpretGroup(const LoweredGroup& g, const std::vector<void*>& group_buffers) {
+  if (group_buffers.size() != g.buffers.size())
+    return Status::errorf("the group has {} buffers, got {}", g.buffers.size(), group_buffers.size());
+  for (size_t i = 0; i < g.kernels.size(); ++i) {
+    const Kernel& k = g.kernels[i];
+    std::vector<void*> args;
+    for (int b : g.args[i]) args.push_back(group_buffers[static_cast<size_t>(b)]);
+    if (k.error_flag >= 0) std::memset(args[static_cast<size_t>(k.error_flag)], 0, 2 * sizeof(int32_t));
+    KILN_RETURN_IF_ERROR(interpret(k, args));
+    if (k.error_flag >= 0) {
+      const auto* flag = static_cast<const int32_t*>(args[static_cast<size_t>(k.error_flag)]);
+      if (flag[0]) {
+        const EmbeddingTable& t = k.tables[static_cast<size_t>(flag[1])];
+        return Status::errorf("embedding table '{}': an id is out of range [0, {})",
+                              k.buffers[static_cast<size_t>(t.weight >= 0 ? t.weight : t.ids)].name, t.rows);
+      }
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace kiln::codegen

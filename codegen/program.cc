@@ -404,7 +404,9 @@ Status validate(const Program& p) {
   std::vector<bool> written(static_cast<size_t>(nbuf), false);
   for (const Buffer& b : p.buffers)
     if (!b.inArena()) written[static_cast<size_t>(b.id)] = true;
-  std::vector<bool> recorded(static_cast<size_t>(std::max(p.num_events, 0)), false);
+  if (p.num_events < 0 || p.num_events > p.numInstructions())
+    return Status::errorf("program: {} events for {} instructions", p.num_events, p.numInstructions());
+  std::vector<bool> recorded(static_cast<size_t>(p.num_events), false);
   for (const Instruction* in : p.ordered()) {
     for (int id : in->operands) {
       if (id < 0 || id >= nbuf) return Status::errorf("program: instruction {} reads unknown buffer {}", in->seq, id);

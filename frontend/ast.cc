@@ -23,7 +23,7 @@ void printStmt(const Stmt& s, int indent, std::string& out) {
   std::string pad(static_cast<size_t>(indent), ' ');
   auto join = [](const std::vector<std::string>& v) {
     std::string r;
-    for (const auto& x : v) r += " " + x;
+    for (const auto& x : v) r.append(" ").append(x);
     return r;
   };
   switch (s.kind) {
@@ -38,7 +38,7 @@ void printStmt(const Stmt& s, int indent, std::string& out) {
       return;
     case Stmt::Kind::Input: {
       std::string dims;
-      for (const auto& d : s.type.dims) dims += " " + printExpr(*d);
+      for (const auto& d : s.type.dims) dims.append(" ").append(printExpr(*d));
       std::string mods;
       for (const auto& m : s.modifiers) mods += fmt::format(" ({}{})", m.name, printArgs(m.args));
       out += fmt::format("{}(input {} (type {}{}){})\n", pad, s.names[0], s.type.dtype, dims, mods);
@@ -91,7 +91,7 @@ std::string printExpr(const Expr& e) {
     case Expr::Kind::Error: return "<error>";
     case Expr::Kind::List: {
       std::string out = "(list";
-      for (const auto& i : e.items) out += " " + printExpr(*i);
+      for (const auto& i : e.items) out.append(" ").append(printExpr(*i));
       return out + ")";
     }
     case Expr::Kind::Range: return fmt::format("(range {} {})", printExpr(*e.items[0]), printExpr(*e.items[1]));
@@ -103,7 +103,7 @@ std::string printExpr(const Expr& e) {
       std::string out = "(index " + printExpr(*e.callee);
       for (const auto& s : e.subs) {
         if (!s.is_slice) {
-          out += " " + printExpr(*s.index);
+          out.append(" ").append(printExpr(*s.index));
         } else {
           out += fmt::format(" (slice {} {})", s.index ? printExpr(*s.index) : "_", s.stop ? printExpr(*s.stop) : "_");
         }
@@ -122,7 +122,7 @@ std::string printFile(const File& f) {
     for (size_t i = 0; i < fn->params.size(); ++i) {
       if (i) out += ' ';
       out += fn->params[i].name;
-      if (fn->params[i].default_value) out += "=" + printExpr(*fn->params[i].default_value);
+      if (fn->params[i].default_value) out.append("=").append(printExpr(*fn->params[i].default_value));
     }
     out += ")\n";
     printBlock(fn->body, 2, out);

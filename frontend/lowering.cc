@@ -13,7 +13,7 @@ namespace kiln::frontend {
 
 std::string typeStr(const ir::TensorType& t) {
   std::string out = std::string(ir::dtypeName(t.dtype())) + "[";
-  for (int64_t i = 0; i < t.rank(); ++i) out += (i ? "," : "") + t.dim(i).str();
+  for (int64_t i = 0; i < t.rank(); ++i) out.append(i ? "," : "").append(t.dim(i).str());
   return out + "]";
 }
 

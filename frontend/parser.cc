@@ -383,7 +383,7 @@ class Parser {
     if (at(Tok::Minus)) {
       DepthGuard g(*this, peek());
       auto e = std::make_unique<Expr>(Expr::Kind::Unary, next().loc);
-      e->text = "-";
+      e->text = std::string(1, '-');
       e->items.push_back(unary());
       return e;
     }

@@ -22,6 +22,7 @@
 #include "ir/optimizer.h"
 #include "ir/verifier.h"
 #include "passes/lr_schedule.h"
+#include "passes/pass_registry.h"
 
 namespace kiln::passes {
 namespace {
@@ -201,6 +202,10 @@ Status TrainStepBuilder::backward(Value* loss) {
     builder_.setLocation(op->location());
 
     bool sparse = isSparseLookup(*op);
+    if (op->name() == "kiln.embedding_bag" && !sparse && needs_grad_.count(op->operand(0)))
+      return Status::error("the table of a kiln.embedding_bag that is trained must be a kiln.parameter itself "
+                           "(its update is sparse, applied to the parameter in place)",
+                           op->location());
     if (sparse) sparse_[op->operand(0)].push_back({op, result_grads[0]});
     // Only the per-id weights can still need a gradient from the generic rule.
     bool generic = !sparse;
@@ -486,5 +491,16 @@ Status buildTrainStep(ir::Module& module) {
   }
   return Status::ok();
 }
+
+class AutodiffPass : public RegisteredPass<AutodiffPass> {
+ public:
+  KILN_PASS_INFO(AutodiffPass)
+  Expected<bool> run(ir::Module& m) override {
+    KILN_RETURN_IF_ERROR(buildTrainStep(m));
+    return true;
+  }
+};
+
+std::unique_ptr<Pass> createAutodiffPass() { return std::make_unique<AutodiffPass>(); }
 
 }  // namespace kiln::passes

@@ -120,6 +120,13 @@ class Rewriter {
     for (Op* p : producers) eraseIfDead(p);
   }
 
+  // Inserts a new op. Its address may be one an erased op had: it is live again.
+  Op* insertBefore(Op* before, std::unique_ptr<Op> op) {
+    erased.erase(op.get());
+    changed = true;
+    return before->parentBlock()->insertBefore(before, std::move(op));
+  }
+
   void eraseIfDead(Op* op) {
     if (erased.count(op) || !op->hasTrait(ir::kPure) || op->hasTrait(ir::kSideEffect)) return;
     for (Value* r : op->results())
@@ -133,7 +140,7 @@ class Rewriter {
 };
 
 // Folds an op on splat constants; returns the new constant's value or nullptr.
-Value* foldConstant(Op* op) {
+Value* foldConstant(Op* op, Rewriter& rw) {
   const TensorType& type = op->result()->type();
   bool integer = ir::isInteger(type.dtype()) || type.dtype() == DType::i1;
   std::vector<double> in;
@@ -162,7 +169,7 @@ Value* foldConstant(Op* op) {
   Attribute value = integer ? Attribute(static_cast<int64_t>(*out)) : Attribute(*out);
   auto c = Op::create("kiln.constant", {}, {type}, {{"value", value}}, op->location());
   c->result()->setNameHint(op->result()->nameHint());
-  return op->parentBlock()->insertBefore(op, std::move(c))->result();
+  return rw.insertBefore(op, std::move(c))->result();
 }
 
 // x op identity -> x, when that does not drop a broadcast.
@@ -200,7 +207,7 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
   Value* result = op->result();
 
   if ((op->hasTrait(ir::kElementwise) || n == "kiln.cast") && op->numOperands() > 0) {
-    if (Value* c = foldConstant(op)) return rw.replace(op, c);
+    if (Value* c = foldConstant(op, rw)) return rw.replace(op, c);
   }
   if (Value* x = foldIdentity(op)) return rw.replace(op, x);
 

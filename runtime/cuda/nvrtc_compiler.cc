@@ -1,0 +1,148 @@
+#include "runtime/cuda/nvrtc_compiler.h"
+
+#include <cctype>
+#include <regex>
+#include <set>
+
+#include <fmt/format.h>
+
+#ifdef KILN_HAVE_CUDA_HEADERS
+#include <nvrtc.h>
+#endif
+
+namespace kiln::cuda {
+
+Status checkGpuArch(const std::string& arch) {
+  static const std::regex re("sm_[0-9]{2,3}[af]?");
+  if (!std::regex_match(arch, re))
+    return Status::errorf("bad GPU architecture '{}': expected sm_NN, e.g. sm_90 for the H100/H200", arch);
+  return Status::ok();
+}
+
+#ifdef KILN_HAVE_CUDA_HEADERS
+
+struct NvrtcCompiler::Api {
+  decltype(&::nvrtcVersion) version = nullptr;
+  decltype(&::nvrtcGetErrorString) errorString = nullptr;
+  decltype(&::nvrtcCreateProgram) createProgram = nullptr;
+  decltype(&::nvrtcDestroyProgram) destroyProgram = nullptr;
+  decltype(&::nvrtcCompileProgram) compileProgram = nullptr;
+  decltype(&::nvrtcGetProgramLogSize) getProgramLogSize = nullptr;
+  decltype(&::nvrtcGetProgramLog) getProgramLog = nullptr;
+  decltype(&::nvrtcGetCUBINSize) getCUBINSize = nullptr;
+  decltype(&::nvrtcGetCUBIN) getCUBIN = nullptr;
+};
+
+NvrtcCompiler::~NvrtcCompiler() = default;
+
+Expected<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::create(std::string cache_dir) {
+  auto lib = DynamicLibrary::open({"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, cudaLibraryDirs());
+  if (!lib) return Status::errorf("cannot compile CUDA kernels: NVRTC {}", lib.status().message());
+  std::unique_ptr<NvrtcCompiler> c(new NvrtcCompiler());
+  c->lib_ = lib.take();
+  c->api_ = std::make_unique<Api>();
+  Api& a = *c->api_;
+  bool ok = true;
+  auto bind = [&](auto& fn, const char* name) {
+    fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(c->lib_.symbol(name));
+    ok &= fn != nullptr;
+  };
+  bind(a.version, "nvrtcVersion");
+  bind(a.errorString, "nvrtcGetErrorString");
+  bind(a.createProgram, "nvrtcCreateProgram");
+  bind(a.destroyProgram, "nvrtcDestroyProgram");
+  bind(a.compileProgram, "nvrtcCompileProgram");
+  bind(a.getProgramLogSize, "nvrtcGetProgramLogSize");
+  bind(a.getProgramLog, "nvrtcGetProgramLog");
+  bind(a.getCUBINSize, "nvrtcGetCUBINSize");
+  bind(a.getCUBIN, "nvrtcGetCUBIN");
+  if (!ok) return Status::errorf("{} lacks NVRTC entry points (nvrtcGetCUBIN needs NVRTC 11.1 or newer)", c->lib_.path());
+  if (a.version(&c->major_, &c->minor_) != NVRTC_SUCCESS)
+    return Status::errorf("nvrtcVersion failed in {}", c->lib_.path());
+  c->cache_dir_ = std::move(cache_dir);
+  return c;
+}
+
+Expected<CompiledModule> NvrtcCompiler::compile(const codegen::CudaModule& module, const std::string& arch) {
+  return compileSource(module.source, arch, [&](int line) { return module.kernelAtLine(line); });
+}
+
+Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source, const std::string& arch,
+                                                      const std::function<std::string(int)>& kernel_at_line) {
+  KILN_RETURN_IF_ERROR(checkGpuArch(arch));
+  // No fast math: the GPU computes what the CPU references compute, within rounding.
+  std::vector<std::string> options = {"--gpu-architecture=" + arch, "--std=c++17"};
+  std::string joined;
+  for (const std::string& o : options) joined += o + ' ';
+  CompiledModule out;
+  std::string entry = KernelCache::entryName(source, joined, arch, version());
+  KernelCache cache(cache_dir_);
+  if (!cache_dir_.empty()) {
+    out.cache_file = cache.pathOf(entry);
+    if (auto hit = cache.load(entry)) {
+      ++cache_hits_;
+      out.cubin = std::move(*hit);
+      out.from_cache = true;
+      return out;
+    }
+  }
+  const Api& a = *api_;
+  nvrtcProgram prog = nullptr;
+  nvrtcResult r = a.createProgram(&prog, source.c_str(), "kiln_kernels.cu", 0, nullptr, nullptr);
+  if (r != NVRTC_SUCCESS) return Status::errorf("nvrtcCreateProgram failed: {}", a.errorString(r));
+  std::vector<const char*> argv;
+  for (const std::string& o : options) argv.push_back(o.c_str());
+  ++compilations_;
+  r = a.compileProgram(prog, static_cast<int>(argv.size()), argv.data());
+  size_t log_size = 0;
+  std::string log;
+  if (a.getProgramLogSize(prog, &log_size) == NVRTC_SUCCESS && log_size > 1) {
+    log.resize(log_size);
+    a.getProgramLog(prog, log.data());
+    log.resize(log_size - 1);
+  }
+  if (r != NVRTC_SUCCESS) {
+    a.destroyProgram(&prog);
+    // Name the kernels the errors point into: "kiln_kernels.cu(123): error: ...".
+    std::set<std::string> kernels;
+    static const std::regex where("kiln_kernels\\.cu\\(([0-9]+)\\): error");
+    for (auto it = std::sregex_iterator(log.begin(), log.end(), where); it != std::sregex_iterator(); ++it) {
+      std::string k = kernel_at_line ? kernel_at_line(std::stoi((*it)[1])) : "";
+      kernels.insert(k.empty() ? "the prelude" : k);
+    }
+    std::string names;
+    for (const std::string& k : kernels) names += (names.empty() ? "" : ", ") + k;
+    return Status::errorf("NVRTC {} failed to compile {} for {} ({}):\n{}", version(),
+                          names.empty() ? "the kernels" : "kernel " + names, arch, a.errorString(r), log);
+  }
+  size_t size = 0;
+  r = a.getCUBINSize(prog, &size);
+  if (r == NVRTC_SUCCESS && size > 0) {
+    out.cubin.resize(size);
+    r = a.getCUBIN(prog, out.cubin.data());
+  }
+  a.destroyProgram(&prog);
+  if (r != NVRTC_SUCCESS || out.cubin.empty())
+    return Status::errorf("NVRTC produced no CUBIN for {} ({})", arch, r != NVRTC_SUCCESS ? a.errorString(r) : "empty");
+  if (!cache_dir_.empty()) KILN_RETURN_IF_ERROR(cache.store(entry, out.cubin));
+  return out;
+}
+
+#else  // !KILN_HAVE_CUDA_HEADERS
+
+struct NvrtcCompiler::Api {};
+NvrtcCompiler::~NvrtcCompiler() = default;
+Expected<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::create(std::string) {
+  return Status::error("this kiln was built without the CUDA toolkit's headers: NVRTC is unavailable");
+}
+Expected<CompiledModule> NvrtcCompiler::compile(const codegen::CudaModule&, const std::string&) {
+  return Status::error("NVRTC is unavailable");
+}
+Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string&, const std::string&,
+                                                      const std::function<std::string(int)>&) {
+  return Status::error("NVRTC is unavailable");
+}
+
+#endif
+
+}  // namespace kiln::cuda

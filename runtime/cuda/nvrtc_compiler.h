@@ -1,0 +1,59 @@
+// Compiles generated CUDA C++ to CUBIN with NVRTC, loaded at run time (libnvrtc.so.13, .so.12
+// or .so; never linked), through the on-disk kernel cache. NVRTC needs no GPU, so this runs,
+// and is tested, on CPU-only machines.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "codegen/cuda_emitter.h"
+#include "ir/status.h"
+#include "runtime/cuda/dynamic_library.h"
+#include "runtime/cuda/kernel_cache.h"
+
+namespace kiln::cuda {
+
+struct CompiledModule {
+  std::vector<char> cubin;
+  bool from_cache = false;
+  std::string cache_file;  // where it is (or would be) cached
+};
+
+class NvrtcCompiler {
+ public:
+  // Loads NVRTC; the error says which libraries were tried. The cache directory defaults to
+  // defaultCacheDir(); an empty string disables caching.
+  static Expected<std::unique_ptr<NvrtcCompiler>> create(std::string cache_dir = defaultCacheDir());
+  ~NvrtcCompiler();
+
+  // "13.0"
+  std::string version() const { return std::to_string(major_) + "." + std::to_string(minor_); }
+  const std::string& libraryPath() const { return lib_.path(); }
+
+  // Compiles a module for `arch` (sm_90 for the H200; any sm_XX NVRTC knows). A failure carries
+  // NVRTC's log and names the kernels its errors point into.
+  Expected<CompiledModule> compile(const codegen::CudaModule& module, const std::string& arch = "sm_90");
+  // Same for plain source; `kernel_at_line` maps a 1-based source line to a kernel name.
+  Expected<CompiledModule> compileSource(const std::string& source, const std::string& arch,
+                                         const std::function<std::string(int)>& kernel_at_line = {});
+
+  // Counters since creation: NVRTC invocations and cache hits.
+  int compilations() const { return compilations_; }
+  int cacheHits() const { return cache_hits_; }
+
+ private:
+  NvrtcCompiler() = default;
+  struct Api;
+  DynamicLibrary lib_;
+  std::unique_ptr<Api> api_;
+  int major_ = 0, minor_ = 0;
+  std::string cache_dir_;
+  int compilations_ = 0, cache_hits_ = 0;
+};
+
+// Checks an architecture name: sm_NN or sm_NNa (a real GPU, so NVRTC emits CUBIN).
+Status checkGpuArch(const std::string& arch);
+
+}  // namespace kiln::cuda

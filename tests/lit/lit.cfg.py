@@ -1,0 +1,26 @@
+# lit configuration for Kiln's FileCheck tests. Run through ctest (`ctest -R '^lit$'`) or
+# directly: python3 /usr/lib/llvm-14/build/utils/lit/lit.py -sv <build>/tests/lit
+#
+# In RUN lines: %kiln is the built binary, FileCheck and not come from llvm-14, %s is the test
+# file, %t a scratch path. Tests live in any subfolder: passes/, opt/, frontend/, ...
+import os
+
+import lit.formats
+
+config.name = "kiln"
+config.test_format = lit.formats.ShTest(execute_external=True)
+config.suffixes = [".mlir", ".kiln"]
+config.excludes = ["Inputs", "CMakeLists.txt", "lit.cfg.py", "lit.site.cfg.py.in"]
+
+if not hasattr(config, "kiln_binary"):
+    lit_config.fatal("run lit on the build folder (<build>/tests/lit), whose lit.site.cfg.py names kiln")
+
+config.test_source_root = config.kiln_lit_source_dir
+config.test_exec_root = config.kiln_lit_exec_dir
+
+config.substitutions.append(("%kiln", config.kiln_binary))
+# Whole words only, so that `FileCheck` in a path or `not` inside a word stay as they are.
+config.substitutions.append((r"(?<![\w/.-])FileCheck(?![\w.-])", os.path.join(config.llvm_tools_dir, "FileCheck")))
+config.substitutions.append((r"(?<![\w/.-])not(?![\w.-])", os.path.join(config.llvm_tools_dir, "not")))
+
+config.environment["PATH"] = os.pathsep.join([config.llvm_tools_dir, os.environ.get("PATH", "")])

@@ -1,0 +1,175 @@
+// Every kernel the CUDA backend generates compiles with NVRTC for sm_90 (the H200), the
+// on-disk cache makes a second compile free, and generated source is deterministic. NVRTC
+// needs no GPU: this runs in CI on CPU-only machines.
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "codegen/cuda_emitter.h"
+#include "codegen/kernel_lowering.h"
+#include "runtime/cuda/nvrtc_compiler.h"
+#include "tests/nvrtc/op_cases.h"
+
+namespace kiln::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A fresh cache directory per test, removed afterwards.
+class TempDir {
+ public:
+  TempDir() {
+    path_ = fs::temp_directory_path() / ("kiln-nvrtc-test-" + std::to_string(getpid()) + "-" + std::to_string(counter_++));
+    fs::remove_all(path_);
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  std::string str() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  fs::path path_;
+};
+
+std::unique_ptr<cuda::NvrtcCompiler> compilerOrSkip(const std::string& cache_dir, std::string* why) {
+  auto c = cuda::NvrtcCompiler::create(cache_dir);
+  if (!c) {
+    *why = c.status().message();
+    return nullptr;
+  }
+  return c.take();
+}
+
+#define NVRTC_OR_SKIP(var, dir)                          \
+  std::string why_##var;                                 \
+  auto var = compilerOrSkip(dir, &why_##var);            \
+  if (!var) GTEST_SKIP() << why_##var;
+
+// All kernels of every op case, in one module.
+codegen::CudaModule allKernelsModule(std::vector<OpCase>& cases, std::vector<codegen::LoweredGroup>& keep) {
+  for (OpCase& c : cases) {
+    auto g = codegen::lowerGroup(c.group, c.symbols);
+    EXPECT_TRUE(g) << c.name << ": " << g.status().message();
+    if (g) keep.push_back(g.take());
+  }
+  std::vector<const codegen::Kernel*> ks;
+  for (const auto& g : keep)
+    for (const auto& k : g.kernels) ks.push_back(&k);
+  return codegen::emitModule(ks);
+}
+
+TEST(Nvrtc, EveryOpKernelCompilesForSm90) {
+  TempDir dir;
+  NVRTC_OR_SKIP(nvrtc, dir.str());
+  std::vector<OpCase> cases = allOpCases();
+  std::vector<codegen::LoweredGroup> groups;
+  codegen::CudaModule m = allKernelsModule(cases, groups);
+  ASSERT_GT(m.kernels.size(), cases.size());
+  auto r = nvrtc->compile(m, "sm_90");
+  ASSERT_TRUE(r) << r.status().message();
+  EXPECT_FALSE(r->from_cache);
+  EXPECT_GT(r->cubin.size(), 1000u);
+  // A CUBIN is an ELF image.
+  EXPECT_EQ(std::string(r->cubin.data() + 1, 3), "ELF");
+  EXPECT_EQ(nvrtc->compilations(), 1);
+}
+
+TEST(Nvrtc, SecondCompileIsACacheHit) {
+  TempDir dir;
+  std::vector<OpCase> cases = allOpCases();
+  cases.resize(6);
+  std::vector<codegen::LoweredGroup> groups;
+  codegen::CudaModule m = allKernelsModule(cases, groups);
+  std::vector<char> first;
+  {
+    NVRTC_OR_SKIP(nvrtc, dir.str());
+    auto r = nvrtc->compile(m, "sm_90");
+    ASSERT_TRUE(r) << r.status().message();
+    first = r->cubin;
+    EXPECT_TRUE(fs::exists(r->cache_file));
+  }
+  // A new compiler (as in a second run of kiln) finds it and compiles nothing.
+  NVRTC_OR_SKIP(again, dir.str());
+  auto r = again->compile(m, "sm_90");
+  ASSERT_TRUE(r) << r.status().message();
+  EXPECT_TRUE(r->from_cache);
+  EXPECT_EQ(again->compilations(), 0);
+  EXPECT_EQ(again->cacheHits(), 1);
+  EXPECT_EQ(r->cubin, first);
+  // Another architecture is another entry; no temporary files are left behind.
+  auto other = again->compile(m, "sm_80");
+  ASSERT_TRUE(other) << other.status().message();
+  EXPECT_FALSE(other->from_cache);
+  int files = 0;
+  for (const auto& e : fs::directory_iterator(dir.str())) {
+    EXPECT_EQ(e.path().extension(), ".cubin") << e.path();
+    ++files;
+  }
+  EXPECT_EQ(files, 2);
+}
+
+TEST(Nvrtc, CompileErrorNamesTheKernel) {
+  TempDir dir;
+  NVRTC_OR_SKIP(nvrtc, dir.str());
+  std::vector<OpCase> cases = allOpCases();
+  cases.resize(2);
+  std::vector<codegen::LoweredGroup> groups;
+  codegen::CudaModule m = allKernelsModule(cases, groups);
+  // Break the second kernel's body.
+  const codegen::EmittedKernel& victim = m.kernels.back();
+  size_t at = m.source.find(victim.name + "(");
+  ASSERT_NE(at, std::string::npos);
+  size_t body = m.source.find("{\n", at);
+  m.source.insert(body + 2, "  this_is_not_cuda;\n");
+  auto r = nvrtc->compile(m, "sm_90");
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find(victim.name), std::string::npos) << r.status().message();
+  EXPECT_NE(r.status().message().find("this_is_not_cuda"), std::string::npos) << r.status().message();
+}
+
+TEST(Nvrtc, BadArchitectureIsRejected) {
+  EXPECT_FALSE(cuda::checkGpuArch("sm90").isOk());
+  EXPECT_FALSE(cuda::checkGpuArch("compute_90").isOk());
+  EXPECT_TRUE(cuda::checkGpuArch("sm_90").isOk());
+  EXPECT_TRUE(cuda::checkGpuArch("sm_90a").isOk());
+}
+
+TEST(CudaEmitter, SourceIsDeterministicAndNamesCarryAContentHash) {
+  std::vector<OpCase> a = allOpCases(), b = allOpCases();
+  std::vector<codegen::LoweredGroup> ga, gb;
+  codegen::CudaModule ma = allKernelsModule(a, ga), mb = allKernelsModule(b, gb);
+  EXPECT_EQ(ma.source, mb.source);
+  for (const auto& k : ma.kernels) {
+    EXPECT_EQ(k.name.rfind("kiln_", 0), 0u) << k.name;
+    EXPECT_EQ(k.name.size() - k.name.rfind('_') - 1, 16u) << k.name;
+  }
+  // No host code and no includes: NVRTC compiles it without the toolkit's include directory.
+  EXPECT_EQ(ma.source.find("#include"), std::string::npos);
+  EXPECT_EQ(ma.source.find("__host__"), std::string::npos);
+  // Different kernels get different names.
+  std::set<std::string> names;
+  for (const auto& k : ma.kernels) names.insert(k.name);
+  EXPECT_GT(names.size(), a.size() / 2);
+}
+
+TEST(CudaEmitter, LaunchConfigurations) {
+  codegen::Kernel k;
+  k.kind = codegen::KernelKind::Pointwise;
+  k.space = {1000};
+  EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{4, 256}));
+  k.kind = codegen::KernelKind::Row;
+  k.space = {16};
+  k.row_space = {100};
+  EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{16, 128}));
+  k.space = {1};
+  k.row_space = {100000};
+  EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{1, 1024}));
+  k.kind = codegen::KernelKind::EmbeddingForward;
+  k.batch = 100;
+  k.tables.resize(3);
+  EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{38, 256}));  // 300 warps, 8 a block
+}
+
+}  // namespace
+}  // namespace kiln::testing

@@ -1,0 +1,355 @@
+// Small IR programs, one per op kind the CUDA backend lowers, shared by the kernel-semantics
+// test (interpreted kernel IR vs the op's CPU reference) and the NVRTC compile test.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ir/builder.h"
+#include "ir/ir.h"
+#include "ir/op_def.h"
+#include "ir/tensor_view.h"
+
+namespace kiln::testing {
+
+using ir::Attribute;
+using ir::AttrDict;
+using ir::Dim;
+using ir::DType;
+using ir::TensorType;
+using ir::Value;
+
+// How an input is filled.
+enum class Fill { Normal, Positive, Ids, Probabilities, Labels01 };
+
+struct OpCase {
+  std::string name;
+  std::unique_ptr<ir::Module> module;
+  ir::SymbolBindings symbols;
+  std::vector<const ir::Op*> group;  // the ops lowered together
+  std::map<const Value*, std::pair<Fill, int64_t>> fills;  // int64: id range for Fill::Ids
+  double tol = 2e-5;
+  size_t expected_kernels = 0;  // 0: not checked
+};
+
+class CaseBuilder {
+ public:
+  explicit CaseBuilder(std::string name) {
+    c_.name = std::move(name);
+    c_.module = std::make_unique<ir::Module>();
+    f_ = &c_.module->addFunction("f");
+    f_->body().addBlock();
+    b_.setInsertionPointToEnd(f_->entry());
+  }
+
+  Value* input(const std::string& name, DType t, ir::Shape shape, Fill fill = Fill::Normal, int64_t range = 0) {
+    auto op = b_.createWithTypes("kiln.input", {}, {TensorType(t, std::move(shape))}, {{"name", Attribute(name)}});
+    Value* v = (*op)->result();
+    c_.fills[v] = {fill, range};
+    return v;
+  }
+  Value* param(const std::string& name, DType t, ir::Shape shape, Fill fill = Fill::Normal) {
+    auto op = b_.createWithTypes("kiln.parameter", {}, {TensorType(t, std::move(shape))}, {{"name", Attribute(name)}});
+    Value* v = (*op)->result();
+    c_.fills[v] = {fill, 0};
+    return v;
+  }
+  // Adds an op to the group under test.
+  ir::Op* op(const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
+    auto r = b_.create(name, operands, std::move(attrs));
+    if (!r) throw std::runtime_error(c_.name + ": " + r.status().message());
+    c_.group.push_back(*r);
+    return *r;
+  }
+  ir::Op* opWithType(const std::string& name, const std::vector<Value*>& operands, TensorType t, AttrDict attrs = {}) {
+    auto r = b_.createWithTypes(name, operands, {std::move(t)}, std::move(attrs));
+    if (!r) throw std::runtime_error(c_.name + ": " + r.status().message());
+    c_.group.push_back(*r);
+    return *r;
+  }
+  CaseBuilder& tol(double t) {
+    c_.tol = t;
+    return *this;
+  }
+  CaseBuilder& kernels(size_t n) {
+    c_.expected_kernels = n;
+    return *this;
+  }
+  CaseBuilder& bind(const std::string& sym, int64_t v) {
+    c_.symbols[sym] = v;
+    return *this;
+  }
+  OpCase take() { return std::move(c_); }
+
+ private:
+  OpCase c_;
+  ir::Function* f_;
+  ir::Builder b_;
+};
+
+inline ir::Shape S(std::initializer_list<int64_t> dims) {
+  ir::Shape s;
+  for (int64_t d : dims) s.push_back(Dim::fixed(d));
+  return s;
+}
+
+inline std::vector<OpCase> allOpCases() {
+  std::vector<OpCase> cases;
+  auto add = [&](CaseBuilder& b) { cases.push_back(b.take()); };
+  const DType f32 = DType::f32;
+
+  {  // A chain of elementwise ops with a broadcast bias: one kernel, two live-out values.
+    CaseBuilder b("elementwise_chain");
+    Value* x = b.input("x", f32, S({4, 6}));
+    Value* bias = b.input("bias", f32, S({6}));
+    Value* y = b.input("y", f32, S({4, 6}));
+    Value* s = b.op("kiln.add", {x, bias})->result();
+    Value* r = b.op("kiln.relu", {s})->result();
+    Value* m = b.op("kiln.mul", {r, y})->result();
+    b.op("kiln.sub", {m, s});
+    b.kernels(1);
+    add(b);
+  }
+  for (const char* u : {"kiln.neg", "kiln.abs", "kiln.exp", "kiln.tanh", "kiln.sigmoid", "kiln.relu", "kiln.gelu",
+                        "kiln.silu"}) {
+    CaseBuilder b(std::string("unary_") + (u + 5));
+    b.op(u, {b.input("x", f32, S({3, 5}))});
+    add(b);
+  }
+  for (const char* u : {"kiln.log", "kiln.sqrt", "kiln.rsqrt"}) {
+    CaseBuilder b(std::string("unary_") + (u + 5));
+    b.op(u, {b.input("x", f32, S({3, 5}), Fill::Positive)});
+    add(b);
+  }
+  for (const char* bin : {"kiln.sub", "kiln.div", "kiln.max", "kiln.min"}) {
+    CaseBuilder b(std::string("binary_") + (bin + 5));
+    b.op(bin, {b.input("x", f32, S({2, 3, 4})), b.input("y", f32, S({3, 1}), Fill::Positive)});
+    add(b);
+  }
+  {
+    CaseBuilder b("binary_pow");
+    b.op("kiln.pow", {b.input("x", f32, S({2, 5}), Fill::Positive), b.input("y", f32, S({2, 5}))});
+    add(b);
+  }
+  {
+    CaseBuilder b("compare_select");
+    Value* x = b.input("x", f32, S({4, 4}));
+    Value* y = b.input("y", f32, S({4}));
+    Value* c = b.op("kiln.compare", {x, y}, {{"predicate", Attribute("gt")}})->result();
+    b.op("kiln.select", {c, x, b.input("z", f32, S({4, 4}))});
+    b.kernels(1);
+    add(b);
+  }
+  {
+    CaseBuilder b("cast_bf16_roundtrip");
+    Value* x = b.input("x", f32, S({3, 7}));
+    Value* h = b.op("kiln.cast", {x}, {{"to", Attribute("bf16")}})->result();
+    Value* e = b.op("kiln.exp", {h})->result();
+    b.op("kiln.cast", {e}, {{"to", Attribute("f32")}});
+    b.tol(1e-2);
+    add(b);
+  }
+  {
+    CaseBuilder b("bf16_storage");
+    Value* x = b.input("x", DType::bf16, S({5, 8}));
+    Value* y = b.input("y", DType::bf16, S({8}));
+    b.op("kiln.silu", {b.op("kiln.mul", {x, y})->result()});
+    b.tol(1e-2);
+    add(b);
+  }
+  {
+    CaseBuilder b("cast_to_i32");
+    b.op("kiln.cast", {b.input("x", f32, S({4, 3}))}, {{"to", Attribute("i32")}});
+    add(b);
+  }
+  {
+    CaseBuilder b("transpose");
+    b.op("kiln.transpose", {b.input("x", f32, S({2, 3, 4}))}, {{"perm", Attribute::ints({2, 0, 1})}});
+    add(b);
+  }
+  {
+    CaseBuilder b("slice");
+    b.op("kiln.slice", {b.input("x", f32, S({3, 10}))},
+         {{"axis", Attribute(int64_t{1})}, {"start", Attribute(int64_t{2})}, {"limit", Attribute(int64_t{7})}});
+    add(b);
+  }
+  {
+    CaseBuilder b("concat");
+    b.op("kiln.concat", {b.input("a", f32, S({3, 2})), b.input("b", f32, S({3, 5})), b.input("c", f32, S({3, 1}))},
+         {{"axis", Attribute(int64_t{1})}});
+    add(b);
+  }
+  {
+    CaseBuilder b("gather");
+    b.op("kiln.gather", {b.input("x", f32, S({6, 4})), b.input("i", DType::i64, S({5}), Fill::Ids, 6)},
+         {{"axis", Attribute(int64_t{0})}});
+    add(b);
+  }
+  {
+    CaseBuilder b("reshape_then_relu");
+    Value* x = b.input("x", f32, S({4, 6}));
+    Value* r = b.opWithType("kiln.reshape", {x}, TensorType(f32, S({2, 12})))->result();
+    b.op("kiln.relu", {r});
+    add(b);
+  }
+  {
+    CaseBuilder b("broadcast");
+    b.opWithType("kiln.broadcast", {b.input("x", f32, S({1, 5}))}, TensorType(f32, S({3, 5})));
+    add(b);
+  }
+  for (const char* kind : {"sum", "mean", "max"})
+    for (std::vector<int64_t> axes : std::vector<std::vector<int64_t>>{{1}, {0}, {0, 2}, {0, 1, 2}}) {
+      std::string n = std::string("reduce_") + kind + "_axes";
+      for (int64_t a : axes) n += std::to_string(a);
+      CaseBuilder b(n);
+      b.op("kiln.reduce", {b.input("x", f32, S({5, 7, 3}))},
+           {{"kind", Attribute(kind)}, {"axes", Attribute::ints(axes)}, {"keepdims", Attribute(axes.size() == 1)}});
+      add(b);
+    }
+  {  // A symbolic batch bound at lowering time.
+    CaseBuilder b("reduce_symbolic_batch");
+    b.op("kiln.reduce", {b.input("x", f32, {Dim::symbol("B"), Dim::fixed(9)})},
+         {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}});
+    b.bind("B", 11);
+    add(b);
+  }
+  for (int64_t axis : {-1, 0}) {
+    CaseBuilder b("softmax_axis" + std::to_string(axis));
+    b.op("kiln.softmax", {b.input("x", f32, S({4, 9}))}, {{"axis", Attribute(axis)}});
+    add(b);
+  }
+  for (const char* red : {"mean", "sum"}) {
+    CaseBuilder b(std::string("bce_with_logits_") + red);
+    b.op("kiln.bce_with_logits", {b.input("x", f32, S({16})), b.input("y", f32, S({16}), Fill::Labels01)},
+         {{"reduction", Attribute(red)}});
+    b.tol(1e-5);
+    add(b);
+  }
+  {
+    CaseBuilder b("softmax_cross_entropy_ids");
+    b.op("kiln.softmax_cross_entropy", {b.input("x", f32, S({6, 5})), b.input("y", DType::i64, S({6}), Fill::Ids, 5)});
+    b.kernels(2);
+    add(b);
+  }
+  {
+    CaseBuilder b("softmax_cross_entropy_probs");
+    b.op("kiln.softmax_cross_entropy",
+         {b.input("x", f32, S({6, 5})), b.input("y", f32, S({6, 5}), Fill::Probabilities)}, {{"reduction", Attribute("sum")}});
+    add(b);
+  }
+  for (const char* act : {"relu", "gelu", "silu"}) {
+    CaseBuilder b(std::string("activation_grad_") + act);
+    b.op("kiln.activation_grad", {b.input("x", f32, S({3, 8})), b.input("dy", f32, S({3, 8}))},
+         {{"activation", Attribute(act)}});
+    add(b);
+  }
+  struct Dense {
+    const char* kind;
+    AttrDict attrs;
+    int state;
+  };
+  for (const Dense& d : std::vector<Dense>{
+           {"sgd", {}, 0},
+           {"sgd", {{"momentum", Attribute(0.9)}, {"nesterov", Attribute(true)}}, 1},
+           {"adagrad", {{"weight_decay", Attribute(0.01)}}, 1},
+           {"adam", {}, 2},
+           {"adamw", {{"weight_decay", Attribute(0.1)}}, 2}}) {
+    CaseBuilder b(std::string("optimizer_") + d.kind + (d.attrs.empty() ? "" : "_with_options"));
+    Value* p = b.param("w", f32, S({4, 5}));
+    std::vector<Value*> operands = {p, b.input("g", f32, S({4, 5}))};
+    for (int i = 0; i < d.state; ++i) operands.push_back(b.param("s" + std::to_string(i), f32, S({4, 5}), Fill::Positive));
+    operands.push_back(b.input("lr", f32, {}, Fill::Positive));
+    operands.push_back(b.input("step", f32, {}, Fill::Ids, 3));
+    AttrDict attrs = d.attrs;
+    attrs["kind"] = Attribute(d.kind);
+    attrs["lr"] = Attribute(0.05);
+    b.op("kiln.optimizer_update", operands, attrs);
+    b.tol(1e-4);
+    add(b);
+  }
+  {  // Two tables of one collection in one launch: sum and weighted mean.
+    CaseBuilder b("embedding_bags_two_tables");
+    Value* t0 = b.param("tables.0", f32, S({10, 8}));
+    Value* t1 = b.param("tables.1", f32, S({7, 40}));
+    b.op("kiln.embedding_bag", {t0, b.input("cats.0", DType::i64, S({5, 3}), Fill::Ids, 10)});
+    b.op("kiln.embedding_bag", {t1, b.input("cats.1", DType::i32, S({5, 2}), Fill::Ids, 7), b.input("w", f32, S({5, 2}))},
+         {{"mode", Attribute("mean")}});
+    b.kernels(1);
+    add(b);
+  }
+  for (const char* opt : {"sgd", "adagrad", "rowwise_adagrad", "adam"}) {
+    for (bool weighted : {false, true}) {
+      CaseBuilder b(std::string("embedding_update_") + opt + (weighted ? "_weighted_mean" : ""));
+      Value* table = b.param("tables.0", f32, S({6, 12}));
+      // 8 samples of 3 ids over 6 rows: duplicates within and across samples.
+      std::vector<Value*> operands = {table, b.input("ids", DType::i64, S({8, 3}), Fill::Ids, 6)};
+      if (weighted) operands.push_back(b.input("w", f32, S({8, 3})));
+      operands.push_back(b.input("grad", f32, S({8, 12})));
+      std::string o = opt;
+      int nstate = o == "sgd" ? 0 : o == "adam" ? 2 : 1;
+      for (int i = 0; i < nstate; ++i)
+        operands.push_back(b.param("s" + std::to_string(i), f32, o == "rowwise_adagrad" ? S({6}) : S({6, 12}), Fill::Positive));
+      operands.push_back(b.input("lr", f32, {}, Fill::Positive));
+      operands.push_back(b.input("step", f32, {}, Fill::Ids, 4));
+      AttrDict attrs = {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weight_decay", Attribute(0.01)}};
+      if (weighted) {
+        attrs["weighted"] = Attribute(true);
+        attrs["mode"] = Attribute("mean");
+      }
+      b.op("kiln.embedding_bag_update", operands, attrs);
+      b.kernels(3);
+      b.tol(1e-4);
+      add(b);
+    }
+  }
+  {
+    CaseBuilder b("embedding_grad_sqnorm");
+    b.op("kiln.embedding_bag_grad_sqnorm", {b.input("ids", DType::i64, S({8, 2}), Fill::Ids, 5), b.input("grad", f32, S({8, 6}))});
+    b.tol(1e-4);
+    add(b);
+  }
+  return cases;
+}
+
+// Fills a host tensor as `fill` says, deterministically from `rng`.
+inline void fillTensor(ir::HostTensor& t, Fill fill, int64_t range, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> uni(0.1f, 2.0f);
+  int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    float v = 0;
+    int64_t id = 0;
+    switch (fill) {
+      case Fill::Normal: v = normal(rng); break;
+      case Fill::Positive: v = uni(rng); break;
+      case Fill::Labels01: v = static_cast<float>(rng() % 2); break;
+      case Fill::Probabilities: v = uni(rng); break;
+      case Fill::Ids:
+        id = static_cast<int64_t>(rng() % static_cast<uint32_t>(range));
+        v = static_cast<float>(id + 1);  // float inputs (a step) get 1..range
+        break;
+    }
+    switch (t.view.dtype) {
+      case DType::f32: t.as<float>()[i] = v; break;
+      case DType::f64: t.as<double>()[i] = v; break;
+      case DType::bf16: t.as<uint16_t>()[i] = ir::floatToBf16(v); break;
+      case DType::i32: t.as<int32_t>()[i] = static_cast<int32_t>(fill == Fill::Ids ? id : static_cast<int64_t>(v)); break;
+      case DType::i64: t.as<int64_t>()[i] = fill == Fill::Ids ? id : static_cast<int64_t>(v); break;
+      default: break;
+    }
+  }
+  if (fill == Fill::Probabilities && t.view.rank() == 2 && t.view.dtype == DType::f32) {
+    int64_t rows = t.view.shape[0], cols = t.view.shape[1];
+    for (int64_t r = 0; r < rows; ++r) {
+      float s = 0;
+      for (int64_t c = 0; c < cols; ++c) s += t.as<float>()[r * cols + c];
+      for (int64_t c = 0; c < cols; ++c) t.as<float>()[r * cols + c] /= s;
+    }
+  }
+}
+
+}  // namespace kiln::testing

@@ -1,0 +1,123 @@
+// Parameter initialization: each initializer's statistics, determinism by (seed, name), and
+// independence from op order and thread count.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "runtime/cpu/thread_pool.h"
+#include "runtime/parameter_store.h"
+#include "runtime/random.h"
+#include "runtime_test_util.h"
+
+namespace kiln::runtime {
+namespace {
+
+struct Stats {
+  double mean = 0, std = 0, min = 1e300, max = -1e300;
+};
+
+Stats statsOf(const ir::HostTensor& t) {
+  Stats s;
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    double v = testing::at(t, i);
+    sum += v;
+    sq += v * v;
+    s.min = std::min(s.min, v);
+    s.max = std::max(s.max, v);
+  }
+  double n = static_cast<double>(t.numel());
+  s.mean = sum / n;
+  s.std = std::sqrt(std::max(0.0, sq / n - s.mean * s.mean));
+  return s;
+}
+
+ir::HostTensor init(std::vector<int64_t> shape, ParameterInit p, uint64_t seed = 1, ir::DType t = ir::DType::f32,
+                    ThreadPool* pool = nullptr) {
+  ir::HostTensor x(t, std::move(shape));
+  Status s = initializeTensor(x, p, seed, pool);
+  EXPECT_TRUE(s.isOk()) << s.str();
+  return x;
+}
+
+TEST(ParameterInit, DistributionsHaveTheirMoments) {
+  const std::vector<int64_t> shape = {400, 500};  // 200k samples: std error of the mean ~ std/450
+  Stats n = statsOf(init(shape, {.kind = "normal", .mean = 0.5, .std = 2.0}));
+  EXPECT_NEAR(n.mean, 0.5, 0.02);
+  EXPECT_NEAR(n.std, 2.0, 0.02);
+  Stats u = statsOf(init(shape, {.kind = "uniform", .low = -3, .high = 1}));
+  EXPECT_NEAR(u.mean, -1.0, 0.01);
+  EXPECT_NEAR(u.std, 4.0 / std::sqrt(12.0), 0.01);
+  EXPECT_GE(u.min, -3.0);
+  EXPECT_LT(u.max, 1.0);
+  // Xavier on [out = 400, in = 500]: limit sqrt(6 / 900), std sqrt(2 / 900).
+  Stats xu = statsOf(init(shape, {.kind = "xavier_uniform"}));
+  double limit = std::sqrt(6.0 / 900.0);
+  EXPECT_NEAR(xu.mean, 0.0, 0.002);
+  EXPECT_NEAR(xu.std, limit / std::sqrt(3.0), 0.001);
+  EXPECT_GE(xu.min, -limit);
+  EXPECT_LE(xu.max, limit);
+  EXPECT_GT(xu.max, 0.99 * limit);
+  Stats xn = statsOf(init(shape, {.kind = "xavier_normal"}));
+  EXPECT_NEAR(xn.mean, 0.0, 0.002);
+  EXPECT_NEAR(xn.std, std::sqrt(2.0 / 900.0), 0.0005);
+  Stats c = statsOf(init({7, 3}, {.kind = "constant", .value = -1.25}));
+  EXPECT_EQ(c.min, -1.25);
+  EXPECT_EQ(c.max, -1.25);
+  Stats one = statsOf(init({5}, {.kind = "ones"}));
+  EXPECT_EQ(one.min, 1.0);
+  EXPECT_EQ(one.max, 1.0);
+  Stats bf = statsOf(init(shape, {.kind = "normal", .std = 0.1}, 3, ir::DType::bf16));
+  EXPECT_NEAR(bf.std, 0.1, 0.002);
+}
+
+TEST(ParameterInit, ValuesDependOnSeedAndNameOnly) {
+  auto a = init({1000}, {.kind = "normal"}, 42);
+  ThreadPool pool(4);
+  auto b = init({1000}, {.kind = "normal"}, 42, ir::DType::f32, &pool);
+  EXPECT_EQ(a.storage, b.storage) << "threads change nothing";
+  auto c = init({1000}, {.kind = "normal"}, 43);
+  EXPECT_NE(a.storage, c.storage);
+  EXPECT_NE(parameterSeed(1, "tables.0"), parameterSeed(1, "tables.1"));
+  EXPECT_NE(parameterSeed(1, "tables.0"), parameterSeed(2, "tables.0"));
+  EXPECT_EQ(parameterSeed(1, "tables.0"), parameterSeed(1, "tables.0"));
+}
+
+TEST(ParameterStore, InitializationDoesNotDependOnOpOrder) {
+  const char* ab = R"(
+func.func @forward() -> (!kiln.tensor<3x4xf32>, !kiln.tensor<8x2xf32>) {
+  %a = "kiln.parameter"() {init = "normal", name = "a"} : () -> !kiln.tensor<3x4xf32>
+  %b = "kiln.parameter"() {init = "xavier_uniform", name = "b"} : () -> !kiln.tensor<8x2xf32>
+  "func.return"(%a, %b) : (!kiln.tensor<3x4xf32>, !kiln.tensor<8x2xf32>) -> ()
+}
+)";
+  const char* ba = R"(
+func.func @forward() -> (!kiln.tensor<8x2xf32>, !kiln.tensor<3x4xf32>) {
+  %b = "kiln.parameter"() {init = "xavier_uniform", name = "b"} : () -> !kiln.tensor<8x2xf32>
+  %a = "kiln.parameter"() {init = "normal", name = "a"} : () -> !kiln.tensor<3x4xf32>
+  "func.return"(%b, %a) : (!kiln.tensor<8x2xf32>, !kiln.tensor<3x4xf32>) -> ()
+}
+)";
+  ParameterStore s1, s2, s3;
+  ASSERT_TRUE(s1.initializeFrom(*testing::parseOrDie(ab), 99).isOk());
+  ASSERT_TRUE(s2.initializeFrom(*testing::parseOrDie(ba), 99).isOk());
+  ASSERT_TRUE(s3.initializeFrom(*testing::parseOrDie(ab), 100).isOk());
+  EXPECT_EQ(s1.names(), (std::vector<std::string>{"a", "b"}));
+  for (const char* n : {"a", "b"}) {
+    EXPECT_EQ(s1.find(n)->storage, s2.find(n)->storage) << n;
+    EXPECT_NE(s1.find(n)->storage, s3.find(n)->storage) << n;
+  }
+  EXPECT_EQ(s1.totalBytes(), (12 + 16) * 4);
+
+  // An existing parameter is kept; a conflicting one is an error.
+  auto before = s1.find("a")->storage;
+  ASSERT_TRUE(s1.initializeFrom(*testing::parseOrDie(ab), 5).isOk());
+  EXPECT_EQ(s1.find("a")->storage, before);
+  s1.set("b", ir::HostTensor(ir::DType::f32, {2, 8}));
+  Status bad = s1.initializeFrom(*testing::parseOrDie(ab), 5);
+  ASSERT_FALSE(bad.isOk());
+  EXPECT_NE(bad.message().find("parameter \"b\" is declared as"), std::string::npos) << bad.message();
+}
+
+}  // namespace
+}  // namespace kiln::runtime

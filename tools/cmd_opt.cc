@@ -1,0 +1,183 @@
+// `kiln opt`: IR text in, passes, IR text (or Graphviz) out, like mlir-opt.
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "ir/diagnostic.h"
+#include "ir/dot.h"
+#include "ir/op_def.h"
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "passes/pass_manager.h"
+#include "tools/cli.h"
+
+namespace kiln::cli {
+namespace {
+
+struct Chunk {
+  std::string text;  // padded with the newlines before it, so that line numbers stay the file's
+};
+
+// Splits on `// -----` lines, as mlir-opt's --split-input-file does.
+std::vector<Chunk> splitInput(const std::string& source) {
+  std::vector<Chunk> chunks;
+  std::string current;
+  int line = 0, chunk_start = 0;
+  std::istringstream in(source);
+  std::string text;
+  while (std::getline(in, text)) {
+    if (text.rfind("// -----", 0) == 0) {
+      chunks.push_back({std::string(static_cast<size_t>(chunk_start), '\n') + current});
+      current.clear();
+      chunk_start = line + 1;
+    } else {
+      current += text;
+      current += '\n';
+    }
+    ++line;
+  }
+  chunks.push_back({std::string(static_cast<size_t>(chunk_start), '\n') + current});
+  return chunks;
+}
+
+bool readInput(const std::string& path, std::string* out, std::string* error) {
+  if (path == "-") {
+    std::ostringstream ss;
+    ss << std::cin.rdbuf();
+    *out = ss.str();
+    return true;
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    *error = fmt::format("cannot read '{}': {}", path, std::strerror(errno));
+    return false;
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+void listOps(std::ostream& os) {
+  for (const ir::OpDef* d : ir::OpRegistry::get().all()) os << fmt::format("{:<36} {}\n", d->name, d->summary);
+}
+
+void listPasses(std::ostream& os) {
+  for (const passes::PassInfo& p : passes::registeredPasses())
+    os << fmt::format("{:<20} {}\n", p.name, p.description);
+}
+
+}  // namespace
+
+int runOpt(const std::vector<std::string>& raw_args) {
+  ArgParser p("opt", "kiln opt FILE.mlir [--passes=a,b] [flags] [-o OUT]",
+              "Reads IR in its text form ('-' reads stdin), runs passes over it and prints the result.");
+  p.setPositionals("FILE.mlir", 0, 1, "the IR to read; '-' for stdin");
+  p.addOption("passes", "a,b,c", "the passes to run, in order (see --list-passes)", std::nullopt);
+  p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
+  p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
+  p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
+  p.addOption("dump-dir", "DIR", "write 0000.input.mlir and NNNN.<pass>.mlir after each pass into DIR");
+  p.addFlag("pass-timing", "print the time of each pass to stderr");
+  p.addOption("format", "mlir|dot", "output format: IR text or a Graphviz graph of each function", "mlir");
+  p.addOption("output", "OUT", "write the output to OUT instead of stdout (also -o OUT)");
+  p.addFlag("split-input-file", "process each '// -----' separated chunk on its own");
+  p.addFlag("list-ops", "list the ops of the op table and exit");
+  p.addFlag("list-passes", "list the passes and exit");
+
+  // `-o OUT` is the one short flag, spelled as compilers do.
+  std::vector<std::string> args;
+  for (size_t i = 0; i < raw_args.size(); ++i) {
+    if (raw_args[i] == "-o" && i + 1 < raw_args.size()) {
+      args.push_back(fmt::format("--output={}", raw_args[++i]));
+    } else if (raw_args[i].size() > 2 && raw_args[i].rfind("-o", 0) == 0 && raw_args[i][2] != '-') {
+      args.push_back(fmt::format("--output={}", raw_args[i].substr(2)));
+    } else {
+      args.push_back(raw_args[i]);
+    }
+  }
+  int code;
+  if (!p.parse(args, &code)) return code;
+  if (p.flag("list-ops")) {
+    listOps(std::cout);
+    return kExitOk;
+  }
+  if (p.flag("list-passes")) {
+    listPasses(std::cout);
+    return kExitOk;
+  }
+  if (p.positionals().empty()) return p.usageError("missing FILE.mlir (usage: kiln opt FILE.mlir [flags])");
+  std::string format = p.get("format");
+  if (format != "mlir" && format != "dot") return p.usageError(fmt::format("--format must be mlir or dot, got '{}'", format));
+
+  // Check the pipeline before reading anything, so that a typo is a usage error.
+  auto makePassManager = [&](passes::PassManager& pm) -> Status {
+    KILN_RETURN_IF_ERROR(pm.addPipeline(p.get("passes")));
+    for (const std::string& d : p.getAll("disable-pass")) pm.options().disabled.insert(d);
+    for (const std::string& d : p.getAll("print-ir-after")) pm.options().print_ir_after.insert(d);
+    pm.options().print_ir_after_all = p.flag("print-ir-after-all");
+    pm.options().dump_dir = p.get("dump-dir");
+    pm.options().timing = p.flag("pass-timing");
+    return pm.build();
+  };
+  {
+    passes::PassManager probe;
+    Status s = makePassManager(probe);
+    if (!s) return p.usageError(s.message());
+  }
+
+  const std::string path = p.positionals()[0];
+  std::string source, error;
+  if (!readInput(path, &source, &error)) return p.usageError(error);
+  std::string filename = path == "-" ? "<stdin>" : path;
+
+  std::vector<Chunk> chunks;
+  if (p.flag("split-input-file"))
+    chunks = splitInput(source);
+  else
+    chunks.push_back({source});
+
+  std::ostringstream out;
+  int exit_code = kExitOk;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (i) out << "// -----\n";
+    auto module = ir::parseModule(chunks[i].text, filename);
+    if (!module) {
+      std::cerr << formatDiagnostic(module.status(), source) << '\n';
+      exit_code = kExitError;
+      continue;
+    }
+    passes::PassManager pm;
+    Status built = makePassManager(pm);
+    assert(built.isOk());
+    (void)built;
+    auto ran = pm.run(**module);
+    if (!ran) {
+      std::cerr << formatDiagnostic(ran.status(), source) << '\n';
+      exit_code = kExitError;
+      continue;
+    }
+    if (format == "dot") {
+      for (const auto& f : (*module)->functions()) ir::functionToDot(*f, out);
+    } else {
+      ir::printModule(**module, out);
+    }
+  }
+
+  if (p.has("output")) {
+    std::ofstream file(p.get("output"), std::ios::binary);
+    file << out.str();
+    file.close();
+    if (!file) return p.usageError(fmt::format("cannot write '{}': {}", p.get("output"), std::strerror(errno)));
+  } else {
+    std::cout << out.str();
+  }
+  return exit_code;
+}
+
+}  // namespace kiln::cli
