@@ -62,6 +62,8 @@ class Parser {
   }
 
  private:
+  static bool isKeyword(Tok k) { return k >= Tok::KwModel && k <= Tok::KwNot; }
+
   // ---- token helpers ----
   const Token& peek(size_t k = 0) const { return toks_[std::min(pos_ + k, toks_.size() - 1)]; }
   bool at(Tok k) const { return peek().kind == k; }
@@ -246,8 +248,15 @@ class Parser {
           s->name_locs = {t.loc};
           next();
           next();
-          s->value = expr();
-          endStatement();
+          try {
+            s->value = expr();
+            endStatement();
+          } catch (SyntaxError&) {
+            // Keep the assignment with a poison value, so that later uses of the name do not
+            // report a second, misleading "unknown name".
+            recover();
+            s->value = std::make_unique<Expr>(Expr::Kind::Error, t.loc);
+          }
           return s;
         }
         break;
@@ -287,7 +296,8 @@ class Parser {
     while (!at(Tok::RParen)) {
       ast::Arg a;
       a.loc = peek().loc;
-      if (at(Tok::Ident) && peek(1).kind == Tok::Assign) {
+      // Keywords may name arguments too: embeddings(rows = r, dim = 128).
+      if (!peek().text.empty() && (at(Tok::Ident) || isKeyword(peek().kind)) && peek(1).kind == Tok::Assign) {
         a.name = next().text;
         next();
         named_seen = true;

@@ -29,10 +29,13 @@ class Interpreter {
 
  private:
   Status located(const Op& op, const Status& s) const {
-    const Location& loc = op.location().known() ? op.location() : (s.location().known() ? s.location() : f_.loc);
+    const Location& loc =
+        op.location().known() ? op.location() : (s.location().known() ? s.location() : f_.loc);
     return Status::error(fmt::format("in @{}: {}", f_.name(), s.message()), loc);
   }
-  Status located(const Op& op, std::string message) const { return located(op, Status::error(std::move(message))); }
+  Status located(const Op& op, std::string message) const {
+    return located(op, Status::error(std::move(message)));
+  }
 
   // A fresh buffer for a value of type t at its bound size.
   Expected<TensorView*> allocate(const Op& op, const TensorType& t) {
@@ -46,11 +49,27 @@ class Interpreter {
     return &owned_.back()->view;
   }
 
+  // Frees the buffer of an intermediate value once its last use has run, so that the peak
+  // memory of a run is the live set, not the sum of all intermediates.
+  void releaseUse(const Value* v) {
+    auto it = remaining_uses_.find(v);
+    if (it == remaining_uses_.end()) it = remaining_uses_.emplace(v, v->uses().size()).first;
+    if (--it->second == 0) release(v);
+  }
+  void release(const Value* v) {
+    auto owner = owner_.find(v);
+    if (owner == owner_.end()) return;  // a source: the caller's tensor
+    owned_[owner->second].reset();
+    owner_.erase(owner);
+    env_.erase(v);
+  }
+
   Status bindSource(const Op& op) {
     const std::string name = op.strAttr("name");
     const TensorType& t = op.result()->type();
     auto it = tensors_.find(name);
-    if (it == tensors_.end()) return located(op, fmt::format("no tensor named '{}' for '{}'", name, op.name()));
+    if (it == tensors_.end())
+      return located(op, fmt::format("no tensor named '{}' for '{}'", name, op.name()));
     const TensorView& v = it->second.view;
     bool fits = v.dtype == t.dtype() && v.rank() == t.rank();
     for (int64_t i = 0; fits && i < t.rank(); ++i) {
@@ -75,7 +94,8 @@ class Interpreter {
       std::vector<const TensorView*> operands;
       for (Value* v : op.operands()) {
         auto it = env_.find(v);
-        if (it == env_.end()) return located(op, fmt::format("'{}' uses a value that was never computed", op.name()));
+        if (it == env_.end())
+          return located(op, fmt::format("'{}' uses a value that was never computed", op.name()));
         operands.push_back(it->second);
       }
       if (def->has(kTerminator)) {
@@ -92,6 +112,7 @@ class Interpreter {
         if (!buf) return buf.status();
         results.push_back(*buf);
         env_[r] = *buf;
+        owner_[r] = owned_.size() - 1;
       }
       if (def->cpu) {
         CpuContext ctx;
@@ -103,6 +124,9 @@ class Interpreter {
       } else {
         return located(op, fmt::format("'{}' has no CPU reference implementation", op.name()));
       }
+      for (Value* v : op.operands()) releaseUse(v);
+      for (Value* r : op.results())
+        if (!r->hasUses()) release(r);
     }
     return Status::ok();
   }
@@ -133,18 +157,21 @@ class Interpreter {
   const SymbolBindings& symbols_;
   std::unordered_map<const Value*, const TensorView*> env_;
   std::vector<std::unique_ptr<HostTensor>> owned_;
+  std::unordered_map<const Value*, size_t> owner_;  // value -> its buffer in owned_
+  std::unordered_map<const Value*, size_t> remaining_uses_;
 };
 
 }  // namespace
 
-Expected<std::vector<HostTensor>> interpretInPlace(const Function& f, std::map<std::string, HostTensor>& tensors,
+Expected<std::vector<HostTensor>> interpretInPlace(const Function& f,
+                                                   std::map<std::string, HostTensor>& tensors,
                                                    const SymbolBindings& symbols) {
   return Interpreter(f, tensors, symbols).run();
 }
 
-Expected<std::vector<HostTensor>> interpret(const Function& f,
-                                            const std::map<std::string, HostTensor>& inputs_and_params_by_name,
-                                            const SymbolBindings& symbols) {
+Expected<std::vector<HostTensor>> interpret(
+    const Function& f, const std::map<std::string, HostTensor>& inputs_and_params_by_name,
+    const SymbolBindings& symbols) {
   std::map<std::string, HostTensor> copies = inputs_and_params_by_name;
   return interpretInPlace(f, copies, symbols);
 }

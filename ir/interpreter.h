@@ -21,13 +21,14 @@
 namespace kiln::ir {
 
 // Runs `f` on copies of the given tensors and returns the operands of its func.return.
-Expected<std::vector<HostTensor>> interpret(const Function& f,
-                                            const std::map<std::string, HostTensor>& inputs_and_params_by_name,
-                                            const SymbolBindings& symbols);
+Expected<std::vector<HostTensor>> interpret(
+    const Function& f, const std::map<std::string, HostTensor>& inputs_and_params_by_name,
+    const SymbolBindings& symbols);
 
 // Same, but sources see the caller's tensors themselves, so side-effecting ops (optimizer
 // updates, trait kSideEffect) update parameters and optimizer state in `tensors` in place.
-Expected<std::vector<HostTensor>> interpretInPlace(const Function& f, std::map<std::string, HostTensor>& tensors,
+Expected<std::vector<HostTensor>> interpretInPlace(const Function& f,
+                                                   std::map<std::string, HostTensor>& tensors,
                                                    const SymbolBindings& symbols);
 
 }  // namespace kiln::ir

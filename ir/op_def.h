@@ -108,8 +108,8 @@ class OpRegistry {
 void registerCoreOps(OpRegistry& r);         // ops/core.cc: constant, input, parameter, func.return, kiln.yield
 void registerElementwiseOps(OpRegistry& r);  // ops/elementwise.cc
 void registerMatmulOps(OpRegistry& r);       // ops/matmul.cc
-void registerShapeOps(OpRegistry& r);        // ops/shape.cc: broadcast, reshape, transpose, concat, slice, gather, cast
-void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax
+void registerShapeOps(OpRegistry& r);        // ops/shape.cc: broadcast, reshape, transpose, concat, slice, gather, cast, sum_to, pad, scatter_add
+void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax, reduce_grad
 void registerEmbeddingOps(OpRegistry& r);    // ops/embedding.cc
 void registerLossOps(OpRegistry& r);         // ops/loss.cc
 void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_update, embedding_bag_update

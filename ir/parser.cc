@@ -431,11 +431,18 @@ class Parser {
     KILN_RETURN_IF_ERROR(advance());
     std::optional<char> suffix;  // 'i' or 'f'
     if (tok_.kind == Tok::Colon) {
+      // Only `: i64`, `: f32`, ... is a suffix; anything else after ':' belongs to the caller
+      // (e.g. the op signature after a dictionary missing its '}').
+      Lexer::State colon_state = lex_.state();
+      Token colon = tok_;
       KILN_RETURN_IF_ERROR(advance());
-      if (tok_.kind != Tok::BareId || tok_.text.size() < 2 || (tok_.text[0] != 'i' && tok_.text[0] != 'f'))
-        return errorHere(fmt::format("expected an integer or float type after ':', got {}", describe(tok_)));
-      suffix = tok_.text[0];
-      KILN_RETURN_IF_ERROR(advance());
+      if (isNumberType(tok_)) {
+        suffix = tok_.text[0];
+        KILN_RETURN_IF_ERROR(advance());
+      } else {
+        lex_.restore(colon_state);
+        tok_ = colon;
+      }
     }
     bool negative = !t.text.empty() && t.text[0] == '-';
     std::string_view digits = std::string_view(t.text).substr(negative ? 1 : 0);
@@ -464,6 +471,13 @@ class Parser {
     double d = std::strtod(t.text.c_str(), &end);
     if (end != t.text.c_str() + t.text.size()) return errorAt(t, fmt::format("bad number '{}'", t.text));
     return Attribute(d);
+  }
+
+  static bool isNumberType(const Token& t) {
+    if (t.kind != Tok::BareId || t.text.size() < 2 || (t.text[0] != 'i' && t.text[0] != 'f')) return false;
+    for (size_t i = 1; i < t.text.size(); ++i)
+      if (!isDigit(t.text[i])) return false;
+    return true;
   }
 
   // `{a = 1, "b c" = [2], unit_flag}`

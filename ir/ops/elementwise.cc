@@ -408,7 +408,7 @@ Status gradTanh(GradContext& ctx, const Op& op) {
   return unaryRule(ctx, op, [](B& b, V g, V, V y) -> EV {
     KILN_GRAD_VALUE(one, grads::scalar(b, g->type().dtype(), 1.0));
     KILN_GRAD_VALUE(y2, binary(b, "kiln.mul", y, y));
-    KILN_GRAD_VALUE(d, binary(b, "kiln.add", one, y2));
+    KILN_GRAD_VALUE(d, binary(b, "kiln.sub", one, y2));
     return binary(b, "kiln.mul", g, d);
   });
 }

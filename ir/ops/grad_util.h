@@ -6,8 +6,8 @@
 #include "ir/op_def.h"
 
 // Unwraps an Expected<Value*> into `var`, or returns its error from the enclosing rule.
-#define KILN_GRAD_VALUE(var, expr)            \
-  auto var##_or_ = (expr);                    \
+#define KILN_GRAD_VALUE(var, expr)           \
+  auto var##_or_ = (expr);                   \
   if (!var##_or_) return var##_or_.status(); \
   ::kiln::ir::Value* var = *var##_or_
 
@@ -42,8 +42,7 @@ inline Expected<Value*> unary(Builder& b, const char* name, Value* x) { return b
 inline Expected<Value*> sumTo(Builder& b, Value* g, const TensorType& target) {
   if (!isFloat(target.dtype())) return static_cast<Value*>(nullptr);
   if (g->type().shape() == target.shape()) return g;
-  auto op = b.createWithTypes("kiln.sum_to", {g},
-                              {TensorType(g->type().dtype(), target.shape())});
+  auto op = b.createWithTypes("kiln.sum_to", {g}, {TensorType(g->type().dtype(), target.shape())});
   if (!op) return op.status();
   return (*op)->result();
 }

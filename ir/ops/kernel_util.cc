@@ -6,13 +6,21 @@ namespace kiln::ir::kernels {
 
 double loadAsDouble(const TensorView& v, int64_t i) {
   switch (v.dtype) {
-    case DType::f32: return static_cast<const float*>(v.data)[i];
-    case DType::f64: return static_cast<const double*>(v.data)[i];
-    case DType::bf16: return bf16ToFloat(static_cast<const uint16_t*>(v.data)[i]);
-    case DType::i32: return static_cast<const int32_t*>(v.data)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(v.data)[i]);
-    case DType::i1: return static_cast<const uint8_t*>(v.data)[i] != 0;
-    default: assert(false && "loadAsDouble: unsupported dtype"); return 0;
+    case DType::f32:
+      return static_cast<const float*>(v.data)[i];
+    case DType::f64:
+      return static_cast<const double*>(v.data)[i];
+    case DType::bf16:
+      return bf16ToFloat(static_cast<const uint16_t*>(v.data)[i]);
+    case DType::i32:
+      return static_cast<const int32_t*>(v.data)[i];
+    case DType::i64:
+      return static_cast<double>(static_cast<const int64_t*>(v.data)[i]);
+    case DType::i1:
+      return static_cast<const uint8_t*>(v.data)[i] != 0;
+    default:
+      assert(false && "loadAsDouble: unsupported dtype");
+      return 0;
   }
 }
 

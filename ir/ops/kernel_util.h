@@ -69,19 +69,26 @@ inline Status unsupportedDType(const Op& op, DType t) {
 template <class Fn>
 Status visitFloat(const Op& op, DType t, Fn&& fn) {
   switch (t) {
-    case DType::f32: return fn(F32{});
-    case DType::f64: return fn(F64{});
-    case DType::bf16: return fn(BF16{});
-    default: return unsupportedDType(op, t);
+    case DType::f32:
+      return fn(F32{});
+    case DType::f64:
+      return fn(F64{});
+    case DType::bf16:
+      return fn(BF16{});
+    default:
+      return unsupportedDType(op, t);
   }
 }
 // Floats and the integer types i32, i64.
 template <class Fn>
 Status visitNumeric(const Op& op, DType t, Fn&& fn) {
   switch (t) {
-    case DType::i32: return fn(I32{});
-    case DType::i64: return fn(I64{});
-    default: return visitFloat(op, t, std::forward<Fn>(fn));
+    case DType::i32:
+      return fn(I32{});
+    case DType::i64:
+      return fn(I64{});
+    default:
+      return visitFloat(op, t, std::forward<Fn>(fn));
   }
 }
 // Numeric types and i1.
@@ -100,7 +107,8 @@ typename Tag::Storage* data(const TensorView& v) {
 double loadAsDouble(const TensorView& v, int64_t i);
 // Element i of an integer tensor (ids, lengths, class labels).
 inline int64_t loadIndex(const TensorView& v, int64_t i) {
-  return v.dtype == DType::i32 ? static_cast<const int32_t*>(v.data)[i] : static_cast<const int64_t*>(v.data)[i];
+  return v.dtype == DType::i32 ? static_cast<const int32_t*>(v.data)[i]
+                               : static_cast<const int64_t*>(v.data)[i];
 }
 
 inline std::vector<int64_t> rowMajorStrides(const std::vector<int64_t>& shape) {
@@ -128,7 +136,8 @@ std::string indexString(const std::vector<int64_t>& shape, int64_t i);
 // Walks every index of `shape` in row-major order and calls fn(linear, offsets) where
 // offsets[k] is the element offset of operand k under strides[k].
 template <size_t N, class Fn>
-void forEachIndex(const std::vector<int64_t>& shape, const std::array<std::vector<int64_t>, N>& strides, Fn&& fn) {
+void forEachIndex(const std::vector<int64_t>& shape, const std::array<std::vector<int64_t>, N>& strides,
+                  Fn&& fn) {
   const int64_t rank = static_cast<int64_t>(shape.size());
   int64_t numel = 1;
   for (int64_t d : shape) numel *= d;

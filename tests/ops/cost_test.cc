@@ -8,8 +8,14 @@ TEST(OpCost, MatmulIsTwoMNKFlopsAndEveryOperandOnce) {
   Module m;
   Function& f = m.addFunction("f");
   Builder b(f.entry());
-  Value* x = (*b.createWithTypes("kiln.input", {}, {TensorType(DType::f32, {Dim::symbol("B"), Dim::fixed(512)})}, {{"name", Attribute("x")}}))->result();
-  Value* w = (*b.createWithTypes("kiln.parameter", {}, {TensorType(DType::f32, {Dim::fixed(256), Dim::fixed(512)})}, {{"name", Attribute("w")}}))->result();
+  Value* x =
+      (*b.createWithTypes("kiln.input", {}, {TensorType(DType::f32, {Dim::symbol("B"), Dim::fixed(512)})},
+                          {{"name", Attribute("x")}}))
+          ->result();
+  Value* w =
+      (*b.createWithTypes("kiln.parameter", {}, {TensorType(DType::f32, {Dim::fixed(256), Dim::fixed(512)})},
+                          {{"name", Attribute("w")}}))
+          ->result();
   Op* mm = *b.create("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}});
   const SymbolBindings syms = {{"B", 1024}};
   OpCost c = mm->def()->cost(*mm, syms);
@@ -26,9 +32,17 @@ TEST(OpCost, EmbeddingBagReadsOneRowPerIdAtTheBound) {
   Module m;
   Function& f = m.addFunction("f");
   Builder b(f.entry());
-  Value* t = (*b.createWithTypes("kiln.parameter", {}, {TensorType(DType::f32, {Dim::fixed(1000), Dim::fixed(16)})}, {{"name", Attribute("t")}}))->result();
-  Value* ids = (*b.createWithTypes("kiln.input", {}, {TensorType(DType::i64, {Dim::bounded(Dim::symbol("B", 8))})}, {{"name", Attribute("ids")}}))->result();
-  Value* len = (*b.createWithTypes("kiln.input", {}, {TensorType(DType::i32, {Dim::symbol("B")})}, {{"name", Attribute("len")}}))->result();
+  Value* t =
+      (*b.createWithTypes("kiln.parameter", {}, {TensorType(DType::f32, {Dim::fixed(1000), Dim::fixed(16)})},
+                          {{"name", Attribute("t")}}))
+          ->result();
+  Value* ids =
+      (*b.createWithTypes("kiln.input", {}, {TensorType(DType::i64, {Dim::bounded(Dim::symbol("B", 8))})},
+                          {{"name", Attribute("ids")}}))
+          ->result();
+  Value* len = (*b.createWithTypes("kiln.input", {}, {TensorType(DType::i32, {Dim::symbol("B")})},
+                                   {{"name", Attribute("len")}}))
+                   ->result();
   Op* e = *b.create("kiln.embedding_bag", {t, ids, len});
   OpCost c = e->def()->cost(*e, {{"B", 10}});
   // 80 ids at the bound: 80 rows of 16 floats read and summed; ids, lengths and the result.

@@ -64,7 +64,8 @@ TEST(ElementwiseCpu, SigmoidIsStableForLargeInputs) {
 }
 
 TEST(ElementwiseCpu, Bf16StorageComputesInF32) {
-  auto r = runOk(binary("kiln.add", tensor(DType::bf16, {2}, {1.5, -2}), tensor(DType::bf16, {2}, {0.25, 8})));
+  auto r =
+      runOk(binary("kiln.add", tensor(DType::bf16, {2}, {1.5, -2}), tensor(DType::bf16, {2}, {0.25, 8})));
   EXPECT_EQ(r.view.dtype, DType::bf16);
   expectTensor(r, {2}, {1.75, 6});
 }
@@ -91,7 +92,8 @@ TEST(ElementwiseCpu, SelectBroadcastsAllThree) {
 TEST(ElementwiseCpu, ActivationGradIsDyTimesDerivative) {
   auto x = f64({3}, {-1, 0.5, 2});
   auto dy = f64({3}, {2, 3, -1});
-  expectTensor(runOk({"kiln.activation_grad", {x, dy}, {{"activation", Attribute("relu")}}}), {3}, {0, 3, -1});
+  expectTensor(runOk({"kiln.activation_grad", {x, dy}, {{"activation", Attribute("relu")}}}), {3},
+               {0, 3, -1});
   // silu'(x) = s (1 + x (1 - s)), s = sigmoid(x)
   std::vector<double> want;
   for (double v : {-1.0, 0.5, 2.0}) {

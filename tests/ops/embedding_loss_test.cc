@@ -12,7 +12,15 @@ HostTensor table4x2() { return f32({4, 2}, {0, 1, 10, 11, 20, 21, 30, 31}); }
 TEST(EmbeddingBagCpu, FixedHotnessSumAndMean) {
   auto ids = i64({2, 2}, {1, 3, 0, 0});
   expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids}}), {2, 2}, {40, 42, 0, 2});
-  expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids}, {{"mode", Attribute("mean")}}}), {2, 2}, {20, 21, 0, 1});
+  expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids}, {{"mode", Attribute("mean")}}}), {2, 2},
+               {20, 21, 0, 1});
+}
+
+TEST(EmbeddingBagCpu, Bf16TableComputesInF32) {
+  auto table = tensor(DType::bf16, {3, 2}, {1, 2, 3, 4, 0.5, 0.25});
+  auto r = runOk({"kiln.embedding_bag", {table, i64({1, 3}, {0, 1, 2})}});
+  EXPECT_EQ(r.view.dtype, DType::bf16);
+  expectTensor(r, {1, 2}, {4.5, 6.25}, 0);
 }
 
 TEST(EmbeddingBagCpu, PerIdWeights) {
@@ -25,8 +33,8 @@ TEST(EmbeddingBagCpu, FlatIdsWithLengthsIncludingAnEmptyBag) {
   auto ids = i64({4}, {2, 1, 3, 3});
   auto lengths = i32({3}, {1, 0, 3});
   expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids, lengths}}), {3, 2}, {20, 21, 0, 0, 70, 73});
-  expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids, lengths}, {{"mode", Attribute("mean")}}}), {3, 2},
-               {20, 21, 0, 0, 70.0 / 3, 73.0 / 3});
+  expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids, lengths}, {{"mode", Attribute("mean")}}}),
+               {3, 2}, {20, 21, 0, 0, 70.0 / 3, 73.0 / 3});
   auto w = f32({4}, {1, 1, 2, -1});
   expectTensor(runOk({"kiln.embedding_bag", {table4x2(), ids, lengths, w}}), {3, 2}, {20, 21, 0, 0, 40, 42});
 }
@@ -40,14 +48,16 @@ TEST(EmbeddingBagCpu, BoundedIdsUseTheirRunTimeCount) {
 }
 
 TEST(EmbeddingBagCpu, OutOfRangeIdNamesTableIdAndPosition) {
-  auto r = run({"kiln.embedding_bag", {table4x2(), i64({2, 2}, {1, 3, 0, 4})}, {{"table", Attribute("tables.3")}}});
+  auto r = run(
+      {"kiln.embedding_bag", {table4x2(), i64({2, 2}, {1, 3, 0, 4})}, {{"table", Attribute("tables.3")}}});
   ASSERT_FALSE(r);
   const std::string& m = r.status().message();
   EXPECT_NE(m.find("tables.3"), std::string::npos) << m;
   EXPECT_NE(m.find("id 4 at position [1, 1] is out of range [0, 4)"), std::string::npos) << m;
   auto neg = run({"kiln.embedding_bag", {table4x2(), i64({2}, {-1, 0}), i32({2}, {1, 1})}});
   ASSERT_FALSE(neg);
-  EXPECT_NE(neg.status().message().find("id -1 at position [0]"), std::string::npos) << neg.status().message();
+  EXPECT_NE(neg.status().message().find("id -1 at position [0]"), std::string::npos)
+      << neg.status().message();
 }
 
 TEST(EmbeddingBagCpu, LengthsThatDoNotCoverTheIdsAreAnError) {
@@ -62,11 +72,13 @@ TEST(EmbeddingBagCpu, WeightGradIsRowDotGradOut) {
   auto g = f32({2, 2}, {1, -1, 2, 0.5});
   // bag 0: row1.(1,-1) = -1, row3.(1,-1) = -1; bag 1: row2.(2,.5) = 50.5, row0.(2,.5) = 0.5
   expectTensor(runOk({"kiln.embedding_bag_weight_grad", {table4x2(), ids, g}}), {2, 2}, {-1, -1, 50.5, 0.5});
-  expectTensor(runOk({"kiln.embedding_bag_weight_grad", {table4x2(), ids, g}, {{"mode", Attribute("mean")}}}), {2, 2},
-               {-0.5, -0.5, 25.25, 0.25});
+  expectTensor(runOk({"kiln.embedding_bag_weight_grad", {table4x2(), ids, g}, {{"mode", Attribute("mean")}}}),
+               {2, 2}, {-0.5, -0.5, 25.25, 0.25});
 }
 
-double bce(double x, double y) { return -(y * std::log(1 / (1 + std::exp(-x))) + (1 - y) * std::log(1 - 1 / (1 + std::exp(-x)))); }
+double bce(double x, double y) {
+  return -(y * std::log(1 / (1 + std::exp(-x))) + (1 - y) * std::log(1 - 1 / (1 + std::exp(-x))));
+}
 
 TEST(LossCpu, BceWithLogitsMatchesTheNaiveFormula) {
   auto x = f64({2, 2}, {0.5, -1, 2, 0});
@@ -80,7 +92,9 @@ TEST(LossCpu, BceWithLogitsMatchesTheNaiveFormula) {
 
 TEST(LossCpu, BceWithLogitsIsStableForHugeLogits) {
   // Loss of a confidently wrong logit is |x|; of a confidently right one, 0.
-  auto r = values(runOk({"kiln.bce_with_logits", {f32({2}, {1000, -1000}), f32({2}, {0, 0})}, {{"reduction", Attribute("sum")}}}));
+  auto r = values(runOk({"kiln.bce_with_logits",
+                         {f32({2}, {1000, -1000}), f32({2}, {0, 0})},
+                         {{"reduction", Attribute("sum")}}}));
   EXPECT_NEAR(r[0], 1000, 1e-3);
 }
 
@@ -88,16 +102,19 @@ TEST(LossCpu, BceGradIsSigmoidMinusLabelOverCount) {
   auto x = f64({2}, {0, 2});
   auto y = f64({2}, {1, 0});
   double s2 = 1 / (1 + std::exp(-2.0));
-  expectTensor(runOk({"kiln.bce_with_logits_grad", {x, y, f64({}, {3})}}), {2}, {3 * (0.5 - 1) / 2, 3 * s2 / 2}, 1e-12);
+  expectTensor(runOk({"kiln.bce_with_logits_grad", {x, y, f64({}, {3})}}), {2},
+               {3 * (0.5 - 1) / 2, 3 * s2 / 2}, 1e-12);
 }
 
 TEST(LossCpu, SoftmaxCrossEntropyWithClassIdsAndProbabilities) {
   auto x = f64({2, 3}, {1, 2, 3, 0, 0, 0});
   double lse0 = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0)), lse1 = std::log(3.0);
-  expectTensor(runOk({"kiln.softmax_cross_entropy", {x, i64({2}, {2, 0})}}), {}, {((lse0 - 3) + lse1) / 2}, 1e-12);
+  expectTensor(runOk({"kiln.softmax_cross_entropy", {x, i64({2}, {2, 0})}}), {}, {((lse0 - 3) + lse1) / 2},
+               1e-12);
   auto p = f64({2, 3}, {0.5, 0.5, 0, 0, 0, 1});
   double want = -(0.5 * (1 - lse0) + 0.5 * (2 - lse0)) - (0 - lse1);
-  expectTensor(runOk({"kiln.softmax_cross_entropy", {x, p}, {{"reduction", Attribute("sum")}}}), {}, {want}, 1e-12);
+  expectTensor(runOk({"kiln.softmax_cross_entropy", {x, p}, {{"reduction", Attribute("sum")}}}), {}, {want},
+               1e-12);
   // Large logits: no overflow.
   auto big = values(runOk({"kiln.softmax_cross_entropy", {f32({1, 2}, {1000, 0}), i32({1}, {0})}}));
   EXPECT_NEAR(big[0], 0, 1e-6);
@@ -105,8 +122,8 @@ TEST(LossCpu, SoftmaxCrossEntropyWithClassIdsAndProbabilities) {
 
 TEST(LossCpu, SoftmaxCrossEntropyGrad) {
   auto x = f64({1, 2}, {0, std::log(3.0)});  // softmax = [0.25, 0.75]
-  expectTensor(runOk({"kiln.softmax_cross_entropy_grad", {x, i64({1}, {0}), f64({}, {2})}}), {1, 2}, {2 * (0.25 - 1), 2 * 0.75},
-               1e-12);
+  expectTensor(runOk({"kiln.softmax_cross_entropy_grad", {x, i64({1}, {0}), f64({}, {2})}}), {1, 2},
+               {2 * (0.25 - 1), 2 * 0.75}, 1e-12);
 }
 
 TEST(LossCpu, ClassIdOutOfRangeIsAnError) {

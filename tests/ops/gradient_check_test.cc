@@ -25,6 +25,9 @@ struct GradCase {
   double tol = 1e-6;
 };
 
+// gtest prints a case by its label rather than its bytes.
+void PrintTo(const GradCase& c, std::ostream* os) { *os << c.label << " (" << c.op << ")"; }
+
 std::mt19937& rng() {
   static std::mt19937 r(1234);
   return r;
@@ -87,52 +90,103 @@ std::vector<GradCase> gradCases() {
   c.push_back({"Relu", "kiln.relu", {awayFromZero({2, 3})}});
   c.push_back({"Gelu", "kiln.gelu", {uniform({2, 3}, -3, 3)}});
   c.push_back({"Silu", "kiln.silu", {uniform({2, 3}, -3, 3)}});
-  c.push_back({"Select", "kiln.select", {tensor(DType::i1, {2, 3}, {1, 0, 0, 1, 1, 0}), uniform({2, 3}), uniform({3})}});
+  c.push_back({"Select",
+               "kiln.select",
+               {tensor(DType::i1, {2, 3}, {1, 0, 0, 1, 1, 0}), uniform({2, 3}), uniform({3})}});
   // Matmul, every transpose combination and broadcast batch dims.
   c.push_back({"Matmul", "kiln.matmul", {uniform({2, 3}), uniform({3, 4})}});
-  c.push_back({"MatmulTransposeA", "kiln.matmul", {uniform({3, 2}), uniform({3, 4})}, attrs({{"transpose_a", A(true)}})});
-  c.push_back({"MatmulTransposeB", "kiln.matmul", {uniform({2, 3}), uniform({4, 3})}, attrs({{"transpose_b", A(true)}})});
-  c.push_back({"MatmulTransposeBoth", "kiln.matmul", {uniform({3, 2}), uniform({4, 3})},
+  c.push_back({"MatmulTransposeA",
+               "kiln.matmul",
+               {uniform({3, 2}), uniform({3, 4})},
+               attrs({{"transpose_a", A(true)}})});
+  c.push_back({"MatmulTransposeB",
+               "kiln.matmul",
+               {uniform({2, 3}), uniform({4, 3})},
+               attrs({{"transpose_b", A(true)}})});
+  c.push_back({"MatmulTransposeBoth",
+               "kiln.matmul",
+               {uniform({3, 2}), uniform({4, 3})},
                attrs({{"transpose_a", A(true)}, {"transpose_b", A(true)}})});
   c.push_back({"MatmulBatchBroadcast", "kiln.matmul", {uniform({2, 2, 3}), uniform({3, 2})}});
   // Data movement.
   c.push_back({"Broadcast", "kiln.broadcast", {uniform({2, 1})}, {}, {f64Type({3, 2, 4})}});
   c.push_back({"Reshape", "kiln.reshape", {uniform({2, 3})}, {}, {f64Type({3, 2})}});
   c.push_back({"Transpose", "kiln.transpose", {uniform({2, 3, 2})}, attrs({{"perm", A::ints({2, 0, 1})}})});
-  c.push_back({"Concat", "kiln.concat", {uniform({2, 2}), uniform({2, 1}), uniform({2, 3})}, attrs({{"axis", A(int64_t{1})}})});
-  c.push_back({"Slice", "kiln.slice", {uniform({2, 5})},
+  c.push_back({"Concat",
+               "kiln.concat",
+               {uniform({2, 2}), uniform({2, 1}), uniform({2, 3})},
+               attrs({{"axis", A(int64_t{1})}})});
+  c.push_back({"Slice",
+               "kiln.slice",
+               {uniform({2, 5})},
                attrs({{"axis", A(int64_t{1})}, {"start", A(int64_t{1})}, {"limit", A(int64_t{4})}})});
-  c.push_back({"Pad", "kiln.pad", {uniform({2, 2})}, attrs({{"axis", A(int64_t{0})}, {"low", A(int64_t{1})}, {"high", A(int64_t{2})}})});
+  c.push_back({"Pad",
+               "kiln.pad",
+               {uniform({2, 2})},
+               attrs({{"axis", A(int64_t{0})}, {"low", A(int64_t{1})}, {"high", A(int64_t{2})}})});
   c.push_back({"GatherWithDuplicates", "kiln.gather", {uniform({4, 2}), i64({3}, {2, 0, 2})}});
-  c.push_back({"GatherAxis1", "kiln.gather", {uniform({2, 3}), i32({2, 2}, {0, 2, 2, 1})}, attrs({{"axis", A(int64_t{1})}})});
+  c.push_back({"GatherAxis1",
+               "kiln.gather",
+               {uniform({2, 3}), i32({2, 2}, {0, 2, 2, 1})},
+               attrs({{"axis", A(int64_t{1})}})});
   c.push_back({"ScatterAdd", "kiln.scatter_add", {uniform({3, 2}), i64({4}, {1, 0, 1, 2}), uniform({4, 2})}});
   c.push_back({"SumTo", "kiln.sum_to", {uniform({2, 2, 3})}, {}, {f64Type({2, 1})}});
   c.push_back({"CastF64", "kiln.cast", {uniform({2, 3})}, attrs({{"to", A("f64")}})});
-  GradCase cast32{"CastF32ToF64", "kiln.cast", {tensor(DType::f32, {3}, {0.5, -0.25, 1})}, attrs({{"to", A("f64")}})};
+  GradCase cast32{
+      "CastF32ToF64", "kiln.cast", {tensor(DType::f32, {3}, {0.5, -0.25, 1})}, attrs({{"to", A("f64")}})};
   cast32.eps = 1e-3;  // perturbations of an f32 operand
   cast32.tol = 1e-3;
   c.push_back(cast32);
   // Reductions and softmax.
-  c.push_back({"ReduceSum", "kiln.reduce", {uniform({2, 3})}, attrs({{"kind", A("sum")}, {"axes", A::ints({1})}})});
-  c.push_back({"ReduceMeanAll", "kiln.reduce", {uniform({2, 3})}, attrs({{"kind", A("mean")}, {"axes", A::ints({0, 1})}})});
-  c.push_back({"ReduceMaxKeepdims", "kiln.reduce", {distinct({2, 3})},
+  c.push_back(
+      {"ReduceSum", "kiln.reduce", {uniform({2, 3})}, attrs({{"kind", A("sum")}, {"axes", A::ints({1})}})});
+  c.push_back({"ReduceMeanAll",
+               "kiln.reduce",
+               {uniform({2, 3})},
+               attrs({{"kind", A("mean")}, {"axes", A::ints({0, 1})}})});
+  c.push_back({"ReduceMaxKeepdims",
+               "kiln.reduce",
+               {distinct({2, 3})},
                attrs({{"kind", A("max")}, {"axes", A::ints({-1})}, {"keepdims", A(true)}})});
   c.push_back({"Softmax", "kiln.softmax", {uniform({2, 3}, -2, 2)}});
   c.push_back({"SoftmaxAxis0", "kiln.softmax", {uniform({3, 2}, -2, 2)}, attrs({{"axis", A(int64_t{0})}})});
   // Embeddings: the table's gradient belongs to autodiff; weights get theirs here.
-  c.push_back({"EmbeddingBag", "kiln.embedding_bag", {uniform({5, 3}), i64({2, 2}, {1, 4, 4, 0})}, {}, {}, {0}});
-  c.push_back({"EmbeddingBagWeighted", "kiln.embedding_bag", {uniform({5, 3}), i64({2, 2}, {1, 4, 4, 0}), uniform({2, 2})},
-               {}, {}, {0}});
-  c.push_back({"EmbeddingBagFlatWeightedMean", "kiln.embedding_bag",
+  c.push_back(
+      {"EmbeddingBag", "kiln.embedding_bag", {uniform({5, 3}), i64({2, 2}, {1, 4, 4, 0})}, {}, {}, {0}});
+  c.push_back({"EmbeddingBagWeighted",
+               "kiln.embedding_bag",
+               {uniform({5, 3}), i64({2, 2}, {1, 4, 4, 0}), uniform({2, 2})},
+               {},
+               {},
+               {0}});
+  c.push_back({"EmbeddingBagFlatWeightedMean",
+               "kiln.embedding_bag",
                {uniform({5, 3}), i32({5}, {3, 1, 1, 0, 4}), i32({3}, {2, 0, 3}), uniform({5})},
-               attrs({{"mode", A("mean")}}), {}, {0}});
+               attrs({{"mode", A("mean")}}),
+               {},
+               {0}});
   // Losses: logits only.
-  c.push_back({"BceWithLogits", "kiln.bce_with_logits", {uniform({2, 3}, -3, 3), uniform({2, 3}, 0, 1)}, {}, {}, {1}});
-  c.push_back({"BceWithLogitsSum", "kiln.bce_with_logits", {uniform({4}, -3, 3), uniform({4}, 0, 1)},
-               attrs({{"reduction", A("sum")}}), {}, {1}});
-  c.push_back({"SoftmaxCrossEntropyIds", "kiln.softmax_cross_entropy", {uniform({3, 4}, -2, 2), i64({3}, {0, 3, 1})}});
-  c.push_back({"SoftmaxCrossEntropyProbs", "kiln.softmax_cross_entropy",
-               {uniform({2, 3}, -2, 2), f64({2, 3}, {0.2, 0.3, 0.5, 0.6, 0.4, 0.0})}, attrs({{"reduction", A("sum")}}), {}, {1}});
+  c.push_back({"BceWithLogits",
+               "kiln.bce_with_logits",
+               {uniform({2, 3}, -3, 3), uniform({2, 3}, 0, 1)},
+               {},
+               {},
+               {1}});
+  c.push_back({"BceWithLogitsSum",
+               "kiln.bce_with_logits",
+               {uniform({4}, -3, 3), uniform({4}, 0, 1)},
+               attrs({{"reduction", A("sum")}}),
+               {},
+               {1}});
+  c.push_back({"SoftmaxCrossEntropyIds",
+               "kiln.softmax_cross_entropy",
+               {uniform({3, 4}, -2, 2), i64({3}, {0, 3, 1})}});
+  c.push_back({"SoftmaxCrossEntropyProbs",
+               "kiln.softmax_cross_entropy",
+               {uniform({2, 3}, -2, 2), f64({2, 3}, {0.2, 0.3, 0.5, 0.6, 0.4, 0.0})},
+               attrs({{"reduction", A("sum")}}),
+               {},
+               {1}});
   return c;
 }
 
@@ -145,11 +199,13 @@ struct Forward {
 Expected<Forward> buildForward(Function& f, Builder& b, const GradCase& gc) {
   std::vector<Value*> xs;
   for (size_t i = 0; i < gc.operands.size(); ++i) {
-    auto in = b.createWithTypes("kiln.input", {}, {typeOf(gc.operands[i])}, {{"name", Attribute("x" + std::to_string(i))}});
+    auto in = b.createWithTypes("kiln.input", {}, {typeOf(gc.operands[i])},
+                                {{"name", Attribute("x" + std::to_string(i))}});
     if (!in) return in.status();
     xs.push_back((*in)->result());
   }
-  auto op = gc.result_types.empty() ? b.create(gc.op, xs, gc.attrs) : b.createWithTypes(gc.op, xs, gc.result_types, gc.attrs);
+  auto op = gc.result_types.empty() ? b.create(gc.op, xs, gc.attrs)
+                                    : b.createWithTypes(gc.op, xs, gc.result_types, gc.attrs);
   if (!op) return op.status();
   Value* y = (*op)->result();
   auto w = b.createWithTypes("kiln.input", {}, {y->type()}, {{"name", Attribute("w")}});
@@ -160,7 +216,8 @@ Expected<Forward> buildForward(Function& f, Builder& b, const GradCase& gc) {
   if (y->type().rank() > 0) {
     std::vector<int64_t> axes;
     for (int64_t i = 0; i < y->type().rank(); ++i) axes.push_back(i);
-    auto s = b.createValue("kiln.reduce", {loss}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints(axes)}});
+    auto s =
+        b.createValue("kiln.reduce", {loss}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints(axes)}});
     if (!s) return s.status();
     loss = *s;
   }

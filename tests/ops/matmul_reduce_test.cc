@@ -43,11 +43,14 @@ TEST(MatmulCpu, EveryTransposeCombination) {
       // Store A as [M,K] or [K,M], B as [K,N] or [N,K], holding the same logical matrices.
       std::vector<double> as(static_cast<size_t>(m * k)), bs(static_cast<size_t>(k * n));
       for (int64_t i = 0; i < m; ++i)
-        for (int64_t p = 0; p < k; ++p) as[static_cast<size_t>(ta ? p * m + i : i * k + p)] = av[static_cast<size_t>(i * k + p)];
+        for (int64_t p = 0; p < k; ++p)
+          as[static_cast<size_t>(ta ? p * m + i : i * k + p)] = av[static_cast<size_t>(i * k + p)];
       for (int64_t p = 0; p < k; ++p)
-        for (int64_t j = 0; j < n; ++j) bs[static_cast<size_t>(tb ? j * k + p : p * n + j)] = bv[static_cast<size_t>(p * n + j)];
-      auto want = naiveMatmul(1, m, n, k, [&](int64_t, int64_t i, int64_t p) { return av[static_cast<size_t>(i * k + p)]; },
-                              [&](int64_t, int64_t p, int64_t j) { return bv[static_cast<size_t>(p * n + j)]; });
+        for (int64_t j = 0; j < n; ++j)
+          bs[static_cast<size_t>(tb ? j * k + p : p * n + j)] = bv[static_cast<size_t>(p * n + j)];
+      auto want = naiveMatmul(
+          1, m, n, k, [&](int64_t, int64_t i, int64_t p) { return av[static_cast<size_t>(i * k + p)]; },
+          [&](int64_t, int64_t p, int64_t j) { return bv[static_cast<size_t>(p * n + j)]; });
       OpCall call{"kiln.matmul",
                   {f64(ta ? std::vector<int64_t>{k, m} : std::vector<int64_t>{m, k}, as),
                    f64(tb ? std::vector<int64_t>{n, k} : std::vector<int64_t>{k, n}, bs)},
@@ -60,27 +63,37 @@ TEST(MatmulCpu, BatchDimsBroadcast) {
   std::mt19937 rng(8);
   const int64_t batch = 2, m = 2, n = 3, k = 4;
   auto av = randomValues(batch * m * k, rng), bv = randomValues(k * n, rng);
-  auto want = naiveMatmul(batch, m, n, k, [&](int64_t t, int64_t i, int64_t p) { return av[static_cast<size_t>((t * m + i) * k + p)]; },
-                          [&](int64_t, int64_t p, int64_t j) { return bv[static_cast<size_t>(p * n + j)]; });
-  expectTensor(runOk({"kiln.matmul", {f64({batch, m, k}, av), f64({1, k, n}, bv)}}), {batch, m, n}, want, 1e-12);
+  auto want = naiveMatmul(
+      batch, m, n, k,
+      [&](int64_t t, int64_t i, int64_t p) { return av[static_cast<size_t>((t * m + i) * k + p)]; },
+      [&](int64_t, int64_t p, int64_t j) { return bv[static_cast<size_t>(p * n + j)]; });
+  expectTensor(runOk({"kiln.matmul", {f64({batch, m, k}, av), f64({1, k, n}, bv)}}), {batch, m, n}, want,
+               1e-12);
 }
 
 TEST(ReduceCpu, SumMeanMaxOverAxes) {
   auto x = f32({2, 3}, {1, 5, 3, -4, 2, 0});
   auto reduce = [&](const char* kind, std::vector<int64_t> axes, bool keep) {
-    return runOk({"kiln.reduce", {x}, {{"kind", Attribute(kind)}, {"axes", Attribute::ints(axes)}, {"keepdims", Attribute(keep)}}});
+    return runOk(
+        {"kiln.reduce",
+         {x},
+         {{"kind", Attribute(kind)}, {"axes", Attribute::ints(axes)}, {"keepdims", Attribute(keep)}}});
   };
   expectTensor(reduce("sum", {1}, false), {2}, {9, -2});
   expectTensor(reduce("sum", {0}, true), {1, 3}, {-3, 7, 3});
   expectTensor(reduce("mean", {0, 1}, false), {}, {7.0 / 6});
   expectTensor(reduce("max", {-1}, true), {2, 1}, {5, 2});
   expectTensor(reduce("max", {0}, false), {3}, {1, 5, 3});
-  expectTensor(runOk({"kiln.reduce", {i64({3}, {4, -9, 2})}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}}), {}, {-3});
+  expectTensor(runOk({"kiln.reduce",
+                      {i64({3}, {4, -9, 2})},
+                      {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}}),
+               {}, {-3});
 }
 
 TEST(ReduceCpu, ReduceGradSpreadsTheGradient) {
   TensorType x23(DType::f64, {Dim::fixed(2), Dim::fixed(3)});
-  OpCall mean{"kiln.reduce_grad", {f64({2}, {3, 6})}, {{"kind", Attribute("mean")}, {"axes", Attribute::ints({1})}}};
+  OpCall mean{
+      "kiln.reduce_grad", {f64({2}, {3, 6})}, {{"kind", Attribute("mean")}, {"axes", Attribute::ints({1})}}};
   mean.result_types = {x23};
   expectTensor(runOk(mean), {2, 3}, {1, 1, 1, 2, 2, 2});
   // max: ties share the gradient.

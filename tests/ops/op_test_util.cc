@@ -9,13 +9,26 @@ HostTensor tensor(DType t, std::vector<int64_t> shape, const std::vector<double>
   EXPECT_EQ(static_cast<int64_t>(v.size()), h.numel()) << "literal has the wrong number of values";
   for (size_t i = 0; i < v.size() && static_cast<int64_t>(i) < h.numel(); ++i) {
     switch (t) {
-      case DType::f32: h.as<float>()[i] = static_cast<float>(v[i]); break;
-      case DType::f64: h.as<double>()[i] = v[i]; break;
-      case DType::bf16: h.as<uint16_t>()[i] = floatToBf16(static_cast<float>(v[i])); break;
-      case DType::i32: h.as<int32_t>()[i] = static_cast<int32_t>(v[i]); break;
-      case DType::i64: h.as<int64_t>()[i] = static_cast<int64_t>(v[i]); break;
-      case DType::i1: h.as<uint8_t>()[i] = v[i] != 0; break;
-      default: ADD_FAILURE() << "no literal support for " << dtypeName(t);
+      case DType::f32:
+        h.as<float>()[i] = static_cast<float>(v[i]);
+        break;
+      case DType::f64:
+        h.as<double>()[i] = v[i];
+        break;
+      case DType::bf16:
+        h.as<uint16_t>()[i] = floatToBf16(static_cast<float>(v[i]));
+        break;
+      case DType::i32:
+        h.as<int32_t>()[i] = static_cast<int32_t>(v[i]);
+        break;
+      case DType::i64:
+        h.as<int64_t>()[i] = static_cast<int64_t>(v[i]);
+        break;
+      case DType::i1:
+        h.as<uint8_t>()[i] = v[i] != 0;
+        break;
+      default:
+        ADD_FAILURE() << "no literal support for " << dtypeName(t);
     }
   }
   return h;
@@ -25,13 +38,26 @@ std::vector<double> values(const HostTensor& h) {
   std::vector<double> out;
   for (int64_t i = 0; i < h.numel(); ++i) {
     switch (h.view.dtype) {
-      case DType::f32: out.push_back(h.as<float>()[i]); break;
-      case DType::f64: out.push_back(h.as<double>()[i]); break;
-      case DType::bf16: out.push_back(bf16ToFloat(h.as<uint16_t>()[i])); break;
-      case DType::i32: out.push_back(h.as<int32_t>()[i]); break;
-      case DType::i64: out.push_back(static_cast<double>(h.as<int64_t>()[i])); break;
-      case DType::i1: out.push_back(h.as<uint8_t>()[i]); break;
-      default: ADD_FAILURE() << "no value support for " << dtypeName(h.view.dtype);
+      case DType::f32:
+        out.push_back(h.as<float>()[i]);
+        break;
+      case DType::f64:
+        out.push_back(h.as<double>()[i]);
+        break;
+      case DType::bf16:
+        out.push_back(bf16ToFloat(h.as<uint16_t>()[i]));
+        break;
+      case DType::i32:
+        out.push_back(h.as<int32_t>()[i]);
+        break;
+      case DType::i64:
+        out.push_back(static_cast<double>(h.as<int64_t>()[i]));
+        break;
+      case DType::i1:
+        out.push_back(h.as<uint8_t>()[i]);
+        break;
+      default:
+        ADD_FAILURE() << "no value support for " << dtypeName(h.view.dtype);
     }
   }
   return out;
@@ -79,7 +105,8 @@ HostTensor runOk(const OpCall& call) {
   return r->empty() ? HostTensor() : (*r)[0];
 }
 
-void expectTensor(const HostTensor& t, const std::vector<int64_t>& shape, const std::vector<double>& want, double tol) {
+void expectTensor(const HostTensor& t, const std::vector<int64_t>& shape, const std::vector<double>& want,
+                  double tol) {
   EXPECT_EQ(t.view.shape, shape);
   std::vector<double> got = values(t);
   ASSERT_EQ(got.size(), want.size());

@@ -20,10 +20,18 @@ namespace kiln::ir::testing {
 
 // A host tensor of the given type filled with `values` (converted to the element type).
 HostTensor tensor(DType t, std::vector<int64_t> shape, const std::vector<double>& values);
-inline HostTensor f32(std::vector<int64_t> shape, const std::vector<double>& v) { return tensor(DType::f32, std::move(shape), v); }
-inline HostTensor f64(std::vector<int64_t> shape, const std::vector<double>& v) { return tensor(DType::f64, std::move(shape), v); }
-inline HostTensor i64(std::vector<int64_t> shape, const std::vector<double>& v) { return tensor(DType::i64, std::move(shape), v); }
-inline HostTensor i32(std::vector<int64_t> shape, const std::vector<double>& v) { return tensor(DType::i32, std::move(shape), v); }
+inline HostTensor f32(std::vector<int64_t> shape, const std::vector<double>& v) {
+  return tensor(DType::f32, std::move(shape), v);
+}
+inline HostTensor f64(std::vector<int64_t> shape, const std::vector<double>& v) {
+  return tensor(DType::f64, std::move(shape), v);
+}
+inline HostTensor i64(std::vector<int64_t> shape, const std::vector<double>& v) {
+  return tensor(DType::i64, std::move(shape), v);
+}
+inline HostTensor i32(std::vector<int64_t> shape, const std::vector<double>& v) {
+  return tensor(DType::i32, std::move(shape), v);
+}
 
 // Every element as a double.
 std::vector<double> values(const HostTensor& t);

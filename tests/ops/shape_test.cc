@@ -48,7 +48,8 @@ TEST(ShapeCpu, Transpose) {
   for (int k = 0; k < 2; ++k)
     for (int i = 0; i < 2; ++i)
       for (int j = 0; j < 3; ++j) want.push_back(100 * i + 10 * j + k);
-  expectTensor(runOk({"kiln.transpose", {f64({2, 3, 2}, x)}, {{"perm", Attribute::ints({2, 0, 1})}}}), {2, 2, 3}, want);
+  expectTensor(runOk({"kiln.transpose", {f64({2, 3, 2}, x)}, {{"perm", Attribute::ints({2, 0, 1})}}}),
+               {2, 2, 3}, want);
 }
 
 TEST(ShapeCpu, ConcatAlongEachAxis) {
@@ -61,15 +62,27 @@ TEST(ShapeCpu, ConcatAlongEachAxis) {
 
 TEST(ShapeCpu, Slice) {
   auto x = f32({2, 4}, {0, 1, 2, 3, 4, 5, 6, 7});
-  expectTensor(runOk({"kiln.slice", {x}, {{"axis", Attribute(int64_t{1})}, {"start", Attribute(int64_t{1})}, {"limit", Attribute(int64_t{3})}}}),
+  expectTensor(runOk({"kiln.slice",
+                      {x},
+                      {{"axis", Attribute(int64_t{1})},
+                       {"start", Attribute(int64_t{1})},
+                       {"limit", Attribute(int64_t{3})}}}),
                {2, 2}, {1, 2, 5, 6});
-  expectTensor(runOk({"kiln.slice", {x}, {{"axis", Attribute(int64_t{0})}, {"start", Attribute(int64_t{1})}, {"limit", Attribute(int64_t{2})}}}),
+  expectTensor(runOk({"kiln.slice",
+                      {x},
+                      {{"axis", Attribute(int64_t{0})},
+                       {"start", Attribute(int64_t{1})},
+                       {"limit", Attribute(int64_t{2})}}}),
                {1, 4}, {4, 5, 6, 7});
 }
 
 TEST(ShapeCpu, Pad) {
   auto x = f32({2, 2}, {1, 2, 3, 4});
-  expectTensor(runOk({"kiln.pad", {x}, {{"axis", Attribute(int64_t{1})}, {"low", Attribute(int64_t{1})}, {"high", Attribute(int64_t{2})}}}),
+  expectTensor(runOk({"kiln.pad",
+                      {x},
+                      {{"axis", Attribute(int64_t{1})},
+                       {"low", Attribute(int64_t{1})},
+                       {"high", Attribute(int64_t{2})}}}),
                {2, 5}, {0, 1, 2, 0, 0, 0, 3, 4, 0, 0});
 }
 
@@ -111,7 +124,8 @@ TEST(ShapeCpu, SumToRejectsANonBroadcastTarget) {
 }
 
 TEST(ShapeCpu, Cast) {
-  expectTensor(runOk({"kiln.cast", {f32({4}, {1.7, -1.7, 0, 3})}, {{"to", Attribute("i32")}}}), {4}, {1, -1, 0, 3});
+  expectTensor(runOk({"kiln.cast", {f32({4}, {1.7, -1.7, 0, 3})}, {{"to", Attribute("i32")}}}), {4},
+               {1, -1, 0, 3});
   auto b = runOk({"kiln.cast", {f32({3}, {0.5, 0, -2})}, {{"to", Attribute("i1")}}});
   EXPECT_EQ(b.view.dtype, DType::i1);
   expectTensor(b, {3}, {1, 0, 1});

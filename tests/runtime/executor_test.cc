@@ -214,8 +214,9 @@ void expectNoOverlap(const codegen::Program& p) {
       bool share_bytes = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
       EXPECT_FALSE(live_together && share_bytes) << "%b" << a.id << " and %b" << b.id << "\n" << codegen::memoryPlanStr(p);
     }
-  for (const auto& b : p.buffers)
+  for (const auto& b : p.buffers) {
     if (b.inArena()) EXPECT_EQ(b.offset % 64, 0);
+  }
 }
 
 TEST(MemoryPlan, PeakEqualsMeasuredHighWaterMark) {

@@ -1,0 +1,249 @@
+// The PassManager: pipelines by name, disabling, ordering rules, the verifier between passes,
+// printing, dumping and timing.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "ir/builder.h"
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "passes/pass_manager.h"
+
+namespace kiln::passes {
+namespace {
+
+constexpr const char* kInput =
+    "func.func @f(%x: !kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32> {\n"
+    "  %a = \"kiln.relu\"(%x) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>\n"
+    "  %b = \"kiln.relu\"(%x) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>\n"
+    "  %dead = \"kiln.exp\"(%x) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>\n"
+    "  %s = \"kiln.add\"(%a, %b) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>\n"
+    "  return %s : !kiln.tensor<Bx4xf32>\n"
+    "}\n";
+
+std::unique_ptr<ir::Module> input() {
+  auto m = ir::parseModule(kInput, "in.mlir");
+  EXPECT_TRUE(m.isOk()) << m.status().str();
+  return m.take();
+}
+
+// A pass made up for a test: a name and what it does to the module.
+class LambdaPass : public Pass {
+ public:
+  LambdaPass(std::string name, std::function<Expected<bool>(ir::Module&)> fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  std::string_view name() const override { return name_; }
+  std::string_view description() const override { return "test pass"; }
+  Expected<bool> run(ir::Module& m) override { return fn_(m); }
+
+ private:
+  std::string name_;
+  std::function<Expected<bool>(ir::Module&)> fn_;
+};
+
+std::unique_ptr<Pass> noop(std::string name, std::vector<std::string>* trace = nullptr) {
+  return std::make_unique<LambdaPass>(name, [name, trace](ir::Module&) -> Expected<bool> {
+    if (trace) trace->push_back(name);
+    return false;
+  });
+}
+
+TEST(PassManager, RegistryListsEveryPassOnce) {
+  std::set<std::string_view> names;
+  for (const PassInfo& p : registeredPasses()) {
+    EXPECT_TRUE(names.insert(p.name).second) << "twice: " << p.name;
+    EXPECT_FALSE(p.description.empty()) << p.name;
+    auto pass = createPass(p.name);
+    ASSERT_NE(pass, nullptr) << p.name;
+    EXPECT_EQ(pass->name(), p.name);  // the class's name is the passes.def name
+    EXPECT_EQ(pass->description(), p.description);
+  }
+  for (std::string_view core : {"canonicalize", "cse", "dce", "shape-inference"}) EXPECT_TRUE(names.count(core)) << core;
+  EXPECT_EQ(createPass("no-such-pass"), nullptr);
+}
+
+TEST(PassManager, RunsAPipelineByName) {
+  auto m = input();
+  PassManager pm;
+  ASSERT_TRUE(pm.addPipeline("cse, dce").isOk());
+  EXPECT_EQ(pm.pipeline(), (std::vector<std::string>{"cse", "dce"}));
+  auto changed = pm.run(*m);
+  ASSERT_TRUE(changed.isOk()) << changed.status().str();
+  EXPECT_TRUE(*changed);
+  EXPECT_EQ(m->lookup("f")->numOps(), 3u);  // relu, add, return
+  // Running again changes nothing.
+  auto again = pm.run(*m);
+  ASSERT_TRUE(again.isOk());
+  EXPECT_FALSE(*again);
+}
+
+TEST(PassManager, UnknownPassNamesAreErrors) {
+  PassManager pm;
+  Status s = pm.addPipeline("cse,typo");
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("unknown pass 'typo'; known passes: shape-inference, canonicalize, cse, dce"), std::string::npos)
+      << s.message();
+  EXPECT_FALSE(pm.addPipeline("cse,,dce").isOk());
+  PassManager pm2;
+  pm2.options().disabled.insert("nope");
+  EXPECT_NE(pm2.build().message().find("--disable-pass: unknown pass 'nope'"), std::string::npos);
+}
+
+TEST(PassManager, DisabledPassesDoNotRun) {
+  std::vector<std::string> trace;
+  PassManager pm;
+  pm.addPass(noop("a", &trace));
+  pm.addPass(noop("b", &trace));
+  pm.addPass(noop("a", &trace));
+  pm.options().disabled.insert("a");
+  auto m = input();
+  ASSERT_TRUE(pm.run(*m).isOk());
+  EXPECT_EQ(trace, (std::vector<std::string>{"b"}));
+}
+
+TEST(PassManager, OrderingRulesAreCheckedWhenBuilt) {
+  PassManager pm;
+  pm.requireBefore("first", "then", "then undoes first");
+  pm.addPass(noop("then"));
+  pm.addPass(noop("first"));
+  Status s = pm.build();
+  ASSERT_FALSE(s.isOk());
+  EXPECT_EQ(s.message(), "pass 'first' (position 2) must not run after 'then' (position 1): then undoes first");
+  auto m = input();
+  EXPECT_FALSE(pm.run(*m).isOk());
+  // Disabling either pass lifts the rule.
+  pm.options().disabled.insert("first");
+  EXPECT_TRUE(pm.build().isOk());
+  // The right order is fine, and so is a pipeline with only one of the two.
+  PassManager ok;
+  ok.requireBefore("first", "then");
+  ok.addPass(noop("first"));
+  ok.addPass(noop("then"));
+  EXPECT_TRUE(ok.build().isOk());
+}
+
+TEST(PassManager, PassesDefOrderingsApplyByDefault) {
+  // passes.def says cse must not run after remat.
+  bool found = false;
+  for (const PassOrdering& o : registeredOrderings()) found |= (o.first == "cse" && o.then == "remat");
+  ASSERT_TRUE(found);
+  PassManager pm;
+  pm.addPass(noop("remat"));
+  ASSERT_TRUE(pm.addPass("cse").isOk());
+  Status s = pm.build();
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("pass 'cse' (position 2) must not run after 'remat' (position 1)"), std::string::npos);
+}
+
+TEST(PassManager, VerifierNamesThePassThatBrokeTheIR) {
+  PassManager pm;
+  ASSERT_TRUE(pm.addPass("cse").isOk());
+  pm.addPass(std::make_unique<LambdaPass>("breaker", [](ir::Module& m) -> Expected<bool> {
+    // Gives the add a result type its operands cannot produce.
+    ir::Op* add = m.lookup("f")->entry().opList()[3];
+    add->result()->setType(add->result()->type().withDType(ir::DType::f16));
+    return true;
+  }));
+  ASSERT_TRUE(pm.addPass("dce").isOk());
+  auto m = input();
+  auto r = pm.run(*m);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().str(),
+            "in.mlir:5:3: error: pass 'breaker' produced invalid IR: in @f: 'kiln.add' result #0 has type "
+            "!kiln.tensor<Bx4xf16> but its operands give !kiln.tensor<Bx4xf32>");
+}
+
+TEST(PassManager, PassErrorsNameThePass) {
+  PassManager pm;
+  pm.addPass(std::make_unique<LambdaPass>("failing", [](ir::Module&) -> Expected<bool> {
+    return Status::error("cannot do it", Location{"in.mlir", 2, 3});
+  }));
+  auto m = input();
+  auto r = pm.run(*m);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_EQ(r.status().str(), "in.mlir:2:3: error: in pass 'failing': cannot do it");
+}
+
+TEST(PassManager, InvalidInputIsReportedBeforeAnyPass) {
+  std::vector<std::string> trace;
+  PassManager pm;
+  pm.addPass(noop("a", &trace));
+  ir::Module m;
+  m.addFunction("f");  // no return
+  auto r = pm.run(m);
+  ASSERT_FALSE(r.isOk());
+  EXPECT_NE(r.status().message().find("the input IR is invalid"), std::string::npos);
+  EXPECT_TRUE(trace.empty());
+}
+
+TEST(PassManager, PrintsAfterChosenPasses) {
+  std::ostringstream log;
+  PassManager pm;
+  ASSERT_TRUE(pm.addPipeline("cse,dce").isOk());
+  pm.options().print_ir_after.insert("cse");
+  pm.options().log = &log;
+  auto m = input();
+  ASSERT_TRUE(pm.run(*m).isOk());
+  std::string text = log.str();
+  EXPECT_EQ(text.find("// -----// IR Dump After cse //----- //\nmodule {\n"), 0u) << text;
+  EXPECT_EQ(text.find("IR Dump After dce"), std::string::npos);
+  EXPECT_NE(text.find("%dead"), std::string::npos);  // dce had not run yet
+
+  std::ostringstream all;
+  PassManager pm2;
+  ASSERT_TRUE(pm2.addPipeline("cse,dce").isOk());
+  pm2.options().print_ir_after_all = true;
+  pm2.options().log = &all;
+  auto m2 = input();
+  ASSERT_TRUE(pm2.run(*m2).isOk());
+  EXPECT_LT(all.str().find("IR Dump After cse"), all.str().find("IR Dump After dce"));
+}
+
+TEST(PassManager, DumpsEveryStageInOrder) {
+  std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "kiln_dump_test";
+  std::filesystem::remove_all(dir);
+  PassManager pm;
+  ASSERT_TRUE(pm.addPipeline("cse,dce,cse").isOk());
+  pm.options().dump_dir = dir.string();
+  auto m = input();
+  ASSERT_TRUE(pm.run(*m).isOk());
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path().filename().string());
+  std::sort(files.begin(), files.end());
+  EXPECT_EQ(files, (std::vector<std::string>{"0000.input.mlir", "0001.cse.mlir", "0002.dce.mlir", "0003.cse.mlir"}));
+  auto read = [&](const std::string& name) {
+    std::ifstream in(dir / name);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  // Each file is the module after that pass, and parses back.
+  EXPECT_NE(read("0000.input.mlir").find("%b = \"kiln.relu\""), std::string::npos);
+  EXPECT_EQ(read("0001.cse.mlir").find("%b = \"kiln.relu\""), std::string::npos);
+  EXPECT_NE(read("0001.cse.mlir").find("%dead"), std::string::npos);
+  EXPECT_EQ(read("0002.dce.mlir").find("%dead"), std::string::npos);
+  EXPECT_EQ(read("0003.cse.mlir"), ir::printModule(*m));
+  EXPECT_TRUE(ir::parseModule(read("0002.dce.mlir")).isOk());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(PassManager, TimingTableListsEachPass) {
+  std::ostringstream log;
+  PassManager pm;
+  ASSERT_TRUE(pm.addPipeline("cse,dce").isOk());
+  pm.options().timing = true;
+  pm.options().log = &log;
+  auto m = input();
+  ASSERT_TRUE(pm.run(*m).isOk());
+  std::string t = log.str();
+  size_t cse = t.find("yes      cse"), dce = t.find("yes      dce"), total = t.find("Total");
+  EXPECT_NE(t.find("Pass execution timing report"), std::string::npos) << t;
+  ASSERT_NE(cse, std::string::npos) << t;
+  ASSERT_NE(dce, std::string::npos) << t;
+  EXPECT_LT(cse, dce);
+  EXPECT_LT(dce, total);
+}
+
+}  // namespace
+}  // namespace kiln::passes

@@ -1,0 +1,88 @@
+// `kiln data`: data-file tools. `kiln data convert IN.tsv... OUT.bin` turns Criteo TSV files
+// into Kiln's binary format; `kiln data info FILE.bin` checks a binary file and prints its size.
+#include <chrono>
+#include <cstdio>
+
+#include "runtime/data/binary_format.h"
+#include "tools/cli.h"
+
+namespace kiln::cli {
+namespace {
+
+int runConvert(const std::vector<std::string>& args) {
+  ArgParser p("data convert", "kiln data convert IN.tsv... OUT.bin [--strict]",
+              "Converts Criteo TSV files (label, 13 integer and 26 hex categorical features per line) into\n"
+              "one Kiln binary data file, which trains read without parsing text. Malformed lines are\n"
+              "reported with file:line and skipped, or stop the conversion with --strict.");
+  p.addFlag("strict", "stop at the first malformed line (exit 1, no output written)");
+  p.addFlag("quiet", "do not report each skipped line");
+  p.setPositionals("IN.tsv... OUT.bin", 2, -1, "the TSV files, read in order, then the binary file to write");
+  int code;
+  if (!p.parse(args, &code)) return code;
+  std::vector<std::string> inputs(p.positionals().begin(), p.positionals().end() - 1);
+  const std::string& output = p.positionals().back();
+  for (const auto& in : inputs)
+    if (in == output) return p.usageError(fmt::format("the output '{}' is also an input", output));
+  data::TsvOptions opts;
+  opts.strict = p.flag("strict");
+  int64_t reported = 0;
+  const bool quiet = p.flag("quiet");
+  opts.on_skip = [&](const Status& s) {
+    // Enough lines to find the problem without flooding the terminal.
+    if (!quiet && reported++ < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
+  };
+  auto start = std::chrono::steady_clock::now();
+  auto stats = data::convertToBinary(inputs, output, std::move(opts));
+  if (!stats) {
+    std::fprintf(stderr, "%s\n", stats.status().str().c_str());
+    return kExitError;
+  }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("wrote %s: %lld records (%lld bytes), %lld malformed lines skipped, %.2f s\n", output.c_str(),
+              static_cast<long long>(stats->records),
+              static_cast<long long>(data::kBinaryHeaderBytes + stats->records * data::kBinaryRecordBytes),
+              static_cast<long long>(stats->malformed), secs);
+  return kExitOk;
+}
+
+int runInfo(const std::vector<std::string>& args) {
+  ArgParser p("data info", "kiln data info FILE.bin...", "Checks Kiln binary data files and prints their record counts.");
+  p.setPositionals("FILE.bin...", 1, -1, "binary data files");
+  int code;
+  if (!p.parse(args, &code)) return code;
+  for (const auto& f : p.positionals()) {
+    auto n = data::checkBinaryFile(f);
+    if (!n) {
+      std::fprintf(stderr, "%s\n", n.status().str().c_str());
+      return kExitError;
+    }
+    std::printf("%s: %lld records, version %u\n", f.c_str(), static_cast<long long>(*n), data::kBinaryVersion);
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int runData(const std::vector<std::string>& args) {
+  const char* usage =
+      "usage: kiln data SUBCOMMAND [ARGS...]\n\n"
+      "subcommands:\n"
+      "  convert    Convert Criteo TSV files into one Kiln binary data file\n"
+      "  info       Check binary data files and print their record counts\n\n"
+      "Run 'kiln data SUBCOMMAND --help' for its flags.\n";
+  if (args.empty()) {
+    std::fputs(usage, stderr);
+    return kExitUsage;
+  }
+  if (args[0] == "--help" || args[0] == "-h") {
+    std::fputs(usage, stdout);
+    return kExitOk;
+  }
+  std::vector<std::string> rest(args.begin() + 1, args.end());
+  if (args[0] == "convert") return runConvert(rest);
+  if (args[0] == "info") return runInfo(rest);
+  std::fprintf(stderr, "kiln data: error: unknown subcommand '%s' (see 'kiln data --help')\n", args[0].c_str());
+  return kExitUsage;
+}
+
+}  // namespace kiln::cli
