@@ -49,7 +49,7 @@ const std::set<std::string, std::less<>>& movementOps() {
   static const std::set<std::string, std::less<>> s = {"kiln.broadcast", "kiln.reshape", "kiln.transpose",
                                                        "kiln.slice",     "kiln.concat",  "kiln.gather",
                                                        "kiln.cast",      "kiln.compare", "kiln.select",
-                                                       "kiln.activation_grad"};
+                                                       "kiln.activation_grad", "kiln.bce_with_logits_grad"};
   return s;
 }
 
@@ -238,6 +238,41 @@ class GroupLowering {
       auto dy = operandAt(1);
       if (!dy) return dy;
       return activationGrad(g, op.strAttr("activation"), *x, *dy);
+    }
+    if (name == "kiln.bce_with_logits_grad") {
+      // g (sigmoid(x) - y), divided by the element count for a mean.
+      auto x = operandAt(0);
+      if (!x) return x;
+      auto y = operandAt(1);
+      if (!y) return y;
+      DType ct = g.typeOf(*x);
+      auto gv = valueAt(kb, op.operand(2), {});
+      if (!gv) return gv;
+      int scale = g.cast(*gv, ct);
+      if (op.strAttr("reduction", "mean") == "mean")
+        scale = g.binary(ExprOp::Mul, scale, g.constant(1.0 / static_cast<double>(product(*shape)), ct));
+      return g.binary(ExprOp::Mul, scale, g.binary(ExprOp::Sub, g.unary(ExprOp::Sigmoid, *x), g.cast(*y, ct)));
+    }
+    if (name == "kiln.reduce_grad") {
+      // sum/mean: the kept element's gradient, spread (and divided by the count for a mean).
+      std::set<int64_t> axes;
+      for (int64_t a : op.intsAttr("axes")) axes.insert(a < 0 ? a + static_cast<int64_t>(coords.size()) : a);
+      bool keep = op.boolAttr("keepdims");
+      std::vector<int> gc;
+      int64_t count = 1;
+      for (size_t i = 0; i < coords.size(); ++i) {
+        if (axes.count(static_cast<int64_t>(i))) {
+          count *= (*shape)[i];
+          if (keep) gc.push_back(g.intConstant(0));
+        } else {
+          gc.push_back(coords[i]);
+        }
+      }
+      auto gv = valueAt(kb, op.operand(0), gc);
+      if (!gv) return gv;
+      if (op.strAttr("kind") == "mean")
+        return g.binary(ExprOp::Mul, *gv, g.constant(1.0 / static_cast<double>(count), g.typeOf(*gv)));
+      return gv;
     }
     if (name == "kiln.reshape") {
       int flat = rowMajorOffset(g, coords, *shape);
@@ -563,6 +598,125 @@ class GroupLowering {
     return finish(kb);
   }
 
+  // max: the gradient goes to the maxima of each reduced slice, split evenly among ties.
+  Status lowerReduceMaxGrad(const Op& op) {
+    const Value* gval = op.operand(0);
+    const Value* x = op.operand(1);
+    const Value* y = op.operand(2);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    std::set<int64_t> axes;
+    for (int64_t a : op.intsAttr("axes")) axes.insert(a < 0 ? a + static_cast<int64_t>(xs->size()) : a);
+    bool keep = op.boolAttr("keepdims");
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "reduce_max_grad";
+    k.kind = KernelKind::Row;
+    for (size_t i = 0; i < xs->size(); ++i) (axes.count(static_cast<int64_t>(i)) ? k.row_space : k.space).push_back((*xs)[i]);
+    if (k.space.empty()) k.space = {1};
+    ExprGraph& g = k.exprs;
+    std::vector<int> coords(xs->size()), kept;
+    int oi = 0, ri = static_cast<int>(k.space.size());
+    for (size_t i = 0; i < xs->size(); ++i) {
+      bool red = axes.count(static_cast<int64_t>(i));
+      coords[i] = red ? g.coord(ri++) : g.coord(oi++);
+      if (!red) kept.push_back(coords[i]);
+      else if (keep) kept.push_back(g.intConstant(0));
+    }
+    auto xv = valueAt(kb, x, coords);
+    auto yv = valueAt(kb, y, kept);
+    auto gv = valueAt(kb, gval, kept);
+    if (!xv || !yv || !gv) return !xv ? xv.status() : !yv ? yv.status() : gv.status();
+    DType ct = g.typeOf(*xv);
+    int hit = g.binary(ExprOp::Eq, *xv, *yv);
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.select(hit, g.constant(1, ct), g.constant(0, ct)), {}});
+    Phase map;
+    map.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, coords, *xs),
+                          g.cast(g.select(hit, g.binary(ExprOp::Div, *gv, g.rowValue(0, ct)), g.constant(0, ct)),
+                                 op.result()->type().dtype()), -1});
+    k.phases.push_back(map);
+    return finish(kb);
+  }
+
+  // g (softmax(x) * sum_c p - p) per row, / N for a mean; p is one-hot for class ids.
+  Status lowerSoftmaxCrossEntropyGrad(const Op& op) {
+    const Value* x = op.operand(0);
+    const Value* y = op.operand(1);
+    auto xs = shapeOf(x);
+    if (!xs) return xs.status();
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "softmax_xent_grad";
+    k.kind = KernelKind::Row;
+    AxisRow ar = axisRow(k, *xs, 1);
+    ExprGraph& g = k.exprs;
+    auto xv = valueAt(kb, x, ar.coords);
+    if (!xv) return xv.status();
+    DType ct = g.typeOf(*xv);
+    auto gv = valueAt(kb, op.operand(2), {});
+    if (!gv) return gv.status();
+    int scale = g.cast(*gv, ct);
+    if (op.strAttr("reduction", "mean") == "mean")
+      scale = g.binary(ExprOp::Mul, scale, g.constant(1.0 / static_cast<double>((*xs)[0]), ct));
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Max, *xv, {}});
+    int e = g.unary(ExprOp::Exp, g.binary(ExprOp::Sub, *xv, g.rowValue(0, ct)));
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, e, {}});
+    int p = g.binary(ExprOp::Div, e, g.rowValue(1, ct));
+    int target, mass;
+    if (y->type().rank() == 1) {
+      auto label = valueAt(kb, y, {ar.outer[0]});
+      if (!label) return label.status();
+      target = g.select(g.binary(ExprOp::Eq, g.cast(*label, DType::i64), ar.coords[1]), g.constant(1, ct), g.constant(0, ct));
+      mass = g.constant(1, ct);
+    } else {
+      auto yv = valueAt(kb, y, ar.coords);
+      if (!yv) return yv.status();
+      target = g.cast(*yv, ct);
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, target, {}});
+      mass = g.rowValue(2, ct);
+    }
+    Phase map;
+    map.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, ar.coords, *xs),
+                          g.cast(g.binary(ExprOp::Mul, scale, g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, p, mass), target)),
+                                 op.result()->type().dtype()), -1});
+    k.phases.push_back(map);
+    return finish(kb);
+  }
+
+  // dw[b, h] = <table[ids[b, h]], g[b]> (/ H for a mean): one row reduction per id.
+  Status lowerEmbeddingWeightGrad(const Op& op) {
+    const Value* table = op.operand(0);
+    const Value* ids = op.operand(1);
+    KILN_RETURN_IF_ERROR(checkFixedHotness(op, ids));
+    const Value* gval = op.operand(2);
+    auto ts = shapeOf(table);
+    auto is = shapeOf(ids);
+    if (!ts || !is) return !ts ? ts.status() : is.status();
+    int64_t rows = (*ts)[0], dim = (*ts)[1], hot = (*is)[1];
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_weight_grad";
+    k.kind = KernelKind::Row;
+    k.space = *is;
+    k.row_space = {dim};
+    ExprGraph& g = k.exprs;
+    int b = g.coord(0), h = g.coord(1), d = g.coord(2);
+    auto id = valueAt(kb, ids, {b, h});
+    if (!id) return id.status();
+    int id64 = g.cast(*id, DType::i64);
+    int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, id64, g.intConstant(0)), g.binary(ExprOp::Lt, id64, g.intConstant(rows)));
+    auto w = valueAt(kb, table, {id64, d});
+    auto gv = valueAt(kb, gval, {b, d});
+    if (!w || !gv) return !w ? w.status() : gv.status();
+    DType ct = g.typeOf(*w);
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum,
+                        g.select(ok, g.binary(ExprOp::Mul, *w, g.cast(*gv, ct)), g.constant(0, ct)), {}});
+    int acc = g.rowValue(0, ct);
+    if (op.strAttr("mode", "sum") == "mean") acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(hot), ct));
+    k.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, {b, h}, *is), g.cast(acc, op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
   // ---- Optimizers -----------------------------------------------------------------------------
 
   struct Hyper {
@@ -858,6 +1012,9 @@ class GroupLowering {
     if (n == "kiln.softmax") return lowerSoftmax(last);
     if (n == "kiln.bce_with_logits") return lowerBce(last);
     if (n == "kiln.softmax_cross_entropy") return lowerSoftmaxCrossEntropy(last);
+    if (n == "kiln.softmax_cross_entropy_grad") return lowerSoftmaxCrossEntropyGrad(last);
+    if (n == "kiln.reduce_grad") return lowerReduceMaxGrad(last);
+    if (n == "kiln.embedding_bag_weight_grad") return lowerEmbeddingWeightGrad(last);
     if (n == "kiln.optimizer_update") return lowerOptimizerUpdate(last);
     if (n == "kiln.embedding_bag_update") return lowerEmbeddingUpdate(last);
     if (n == "kiln.embedding_bag_grad_sqnorm") return lowerGradSqnorm(last);
@@ -875,6 +1032,7 @@ class GroupLowering {
 }  // namespace
 
 bool isPointwiseOp(const Op& op) {
+  if (op.name() == "kiln.reduce_grad") return op.strAttr("kind") != "max";
   return unaryOps().count(op.name()) || binaryOps().count(op.name()) || movementOps().count(op.name());
 }
 

@@ -167,9 +167,9 @@ std::string memoryPlanStr(const Program& p) {
     else
       line += fmt::format(" {:<17}", "outside-arena");
     line += fmt::format(" bytes={:<10} live={:<12} {}", b.bytes, range(b), b.type.str());
-    if (!b.name.empty()) line += " " + ir::quoteString(b.name);
+    if (!b.name.empty()) line += fmt::format(" {}", ir::quoteString(b.name));
     if (b.in_place_of >= 0) line += fmt::format(" in_place_of=%b{}", b.in_place_of);
-    out += line + "\n";
+    out += fmt::format("{}\n", line);
   }
   int64_t outside = 0;
   for (const Buffer& b : p.buffers)

@@ -15,7 +15,9 @@ namespace {
 
 Expected<std::string> readFile(const std::string& path) {
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) return Status::error(fmt::format("'{}' is a directory", path));
+  // Only regular files: an import of /dev/zero or a FIFO must not hang the compiler.
+  if (!std::filesystem::is_regular_file(path, ec)) return Status::error(fmt::format("'{}' is not a readable file", path));
+  if (std::filesystem::file_size(path, ec) > (64u << 20)) return Status::error(fmt::format("'{}' is larger than 64 MiB", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::error(fmt::format("cannot open '{}'", path));
   std::stringstream ss;

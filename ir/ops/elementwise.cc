@@ -98,7 +98,8 @@ C applyUn(C x) {
   if constexpr (K == Un::sigmoid) return sigmoidOf(x);
   if constexpr (K == Un::tanh) return std::tanh(x);
   if constexpr (K == Un::relu) return x > 0 ? x : C(0);
-  if constexpr (K == Un::gelu) return C(0.5) * x * (C(1) + std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x)));
+  if constexpr (K == Un::gelu)
+    return C(0.5) * x * (C(1) + std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x)));
   if constexpr (K == Un::silu) return x * sigmoidOf(x);
 }
 
@@ -451,20 +452,30 @@ OpCost costPerElement(const Op& op, const SymbolBindings& symbols) {
 
 void addBinary(OpRegistry& r, const char* name, const char* summary, uint32_t extra, bool float_only,
                CpuFn cpu, GradFn grad, CostFn cost = costPerElement<1>) {
-  r.add({.name = name, .summary = summary, .min_operands = 2, .max_operands = 2,
+  r.add({.name = name,
+         .summary = summary,
+         .min_operands = 2,
+         .max_operands = 2,
          .traits = kPure | kElementwise | kBroadcasting | extra,
          .infer = inferBinary,
          .verify = float_only ? verifyFloatOperands : nullptr,
-         .cost = cost, .grad = grad, .cpu = cpu});
+         .cost = cost,
+         .grad = grad,
+         .cpu = cpu});
 }
 
 void addUnary(OpRegistry& r, const char* name, const char* summary, bool float_only, CpuFn cpu, GradFn grad,
               CostFn cost = costPerElement<1>) {
-  r.add({.name = name, .summary = summary, .min_operands = 1, .max_operands = 1,
+  r.add({.name = name,
+         .summary = summary,
+         .min_operands = 1,
+         .max_operands = 1,
          .traits = kPure | kElementwise,
          .infer = inferUnary,
          .verify = float_only ? verifyFloatOperands : nullptr,
-         .cost = cost, .grad = grad, .cpu = cpu});
+         .cost = cost,
+         .grad = grad,
+         .cpu = cpu});
 }
 
 }  // namespace

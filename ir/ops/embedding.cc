@@ -89,8 +89,8 @@ Expected<Bags> bagsOf(const Op& op, const TensorView& ids, const TensorView* len
     bags.begin.push_back(bags.begin.back() + len);
   }
   if (bags.begin.back() != ids.numel())
-    return Status::errorf("{}: the lengths add up to {} but there are {} ids", tableLabel(op), bags.begin.back(),
-                          ids.numel());
+    return Status::errorf("{}: the lengths add up to {} but there are {} ids", tableLabel(op),
+                          bags.begin.back(), ids.numel());
   return bags;
 }
 
@@ -151,7 +151,8 @@ Status cpuEmbeddingBag(const Op& op, const CpuOperands& in, const CpuResults& ou
   });
 }
 
-Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuResults& out,
+                                 const CpuContext&) {
   const TensorView& table = *in[0];
   const TensorView& ids = *in[1];
   const TensorView* lengths = ids.rank() == 1 ? in[2] : nullptr;
@@ -162,8 +163,8 @@ Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuR
   auto bags = bagsOf(op, ids, lengths);
   if (!bags) return bags.status();
   if (g.shape != std::vector<int64_t>{bags->batch(), dim})
-    return Status::errorf("{}: grad_out {} does not match {} bags of dim {}", tableLabel(op), shapeString(g.shape),
-                          bags->batch(), dim);
+    return Status::errorf("{}: grad_out {} does not match {} bags of dim {}", tableLabel(op),
+                          shapeString(g.shape), bags->batch(), dim);
   KILN_RETURN_IF_ERROR(setResultShape(op, r, ids.shape));
   const bool mean = op.strAttr("mode") == "mean";
   return visitFloat(op, table.dtype, [&](auto tag) -> Status {
@@ -177,7 +178,8 @@ Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuR
       for (int64_t j = lo; j < hi; ++j) {
         const auto* row = pt + loadIndex(ids, j) * dim;
         double dot = 0;
-        for (int64_t d = 0; d < dim; ++d) dot += static_cast<double>(T::load(row[d])) * T::load(pg[b * dim + d]);
+        for (int64_t d = 0; d < dim; ++d)
+          dot += static_cast<double>(T::load(row[d])) * T::load(pg[b * dim + d]);
         pr[j] = T::store(dot * scale);
       }
     }
@@ -200,7 +202,8 @@ Status gradEmbeddingBag(GradContext& ctx, const Op& op) {
   KILN_GRAD_VALUE(dw, ctx.builder.createValue("kiln.embedding_bag_weight_grad", operands, attrs));
   const DType wt = op.operand(weights_at)->type().dtype();
   if (dw->type().dtype() != wt) {
-    KILN_GRAD_VALUE(c, ctx.builder.createValue("kiln.cast", {dw}, {{"to", Attribute(std::string(dtypeName(wt)))}}));
+    KILN_GRAD_VALUE(
+        c, ctx.builder.createValue("kiln.cast", {dw}, {{"to", Attribute(std::string(dtypeName(wt)))}}));
     dw = c;
   }
   ctx.operand_grads[weights_at] = dw;
@@ -212,9 +215,11 @@ Status inferEmbeddingBagWeightGrad(const Op& op, std::vector<TensorType>& out) {
   const TensorType& ids = op.operand(1)->type();
   const TensorType& g = op.operand(op.numOperands() - 1)->type();
   if (table.rank() != 2 || !isFloat(table.dtype()))
-    return Status::errorf("'kiln.embedding_bag_weight_grad' table must be float [rows, dim], got {}", table.str());
+    return Status::errorf("'kiln.embedding_bag_weight_grad' table must be float [rows, dim], got {}",
+                          table.str());
   if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
-    return Status::errorf("'kiln.embedding_bag_weight_grad' ids must be integer [B, H] or [N], got {}", ids.str());
+    return Status::errorf("'kiln.embedding_bag_weight_grad' ids must be integer [B, H] or [N], got {}",
+                          ids.str());
   const unsigned want = ids.rank() == 1 ? 4 : 3;
   if (op.numOperands() != want)
     return Status::errorf("'kiln.embedding_bag_weight_grad' takes (table, ids{}, grad_out)",
@@ -234,7 +239,8 @@ OpCost costEmbeddingBag(const Op& op, const SymbolBindings& symbols) {
   auto dim = table.dim(1).evaluate(symbols);
   const double row_elems = ids * static_cast<double>(dim ? *dim : 0);
   const bool weighted = op.numOperands() > (op.operand(1)->type().rank() == 1 ? 3u : 2u);
-  double bytes = typeBytes(op.result()->type(), symbols) + row_elems * static_cast<double>(dtypeBytes(table.dtype()));
+  double bytes =
+      typeBytes(op.result()->type(), symbols) + row_elems * static_cast<double>(dtypeBytes(table.dtype()));
   for (unsigned i = 1; i < op.numOperands(); ++i) bytes += typeBytes(op.operand(i)->type(), symbols);
   return {row_elems * (weighted ? 2 : 1), bytes};
 }
@@ -245,7 +251,8 @@ OpCost costEmbeddingBagWeightGrad(const Op& op, const SymbolBindings& symbols) {
   const double ids = typeElements(op.operand(1)->type(), symbols);
   auto dim = table.dim(1).evaluate(symbols);
   const double row_elems = ids * static_cast<double>(dim ? *dim : 0);
-  double bytes = typeBytes(op.result()->type(), symbols) + row_elems * static_cast<double>(dtypeBytes(table.dtype()));
+  double bytes =
+      typeBytes(op.result()->type(), symbols) + row_elems * static_cast<double>(dtypeBytes(table.dtype()));
   for (unsigned i = 1; i < op.numOperands(); ++i) bytes += typeBytes(op.operand(i)->type(), symbols);
   return {2 * row_elems, bytes};
 }

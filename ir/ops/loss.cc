@@ -68,8 +68,8 @@ double sigmoid(double x) {
 
 Status checkSameShape(const Op& op, const TensorView& x, const TensorView& y) {
   if (x.shape != y.shape)
-    return Status::errorf("'{}': logits {} and labels {} differ in run-time shape", op.name(), shapeString(x.shape),
-                          shapeString(y.shape));
+    return Status::errorf("'{}': logits {} and labels {} differ in run-time shape", op.name(),
+                          shapeString(x.shape), shapeString(y.shape));
   return Status::ok();
 }
 
@@ -96,7 +96,8 @@ Status cpuBceGrad(const Op& op, const CpuOperands& in, const CpuResults& out, co
   return visitFloat(op, x.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     auto* pr = data<T>(r);
-    for (int64_t i = 0; i < n; ++i) pr[i] = T::store(scale * (sigmoid(loadAsDouble(x, i)) - loadAsDouble(y, i)));
+    for (int64_t i = 0; i < n; ++i)
+      pr[i] = T::store(scale * (sigmoid(loadAsDouble(x, i)) - loadAsDouble(y, i)));
     return Status::ok();
   });
 }
@@ -127,7 +128,8 @@ Status checkLabels(const Op& op, const TensorView& x, const TensorView& y) {
     for (int64_t n = 0; n < y.shape[0]; ++n) {
       const int64_t c = loadIndex(y, n);
       if (c < 0 || c >= x.shape[1])
-        return Status::errorf("'{}': label {} at position [{}] is out of range [0, {})", op.name(), c, n, x.shape[1]);
+        return Status::errorf("'{}': label {} at position [{}] is out of range [0, {})", op.name(), c, n,
+                              x.shape[1]);
     }
     return Status::ok();
   }
@@ -149,7 +151,8 @@ Status cpuSoftmaxCE(const Op& op, const CpuOperands& in, const CpuResults& out, 
     }
   });
   const int64_t rows = x.shape[0];
-  storeScalar(*out[0], op.strAttr("reduction") == "sum" || rows == 0 ? total : total / static_cast<double>(rows));
+  storeScalar(*out[0],
+              op.strAttr("reduction") == "sum" || rows == 0 ? total : total / static_cast<double>(rows));
   return Status::ok();
 }
 
@@ -172,7 +175,8 @@ Status cpuSoftmaxCEGrad(const Op& op, const CpuOperands& in, const CpuResults& o
         for (int64_t c = 0; c < classes; ++c) mass += loadAsDouble(y, n * classes + c);
       }
       for (int64_t c = 0; c < classes; ++c) {
-        const double target = y.rank() == 1 ? (loadIndex(y, n) == c ? 1.0 : 0.0) : loadAsDouble(y, n * classes + c);
+        const double target =
+            y.rank() == 1 ? (loadIndex(y, n) == c ? 1.0 : 0.0) : loadAsDouble(y, n * classes + c);
         pr[n * classes + c] = T::store(scale * (p[static_cast<size_t>(c)] * mass - target));
       }
     });
@@ -201,7 +205,8 @@ Status inferLossGrad(const Op& op, std::vector<TensorType>& out) {
   if (g.rank() != 0 || !isFloat(g.dtype()))
     return Status::errorf("'{}' needs a scalar float gradient, got {}", op.name(), g.str());
   std::vector<TensorType> loss;
-  KILN_RETURN_IF_ERROR(op.name() == "kiln.bce_with_logits_grad" ? inferBce(op, loss) : inferSoftmaxCE(op, loss));
+  KILN_RETURN_IF_ERROR(op.name() == "kiln.bce_with_logits_grad" ? inferBce(op, loss)
+                                                                : inferSoftmaxCE(op, loss));
   out = {x.withSharding(std::nullopt)};
   return Status::ok();
 }

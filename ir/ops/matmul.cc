@@ -57,7 +57,8 @@ Status cpuMatmul(const Op& op, const std::vector<const TensorView*>& in, const s
   if (k != kb)
     return Status::errorf("'kiln.matmul': run-time contraction sizes differ: {} and {}", shapeString(a.shape),
                           shapeString(b.shape));
-  std::vector<int64_t> batch_a(a.shape.begin(), a.shape.end() - 2), batch_b(b.shape.begin(), b.shape.end() - 2);
+  std::vector<int64_t> batch_a(a.shape.begin(), a.shape.end() - 2),
+      batch_b(b.shape.begin(), b.shape.end() - 2);
   auto batch = broadcastRuntime(op, batch_a, batch_b);
   if (!batch) return batch.status();
   std::vector<int64_t> shape = *batch;
@@ -113,7 +114,8 @@ Status gradMatmul(GradContext& ctx, const Op& op) {
   Value* w = op.operand(1);
   const bool ta = op.boolAttr("transpose_a"), tb = op.boolAttr("transpose_b");
   auto mm = [&](Value* x, Value* y, bool tx, bool ty) {
-    return b.createValue("kiln.matmul", {x, y}, {{"transpose_a", Attribute(tx)}, {"transpose_b", Attribute(ty)}});
+    return b.createValue("kiln.matmul", {x, y},
+                         {{"transpose_a", Attribute(tx)}, {"transpose_b", Attribute(ty)}});
   };
   Expected<Value*> da = !ta ? (!tb ? mm(g, w, false, true) : mm(g, w, false, false))
                             : (!tb ? mm(w, g, false, true) : mm(w, g, true, true));

@@ -64,7 +64,8 @@ std::vector<int64_t> keptShape(const std::vector<int64_t>& in, const std::vector
   return s;
 }
 
-std::vector<int64_t> resultShape(const std::vector<int64_t>& in, const std::vector<bool>& reduced, bool keep) {
+std::vector<int64_t> resultShape(const std::vector<int64_t>& in, const std::vector<bool>& reduced,
+                                 bool keep) {
   std::vector<int64_t> s;
   for (size_t i = 0; i < in.size(); ++i)
     if (!reduced[i])
@@ -87,15 +88,17 @@ Status cpuReduce(const Op& op, const CpuOperands& in, const CpuResults& out, con
     using Acc = typename T::Acc;
     const auto* px = data<T>(x);
     auto* pr = data<T>(r);
-    const Acc init = kind == "max" ? (std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
-                                                                            : std::numeric_limits<Acc>::lowest())
-                                   : Acc(0);
+    const Acc init = kind == "max"
+                         ? (std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
+                                                                   : std::numeric_limits<Acc>::lowest())
+                         : Acc(0);
     std::vector<Acc> acc(static_cast<size_t>(r.numel()), init);
-    forEachIndex<1>(x.shape, {broadcastStrides(kept, x.shape)}, [&](int64_t i, const std::array<int64_t, 1>& o) {
-      Acc v = T::load(px[i]);
-      Acc& a = acc[static_cast<size_t>(o[0])];
-      a = kind == "max" ? std::max(a, v) : a + v;
-    });
+    forEachIndex<1>(x.shape, {broadcastStrides(kept, x.shape)},
+                    [&](int64_t i, const std::array<int64_t, 1>& o) {
+                      Acc v = T::load(px[i]);
+                      Acc& a = acc[static_cast<size_t>(o[0])];
+                      a = kind == "max" ? std::max(a, v) : a + v;
+                    });
     for (size_t i = 0; i < acc.size(); ++i)
       pr[i] = T::store(kind == "mean" && count ? acc[i] / static_cast<Acc>(count) : acc[i]);
     return Status::ok();
@@ -115,8 +118,7 @@ Status cpuReduceGrad(const Op& op, const CpuOperands& in, const CpuResults& out,
     const bool keep = op.boolAttr("keepdims");
     size_t gi = 0;
     for (size_t i = 0; i < shape.size(); ++i) {
-      if (!reduced[i])
-        shape[i] = g.shape[gi];
+      if (!reduced[i]) shape[i] = g.shape[gi];
       if (!reduced[i] || keep) ++gi;
     }
   }
@@ -172,7 +174,8 @@ Status cpuSoftmax(const Op& op, const CpuOperands& in, const CpuResults& out, co
         for (int64_t j = 0; j < n; ++j) mx = std::max<double>(mx, T::load(px[base + j * inner]));
         double sum = 0;
         for (int64_t j = 0; j < n; ++j) sum += std::exp(T::load(px[base + j * inner]) - mx);
-        for (int64_t j = 0; j < n; ++j) pr[base + j * inner] = T::store(std::exp(T::load(px[base + j * inner]) - mx) / sum);
+        for (int64_t j = 0; j < n; ++j)
+          pr[base + j * inner] = T::store(std::exp(T::load(px[base + j * inner]) - mx) / sum);
       }
     return Status::ok();
   });
@@ -220,9 +223,11 @@ Status verifyReduceGrad(const Op& op) {
   const TensorType& x = op.result()->type();
   const bool is_max = op.strAttr("kind") == "max";
   if (op.numOperands() != (is_max ? 3u : 1u))
-    return Status::errorf("'kiln.reduce_grad' of kind {} takes {}", op.strAttr("kind"), is_max ? "(g, x, y)" : "(g)");
+    return Status::errorf("'kiln.reduce_grad' of kind {} takes {}", op.strAttr("kind"),
+                          is_max ? "(g, x, y)" : "(g)");
   if (g.dtype() != x.dtype() || !isFloat(g.dtype()))
-    return Status::errorf("'kiln.reduce_grad' needs float g and result of one type, got {} and {}", g.str(), x.str());
+    return Status::errorf("'kiln.reduce_grad' needs float g and result of one type, got {} and {}", g.str(),
+                          x.str());
   std::set<int64_t> axes;
   for (int64_t a : op.intsAttr("axes")) {
     auto n = normalizeAxis(op, a, x.rank());
@@ -240,7 +245,8 @@ Status verifyReduceGrad(const Op& op) {
     return Status::errorf("'kiln.reduce_grad' gradient {} is not the reduction of {}", g.str(), x.str());
   if (is_max && (op.operand(1)->type().withSharding(std::nullopt) != x.withSharding(std::nullopt) ||
                  op.operand(2)->type().shape() != g.shape()))
-    return Status::errorf("'kiln.reduce_grad' x and y must have the types of the result {} and g {}", x.str(), g.str());
+    return Status::errorf("'kiln.reduce_grad' x and y must have the types of the result {} and g {}", x.str(),
+                          g.str());
   return Status::ok();
 }
 

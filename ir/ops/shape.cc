@@ -161,7 +161,8 @@ Status inferPad(const Op& op, std::vector<TensorType>& out) {
   const Dim& d = in.dim(*axis);
   if (!d.isStatic()) return Status::errorf("'kiln.pad' axis {} of {} is not static", *axis, in.str());
   int64_t low = op.intAttr("low"), high = op.intAttr("high");
-  if (low < 0 || high < 0) return Status::errorf("'kiln.pad' needs low >= 0 and high >= 0, got {} and {}", low, high);
+  if (low < 0 || high < 0)
+    return Status::errorf("'kiln.pad' needs low >= 0 and high >= 0, got {} and {}", low, high);
   Shape s = in.shape();
   s[static_cast<size_t>(*axis)] = Dim::fixed(d.size() + low + high);
   out = {TensorType(in.dtype(), std::move(s))};
@@ -206,9 +207,10 @@ Status cpuBroadcast(const Op& op, const CpuOperands& in, const CpuResults& out, 
   const size_t es = static_cast<size_t>(dtypeBytes(x.dtype));
   const auto* px = static_cast<const unsigned char*>(x.data);
   auto* pr = static_cast<unsigned char*>(r.data);
-  forEachIndex<1>(r.shape, {broadcastStrides(x.shape, r.shape)}, [&](int64_t i, const std::array<int64_t, 1>& o) {
-    std::memcpy(pr + static_cast<size_t>(i) * es, px + static_cast<size_t>(o[0]) * es, es);
-  });
+  forEachIndex<1>(r.shape, {broadcastStrides(x.shape, r.shape)},
+                  [&](int64_t i, const std::array<int64_t, 1>& o) {
+                    std::memcpy(pr + static_cast<size_t>(i) * es, px + static_cast<size_t>(o[0]) * es, es);
+                  });
   return Status::ok();
 }
 
@@ -394,7 +396,9 @@ Status cpuSumTo(const Op& op, const CpuOperands& in, const CpuResults& out, cons
     std::vector<typename T::Acc> acc(static_cast<size_t>(r.numel()), 0);
     const auto* px = data<T>(x);
     forEachIndex<1>(x.shape, {broadcastStrides(r.shape, x.shape)},
-                    [&](int64_t i, const std::array<int64_t, 1>& o) { acc[static_cast<size_t>(o[0])] += T::load(px[i]); });
+                    [&](int64_t i, const std::array<int64_t, 1>& o) {
+                      acc[static_cast<size_t>(o[0])] += T::load(px[i]);
+                    });
     auto* pr = data<T>(r);
     for (size_t i = 0; i < acc.size(); ++i) pr[i] = T::store(acc[i]);
     return Status::ok();
@@ -440,7 +444,8 @@ Status gradSumTo(GradContext& ctx, const Op& op) {
   resetOperandGrads(ctx, op);
   Value* g = ctx.result_grads[0];
   if (!g) return Status::ok();
-  auto b = ctx.builder.createWithTypes("kiln.broadcast", {g}, {op.operand(0)->type().withSharding(std::nullopt)});
+  auto b =
+      ctx.builder.createWithTypes("kiln.broadcast", {g}, {op.operand(0)->type().withSharding(std::nullopt)});
   if (!b) return b.status();
   ctx.operand_grads[0] = (*b)->result();
   return Status::ok();
@@ -450,7 +455,8 @@ Status gradReshape(GradContext& ctx, const Op& op) {
   resetOperandGrads(ctx, op);
   Value* g = ctx.result_grads[0];
   if (!g) return Status::ok();
-  auto r = ctx.builder.createWithTypes("kiln.reshape", {g}, {op.operand(0)->type().withSharding(std::nullopt)});
+  auto r =
+      ctx.builder.createWithTypes("kiln.reshape", {g}, {op.operand(0)->type().withSharding(std::nullopt)});
   if (!r) return r.status();
   ctx.operand_grads[0] = (*r)->result();
   return Status::ok();
@@ -500,8 +506,9 @@ Status gradSlice(GradContext& ctx, const Op& op) {
   const TensorType& in = op.operand(0)->type();
   const int64_t axis = *normalizeAxis(op, op.intAttr("axis"), in.rank());
   const int64_t low = op.intAttr("start"), high = in.dim(axis).size() - op.intAttr("limit");
-  KILN_GRAD_VALUE(p, ctx.builder.createValue("kiln.pad", {g},
-                                             {{"axis", Attribute(axis)}, {"low", Attribute(low)}, {"high", Attribute(high)}}));
+  KILN_GRAD_VALUE(p, ctx.builder.createValue(
+                         "kiln.pad", {g},
+                         {{"axis", Attribute(axis)}, {"low", Attribute(low)}, {"high", Attribute(high)}}));
   ctx.operand_grads[0] = p;
   return Status::ok();
 }
@@ -551,14 +558,17 @@ Status gradCast(GradContext& ctx, const Op& op) {
   Value* g = ctx.result_grads[0];
   DType from = op.operand(0)->type().dtype();
   if (!g || !isFloat(from) || !isFloat(g->type().dtype())) return Status::ok();
-  KILN_GRAD_VALUE(c, ctx.builder.createValue("kiln.cast", {g}, {{"to", Attribute(std::string(dtypeName(from)))}}));
+  KILN_GRAD_VALUE(
+      c, ctx.builder.createValue("kiln.cast", {g}, {{"to", Attribute(std::string(dtypeName(from)))}}));
   ctx.operand_grads[0] = c;
   return Status::ok();
 }
 
 // ---- Costs -------------------------------------------------------------------------------------
 
-OpCost costMove(const Op& op, const SymbolBindings& symbols) { return {0, operandAndResultBytes(op, symbols)}; }
+OpCost costMove(const Op& op, const SymbolBindings& symbols) {
+  return {0, operandAndResultBytes(op, symbols)};
+}
 
 // Reads the indices and the selected rows, writes the result.
 OpCost costGather(const Op& op, const SymbolBindings& symbols) {

@@ -55,8 +55,8 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
     t.hotness = in.hotness;
     t.max_hotness = in.max_hotness;
     const double s = opts_.zipf_exponent;
-    t.zipf_inv = 1.0 / (1.0 - s);
-    t.zipf_a = std::pow(static_cast<double>(in.rows) + 1.0, 1.0 - s) - 1.0;
+    t.zipf_inv = static_cast<float>(1.0 / (1.0 - s));
+    t.zipf_a = static_cast<float>(std::pow(static_cast<double>(in.rows) + 1.0, 1.0 - s) - 1.0);
     uint64_t h = mix64(model_key + 1000 + static_cast<uint64_t>(in.feature));
     // A multiplier coprime with rows makes rank -> (rank * mult + shift) mod rows a bijection.
     t.mult = (h | 1) % static_cast<uint64_t>(in.rows);
@@ -69,10 +69,14 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
 }
 
 int64_t SyntheticGenerator::drawRow(const Table& t, uint64_t bits) const {
-  double x = std::pow(1.0 + uniform(bits) * t.zipf_a, t.zipf_inv);  // in [1, rows + 1)
-  auto rank = static_cast<uint64_t>(x) - 1;
+  // Single precision is plenty here and twice as fast; it blurs only the far tail's ranks.
+  float x = std::pow(1.0f + static_cast<float>(uniform(bits)) * t.zipf_a, t.zipf_inv);  // in [1, rows + 1)
+  uint64_t rank = x < 2.0f ? 0 : static_cast<uint64_t>(x) - 1;
   if (rank >= static_cast<uint64_t>(t.rows)) rank = static_cast<uint64_t>(t.rows) - 1;
-  return static_cast<int64_t>((static_cast<unsigned __int128>(rank) * t.mult + t.shift) % static_cast<uint64_t>(t.rows));
+  const auto rows = static_cast<uint64_t>(t.rows);
+  if (rows <= (1ull << 31))  // rank * mult + shift < 2^63: 64-bit arithmetic (128-bit division is slow)
+    return static_cast<int64_t>((rank * t.mult + t.shift) % rows);
+  return static_cast<int64_t>((static_cast<unsigned __int128>(rank) * t.mult + t.shift) % rows);
 }
 
 float SyntheticGenerator::hiddenWeight(const Table& t, int64_t row) const {
@@ -87,28 +91,21 @@ void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::v
   std::vector<Bits> rng(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rng[i].state = mix64(stream_key ^ static_cast<uint64_t>(first + i) * 0xa0761d6478bd642full);
 
-  // Dense features.
-  for (size_t k = 0; k < spec_.inputs.size(); ++k) {
-    const InputSpec& in = spec_.inputs[k];
-    if (in.role != InputRole::Dense) continue;
-    float* d = batch.tensors[k].as<float>();
-    for (int64_t i = 0; i < n; ++i) {
-      Bits r{rng[i].state};  // dense values are the same for every dense input of a model
-      for (int j = 0; j < in.dense_count; ++j) {
-        float e = static_cast<float>(-std::log(uniform(r.next())));
-        d[i * in.dense_count + j] = std::log1p(e * dense_scale_[j]);
-      }
-    }
-  }
-  // The hidden dense term uses all 13 features whatever the model reads.
+  // Dense features: all 13 feed the hidden logit, whatever the model reads.
+  std::vector<std::pair<float*, int>> dense_out;
+  for (size_t k = 0; k < spec_.inputs.size(); ++k)
+    if (spec_.inputs[k].role == InputRole::Dense) dense_out.emplace_back(batch.tensors[k].as<float>(), spec_.inputs[k].dense_count);
   for (int64_t i = 0; i < n; ++i) {
     Bits r{rng[i].state};
+    float v[kNumDense];
     float acc = 0;
     for (int j = 0; j < kNumDense; ++j) {
-      float e = static_cast<float>(-std::log(uniform(r.next())));
-      acc += dense_weight_[j] * (std::log1p(e * dense_scale_[j]) - dense_center_[j]);
+      float e = -std::log(static_cast<float>(uniform(r.next())));
+      v[j] = std::log1p(e * dense_scale_[j]);
+      acc += dense_weight_[j] * (v[j] - dense_center_[j]);
     }
     logit[static_cast<size_t>(i)] += acc;
+    for (auto [out, count] : dense_out) std::copy(v, v + count, out + i * count);
   }
 
   for (const Table& t : tables_) {

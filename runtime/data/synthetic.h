@@ -41,7 +41,7 @@ class SyntheticGenerator {
     int lengths = -1, weights = -1;
     int64_t rows = 0;
     int hotness = 0, max_hotness = 0;
-    double zipf_a = 0, zipf_inv = 0;  // inverse CDF: x = (1 + u*a)^inv
+    float zipf_a = 0, zipf_inv = 0;  // inverse CDF: x = (1 + u*a)^inv
     uint64_t mult = 1, shift = 0;     // rank -> row scatter, a bijection of [0, rows)
     float weight_scale = 0;
     uint64_t key = 0;                 // hashing key of h_f
