@@ -2,6 +2,7 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <unordered_map>
 
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/synthetic.h"
@@ -85,14 +86,16 @@ TEST(Synthetic, LabelIsLearnableOnTheHeldOutStream) {
   EXPECT_GT(best, 0.8);
   // A naive count-based predictor fitted on the training stream: per (feature, row) smoothed
   // log-odds of a click, summed over features.
-  std::map<std::pair<int, int64_t>, std::pair<double, double>> stats;  // clicks, views
+  std::unordered_map<uint64_t, std::pair<double, double>> stats;  // (feature, row) -> clicks, views
+  stats.reserve(1 << 18);
+  auto key = [](int f, int64_t row) { return (static_cast<uint64_t>(f) << 40) | static_cast<uint64_t>(row); };
   const float* tl = tb.find("label")->as<float>();
   for (int f = 0; f < kNumSparse; ++f) {
     const ir::HostTensor& t = *tb.find("cats." + std::to_string(f));
     int64_t h = t.view.shape[1];
     for (int64_t i = 0; i < n_train; ++i)
       for (int64_t k = 0; k < h; ++k) {
-        auto& s = stats[{f, t.as<int64_t>()[i * h + k]}];
+        auto& s = stats[key(f, t.as<int64_t>()[i * h + k])];
         s.first += tl[i];
         s.second += 1;
       }
@@ -106,7 +109,7 @@ TEST(Synthetic, LabelIsLearnableOnTheHeldOutStream) {
     int64_t h = t.view.shape[1];
     for (int64_t i = 0; i < n_eval; ++i)
       for (int64_t k = 0; k < h; ++k) {
-        auto it = stats.find({f, t.as<int64_t>()[i * h + k]});
+        auto it = stats.find(key(f, t.as<int64_t>()[i * h + k]));
         double clicks = it == stats.end() ? 0 : it->second.first, views = it == stats.end() ? 0 : it->second.second;
         double p = (clicks + 10 * prior) / (views + 10);
         naive[static_cast<size_t>(i)] += static_cast<float>(std::log(p / (1 - p)) / static_cast<double>(h));

@@ -37,7 +37,7 @@ module attributes {kiln.outputs = ["logit", "loss"], kiln.train = {embedding_opt
 // CHECK:         %[[LOSS:.*]] = "kiln.bce_with_logits"
 // CHECK-NOT:     -> !kiln.tensor<100x4xf32>
 // The pooled-output gradient is the [B, 4] slice of the concat's gradient.
-// CHECK:         %[[GEMB:.*]] = "kiln.slice"(%{{.*}}) {axis = 1 : i64, limit = 8 : i64, start = 4 : i64}
+// CHECK:         %[[GEMB:.*]] = "kiln.slice"(%{{.*}}) {axis = 1, limit = 8, start = 4}
 // CHECK-NOT:     -> !kiln.tensor<100x4xf32>
 // CHECK:         "kiln.embedding_bag_update"(%tables.0, %cats.0, %[[GEMB]], %tables.0.rowwise_adagrad_sum, %lr, %step) {eps = 1.0e-10, initial_accumulator = 0.0, lr = 5.0e-02, mode = "sum", optimizer = "rowwise_adagrad", scaled = false, table = "tables.0", weight_decay = 0.0, weighted = false}
 // CHECK-NEXT:    "kiln.optimizer_update"(%top.weight, %{{.*}}, %top.weight.adam_m, %top.weight.adam_v, %lr, %step) {beta1 = 0.9, beta2 = 0.999, {{.*}}kind = "adam", lr = 1.0e-03, {{.*}}param = "top.weight"
