@@ -598,6 +598,40 @@ class GroupLowering {
     return finish(kb);
   }
 
+  // sum_to: sums x over the dims along which the result type broadcasts to it.
+  Status lowerSumTo(const Op& op) {
+    const Value* x = op.operand(0);
+    auto xs = shapeOf(x);
+    auto os = shapeOf(op.result());
+    if (!xs || !os) return !xs ? xs.status() : os.status();
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "sum_to";
+    k.kind = KernelKind::Row;
+    k.space = os->empty() ? std::vector<int64_t>{1} : *os;
+    size_t lead = xs->size() - os->size();
+    std::vector<size_t> reduced;
+    for (size_t i = 0; i < xs->size(); ++i)
+      if (i < lead || ((*os)[i - lead] == 1 && (*xs)[i] != 1)) reduced.push_back(i);
+    for (size_t i : reduced) k.row_space.push_back((*xs)[i]);
+    if (k.row_space.empty()) k.row_space = {1};
+    ExprGraph& g = k.exprs;
+    std::vector<int> coords(xs->size());
+    int ri = static_cast<int>(k.space.size());
+    for (size_t i = 0; i < xs->size(); ++i) {
+      bool red = std::find(reduced.begin(), reduced.end(), i) != reduced.end();
+      coords[i] = red ? g.coord(ri++) : ((*xs)[i] == 1 ? g.intConstant(0) : g.coord(static_cast<int>(i - lead)));
+    }
+    auto v = valueAt(kb, x, coords);
+    if (!v) return v.status();
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, *v, {}});
+    std::vector<int> oc;
+    for (size_t j = 0; j < k.space.size(); ++j) oc.push_back(g.coord(static_cast<int>(j)));
+    k.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, oc, k.space),
+                        g.cast(g.rowValue(0, g.typeOf(*v)), op.result()->type().dtype()), -1});
+    return finish(kb);
+  }
+
   // max: the gradient goes to the maxima of each reduced slice, split evenly among ties.
   Status lowerReduceMaxGrad(const Op& op) {
     const Value* gval = op.operand(0);
@@ -1009,11 +1043,14 @@ class GroupLowering {
       return Status::ok();
     }
     if (n == "kiln.reduce") return lowerReduce(last);
+    if (!ir::isFloat(last.numResults() ? last.result()->type().dtype() : DType::f32) && last.name() == "kiln.sum_to")
+      return Status::errorf("{} on the CUDA backend needs float values", opLabel(last));
     if (n == "kiln.softmax") return lowerSoftmax(last);
     if (n == "kiln.bce_with_logits") return lowerBce(last);
     if (n == "kiln.softmax_cross_entropy") return lowerSoftmaxCrossEntropy(last);
     if (n == "kiln.softmax_cross_entropy_grad") return lowerSoftmaxCrossEntropyGrad(last);
     if (n == "kiln.reduce_grad") return lowerReduceMaxGrad(last);
+    if (n == "kiln.sum_to") return lowerSumTo(last);
     if (n == "kiln.embedding_bag_weight_grad") return lowerEmbeddingWeightGrad(last);
     if (n == "kiln.optimizer_update") return lowerOptimizerUpdate(last);
     if (n == "kiln.embedding_bag_update") return lowerEmbeddingUpdate(last);

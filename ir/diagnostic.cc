@@ -13,7 +13,8 @@ std::string formatDiagnostic(const Status& status, std::string_view source) {
     start = nl + 1;
   }
   size_t end = source.find('\n', start);
-  std::string_view text = source.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
+  std::string_view text =
+      source.substr(start, end == std::string_view::npos ? std::string_view::npos : end - start);
   if (!text.empty() && text.back() == '\r') text.remove_suffix(1);
   out += '\n';
   out += text;

@@ -1,9 +1,9 @@
 #include "ir/dot.h"
 
+#include <fmt/format.h>
+
 #include <sstream>
 #include <unordered_map>
-
-#include <fmt/format.h>
 
 #include "ir/printer.h"
 
@@ -36,7 +36,9 @@ class DotWriter {
     for (Value* a : entry.arguments()) {
       std::string id = fmt::format("arg{}", a->index());
       ids_[a] = id;
-      os_ << "  " << id << " [shape=ellipse, label=" << dotQuote(fmt::format("{}\n{}", namer_.name(a), a->type().str())) << "];\n";
+      os_ << "  " << id
+          << " [shape=ellipse, label=" << dotQuote(fmt::format("{}\n{}", namer_.name(a), a->type().str()))
+          << "];\n";
     }
     nodes(entry, 1);
     for (const Edge& e : edges_)

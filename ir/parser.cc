@@ -24,7 +24,17 @@ enum class Tok {
   Integer,   // 42, -3, 0x7FF8000000000000
   Float,     // 1.5, -2.0e-03
   Type,      // !kiln.tensor<...> (text is the whole type)
-  LParen, RParen, LBrace, RBrace, LSquare, RSquare, Comma, Colon, Equal, Arrow, Hash,
+  LParen,
+  RParen,
+  LBrace,
+  RBrace,
+  LSquare,
+  RSquare,
+  Comma,
+  Colon,
+  Equal,
+  Arrow,
+  Hash,
 };
 
 struct Token {
@@ -69,17 +79,28 @@ class Lexer {
       return t;
     };
     switch (c) {
-      case '(': return single(Tok::LParen);
-      case ')': return single(Tok::RParen);
-      case '{': return single(Tok::LBrace);
-      case '}': return single(Tok::RBrace);
-      case '[': return single(Tok::LSquare);
-      case ']': return single(Tok::RSquare);
-      case ',': return single(Tok::Comma);
-      case ':': return single(Tok::Colon);
-      case '=': return single(Tok::Equal);
-      case '#': return single(Tok::Hash);
-      default: break;
+      case '(':
+        return single(Tok::LParen);
+      case ')':
+        return single(Tok::RParen);
+      case '{':
+        return single(Tok::LBrace);
+      case '}':
+        return single(Tok::RBrace);
+      case '[':
+        return single(Tok::LSquare);
+      case ']':
+        return single(Tok::RSquare);
+      case ',':
+        return single(Tok::Comma);
+      case ':':
+        return single(Tok::Colon);
+      case '=':
+        return single(Tok::Equal);
+      case '#':
+        return single(Tok::Hash);
+      default:
+        break;
     }
     if (c == '-' && peek(1) == '>') {
       advance(2);
@@ -230,7 +251,8 @@ class Lexer {
       int depth = 0;
       do {
         char c = peek(0);
-        if (c == '\0' || c == '\n') return Status::error("unterminated type: missing '>'", loc(t.line, t.col));
+        if (c == '\0' || c == '\n')
+          return Status::error("unterminated type: missing '>'", loc(t.line, t.col));
         if (c == '<') ++depth;
         if (c == '>') --depth;
         advance(1);
@@ -249,46 +271,72 @@ class Lexer {
 
 std::string_view tokName(Tok k) {
   switch (k) {
-    case Tok::Eof: return "end of file";
-    case Tok::BareId: return "identifier";
-    case Tok::ValueId: return "value name";
-    case Tok::SymbolId: return "'@' symbol";
-    case Tok::BlockId: return "block label";
-    case Tok::String: return "string";
-    case Tok::Integer: return "integer";
-    case Tok::Float: return "float";
-    case Tok::Type: return "type";
-    case Tok::LParen: return "'('";
-    case Tok::RParen: return "')'";
-    case Tok::LBrace: return "'{'";
-    case Tok::RBrace: return "'}'";
-    case Tok::LSquare: return "'['";
-    case Tok::RSquare: return "']'";
-    case Tok::Comma: return "','";
-    case Tok::Colon: return "':'";
-    case Tok::Equal: return "'='";
-    case Tok::Arrow: return "'->'";
-    case Tok::Hash: return "'#'";
+    case Tok::Eof:
+      return "end of file";
+    case Tok::BareId:
+      return "identifier";
+    case Tok::ValueId:
+      return "value name";
+    case Tok::SymbolId:
+      return "'@' symbol";
+    case Tok::BlockId:
+      return "block label";
+    case Tok::String:
+      return "string";
+    case Tok::Integer:
+      return "integer";
+    case Tok::Float:
+      return "float";
+    case Tok::Type:
+      return "type";
+    case Tok::LParen:
+      return "'('";
+    case Tok::RParen:
+      return "')'";
+    case Tok::LBrace:
+      return "'{'";
+    case Tok::RBrace:
+      return "'}'";
+    case Tok::LSquare:
+      return "'['";
+    case Tok::RSquare:
+      return "']'";
+    case Tok::Comma:
+      return "','";
+    case Tok::Colon:
+      return "':'";
+    case Tok::Equal:
+      return "'='";
+    case Tok::Arrow:
+      return "'->'";
+    case Tok::Hash:
+      return "'#'";
   }
   return "token";
 }
 
 std::string describe(const Token& t) {
   switch (t.kind) {
-    case Tok::Eof: return "end of file";
-    case Tok::ValueId: return fmt::format("'%{}'", t.text);
-    case Tok::SymbolId: return fmt::format("'@{}'", t.text);
-    case Tok::BlockId: return fmt::format("'^{}'", t.text);
-    case Tok::String: return quoteString(t.text);
-    default: return fmt::format("'{}'", t.text);
+    case Tok::Eof:
+      return "end of file";
+    case Tok::ValueId:
+      return fmt::format("'%{}'", t.text);
+    case Tok::SymbolId:
+      return fmt::format("'@{}'", t.text);
+    case Tok::BlockId:
+      return fmt::format("'^{}'", t.text);
+    case Tok::String:
+      return quoteString(t.text);
+    default:
+      return fmt::format("'{}'", t.text);
   }
 }
 
 // ---- Parser -----------------------------------------------------------------------------------
 
-#define KILN_TRY_ASSIGN(var, expr)          \
-  auto var##_or = (expr);                   \
-  if (!var##_or) return var##_or.status();  \
+#define KILN_TRY_ASSIGN(var, expr)         \
+  auto var##_or = (expr);                  \
+  if (!var##_or) return var##_or.status(); \
   auto var = var##_or.take()
 
 class Parser {
@@ -313,7 +361,8 @@ class Parser {
         KILN_RETURN_IF_ERROR(parseFunction());
       }
       KILN_RETURN_IF_ERROR(advance());
-      if (tok_.kind != Tok::Eof) return errorHere(fmt::format("expected end of file after the module, got {}", describe(tok_)));
+      if (tok_.kind != Tok::Eof)
+        return errorHere(fmt::format("expected end of file after the module, got {}", describe(tok_)));
     } else {
       while (tok_.kind != Tok::Eof) KILN_RETURN_IF_ERROR(parseFunction());
     }
@@ -334,7 +383,8 @@ class Parser {
   Status errorHere(std::string msg) const { return errorAt(tok_, std::move(msg)); }
   bool isKeyword(std::string_view k) const { return tok_.kind == Tok::BareId && tok_.text == k; }
   Status expect(Tok k, std::string_view what) {
-    if (tok_.kind != k) return errorHere(fmt::format("expected {} {}, got {}", tokName(k), what, describe(tok_)));
+    if (tok_.kind != k)
+      return errorHere(fmt::format("expected {} {}, got {}", tokName(k), what, describe(tok_)));
     return advance();
   }
   Status unclosed(const Token& open, std::string_view what) const {
@@ -343,12 +393,14 @@ class Parser {
 
   // ---- types ----
   Expected<TensorType> parseType() {
-    if (tok_.kind != Tok::Type) return errorHere(fmt::format("expected a type '!kiln.tensor<...>', got {}", describe(tok_)));
+    if (tok_.kind != Tok::Type)
+      return errorHere(fmt::format("expected a type '!kiln.tensor<...>', got {}", describe(tok_)));
     Token t = tok_;
     constexpr std::string_view kPrefix = "!kiln.tensor<";
     if (t.text.size() <= kPrefix.size() || t.text.compare(0, kPrefix.size(), kPrefix) != 0)
       return errorAt(t, fmt::format("unknown type '{}'; expected '!kiln.tensor<...>'", t.text));
-    auto type = parseTensorTypeBody(std::string_view(t.text).substr(kPrefix.size(), t.text.size() - kPrefix.size() - 1));
+    auto type = parseTensorTypeBody(
+        std::string_view(t.text).substr(kPrefix.size(), t.text.size() - kPrefix.size() - 1));
     if (!type) return errorAt(t, fmt::format("bad type '{}': {}", t.text, type.status().message()));
     KILN_RETURN_IF_ERROR(advance());
     return type.take();
@@ -516,7 +568,8 @@ class Parser {
 
   Status define(const Token& name_tok, std::vector<Value*> values) {
     for (const Scope& s : scopes_)
-      if (s.count(name_tok.text)) return errorAt(name_tok, fmt::format("redefinition of value '%{}'", name_tok.text));
+      if (s.count(name_tok.text))
+        return errorAt(name_tok, fmt::format("redefinition of value '%{}'", name_tok.text));
     // Numbered names (%0) carry no meaning; keep the rest as hints.
     std::string hint = sanitizeValueName(name_tok.text).empty() ? "" : name_tok.text;
     for (Value* v : values) v->setNameHint(hint);
@@ -537,16 +590,19 @@ class Parser {
     if (!group) return errorAt(name, fmt::format("use of undefined value '%{}'", name.text));
     if (tok_.kind == Tok::Hash) {
       KILN_RETURN_IF_ERROR(advance());
-      if (tok_.kind != Tok::Integer) return errorHere(fmt::format("expected a result number after '#', got {}", describe(tok_)));
+      if (tok_.kind != Tok::Integer)
+        return errorHere(fmt::format("expected a result number after '#', got {}", describe(tok_)));
       int64_t i = -1;
       std::from_chars(tok_.text.data(), tok_.text.data() + tok_.text.size(), i);
       if (i < 0 || i >= static_cast<int64_t>(group->values.size()))
-        return errorAt(name, fmt::format("'%{}' has {} result(s); there is no #{}", name.text, group->values.size(), tok_.text));
+        return errorAt(name, fmt::format("'%{}' has {} result(s); there is no #{}", name.text,
+                                         group->values.size(), tok_.text));
       KILN_RETURN_IF_ERROR(advance());
       return group->values[static_cast<size_t>(i)];
     }
     if (group->values.size() != 1)
-      return errorAt(name, fmt::format("'%{}' names {} results; use '%{}#0' ...", name.text, group->values.size(), name.text));
+      return errorAt(name, fmt::format("'%{}' names {} results; use '%{}#0' ...", name.text,
+                                       group->values.size(), name.text));
     return group->values[0];
   }
 
@@ -570,7 +626,8 @@ class Parser {
   // The signature's operand types must be the operands' types.
   Status checkOperandTypes(const UseList& uses, const std::vector<TensorType>& types, const Token& at) {
     if (types.size() != uses.values.size())
-      return errorAt(at, fmt::format("{} operand(s) but {} operand type(s)", uses.values.size(), types.size()));
+      return errorAt(at,
+                     fmt::format("{} operand(s) but {} operand type(s)", uses.values.size(), types.size()));
     for (size_t i = 0; i < types.size(); ++i)
       if (!(uses.values[i]->type() == types[i]))
         return errorAt(uses.tokens[i], fmt::format("'%{}' has type {} but is used as {}", uses.tokens[i].text,
@@ -581,10 +638,12 @@ class Parser {
   // ---- functions, blocks, ops ----
   Status parseFunction() {
     if (tok_.kind == Tok::RBrace) return errorHere("unbalanced braces: this '}' closes nothing");
-    if (!isKeyword("func.func")) return errorHere(fmt::format("expected 'func.func', got {}", describe(tok_)));
+    if (!isKeyword("func.func"))
+      return errorHere(fmt::format("expected 'func.func', got {}", describe(tok_)));
     Token start = tok_;
     KILN_RETURN_IF_ERROR(advance());
-    if (tok_.kind != Tok::SymbolId) return errorHere(fmt::format("expected a function name '@name', got {}", describe(tok_)));
+    if (tok_.kind != Tok::SymbolId)
+      return errorHere(fmt::format("expected a function name '@name', got {}", describe(tok_)));
     if (module_->lookup(tok_.text)) return errorHere(fmt::format("function @{} is defined twice", tok_.text));
     Function& f = module_->addFunction(tok_.text);
     f.loc = locOf(start);
@@ -593,7 +652,8 @@ class Parser {
     KILN_RETURN_IF_ERROR(expect(Tok::LParen, "to open the argument list"));
     if (tok_.kind != Tok::RParen) {
       while (true) {
-        if (tok_.kind != Tok::ValueId) return errorHere(fmt::format("expected an argument '%name: type', got {}", describe(tok_)));
+        if (tok_.kind != Tok::ValueId)
+          return errorHere(fmt::format("expected an argument '%name: type', got {}", describe(tok_)));
         Token name = tok_;
         KILN_RETURN_IF_ERROR(advance());
         KILN_RETURN_IF_ERROR(expect(Tok::Colon, "after the argument name"));
@@ -618,7 +678,8 @@ class Parser {
     KILN_RETURN_IF_ERROR(expect(Tok::LBrace, "to open the function body"));
     while (tok_.kind != Tok::RBrace) {
       if (tok_.kind == Tok::Eof) return unclosed(open, "function");
-      if (tok_.kind == Tok::BlockId) return errorHere("a function has a single block; block labels are not allowed here");
+      if (tok_.kind == Tok::BlockId)
+        return errorHere("a function has a single block; block labels are not allowed here");
       KILN_RETURN_IF_ERROR(parseOp(f.entry()));
     }
     KILN_RETURN_IF_ERROR(advance());
@@ -644,7 +705,8 @@ class Parser {
           if (tok_.kind != Tok::RParen) {
             while (true) {
               if (tok_.kind != Tok::ValueId)
-                return errorHere(fmt::format("expected a block argument '%name: type', got {}", describe(tok_)));
+                return errorHere(
+                    fmt::format("expected a block argument '%name: type', got {}", describe(tok_)));
               Token name = tok_;
               KILN_RETURN_IF_ERROR(advance());
               KILN_RETURN_IF_ERROR(expect(Tok::Colon, "after the block argument name"));
@@ -687,7 +749,8 @@ class Parser {
     std::vector<std::pair<Token, int64_t>> groups;
     if (tok_.kind == Tok::ValueId) {
       while (true) {
-        if (tok_.kind != Tok::ValueId) return errorHere(fmt::format("expected a result name, got {}", describe(tok_)));
+        if (tok_.kind != Tok::ValueId)
+          return errorHere(fmt::format("expected a result name, got {}", describe(tok_)));
         Token name = tok_;
         int64_t count = 1;
         KILN_RETURN_IF_ERROR(advance());
@@ -777,7 +840,8 @@ class Parser {
         if (tok_.kind != Tok::Comma) break;
         KILN_RETURN_IF_ERROR(advance());
       }
-      if (tok_.kind != Tok::RParen) return errorHere(fmt::format("expected ')' after the regions, got {}", describe(tok_)));
+      if (tok_.kind != Tok::RParen)
+        return errorHere(fmt::format("expected ')' after the regions, got {}", describe(tok_)));
       lex_.restore(after);
       tok_ = after_tok;
     }

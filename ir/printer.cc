@@ -1,15 +1,15 @@
 #include "ir/printer.h"
 
-#include <sstream>
-
 #include <fmt/format.h>
+
+#include <sstream>
 
 namespace kiln::ir {
 namespace {
 
 bool isIdChar(char c) {
-  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' ||
-         c == '$' || c == '.' || c == '-';
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '$' ||
+         c == '.' || c == '-';
 }
 
 bool isBareSymbol(std::string_view s) {

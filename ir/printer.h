@@ -1,6 +1,7 @@
 // The IR's text form, in MLIR syntax: `module {}` around `func.func` functions in their custom
 // form, `return` for func.return, and every other op in MLIR's generic form, e.g.
-//   %y = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx13xf32>, !kiln.tensor<512x13xf32>) -> !kiln.tensor<Bx512xf32>
+//   %y = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx13xf32>, !kiln.tensor<512x13xf32>) ->
+//   !kiln.tensor<Bx512xf32>
 // The parser (ir/parser.h) reads exactly this back; print(parse(print(m))) == print(m).
 #pragma once
 

@@ -112,7 +112,8 @@ class Rewriter {
   void erase(Op* op) {
     std::vector<Op*> producers;
     for (Value* v : op->operands())
-      if (v && v->definingOp() && std::find(producers.begin(), producers.end(), v->definingOp()) == producers.end())
+      if (v && v->definingOp() &&
+          std::find(producers.begin(), producers.end(), v->definingOp()) == producers.end())
         producers.push_back(v->definingOp());
     op->parentBlock()->erase(op);
     erased.insert(op);
@@ -215,7 +216,8 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
   if (!in) return;
   Op* producer = in->definingOp();
 
-  if (n == "kiln.neg" && producer && producer->name() == "kiln.neg" && producer->operand(0)->type() == result->type())
+  if (n == "kiln.neg" && producer && producer->name() == "kiln.neg" &&
+      producer->operand(0)->type() == result->type())
     return rw.replace(op, producer->operand(0));
 
   if (n == "kiln.reshape" || n == "kiln.cast") {

@@ -21,7 +21,8 @@ class CSEPass : public RegisteredPass<CSEPass> {
 
  private:
   static bool candidate(const ir::Op& op) {
-    return op.hasTrait(ir::kPure) && !op.hasTrait(ir::kSideEffect) && op.regions().empty() && op.numResults() > 0;
+    return op.hasTrait(ir::kPure) && !op.hasTrait(ir::kSideEffect) && op.regions().empty() &&
+           op.numResults() > 0;
   }
 
   static std::vector<ir::Value*> keyOperands(const ir::Op& op) {

@@ -1,11 +1,11 @@
 #include "passes/pass_manager.h"
 
+#include <fmt/format.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-
-#include <fmt/format.h>
 
 #include "ir/printer.h"
 #include "ir/verifier.h"
@@ -47,7 +47,8 @@ Status PassManager::addPipeline(std::string_view list) {
   size_t pos = 0;
   while (pos <= list.size() && !list.empty()) {
     size_t comma = list.find(',', pos);
-    std::string_view name = list.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos);
+    std::string_view name =
+        list.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos);
     while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
     while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
     if (name.empty()) return Status::errorf("empty pass name in pipeline '{}'", list);
@@ -79,9 +80,11 @@ Status PassManager::build() const {
     return false;
   };
   for (const std::string& d : options_.disabled)
-    if (!known(d)) return Status::errorf("--disable-pass: unknown pass '{}'; known passes: {}", d, knownPassNames());
+    if (!known(d))
+      return Status::errorf("--disable-pass: unknown pass '{}'; known passes: {}", d, knownPassNames());
   for (const std::string& d : options_.print_ir_after)
-    if (!known(d)) return Status::errorf("--print-ir-after: unknown pass '{}'; known passes: {}", d, knownPassNames());
+    if (!known(d))
+      return Status::errorf("--print-ir-after: unknown pass '{}'; known passes: {}", d, knownPassNames());
   std::vector<std::string> names = pipeline();
   for (const Ordering& o : orderings_) {
     // Every run of `first` must come before every run of `then`.
@@ -89,8 +92,8 @@ Status PassManager::build() const {
       if (names[t] != o.then) continue;
       for (size_t f = t + 1; f < names.size(); ++f)
         if (names[f] == o.first)
-          return Status::errorf("pass '{}' (position {}) must not run after '{}' (position {}){}", o.first, f + 1,
-                                o.then, t + 1, o.reason.empty() ? "" : fmt::format(": {}", o.reason));
+          return Status::errorf("pass '{}' (position {}) must not run after '{}' (position {}){}", o.first,
+                                f + 1, o.then, t + 1, o.reason.empty() ? "" : fmt::format(": {}", o.reason));
     }
   }
   return Status::ok();
@@ -145,7 +148,9 @@ Expected<bool> PassManager::run(ir::Module& m) {
     timings.push_back({name, ms, *changed});
     if (options_.verify_each) {
       Status s = ir::verify(m);
-      if (!s) return Status::error(fmt::format("pass '{}' produced invalid IR: {}", name, s.message()), s.location());
+      if (!s)
+        return Status::error(fmt::format("pass '{}' produced invalid IR: {}", name, s.message()),
+                             s.location());
     }
     if (options_.print_ir_after_all || options_.print_ir_after.count(name)) {
       log() << "// -----// IR Dump After " << name << " //----- //\n";
@@ -153,7 +158,8 @@ Expected<bool> PassManager::run(ir::Module& m) {
       log() << '\n';
     }
     if (!dump.empty())
-      KILN_RETURN_IF_ERROR(writeFile(dump / fmt::format("{:04}.{}.mlir", ++dump_index, name), ir::printModule(m)));
+      KILN_RETURN_IF_ERROR(
+          writeFile(dump / fmt::format("{:04}.{}.mlir", ++dump_index, name), ir::printModule(m)));
   }
 
   if (options_.timing) {
@@ -164,8 +170,8 @@ Expected<bool> PassManager::run(ir::Module& m) {
           << "===-------------------------------------------------------------------------===\n";
     log() << fmt::format("  {:>10}  {:>7}  {:<7}  {}\n", "Wall (ms)", "Share", "Changed", "Pass");
     for (const Timing& t : timings)
-      log() << fmt::format("  {:>10.3f}  {:>6.1f}%  {:<7}  {}\n", t.ms, total > 0 ? 100.0 * t.ms / total : 0.0,
-                           t.changed ? "yes" : "no", t.name);
+      log() << fmt::format("  {:>10.3f}  {:>6.1f}%  {:<7}  {}\n", t.ms,
+                           total > 0 ? 100.0 * t.ms / total : 0.0, t.changed ? "yes" : "no", t.name);
     log() << fmt::format("  {:>10.3f}  {:>6.1f}%  {:<7}  {}\n", total, 100.0, "", "Total");
   }
   return any_change;

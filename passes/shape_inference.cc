@@ -43,8 +43,9 @@ class ShapeInferencePass : public RegisteredPass<ShapeInferencePass> {
         auto types = ir::inferResultTypes(*op);
         if (!types) return fail(*op, f, types.status());
         if (types->size() != op->numResults())
-          return fail(*op, f, Status::errorf("'{}' infers {} results but has {}", op->name(), types->size(),
-                                             op->numResults()));
+          return fail(*op, f,
+                      Status::errorf("'{}' infers {} results but has {}", op->name(), types->size(),
+                                     op->numResults()));
         for (unsigned i = 0; i < op->numResults(); ++i) {
           ir::Value* r = op->result(i);
           if (r->type().withSharding(std::nullopt) == (*types)[i]) continue;

@@ -3,9 +3,11 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 
 #include <fmt/format.h>
 
+#include "codegen/lower_cpu.h"
 #include "frontend/frontend.h"
 #include "ir/dot.h"
 #include "ir/printer.h"
@@ -42,6 +44,42 @@ int dumpIr(DumpContext& c) {
   return kExitOk;
 }
 
+// The CPU Program of @forward at --batch B (memory planned), or an error printed.
+std::optional<codegen::Program> lowerForward(DumpContext& c) {
+  auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
+  if (!m) return std::nullopt;
+  const ir::Function* f = (*m)->lookup("forward");
+  if (!f) {
+    std::cerr << c.path << ": error: the model has no @forward function\n";
+    return std::nullopt;
+  }
+  auto batch = c.args.getInt("batch");
+  if (!batch || *batch <= 0) {
+    std::cerr << "kiln dump: error: --batch must be a positive integer\n";
+    return std::nullopt;
+  }
+  auto p = codegen::lowerForCpu(*f, {{"B", *batch}});
+  if (!p) {
+    std::cerr << p.status().str() << "\n";
+    return std::nullopt;
+  }
+  return p.take();
+}
+
+int dumpMemory(DumpContext& c) {
+  auto p = lowerForward(c);
+  if (!p) return kExitError;
+  c.out << codegen::memoryPlanStr(*p);
+  return kExitOk;
+}
+
+int dumpProgram(DumpContext& c) {
+  auto p = lowerForward(c);
+  if (!p) return kExitError;
+  c.out << p->str();
+  return kExitOk;
+}
+
 struct Stage {
   const char* name;
   const char* help;
@@ -51,6 +89,8 @@ struct Stage {
 const Stage kStages[] = {
     {"ast", "the syntax tree of the file, as S-expressions", dumpAst},
     {"ir", "the lowered IR (@forward and the module attributes)", dumpIr},
+    {"memory", "the CPU memory plan of @forward at --batch: buffers, offsets, live ranges, peak_bytes", dumpMemory},
+    {"program", "the CPU Program of @forward at --batch: buffers and per-stream instructions", dumpProgram},
 };
 
 }  // namespace
@@ -65,6 +105,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("format", "mlir|dot", "text, or a Graphviz graph of each function", "mlir");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "OUT", "write to OUT instead of stdout");
+  p.addOption("batch", "B", "the batch size B bound before memory planning (stages memory, program)", "256");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");

@@ -1,12 +1,12 @@
 // `kiln opt`: IR text in, passes, IR text (or Graphviz) out, like mlir-opt.
+#include <fmt/format.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iostream>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "ir/diagnostic.h"
 #include "ir/dot.h"
@@ -64,7 +64,8 @@ bool readInput(const std::string& path, std::string* out, std::string* error) {
 }
 
 void listOps(std::ostream& os) {
-  for (const ir::OpDef* d : ir::OpRegistry::get().all()) os << fmt::format("{:<36} {}\n", d->name, d->summary);
+  for (const ir::OpDef* d : ir::OpRegistry::get().all())
+    os << fmt::format("{:<36} {}\n", d->name, d->summary);
 }
 
 void listPasses(std::ostream& os) {
@@ -113,7 +114,8 @@ int runOpt(const std::vector<std::string>& raw_args) {
   }
   if (p.positionals().empty()) return p.usageError("missing FILE.mlir (usage: kiln opt FILE.mlir [flags])");
   std::string format = p.get("format");
-  if (format != "mlir" && format != "dot") return p.usageError(fmt::format("--format must be mlir or dot, got '{}'", format));
+  if (format != "mlir" && format != "dot")
+    return p.usageError(fmt::format("--format must be mlir or dot, got '{}'", format));
 
   // Check the pipeline before reading anything, so that a typo is a usage error.
   auto makePassManager = [&](passes::PassManager& pm) -> Status {
@@ -173,7 +175,8 @@ int runOpt(const std::vector<std::string>& raw_args) {
     std::ofstream file(p.get("output"), std::ios::binary);
     file << out.str();
     file.close();
-    if (!file) return p.usageError(fmt::format("cannot write '{}': {}", p.get("output"), std::strerror(errno)));
+    if (!file)
+      return p.usageError(fmt::format("cannot write '{}': {}", p.get("output"), std::strerror(errno)));
   } else {
     std::cout << out.str();
   }

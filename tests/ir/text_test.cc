@@ -18,10 +18,18 @@ namespace {
 // entries give the printer and parser something to hold.
 void registerTestOps() {
   static bool done = [] {
-    OpRegistry::get().add({.name = "test.group", .summary = "an op with a region", .min_operands = 0,
-                           .max_operands = -1, .num_results = -1, .traits = kPure | kTypeGiven});
-    OpRegistry::get().add({.name = "test.split", .summary = "an op with several results", .min_operands = 1,
-                           .max_operands = 1, .num_results = -1, .traits = kPure | kTypeGiven});
+    OpRegistry::get().add({.name = "test.group",
+                           .summary = "an op with a region",
+                           .min_operands = 0,
+                           .max_operands = -1,
+                           .num_results = -1,
+                           .traits = kPure | kTypeGiven});
+    OpRegistry::get().add({.name = "test.split",
+                           .summary = "an op with several results",
+                           .min_operands = 1,
+                           .max_operands = 1,
+                           .num_results = -1,
+                           .traits = kPure | kTypeGiven});
     return true;
   }();
   (void)done;
@@ -55,7 +63,7 @@ TEST(Printer, NamesComeFromHintsAndAreUnique) {
   Value* a = *b.createValue("kiln.exp", {x});
   a->setNameHint("x");  // clashes with the argument
   Value* c = *b.createValue("kiln.neg", {a});
-  c->setNameHint("top.0/out");  // '/' is not an MLIR identifier character
+  c->setNameHint("top.0/out");                  // '/' is not an MLIR identifier character
   Value* d = *b.createValue("kiln.relu", {c});  // no hint: numbered
   Value* e = *b.createValue("kiln.tanh", {d});
   e->setNameHint("7");  // digits only: numbered
@@ -91,7 +99,8 @@ TEST(Printer, ModuleFormWithAttributes) {
   f.setResultTypes({in->result()->type(), in->result()->type()});
   EXPECT_EQ(printModule(m),
             "module attributes {kiln.model = \"tiny\", kiln.train = {lr = 0.5, metrics = [\"auc\"]}} {\n"
-            "  func.func @forward() -> (!kiln.tensor<Bx2xf32>, !kiln.tensor<Bx2xf32>) attributes {kiln.role = \"forward\"} {\n"
+            "  func.func @forward() -> (!kiln.tensor<Bx2xf32>, !kiln.tensor<Bx2xf32>) attributes {kiln.role "
+            "= \"forward\"} {\n"
             "    %x = \"kiln.input\"() {name = \"x\"} : () -> !kiln.tensor<Bx2xf32>\n"
             "    return %x, %x : !kiln.tensor<Bx2xf32>, !kiln.tensor<Bx2xf32>\n"
             "  }\n"
@@ -107,7 +116,8 @@ TEST(Printer, RegionsAndMultipleResults) {
   Value* x = f.entry().addArgument(type("4xf32"), "x");
   Op* split = f.entry().push_back(Op::create("test.split", {x}, {type("2xf32"), type("2xf32")}));
   split->result(0)->setNameHint("parts");
-  Op* group = f.entry().push_back(Op::create("test.group", {split->result(1)}, {type("2xf32")}, {{"kind", "ew"}}));
+  Op* group =
+      f.entry().push_back(Op::create("test.group", {split->result(1)}, {type("2xf32")}, {{"kind", "ew"}}));
   Block& body = group->addRegion().addBlock();
   Value* arg = body.addArgument(type("2xf32"), "in");
   Op* e = body.push_back(Op::create("kiln.exp", {arg}, {type("2xf32")}));
@@ -118,7 +128,8 @@ TEST(Printer, RegionsAndMultipleResults) {
   const std::string text =
       "module {\n"
       "  func.func @f(%x: !kiln.tensor<4xf32>) -> (!kiln.tensor<2xf32>, !kiln.tensor<2xf32>) {\n"
-      "    %parts:2 = \"test.split\"(%x) : (!kiln.tensor<4xf32>) -> (!kiln.tensor<2xf32>, !kiln.tensor<2xf32>)\n"
+      "    %parts:2 = \"test.split\"(%x) : (!kiln.tensor<4xf32>) -> (!kiln.tensor<2xf32>, "
+      "!kiln.tensor<2xf32>)\n"
       "    %0 = \"test.group\"(%parts#1) ({\n"
       "    ^bb0(%in: !kiln.tensor<2xf32>):\n"
       "      %1 = \"kiln.exp\"(%in) : (!kiln.tensor<2xf32>) -> !kiln.tensor<2xf32>\n"
@@ -144,7 +155,8 @@ TEST(Parser, RoundTripsAttributesOfEveryKind) {
       "j = {k = {l = []}}, m = !kiln.tensor<?(8*B)x4xbf16, shard<2x1>>, nan = 0x7FF8000000000000, "
       "ninf = 0xFFF0000000000000, \"odd key\" = 0} {\n"
       "}\n");
-  auto m = parseOk("module attributes {nan = 0x7FF8000000000000, ninf = 0xFFF0000000000000, s = \"a\\0Ab\"} {}");
+  auto m =
+      parseOk("module attributes {nan = 0x7FF8000000000000, ninf = 0xFFF0000000000000, s = \"a\\0Ab\"} {}");
   EXPECT_TRUE(std::isnan(m->attrs().at("nan").asDouble()));
   EXPECT_EQ(m->attrs().at("ninf").asDouble(), -INFINITY);
   EXPECT_EQ(m->attrs().at("s").asString(), "a\nb");
@@ -174,16 +186,20 @@ TEST(Parser, AcceptsUnwrappedTopLevelCommentsAndMlirSpellings) {
       "\n"
       "func.func @f(%arg0: !kiln.tensor<2x3xf32>) -> (!kiln.tensor<3x2xf32>) {  // trailing comment\n"
       "  %0 = \"kiln.constant\"() {value = 2.000000e+00 : f64} : () -> !kiln.tensor<f32>\n"
-      "  %1 = \"kiln.matmul\"(%arg0, %arg0) {transpose_a, transpose_b = false} : (!kiln.tensor<2x3xf32>, !kiln.tensor<2x3xf32>) -> (!kiln.tensor<3x3xf32>)\n"
-      "  %2 = \"kiln.slice\"(%1) {axis = 1 : i64, limit = 2 : i64, start = 0 : i64} : (!kiln.tensor<3x3xf32>) -> !kiln.tensor<3x2xf32>\n"
+      "  %1 = \"kiln.matmul\"(%arg0, %arg0) {transpose_a, transpose_b = false} : (!kiln.tensor<2x3xf32>, "
+      "!kiln.tensor<2x3xf32>) -> (!kiln.tensor<3x3xf32>)\n"
+      "  %2 = \"kiln.slice\"(%1) {axis = 1 : i64, limit = 2 : i64, start = 0 : i64} : "
+      "(!kiln.tensor<3x3xf32>) -> !kiln.tensor<3x2xf32>\n"
       "  \"func.return\"(%2) : (!kiln.tensor<3x2xf32>) -> ()\n"
       "}\n");
   EXPECT_EQ(printModule(*m),
             "module {\n"
             "  func.func @f(%arg0: !kiln.tensor<2x3xf32>) -> !kiln.tensor<3x2xf32> {\n"
             "    %0 = \"kiln.constant\"() {value = 2.0} : () -> !kiln.tensor<f32>\n"
-            "    %1 = \"kiln.matmul\"(%arg0, %arg0) {transpose_a = true, transpose_b = false} : (!kiln.tensor<2x3xf32>, !kiln.tensor<2x3xf32>) -> !kiln.tensor<3x3xf32>\n"
-            "    %2 = \"kiln.slice\"(%1) {axis = 1, limit = 2, start = 0} : (!kiln.tensor<3x3xf32>) -> !kiln.tensor<3x2xf32>\n"
+            "    %1 = \"kiln.matmul\"(%arg0, %arg0) {transpose_a = true, transpose_b = false} : "
+            "(!kiln.tensor<2x3xf32>, !kiln.tensor<2x3xf32>) -> !kiln.tensor<3x3xf32>\n"
+            "    %2 = \"kiln.slice\"(%1) {axis = 1, limit = 2, start = 0} : (!kiln.tensor<3x3xf32>) -> "
+            "!kiln.tensor<3x2xf32>\n"
             "    return %2 : !kiln.tensor<3x2xf32>\n"
             "  }\n"
             "}\n");
@@ -221,11 +237,13 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         ErrorCase{"undefined_value", FN_HEAD "  return %y : " T4 "\n}\n",
                   "t.mlir:2:10: error: use of undefined value '%y'"},
-        ErrorCase{"operand_type_mismatch", FN_HEAD "  %y = \"kiln.exp\"(%x) : (!kiln.tensor<8xf32>) -> " T4 "\n" RET,
+        ErrorCase{"operand_type_mismatch",
+                  FN_HEAD "  %y = \"kiln.exp\"(%x) : (!kiln.tensor<8xf32>) -> " T4 "\n" RET,
                   "t.mlir:2:19: error: '%x' has type !kiln.tensor<4xf32> but is used as !kiln.tensor<8xf32>"},
-        ErrorCase{"result_type_mismatch", FN_HEAD "  %y = \"kiln.exp\"(%x) : (" T4 ") -> !kiln.tensor<4xf16>\n" RET,
-                  "t.mlir:2:3: error: 'kiln.exp' result #0 has type !kiln.tensor<4xf16> but its operands give "
-                  "!kiln.tensor<4xf32>"},
+        ErrorCase{
+            "result_type_mismatch", FN_HEAD "  %y = \"kiln.exp\"(%x) : (" T4 ") -> !kiln.tensor<4xf16>\n" RET,
+            "t.mlir:2:3: error: 'kiln.exp' result #0 has type !kiln.tensor<4xf16> but its operands give "
+            "!kiln.tensor<4xf32>"},
         ErrorCase{"unknown_op", FN_HEAD "  %y = \"kiln.nope\"(%x) : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:8: error: unknown op 'kiln.nope'"},
         ErrorCase{"bad_type", FN_HEAD "  %y = \"kiln.exp\"(%x) : (" T4 ") -> !kiln.tensor<4xq8>\n" RET,
@@ -238,29 +256,34 @@ INSTANTIATE_TEST_SUITE_P(
                   "t.mlir:1:62: error: unbalanced braces: the '{' of this function is never closed"},
         ErrorCase{"unclosed_module", "module {\n" FN_HEAD RET,
                   "t.mlir:1:8: error: unbalanced braces: the '{' of this module is never closed"},
-        ErrorCase{"extra_brace", FN_HEAD RET "}\n", "t.mlir:4:1: error: unbalanced braces: this '}' closes nothing"},
+        ErrorCase{"extra_brace", FN_HEAD RET "}\n",
+                  "t.mlir:4:1: error: unbalanced braces: this '}' closes nothing"},
         ErrorCase{"unclosed_dict", FN_HEAD "  %y = \"kiln.exp\"(%x) {a = 1 : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:30: error: expected '}' to close an attribute dictionary, got ':'"},
         ErrorCase{"redefinition", FN_HEAD "  %x = \"kiln.exp\"(%x) : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:3: error: redefinition of value '%x'"},
-        ErrorCase{"duplicate_attribute", FN_HEAD "  %y = \"kiln.exp\"(%x) {a = 1, a = 2} : (" T4 ") -> " T4 "\n" RET,
+        ErrorCase{"duplicate_attribute",
+                  FN_HEAD "  %y = \"kiln.exp\"(%x) {a = 1, a = 2} : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:31: error: attribute 'a' is given twice"},
         ErrorCase{"unterminated_string", FN_HEAD "  %y = \"kiln.exp(%x) : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:8: error: unterminated string"},
-        ErrorCase{"bad_character", FN_HEAD "  %y = \"kiln.exp\"(%x) ; \n" RET, "t.mlir:2:23: error: unexpected character ';'"},
+        ErrorCase{"bad_character", FN_HEAD "  %y = \"kiln.exp\"(%x) ; \n" RET,
+                  "t.mlir:2:23: error: unexpected character ';'"},
         ErrorCase{"result_count", FN_HEAD "  %y:2 = \"kiln.exp\"(%x) : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:3: error: 'kiln.exp' defines 2 result(s) but its signature has 1 result type(s)"},
         ErrorCase{"result_index", FN_HEAD "  return %x#1 : " T4 "\n}\n",
                   "t.mlir:2:10: error: '%x' has 1 result(s); there is no #1"},
         ErrorCase{"missing_arrow", FN_HEAD "  %y = \"kiln.exp\"(%x) : (" T4 ") " T4 "\n" RET,
                   "t.mlir:2:47: error: expected '->' in the op's type signature, got '!kiln.tensor<4xf32>'"},
-        ErrorCase{"missing_attribute", FN_HEAD "  %y = \"kiln.compare\"(%x, %x) : (" T4 ", " T4 ") -> !kiln.tensor<4xi1>\n" RET,
+        ErrorCase{"missing_attribute",
+                  FN_HEAD "  %y = \"kiln.compare\"(%x, %x) : (" T4 ", " T4 ") -> !kiln.tensor<4xi1>\n" RET,
                   "t.mlir:2:3: error: 'kiln.compare' requires attribute 'predicate'"},
         ErrorCase{"arity", FN_HEAD "  %y = \"kiln.add\"(%x) : (" T4 ") -> " T4 "\n" RET,
                   "t.mlir:2:3: error: 'kiln.add' expects 2 operands, got 1"},
-        ErrorCase{"return_type", "func.func @f(%x: !kiln.tensor<4xf32>) -> !kiln.tensor<5xf32> {\n" RET,
-                  "t.mlir:2:3: error: in @f: func.return operand #0 has type !kiln.tensor<4xf32> but @f declares "
-                  "!kiln.tensor<5xf32>"},
+        ErrorCase{
+            "return_type", "func.func @f(%x: !kiln.tensor<4xf32>) -> !kiln.tensor<5xf32> {\n" RET,
+            "t.mlir:2:3: error: in @f: func.return operand #0 has type !kiln.tensor<4xf32> but @f declares "
+            "!kiln.tensor<5xf32>"},
         ErrorCase{"no_terminator", FN_HEAD "}\n", "t.mlir:1:1: error: function @f must end with func.return"},
         ErrorCase{"function_twice", "func.func @f() {\n  return\n}\nfunc.func @f() {\n  return\n}\n",
                   "t.mlir:4:11: error: function @f is defined twice"},

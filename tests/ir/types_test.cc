@@ -1,7 +1,7 @@
 // Element types, dims and tensor types: text form both ways, broadcasting, symbolic products.
-#include <gtest/gtest.h>
-
 #include "ir/types.h"
+
+#include <gtest/gtest.h>
 
 namespace kiln::ir {
 namespace {
@@ -20,12 +20,9 @@ TEST(Types, EveryDimKindPrintsAndParses) {
     std::string sym;
   };
   const Case cases[] = {
-      {"128xf32", Dim::Kind::Static, 128, ""},
-      {"Bxf32", Dim::Kind::Symbolic, 1, "B"},
-      {"26*Bxf32", Dim::Kind::Symbolic, 26, "B"},
-      {"?(4096)xi64", Dim::Kind::Bounded, 4096, ""},
-      {"?(214*B)xi64", Dim::Kind::Bounded, 214, "B"},
-      {"?(T)xbf16", Dim::Kind::Bounded, 1, "T"},
+      {"128xf32", Dim::Kind::Static, 128, ""},        {"Bxf32", Dim::Kind::Symbolic, 1, "B"},
+      {"26*Bxf32", Dim::Kind::Symbolic, 26, "B"},     {"?(4096)xi64", Dim::Kind::Bounded, 4096, ""},
+      {"?(214*B)xi64", Dim::Kind::Bounded, 214, "B"}, {"?(T)xbf16", Dim::Kind::Bounded, 1, "T"},
   };
   for (const Case& c : cases) {
     TensorType t = parse(c.body);
@@ -71,8 +68,8 @@ TEST(Types, ShardingPrintsAndParses) {
 }
 
 TEST(Types, BadTypesAreErrors) {
-  for (std::string_view bad : {"Bx13xf33", "bx13xf32", "-1xf32", "?(?(4))xf32", "4xf32, shard<0>", "4xf32, shard<2",
-                               "x4xf32", "", "0*Bxf32"}) {
+  for (std::string_view bad : {"Bx13xf33", "bx13xf32", "-1xf32", "?(?(4))xf32", "4xf32, shard<0>",
+                               "4xf32, shard<2", "x4xf32", "", "0*Bxf32"}) {
     auto t = parseTensorTypeBody(bad);
     EXPECT_FALSE(t.isOk()) << "'" << bad << "' parsed as " << (t.isOk() ? t->str() : "");
   }

@@ -1,9 +1,10 @@
 // The verifier: one test per way IR can be wrong, each checking the message and location.
+#include "ir/verifier.h"
+
 #include <gtest/gtest.h>
 
 #include "ir/ir.h"
 #include "ir/op_def.h"
-#include "ir/verifier.h"
 
 namespace kiln::ir {
 namespace {
@@ -27,7 +28,8 @@ struct Fn {
   }
   Op* add(std::string name, std::vector<Value*> operands, std::vector<TensorType> types, AttrDict attrs = {},
           int line = 0) {
-    return f->entry().push_back(Op::create(std::move(name), operands, types, std::move(attrs), Location{"t.mlir", line, 3}));
+    return f->entry().push_back(
+        Op::create(std::move(name), operands, types, std::move(attrs), Location{"t.mlir", line, 3}));
   }
   void ret(Value* v, int line = 9) { add("func.return", {v}, {}, {}, line); }
   Status check() const { return verify(m); }
@@ -83,7 +85,8 @@ TEST(Verifier, ReturnTypeDiffersFromSignature) {
   Fn fn;
   fn.f->setResultTypes({f32({5})});
   fn.ret(fn.x, 4);
-  expectError(fn.check(), "func.return operand #0 has type !kiln.tensor<4xf32> but @f declares !kiln.tensor<5xf32>", 4);
+  expectError(fn.check(),
+              "func.return operand #0 has type !kiln.tensor<4xf32> but @f declares !kiln.tensor<5xf32>", 4);
 }
 
 TEST(Verifier, ReturnArityDiffersFromSignature) {
@@ -96,7 +99,9 @@ TEST(Verifier, WrongResultType) {
   Fn fn;
   Op* e = fn.add("kiln.exp", {fn.x}, {f32({5})}, {}, 2);
   fn.ret(e->result());
-  expectError(fn.check(), "'kiln.exp' result #0 has type !kiln.tensor<5xf32> but its operands give !kiln.tensor<4xf32>", 2);
+  expectError(fn.check(),
+              "'kiln.exp' result #0 has type !kiln.tensor<5xf32> but its operands give !kiln.tensor<4xf32>",
+              2);
 }
 
 TEST(Verifier, UnknownOp) {
@@ -117,7 +122,8 @@ TEST(Verifier, MissingRequiredAttribute) {
 
 TEST(Verifier, AttributeOfTheWrongKind) {
   Fn fn;
-  fn.add("kiln.compare", {fn.x, fn.x}, {TensorType(DType::i1, {Dim::fixed(4)})}, {{"predicate", int64_t{3}}}, 2);
+  fn.add("kiln.compare", {fn.x, fn.x}, {TensorType(DType::i1, {Dim::fixed(4)})}, {{"predicate", int64_t{3}}},
+         2);
   fn.ret(fn.x);
   expectError(fn.check(), "'kiln.compare' attribute 'predicate' has the wrong kind", 2);
 }
@@ -126,7 +132,8 @@ TEST(Verifier, AttributeNotAmongItsChoices) {
   Fn fn;
   fn.add("kiln.compare", {fn.x, fn.x}, {TensorType(DType::i1, {Dim::fixed(4)})}, {{"predicate", "lte"}}, 2);
   fn.ret(fn.x);
-  expectError(fn.check(), "'kiln.compare' attribute 'predicate' is \"lte\"; expected one of: eq, ne, lt, le, gt, ge", 2);
+  expectError(fn.check(),
+              "'kiln.compare' attribute 'predicate' is \"lte\"; expected one of: eq, ne, lt, le, gt, ge", 2);
 }
 
 TEST(Verifier, WrongOperandCount) {

@@ -25,10 +25,18 @@ TensorType type(std::string_view body) { return *ir::parseTensorTypeBody(body); 
 // equal to another), and one that holds a region.
 void registerTestOps() {
   static bool done = [] {
-    ir::OpRegistry::get().add({.name = "test.effect", .summary = "writes state", .min_operands = 1,
-                               .max_operands = 1, .num_results = 1, .traits = ir::kSideEffect | ir::kTypeGiven});
-    ir::OpRegistry::get().add({.name = "test.group", .summary = "holds a region", .min_operands = 0,
-                               .max_operands = -1, .num_results = -1, .traits = ir::kPure | ir::kTypeGiven});
+    ir::OpRegistry::get().add({.name = "test.effect",
+                               .summary = "writes state",
+                               .min_operands = 1,
+                               .max_operands = 1,
+                               .num_results = 1,
+                               .traits = ir::kSideEffect | ir::kTypeGiven});
+    ir::OpRegistry::get().add({.name = "test.group",
+                               .summary = "holds a region",
+                               .min_operands = 0,
+                               .max_operands = -1,
+                               .num_results = -1,
+                               .traits = ir::kPure | ir::kTypeGiven});
     return true;
   }();
   (void)done;
@@ -49,7 +57,8 @@ constexpr const char* kMlp =
     "func.func @forward() -> !kiln.tensor<Bx4xf32> {\n"
     "  %x = \"kiln.input\"() {name = \"x\"} : () -> !kiln.tensor<Bx13xf32>\n"
     "  %w = \"kiln.parameter\"() {name = \"w\"} : () -> !kiln.tensor<4x13xf32>\n"
-    "  %y = \"kiln.matmul\"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx13xf32>, !kiln.tensor<4x13xf32>) -> !kiln.tensor<Bx4xf32>\n"
+    "  %y = \"kiln.matmul\"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx13xf32>, !kiln.tensor<4x13xf32>) "
+    "-> !kiln.tensor<Bx4xf32>\n"
     "  %r = \"kiln.relu\"(%y) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>\n"
     "  return %r : !kiln.tensor<Bx4xf32>\n"
     "}\n";
@@ -174,7 +183,8 @@ std::unique_ptr<ir::Module> grouped() {
     body.push_back(Op::create("kiln.yield", {t->result()}, {}));
   }
   std::vector<Op*> ops = f.entry().opList();
-  Op* sum = f.entry().push_back(Op::create("kiln.add", {ops[1]->result(), ops[2]->result()}, {type("4xf32")}));
+  Op* sum =
+      f.entry().push_back(Op::create("kiln.add", {ops[1]->result(), ops[2]->result()}, {type("4xf32")}));
   Op* all = f.entry().push_back(Op::create("kiln.add", {sum->result(), outer->result()}, {type("4xf32")}));
   f.entry().push_back(Op::create("func.return", {all->result()}, {}));
   f.setResultTypes({type("4xf32")});

@@ -1,5 +1,7 @@
 // The PassManager: pipelines by name, disabling, ordering rules, the verifier between passes,
 // printing, dumping and timing.
+#include "passes/pass_manager.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -9,7 +11,6 @@
 #include "ir/builder.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
-#include "passes/pass_manager.h"
 
 namespace kiln::passes {
 namespace {
@@ -32,7 +33,8 @@ std::unique_ptr<ir::Module> input() {
 // A pass made up for a test: a name and what it does to the module.
 class LambdaPass : public Pass {
  public:
-  LambdaPass(std::string name, std::function<Expected<bool>(ir::Module&)> fn) : name_(std::move(name)), fn_(std::move(fn)) {}
+  LambdaPass(std::string name, std::function<Expected<bool>(ir::Module&)> fn)
+      : name_(std::move(name)), fn_(std::move(fn)) {}
   std::string_view name() const override { return name_; }
   std::string_view description() const override { return "test pass"; }
   Expected<bool> run(ir::Module& m) override { return fn_(m); }
@@ -59,7 +61,8 @@ TEST(PassManager, RegistryListsEveryPassOnce) {
     EXPECT_EQ(pass->name(), p.name);  // the class's name is the passes.def name
     EXPECT_EQ(pass->description(), p.description);
   }
-  for (std::string_view core : {"canonicalize", "cse", "dce", "shape-inference"}) EXPECT_TRUE(names.count(core)) << core;
+  for (std::string_view core : {"canonicalize", "cse", "dce", "shape-inference"})
+    EXPECT_TRUE(names.count(core)) << core;
   EXPECT_EQ(createPass("no-such-pass"), nullptr);
 }
 
@@ -82,7 +85,8 @@ TEST(PassManager, UnknownPassNamesAreErrors) {
   PassManager pm;
   Status s = pm.addPipeline("cse,typo");
   ASSERT_FALSE(s.isOk());
-  EXPECT_NE(s.message().find("unknown pass 'typo'; known passes: shape-inference, canonicalize, cse, dce"), std::string::npos)
+  EXPECT_NE(s.message().find("unknown pass 'typo'; known passes: shape-inference, canonicalize, cse, dce"),
+            std::string::npos)
       << s.message();
   EXPECT_FALSE(pm.addPipeline("cse,,dce").isOk());
   PassManager pm2;
@@ -109,7 +113,8 @@ TEST(PassManager, OrderingRulesAreCheckedWhenBuilt) {
   pm.addPass(noop("first"));
   Status s = pm.build();
   ASSERT_FALSE(s.isOk());
-  EXPECT_EQ(s.message(), "pass 'first' (position 2) must not run after 'then' (position 1): then undoes first");
+  EXPECT_EQ(s.message(),
+            "pass 'first' (position 2) must not run after 'then' (position 1): then undoes first");
   auto m = input();
   EXPECT_FALSE(pm.run(*m).isOk());
   // Disabling either pass lifts the rule.
@@ -133,7 +138,8 @@ TEST(PassManager, PassesDefOrderingsApplyByDefault) {
   ASSERT_TRUE(pm.addPass("cse").isOk());
   Status s = pm.build();
   ASSERT_FALSE(s.isOk());
-  EXPECT_NE(s.message().find("pass 'cse' (position 2) must not run after 'remat' (position 1)"), std::string::npos);
+  EXPECT_NE(s.message().find("pass 'cse' (position 2) must not run after 'remat' (position 1)"),
+            std::string::npos);
 }
 
 TEST(PassManager, VerifierNamesThePassThatBrokeTheIR) {
@@ -210,9 +216,11 @@ TEST(PassManager, DumpsEveryStageInOrder) {
   auto m = input();
   ASSERT_TRUE(pm.run(*m).isOk());
   std::vector<std::string> files;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path().filename().string());
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    files.push_back(e.path().filename().string());
   std::sort(files.begin(), files.end());
-  EXPECT_EQ(files, (std::vector<std::string>{"0000.input.mlir", "0001.cse.mlir", "0002.dce.mlir", "0003.cse.mlir"}));
+  EXPECT_EQ(files,
+            (std::vector<std::string>{"0000.input.mlir", "0001.cse.mlir", "0002.dce.mlir", "0003.cse.mlir"}));
   auto read = [&](const std::string& name) {
     std::ifstream in(dir / name);
     std::stringstream ss;

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "ir/builder.h"
+#include "ir/optimizer.h"
 #include "runtime/cpu/kernels/kernels.h"
 #include "runtime_test_util.h"
 
@@ -217,6 +218,100 @@ TEST(FastKernels, CastReshapeConstant) {
                         {ir::TensorType(DType::f32, {ir::Dim::fixed(2), ir::Dim::fixed(2)})});
   checkAgainstReference("kiln.constant", {}, {{"value", 7}}, 0, 0,
                         {ir::TensorType(DType::i64, {ir::Dim::symbol("B"), ir::Dim::fixed(3)})}, {}, {{"B", 5}});
+}
+
+}  // namespace
+}  // namespace kiln::runtime::cpu
+
+namespace kiln::runtime::cpu {
+namespace {
+
+// kiln.embedding_bag_update: the threaded kernel and the reference hook start from the same
+// table and state and must leave the same values behind, for every optimizer and id layout.
+void checkEmbeddingUpdate(const std::string& optimizer, bool jagged, bool weighted, bool scaled, const std::string& mode) {
+  const int64_t R = 40, D = 6, B = 25, H = 3;
+  ir::Module m;
+  ir::Function& f = m.addFunction("f");
+  ir::Builder b(f.entry());
+  auto param = [&](const std::string& name, ir::TensorType t) {
+    return (*b.createWithTypes("kiln.parameter", {}, {t}, {{"name", ir::Attribute(name)}}))->result();
+  };
+  auto input = [&](const std::string& name, ir::TensorType t) {
+    return (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute(name)}}))->result();
+  };
+  auto fixed = [](std::vector<int64_t> dims, DType t) {
+    ir::Shape s;
+    for (int64_t d : dims) s.push_back(ir::Dim::fixed(d));
+    return ir::TensorType(t, s);
+  };
+  std::vector<HostTensor> values;
+  std::vector<ir::Value*> operands;
+  operands.push_back(param("t", fixed({R, D}, DType::f32)));
+  values.push_back(randomTensor(DType::f32, {R, D}, 1));
+  HostTensor lengths(DType::i32, {B});
+  int64_t n = 0;
+  for (int64_t i = 0; i < B; ++i) n += lengths.as<int32_t>()[i] = static_cast<int32_t>(i % 4);
+  // Ids from a small range so rows repeat within the batch.
+  if (jagged) {
+    operands.push_back(input("ids", fixed({n}, DType::i64)));
+    values.push_back(randomTensor(DType::i64, {n}, 2, 0, 12));
+    operands.push_back(input("len", fixed({B}, DType::i32)));
+    values.push_back(lengths);
+  } else {
+    operands.push_back(input("ids", fixed({B, H}, DType::i32)));
+    values.push_back(randomTensor(DType::i32, {B, H}, 2, 0, 12));
+  }
+  if (weighted) {
+    auto shape = values[1].view.shape;
+    operands.push_back(input("w", fixed(shape, DType::f32)));
+    values.push_back(randomTensor(DType::f32, shape, 3));
+  }
+  operands.push_back(input("g", fixed({B, D}, DType::f32)));
+  values.push_back(randomTensor(DType::f32, {B, D}, 4));
+  ir::AttrDict attrs = {{"optimizer", ir::Attribute(optimizer)}, {"lr", 0.05},      {"weight_decay", 0.01},
+                        {"mode", ir::Attribute(mode)},           {"weighted", weighted}, {"scaled", scaled}};
+  for (const auto& slot : ir::sparseOptimizerState(optimizer, attrs)) {
+    auto shape = slot.rowwise ? std::vector<int64_t>{R} : std::vector<int64_t>{R, D};
+    operands.push_back(param(std::string("t.").append(slot.suffix), fixed(shape, DType::f32)));
+    values.push_back(randomTensor(DType::f32, shape, 5, 0.1, 1));
+  }
+  for (const char* s : {"lr", "step"}) {
+    operands.push_back(input(s, ir::TensorType(DType::f32, {})));
+    HostTensor v(DType::f32, {});
+    v.as<float>()[0] = std::string(s) == "lr" ? 0.7f : 3.0f;
+    values.push_back(v);
+  }
+  if (scaled) {
+    operands.push_back(input("scale", ir::TensorType(DType::f32, {})));
+    HostTensor v(DType::f32, {});
+    v.as<float>()[0] = 0.5f;
+    values.push_back(v);
+  }
+  auto op = b.createWithTypes("kiln.embedding_bag_update", operands, {}, attrs);
+  ASSERT_TRUE(op.isOk()) << op.status().str();
+  const FastKernel* fast = findFastKernel(**op);
+  ASSERT_NE(fast, nullptr);
+  for (int threads : {1, 4}) {
+    std::vector<HostTensor> mine = values, ref = values;
+    std::vector<const ir::TensorView*> mv, rv;
+    for (auto& t : mine) mv.push_back(&t.view);
+    for (auto& t : ref) rv.push_back(&t.view);
+    ThreadPool pool(threads);
+    Status s = fast->run(**op, mv, {}, KernelContext{&pool, nullptr});
+    ASSERT_TRUE(s.isOk()) << s.str();
+    ASSERT_TRUE((*op)->def()->cpu(**op, rv, {}, ir::CpuContext{}).isOk());
+    for (size_t i = 0; i < values.size(); ++i)
+      expectClose(mine[i], ref[i], 1e-6, 1e-7, std::string(optimizer).append(" operand ").append(std::to_string(i)));
+    EXPECT_NE(mine[0].storage, values[0].storage) << "the table moved";
+  }
+}
+
+TEST(FastKernels, SparseEmbeddingUpdateMatchesReference) {
+  for (const char* opt : {"sgd", "adagrad", "rowwise_adagrad", "adam"}) {
+    checkEmbeddingUpdate(opt, false, false, false, "sum");
+    checkEmbeddingUpdate(opt, true, true, true, "mean");
+  }
+  checkEmbeddingUpdate("rowwise_adagrad", false, true, false, "mean");
 }
 
 }  // namespace

@@ -43,6 +43,7 @@ void registerElementwiseKernels(KernelTable& t);  // elementwise.cc
 void registerMatmulKernels(KernelTable& t);       // matmul.cc
 void registerReduceKernels(KernelTable& t);       // reduce.cc
 void registerEmbeddingKernels(KernelTable& t);    // embedding_bag.cc
+void registerEmbeddingUpdateKernels(KernelTable& t);  // embedding_update.cc: the sparse optimizer step
 void registerDataKernels(KernelTable& t);         // data.cc: constant, reshape, cast
 
 // Element access with f32 compute over f32 / bf16 / f64 storage.

@@ -18,6 +18,7 @@ static const KernelTable& table() {
     registerMatmulKernels(t);
     registerReduceKernels(t);
     registerEmbeddingKernels(t);
+    registerEmbeddingUpdateKernels(t);
     registerDataKernels(t);
     return t;
   }();

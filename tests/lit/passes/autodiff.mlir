@@ -25,20 +25,20 @@ module attributes {kiln.outputs = ["logit", "loss"], kiln.train = {embedding_opt
 // CHECK:       return %logit, %loss
 
 // CHECK-LABEL: func.func @train_step() -> (!kiln.tensor<f32>, !kiln.tensor<Bxf32>)
-// CHECK:         %lr = "kiln.input"() {name = "lr", role = "lr"} : () -> !kiln.tensor<f32>
+// CHECK-NEXT:    %lr = "kiln.input"() {name = "lr", role = "lr"} : () -> !kiln.tensor<f32>
 // CHECK-NEXT:    %step = "kiln.input"() {name = "step", role = "step"} : () -> !kiln.tensor<f32>
-// CHECK:         %tables.0 = "kiln.parameter"()
-// CHECK-NEXT:    %tables.0.rowwise_adagrad_sum = "kiln.parameter"() {{{.*}}name = "tables.0.rowwise_adagrad_sum", state_of = "tables.0", trainable = false} : () -> !kiln.tensor<100xf32>
-// CHECK-NEXT:    %top.weight = "kiln.parameter"()
-// CHECK-NEXT:    %top.weight.adam_m = "kiln.parameter"() {{{.*}}state_of = "top.weight", trainable = false} : () -> !kiln.tensor<1x8xf32>
-// CHECK-NEXT:    %top.weight.adam_v = "kiln.parameter"() {{{.*}}state_of = "top.weight", trainable = false} : () -> !kiln.tensor<1x8xf32>
+// CHECK:         %table = "kiln.parameter"()
+// CHECK-NEXT:    %tables.0.rowwise_adagrad_sum = "kiln.parameter"() {init = "zeros", name = "tables.0.rowwise_adagrad_sum", state_of = "tables.0", trainable = false} : () -> !kiln.tensor<100xf32>
+// CHECK-NEXT:    %w = "kiln.parameter"()
+// CHECK-NEXT:    %top.weight.adam_m = "kiln.parameter"() {init = "zeros", name = "top.weight.adam_m", state_of = "top.weight", trainable = false} : () -> !kiln.tensor<1x8xf32>
+// CHECK-NEXT:    %top.weight.adam_v = "kiln.parameter"() {init = "zeros", name = "top.weight.adam_v", state_of = "top.weight", trainable = false} : () -> !kiln.tensor<1x8xf32>
 // The table is read by its lookup and its update only: no dense [100, 4] gradient.
 // CHECK-NOT:     -> !kiln.tensor<100x4xf32>
-// CHECK:         %[[LOSS:.*]] = "kiln.bce_with_logits"
+// CHECK:         %loss = "kiln.bce_with_logits"
 // CHECK-NOT:     -> !kiln.tensor<100x4xf32>
 // The pooled-output gradient is the [B, 4] slice of the concat's gradient.
 // CHECK:         %[[GEMB:.*]] = "kiln.slice"(%{{.*}}) {axis = 1, limit = 8, start = 4}
 // CHECK-NOT:     -> !kiln.tensor<100x4xf32>
-// CHECK:         "kiln.embedding_bag_update"(%tables.0, %cats.0, %[[GEMB]], %tables.0.rowwise_adagrad_sum, %lr, %step) {eps = 1.0e-10, initial_accumulator = 0.0, lr = 5.0e-02, mode = "sum", optimizer = "rowwise_adagrad", scaled = false, table = "tables.0", weight_decay = 0.0, weighted = false}
-// CHECK-NEXT:    "kiln.optimizer_update"(%top.weight, %{{.*}}, %top.weight.adam_m, %top.weight.adam_v, %lr, %step) {beta1 = 0.9, beta2 = 0.999, {{.*}}kind = "adam", lr = 1.0e-03, {{.*}}param = "top.weight"
-// CHECK-NEXT:    return %[[LOSS]], %logit : !kiln.tensor<f32>, !kiln.tensor<Bxf32>
+// CHECK:         "kiln.embedding_bag_update"(%table, %ids, %[[GEMB]], %tables.0.rowwise_adagrad_sum, %lr, %step) {{{.*}}eps = 1.0e-10, initial_accumulator = 0.0, lr = 0.05, mode = "sum", optimizer = "rowwise_adagrad", scaled = false, table = "tables.0", weight_decay = 0.0, weighted = false}
+// CHECK-NEXT:    "kiln.optimizer_update"(%w, %{{.*}}, %top.weight.adam_m, %top.weight.adam_v, %lr, %step) {beta1 = 0.9, beta2 = 0.999, eps = 1.0e-08, kind = "adam", lr = 0.001, {{.*}}param = "top.weight"
+// CHECK-NEXT:    return %loss, %logit : !kiln.tensor<f32>, !kiln.tensor<Bxf32>
