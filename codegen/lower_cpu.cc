@@ -86,11 +86,15 @@ class CpuLowering {
       }
       return Status::ok();
     }
+    // The CPU runs a fused group (passes/fusion.cc) op by op on the group's stream; the CUDA
+    // backend runs it as one kernel.
+    if (op.name() == "kiln.fused" && !op.regions().empty() && !op.regions().front()->empty())
+      return lowerFused(op);
     Instruction in;
     in.kind = InstrKind::Launch;
     in.op = op.name();
     in.attrs = op.attrs();
-    int stream = 0;
+    int stream = group_stream_;
     if (const ir::Attribute* s = op.attr("kiln.stream")) {
       if (!s->isInt() || s->asInt() < 0 || s->asInt() > 1024)
         return located(op, Status::errorf("'{}': kiln.stream must be a stream number, got {}", op.name(), s->str()));
@@ -114,6 +118,28 @@ class CpuLowering {
       producer_[*id] = static_cast<int>(pending_.size());
     }
     pending_.push_back({stream, std::move(in)});
+    return Status::ok();
+  }
+
+  Status lowerFused(const ir::Op& op) {
+    const ir::Block& body = op.regions().front()->front();
+    for (unsigned i = 0; i < body.numArguments() && i < op.numOperands(); ++i) {
+      auto it = buffer_of_.find(op.operand(i));
+      if (it == buffer_of_.end())
+        return located(op, Status::error("'kiln.fused' reads a value the CPU lowering has not seen"));
+      buffer_of_[body.argument(i)] = it->second;
+    }
+    int outer = group_stream_;
+    if (const ir::Attribute* s = op.attr("kiln.stream"); s && s->isInt()) group_stream_ = static_cast<int>(s->asInt());
+    for (const auto& inner : body.ops()) {
+      if (inner->name() == "kiln.yield") {
+        for (unsigned i = 0; i < inner->numOperands() && i < op.numResults(); ++i)
+          buffer_of_[op.result(i)] = buffer_of_.at(inner->operand(i));
+        continue;
+      }
+      KILN_RETURN_IF_ERROR(lowerOp(*inner));
+    }
+    group_stream_ = outer;
     return Status::ok();
   }
 
@@ -163,6 +189,7 @@ class CpuLowering {
   std::unordered_map<int, int> producer_;  // buffer -> index in pending_
   std::vector<Pending> pending_;
   std::set<std::pair<int, int>> waited_;
+  int group_stream_ = 0;  // the stream of the fused group being lowered
 };
 
 }  // namespace

@@ -12,6 +12,8 @@
 #include "ir/dot.h"
 #include "ir/printer.h"
 #include "tools/cli.h"
+#include "tools/dump_optimize.h"
+#include "tools/dump_cuda.h"
 
 namespace kiln::cli {
 namespace {
@@ -53,7 +55,8 @@ std::optional<codegen::Program> lowerForward(DumpContext& c) {
     std::cerr << c.path << ": error: the model has no @forward function\n";
     return std::nullopt;
   }
-  auto batch = c.args.getInt("batch");
+  // The same default batch as the other batch-specialized stages.
+  std::optional<long long> batch = c.args.has("batch") ? c.args.getInt("batch") : std::optional<long long>(4096);
   if (!batch || *batch <= 0) {
     std::cerr << "kiln dump: error: --batch must be a positive integer\n";
     return std::nullopt;
@@ -80,6 +83,17 @@ int dumpProgram(DumpContext& c) {
   return kExitOk;
 }
 
+int dumpCuda(DumpContext& c) {
+  auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
+  if (!m) return kExitError;
+  std::optional<long long> batch = c.args.has("batch") ? c.args.getInt("batch") : std::optional<long long>(4096);
+  if (!batch || *batch <= 0) {
+    std::cerr << "kiln dump: error: --batch must be a positive integer\n";
+    return kExitUsage;
+  }
+  return printCudaStage(**m, *batch, c.out, std::cerr);
+}
+
 struct Stage {
   const char* name;
   const char* help;
@@ -89,6 +103,7 @@ struct Stage {
 const Stage kStages[] = {
     {"ast", "the syntax tree of the file, as S-expressions", dumpAst},
     {"ir", "the lowered IR (@forward and the module attributes)", dumpIr},
+    {"cuda", "the generated CUDA of the training step, kernels specialized to --batch", dumpCuda},
     {"memory", "the CPU memory plan of @forward at --batch: buffers, offsets, live ranges, peak_bytes", dumpMemory},
     {"program", "the CPU Program of @forward at --batch: buffers and per-stream instructions", dumpProgram},
 };
@@ -105,7 +120,10 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("format", "mlir|dot", "text, or a Graphviz graph of each function", "mlir");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "OUT", "write to OUT instead of stdout");
-  p.addOption("batch", "B", "the batch size B bound before memory planning (stages memory, program)", "256");
+  p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
+  p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
+  p.addOption("memory-budget", "BYTES|N%", "with --stats/--explain: recompute activations until the peak fits");
+  p.addOption("disable-pass", "NAME", "with --stats/--explain: leave this pass out", std::nullopt, true);
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");
@@ -125,6 +143,20 @@ int runDump(const std::vector<std::string>& args) {
     if (!file) return p.usageError(fmt::format("cannot write '{}'", p.get("output")));
   }
   frontend::DiagnosticEngine diags(&std::cerr);
+  if (p.flag("stats") || p.has("explain")) {
+    if (p.has("explain") && p.get("explain") != "fusion")
+      return p.usageError(fmt::format("--explain: unknown pass '{}' (use fusion)", p.get("explain")));
+    OptimizeOptions o;
+    auto batch = p.getInt("batch");
+    if (!batch || *batch <= 0) return p.usageError("--batch must be a positive integer");
+    o.batch = *batch;
+    if (p.has("memory-budget")) o.memory_budget = p.get("memory-budget");
+    for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
+    auto m = frontend::compileModelFile(p.positionals()[0], overrides, diags);
+    if (!m) return kExitError;
+    std::ostream& out = p.has("output") ? static_cast<std::ostream&>(file) : std::cout;
+    return p.flag("stats") ? printOptimizeStats(**m, o, out, std::cerr) : printFusionExplanation(**m, o, out, std::cerr);
+  }
   DumpContext c{p, p.positionals()[0], overrides, format, p.has("output") ? static_cast<std::ostream&>(file) : std::cout, diags};
   return stage->run(c);
 }

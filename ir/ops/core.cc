@@ -59,6 +59,29 @@ Status verifyParameter(const Op& op) {
   return Status::ok();
 }
 
+// A fused group (passes/fusion.cc): one block whose arguments take the operands and whose
+// kiln.yield gives the results.
+Status verifyFused(const Op& op) {
+  if (op.regions().size() != 1 || op.regions().front()->blocks().size() != 1)
+    return Status::error("'kiln.fused' must hold one region with one block");
+  const Block& body = op.regions().front()->front();
+  if (body.numArguments() != op.numOperands())
+    return Status::errorf("'kiln.fused' body takes {} arguments for {} operands", body.numArguments(), op.numOperands());
+  for (unsigned i = 0; i < op.numOperands(); ++i)
+    if (!(body.argument(i)->type() == op.operand(i)->type()))
+      return Status::errorf("'kiln.fused' argument {} is {} but operand {} is {}", i, body.argument(i)->type().str(), i,
+                            op.operand(i)->type().str());
+  const Op* yield = body.back();
+  if (!yield || yield->name() != "kiln.yield") return Status::error("'kiln.fused' body must end in kiln.yield");
+  if (yield->numOperands() != op.numResults())
+    return Status::errorf("'kiln.fused' yields {} values for {} results", yield->numOperands(), op.numResults());
+  for (unsigned i = 0; i < op.numResults(); ++i)
+    if (!(yield->operand(i)->type() == op.result(i)->type()))
+      return Status::errorf("'kiln.fused' yields {} as result {} of type {}", yield->operand(i)->type().str(), i,
+                            op.result(i)->type().str());
+  return Status::ok();
+}
+
 }  // namespace
 
 void registerCoreOps(OpRegistry& r) {
@@ -99,6 +122,16 @@ void registerCoreOps(OpRegistry& r) {
          .summary = "Yields values from a region (a fused group's body)",
          .min_operands = 0, .max_operands = -1, .num_results = 0,
          .traits = kTerminator | kTypeGiven});
+
+  // Not kPure: a group may hold side-effecting ops (embedding updates); its region says what
+  // it does. No cpu hook: the interpreter runs the region.
+  r.add({.name = "kiln.fused",
+         .summary = "A fused group: its region holds the ops that run as one kernel",
+         .min_operands = 0, .max_operands = -1, .num_results = -1,
+         .attrs = {{"kind", K::String, true, std::nullopt,
+                    {"pointwise", "reduction", "gemm_epilogue", "embedding", "embedding_update"}}},
+         .traits = kTypeGiven | kNonDifferentiable,
+         .verify = verifyFused});
 }
 
 }  // namespace kiln::ir

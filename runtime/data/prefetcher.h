@@ -1,7 +1,7 @@
 // Reads batches on a background thread into a bounded queue, so loading overlaps compute.
-// The consumer sees batches in order, then the end of the data or the reader's error (once, in
-// its place in the stream). Destroying the prefetcher stops and joins the thread at once, even
-// when the queue is full.
+// The consumer sees batches in order, then the end of the data or the reader's error (in its
+// place in the stream, and again on every later call). Destroying the prefetcher stops and
+// joins the thread at once, even when the queue is full.
 #pragma once
 
 #include <condition_variable>

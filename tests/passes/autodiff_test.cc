@@ -275,8 +275,11 @@ TEST(Autodiff, EmbeddingUpdatesAreSparse) {
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t d = 0; d < 3; ++d) {
         double before = ModelBuilder::get(mb.tensors.at(name), r * 3 + d), now = ModelBuilder::get(t.at(name), r * 3 + d);
-        if (touched.count(r)) EXPECT_NE(before, now) << name << " row " << r;
-        else EXPECT_EQ(before, now) << name << " row " << r;
+        if (touched.count(r)) {
+          EXPECT_NE(before, now) << name << " row " << r;
+        } else {
+          EXPECT_EQ(before, now) << name << " row " << r;
+        }
       }
   }
 }
@@ -494,8 +497,11 @@ TEST(MixedPrecision, MatmulsInBf16MasterWeightsF32) {
   EXPECT_EQ(matmuls, 2);
   EXPECT_NEAR(forwardLoss(*m, mb.tensors), f32_loss, 2e-2 * std::abs(f32_loss));
   ASSERT_TRUE(buildTrainStep(*m).isOk());
-  for (const auto& op : m->lookup("train_step")->entry().ops())
-    if (op->name() == "kiln.optimizer_update") EXPECT_EQ(op->operand(1)->type().dtype(), DType::f32);
+  for (const auto& op : m->lookup("train_step")->entry().ops()) {
+    if (op->name() == "kiln.optimizer_update") {
+      EXPECT_EQ(op->operand(1)->type().dtype(), DType::f32);
+    }
+  }
   std::map<std::string, HostTensor> t = mb.tensors;
   addStepTensors(*m->lookup("train_step"), t, 0.1);
   auto out = interpretInPlace(*m->lookup("train_step"), t, kSymbols);

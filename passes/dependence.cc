@@ -1,0 +1,88 @@
+#include "passes/dependence.h"
+
+#include <algorithm>
+#include <queue>
+
+#include "ir/op_def.h"
+
+namespace kiln::passes {
+
+bool writesInPlace(const ir::Op& op) {
+  if (op.hasTrait(ir::kSideEffect)) return true;
+  for (const auto& r : op.regions())
+    for (const auto& b : r->blocks())
+      for (const auto& inner : b->ops())
+        if (writesInPlace(*inner)) return true;
+  return false;
+}
+
+BlockDependences::BlockDependences(const ir::Block& block) : ops_(block.opList()) {
+  const int n = static_cast<int>(ops_.size());
+  preds_.resize(ops_.size());
+  succs_.resize(ops_.size());
+  for (int i = 0; i < n; ++i) pos_[ops_[static_cast<size_t>(i)]] = i;
+  // Values captured from this block by ops nested in a region count as operands of the op
+  // holding the region.
+  auto topLevel = [&](ir::Op* user) {
+    while (user && !pos_.count(user)) {
+      ir::Block* b = user->parentBlock();
+      user = b && b->parentRegion() ? b->parentRegion()->parentOp() : nullptr;
+    }
+    return user;
+  };
+  int last_writer = -1;
+  for (int i = 0; i < n; ++i) {
+    ir::Op* op = ops_[static_cast<size_t>(i)];
+    for (ir::Value* v : op->operands())
+      if (v->definingOp() && pos_.count(v->definingOp())) addEdge(pos_[v->definingOp()], i);
+    if (op->hasTrait(ir::kTerminator)) {
+      for (int j = 0; j < i; ++j) addEdge(j, i);
+      continue;
+    }
+    if (!writesInPlace(*op)) continue;
+    if (last_writer >= 0) addEdge(last_writer, i);
+    last_writer = i;
+    // Readers of what this op writes that come before it keep seeing the old value.
+    for (ir::Value* v : op->operands())
+      for (const ir::Use& u : v->uses()) {
+        ir::Op* reader = topLevel(u.user);
+        if (reader && reader != op && pos_[reader] < i) addEdge(pos_[reader], i);
+      }
+  }
+}
+
+void BlockDependences::addEdge(int from, int to) {
+  auto& p = preds_[static_cast<size_t>(to)];
+  if (from == to || std::find(p.begin(), p.end(), from) != p.end()) return;
+  p.push_back(from);
+  succs_[static_cast<size_t>(from)].push_back(to);
+}
+
+bool reorderBlock(ir::Block& block, const std::function<bool(int a, int b)>& better) {
+  BlockDependences deps(block);
+  const auto& ops = deps.ops();
+  const int n = static_cast<int>(ops.size());
+  std::vector<int> waiting(ops.size());
+  for (int i = 0; i < n; ++i) waiting[static_cast<size_t>(i)] = static_cast<int>(deps.predecessors(i).size());
+  std::vector<int> ready, order;
+  for (int i = 0; i < n; ++i)
+    if (!waiting[static_cast<size_t>(i)]) ready.push_back(i);
+  while (!ready.empty()) {
+    auto best = std::min_element(ready.begin(), ready.end(), [&](int a, int b) { return better(a, b); });
+    int i = *best;
+    ready.erase(best);
+    order.push_back(i);
+    for (int s : deps.successors(i))
+      if (--waiting[static_cast<size_t>(s)] == 0) ready.push_back(s);
+  }
+  assert(static_cast<int>(order.size()) == n && "dependence cycle in a block");
+  bool changed = false;
+  for (int k = 0; k < n; ++k) changed |= order[static_cast<size_t>(k)] != k;
+  if (!changed) return false;
+  std::vector<std::unique_ptr<ir::Op>> held;
+  for (int i : order) held.push_back(block.remove(ops[static_cast<size_t>(i)]));
+  for (auto& op : held) block.push_back(std::move(op));
+  return true;
+}
+
+}  // namespace kiln::passes

@@ -1,0 +1,408 @@
+#include "passes/fusion.h"
+
+#include <algorithm>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <fmt/format.h>
+
+#include "ir/op_def.h"
+#include "ir/printer.h"
+#include "passes/dependence.h"
+#include "passes/pass_registry.h"
+
+namespace kiln::passes {
+namespace {
+
+using ir::Op;
+using ir::Value;
+
+enum class Kind { Pointwise, Reduction, Gemm, Embedding, EmbeddingUpdate, Other };
+
+const char* kindName(Kind k) {
+  switch (k) {
+    case Kind::Pointwise: return "pointwise";
+    case Kind::Reduction: return "reduction";
+    case Kind::Gemm: return "gemm_epilogue";
+    case Kind::Embedding: return "embedding";
+    case Kind::EmbeddingUpdate: return "embedding_update";
+    case Kind::Other: return "other";
+  }
+  return "other";
+}
+
+// The ops a pointwise kernel computes per element: elementwise math and data movement (the
+// same set codegen/kernel_lowering.h lowers into one Pointwise kernel).
+bool isPointwise(const Op& op) {
+  static const std::set<std::string, std::less<>> movement = {
+      "kiln.broadcast", "kiln.reshape", "kiln.transpose", "kiln.slice", "kiln.concat", "kiln.gather",
+      "kiln.cast", "kiln.compare", "kiln.select", "kiln.activation_grad", "kiln.bce_with_logits_grad"};
+  if (op.name() == "kiln.reduce_grad") return op.strAttr("kind") != "max";
+  if (movement.count(op.name())) return true;
+  return op.hasTrait(ir::kElementwise) && !op.hasTrait(ir::kSideEffect) && op.numResults() == 1;
+}
+
+bool isReduction(const Op& op) {
+  return op.name() == "kiln.reduce" || op.name() == "kiln.softmax" || op.name() == "kiln.bce_with_logits" ||
+         op.name() == "kiln.sum_to";
+}
+
+bool isActivation(const Op& op) {
+  static const std::set<std::string, std::less<>> acts = {"kiln.relu", "kiln.gelu", "kiln.silu", "kiln.sigmoid",
+                                                          "kiln.tanh"};
+  return acts.count(op.name()) > 0;
+}
+
+struct Group {
+  Kind kind = Kind::Other;
+  std::vector<Op*> members;  // in block order
+  bool closed = false;       // takes no more members
+  bool has(const Op* op) const { return std::find(members.begin(), members.end(), op) != members.end(); }
+};
+
+class FunctionFuser {
+ public:
+  FunctionFuser(ir::Function& f, const CostModel& cost) : f_(f), cost_(cost), namer_(f), deps_(f.entry()) {
+    for (size_t i = 0; i < deps_.ops().size(); ++i) pos_[deps_.ops()[i]] = static_cast<int>(i);
+  }
+
+  Expected<FusionReport> run() {
+    FusionReport report;
+    report.function = f_.name();
+    report.launches_before = countLaunches(f_);
+    formEmbeddingGroups();
+    formEmbeddingUpdateGroups();
+    for (Op* op : deps_.ops()) {
+      if (!CostModel::launchesWork(*op) || group_of_.count(op)) continue;
+      place(op);
+    }
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      Group& grp = groups_[g];
+      if (grp.members.size() < 2) continue;
+      std::vector<const Op*> members(grp.members.begin(), grp.members.end());
+      GroupCost fused = cost_.groupCost(members);
+      FusedGroupReport r;
+      r.kind = kindName(grp.kind);
+      for (Op* op : grp.members) r.ops.push_back(label(*op));
+      double unfused_bytes = 0;
+      for (const Op* op : members) unfused_bytes += cost_.opCost(*op).bytes;
+      r.saved_bytes = unfused_bytes - fused.bytes;
+      r.saved_launches = static_cast<int>(members.size()) - 1;
+      r.saved_seconds = cost_.fusionBenefit(members);
+      report.groups.push_back(std::move(r));
+    }
+    report.refused = std::move(refused_);
+    materialize();
+    report.launches_after = countLaunches(f_);
+    return report;
+  }
+
+ private:
+  std::string label(const Op& op) const {
+    if (op.numResults() > 0) return fmt::format("{} = {}", namer_.name(op.result(0)), op.name());
+    std::string s = op.name();
+    if (op.hasAttr("table")) s += fmt::format(" {{table = {}}}", ir::quoteString(op.strAttr("table")));
+    return s;
+  }
+
+  void refuse(const Op& producer, const Op& consumer, const std::string& reason) {
+    refused_.push_back({label(producer), label(consumer), reason});
+  }
+
+  int newGroup(Kind kind, std::vector<Op*> members, bool closed) {
+    std::sort(members.begin(), members.end(), [&](Op* a, Op* b) { return pos_[a] < pos_[b]; });
+    int id = static_cast<int>(groups_.size());
+    for (Op* op : members) group_of_[op] = id;
+    groups_.push_back({kind, std::move(members), closed});
+    return id;
+  }
+
+  // True when some op of group `g` must run before `op` (through any group on the way), so
+  // that putting `op` and group `g` into one kernel would make a cycle.
+  bool dependsOnGroup(const Op* op, int g) const {
+    std::vector<const Op*> stack = {op};
+    std::unordered_set<const Op*> seen = {op};
+    while (!stack.empty()) {
+      const Op* x = stack.back();
+      stack.pop_back();
+      auto git = group_of_.find(x);
+      if (git != group_of_.end()) {
+        if (git->second == g) return true;
+        for (Op* m : groups_[static_cast<size_t>(git->second)].members)
+          if (seen.insert(m).second) stack.push_back(m);
+      }
+      for (int p : deps_.predecessors(pos_.at(x))) {
+        const Op* y = deps_.ops()[static_cast<size_t>(p)];
+        if (seen.insert(y).second) stack.push_back(y);
+      }
+    }
+    return false;
+  }
+
+  // Values of group members used by ops outside `members`.
+  static int outsideUsers(const Op& op, const std::vector<Op*>& members) {
+    int n = 0;
+    for (Value* r : op.results())
+      for (const ir::Use& u : r->uses()) n += std::find(members.begin(), members.end(), u.user) == members.end();
+    return n;
+  }
+
+  std::string shapeOf(const Group& g) const { return g.members.back()->result()->type().str(); }
+
+  // Legality of adding `consumer` to the group of its operand's producer `producer`.
+  FusionDecision canFuse(const Op& producer, const Op& consumer, int g) const {
+    const Group& grp = groups_[static_cast<size_t>(g)];
+    auto forbid = [&](std::string why) {
+      return FusionDecision::forbid(fmt::format("cannot fuse {} into {}: {}", producer.name(), consumer.name(), why));
+    };
+    if (grp.closed)
+      return forbid(fmt::format("the {} group of {} takes no more ops", kindName(grp.kind), producer.name()));
+    if (consumer.numResults() != 1) return forbid("the consumer has no single result");
+    std::vector<Op*> with = grp.members;
+    with.push_back(const_cast<Op*>(&consumer));
+    if (grp.kind == Kind::Gemm) {
+      const Op& tail = *grp.members.back();
+      if (&tail != &producer) return forbid("an epilogue must consume the GEMM's latest result");
+      if (int n = outsideUsers(tail, {const_cast<Op*>(&consumer)}); n > 0)
+        return forbid(fmt::format("producer has {} user{} outside the group; a cuBLASLt epilogue writes only its "
+                                  "final result", n, n == 1 ? "" : "s"));
+      bool has_act = std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); });
+      bool has_bias = grp.members.size() > 1 && grp.members[1]->name() == "kiln.add";
+      if (consumer.name() == "kiln.add") {
+        const Value* other = consumer.operand(0) == producer.result() ? consumer.operand(1) : consumer.operand(0);
+        if (grp.members.size() != 1 || has_bias) return forbid("the bias add must directly follow the GEMM");
+        if (other->type().rank() != 1) return forbid("the added value is not a bias vector (rank 1)");
+        if (!(consumer.result()->type() == producer.result()->type())) return forbid("the bias add changes the shape");
+      } else if (isActivation(consumer)) {
+        if (has_act) return forbid("the epilogue already has an activation");
+      } else if (consumer.name() == "kiln.cast") {
+        // A cast ends the epilogue (the GEMM's output type).
+      } else {
+        return forbid(fmt::format("{} is not a bias add, activation or cast epilogue", consumer.name()));
+      }
+      if (tail.name() == "kiln.cast") return forbid("the epilogue already ends in a cast");
+    } else if (grp.kind == Kind::Pointwise) {
+      if (isPointwise(consumer)) {
+        if (consumer.result()->type().shape() != grp.members.back()->result()->type().shape())
+          return forbid(fmt::format("{} produces {} but the group iterates over {}", consumer.name(),
+                                    consumer.result()->type().str(), shapeOf(grp)));
+      } else if (isReduction(consumer)) {
+        for (Op* m : grp.members)
+          if (int n = outsideUsers(*m, with); n > 0)
+            return forbid(fmt::format("producer has {} user{} outside the group; a reduction computes its producers "
+                                      "inline", n, n == 1 ? "" : "s"));
+      } else {
+        return forbid(fmt::format("{} is not elementwise or a reduction", consumer.name()));
+      }
+    } else {
+      return forbid(fmt::format("a {} group takes no consumers", kindName(grp.kind)));
+    }
+    for (Value* v : consumer.operands()) {
+      const Op* d = v->definingOp();
+      if (!d || grp.has(d) || !CostModel::launchesWork(*d)) continue;
+      if (dependsOnGroup(d, g))
+        return forbid(fmt::format("{} depends on the group and feeds {}: fusing would make a cycle",
+                                  namer_.name(v), consumer.name()));
+    }
+    // Profitability, from the one cost model.
+    std::vector<const Op*> before(grp.members.begin(), grp.members.end()), after(with.begin(), with.end());
+    double gain = cost_.fusionBenefit(after) - cost_.fusionBenefit(before) - 0.0;
+    if (gain <= 0) return forbid(fmt::format("not profitable: the cost model predicts {:.3f} us saved", gain * 1e6));
+    return FusionDecision::allow();
+  }
+
+  // Puts `op` into the first group of an operand producer that may take it, else into a new one.
+  void place(Op* op) {
+    std::set<int> tried;
+    if (isPointwise(*op) || isReduction(*op)) {
+      for (Value* v : op->operands()) {
+        Op* p = v->definingOp();
+        if (!p || !group_of_.count(p)) continue;
+        int g = group_of_[p];
+        if (!tried.insert(g).second) continue;
+        FusionDecision d = canFuse(*p, *op, g);
+        if (d) {
+          Group& grp = groups_[static_cast<size_t>(g)];
+          grp.members.push_back(op);
+          group_of_[op] = g;
+          if (grp.kind == Kind::Pointwise && isReduction(*op)) {
+            grp.kind = Kind::Reduction;
+            grp.closed = true;
+          }
+          return;
+        }
+        refuse(*p, *op, d.reason());
+      }
+    }
+    if (op->name() == "kiln.matmul") newGroup(Kind::Gemm, {op}, false);
+    else if (isPointwise(*op)) newGroup(Kind::Pointwise, {op}, false);
+    else newGroup(isReduction(*op) ? Kind::Reduction : Kind::Other, {op}, true);
+  }
+
+  // A fixed-hotness bag over a table and ids straight from the model's sources.
+  FusionDecision bagFusible(const Op& bag, const Op& concat) const {
+    auto forbid = [&](std::string why) {
+      return FusionDecision::forbid(fmt::format("cannot fuse kiln.embedding_bag into {}: {}", concat.name(), why));
+    };
+    if (bag.numOperands() != 2) return forbid("per-id weights or lengths (variable hotness) need their own kernel");
+    if (bag.operand(1)->type().rank() != 2 || bag.operand(1)->type().hasBoundedDims())
+      return forbid("the ids are not a fixed-hotness [B, H] tensor");
+    for (Value* v : bag.operands())
+      if (!v->definingOp() || !v->definingOp()->hasTrait(ir::kSource))
+        return forbid(fmt::format("{} is computed, not a table or ids of the model", namer_.name(v)));
+    if (bag.result()->uses().size() != 1) return forbid("the pooled rows have other users than the concat");
+    return FusionDecision::allow();
+  }
+
+  void formEmbeddingGroups() {
+    for (Op* op : deps_.ops()) {
+      if (op->name() != "kiln.concat") continue;
+      std::vector<Op*> members;
+      for (Value* v : op->operands()) {
+        Op* bag = v->definingOp();
+        if (!bag || bag->name() != "kiln.embedding_bag" || group_of_.count(bag)) continue;
+        if (FusionDecision d = bagFusible(*bag, *op); d) members.push_back(bag);
+        else refuse(*bag, *op, d.reason());
+      }
+      if (members.empty()) continue;
+      members.push_back(op);
+      newGroup(Kind::Embedding, members, true);
+    }
+  }
+
+  void formEmbeddingUpdateGroups() {
+    std::unordered_map<Value*, std::vector<Op*>> by_source;  // concatenated gradient -> slices+updates
+    std::vector<Value*> order;
+    for (Op* op : deps_.ops()) {
+      if (op->name() != "kiln.embedding_bag_update") continue;
+      Op* slice = op->operand(2)->definingOp();
+      if (!slice || slice->name() != "kiln.slice") continue;
+      if (slice->result()->uses().size() != 1) {
+        refuse(*slice, *op, "cannot fuse kiln.slice into kiln.embedding_bag_update: the gradient slice has other users");
+        continue;
+      }
+      Value* src = slice->operand(0);
+      if (!by_source.count(src)) order.push_back(src);
+      by_source[src].push_back(slice);
+      by_source[src].push_back(op);
+    }
+    for (Value* src : order) newGroup(Kind::EmbeddingUpdate, by_source[src], true);
+  }
+
+  // Builds one kiln.fused op per group of two or more ops, then restores a valid order.
+  void materialize() {
+    ir::Block& block = f_.entry();
+    std::unordered_map<const Op*, int> key;  // preferred position: the group's first op
+    for (const auto& [op, p] : pos_) key[op] = p;
+    for (Group& grp : groups_) {
+      if (grp.members.size() < 2) continue;
+      std::unordered_set<const Op*> in(grp.members.begin(), grp.members.end());
+      std::vector<Value*> inputs, outputs;
+      std::unordered_map<Value*, unsigned> input_index;
+      for (Op* m : grp.members) {
+        for (Value* v : m->operands())
+          if ((!v->definingOp() || !in.count(v->definingOp())) && !input_index.count(v)) {
+            input_index[v] = static_cast<unsigned>(inputs.size());
+            inputs.push_back(v);
+          }
+        for (Value* r : m->results())
+          for (const ir::Use& u : r->uses())
+            if (!in.count(u.user)) {
+              outputs.push_back(r);
+              break;
+            }
+      }
+      std::vector<ir::TensorType> types;
+      for (Value* v : outputs) types.push_back(v->type());
+      auto fused = Op::create("kiln.fused", inputs, types, {{"kind", ir::Attribute(kindName(grp.kind))}},
+                              grp.members.front()->location());
+      ir::Block& body = fused->addRegion().addBlock();
+      for (Value* v : inputs) body.addArgument(v->type(), v->nameHint());
+      // At the last member: every reader of what the group writes in place still comes first.
+      Op* fop = block.insertBefore(grp.members.back(), std::move(fused));
+      key[fop] = pos_[grp.members.front()];
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        fop->result(static_cast<unsigned>(i))->setNameHint(outputs[i]->nameHint());
+        std::vector<ir::Use> uses = outputs[i]->uses();
+        for (const ir::Use& u : uses)
+          if (!in.count(u.user)) u.user->setOperand(u.operand_index, fop->result(static_cast<unsigned>(i)));
+      }
+      for (Op* m : grp.members) {
+        Op* moved = body.push_back(block.remove(m));
+        for (unsigned i = 0; i < moved->numOperands(); ++i) {
+          auto it = input_index.find(moved->operand(i));
+          if (it != input_index.end()) moved->setOperand(i, body.argument(it->second));
+        }
+      }
+      body.push_back(Op::create("kiln.yield", outputs, {}));
+    }
+    std::vector<Op*> now = block.opList();
+    reorderBlock(block, [&](int a, int b) {
+      return key.at(now[static_cast<size_t>(a)]) < key.at(now[static_cast<size_t>(b)]);
+    });
+  }
+
+  ir::Function& f_;
+  const CostModel& cost_;
+  ir::ValueNamer namer_;
+  BlockDependences deps_;
+  std::unordered_map<const Op*, int> pos_;
+  std::vector<Group> groups_;
+  std::unordered_map<const Op*, int> group_of_;
+  std::vector<RefusedFusion> refused_;
+};
+
+}  // namespace
+
+int countLaunches(const ir::Function& f) {
+  int n = 0;
+  for (const auto& op : f.entry().ops()) n += CostModel::launchesWork(*op);
+  return n;
+}
+
+Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOptions& options) {
+  ir::SymbolBindings symbols = options.symbols.empty() ? planningSymbols(m) : options.symbols;
+  CostModel cost(options.device, symbols);
+  std::vector<FusionReport> reports;
+  for (auto& f : m.functions()) {
+    if (f->body().empty()) continue;
+    auto r = FunctionFuser(*f, cost).run();
+    if (!r) return r.status();
+    reports.push_back(r.take());
+  }
+  return reports;
+}
+
+std::string explainFusion(const std::vector<FusionReport>& reports) {
+  std::string out;
+  for (const FusionReport& r : reports) {
+    out += fmt::format("fusion @{}: {} launches -> {} ({} groups, {} refused pairs)\n", r.function, r.launches_before,
+                       r.launches_after, r.groups.size(), r.refused.size());
+    for (size_t i = 0; i < r.groups.size(); ++i) {
+      const FusedGroupReport& g = r.groups[i];
+      out += fmt::format("  group {} ({}, {} ops): saves {} launches, {:.0f} bytes, {:.2f} us\n", i, g.kind,
+                         g.ops.size(), g.saved_launches, g.saved_bytes, g.saved_seconds * 1e6);
+      for (const std::string& op : g.ops) out += fmt::format("    {}\n", op);
+    }
+    for (const RefusedFusion& x : r.refused)
+      out += fmt::format("  refused {} -> {}: {}\n", x.producer, x.consumer, x.reason);
+  }
+  return out;
+}
+
+class FusionPass : public RegisteredPass<FusionPass> {
+ public:
+  KILN_PASS_INFO(FusionPass)
+  Expected<bool> run(ir::Module& m) override {
+    auto reports = fuseModule(m);
+    if (!reports) return reports.status();
+    for (const FusionReport& r : *reports)
+      if (r.launches_after != r.launches_before) return true;
+    return false;
+  }
+};
+
+std::unique_ptr<Pass> createFusionPass() { return std::make_unique<FusionPass>(); }
+
+}  // namespace kiln::passes

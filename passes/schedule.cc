@@ -1,0 +1,159 @@
+// Scheduling: orders each function's ops to shorten lifetimes and assigns independent work to
+// streams.
+//  - Order: a list scheduler over the block's dependences (dependence.h). Among the ready ops
+//    it prefers one that frees more bytes than it allocates (its operands die there), else the
+//    earliest in the current order; recomputed ops (remat) are never pulled early, which would
+//    undo them. The new order is kept only if the estimated planned peak does not grow.
+//  - Streams: the embedding work, which only meets the dense network through one concat and
+//    one gradient, runs on stream 1 (`kiln.stream = 1`: lookups over the model's sources, the
+//    sparse updates and the gradient slices that feed them); everything else on stream 0.
+//    codegen turns a value that crosses streams into a record/wait event pair.
+#include <unordered_map>
+
+#include "ir/op_def.h"
+#include "passes/cost_model.h"
+#include "passes/dependence.h"
+#include "passes/pass_registry.h"
+#include "passes/peak_memory.h"
+
+namespace kiln::passes {
+namespace {
+
+using ir::Op;
+using ir::Value;
+
+bool onEmbeddingStream(const Op& op) {
+  const std::string& n = op.name();
+  if (n == "kiln.embedding_bag_update") return true;
+  if (n == "kiln.fused") return op.strAttr("kind") == "embedding_update";
+  if (n == "kiln.embedding_bag") {
+    for (Value* v : op.operands())
+      if (!v->definingOp() || !v->definingOp()->hasTrait(ir::kSource)) return false;
+    return true;
+  }
+  if (n == "kiln.slice") {
+    const auto& uses = op.result()->uses();
+    return uses.size() == 1 && uses[0].user->name() == "kiln.embedding_bag_update";
+  }
+  return false;
+}
+
+// The list-scheduled order of the block, as positions in its current order.
+std::vector<int> listSchedule(const BlockDependences& deps, const CostModel& cost) {
+  const auto& ops = deps.ops();
+  const int n = static_cast<int>(ops.size());
+  std::unordered_map<const Value*, int> unscheduled_users;
+  for (Op* op : ops)
+    for (Value* v : op->operands()) ++unscheduled_users[v];
+  auto arenaBytes = [&](const Value* v) {
+    const Op* d = v->definingOp();
+    return d && CostModel::launchesWork(*d) ? cost.valueBytes(*v) : 0.0;
+  };
+  auto netBytes = [&](int i) {
+    const Op* op = ops[static_cast<size_t>(i)];
+    double net = 0;
+    for (const Value* r : op->results()) net += cost.valueBytes(*r);
+    std::vector<const Value*> seen;
+    for (const Value* v : op->operands()) {
+      if (std::find(seen.begin(), seen.end(), v) != seen.end()) continue;
+      seen.push_back(v);
+      int users = 0;
+      for (const Value* w : op->operands()) users += w == v;
+      if (unscheduled_users[v] == users) net -= arenaBytes(v);
+    }
+    return net;
+  };
+  std::vector<int> waiting(ops.size()), ready, order;
+  for (int i = 0; i < n; ++i) {
+    waiting[static_cast<size_t>(i)] = static_cast<int>(deps.predecessors(i).size());
+    if (!waiting[static_cast<size_t>(i)]) ready.push_back(i);
+  }
+  while (!ready.empty()) {
+    size_t pick = 0;
+    double best_net = 0;
+    int earliest = n;
+    for (size_t k = 0; k < ready.size(); ++k) earliest = std::min(earliest, ready[k]);
+    for (size_t k = 0; k < ready.size(); ++k) {
+      int i = ready[k];
+      if (i == earliest && best_net == 0) pick = k;
+      const Op* op = ops[static_cast<size_t>(i)];
+      if (op->boolAttr("kiln.recompute") || op->hasTrait(ir::kTerminator)) continue;
+      double net = netBytes(i);
+      if (net < best_net) {
+        best_net = net;
+        pick = k;
+      }
+    }
+    int i = ready[pick];
+    ready.erase(ready.begin() + static_cast<long>(pick));
+    order.push_back(i);
+    for (const Value* v : ops[static_cast<size_t>(i)]->operands()) --unscheduled_users[v];
+    for (int s : deps.successors(i))
+      if (--waiting[static_cast<size_t>(s)] == 0) ready.push_back(s);
+  }
+  return order;
+}
+
+}  // namespace
+
+class SchedulePass : public RegisteredPass<SchedulePass> {
+ public:
+  KILN_PASS_INFO(SchedulePass)
+
+  Expected<bool> run(ir::Module& m) override {
+    bool changed = false;
+    ir::SymbolBindings symbols = planningSymbols(m);
+    for (auto& f : m.functions()) {
+      if (f->body().empty()) continue;
+      ir::SymbolBindings bound = symbols;
+      f->walk([&](Op& op) {
+        for (Value* r : op.results())
+          for (const ir::Dim& d : r->type().shape())
+            if (!d.sym().empty() && !bound.count(d.sym())) bound[d.sym()] = CostModel::kDefaultSymbolValue;
+      });
+      CostModel cost(cpuDevice(), bound);
+      changed |= reorder(*f, cost, bound);
+      for (const auto& op : f->entry().ops())
+        if (onEmbeddingStream(*op) && op->intAttr("kiln.stream", 0) != 1) {
+          op->setAttr("kiln.stream", ir::Attribute(int64_t{1}));
+          changed = true;
+        }
+    }
+    return changed;
+  }
+
+ private:
+  static Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
+    ir::Block& block = f.entry();
+    auto before = estimatePeakBytes(f, symbols);
+    if (!before) return before.status();
+    BlockDependences deps(block);
+    std::vector<int> order = listSchedule(deps, cost);
+    bool same = true;
+    for (size_t k = 0; k < order.size(); ++k) same &= order[k] == static_cast<int>(k);
+    if (same) return false;
+    std::vector<Op*> original = deps.ops();
+    auto apply = [&](const std::vector<Op*>& seq) {
+      std::vector<std::unique_ptr<Op>> held;
+      for (Op* op : seq) held.push_back(block.remove(op));
+      for (auto& op : held) block.push_back(std::move(op));
+    };
+    std::vector<Op*> scheduled;
+    for (int i : order) scheduled.push_back(original[static_cast<size_t>(i)]);
+    apply(scheduled);
+    auto after = estimatePeakBytes(f, symbols);
+    if (!after) return after.status();
+    if (*after <= *before) return true;
+    apply(original);
+    return false;
+  }
+
+  static bool reorder(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
+    auto r = reorderChecked(f, cost, symbols);
+    return r && *r;
+  }
+};
+
+std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePass>(); }
+
+}  // namespace kiln::passes

@@ -1,0 +1,88 @@
+// The shared cost model against hand-computed times and bytes.
+#include "passes/cost_model.h"
+
+#include <gtest/gtest.h>
+
+#include "ir/builder.h"
+
+namespace kiln::passes {
+namespace {
+
+using ir::Dim;
+using ir::DType;
+using ir::TensorType;
+
+TEST(CostModel, TimeIsTheSlowerOfComputeAndMemoryPlusLaunches) {
+  CostModel h200(h200Device(), {});
+  // 786 TFLOP of GEMM takes one second on tensor cores; 4.3 TB one second of bandwidth.
+  EXPECT_NEAR(h200.time({7.86e14, 7.86e14, 0, 1}), 1.0 + 4e-6, 1e-12);
+  EXPECT_NEAR(h200.time({0, 0, 4.3e12, 1}), 1.0 + 4e-6, 1e-12);
+  // 60 TFLOP of vector math (1 s) against 8.6 TB of traffic (2 s): memory bound.
+  EXPECT_NEAR(h200.time({6.0e13, 0, 8.6e12, 1}), 2.0 + 4e-6, 1e-12);
+  // Launches add up; no work at all costs nothing.
+  EXPECT_NEAR(h200.time({0, 0, 0, 3}), 12e-6, 1e-15);
+  EXPECT_EQ(h200.time({}), 0.0);
+  CostModel cpu(cpuDevice(), {});
+  EXPECT_NEAR(cpu.time({2.0e11, 2.0e11, 0, 0}), 1.0, 1e-12);
+}
+
+TEST(CostModel, DevicesByName) {
+  EXPECT_EQ(deviceByName("h200")->name, "h200");
+  EXPECT_EQ(deviceByName("cpu")->name, "cpu");
+  auto bad = deviceByName("tpu");
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("cpu, h200"), std::string::npos);
+}
+
+struct Chain {
+  ir::Module m;
+  ir::Op *add = nullptr, *relu = nullptr;
+  Chain() {
+    ir::Function& f = m.addFunction("f");
+    ir::Builder b(f.entry());
+    TensorType t(DType::f32, {Dim::symbol("B"), Dim::fixed(64)});
+    ir::Value* x = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("x")}}))->result();
+    ir::Value* y = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("y")}}))->result();
+    add = *b.create("kiln.add", {x, y});
+    relu = *b.create("kiln.relu", {add->result()});
+    (void)b.createWithTypes("func.return", {relu->result()}, {});
+    f.setResultTypes({t});
+  }
+};
+
+TEST(CostModel, AGroupReadsEachInputOnceAndKeepsInnerValuesOutOfMemory) {
+  Chain c;
+  const double tensor = 1024.0 * 64 * 4;  // one f32[1024, 64]
+  CostModel cost(h200Device(), {{"B", 1024}});
+  GroupCost add = cost.opCost(*c.add);
+  EXPECT_EQ(add.flops, 1024.0 * 64);
+  EXPECT_EQ(add.bytes, 3 * tensor);  // reads x and y, writes the sum
+  EXPECT_EQ(add.launches, 1);
+  GroupCost relu = cost.opCost(*c.relu);
+  EXPECT_EQ(relu.bytes, 2 * tensor);
+  GroupCost both = cost.groupCost({c.add, c.relu});
+  EXPECT_EQ(both.bytes, 3 * tensor);  // the sum never reaches memory
+  EXPECT_EQ(both.flops, add.flops + relu.flops);
+  EXPECT_EQ(both.launches, 1);
+  // Saved: one launch and the sum's write and read.
+  EXPECT_NEAR(cost.fusionBenefit({c.add, c.relu}), 2 * tensor / 4.3e12 + 4e-6, 1e-12);
+}
+
+TEST(CostModel, UnboundSymbolsTakeTheDefault) {
+  Chain c;
+  CostModel unbound(h200Device(), {});
+  CostModel bound(h200Device(), {{"B", CostModel::kDefaultSymbolValue}});
+  EXPECT_EQ(unbound.opCost(*c.add).bytes, bound.opCost(*c.add).bytes);
+  EXPECT_GT(unbound.opCost(*c.add).bytes, 0);
+}
+
+TEST(CostModel, SourcesAndTerminatorsLaunchNothing) {
+  Chain c;
+  CostModel cost(h200Device(), {});
+  const ir::Function& f = *c.m.lookup("f");
+  EXPECT_EQ(cost.opCost(*f.entry().ops().front()).launches, 0);
+  EXPECT_EQ(cost.opCost(*f.returnOp()).launches, 0);
+}
+
+}  // namespace
+}  // namespace kiln::passes

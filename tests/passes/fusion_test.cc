@@ -1,0 +1,154 @@
+// Fusion: legality decisions with their reasons, the groups it forms on the models, fewer
+// launches on every model, and unchanged training-step numerics (the interpreter runs the
+// fused regions).
+#include "passes/fusion.h"
+
+#include <gtest/gtest.h>
+
+#include "ir/parser.h"
+#include "ir/printer.h"
+#include "ir/verifier.h"
+#include "tests/passes/model_fixture.h"
+
+namespace kiln::passes {
+namespace {
+
+using testing::kModels;
+using testing::trainingModule;
+
+std::unique_ptr<ir::Module> parse(const std::string& text) {
+  auto m = ir::parseModule(text);
+  EXPECT_TRUE(m) << m.status().str();
+  return m ? m.take() : nullptr;
+}
+
+std::vector<std::string> groupKinds(const ir::Function& f) {
+  std::vector<std::string> kinds;
+  for (const auto& op : f.entry().ops())
+    if (op->name() == "kiln.fused") kinds.push_back(op->strAttr("kind"));
+  return kinds;
+}
+
+const char* kEpilogue = R"(
+func.func @f(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>, %b: !kiln.tensor<4xf32>) -> (!kiln.tensor<Bx4xf32>) {
+  %0 = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx8xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<Bx4xf32>
+  %1 = "kiln.add"(%0, %b) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<4xf32>) -> !kiln.tensor<Bx4xf32>
+  %2 = "kiln.relu"(%1) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>
+  return %2 : !kiln.tensor<Bx4xf32>
+}
+)";
+
+TEST(Fusion, MatmulBiasActivationIsOneEpilogueGroup) {
+  auto m = parse(kEpilogue);
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r) << r.status().str();
+  ASSERT_TRUE(ir::verify(*m).isOk()) << ir::verify(*m).str();
+  const ir::Function& f = *m->lookup("f");
+  EXPECT_EQ(groupKinds(f), std::vector<std::string>{"gemm_epilogue"});
+  EXPECT_EQ((*r)[0].launches_before, 3);
+  EXPECT_EQ((*r)[0].launches_after, 1);
+  EXPECT_TRUE((*r)[0].refused.empty());
+}
+
+TEST(Fusion, AnEpilogueMayNotHideAValueOthersRead) {
+  // %0 is read by the add and by the return: cuBLASLt would not write it.
+  auto m = parse(R"(
+func.func @f(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>, %b: !kiln.tensor<4xf32>) -> (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx4xf32>) {
+  %0 = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx8xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<Bx4xf32>
+  %1 = "kiln.add"(%0, %b) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<4xf32>) -> !kiln.tensor<Bx4xf32>
+  return %0, %1 : !kiln.tensor<Bx4xf32>, !kiln.tensor<Bx4xf32>
+}
+)");
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r);
+  ASSERT_EQ((*r)[0].refused.size(), 1u);
+  const RefusedFusion& x = (*r)[0].refused[0];
+  EXPECT_EQ(x.producer, "%0 = kiln.matmul");
+  EXPECT_EQ(x.consumer, "%1 = kiln.add");
+  EXPECT_NE(x.reason.find("cannot fuse kiln.matmul into kiln.add: producer has 1 user outside the group"),
+            std::string::npos)
+      << x.reason;
+  EXPECT_TRUE(groupKinds(*m->lookup("f")).empty());
+}
+
+TEST(Fusion, PointwiseChainsKeepOneShapeAndReductionsEndThem) {
+  auto m = parse(R"(
+func.func @f(%x: !kiln.tensor<Bx8xf32>, %y: !kiln.tensor<Bx8xf32>) -> (!kiln.tensor<Bx8xf32>, !kiln.tensor<Bx4xf32>, !kiln.tensor<Bxf32>) {
+  %a = "kiln.mul"(%x, %y) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  %b = "kiln.exp"(%a) : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  %c = "kiln.slice"(%b) {axis = 1, start = 0, limit = 4} : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx4xf32>
+  %d = "kiln.neg"(%x) : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  %e = "kiln.tanh"(%d) : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  %s = "kiln.reduce"(%e) {axes = [1], kind = "sum"} : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bxf32>
+  return %b, %c, %s : !kiln.tensor<Bx8xf32>, !kiln.tensor<Bx4xf32>, !kiln.tensor<Bxf32>
+}
+)");
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r) << r.status().str();
+  ASSERT_TRUE(ir::verify(*m).isOk()) << ir::verify(*m).str();
+  EXPECT_EQ(groupKinds(*m->lookup("f")), (std::vector<std::string>{"pointwise", "reduction"}));
+  bool shape_refusal = false;
+  for (const RefusedFusion& x : (*r)[0].refused)
+    shape_refusal |= x.consumer == "%c = kiln.slice" && x.reason.find("but the group iterates over") != std::string::npos;
+  EXPECT_TRUE(shape_refusal) << explainFusion(*r);
+}
+
+TEST(Fusion, AReductionDoesNotTakeAProducerUsedElsewhere) {
+  auto m = parse(R"(
+func.func @f(%x: !kiln.tensor<Bx8xf32>) -> (!kiln.tensor<Bx8xf32>, !kiln.tensor<Bxf32>) {
+  %e = "kiln.exp"(%x) : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  %s = "kiln.reduce"(%e) {axes = [1], kind = "sum"} : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bxf32>
+  return %e, %s : !kiln.tensor<Bx8xf32>, !kiln.tensor<Bxf32>
+}
+)");
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r);
+  ASSERT_EQ((*r)[0].refused.size(), 1u);
+  EXPECT_NE((*r)[0].refused[0].reason.find("producer has 1 user outside the group"), std::string::npos)
+      << (*r)[0].refused[0].reason;
+}
+
+TEST(Fusion, NeverMakesACycle) {
+  // %c reads %a (a pointwise op) and %m, a matmul of %a: %c cannot join %a's group.
+  auto m = parse(R"(
+func.func @f(%x: !kiln.tensor<4x4xf32>) -> (!kiln.tensor<4x4xf32>) {
+  %a = "kiln.exp"(%x) : (!kiln.tensor<4x4xf32>) -> !kiln.tensor<4x4xf32>
+  %m = "kiln.matmul"(%a, %a) : (!kiln.tensor<4x4xf32>, !kiln.tensor<4x4xf32>) -> !kiln.tensor<4x4xf32>
+  %c = "kiln.sub"(%a, %m) : (!kiln.tensor<4x4xf32>, !kiln.tensor<4x4xf32>) -> !kiln.tensor<4x4xf32>
+  return %c : !kiln.tensor<4x4xf32>
+}
+)");
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r);
+  ASSERT_TRUE(ir::verify(*m).isOk());
+  bool cycle = false;
+  for (const RefusedFusion& x : (*r)[0].refused) cycle |= x.reason.find("would make a cycle") != std::string::npos;
+  EXPECT_TRUE(cycle) << explainFusion(*r);
+}
+
+class FusionOnModels : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
+  auto m = trainingModule(GetParam());
+  ASSERT_TRUE(m) << m.status().str();
+  auto reference = trainingModule(GetParam());
+  ASSERT_TRUE(reference);
+  auto r = fuseModule(**m);
+  ASSERT_TRUE(r) << r.status().str();
+  ASSERT_TRUE(ir::verify(**m).isOk()) << ir::verify(**m).str();
+  for (const FusionReport& fr : *r) EXPECT_LT(fr.launches_after, fr.launches_before) << fr.function;
+  // The embedding lookups of the collection and their concat are one group, in both directions.
+  std::vector<std::string> kinds = groupKinds(*(*m)->lookup("train_step"));
+  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding"), kinds.end());
+  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding_update"), kinds.end());
+  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "gemm_epilogue"), kinds.end());
+  // The text form reads back.
+  auto again = ir::parseModule(ir::printModule(**m));
+  ASSERT_TRUE(again) << again.status().str();
+  testing::expectSameTrainStep(**reference, **m, 4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, FusionOnModels, ::testing::ValuesIn(kModels));
+
+}  // namespace
+}  // namespace kiln::passes

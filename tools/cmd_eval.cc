@@ -1,0 +1,121 @@
+// `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model.
+// `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per sample.
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "tools/cli.h"
+#include "tools/model_session.h"
+#include "tools/run_data.h"
+
+namespace kiln::cli {
+namespace {
+
+struct EvalSetup {
+  std::unique_ptr<ModelSession> session;
+  EvalDataOptions data;
+};
+
+// Parses the flags both commands share, compiles the model and loads the checkpoint.
+int setUp(ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) {
+  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  p.addOption("checkpoint", "DIR", "the checkpoint to load (a directory written by kiln train, or a .safetensors file)");
+  p.addOption("data", "synthetic|PATH", "the data: Criteo TSV or Kiln binary files, or 'synthetic' (its held-out stream)",
+              std::nullopt, true);
+  p.addOption("batch", "B", "samples per step", "1024");
+  p.addOption("samples", "N", "samples of the held-out synthetic stream", "16384");
+  p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
+  addModelFlags(p);
+  int code;
+  if (!p.parse(args, &code)) return code;
+  if (!p.has("checkpoint")) return p.usageError("--checkpoint DIR is required");
+  if (p.getAll("data").empty()) return p.usageError("--data PATH is required");
+  auto batch = p.getInt("batch");
+  auto samples = p.getInt("samples");
+  if (!batch || !samples) return kExitUsage;
+  if (*batch < 1 || *samples < 1) return p.usageError("--batch and --samples must be positive");
+  setup.data.paths = p.getAll("data");
+  for (const std::string& d : setup.data.paths)
+    if (d != "synthetic" && !std::filesystem::exists(d)) return p.usageError(fmt::format("no such data file '{}'", d));
+  setup.data.batch = *batch;
+  setup.data.synthetic_samples = *samples;
+  setup.data.strict = p.flag("strict");
+
+  SessionOptions so;
+  so.model_path = p.positionals()[0];
+  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  so.batch = *batch;
+  so.training = false;
+  if (!readModelFlags(p, so, &code)) return code;
+  setup.data.seed = so.seed;
+  auto session = ModelSession::create(so, std::cerr);
+  if (!session) {
+    std::fprintf(stderr, "%s\n", session.status().str().c_str());
+    return kExitError;
+  }
+  setup.session = session.take();
+  Status st = loadCheckpointInto(*setup.session, p.get("checkpoint"));
+  if (!st) {
+    std::fprintf(stderr, "kiln %s: error: %s\n", args.empty() ? "" : "eval", st.str().c_str());
+    return kExitError;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int runEval(const std::vector<std::string>& args) {
+  ArgParser p("eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
+              "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'.");
+  EvalSetup setup;
+  if (int code = setUp(p, args, setup); code >= 0) return code;
+  auto r = evaluateModel(*setup.session, setup.data);
+  if (!r) {
+    std::fprintf(stderr, "kiln eval: error: %s\n", r.status().str().c_str());
+    return kExitError;
+  }
+  std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\nsamples: %lld\n", r->loss, r->auc, r->accuracy,
+              static_cast<long long>(r->samples));
+  if (r->malformed) std::fprintf(stderr, "skipped %lld malformed lines\n", static_cast<long long>(r->malformed));
+  return kExitOk;
+}
+
+int runPredict(const std::vector<std::string>& raw_args) {
+  ArgParser p("predict", "kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]",
+              "Writes one score (the predicted probability) per input sample, one per line, in input order.");
+  p.addOption("output", "OUT", "write the scores to OUT instead of stdout (also -o OUT)");
+  std::vector<std::string> args;
+  for (size_t i = 0; i < raw_args.size(); ++i) {
+    if (raw_args[i] == "-o" && i + 1 < raw_args.size())
+      args.push_back("--output=" + raw_args[++i]);
+    else
+      args.push_back(raw_args[i]);
+  }
+  EvalSetup setup;
+  if (int code = setUp(p, args, setup); code >= 0) return code;
+  std::string out_path = p.get("output");
+  std::string tmp_path = out_path.empty() ? "" : out_path + ".tmp";
+  std::FILE* out = out_path.empty() ? stdout : std::fopen(tmp_path.c_str(), "w");
+  if (!out) {
+    std::fprintf(stderr, "kiln predict: error: cannot write '%s'\n", tmp_path.c_str());
+    return kExitError;
+  }
+  auto r = evaluateModel(*setup.session, setup.data, [&](const std::vector<float>& scores) {
+    for (float s : scores)
+      if (std::fprintf(out, "%.9g\n", static_cast<double>(s)) < 0) return Status::error("write failed");
+    return Status::ok();
+  });
+  if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));
+  if (!r) {
+    if (!tmp_path.empty()) std::filesystem::remove(tmp_path);
+    std::fprintf(stderr, "kiln predict: error: %s\n", r.status().str().c_str());
+    return kExitError;
+  }
+  if (!tmp_path.empty()) std::filesystem::rename(tmp_path, out_path);
+  std::fprintf(stderr, "wrote %lld scores\n", static_cast<long long>(r->samples));
+  return kExitOk;
+}
+
+}  // namespace kiln::cli

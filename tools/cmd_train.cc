@@ -1,0 +1,351 @@
+// `kiln train MODEL.kiln`: compiles the model's training step and trains it, showing progress
+// (step, samples/s, loss, last eval AUC, time left), evaluating, checkpointing and resuming.
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include <fmt/format.h>
+
+#include "passes/lr_schedule.h"
+#include "runtime/checkpoint.h"
+#include "runtime/data/batch_reader.h"
+#include "runtime/data/prefetcher.h"
+#include "runtime/metrics.h"
+#include "tools/cli.h"
+#include "tools/model_session.h"
+#include "tools/run_data.h"
+
+namespace kiln::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double secondsSince(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+struct TrainFlags {
+  std::vector<std::string> data, eval_data;
+  int64_t steps = 0;   // 0: run by epochs
+  int64_t epochs = 0;  // 0 with steps: repeat the data as often as needed
+  int64_t batch = 256;
+  int64_t eval_every = 0;
+  int64_t eval_samples = 16384;
+  int64_t log_every = 0;  // 0: about once a second
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  bool resume = false;
+  std::string metrics_path;
+  bool strict = false;
+};
+
+class Trainer {
+ public:
+  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed) : s_(session), f_(flags), seed_(seed) {}
+  int run();
+
+ private:
+  Status resume();
+  Status saveCheckpoint(const data::StreamPosition& position);
+  Expected<EvalResult> evaluate();
+  void progress(bool final_line);
+
+  ModelSession& s_;
+  const TrainFlags& f_;
+  uint64_t seed_;
+  int64_t step_ = 0, start_step_ = 0;
+  int64_t samples_ = 0;
+  data::StreamPosition resume_position_;
+  bool resumed_ = false;
+  runtime::RunningMean window_loss_;
+  double last_loss_ = NAN;
+  std::optional<double> last_auc_, last_eval_loss_;
+  Clock::time_point start_, window_start_;
+  int64_t window_samples_ = 0;
+  double window_rate_ = 0;
+  bool tty_ = isatty(STDERR_FILENO);
+  std::unique_ptr<runtime::MetricsWriter> metrics_;
+};
+
+std::string checkpointFile(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
+
+Status Trainer::resume() {
+  std::string path = checkpointFile(f_.checkpoint_dir);
+  if (!std::filesystem::exists(path))
+    return Status::error(fmt::format("--resume: no checkpoint at '{}'", path));
+  auto ckpt = runtime::loadCheckpoint(path);
+  if (!ckpt) return ckpt.status();
+  auto meta = [&](const char* k) -> std::string {
+    auto it = ckpt->metadata.find(k);
+    return it == ckpt->metadata.end() ? "" : it->second;
+  };
+  if (!s_.modelName().empty() && meta("model") != s_.modelName())
+    return Status::error(fmt::format("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName()));
+  std::map<std::string, ir::TensorView> dest;
+  for (const std::string& name : s_.checkpointNames()) dest[name] = s_.params().find(name)->view;
+  KILN_RETURN_IF_ERROR(runtime::restoreTensors(*ckpt, dest, path));
+  char* end = nullptr;
+  std::string step = meta("step");
+  step_ = std::strtoll(step.c_str(), &end, 10);
+  if (step.empty() || *end != '\0' || step_ < 0)
+    return Status::error(fmt::format("{}: bad 'step' in the checkpoint metadata: '{}'", path, step));
+  auto pos = data::StreamPosition::parse(meta("data_position"));
+  if (!pos) return Status::error(fmt::format("{}: {}", path, pos.status().message()));
+  resume_position_ = *pos;
+  resumed_ = true;
+  start_step_ = step_;
+  std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
+  return Status::ok();
+}
+
+Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
+  std::filesystem::create_directories(f_.checkpoint_dir);
+  std::vector<std::pair<std::string, ir::TensorView>> tensors;
+  for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
+  std::map<std::string, std::string> meta{{"model", s_.modelName()},
+                                          {"step", std::to_string(step_)},
+                                          {"data_position", position.str()},
+                                          {"seed", std::to_string(seed_)},
+                                          {"batch", std::to_string(f_.batch)},
+                                          {"format", "kiln-checkpoint-1"}};
+  return runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta);
+}
+
+Expected<EvalResult> Trainer::evaluate() {
+  EvalDataOptions o;
+  o.paths = f_.eval_data.empty() ? std::vector<std::string>{"synthetic"} : f_.eval_data;
+  if (!f_.eval_data.empty() || f_.data[0] == "synthetic") {
+    o.batch = f_.batch;
+    o.synthetic_samples = f_.eval_samples;
+    o.seed = seed_;
+    o.strict = f_.strict;
+    return evaluateModel(s_, o);
+  }
+  return Status::error("--eval-every needs --eval-data when training on files");
+}
+
+void Trainer::progress(bool final_line) {
+  double elapsed = secondsSince(start_);
+  int64_t done = step_ - start_step_;
+  std::string total = f_.steps > 0 ? fmt::format("/{}", f_.steps) : "";
+  std::string left = "?";
+  if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
+  std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
+  std::string line = fmt::format("step {}{} | {:.0f} samples/s | loss {:.5f}{} | elapsed {} | left {}", step_, total,
+                                 window_rate_, last_loss_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
+  if (tty_)
+    std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
+  else
+    std::fprintf(stderr, "%s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+int Trainer::run() {
+  if (!f_.checkpoint_dir.empty() && f_.resume) {
+    Status st = resume();
+    if (!st) {
+      std::fprintf(stderr, "kiln train: error: %s\n", st.str().c_str());
+      return kExitError;
+    }
+  }
+  if (!f_.metrics_path.empty()) {
+    auto w = runtime::MetricsWriter::open(f_.metrics_path, /*append=*/resumed_);
+    if (!w) {
+      std::fprintf(stderr, "kiln train: error: %s\n", w.status().str().c_str());
+      return kExitError;
+    }
+    metrics_ = w.take();
+  }
+
+  data::DataOptions opts;
+  opts.paths = f_.data;
+  opts.batch_size = f_.batch;
+  opts.epochs = f_.steps > 0 && f_.epochs == 0 ? 0 : std::max<int64_t>(f_.epochs, 1);
+  opts.strict = f_.strict;
+  opts.synthetic.seed = seed_ + 1;
+  opts.synthetic.stream = 0;
+  auto reader = data::openBatchReader(s_.trainSpec(), opts);
+  if (!reader) {
+    std::fprintf(stderr, "kiln train: error: %s\n", reader.status().str().c_str());
+    return kExitError;
+  }
+  if (resumed_) {
+    Status st = (*reader)->seek(resume_position_);
+    if (!st) {
+      std::fprintf(stderr, "kiln train: error: %s\n", st.str().c_str());
+      return kExitError;
+    }
+  }
+  data::Prefetcher prefetch(reader.take(), 4);
+
+  const ir::AttrDict& train = s_.trainConfig();
+  ir::AttrDict schedule;
+  if (const ir::Attribute* a = trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
+
+  auto fail = [&](const Status& st) {
+    if (!tty_) std::fprintf(stderr, "\n");
+    std::fprintf(stderr, "%skiln train: error: %s\n", tty_ ? "\n" : "", st.str().c_str());
+    return kExitError;
+  };
+
+  start_ = window_start_ = Clock::now();
+  data::Batch batch;
+  data::StreamPosition position = resume_position_;
+  bool data_done = false;
+  double log_interval = 1.0;
+  Clock::time_point last_log = start_;
+  while (f_.steps == 0 || step_ < f_.steps) {
+    auto more = prefetch.next(batch);
+    if (!more) return fail(more.status());
+    if (!*more) {
+      data_done = true;
+      break;
+    }
+    double lr = passes::learningRateFactor(schedule, step_ + 1);
+    auto out = s_.trainStep(batch, lr, step_ + 1);
+    if (!out) return fail(out.status());
+    ++step_;
+    position = batch.end;
+    samples_ += batch.size;
+    window_samples_ += batch.size;
+    last_loss_ = out->loss;
+    window_loss_.add(out->loss);
+    if (!std::isfinite(out->loss))
+      return fail(Status::error(fmt::format("the loss is {} at step {}; lower the learning rate", out->loss, step_)));
+
+    bool evaluated = false;
+    if (f_.eval_every > 0 && step_ % f_.eval_every == 0) {
+      auto ev = evaluate();
+      if (!ev) return fail(ev.status());
+      last_auc_ = ev->auc;
+      last_eval_loss_ = ev->loss;
+      evaluated = true;
+    }
+    bool log_due = f_.log_every > 0 ? step_ % f_.log_every == 0 : secondsSince(last_log) >= log_interval;
+    if (log_due || evaluated || step_ == f_.steps) {
+      double window = secondsSince(window_start_);
+      window_rate_ = window > 0 ? static_cast<double>(window_samples_) / window : 0;
+      progress(false);
+      if (metrics_) {
+        runtime::MetricsRecord r;
+        r.step = step_;
+        r.loss = window_loss_.mean();
+        r.samples_per_s = window_rate_;
+        r.lr = lr;
+        if (evaluated) {
+          r.auc = last_auc_;
+          r.eval_loss = last_eval_loss_;
+        }
+        Status st = metrics_->write(r);
+        if (!st) return fail(st);
+      }
+      window_loss_.reset();
+      window_samples_ = 0;
+      window_start_ = last_log = Clock::now();
+    }
+    if (!f_.checkpoint_dir.empty() && f_.checkpoint_every > 0 && step_ % f_.checkpoint_every == 0) {
+      Status st = saveCheckpoint(position);
+      if (!st) return fail(st);
+    }
+  }
+  if (prefetch.malformed() > 0)
+    std::fprintf(stderr, "%sskipped %lld malformed lines\n", tty_ ? "\n" : "", static_cast<long long>(prefetch.malformed()));
+
+  // Final evaluation when evaluation was asked for and the last step did not just do it.
+  if (f_.eval_every > 0 && step_ % f_.eval_every != 0) {
+    auto ev = evaluate();
+    if (!ev) return fail(ev.status());
+    last_auc_ = ev->auc;
+    last_eval_loss_ = ev->loss;
+  }
+  progress(true);
+  if (!f_.checkpoint_dir.empty()) {
+    Status st = saveCheckpoint(position);
+    if (!st) return fail(st);
+  }
+
+  double elapsed = secondsSince(start_);
+  std::printf("trained %s: %lld steps (%lld this run), %lld samples in %.1f s, %.0f samples/s%s\n",
+              s_.modelName().c_str(), static_cast<long long>(step_), static_cast<long long>(step_ - start_step_),
+              static_cast<long long>(samples_), elapsed, elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0,
+              data_done ? " (data exhausted)" : "");
+  std::printf("final train loss: %.6f\n", last_loss_);
+  if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
+  if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
+  if (!f_.checkpoint_dir.empty()) std::printf("checkpoint: %s\n", checkpointFile(f_.checkpoint_dir).c_str());
+  return kExitOk;
+}
+
+}  // namespace
+
+int runTrain(const std::vector<std::string>& args) {
+  ArgParser p("train", "kiln train MODEL.kiln [--data synthetic|PATH...] [--steps N | --epochs E] [flags]",
+              "Compiles the model's training step and trains it on the CPU, showing step, samples/s, loss,\n"
+              "the last eval AUC and the time left.");
+  p.setPositionals("MODEL.kiln", 1, 1, "the model to train");
+  p.addOption("data", "synthetic|PATH", "training data: 'synthetic' or Criteo TSV / Kiln binary files", "synthetic", true);
+  p.addOption("eval-data", "PATH", "held-out data to evaluate on (default with synthetic data: a held-out stream)",
+              std::nullopt, true);
+  p.addOption("steps", "N", "train until step N (counted from the start of training, also when resuming)");
+  p.addOption("epochs", "E", "passes over the data (default 1 without --steps)");
+  p.addOption("batch", "B", "samples per step", "256");
+  p.addOption("eval-every", "N", "evaluate every N steps and at the end (0: never)", "0");
+  p.addOption("eval-samples", "N", "samples of the held-out synthetic stream per evaluation", "16384");
+  p.addOption("log-every", "N", "log every N steps (default: about once a second)");
+  p.addOption("checkpoint", "DIR", "save a checkpoint into DIR at the end (and every --checkpoint-every steps)");
+  p.addOption("checkpoint-every", "N", "also save every N steps", "0");
+  p.addFlag("resume", "continue from the checkpoint in --checkpoint DIR");
+  p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
+  p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
+  addModelFlags(p);
+  int code;
+  if (!p.parse(args, &code)) return code;
+
+  TrainFlags f;
+  f.data = p.getAll("data").empty() ? std::vector<std::string>{"synthetic"} : p.getAll("data");
+  f.eval_data = p.getAll("eval-data");
+  auto intFlag = [&](const char* name, int64_t& out, int64_t min) -> bool {
+    if (!p.has(name)) return true;
+    auto v = p.getInt(name);
+    if (!v) return false;
+    if (*v < min) {
+      p.usageError(fmt::format("--{} must be at least {}, got {}", name, min, *v));
+      return false;
+    }
+    out = *v;
+    return true;
+  };
+  if (!intFlag("steps", f.steps, 1) || !intFlag("epochs", f.epochs, 1) || !intFlag("batch", f.batch, 1) ||
+      !intFlag("eval-every", f.eval_every, 0) || !intFlag("eval-samples", f.eval_samples, 1) ||
+      !intFlag("log-every", f.log_every, 1) || !intFlag("checkpoint-every", f.checkpoint_every, 0))
+    return kExitUsage;
+  f.checkpoint_dir = p.get("checkpoint");
+  f.resume = p.flag("resume");
+  if (f.resume && f.checkpoint_dir.empty()) return p.usageError("--resume needs --checkpoint DIR");
+  if (f.checkpoint_every > 0 && f.checkpoint_dir.empty()) return p.usageError("--checkpoint-every needs --checkpoint DIR");
+  f.metrics_path = p.get("metrics");
+  f.strict = p.flag("strict");
+  for (const std::string& d : f.data)
+    if (d != "synthetic" && !std::filesystem::exists(d)) return p.usageError(fmt::format("no such data file '{}'", d));
+  if (f.data.size() > 1 && std::find(f.data.begin(), f.data.end(), "synthetic") != f.data.end())
+    return p.usageError("'synthetic' cannot be mixed with data files");
+  for (const std::string& d : f.eval_data)
+    if (!std::filesystem::exists(d)) return p.usageError(fmt::format("no such eval data file '{}'", d));
+
+  SessionOptions so;
+  so.model_path = p.positionals()[0];
+  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  so.batch = f.batch;
+  if (!readModelFlags(p, so, &code)) return code;
+  auto session = ModelSession::create(so, std::cerr);
+  if (!session) {
+    std::fprintf(stderr, "%s\n", session.status().str().c_str());
+    return kExitError;
+  }
+  Trainer t(**session, f, so.seed);
+  return t.run();
+}
+
+}  // namespace kiln::cli

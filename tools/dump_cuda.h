@@ -1,0 +1,15 @@
+// `kiln dump FILE --stage=cuda`: the CUDA source of a model's training step (or @forward when
+// the model has no train block), as the CUDA backend generates it.
+#pragma once
+
+#include <ostream>
+
+#include "ir/ir.h"
+
+namespace kiln::cli {
+
+// Builds @train_step when needed, lowers it at batch `batch` and prints, per group of ops, the
+// kernels (or the cuBLASLt GEMM) it becomes, then the whole module. Returns an exit code.
+int printCudaStage(ir::Module& module, int64_t batch, std::ostream& out, std::ostream& err);
+
+}  // namespace kiln::cli

@@ -1,0 +1,80 @@
+#include "tools/dump_optimize.h"
+
+#include <ostream>
+
+#include <fmt/format.h>
+
+#include "codegen/lower_cpu.h"
+#include "passes/cost_model.h"
+#include "passes/fusion.h"
+#include "passes/pass_manager.h"
+#include "passes/remat.h"
+#include "tools/cli.h"
+
+namespace kiln::cli {
+
+const char* const kTrainingPipeline = "autodiff,canonicalize,cse,dce,remat,fusion,schedule";
+
+namespace {
+
+// Runs the training pipeline up to (not including) `stop` ("" = all of it).
+Status runPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view stop) {
+  ir::AttrDict symbols = {{"B", ir::Attribute(o.batch)}};
+  m.mutableAttrs()["kiln.symbols"] = ir::Attribute(symbols);
+  if (!o.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(o.memory_budget);
+  passes::PassManager pm;
+  pm.options().disabled = o.disabled_passes;
+  std::string list = kTrainingPipeline;
+  if (!stop.empty()) list = list.substr(0, list.find(std::string(stop)) - 1);
+  KILN_RETURN_IF_ERROR(pm.addPipeline(list));
+  auto r = pm.run(m);
+  return r ? Status::ok() : r.status();
+}
+
+}  // namespace
+
+int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& out, std::ostream& err) {
+  if (Status s = runPipeline(m, o, ""); !s) {
+    err << s.str() << "\n";
+    return kExitError;
+  }
+  const ir::Function* f = m.lookup("train_step");
+  if (!f) {
+    err << "error: the model has no training step (it needs a train block)\n";
+    return kExitError;
+  }
+  ir::SymbolBindings symbols = {{"B", o.batch}};
+  auto program = codegen::lowerForCpu(*f, symbols);
+  if (!program) {
+    err << program.status().str() << "\n";
+    return kExitError;
+  }
+  passes::CostModel cost(passes::cpuDevice(), symbols);
+  double flops = 0;
+  for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;
+  out << fmt::format("kernels: {}\n", passes::countLaunches(*f));
+  out << fmt::format("peak_bytes: {}\n", program->peak_bytes);
+  out << fmt::format("flops: {:.0f}\n", flops);
+  out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
+  return kExitOk;
+}
+
+int printFusionExplanation(ir::Module& m, const OptimizeOptions& o, std::ostream& out, std::ostream& err) {
+  if (Status s = runPipeline(m, o, "fusion"); !s) {
+    err << s.str() << "\n";
+    return kExitError;
+  }
+  if (o.disabled_passes.count("fusion")) {
+    out << "fusion is disabled (--disable-pass=fusion)\n";
+    return kExitOk;
+  }
+  auto reports = passes::fuseModule(m);
+  if (!reports) {
+    err << reports.status().str() << "\n";
+    return kExitError;
+  }
+  out << passes::explainFusion(*reports);
+  return kExitOk;
+}
+
+}  // namespace kiln::cli

@@ -1,0 +1,28 @@
+// `kiln dump FILE --stats` and `--explain=fusion`: compile the model's training step through the
+// optimizing pipeline (autodiff, canonicalize, cse, dce, remat, fusion, schedule) and report.
+#pragma once
+
+#include <iosfwd>
+#include <set>
+#include <string>
+
+#include "ir/ir.h"
+
+namespace kiln::cli {
+
+struct OptimizeOptions {
+  int64_t batch = 1024;
+  std::string memory_budget;                           // "" = none; "60%" or bytes
+  std::set<std::string, std::less<>> disabled_passes;  // --disable-pass
+};
+
+// The passes of the training pipeline, in order.
+extern const char* const kTrainingPipeline;
+
+// Prints `kernels: N`, `peak_bytes: N`, `flops: N`, `recompute_flops: N` for @train_step.
+// Errors go to `err`; returns an exit code.
+int printOptimizeStats(ir::Module& m, const OptimizeOptions& options, std::ostream& out, std::ostream& err);
+// Prints the fusion pass's groups and refused pairs (after the passes before fusion).
+int printFusionExplanation(ir::Module& m, const OptimizeOptions& options, std::ostream& out, std::ostream& err);
+
+}  // namespace kiln::cli

@@ -1,0 +1,184 @@
+#include "tools/model_session.h"
+
+#include <cmath>
+#include <sstream>
+
+#include <fmt/format.h>
+
+#include "codegen/lower_cpu.h"
+#include "ir/verifier.h"
+#include "passes/pipeline.h"
+
+namespace kiln::cli {
+
+void addModelFlags(ArgParser& p) {
+  p.addOption("set", "NAME=VALUE", "override a model param (e.g. --set rows_cap=1000)", std::nullopt, true);
+  p.addOption("threads", "N", "CPU threads", "2");
+  p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
+  p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
+  p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
+  p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
+  p.addOption("dump-dir", "DIR", "write the IR after each pass into DIR (NNNN.<pass>.mlir)");
+  p.addFlag("pass-timing", "print the time of each pass to stderr");
+}
+
+bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
+  for (const std::string& s : p.getAll("set")) {
+    Status st = frontend::addOverride(s, o.overrides);
+    if (!st) {
+      *exit_code = p.usageError(st.message());
+      return false;
+    }
+  }
+  auto threads = p.getInt("threads");
+  auto seed = p.getInt("seed");
+  if (!threads || !seed) {
+    *exit_code = kExitUsage;
+    return false;
+  }
+  if (*threads < 1 || *threads > 1024) {
+    *exit_code = p.usageError(fmt::format("--threads must be in [1, 1024], got {}", *threads));
+    return false;
+  }
+  o.threads = static_cast<int>(*threads);
+  o.seed = static_cast<uint64_t>(*seed);
+  for (const std::string& d : p.getAll("disable-pass")) o.pass_options.disabled.insert(d);
+  for (const std::string& d : p.getAll("print-ir-after")) o.pass_options.print_ir_after.insert(d);
+  o.pass_options.print_ir_after_all = p.flag("print-ir-after-all");
+  o.pass_options.dump_dir = p.get("dump-dir");
+  o.pass_options.timing = p.flag("pass-timing");
+  return true;
+}
+
+const ir::Attribute* trainValue(const ir::AttrDict& train, std::string_view key) {
+  auto it = train.find(key);
+  return it == train.end() ? nullptr : &it->second;
+}
+
+std::string formatDuration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  auto s = static_cast<int64_t>(seconds + 0.5);
+  if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
+  return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOptions& options, std::ostream& diag) {
+  std::unique_ptr<ModelSession> s(new ModelSession());
+  s->options_ = options;
+
+  frontend::DiagnosticEngine diags(&diag);
+  auto module = frontend::compileModelFile(options.model_path, options.overrides, diags);
+  if (!module) {
+    if (!diags.hasErrors()) return module.status();
+    return Status::error(fmt::format("{}: {} error(s) in the model", options.model_path, diags.errorCount()));
+  }
+  s->module_ = module.take();
+  ir::Module& m = *s->module_;
+  if (const auto* name = m.attrs().find("kiln.model") != m.attrs().end() ? &m.attrs().at("kiln.model") : nullptr)
+    s->model_name_ = name->isString() ? name->asString() : "";
+  if (auto it = m.attrs().find("kiln.outputs"); it != m.attrs().end() && it->second.isArray())
+    for (const auto& a : it->second.asArray()) s->outputs_.push_back(a.isString() ? a.asString() : "");
+  if (auto it = m.attrs().find("kiln.train"); it != m.attrs().end() && it->second.isDict())
+    s->train_ = &it->second.asDict();
+  if (options.training && !s->train_)
+    return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
+
+  passes::PassManager pm;
+  pm.options() = options.pass_options;
+  if (&diag != &std::cerr) pm.options().log = &diag;
+  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training)));
+  KILN_RETURN_IF_ERROR(pm.build());
+  auto changed = pm.run(m);
+  if (!changed) return changed.status();
+
+  const ir::Function* fwd = m.lookup("forward");
+  if (!fwd) return Status::error(fmt::format("{}: the model has no @forward", options.model_path));
+  auto fspec = data::fromFunction(*fwd);
+  if (!fspec) return fspec.status();
+  s->forward_spec_ = fspec.take();
+  if (options.training) {
+    const ir::Function* ts = m.lookup("train_step");
+    if (!ts) return Status::error("autodiff did not build @train_step");
+    auto tspec = data::fromFunction(*ts);
+    if (!tspec) return tspec.status();
+    s->train_spec_ = tspec.take();
+  } else {
+    s->train_spec_ = s->forward_spec_;
+  }
+  ir::SymbolBindings symbols{{"B", options.batch}};
+  KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
+  return s;
+}
+
+Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string& function, int64_t batch) {
+  auto key = std::make_pair(function, batch);
+  auto it = executors_.find(key);
+  if (it != executors_.end()) return it->second.get();
+  const ir::Function* f = module_->lookup(function);
+  if (!f) return Status::error(fmt::format("the model has no @{}", function));
+  auto program = codegen::lowerForCpu(*f, {{"B", batch}});
+  if (!program) return program.status();
+  runtime::cpu::ExecutorOptions eo;
+  eo.threads = options_.threads;
+  auto exec = runtime::cpu::CpuExecutor::create(program.take(), eo);
+  if (!exec) return exec.status();
+  runtime::cpu::CpuExecutor* raw = exec->get();
+  executors_[key] = exec.take();
+  return raw;
+}
+
+Expected<StepOutputs> ModelSession::run(const std::string& function, const data::Batch& batch,
+                                        const std::vector<std::pair<std::string, float>>& scalars) {
+  auto exec = executorFor(function, batch.size);
+  if (!exec) return exec.status();
+  runtime::cpu::Batch inputs;
+  for (size_t i = 0; i < batch.names.size(); ++i) inputs[batch.names[i]] = batch.tensors[i].view;
+  std::vector<float> scalar_storage;
+  scalar_storage.reserve(scalars.size());
+  for (const auto& [name, value] : scalars) {
+    scalar_storage.push_back(value);
+    inputs[name] = ir::TensorView{ir::DType::f32, {}, &scalar_storage.back()};
+  }
+  auto results = (*exec)->run(inputs, params_);
+  if (!results) return results.status();
+
+  // @train_step returns (loss, prediction); @forward returns the outputs kiln.outputs names.
+  int loss_index = -1, prediction_index = -1;
+  if (function == "train_step") {
+    loss_index = 0;
+    prediction_index = results->size() > 1 ? 1 : -1;
+  } else if (train_) {
+    auto indexOf = [&](std::string_view key) {
+      const ir::Attribute* a = trainValue(*train_, key);
+      if (!a || !a->isString()) return -1;
+      for (size_t i = 0; i < outputs_.size(); ++i)
+        if (outputs_[i] == a->asString()) return static_cast<int>(i);
+      return -1;
+    };
+    loss_index = indexOf("loss");
+    prediction_index = indexOf("prediction");
+  }
+  if (prediction_index < 0 && !train_ && !results->empty()) prediction_index = 0;
+
+  StepOutputs out;
+  if (loss_index >= 0) {
+    const ir::HostTensor& l = (*results)[static_cast<size_t>(loss_index)];
+    out.loss = l.view.dtype == ir::DType::f64 ? *l.as<double>() : *l.as<float>();
+  }
+  if (prediction_index >= 0) {
+    const ir::HostTensor& p = (*results)[static_cast<size_t>(prediction_index)];
+    if (p.view.dtype != ir::DType::f32 || p.numel() != batch.size)
+      return Status::error(fmt::format("the prediction output must be f32 with one value per sample, got {} values",
+                                       p.numel()));
+    out.logits.assign(p.as<float>(), p.as<float>() + p.numel());
+  }
+  return out;
+}
+
+Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, double lr_factor, int64_t step) {
+  return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}});
+}
+
+Expected<StepOutputs> ModelSession::forward(const data::Batch& batch) { return run("forward", batch, {}); }
+
+}  // namespace kiln::cli

@@ -1,0 +1,90 @@
+// A model ready to run: the .kiln file compiled through the pass pipeline, its parameters in a
+// store, and CPU executors for the training step and the forward pass, one per batch size
+// seen (a short last batch gets its own program). `kiln train`, `kiln eval` and
+// `kiln predict` are thin loops around this.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "frontend/frontend.h"
+#include "ir/ir.h"
+#include "passes/pass_manager.h"
+#include "runtime/cpu/executor.h"
+#include "runtime/data/batch.h"
+#include "runtime/parameter_store.h"
+#include "tools/cli.h"
+
+namespace kiln::cli {
+
+struct SessionOptions {
+  std::string model_path;
+  frontend::ParamOverrides overrides;
+  int64_t batch = 256;
+  int threads = 1;
+  uint64_t seed = 0;
+  bool training = true;  // build @train_step (needs a train block)
+  passes::PassManagerOptions pass_options;
+};
+
+// The flags every command that compiles a model shares: --set, --threads, --seed and the pass
+// manager's flags.
+void addModelFlags(ArgParser& p);
+// Reads them back; returns a usage error (already printed) as false.
+bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
+
+struct StepOutputs {
+  double loss = 0;
+  std::vector<float> logits;  // the prediction output, one per sample
+};
+
+class ModelSession {
+ public:
+  // Compiles the model and initializes its parameters from `seed`. Diagnostics go to `diag`.
+  static Expected<std::unique_ptr<ModelSession>> create(const SessionOptions& options, std::ostream& diag);
+
+  ir::Module& module() { return *module_; }
+  const std::string& modelName() const { return model_name_; }
+  runtime::ParameterStore& params() { return params_; }
+  // The data the training step reads (labels included) and the forward pass reads.
+  const data::BatchSpec& trainSpec() const { return train_spec_; }
+  const data::BatchSpec& forwardSpec() const { return forward_spec_; }
+  bool hasTrainBlock() const { return train_ != nullptr; }
+  // The `kiln.train` attribute; only with a train block.
+  const ir::AttrDict& trainConfig() const { return *train_; }
+
+  // One optimizer step on `batch`; `lr_factor` scales the optimizers' learning rates and
+  // `step` is 1-based.
+  Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step);
+  // The forward pass: the loss (when the model has one and the batch has labels) and logits.
+  Expected<StepOutputs> forward(const data::Batch& batch);
+
+  // Names of the tensors a checkpoint holds: every parameter and optimizer state.
+  std::vector<std::string> checkpointNames() const { return params_.names(); }
+
+ private:
+  ModelSession() = default;
+  Expected<runtime::cpu::CpuExecutor*> executorFor(const std::string& function, int64_t batch);
+  Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
+                            const std::vector<std::pair<std::string, float>>& scalars);
+
+  SessionOptions options_;
+  std::unique_ptr<ir::Module> module_;
+  std::string model_name_;
+  const ir::AttrDict* train_ = nullptr;
+  std::vector<std::string> outputs_;  // names of @forward's results
+  runtime::ParameterStore params_;
+  data::BatchSpec train_spec_, forward_spec_;
+  std::map<std::pair<std::string, int64_t>, std::unique_ptr<runtime::cpu::CpuExecutor>> executors_;
+};
+
+// The `kiln.train` value of `key`, or nullptr.
+const ir::Attribute* trainValue(const ir::AttrDict& train, std::string_view key);
+
+// "1:02:03" / "2:03" for a progress line.
+std::string formatDuration(double seconds);
+
+}  // namespace kiln::cli

@@ -1,0 +1,77 @@
+#include "tools/run_data.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include <fmt/format.h>
+
+#include "runtime/checkpoint.h"
+#include "runtime/data/batch_reader.h"
+#include "runtime/data/prefetcher.h"
+#include "runtime/metrics.h"
+
+namespace kiln::cli {
+
+Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
+                                   const std::function<Status(const std::vector<float>&)>& on_scores) {
+  data::DataOptions opts;
+  opts.paths = o.paths;
+  opts.batch_size = o.batch;
+  opts.epochs = 1;
+  opts.strict = o.strict;
+  opts.synthetic.seed = o.seed + 1;  // the same hidden task as training ...
+  opts.synthetic.stream = 1;         // ... on the held-out stream
+  opts.synthetic_samples = o.synthetic_samples;
+  auto reader = data::openBatchReader(s.forwardSpec(), opts);
+  if (!reader) return reader.status();
+  data::Prefetcher prefetch(reader.take(), 2);
+
+  const data::BatchSpec& spec = s.forwardSpec();
+  runtime::AucAccumulator auc;
+  runtime::RunningMean loss;
+  data::Batch batch;
+  EvalResult r;
+  std::vector<float> scores, labels;
+  while (true) {
+    auto more = prefetch.next(batch);
+    if (!more) return more.status();
+    if (!*more) break;
+    auto out = s.forward(batch);
+    if (!out) return out.status();
+    loss.add(out->loss, static_cast<double>(batch.size));
+    scores.resize(out->logits.size());
+    for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out->logits[i]));
+    if (spec.labelIndex() >= 0) {
+      labels.resize(static_cast<size_t>(batch.size));
+      for (int64_t i = 0; i < batch.size; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(batch, spec, i);
+      auc.add(scores, labels);
+    }
+    if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores));
+    r.samples += batch.size;
+  }
+  r.malformed = prefetch.malformed();
+  if (r.samples == 0) return Status::error("the evaluation data holds no samples");
+  r.loss = s.hasTrainBlock() ? loss.mean() : NAN;
+  r.auc = auc.size() ? auc.auc() : NAN;
+  r.accuracy = auc.size() ? auc.accuracy() : NAN;
+  return r;
+}
+
+Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
+  std::string path = dir_or_file;
+  if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "checkpoint.safetensors").string();
+  if (!std::filesystem::exists(path)) return Status::error(fmt::format("no checkpoint at '{}'", path));
+  auto ckpt = runtime::loadCheckpoint(path);
+  if (!ckpt) return ckpt.status();
+  // Evaluation reads the model's parameters; the optimizer state a training checkpoint also
+  // holds is left out. Every parameter of the model must be there.
+  std::map<std::string, ir::TensorView> dest;
+  for (const std::string& name : s.checkpointNames()) dest[name] = s.params().find(name)->view;
+  runtime::Checkpoint wanted;
+  wanted.metadata = ckpt->metadata;
+  for (auto& [name, tensor] : ckpt->tensors)
+    if (dest.count(name)) wanted.tensors.emplace_back(name, std::move(tensor));
+  return runtime::restoreTensors(wanted, dest, path);
+}
+
+}  // namespace kiln::cli
