@@ -30,10 +30,24 @@ BlockDependences::BlockDependences(const ir::Block& block) : ops_(block.opList()
     }
     return user;
   };
+  // Operands of the op and of the ops nested in it (a fused group may name a parameter it
+  // updates directly); `written`: those of ops that update them in place.
+  std::function<void(const ir::Op&, std::vector<ir::Value*>&, std::vector<ir::Value*>&)> collect =
+      [&](const ir::Op& op, std::vector<ir::Value*>& read, std::vector<ir::Value*>& written) {
+        for (ir::Value* v : op.operands()) {
+          read.push_back(v);
+          if (op.hasTrait(ir::kSideEffect)) written.push_back(v);
+        }
+        for (const auto& r : op.regions())
+          for (const auto& b : r->blocks())
+            for (const auto& inner : b->ops()) collect(*inner, read, written);
+      };
   int last_writer = -1;
   for (int i = 0; i < n; ++i) {
     ir::Op* op = ops_[static_cast<size_t>(i)];
-    for (ir::Value* v : op->operands())
+    std::vector<ir::Value*> read, written;
+    collect(*op, read, written);
+    for (ir::Value* v : read)
       if (v->definingOp() && pos_.count(v->definingOp())) addEdge(pos_[v->definingOp()], i);
     if (op->hasTrait(ir::kTerminator)) {
       for (int j = 0; j < i; ++j) addEdge(j, i);
@@ -43,7 +57,7 @@ BlockDependences::BlockDependences(const ir::Block& block) : ops_(block.opList()
     if (last_writer >= 0) addEdge(last_writer, i);
     last_writer = i;
     // Readers of what this op writes that come before it keep seeing the old value.
-    for (ir::Value* v : op->operands())
+    for (ir::Value* v : written)
       for (const ir::Use& u : v->uses()) {
         ir::Op* reader = topLevel(u.user);
         if (reader && reader != op && pos_[reader] < i) addEdge(pos_[reader], i);

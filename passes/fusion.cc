@@ -300,9 +300,14 @@ class FunctionFuser {
       std::unordered_set<const Op*> in(grp.members.begin(), grp.members.end());
       std::vector<Value*> inputs, outputs;
       std::unordered_map<Value*, unsigned> input_index;
+      // Parameters an op updates in place stay named directly (captured from the function),
+      // as the verifier requires of in-place updates.
+      auto captured = [](const Op& m, const Value* v) {
+        return writesInPlace(m) && v->definingOp() && v->definingOp()->name() == "kiln.parameter";
+      };
       for (Op* m : grp.members) {
         for (Value* v : m->operands())
-          if ((!v->definingOp() || !in.count(v->definingOp())) && !input_index.count(v)) {
+          if ((!v->definingOp() || !in.count(v->definingOp())) && !input_index.count(v) && !captured(*m, v)) {
             input_index[v] = static_cast<unsigned>(inputs.size());
             inputs.push_back(v);
           }

@@ -10,7 +10,7 @@ std::string defaultPipeline(bool training) {
   // mixed-precision acts only when kiln.train asks for bf16.
   p += ",mixed-precision,autodiff,canonicalize,cse,dce";
   // Passes of the optimizing issue join when they are registered.
-  for (const char* later : {"fusion", "remat", "schedule"})
+  for (const char* later : {"remat", "fusion", "schedule"})
     if (createPass(later)) p += std::string(",") + later;
   return p;
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <functional>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -146,23 +147,51 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
         if (!first_use || pos[top] < pos[first_use]) first_use = const_cast<Op*>(top);
       }
       if (!first_use) continue;
-      ir::AttrDict attrs = c.op->attrs();
-      attrs["kiln.recompute"] = ir::Attribute(true);
-      auto clone = Op::create(c.op->name(), c.op->operands(), {c.op->result()->type()}, attrs, c.op->location());
-      clone->result()->setNameHint(c.op->result()->nameHint() + ".recompute");
-      Op* copy = block.insertBefore(first_use, std::move(clone));
-      for (const ir::Use& u : backward) u.user->setOperand(u.operand_index, copy->result());
-      auto now = estimatePeakBytes(*f, symbols);
-      if (!now) return now.status();
-      if (*now < current) {
-        current = *now;
-        progress = true;
-        report.recompute_flops += cost.opCost(*copy).flops;
-        report.recomputed.push_back(fmt::format("{} = {}", namer.name(c.op->result()), c.op->name()));
-        continue;
+      const int at = pos[first_use];
+      // An operand's producer may be recomputed along (a chain such as matmul -> bias add), so
+      // that the operand need not stay live either.
+      auto chainable = [&](const Op* q) {
+        if (!q || !pos.count(q) || pos[q] > boundary || !q->hasTrait(ir::kPure) || writesInPlace(*q) ||
+            !CostModel::launchesWork(*q) || q->numResults() != 1 || !q->regions().empty())
+          return false;
+        for (Value* v : q->operands())
+          for (const ir::Use& u : v->uses()) {
+            const Op* top = topLevel(u.user, block);
+            if (top && writesInPlace(*top) && pos[top] <= at) return false;
+          }
+        return true;
+      };
+      std::function<Value*(Op*, int, std::vector<Op*>&)> cloneChain = [&](Op* op, int depth, std::vector<Op*>& made) {
+        std::vector<Value*> operands = op->operands();
+        if (depth > 0)
+          for (Value*& v : operands)
+            if (chainable(v->definingOp())) v = cloneChain(v->definingOp(), depth - 1, made);
+        ir::AttrDict attrs = op->attrs();
+        attrs["kiln.recompute"] = ir::Attribute(true);
+        auto clone = Op::create(op->name(), operands, {op->result()->type()}, attrs, op->location());
+        clone->result()->setNameHint(op->result()->nameHint() + ".recompute");
+        Op* copy = block.insertBefore(first_use, std::move(clone));
+        made.push_back(copy);
+        return copy->result();
+      };
+      bool kept = false;
+      for (int depth = 0; depth <= 2 && !kept; ++depth) {
+        std::vector<Op*> made;
+        Value* copy = cloneChain(c.op, depth, made);
+        for (const ir::Use& u : backward) u.user->setOperand(u.operand_index, copy);
+        auto now = estimatePeakBytes(*f, symbols);
+        if (!now) return now.status();
+        if (*now < current) {
+          current = *now;
+          progress = kept = true;
+          for (Op* op : made) report.recompute_flops += cost.opCost(*op).flops;
+          report.recomputed.push_back(fmt::format("{} = {}{}", namer.name(c.op->result()), c.op->name(),
+                                                  made.size() > 1 ? fmt::format(" (with {} producers)", made.size() - 1) : ""));
+          break;
+        }
+        for (const ir::Use& u : backward) u.user->setOperand(u.operand_index, c.op->result());
+        for (auto it = made.rbegin(); it != made.rend(); ++it) block.erase(*it);
       }
-      copy->result()->replaceAllUsesWith(c.op->result());
-      block.erase(copy);
     }
     if (!progress) break;
   }

@@ -1,6 +1,7 @@
 #include "tools/model_session.h"
 
 #include <cmath>
+#include <iostream>
 #include <sstream>
 
 #include <fmt/format.h>

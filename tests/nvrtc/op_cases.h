@@ -247,6 +247,36 @@ inline std::vector<OpCase> allOpCases() {
          {{"activation", Attribute(act)}});
     add(b);
   }
+  for (const char* red : {"mean", "sum"}) {  // the backward ops autodiff emits
+    CaseBuilder b(std::string("bce_with_logits_grad_") + red);
+    b.op("kiln.bce_with_logits_grad", {b.input("x", f32, S({12})), b.input("y", f32, S({12}), Fill::Labels01),
+                                       b.input("g", f32, {}, Fill::Positive)}, {{"reduction", Attribute(red)}});
+    add(b);
+  }
+  {
+    CaseBuilder b("softmax_cross_entropy_grad_ids");
+    b.op("kiln.softmax_cross_entropy_grad", {b.input("x", f32, S({6, 5})), b.input("y", DType::i64, S({6}), Fill::Ids, 5),
+                                             b.input("g", f32, {}, Fill::Positive)});
+    add(b);
+  }
+  for (const char* kind : {"sum", "mean", "max"}) {
+    CaseBuilder b(std::string("reduce_grad_") + kind);
+    Value* x = b.input("x", f32, S({4, 6}));
+    Value* g = b.input("g", f32, S({4}));
+    std::vector<Value*> operands = {g};
+    if (std::string(kind) == "max") {
+      Value* y = b.input("y", f32, S({4}));
+      operands = {g, x, y};
+    }
+    b.opWithType("kiln.reduce_grad", operands, TensorType(f32, S({4, 6})),
+                 {{"kind", Attribute(kind)}, {"axes", Attribute::ints({1})}});
+    add(b);
+  }
+  {
+    CaseBuilder b("sum_to");
+    b.opWithType("kiln.sum_to", {b.input("x", f32, S({5, 3, 4}))}, TensorType(f32, S({3, 1})));
+    add(b);
+  }
   struct Dense {
     const char* kind;
     AttrDict attrs;
