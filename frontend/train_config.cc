@@ -29,7 +29,18 @@ ir::Attribute optimizerAttr(ModelLowering& L, const Val& v, const Location& loc,
     L.fail(loc, embedding ? fmt::format("'{}' is not an embedding optimizer (use sgd, adagrad, rowwise_adagrad or adam)", r.s)
                           : fmt::format("'{}' is not a dense optimizer (use sgd, adagrad, adam or adamw)", r.s));
   ir::AttrDict d{{"kind", r.s}};
-  for (const auto& [k, dflt] : optimizerDefaults().at(r.s)) {
+  const auto& defaults = optimizerDefaults().at(r.s);
+  for (const auto& [k, unused] : r.fields) {
+    // Embedding rows are updated lazily, only when looked up, so a velocity would go stale
+    // between visits: sparse sgd is plain sgd, and saying otherwise is an error, not a no-op.
+    if (embedding && (k == "momentum" || k == "nesterov"))
+      L.fail(loc, fmt::format("embedding optimizers take no {} (sparse rows are updated only when looked up)", k));
+    bool known = false;
+    for (const auto& kv : defaults) known |= kv.first == k;
+    if (!known) L.fail(loc, fmt::format("optimizer '{}' has no setting '{}'", r.s, k));
+  }
+  for (const auto& [k, dflt] : defaults) {
+    if (embedding && (k == "momentum" || k == "nesterov")) continue;
     const Val* f = r.field(k);
     if (!f) {
       d[k] = dflt;
@@ -157,8 +168,11 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
   if (!has_emb) {
     // Embeddings follow the dense optimizer unless told otherwise (adamw's decoupled decay has
     // no lazy sparse form, so its tables use adam).
+    // Momentum has no sparse form either, so it stays with the dense weights.
     ir::AttrDict e = t["optimizer"].asDict();
     if (e["kind"].asString() == "adamw") e["kind"] = std::string("adam");
+    e.erase("momentum");
+    e.erase("nesterov");
     t["embedding_optimizer"] = e;
   }
   if (!t.count("lr_schedule")) t["lr_schedule"] = ir::AttrDict{{"kind", std::string("constant")}};

@@ -33,15 +33,19 @@ struct EmbeddingTable {
   std::string pool;
 };
 
+// Val's record entry is a named struct and its inline members are defined after the class:
+// clang with libstdc++ cannot instantiate std::pair<std::string, Val> (nor Val's special
+// members) while Val is still incomplete.
 struct Val {
   enum class Kind { Error, None, Int, Float, Bool, Str, Word, List, Tensor, Dim, Func, Record, Sparse, Tables };
+  struct Field;  // a record entry, defined below
   Kind kind = Kind::None;
   int64_t i = 0;
   double f = 0;
   bool b = false;
   std::string s;                                // Str, Word, Func (builtin name), Record (kind)
   std::vector<Val> items;                       // List
-  std::vector<std::pair<std::string, Val>> fields;  // Record
+  std::vector<Field> fields;                    // Record
   ir::Value* tensor = nullptr;
   ir::Dim dim;
   const ast::FnDecl* fn = nullptr;              // Func: a user function (else builtin `s`)
@@ -49,75 +53,95 @@ struct Val {
   std::vector<EmbeddingTable> tables;
   bool single = false;                          // Sparse/Tables picked by an integer index
 
-  static Val error() { return make(Kind::Error); }
-  static Val none() { return make(Kind::None); }
-  static Val integer(int64_t v) {
-    Val x = make(Kind::Int);
-    x.i = v;
-    return x;
-  }
-  static Val number(double v) {
-    Val x = make(Kind::Float);
-    x.f = v;
-    return x;
-  }
-  static Val boolean(bool v) {
-    Val x = make(Kind::Bool);
-    x.b = v;
-    return x;
-  }
-  static Val string(std::string v) {
-    Val x = make(Kind::Str);
-    x.s = std::move(v);
-    return x;
-  }
-  static Val word(std::string v) {
-    Val x = make(Kind::Word);
-    x.s = std::move(v);
-    return x;
-  }
-  static Val list(std::vector<Val> v) {
-    Val x = make(Kind::List);
-    x.items = std::move(v);
-    return x;
-  }
-  static Val ofTensor(ir::Value* t) {
-    Val x = make(Kind::Tensor);
-    x.tensor = t;
-    return x;
-  }
-  static Val ofDim(ir::Dim d) {
-    Val x = make(Kind::Dim);
-    x.dim = std::move(d);
-    return x;
-  }
-  static Val builtin(std::string name) {
-    Val x = make(Kind::Func);
-    x.s = std::move(name);
-    return x;
-  }
-  static Val user(const ast::FnDecl* fn) {
-    Val x = make(Kind::Func);
-    x.fn = fn;
-    x.s = fn->name;
-    return x;
-  }
+  static Val error();
+  static Val none();
+  static Val integer(int64_t v);
+  static Val number(double v);
+  static Val boolean(bool v);
+  static Val string(std::string v);
+  static Val word(std::string v);
+  static Val list(std::vector<Val> v);
+  static Val ofTensor(ir::Value* t);
+  static Val ofDim(ir::Dim d);
+  static Val builtin(std::string name);
+  static Val user(const ast::FnDecl* fn);
 
   bool isNumber() const { return kind == Kind::Int || kind == Kind::Float; }
   double asDouble() const { return kind == Kind::Int ? static_cast<double>(i) : f; }
-  const Val* field(std::string_view name) const {
-    for (const auto& [k, v] : fields)
-      if (k == name) return &v;
-    return nullptr;
-  }
+  const Val* field(std::string_view name) const;
 
  private:
-  static Val make(Kind k) {
-    Val v;
-    v.kind = k;
-    return v;
-  }
+  static Val make(Kind k);
 };
+
+struct Val::Field {
+  std::string name;
+  Val value;
+};
+
+inline Val Val::error() { return make(Kind::Error); }
+inline Val Val::none() { return make(Kind::None); }
+inline Val Val::integer(int64_t v) {
+  Val x = make(Kind::Int);
+  x.i = v;
+  return x;
+}
+inline Val Val::number(double v) {
+  Val x = make(Kind::Float);
+  x.f = v;
+  return x;
+}
+inline Val Val::boolean(bool v) {
+  Val x = make(Kind::Bool);
+  x.b = v;
+  return x;
+}
+inline Val Val::string(std::string v) {
+  Val x = make(Kind::Str);
+  x.s = std::move(v);
+  return x;
+}
+inline Val Val::word(std::string v) {
+  Val x = make(Kind::Word);
+  x.s = std::move(v);
+  return x;
+}
+inline Val Val::list(std::vector<Val> v) {
+  Val x = make(Kind::List);
+  x.items = std::move(v);
+  return x;
+}
+inline Val Val::ofTensor(ir::Value* t) {
+  Val x = make(Kind::Tensor);
+  x.tensor = t;
+  return x;
+}
+inline Val Val::ofDim(ir::Dim d) {
+  Val x = make(Kind::Dim);
+  x.dim = std::move(d);
+  return x;
+}
+inline Val Val::builtin(std::string name) {
+  Val x = make(Kind::Func);
+  x.s = std::move(name);
+  return x;
+}
+inline Val Val::user(const ast::FnDecl* fn) {
+  Val x = make(Kind::Func);
+  x.fn = fn;
+  x.s = fn->name;
+  return x;
+}
+inline const Val* Val::field(std::string_view name) const {
+  for (const auto& [k, v] : fields)
+    if (k == name) return &v;
+  return nullptr;
+}
+inline Val Val::make(Kind k) {
+  Val v;
+  v.kind = k;
+  return v;
+}
 
 // "int", "list", "tensor f32[B,13]", ... for diagnostics.
 std::string describe(const Val& v);

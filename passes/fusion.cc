@@ -159,6 +159,8 @@ class FunctionFuser {
     if (grp.closed)
       return forbid(fmt::format("the {} group of {} takes no more ops", kindName(grp.kind), producer.name()));
     if (consumer.numResults() != 1) return forbid("the consumer has no single result");
+    if (consumer.boolAttr("kiln.recompute") != producer.boolAttr("kiln.recompute"))
+      return forbid("one is recomputed in the backward pass (remat); one kernel would run it in the forward again");
     std::vector<Op*> with = grp.members;
     with.push_back(const_cast<Op*>(&consumer));
     if (grp.kind == Kind::Gemm) {

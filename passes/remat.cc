@@ -20,6 +20,9 @@ namespace {
 using ir::Op;
 using ir::Value;
 
+// How many producers deep a recomputation may reach (matmul -> bias add -> mul -> add).
+constexpr int kMaxChain = 6;
+
 // Every symbol the function mentions gets a value.
 ir::SymbolBindings bindAll(ir::Function& f, ir::SymbolBindings s) {
   f.walk([&](Op& op) {
@@ -132,6 +135,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
   };
 
   int64_t current = *peak;
+  std::unordered_map<Value*, Value*> copies;  // forward value -> its recomputed copy
   for (int round = 0; round < 4 && current > *budget; ++round) {
     bool progress = false;
     for (const Candidate& c : candidates()) {
@@ -161,11 +165,25 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
           }
         return true;
       };
+      // A value still read at or after `at` costs nothing more to read there.
+      auto liveFrom = [&](const Value* v, int from) {
+        for (const ir::Use& u : v->uses()) {
+          const Op* top = topLevel(u.user, block);
+          if (top && pos.count(top) && pos[top] >= from) return true;
+        }
+        return false;
+      };
       std::function<Value*(Op*, int, std::vector<Op*>&)> cloneChain = [&](Op* op, int depth, std::vector<Op*>& made) {
         std::vector<Value*> operands = op->operands();
-        if (depth > 0)
-          for (Value*& v : operands)
-            if (chainable(v->definingOp())) v = cloneChain(v->definingOp(), depth - 1, made);
+        for (Value*& v : operands) {
+          // A copy recomputed earlier in the backward pass serves as well as the original.
+          auto copy = copies.find(v);
+          if (copy != copies.end() && pos.count(copy->second->definingOp()) && pos[copy->second->definingOp()] < at) {
+            v = copy->second;
+            continue;
+          }
+          if (depth > 0 && !liveFrom(v, at) && chainable(v->definingOp())) v = cloneChain(v->definingOp(), depth - 1, made);
+        }
         ir::AttrDict attrs = op->attrs();
         attrs["kiln.recompute"] = ir::Attribute(true);
         auto clone = Op::create(op->name(), operands, {op->result()->type()}, attrs, op->location());
@@ -175,7 +193,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
         return copy->result();
       };
       bool kept = false;
-      for (int depth = 0; depth <= 2 && !kept; ++depth) {
+      for (int depth = 0; depth <= kMaxChain && !kept; ++depth) {
         std::vector<Op*> made;
         Value* copy = cloneChain(c.op, depth, made);
         for (const ir::Use& u : backward) u.user->setOperand(u.operand_index, copy);
@@ -185,6 +203,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
           current = *now;
           progress = kept = true;
           for (Op* op : made) report.recompute_flops += cost.opCost(*op).flops;
+          copies[c.op->result()] = copy;
           report.recomputed.push_back(fmt::format("{} = {}{}", namer.name(c.op->result()), c.op->name(),
                                                   made.size() > 1 ? fmt::format(" (with {} producers)", made.size() - 1) : ""));
           break;

@@ -5,6 +5,8 @@
 
 #include <fmt/format.h>
 
+#include "ir/status.h"
+
 namespace kiln::cli {
 
 ArgParser::ArgParser(std::string command, std::string usage, std::string description)
@@ -157,6 +159,13 @@ std::string ArgParser::help() const {
   }
   out += fmt::format("  {:<28} {}\n", "--help", "show this help");
   return out;
+}
+
+void printError(const std::string& command, const Status& status) {
+  if (status.location().known() || !status.location().file.empty())
+    std::fprintf(stderr, "%s\n", status.str().c_str());
+  else
+    std::fprintf(stderr, "kiln %s: error: %s\n", command.c_str(), status.message().c_str());
 }
 
 }  // namespace kiln::cli

@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+namespace kiln {
+class Status;
+}
+
 namespace kiln::cli {
 
 // Exit codes of every subcommand.
@@ -62,6 +66,10 @@ class ArgParser {
   std::string pos_metavar_, pos_help_;
   int pos_min_ = 0, pos_max_ = 0;
 };
+
+// Prints a failed Status for command `command`: "file:line:col: error: msg" when it is located,
+// "kiln COMMAND: error: msg" otherwise.
+void printError(const std::string& command, const Status& status);
 
 // A subcommand: `kiln NAME ...`.
 struct Command {

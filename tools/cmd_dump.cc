@@ -120,6 +120,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("format", "mlir|dot", "text, or a Graphviz graph of each function", "mlir");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "OUT", "write to OUT instead of stdout");
+  p.addOption("batch", "B", "the batch size B bound before planning (--stats, --explain)", "1024");
   p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
   p.addOption("memory-budget", "BYTES|N%", "with --stats/--explain: recompute activations until the peak fits");

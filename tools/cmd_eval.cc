@@ -19,7 +19,7 @@ struct EvalSetup {
 };
 
 // Parses the flags both commands share, compiles the model and loads the checkpoint.
-int setUp(ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) {
+int setUp(const char* command, ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) {
   p.setPositionals("MODEL.kiln", 1, 1, "the model");
   p.addOption("checkpoint", "DIR", "the checkpoint to load (a directory written by kiln train, or a .safetensors file)");
   p.addOption("data", "synthetic|PATH", "the data: Criteo TSV or Kiln binary files, or 'synthetic' (its held-out stream)",
@@ -52,13 +52,13 @@ int setUp(ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) 
   setup.data.seed = so.seed;
   auto session = ModelSession::create(so, std::cerr);
   if (!session) {
-    std::fprintf(stderr, "%s\n", session.status().str().c_str());
+    printError(command, session.status());
     return kExitError;
   }
   setup.session = session.take();
   Status st = loadCheckpointInto(*setup.session, p.get("checkpoint"));
   if (!st) {
-    std::fprintf(stderr, "kiln %s: error: %s\n", args.empty() ? "" : "eval", st.str().c_str());
+    printError(command, st);
     return kExitError;
   }
   return -1;
@@ -70,10 +70,10 @@ int runEval(const std::vector<std::string>& args) {
   ArgParser p("eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
               "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'.");
   EvalSetup setup;
-  if (int code = setUp(p, args, setup); code >= 0) return code;
+  if (int code = setUp("eval", p, args, setup); code >= 0) return code;
   auto r = evaluateModel(*setup.session, setup.data);
   if (!r) {
-    std::fprintf(stderr, "kiln eval: error: %s\n", r.status().str().c_str());
+    printError("eval", r.status());
     return kExitError;
   }
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\nsamples: %lld\n", r->loss, r->auc, r->accuracy,
@@ -94,7 +94,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
       args.push_back(raw_args[i]);
   }
   EvalSetup setup;
-  if (int code = setUp(p, args, setup); code >= 0) return code;
+  if (int code = setUp("predict", p, args, setup); code >= 0) return code;
   std::string out_path = p.get("output");
   std::string tmp_path = out_path.empty() ? "" : out_path + ".tmp";
   std::FILE* out = out_path.empty() ? stdout : std::fopen(tmp_path.c_str(), "w");
@@ -110,7 +110,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
   if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));
   if (!r) {
     if (!tmp_path.empty()) std::filesystem::remove(tmp_path);
-    std::fprintf(stderr, "kiln predict: error: %s\n", r.status().str().c_str());
+    printError("predict", r.status());
     return kExitError;
   }
   if (!tmp_path.empty()) std::filesystem::rename(tmp_path, out_path);

@@ -64,6 +64,7 @@ class Trainer {
   std::optional<double> last_auc_, last_eval_loss_;
   Clock::time_point start_, window_start_;
   int64_t window_samples_ = 0;
+  int64_t logged_step_ = -1;
   double window_rate_ = 0;
   bool tty_ = isatty(STDERR_FILENO);
   std::unique_ptr<runtime::MetricsWriter> metrics_;
@@ -146,14 +147,14 @@ int Trainer::run() {
   if (!f_.checkpoint_dir.empty() && f_.resume) {
     Status st = resume();
     if (!st) {
-      std::fprintf(stderr, "kiln train: error: %s\n", st.str().c_str());
+      printError("train", st);
       return kExitError;
     }
   }
   if (!f_.metrics_path.empty()) {
     auto w = runtime::MetricsWriter::open(f_.metrics_path, /*append=*/resumed_);
     if (!w) {
-      std::fprintf(stderr, "kiln train: error: %s\n", w.status().str().c_str());
+      printError("train", w.status());
       return kExitError;
     }
     metrics_ = w.take();
@@ -168,13 +169,13 @@ int Trainer::run() {
   opts.synthetic.stream = 0;
   auto reader = data::openBatchReader(s_.trainSpec(), opts);
   if (!reader) {
-    std::fprintf(stderr, "kiln train: error: %s\n", reader.status().str().c_str());
+    printError("train", reader.status());
     return kExitError;
   }
   if (resumed_) {
     Status st = (*reader)->seek(resume_position_);
     if (!st) {
-      std::fprintf(stderr, "kiln train: error: %s\n", st.str().c_str());
+      printError("train", st);
       return kExitError;
     }
   }
@@ -185,8 +186,8 @@ int Trainer::run() {
   if (const ir::Attribute* a = trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
 
   auto fail = [&](const Status& st) {
-    if (!tty_) std::fprintf(stderr, "\n");
-    std::fprintf(stderr, "%skiln train: error: %s\n", tty_ ? "\n" : "", st.str().c_str());
+    if (tty_) std::fprintf(stderr, "\n");
+    printError("train", st);
     return kExitError;
   };
 
@@ -228,6 +229,7 @@ int Trainer::run() {
       double window = secondsSince(window_start_);
       window_rate_ = window > 0 ? static_cast<double>(window_samples_) / window : 0;
       progress(false);
+      logged_step_ = step_;
       if (metrics_) {
         runtime::MetricsRecord r;
         r.step = step_;
@@ -260,7 +262,7 @@ int Trainer::run() {
     last_auc_ = ev->auc;
     last_eval_loss_ = ev->loss;
   }
-  progress(true);
+  if (tty_ || logged_step_ != step_) progress(true);
   if (!f_.checkpoint_dir.empty()) {
     Status st = saveCheckpoint(position);
     if (!st) return fail(st);
@@ -341,7 +343,7 @@ int runTrain(const std::vector<std::string>& args) {
   if (!readModelFlags(p, so, &code)) return code;
   auto session = ModelSession::create(so, std::cerr);
   if (!session) {
-    std::fprintf(stderr, "%s\n", session.status().str().c_str());
+    printError("train", session.status());
     return kExitError;
   }
   Trainer t(**session, f, so.seed);

@@ -1,0 +1,508 @@
+#include "runtime/cuda/cuda_executor.h"
+
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "codegen/kernel_lowering.h"
+#include "codegen/memory_planner.h"
+#include "ir/op_def.h"
+#include "runtime/cuda/cublaslt.h"
+#include "runtime/cuda/cuda_driver.h"
+#include "runtime/cuda/nvrtc_compiler.h"
+
+namespace kiln::cuda {
+
+#ifdef KILN_HAVE_CUDA_HEADERS
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+std::string shapeStr(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+// Enough for every vectorized access a kernel or cuBLASLt makes.
+constexpr int64_t kArenaAlignment = 256;
+
+}  // namespace
+
+struct CudaSession::Impl {
+  std::unique_ptr<CudaContext> ctx;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<NvrtcCompiler> nvrtc;
+  std::unique_ptr<CublasLt> blas;
+  std::string arch;
+  std::map<std::string, DeviceBuffer, std::less<>> params;
+  CudaDriver* drv() const { return ctx->driver(); }
+};
+
+CudaSession::~CudaSession() = default;
+
+Expected<std::shared_ptr<CudaSession>> CudaSession::create(const CudaSessionOptions& options) {
+  std::shared_ptr<CudaSession> s(new CudaSession());
+  s->impl_ = std::make_unique<Impl>();
+  Impl& im = *s->impl_;
+  auto ctx = CudaContext::create(options.device);
+  if (!ctx) return ctx.status();
+  im.ctx = ctx.take();
+  im.arch = options.arch.empty() ? im.ctx->arch() : options.arch;
+  KILN_RETURN_IF_ERROR(checkGpuArch(im.arch));
+  auto stream = Stream::create(im.drv());
+  if (!stream) return stream.status();
+  im.stream = stream.take();
+  auto nvrtc = NvrtcCompiler::create(options.cache_dir.empty() ? defaultCacheDir() : options.cache_dir);
+  if (!nvrtc) return nvrtc.status();
+  im.nvrtc = nvrtc.take();
+  auto blas = CublasLt::create(im.drv());
+  if (!blas) return blas.status();
+  im.blas = blas.take();
+  return s;
+}
+
+Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
+  Impl& im = *impl_;
+  KILN_RETURN_IF_ERROR(im.ctx->makeCurrent());
+  KILN_RETURN_IF_ERROR(im.stream->synchronize());
+  for (const std::string& name : store.names()) {
+    const ir::HostTensor& t = *store.find(name);
+    size_t bytes = t.storage.size();
+    auto it = im.params.find(name);
+    if (it == im.params.end() || it->second.bytes() != std::max<size_t>(bytes, 1)) {
+      auto buf = DeviceBuffer::allocate(im.drv(), std::max<size_t>(bytes, 1), "parameter " + name);
+      if (!buf) return buf.status();
+      im.params[name] = buf.take();
+      it = im.params.find(name);
+    }
+    if (bytes) KILN_RETURN_IF_ERROR(it->second.upload(t.storage.data(), bytes));
+  }
+  return Status::ok();
+}
+
+Status CudaSession::downloadParameters(runtime::ParameterStore& store) const {
+  const Impl& im = *impl_;
+  KILN_RETURN_IF_ERROR(im.ctx->makeCurrent());
+  KILN_RETURN_IF_ERROR(im.stream->synchronize());
+  for (const auto& [name, buf] : im.params) {
+    ir::HostTensor* t = store.find(name);
+    if (!t) return Status::errorf("download: the parameter store has no '{}'", name);
+    if (t->storage.empty()) continue;
+    if (t->storage.size() > buf.bytes())
+      return Status::errorf("download: '{}' is {} bytes on the host but {} on the device", name, t->storage.size(),
+                            buf.bytes());
+    KILN_RETURN_IF_ERROR(buf.download(t->storage.data(), t->storage.size()));
+  }
+  return Status::ok();
+}
+
+bool CudaSession::hasParameter(const std::string& name) const { return impl_->params.count(name) > 0; }
+std::string CudaSession::deviceName() const { return impl_->ctx->name(); }
+std::string CudaSession::arch() const { return impl_->arch; }
+
+// One unit of stream work: a kernel launch or a GEMM.
+struct Step {
+  bool gemm = false;
+  CUfunction fn = nullptr;
+  std::string name;  // kernel symbol, or the GEMM's description
+  int64_t grid = 1;
+  int block = 256;
+  std::vector<CUdeviceptr> args;  // kernel arguments; a GEMM's a, b, c
+  GemmShape shape;
+};
+
+// An embedding kernel's {flag, table} pair, outside the arena so it survives the step.
+struct ErrorFlag {
+  CUdeviceptr ptr = 0;
+  std::string kernel;
+  std::vector<std::string> tables;  // weight buffer names, by table index
+};
+
+struct CudaExecutor::Impl {
+  std::shared_ptr<CudaSession> session;
+  CudaExecutorOptions options;
+  codegen::Program program;
+  DeviceBuffer arena;
+  std::vector<DeviceBuffer> owned;            // inputs, constants, error flags
+  std::vector<CUdeviceptr> address;           // per program buffer
+  std::vector<std::vector<int64_t>> shapes;   // per program buffer, at the bound symbols
+  std::vector<int> inputs;                    // program buffer ids of kiln.input values
+  std::vector<ErrorFlag> flags;
+  std::vector<Step> steps;
+  std::unique_ptr<LoadedModule> module;
+  std::unique_ptr<CudaGraph> graph;
+  int kernels = 0, gemms = 0, compiled = 0, runs = 0;
+
+  CudaSession::Impl& s() { return session->impl(); }
+  Status enqueue();
+};
+
+namespace {
+
+// The row-major GEMM a kiln.matmul is: batch dims must match (a shared right operand is folded
+// into M when the left one is not transposed).
+Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symbols) {
+  auto sa = codegen::concreteShape(op.operand(0)->type(), symbols);
+  auto sb = codegen::concreteShape(op.operand(1)->type(), symbols);
+  auto sc = codegen::concreteShape(op.result()->type(), symbols);
+  if (!sa || !sb || !sc) return Status::errorf("kiln.matmul at {}: shapes are not concrete", op.location().str());
+  if (sa->size() < 2 || sb->size() < 2 || sc->size() < 2)
+    return Status::errorf("kiln.matmul at {}: the CUDA backend needs operands of rank >= 2", op.location().str());
+  GemmShape g;
+  g.transpose_a = op.boolAttr("transpose_a");
+  g.transpose_b = op.boolAttr("transpose_b");
+  g.m = (*sc)[sc->size() - 2];
+  g.n = sc->back();
+  g.k = g.transpose_a ? (*sa)[sa->size() - 2] : sa->back();
+  g.a_type = op.operand(0)->type().dtype();
+  g.b_type = op.operand(1)->type().dtype();
+  g.c_type = op.result()->type().dtype();
+  auto batchOf = [](const std::vector<int64_t>& s) { return product({s.begin(), s.end() - 2}); };
+  int64_t ba = batchOf(*sa), bb = batchOf(*sb), bc = batchOf(*sc);
+  if (ba == bc && bb == bc) {
+    g.batch = bc;
+  } else if (bb == 1 && ba == bc && !g.transpose_a) {
+    g.m *= bc;  // [batch, M, K] x [K, N]: one [batch*M, K] x [K, N] product
+  } else {
+    return Status::errorf("kiln.matmul at {}: broadcast batch dims {} x {} are not supported on the CUDA backend",
+                          op.location().str(), shapeStr(*sa), shapeStr(*sb));
+  }
+  return g;
+}
+
+}  // namespace
+
+Status CudaExecutor::Impl::enqueue() {
+  CudaDriver* drv = s().drv();
+  CUstream st = s().stream->get();
+  for (const ErrorFlag& f : flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st), "clearing " + f.kernel + "'s error flag");
+  for (const Step& step : steps) {
+    if (step.gemm) {
+      Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], 0, st);
+      if (!r) return Status::errorf("cuBLASLt {}: {}", step.name, r.message());
+    } else {
+      KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
+    }
+  }
+  return Status::ok();
+}
+
+Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                                             std::shared_ptr<CudaSession> session,
+                                                             const CudaExecutorOptions& options) {
+  if (!session) return Status::error("cuda executor: no CUDA session");
+  std::unique_ptr<CudaExecutor> ex(new CudaExecutor());
+  ex->impl_ = std::make_unique<Impl>();
+  Impl& im = *ex->impl_;
+  im.session = std::move(session);
+  im.options = options;
+  CudaSession::Impl& si = im.s();
+  CudaDriver* drv = si.drv();
+  KILN_RETURN_IF_ERROR(si.ctx->makeCurrent());
+
+  auto lowered = codegen::lowerFunction(f, symbols);
+  if (!lowered) return lowered.status();
+  std::vector<codegen::LoweredGroup>& groups = *lowered;
+
+  // Program buffers: one per IR value that crosses a group, plus each group's temporaries.
+  codegen::Program& p = im.program;
+  p.function = f.name();
+  p.symbols = symbols;
+  std::map<const ir::Value*, int> value_buffer;
+  std::set<const ir::Value*> returned;
+  const ir::Op* ret = f.returnOp();
+  if (ret)
+    for (const ir::Value* v : ret->operands()) returned.insert(v);
+  std::map<int, const ir::Op*> constants;  // buffer -> kiln.constant
+  auto addBuffer = [&](codegen::BufferKind kind, std::string name, ir::TensorType type, std::vector<int64_t> shape,
+                       ir::DType dtype) {
+    codegen::Buffer b;
+    b.id = static_cast<int>(p.buffers.size());
+    b.kind = kind;
+    b.name = std::move(name);
+    b.type = std::move(type);
+    b.bytes = product(shape) * ir::dtypeBytes(dtype);
+    p.buffers.push_back(std::move(b));
+    im.shapes.push_back(std::move(shape));
+    return static_cast<int>(p.buffers.size() - 1);
+  };
+  auto bufferOf = [&](const ir::Value* v) -> Expected<int> {
+    auto it = value_buffer.find(v);
+    if (it != value_buffer.end()) return it->second;
+    auto shape = codegen::concreteShape(v->type(), symbols);
+    if (!shape) return shape.status();
+    const ir::Op* def = v->definingOp();
+    if (!def) return Status::errorf("cuda executor: @{} has a block argument; expected kiln.input ops", f.name());
+    codegen::BufferKind kind = returned.count(v) ? codegen::BufferKind::Output : codegen::BufferKind::Temp;
+    std::string name = v->nameHint();
+    if (def->name() == "kiln.input") {
+      kind = codegen::BufferKind::Input;
+      name = def->strAttr("name");
+    } else if (def->name() == "kiln.parameter") {
+      kind = codegen::BufferKind::Parameter;
+      name = def->strAttr("name");
+    } else if (def->name() == "kiln.constant") {
+      kind = codegen::BufferKind::Parameter;  // outside the arena, uploaded once
+    }
+    int id = addBuffer(kind, name, v->type(), *shape, v->type().dtype());
+    if (def->name() == "kiln.constant") constants[id] = def;
+    if (kind == codegen::BufferKind::Input) im.inputs.push_back(id);
+    value_buffer[v] = id;
+    return id;
+  };
+
+  // Each group is one launch of the program; its kernel arguments map to program buffers.
+  std::vector<std::vector<int>> group_buffers(groups.size());
+  codegen::Stream stream0;
+  std::set<int> error_flag_buffers;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const codegen::LoweredGroup& g = groups[gi];
+    std::set<const ir::Op*> in_group(g.ops.begin(), g.ops.end());
+    codegen::Instruction in;
+    in.seq = static_cast<int>(gi);
+    in.op = g.gemm ? "kiln.matmul" : "cuda.group";
+    if (g.gemm) {
+      for (unsigned i = 0; i < 2; ++i) {
+        auto b = bufferOf(g.gemm->operand(i));
+        if (!b) return b.status();
+        in.operands.push_back(*b);
+      }
+      auto c = bufferOf(g.gemm->result());
+      if (!c) return c.status();
+      in.results.push_back(*c);
+    }
+    for (const codegen::GroupBuffer& gb : g.buffers) {
+      int id;
+      if (gb.value) {
+        auto b = bufferOf(gb.value);
+        if (!b) return b.status();
+        id = *b;
+        bool defined_here = gb.value->definingOp() && in_group.count(gb.value->definingOp());
+        (defined_here ? in.results : in.operands).push_back(id);
+      } else if (gb.name == "embedding_errors") {
+        // Outside the arena: it must survive the step to be checked.
+        id = addBuffer(codegen::BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
+        error_flag_buffers.insert(id);
+      } else {
+        id = addBuffer(codegen::BufferKind::Temp, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
+        in.results.push_back(id);
+      }
+      group_buffers[gi].push_back(id);
+    }
+    stream0.instrs.push_back(std::move(in));
+  }
+  if (ret)
+    for (const ir::Value* v : ret->operands()) {
+      auto b = bufferOf(v);
+      if (!b) return b.status();
+      p.results.push_back(*b);
+    }
+  p.streams.push_back(std::move(stream0));
+  KILN_RETURN_IF_ERROR(codegen::planMemory(p, {.alignment = kArenaAlignment, .in_place = false}));
+
+  // Device memory: the arena, then every buffer outside it.
+  auto arena = DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(p.arena_bytes, kArenaAlignment)),
+                                      fmt::format("the {}-byte arena of @{}", p.arena_bytes, f.name()));
+  if (!arena) return arena.status();
+  im.arena = arena.take();
+  im.address.assign(p.buffers.size(), 0);
+  for (const codegen::Buffer& b : p.buffers) {
+    if (b.inArena()) {
+      im.address[b.id] = im.arena.ptr() + static_cast<CUdeviceptr>(b.offset);
+    } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) && !error_flag_buffers.count(b.id)) {
+      auto it = si.params.find(b.name);
+      if (it == si.params.end())
+        return Status::errorf("cuda executor: parameter '{}' of @{} is not on the device (upload the store first)",
+                              b.name, f.name());
+      if (static_cast<int64_t>(it->second.bytes()) < b.bytes)
+        return Status::errorf("cuda executor: parameter '{}' is {} bytes on the device, @{} needs {}", b.name,
+                              it->second.bytes(), f.name(), b.bytes);
+      im.address[b.id] = it->second.ptr();
+    } else {
+      auto buf = DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(b.bytes, 4)),
+                                        fmt::format("{} '{}'", codegen::bufferKindName(b.kind), b.name));
+      if (!buf) return buf.status();
+      im.address[b.id] = buf->ptr();
+      im.owned.push_back(buf.take());
+    }
+  }
+  // Constants: computed by the op's CPU reference, uploaded once.
+  for (const auto& [id, op] : constants) {
+    ir::HostTensor t(op->result()->type().dtype(), im.shapes[id]);
+    if (!op->def() || !op->def()->cpu) return Status::errorf("kiln.constant at {}: no reference to evaluate it", op->location().str());
+    ir::CpuContext cc;
+    cc.symbols = &symbols;
+    KILN_RETURN_IF_ERROR(op->def()->cpu(*op, {}, {&t.view}, cc));
+    if (!t.storage.empty())
+      KILN_CU(drv, cuMemcpyHtoD(im.address[id], t.storage.data(), t.storage.size()), "constant " + p.buffers[id].name);
+  }
+
+  // One NVRTC module holding every kernel of the function.
+  std::vector<const codegen::Kernel*> all;
+  for (const codegen::LoweredGroup& g : groups)
+    for (const codegen::Kernel& k : g.kernels) all.push_back(&k);
+  if (!all.empty()) {
+    codegen::CudaModule mod = codegen::emitModule(all);
+    int before = si.nvrtc->compilations();
+    auto cubin = si.nvrtc->compile(mod, si.arch);
+    if (!cubin) return Status::errorf("compiling the kernels of @{}: {}", f.name(), cubin.status().message());
+    im.compiled = si.nvrtc->compilations() - before;
+    auto loaded = LoadedModule::load(drv, cubin->cubin);
+    if (!loaded) return loaded.status();
+    im.module = loaded.take();
+  }
+
+  // The steps, in group order, with every argument resolved.
+  size_t kernel_index = 0;
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const codegen::LoweredGroup& g = groups[gi];
+    if (g.gemm) {
+      auto shape = gemmShapeOf(*g.gemm, symbols);
+      if (!shape) return shape.status();
+      const codegen::Instruction& in = im.program.streams[0].instrs[gi];
+      Step s;
+      s.gemm = true;
+      s.shape = *shape;
+      s.name = fmt::format("{} at {}", shape->str(), g.gemm->location().str());
+      s.args = {im.address[in.operands[0]], im.address[in.operands[1]], im.address[in.results[0]]};
+      im.steps.push_back(std::move(s));
+      ++im.gemms;
+      continue;
+    }
+    for (size_t ki = 0; ki < g.kernels.size(); ++ki, ++kernel_index) {
+      const codegen::Kernel& k = g.kernels[ki];
+      Step s;
+      codegen::emitKernel(k, &s.name);
+      auto fn = im.module->function(s.name);
+      if (!fn) return fn.status();
+      s.fn = *fn;
+      codegen::LaunchConfig lc = codegen::launchConfig(k);
+      s.grid = lc.grid;
+      s.block = lc.block;
+      for (int gb : g.args[ki]) s.args.push_back(im.address[group_buffers[gi][static_cast<size_t>(gb)]]);
+      if (k.error_flag >= 0) {
+        int pb = group_buffers[gi][static_cast<size_t>(g.args[ki][static_cast<size_t>(k.error_flag)])];
+        ErrorFlag ef{im.address[pb], s.name, {}};
+        for (const codegen::EmbeddingTable& t : k.tables)
+          ef.tables.push_back(t.weight >= 0 ? k.buffers[static_cast<size_t>(t.weight)].name : "?");
+        bool seen = false;
+        for (const ErrorFlag& e : im.flags) seen |= e.ptr == ef.ptr;
+        if (!seen) im.flags.push_back(std::move(ef));
+      }
+      im.steps.push_back(std::move(s));
+      ++im.kernels;
+    }
+  }
+  return ex;
+}
+
+CudaExecutor::~CudaExecutor() = default;
+
+Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch& batch) {
+  Impl& im = *impl_;
+  CudaSession::Impl& si = im.s();
+  CudaDriver* drv = si.drv();
+  KILN_RETURN_IF_ERROR(si.ctx->makeCurrent());
+  KILN_RETURN_IF_ERROR(si.stream->synchronize());  // nothing may still read the input buffers
+  CUstream st = si.stream->get();
+
+  for (int id : im.inputs) {
+    const codegen::Buffer& b = im.program.buffers[id];
+    auto it = batch.find(b.name);
+    if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", im.program.function, b.name);
+    const ir::TensorView& v = it->second;
+    if (v.dtype != b.type.dtype() || v.shape != im.shapes[id])
+      return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}", im.program.function, b.name,
+                            ir::dtypeName(v.dtype), shapeStr(v.shape), ir::dtypeName(b.type.dtype()),
+                            shapeStr(im.shapes[id]));
+    if (b.bytes) KILN_CU(drv, cuMemcpyHtoDAsync(im.address[id], v.data, static_cast<size_t>(b.bytes), st), "input " + b.name);
+  }
+  if (im.options.poison_arena)
+    KILN_CU(drv, cuMemsetD8Async(im.arena.ptr(), 0xFF, im.arena.bytes(), st), "poisoning the arena");
+
+  if (im.graph) {
+    KILN_RETURN_IF_ERROR(im.graph->launch(st));
+  } else if (im.options.use_graph && im.runs >= 1) {
+    // The first run went eagerly (cuBLASLt chose its algorithms); now capture and replay.
+    KILN_RETURN_IF_ERROR(CudaGraph::beginCapture(drv, st));
+    Status s = im.enqueue();
+    if (!s) {
+      CUgraph g = nullptr;
+      drv->cuStreamEndCapture(st, &g);
+      if (g) drv->cuGraphDestroy(g);
+      return s;
+    }
+    auto graph = CudaGraph::endCapture(drv, st);
+    if (!graph) return graph.status();
+    im.graph = graph.take();
+    KILN_RETURN_IF_ERROR(im.graph->launch(st));
+  } else {
+    KILN_RETURN_IF_ERROR(im.enqueue());
+  }
+  Status done = si.stream->synchronize();
+  if (!done) return Status::errorf("@{} on the GPU: {}", im.program.function, done.message());
+  ++im.runs;
+
+  for (const ErrorFlag& f : im.flags) {
+    int32_t flag[2] = {0, 0};
+    KILN_CU(drv, cuMemcpyDtoH(flag, f.ptr, sizeof(flag)), "reading " + f.kernel + "'s error flag");
+    if (flag[0]) {
+      std::string table = flag[1] >= 0 && static_cast<size_t>(flag[1]) < f.tables.size() ? f.tables[flag[1]]
+                                                                                         : std::to_string(flag[1]);
+      return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", im.program.function,
+                            table, f.kernel);
+    }
+  }
+
+  std::vector<ir::HostTensor> out;
+  for (int id : im.program.results) {
+    const codegen::Buffer& b = im.program.buffers[id];
+    ir::HostTensor t(b.type.dtype(), im.shapes[id]);
+    if (!t.storage.empty())
+      KILN_CU(drv, cuMemcpyDtoH(t.storage.data(), im.address[id], t.storage.size()), "result " + b.name);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+const codegen::Program& CudaExecutor::plan() const { return impl_->program; }
+int CudaExecutor::numKernels() const { return impl_->kernels; }
+int CudaExecutor::numGemms() const { return impl_->gemms; }
+bool CudaExecutor::graphCaptured() const { return impl_->graph != nullptr; }
+int CudaExecutor::kernelsCompiled() const { return impl_->compiled; }
+
+#else  // !KILN_HAVE_CUDA_HEADERS
+
+struct CudaSession::Impl {};
+struct CudaExecutor::Impl {
+  codegen::Program program;
+};
+
+CudaSession::~CudaSession() = default;
+Expected<std::shared_ptr<CudaSession>> CudaSession::create(const CudaSessionOptions&) {
+  return Status::error("no CUDA: this kiln was built without the CUDA toolkit's headers");
+}
+Status CudaSession::uploadParameters(const runtime::ParameterStore&) { return Status::error("no CUDA"); }
+Status CudaSession::downloadParameters(runtime::ParameterStore&) const { return Status::error("no CUDA"); }
+bool CudaSession::hasParameter(const std::string&) const { return false; }
+std::string CudaSession::deviceName() const { return ""; }
+std::string CudaSession::arch() const { return ""; }
+
+CudaExecutor::~CudaExecutor() = default;
+Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&, const ir::SymbolBindings&,
+                                                             std::shared_ptr<CudaSession>, const CudaExecutorOptions&) {
+  return Status::error("no CUDA: this kiln was built without the CUDA toolkit's headers");
+}
+Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
+const codegen::Program& CudaExecutor::plan() const { return impl_->program; }
+int CudaExecutor::numKernels() const { return 0; }
+int CudaExecutor::numGemms() const { return 0; }
+bool CudaExecutor::graphCaptured() const { return false; }
+int CudaExecutor::kernelsCompiled() const { return 0; }
+
+#endif
+
+}  // namespace kiln::cuda
