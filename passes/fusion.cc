@@ -207,6 +207,16 @@ class FunctionFuser {
         return forbid(fmt::format("{} depends on the group and feeds {}: fusing would make a cycle",
                                   namer_.name(v), consumer.name()));
     }
+    // The group runs where its last op was: an op between the group and the consumer that reads
+    // a group value would have to wait for the consumer, and the values it frees would live on.
+    const int from = pos_.at(grp.members.back()), to = pos_.at(&consumer);
+    for (const Op* m : grp.members)
+      for (const Value* r : m->results())
+        for (const ir::Use& u : r->uses()) {
+          auto it = pos_.find(u.user);
+          if (it != pos_.end() && it->second > from && it->second < to && !grp.has(u.user))
+            return forbid(fmt::format("fusing would delay {} (it reads {} in between)", label(*u.user), namer_.name(r)));
+        }
     // Profitability, from the one cost model.
     std::vector<const Op*> before(grp.members.begin(), grp.members.end()), after(with.begin(), with.end());
     double gain = cost_.fusionBenefit(after) - cost_.fusionBenefit(before) - 0.0;
@@ -295,7 +305,7 @@ class FunctionFuser {
   // Builds one kiln.fused op per group of two or more ops, then restores a valid order.
   void materialize() {
     ir::Block& block = f_.entry();
-    std::unordered_map<const Op*, int> key;  // preferred position: the group's first op
+    std::unordered_map<const Op*, int> key;  // preferred position: the group's last op
     for (const auto& [op, p] : pos_) key[op] = p;
     for (Group& grp : groups_) {
       if (grp.members.size() < 2) continue;
@@ -328,7 +338,7 @@ class FunctionFuser {
       for (Value* v : inputs) body.addArgument(v->type(), v->nameHint());
       // At the last member: every reader of what the group writes in place still comes first.
       Op* fop = block.insertBefore(grp.members.back(), std::move(fused));
-      key[fop] = pos_[grp.members.front()];
+      key[fop] = pos_[grp.members.back()];
       for (size_t i = 0; i < outputs.size(); ++i) {
         fop->result(static_cast<unsigned>(i))->setNameHint(outputs[i]->nameHint());
         std::vector<ir::Use> uses = outputs[i]->uses();

@@ -61,17 +61,18 @@ class Flattener {
       return Status::ok();
     }
     if (op.name() == "func.return") {
-      for (const ir::Value* v : op.operands()) buffers[static_cast<size_t>(buffer_of_.at(v))].returned = true;
+      for (const ir::Value* v : op.operands())
+        if (buffer_of_.count(v)) buffers[static_cast<size_t>(buffer_of_.at(v))].returned = true;
       return Status::ok();
     }
     if (op.name() == "kiln.fused" && !op.regions().empty() && !op.regions().front()->empty()) {
       const ir::Block& body = op.regions().front()->front();
       for (unsigned i = 0; i < body.numArguments() && i < op.numOperands(); ++i)
-        buffer_of_[body.argument(i)] = buffer_of_.at(op.operand(i));
+        if (buffer_of_.count(op.operand(i))) buffer_of_[body.argument(i)] = buffer_of_.at(op.operand(i));
       for (const auto& inner : body.ops()) {
         if (inner->name() == "kiln.yield") {
           for (unsigned i = 0; i < inner->numOperands() && i < op.numResults(); ++i)
-            buffer_of_[op.result(i)] = buffer_of_.at(inner->operand(i));
+            if (buffer_of_.count(inner->operand(i))) buffer_of_[op.result(i)] = buffer_of_.at(inner->operand(i));
           continue;
         }
         KILN_RETURN_IF_ERROR(lower(*inner));
@@ -79,7 +80,15 @@ class Flattener {
       return Status::ok();
     }
     Step s{&op, {}, {}};
-    for (const ir::Value* v : op.operands()) s.operands.push_back(buffer_of_.at(v));
+    for (const ir::Value* v : op.operands()) {
+      // A function argument (IR tests; models take none) lives outside the arena like an input.
+      if (!buffer_of_.count(v)) {
+        auto id = newBuffer(op, v->type(), false);
+        if (!id) return id.status();
+        buffer_of_[v] = *id;
+      }
+      s.operands.push_back(buffer_of_.at(v));
+    }
     for (const ir::Value* r : op.results()) {
       auto id = newBuffer(op, r->type(), true);
       if (!id) return id.status();

@@ -91,7 +91,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
 
   // The forward ends at the loss (docs/autodiff.md: @train_step returns the loss first).
   const Op* loss = f->returnOp()->operand(0)->definingOp();
-  if (!loss) return report;
+  if (!loss || loss->parentBlock() != &block) return report;
   CostModel cost(cpuDevice(), symbols);
   ir::ValueNamer namer(*f);
 

@@ -302,6 +302,7 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
   addModelFlags(p);
+  addDeviceFlag(p);
   int code;
   if (!p.parse(args, &code)) return code;
 
@@ -340,7 +341,7 @@ int runTrain(const std::vector<std::string>& args) {
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = f.batch;
-  if (!readModelFlags(p, so, &code)) return code;
+  if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   auto session = ModelSession::create(so, std::cerr);
   if (!session) {
     printError("train", session.status());

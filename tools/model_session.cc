@@ -1,6 +1,7 @@
 #include "tools/model_session.h"
 
 #include <cmath>
+#include <cstdio>
 #include <iostream>
 #include <sstream>
 
@@ -48,6 +49,23 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
   o.pass_options.print_ir_after_all = p.flag("print-ir-after-all");
   o.pass_options.dump_dir = p.get("dump-dir");
   o.pass_options.timing = p.flag("pass-timing");
+  return true;
+}
+
+void addDeviceFlag(ArgParser& p) {
+  p.addOption("device", "cpu|cuda", "where to run (default: cuda when a GPU is present, else cpu)");
+}
+
+bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code) {
+  if (!p.has("device")) {
+    o.device = cuda::cudaAvailable() ? "cuda" : "cpu";
+    return true;
+  }
+  o.device = p.get("device");
+  if (o.device != "cpu" && o.device != "cuda") {
+    *exit_code = p.usageError(fmt::format("--device must be cpu or cuda, got '{}'", o.device));
+    return false;
+  }
   return true;
 }
 
@@ -108,6 +126,16 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   }
   ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
+  if (options.device == "cuda") {
+    std::string why;
+    if (!cuda::cudaAvailable(&why)) return Status::error(fmt::format("--device cuda: {}", why));
+    auto cs = cuda::CudaSession::create();
+    if (!cs) return Status::error(fmt::format("--device cuda: {}", cs.status().message()));
+    s->cuda_ = cs.take();
+    KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));
+  } else if (options.device != "cpu") {
+    return Status::error(fmt::format("unknown device '{}' (cpu or cuda)", options.device));
+  }
   return s;
 }
 
@@ -128,10 +156,31 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   return raw;
 }
 
+Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& function, int64_t batch) {
+  auto key = std::make_pair(function, batch);
+  auto it = cuda_executors_.find(key);
+  if (it != cuda_executors_.end()) return it->second.get();
+  const ir::Function* f = module_->lookup(function);
+  if (!f) return Status::error(fmt::format("the model has no @{}", function));
+  auto exec = cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_);
+  if (!exec) return exec.status();
+  cuda::CudaExecutor* raw = exec->get();
+  cuda_executors_[key] = exec.take();
+  return raw;
+}
+
+runtime::ParameterStore& ModelSession::params() {
+  if (cuda_ && device_newer_) {
+    Status s = cuda_->downloadParameters(params_);
+    if (!s) std::fprintf(stderr, "error: copying parameters from the GPU: %s\n", s.message().c_str());
+    device_newer_ = false;
+  }
+  if (cuda_) host_touched_ = true;
+  return params_;
+}
+
 Expected<StepOutputs> ModelSession::run(const std::string& function, const data::Batch& batch,
                                         const std::vector<std::pair<std::string, float>>& scalars) {
-  auto exec = executorFor(function, batch.size);
-  if (!exec) return exec.status();
   runtime::cpu::Batch inputs;
   for (size_t i = 0; i < batch.names.size(); ++i) inputs[batch.names[i]] = batch.tensors[i].view;
   std::vector<float> scalar_storage;
@@ -140,7 +189,21 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
     scalar_storage.push_back(value);
     inputs[name] = ir::TensorView{ir::DType::f32, {}, &scalar_storage.back()};
   }
-  auto results = (*exec)->run(inputs, params_);
+  Expected<std::vector<ir::HostTensor>> results = Status::error("not run");
+  if (cuda_) {
+    if (host_touched_) {
+      KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
+      host_touched_ = false;
+    }
+    auto exec = cudaExecutorFor(function, batch.size);
+    if (!exec) return exec.status();
+    results = (*exec)->run(inputs);
+    if (function == "train_step") device_newer_ = true;
+  } else {
+    auto exec = executorFor(function, batch.size);
+    if (!exec) return exec.status();
+    results = (*exec)->run(inputs, params_);
+  }
   if (!results) return results.status();
 
   // @train_step returns (loss, prediction); @forward returns the outputs kiln.outputs names.

@@ -14,6 +14,7 @@
 #include "ir/ir.h"
 #include "passes/pass_manager.h"
 #include "runtime/cpu/executor.h"
+#include "runtime/cuda/cuda_executor.h"
 #include "runtime/data/batch.h"
 #include "runtime/parameter_store.h"
 #include "tools/cli.h"
@@ -27,6 +28,7 @@ struct SessionOptions {
   int threads = 1;
   uint64_t seed = 0;
   bool training = true;  // build @train_step (needs a train block)
+  std::string device = "cpu";  // "cpu" or "cuda" (one GPU; parameters stay on it between steps)
   passes::PassManagerOptions pass_options;
 };
 
@@ -35,6 +37,9 @@ struct SessionOptions {
 void addModelFlags(ArgParser& p);
 // Reads them back; returns a usage error (already printed) as false.
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
+// --device cpu|cuda; the default is cuda when a GPU is present, else cpu.
+void addDeviceFlag(ArgParser& p);
+bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code);
 
 struct StepOutputs {
   double loss = 0;
@@ -48,7 +53,10 @@ class ModelSession {
 
   ir::Module& module() { return *module_; }
   const std::string& modelName() const { return model_name_; }
-  runtime::ParameterStore& params() { return params_; }
+  // The parameters on the host. With --device cuda this first copies the device's values back,
+  // and the next step uploads the store again (a caller may have changed it, e.g. on resume).
+  runtime::ParameterStore& params();
+  const std::string& device() const { return options_.device; }
   // The data the training step reads (labels included) and the forward pass reads.
   const data::BatchSpec& trainSpec() const { return train_spec_; }
   const data::BatchSpec& forwardSpec() const { return forward_spec_; }
@@ -68,6 +76,7 @@ class ModelSession {
  private:
   ModelSession() = default;
   Expected<runtime::cpu::CpuExecutor*> executorFor(const std::string& function, int64_t batch);
+  Expected<cuda::CudaExecutor*> cudaExecutorFor(const std::string& function, int64_t batch);
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
                             const std::vector<std::pair<std::string, float>>& scalars);
 
@@ -79,6 +88,10 @@ class ModelSession {
   runtime::ParameterStore params_;
   data::BatchSpec train_spec_, forward_spec_;
   std::map<std::pair<std::string, int64_t>, std::unique_ptr<runtime::cpu::CpuExecutor>> executors_;
+  // --device cuda: the GPU, its executors, and which copy of the parameters is newer.
+  std::shared_ptr<cuda::CudaSession> cuda_;
+  std::map<std::pair<std::string, int64_t>, std::unique_ptr<cuda::CudaExecutor>> cuda_executors_;
+  bool device_newer_ = false, host_touched_ = false;
 };
 
 // The `kiln.train` value of `key`, or nullptr.

@@ -468,6 +468,48 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
   return out;
 }
 
+Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch& batch) {
+  Impl& im = *impl_;
+  // A normal run first: inputs uploaded, flags checked, cuBLASLt plans chosen.
+  auto first = run(batch);
+  if (!first) return first.status();
+  CudaSession::Impl& si = im.s();
+  CudaDriver* drv = si.drv();
+  CUstream st = si.stream->get();
+  std::vector<CUevent> events(im.steps.size() + 1, nullptr);
+  auto destroy = [&] {
+    for (CUevent e : events)
+      if (e) drv->cuEventDestroy(e);
+  };
+  std::vector<Timing> out;
+  Status s = [&]() -> Status {
+    for (CUevent& e : events) KILN_CU(drv, cuEventCreate(&e, CU_EVENT_DEFAULT), "profiling");
+    for (const ErrorFlag& f : im.flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st), "clearing an error flag");
+    KILN_CU(drv, cuEventRecord(events[0], st), "profiling");
+    for (size_t i = 0; i < im.steps.size(); ++i) {
+      const Step& step = im.steps[i];
+      if (step.gemm) {
+        KILN_RETURN_IF_ERROR(si.blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], 0, st));
+      } else {
+        KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
+      }
+      KILN_CU(drv, cuEventRecord(events[i + 1], st), "profiling");
+    }
+    KILN_RETURN_IF_ERROR(si.stream->synchronize());
+    for (size_t i = 0; i < im.steps.size(); ++i) {
+      const Step& step = im.steps[i];
+      float ms = 0;
+      KILN_CU(drv, cuEventElapsedTime(&ms, events[i], events[i + 1]), step.name);
+      const GemmShape& g = step.shape;
+      out.push_back({step.name, step.gemm, step.gemm ? 2.0 * g.m * g.n * g.k * g.batch : 0.0, ms});
+    }
+    return Status::ok();
+  }();
+  destroy();
+  if (!s) return s;
+  return out;
+}
+
 const codegen::Program& CudaExecutor::plan() const { return impl_->program; }
 int CudaExecutor::numKernels() const { return impl_->kernels; }
 int CudaExecutor::numGemms() const { return impl_->gemms; }
@@ -497,6 +539,9 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   return Status::error("no CUDA: this kiln was built without the CUDA toolkit's headers");
 }
 Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
+Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch&) {
+  return Status::error("no CUDA");
+}
 const codegen::Program& CudaExecutor::plan() const { return impl_->program; }
 int CudaExecutor::numKernels() const { return 0; }
 int CudaExecutor::numGemms() const { return 0; }

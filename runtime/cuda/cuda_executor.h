@@ -77,6 +77,16 @@ class CudaExecutor {
   // exactly their bound shapes.
   Expected<std::vector<ir::HostTensor>> run(const runtime::cpu::Batch& batch);
 
+  // Runs the function once more, eagerly, with an event around every kernel and GEMM: the
+  // device time of each, in order (for the benchmark's bandwidth and TFLOP/s figures).
+  struct Timing {
+    std::string name;   // kernel symbol, or the GEMM's description
+    bool gemm = false;
+    double flops = 0;   // GEMMs: 2*M*N*K*batch
+    double ms = 0;
+  };
+  Expected<std::vector<Timing>> profile(const runtime::cpu::Batch& batch);
+
   // The buffers and arena plan (one launch per group).
   const codegen::Program& plan() const;
   int numKernels() const;

@@ -1,0 +1,143 @@
+// Whole models on the GPU against the CPU: one training step of each model in models/ from the
+// same initial parameters on the same batch (loss, logits and every parameter and optimizer
+// state afterwards), and 50-step loss trajectories. Skips without a GPU (ctest label `gpu`).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "runtime/cuda/cuda_driver.h"
+#include "runtime/data/batch_reader.h"
+#include "tools/model_session.h"
+
+namespace kiln::cli {
+namespace {
+
+const char* const kModels[] = {"dlrm", "dcn", "deepfm", "wide_deep", "dlrm_dcnv2"};
+constexpr int64_t kBatch = 256;
+
+std::unique_ptr<ModelSession> makeSession(const std::string& model, const std::string& device) {
+  SessionOptions o;
+  o.model_path = std::string(KILN_SOURCE_DIR) + "/models/" + model + ".kiln";
+  o.overrides["rows_cap"] = "2000";  // small tables keep the CPU side fast; the math is the same
+  o.batch = kBatch;
+  o.threads = 2;
+  o.seed = 3;
+  o.device = device;
+  std::ostringstream diag;
+  auto s = ModelSession::create(o, diag);
+  EXPECT_TRUE(s) << s.status().message() << "\n" << diag.str();
+  return s ? s.take() : nullptr;
+}
+
+std::vector<data::Batch> batches(const ModelSession& s, int n) {
+  data::DataOptions opts;
+  opts.paths = {"synthetic"};
+  opts.batch_size = kBatch;
+  opts.epochs = 0;
+  opts.synthetic.seed = 11;
+  std::vector<data::Batch> out;
+  auto reader = data::openBatchReader(s.trainSpec(), opts);
+  EXPECT_TRUE(reader) << reader.status().message();
+  if (!reader) return out;
+  for (int i = 0; i < n; ++i) {
+    data::Batch b;
+    auto more = (*reader)->next(b);
+    EXPECT_TRUE(more && *more);
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+double maxRelDiff(const ir::HostTensor& a, const ir::HostTensor& b) {
+  double worst = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    double x, y;
+    if (a.view.dtype == ir::DType::bf16) {
+      x = ir::bf16ToFloat(a.as<uint16_t>()[i]);
+      y = ir::bf16ToFloat(b.as<uint16_t>()[i]);
+    } else if (a.view.dtype == ir::DType::f64) {
+      x = a.as<double>()[i];
+      y = b.as<double>()[i];
+    } else {
+      x = a.as<float>()[i];
+      y = b.as<float>()[i];
+    }
+    double d = std::fabs(x - y) / (1e-3 + std::fabs(y));
+    if (!(d <= worst)) worst = std::isnan(d) ? INFINITY : d;
+  }
+  return worst;
+}
+
+class GpuModel : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GpuModel, TrainingStepMatchesCpu) {
+  std::string why;
+  if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why;
+  auto cpu = makeSession(GetParam(), "cpu");
+  auto gpu = makeSession(GetParam(), "cuda");
+  ASSERT_TRUE(cpu && gpu);
+  std::vector<data::Batch> bs = batches(*cpu, 2);
+  ASSERT_EQ(bs.size(), 2u);
+  for (int step = 1; step <= 2; ++step) {  // the second step replays the captured graph's inputs anew
+    auto c = cpu->trainStep(bs[step - 1], 1.0, step);
+    auto g = gpu->trainStep(bs[step - 1], 1.0, step);
+    ASSERT_TRUE(c) << c.status().message();
+    ASSERT_TRUE(g) << g.status().message();
+    EXPECT_NEAR(g->loss, c->loss, 1e-4 * (1 + std::fabs(c->loss))) << "step " << step;
+    ASSERT_EQ(g->logits.size(), c->logits.size());
+    for (size_t i = 0; i < c->logits.size(); ++i)
+      ASSERT_NEAR(g->logits[i], c->logits[i], 1e-3 * (1 + std::fabs(c->logits[i]))) << "logit " << i << " step " << step;
+  }
+  for (const std::string& name : cpu->checkpointNames()) {
+    const ir::HostTensor* want = cpu->params().find(name);
+    const ir::HostTensor* got = gpu->params().find(name);
+    ASSERT_TRUE(want && got) << name;
+    ASSERT_EQ(want->storage.size(), got->storage.size()) << name;
+    EXPECT_LE(maxRelDiff(*got, *want), want->view.dtype == ir::DType::bf16 ? 2e-2 : 2e-3) << name;
+  }
+}
+
+TEST_P(GpuModel, FiftyStepLossTrajectoriesAgree) {
+  std::string why;
+  if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why;
+  auto cpu = makeSession(GetParam(), "cpu");
+  auto gpu = makeSession(GetParam(), "cuda");
+  ASSERT_TRUE(cpu && gpu);
+  std::vector<data::Batch> bs = batches(*cpu, 50);
+  ASSERT_EQ(bs.size(), 50u);
+  double first = 0, last_cpu = 0, last_gpu = 0;
+  for (int step = 1; step <= 50; ++step) {
+    auto c = cpu->trainStep(bs[step - 1], 1.0, step);
+    auto g = gpu->trainStep(bs[step - 1], 1.0, step);
+    ASSERT_TRUE(c) << c.status().message();
+    ASSERT_TRUE(g) << g.status().message();
+    ASSERT_TRUE(std::isfinite(g->loss)) << "step " << step;
+    // Summation order differs, so trajectories drift slowly apart; they must stay close.
+    ASSERT_NEAR(g->loss, c->loss, 2e-3 * step * (1 + std::fabs(c->loss))) << "step " << step;
+    if (step == 1) first = c->loss;
+    last_cpu = c->loss;
+    last_gpu = g->loss;
+  }
+  EXPECT_LT(last_cpu, first);  // both trained
+  EXPECT_LT(last_gpu, first);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GpuModel, ::testing::ValuesIn(kModels));
+
+TEST(GpuDevice, CudaWithoutAGpuIsAClearError) {
+  std::string why;
+  if (cuda::cudaAvailable(&why)) GTEST_SKIP() << "a GPU is present";
+  SessionOptions o;
+  o.model_path = std::string(KILN_SOURCE_DIR) + "/models/dlrm.kiln";
+  o.overrides["rows_cap"] = "100";
+  o.batch = 8;
+  o.device = "cuda";
+  std::ostringstream diag;
+  auto s = ModelSession::create(o, diag);
+  ASSERT_FALSE(s);
+  EXPECT_NE(s.status().message().find("--device cuda"), std::string::npos) << s.status().message();
+}
+
+}  // namespace
+}  // namespace kiln::cli
