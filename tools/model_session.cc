@@ -10,6 +10,7 @@
 #include "codegen/lower_cpu.h"
 #include "ir/verifier.h"
 #include "passes/pipeline.h"
+#include "runtime/cuda/cuda_driver.h"
 
 namespace kiln::cli {
 

@@ -14,7 +14,11 @@ import sys
 STEPS = 40
 BATCH = 32
 # Tiny tables and, where the model has params for them, narrow embeddings.
-TINY = {"dlrm": ["emb_dim=8"], "dcn": ["emb_dim=4", "cross_layers=2"], "deepfm": ["emb_dim=4"]}
+TINY = {"dlrm": ["emb_dim=8", "top=[64, 32, 1]"],
+        "dlrm_dcnv2": ["emb_dim=8", "cross_rank=16", "top=[64, 32, 1]", "hot=1"],
+        "dcn": ["emb_dim=4", "cross_layers=2"],
+        "deepfm": ["emb_dim=4", "deep_widths=[64, 32, 1]"],
+        "wide_deep": ["deep_widths=[64, 32, 1]"]}
 
 
 def write_tsv(path, lines, seed):

@@ -125,7 +125,9 @@ TEST_P(GpuOps, CudaResultMatchesCpuReference) {
     }
     auto d = cuda::DeviceBuffer::allocate(drv, std::max<size_t>(host[i].storage.size(), 4), b.name);
     ASSERT_TRUE(d) << d.status().message();
-    if (!host[i].storage.empty()) ASSERT_TRUE(d->upload(host[i].storage.data(), host[i].storage.size()).isOk());
+    if (!host[i].storage.empty()) {
+      ASSERT_TRUE(d->upload(host[i].storage.data(), host[i].storage.size()).isOk());
+    }
     bufs.push_back(d.take());
   }
   auto stream = cuda::Stream::create(drv);

@@ -133,14 +133,21 @@ TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
   ASSERT_TRUE(m) << m.status().str();
   auto reference = trainingModule(GetParam());
   ASSERT_TRUE(reference);
+  // Models whose lookups feed a concat (all but DLRM, whose interaction reads them apart).
+  bool bags_feed_concat = false;
+  for (const auto& op : (*m)->lookup("train_step")->entry().ops())
+    if (op->name() == "kiln.embedding_bag" && op->result()->uses().size() == 1)
+      bags_feed_concat |= op->result()->uses()[0].user->name() == "kiln.concat";
   auto r = fuseModule(**m);
   ASSERT_TRUE(r) << r.status().str();
   ASSERT_TRUE(ir::verify(**m).isOk()) << ir::verify(**m).str();
   for (const FusionReport& fr : *r) EXPECT_LT(fr.launches_after, fr.launches_before) << fr.function;
   // The embedding lookups of the collection and their concat are one group, in both directions.
   std::vector<std::string> kinds = groupKinds(*(*m)->lookup("train_step"));
-  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding"), kinds.end());
-  EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding_update"), kinds.end());
+  if (bags_feed_concat) {
+    EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding"), kinds.end());
+    EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding_update"), kinds.end());
+  }
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "gemm_epilogue"), kinds.end());
   // The text form reads back.
   auto again = ir::parseModule(ir::printModule(**m));

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include "frontend/frontend.h"
+#include "ir/builder.h"
 #include "ir/interpreter.h"
+#include "ir/verifier.h"
 #include "ir/op_def.h"
 #include "passes/pass_manager.h"
 
@@ -30,11 +32,11 @@ namespace {
 // narrow layers where the model has a param for the width.
 const std::map<std::string, frontend::ParamOverrides>& tinyOverrides() {
   static const std::map<std::string, frontend::ParamOverrides> k = {
-      {"dlrm", {{"rows_cap", "5"}, {"emb_dim", "4"}}},
-      {"dlrm_dcnv2", {{"rows_cap", "5"}, {"hot", "[2, 1, 3, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]"}}},
+      {"dlrm", {{"rows_cap", "5"}, {"emb_dim", "4"}, {"top", "[16, 8, 1]"}}},
+      {"dlrm_dcnv2", {{"rows_cap", "5"}, {"emb_dim", "4"}, {"cross_rank", "8"}, {"top", "[16, 8, 1]"}, {"hot", "[2, 1, 3, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]"}}},
       {"dcn", {{"rows_cap", "5"}, {"emb_dim", "3"}, {"cross_layers", "2"}}},
-      {"deepfm", {{"rows_cap", "5"}, {"emb_dim", "3"}}},
-      {"wide_deep", {{"rows_cap", "5"}}},
+      {"deepfm", {{"rows_cap", "5"}, {"emb_dim", "3"}, {"deep_widths", "[8, 8, 1]"}}},
+      {"wide_deep", {{"rows_cap", "5"}, {"deep_widths", "[16, 8, 1]"}}},
   };
   return k;
 }
@@ -45,18 +47,26 @@ const std::map<std::string, frontend::ParamOverrides>& tinyOverrides() {
 Status castForwardToF64(ir::Module& m) {
   ir::Function* f = m.lookup("forward");
   if (!f) return Status::error("no @forward");
+  // In program order, so each op sees its operands' new types (the shape-inference pass would
+  // do the same, but the pass manager verifies the half-rewritten IR before running it).
   for (ir::Op* op : f->entry().opList()) {
     if (op->name() == "kiln.cast" && op->strAttr("to") == "f32") op->setAttr("to", std::string("f64"));
-    if (!op->def() || !op->def()->hasTrait(ir::kTypeGiven)) continue;
-    for (unsigned i = 0; i < op->numResults(); ++i) {
-      ir::Value* v = op->result(i);
-      if (v->type().dtype() == ir::DType::f32) v->setType(v->type().withDType(ir::DType::f64));
+    if (op->hasTrait(ir::kTerminator)) continue;
+    if (op->hasTrait(ir::kTypeGiven)) {
+      for (unsigned i = 0; i < op->numResults(); ++i) {
+        ir::Value* v = op->result(i);
+        if (v->type().dtype() == ir::DType::f32) v->setType(v->type().withDType(ir::DType::f64));
+      }
+      continue;
     }
+    auto types = ir::inferResultTypes(*op);
+    if (!types) return types.status();
+    for (unsigned i = 0; i < op->numResults(); ++i) op->result(i)->setType((*types)[i]);
   }
-  PassManager pm;
-  KILN_RETURN_IF_ERROR(pm.addPipeline("shape-inference"));
-  auto r = pm.run(m);
-  return r ? Status::ok() : r.status();
+  std::vector<ir::TensorType> results;
+  for (ir::Value* v : f->returnOp()->operands()) results.push_back(v->type());
+  f->setResultTypes(std::move(results));
+  return ir::verify(m);
 }
 
 struct Checked {
@@ -76,6 +86,9 @@ Expected<Checked> prepare(const std::string& model) {
   train["lr_schedule"] = ir::AttrDict{{"kind", std::string("constant")}};
   train["grad_clip"] = 0.0;
   (*m)->mutableAttrs()["kiln.train"] = train;
+  for (ir::Op* op : (*m)->lookup("forward")->entry().opList())  // per-table optimizers too
+    if (op->name() == "kiln.parameter" && op->hasAttr("optimizer"))
+      op->setAttr("optimizer", train["embedding_optimizer"]);
   PassManager pm;
   KILN_RETURN_IF_ERROR(pm.addPipeline("autodiff"));
   auto r = pm.run(**m);
@@ -94,7 +107,7 @@ std::map<std::string, ir::HostTensor> makeSources(const ir::Function& f, int64_t
   std::map<std::string, ir::HostTensor> out;
   ir::SymbolBindings s = {{"B", batch}};
   for (const ir::Op* op : f.entry().opList()) {
-    if (!op->def() || !op->def()->hasTrait(ir::kSource)) continue;
+    if (!op->hasTrait(ir::kSource)) continue;
     std::string name = op->strAttr("name");
     const ir::TensorType& t = op->result()->type();
     std::vector<int64_t> shape;
