@@ -1,6 +1,5 @@
 #include "passes/pipeline.h"
 
-#include "passes/pass.h"
 
 namespace kiln::passes {
 
@@ -9,9 +8,10 @@ std::string defaultPipeline(bool training) {
   if (!training) return p;
   // mixed-precision acts only when kiln.train asks for bf16.
   p += ",mixed-precision,autodiff,canonicalize,cse,dce";
-  // Passes of the optimizing issue join when they are registered.
-  for (const char* later : {"remat", "fusion", "schedule"})
-    if (createPass(later)) p += std::string(",") + later;
+  // remat, fusion and schedule are not in the training pipeline yet: the CPU executor runs a
+  // fused group op by op (fusion buys nothing there), and with all three on, DLRM's loss stops
+  // falling (tests/cli models_train_*_dlrm) though each pass alone keeps its numerics; until
+  // that is found, they run through `kiln dump --stats/--explain` and `--passes`.
   return p;
 }
 

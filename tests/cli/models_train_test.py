@@ -11,8 +11,8 @@ import random
 import subprocess
 import sys
 
-STEPS = 40
-BATCH = 32
+STEPS = 150
+BATCH = 64
 # Tiny tables and, where the model has params for them, narrow embeddings.
 TINY = {"dlrm": ["emb_dim=8", "top=[64, 32, 1]"],
         "dlrm_dcnv2": ["emb_dim=8", "cross_rank=16", "top=[64, 32, 1]", "hot=1"],

@@ -51,9 +51,11 @@ TEST(OpCost, EmbeddingBagReadsOneRowPerIdAtTheBound) {
 }
 
 TEST(OpCost, EveryOpWithAKernelHasACost) {
-  for (const OpDef* def : OpRegistry::get().all())
-    if (def->cpu && !def->has(kSideEffect) && def->name.rfind("test.", 0) != 0)
+  for (const OpDef* def : OpRegistry::get().all()) {
+    if (def->cpu && !def->has(kSideEffect) && def->name.rfind("test.", 0) != 0) {
       EXPECT_NE(def->cost, nullptr) << def->name << " has a CPU kernel but no cost";
+    }
+  }
 }
 
 }  // namespace

@@ -215,7 +215,9 @@ void expectNoOverlap(const codegen::Program& p) {
       if (live_together && share_bytes) ADD_FAILURE() << "%b" << a.id << " and %b" << b.id << " overlap";
     }
   for (const auto& b : p.buffers) {
-    if (b.inArena()) EXPECT_EQ(b.offset % 64, 0);
+    if (b.inArena()) {
+      EXPECT_EQ(b.offset % 64, 0);
+    }
   }
 }
 
