@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "ir/arena_plan.h"
 #include "ir/op_def.h"
 
 namespace kiln::codegen {
@@ -107,7 +108,6 @@ class CpuLowering {
         return located(op, Status::errorf("'{}' reads a value the CPU lowering has not seen (a block argument?)",
                                           op.name()));
       in.operands.push_back(it->second);
-      addDependency(stream, it->second);
     }
     for (ir::Value* r : op.results()) {
       std::string hint = r->nameHint().empty() ? "" : r->nameHint();
@@ -115,8 +115,14 @@ class CpuLowering {
       if (!id) return id.status();
       in.results.push_back(*id);
       buffer_of_[r] = *id;
-      producer_[*id] = static_cast<int>(pending_.size());
     }
+    // Ops with side effects (optimizer updates) write their operands in place.
+    const std::vector<int> none;
+    const std::vector<int>& written = op.hasTrait(ir::kSideEffect) ? in.operands : none;
+    const int step = static_cast<int>(launch_at_.size());
+    for (int earlier : hazards_.add(step, stream, in.operands, written, in.results))
+      addWait(stream, launch_at_[static_cast<size_t>(earlier)]);
+    launch_at_.push_back(static_cast<int>(pending_.size()));
     pending_.push_back({stream, std::move(in)});
     return Status::ok();
   }
@@ -143,13 +149,10 @@ class CpuLowering {
     return Status::ok();
   }
 
-  // A value produced on another stream: its producer records an event, this stream waits on it
-  // (once per stream and event).
-  void addDependency(int stream, int buffer) {
-    auto it = producer_.find(buffer);
-    if (it == producer_.end()) return;
-    Pending& prod = pending_[static_cast<size_t>(it->second)];
-    if (prod.stream == stream) return;
+  // `stream` waits for the launch at pending_[launch]: that launch records an event (one per
+  // launch), the stream waits on it (once per stream and event).
+  void addWait(int stream, int launch) {
+    Pending& prod = pending_[static_cast<size_t>(launch)];
     if (prod.record_event < 0) prod.record_event = program_.num_events++;
     if (!waited_.insert({stream, prod.record_event}).second) return;
     Instruction wait;
@@ -167,7 +170,7 @@ class CpuLowering {
       streams[s].id = s;
       streams[s].instrs.push_back(std::move(in));
     };
-    // A producer's pending record must precede any wait: waits are added after it in pending_.
+    // A launch's record must precede any wait on it: waits are added after it in pending_.
     for (Pending& p : pending_) {
       int event = p.record_event;
       int s = p.stream;
@@ -186,7 +189,8 @@ class CpuLowering {
   Program program_;
   std::unordered_map<const ir::Value*, int> buffer_of_;
   std::map<std::string, int> inputs_, params_;
-  std::unordered_map<int, int> producer_;  // buffer -> index in pending_
+  ir::StreamHazards hazards_;  // steps: launches in order
+  std::vector<int> launch_at_;  // launch -> its index in pending_
   std::vector<Pending> pending_;
   std::set<std::pair<int, int>> waited_;
   int group_stream_ = 0;  // the stream of the fused group being lowered

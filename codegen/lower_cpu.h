@@ -2,7 +2,9 @@
 // its computation over buffers, sources (kiln.input, kiln.parameter) become buffers held
 // outside the arena, and the symbols are bound so that every buffer has a size. Ops carrying
 // `kiln.stream = N` (set by a scheduling pass) go to stream N, with record/wait events where a
-// value crosses streams. The memory planner then lays out the arena.
+// value crosses streams and where an in-place update (an optimizer step) must wait for readers
+// of the old value on another stream (ir/arena_plan.h's StreamHazards). The memory planner then
+// lays out the arena.
 #pragma once
 
 #include "codegen/memory_planner.h"

@@ -1,9 +1,10 @@
 // The planned arena peak of a function, estimated in passes/ (which may not call codegen): the
 // same computation as codegen's CPU lowering plus memory planner (codegen/lower_cpu.h,
 // codegen/memory_planner.h): one buffer per op result in op order (a fused group's ops one by
-// one), inputs and parameters outside the arena, returned values live to the end, best-fit
-// placement at 64-byte alignment, and in-place reuse of a dying operand by elementwise ops and
-// reshapes. A test keeps the two equal on every model.
+// one, each on the stream the schedule chose), inputs and parameters outside the arena, returned
+// values live to the end, and the same layout (ir/arena_plan.h: best fit at 64-byte alignment,
+// in-place reuse by elementwise ops and reshapes, reuse across streams only after a join). A
+// test keeps the two equal on every model.
 #pragma once
 
 #include <cstdint>
