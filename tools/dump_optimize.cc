@@ -8,12 +8,11 @@
 #include "passes/cost_model.h"
 #include "passes/fusion.h"
 #include "passes/pass_manager.h"
+#include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
-
-const char* const kTrainingPipeline = "autodiff,canonicalize,cse,dce,remat,fusion,schedule";
 
 namespace {
 
@@ -24,9 +23,7 @@ Status runPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view sto
   if (!o.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(o.memory_budget);
   passes::PassManager pm;
   pm.options().disabled = o.disabled_passes;
-  std::string list = kTrainingPipeline;
-  if (!stop.empty()) list = list.substr(0, list.find(std::string(stop)) - 1);
-  KILN_RETURN_IF_ERROR(pm.addPipeline(list));
+  KILN_RETURN_IF_ERROR(pm.addPipeline(stop.empty() ? passes::defaultPipeline(true) : passes::pipelineUpTo(true, stop)));
   auto r = pm.run(m);
   return r ? Status::ok() : r.status();
 }

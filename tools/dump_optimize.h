@@ -1,5 +1,5 @@
 // `kiln dump FILE --stats` and `--explain=fusion`: compile the model's training step through the
-// optimizing pipeline (autodiff, canonicalize, cse, dce, remat, fusion, schedule) and report.
+// default training pipeline (passes/pipeline.h: what `kiln train` runs) and report.
 #pragma once
 
 #include <iosfwd>
@@ -15,9 +15,6 @@ struct OptimizeOptions {
   std::string memory_budget;                           // "" = none; "60%" or bytes
   std::set<std::string, std::less<>> disabled_passes;  // --disable-pass
 };
-
-// The passes of the training pipeline, in order.
-extern const char* const kTrainingPipeline;
 
 // Prints `kernels: N`, `peak_bytes: N`, `flops: N`, `recompute_flops: N` for @train_step.
 // Errors go to `err`; returns an exit code.

@@ -10,6 +10,7 @@
 #include "codegen/lower_cpu.h"
 #include "ir/verifier.h"
 #include "passes/pipeline.h"
+#include "passes/remat.h"
 #include "runtime/cuda/cuda_driver.h"
 
 namespace kiln::cli {
@@ -18,6 +19,8 @@ void addModelFlags(ArgParser& p) {
   p.addOption("set", "NAME=VALUE", "override a model param (e.g. --set rows_cap=1000)", std::nullopt, true);
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
+  p.addOption("memory-budget", "BYTES|N%",
+              "recompute activations in the backward pass until the training step's planned peak fits");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
   p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
@@ -45,6 +48,13 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
   }
   o.threads = static_cast<int>(*threads);
   o.seed = static_cast<uint64_t>(*seed);
+  if (p.has("memory-budget")) {
+    o.memory_budget = p.get("memory-budget");
+    if (auto b = passes::parseMemoryBudget(o.memory_budget, 1); !b) {
+      *exit_code = p.usageError(b.status().message());
+      return false;
+    }
+  }
   for (const std::string& d : p.getAll("disable-pass")) o.pass_options.disabled.insert(d);
   for (const std::string& d : p.getAll("print-ir-after")) o.pass_options.print_ir_after.insert(d);
   o.pass_options.print_ir_after_all = p.flag("print-ir-after-all");
@@ -103,6 +113,9 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   if (options.training && !s->train_)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
 
+  // Remat and fusion plan the training step at the batch it will run with.
+  m.mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
+  if (!options.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(options.memory_budget);
   passes::PassManager pm;
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;

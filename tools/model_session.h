@@ -29,11 +29,12 @@ struct SessionOptions {
   uint64_t seed = 0;
   bool training = true;  // build @train_step (needs a train block)
   std::string device = "cpu";  // "cpu" or "cuda" (one GPU; parameters stay on it between steps)
+  std::string memory_budget;  // "" = none; "60%" or bytes of the training step's planned peak
   passes::PassManagerOptions pass_options;
 };
 
-// The flags every command that compiles a model shares: --set, --threads, --seed and the pass
-// manager's flags.
+// The flags every command that compiles a model shares: --set, --threads, --seed,
+// --memory-budget and the pass manager's flags.
 void addModelFlags(ArgParser& p);
 // Reads them back; returns a usage error (already printed) as false.
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
