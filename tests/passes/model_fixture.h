@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 
 #include <gtest/gtest.h>
 
@@ -32,10 +33,11 @@ inline Expected<std::unique_ptr<ir::Module>> trainingModule(const std::string& n
   return m;
 }
 
-// Inputs and parameters for every source of `f` at batch B: ids in range, labels 0/1,
-// optimizer state positive (accumulators feed square roots), weights small.
-inline std::map<std::string, ir::HostTensor> randomSources(const ir::Function& f, int64_t batch, unsigned seed = 7) {
-  std::mt19937 rng(seed);
+// Inputs and parameters for every source of `f` at batch B, drawn from `rng`: ids in range,
+// labels 0/1, lr and step 1, optimizer state positive (accumulators feed square roots), other
+// floats (f32 or f64) uniform in [-half_width, half_width].
+inline std::map<std::string, ir::HostTensor> randomSources(const ir::Function& f, int64_t batch, std::mt19937& rng,
+                                                           double half_width = 0.5) {
   std::map<std::string, ir::HostTensor> out;
   ir::SymbolBindings s = {{"B", batch}};
   for (const auto& op : f.entry().ops()) {
@@ -47,22 +49,34 @@ inline std::map<std::string, ir::HostTensor> randomSources(const ir::Function& f
     for (const ir::Dim& d : t.shape()) shape.push_back(*d.evaluate(s));
     ir::HostTensor h(t.dtype(), shape);
     std::string role = op->strAttr("role");
+    auto fill = [&](auto* data) {
+      using T = std::remove_pointer_t<decltype(data)>;
+      const T w = static_cast<T>(half_width);
+      std::uniform_real_distribution<T> u(-w, w);
+      for (int64_t i = 0; i < h.numel(); ++i) {
+        T v = u(rng);
+        if (role == "label") v = v > 0 ? T(1) : T(0);
+        else if (role == "lr" || role == "step") v = T(1);
+        else if (op->hasAttr("state_of")) v = T(0.25) + v * (T(0.05) / w);  // in [0.2, 0.3]
+        data[i] = v;
+      }
+    };
     if (t.dtype() == ir::DType::i64) {
       std::uniform_int_distribution<int64_t> id(0, op->intAttr("rows", 1) - 1);
       for (int64_t i = 0; i < h.numel(); ++i) h.as<int64_t>()[i] = id(rng);
     } else if (t.dtype() == ir::DType::f32) {
-      std::uniform_real_distribution<float> u(-0.5f, 0.5f);
-      for (int64_t i = 0; i < h.numel(); ++i) {
-        float v = u(rng);
-        if (role == "label") v = v > 0 ? 1.0f : 0.0f;
-        else if (role == "lr" || role == "step") v = 1.0f;
-        else if (op->hasAttr("state_of")) v = 0.25f + v * 0.1f;
-        h.as<float>()[i] = v;
-      }
+      fill(h.as<float>());
+    } else if (t.dtype() == ir::DType::f64) {
+      fill(h.as<double>());
     }
     out.emplace(name, std::move(h));
   }
   return out;
+}
+
+inline std::map<std::string, ir::HostTensor> randomSources(const ir::Function& f, int64_t batch, unsigned seed = 7) {
+  std::mt19937 rng(seed);
+  return randomSources(f, batch, rng);
 }
 
 // Largest |a - b| / (1 + |b|) over two tensors of one shape.

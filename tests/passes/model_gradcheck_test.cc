@@ -24,6 +24,7 @@
 #include "ir/verifier.h"
 #include "ir/op_def.h"
 #include "passes/pass_manager.h"
+#include "tests/passes/model_fixture.h"
 
 namespace kiln::passes {
 namespace {
@@ -101,37 +102,6 @@ Expected<Checked> prepare(const std::string& model) {
   return c;
 }
 
-// Sources of `f` at batch B: dense features and weights in [-1, 1], labels 0/1, ids in range,
-// lr = 1 and step = 1.
-std::map<std::string, ir::HostTensor> makeSources(const ir::Function& f, int64_t batch, std::mt19937& rng) {
-  std::map<std::string, ir::HostTensor> out;
-  ir::SymbolBindings s = {{"B", batch}};
-  for (const ir::Op* op : f.entry().opList()) {
-    if (!op->hasTrait(ir::kSource)) continue;
-    std::string name = op->strAttr("name");
-    const ir::TensorType& t = op->result()->type();
-    std::vector<int64_t> shape;
-    for (const ir::Dim& d : t.shape()) shape.push_back(*d.evaluate(s));
-    ir::HostTensor h(t.dtype(), shape);
-    std::string role = op->strAttr("role");
-    if (t.dtype() == ir::DType::i64) {
-      std::uniform_int_distribution<int64_t> id(0, op->intAttr("rows", 1) - 1);
-      for (int64_t i = 0; i < h.numel(); ++i) h.as<int64_t>()[i] = id(rng);
-    } else if (t.dtype() == ir::DType::f64) {
-      std::uniform_real_distribution<double> u(-1.0, 1.0);
-      for (int64_t i = 0; i < h.numel(); ++i) {
-        double v = u(rng);
-        if (role == "label") v = v > 0 ? 1.0 : 0.0;
-        h.as<double>()[i] = v;
-      }
-    } else if (t.dtype() == ir::DType::f32 && (role == "lr" || role == "step")) {
-      h.as<float>()[0] = 1.0f;
-    }
-    out.emplace(name, std::move(h));
-  }
-  return out;
-}
-
 // For each embedding table parameter, the rows its lookups read in this batch.
 std::map<std::string, std::set<int64_t>> touchedRows(const ir::Function& f,
                                                      const std::map<std::string, ir::HostTensor>& sources) {
@@ -168,7 +138,7 @@ TEST_P(ModelGradcheck, TrainStepGradientsMatchFiniteDifferences) {
   ASSERT_TRUE(forward && train_step);
 
   std::mt19937 rng(2024);
-  std::map<std::string, ir::HostTensor> sources = makeSources(*train_step, kBatch, rng);
+  std::map<std::string, ir::HostTensor> sources = testing::randomSources(*train_step, kBatch, rng, 1.0);
   // Parameters drawn at the scale of their initializers, so no layer saturates the sigmoid.
   std::map<std::string, std::string> params;  // name -> "dense" | "table"
   for (const ir::Op* op : forward->entry().opList()) {
