@@ -1,7 +1,7 @@
 #include "codegen/lower_cpu.h"
 
+#include <algorithm>
 #include <map>
-#include <set>
 #include <unordered_map>
 
 #include <fmt/format.h>
@@ -120,8 +120,14 @@ class CpuLowering {
     const std::vector<int> none;
     const std::vector<int>& written = op.hasTrait(ir::kSideEffect) ? in.operands : none;
     const int step = static_cast<int>(launch_at_.size());
-    for (int earlier : hazards_.add(step, stream, in.operands, written, in.results))
-      addWait(stream, launch_at_[static_cast<size_t>(earlier)]);
+    // Waiting for the latest launch of a stream covers its earlier ones: one wait per stream.
+    std::map<int, int> latest;  // producer stream -> index in pending_
+    for (int earlier : hazards_.add(step, stream, in.operands, written, in.results)) {
+      const Pending& prod = pending_[static_cast<size_t>(launch_at_[static_cast<size_t>(earlier)])];
+      int& at = latest.try_emplace(prod.stream, -1).first->second;
+      at = std::max(at, launch_at_[static_cast<size_t>(earlier)]);
+    }
+    for (const auto& [_, launch] : latest) addWait(stream, launch);
     launch_at_.push_back(static_cast<int>(pending_.size()));
     pending_.push_back({stream, std::move(in)});
     return Status::ok();
@@ -150,11 +156,14 @@ class CpuLowering {
   }
 
   // `stream` waits for the launch at pending_[launch]: that launch records an event (one per
-  // launch), the stream waits on it (once per stream and event).
+  // launch), the stream waits on it, unless it already waited for that launch or a later one of
+  // the same stream.
   void addWait(int stream, int launch) {
     Pending& prod = pending_[static_cast<size_t>(launch)];
+    int& joined = joined_.try_emplace({stream, prod.stream}, -1).first->second;
+    if (launch <= joined) return;
+    joined = launch;
     if (prod.record_event < 0) prod.record_event = program_.num_events++;
-    if (!waited_.insert({stream, prod.record_event}).second) return;
     Instruction wait;
     wait.kind = InstrKind::WaitEvent;
     wait.event = prod.record_event;
@@ -192,7 +201,7 @@ class CpuLowering {
   ir::StreamHazards hazards_;  // steps: launches in order
   std::vector<int> launch_at_;  // launch -> its index in pending_
   std::vector<Pending> pending_;
-  std::set<std::pair<int, int>> waited_;
+  std::map<std::pair<int, int>, int> joined_;  // (stream, other stream) -> latest launch waited for
   int group_stream_ = 0;  // the stream of the fused group being lowered
 };
 

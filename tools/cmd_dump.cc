@@ -46,22 +46,41 @@ int dumpIr(DumpContext& c) {
   return kExitOk;
 }
 
-// The CPU Program of @forward at --batch B (memory planned), or an error printed.
-std::optional<codegen::Program> lowerForward(DumpContext& c) {
-  auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
-  if (!m) return std::nullopt;
-  const ir::Function* f = (*m)->lookup("forward");
-  if (!f) {
-    std::cerr << c.path << ": error: the model has no @forward function\n";
-    return std::nullopt;
-  }
-  // The same default batch as the other batch-specialized stages.
-  std::optional<long long> batch = c.args.has("batch") ? c.args.getInt("batch") : std::optional<long long>(4096);
+// The options of the training pipeline from the flags: --batch, --memory-budget, --disable-pass.
+std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
+  OptimizeOptions o;
+  std::optional<long long> batch = p.getInt("batch");
   if (!batch || *batch <= 0) {
     std::cerr << "kiln dump: error: --batch must be a positive integer\n";
     return std::nullopt;
   }
-  auto p = codegen::lowerForCpu(*f, {{"B", *batch}});
+  o.batch = *batch;
+  if (p.has("memory-budget")) o.memory_budget = p.get("memory-budget");
+  for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
+  return o;
+}
+
+// The CPU Program (memory planned) of --function at --batch B: @forward as the frontend makes
+// it, @train_step after the training pipeline (streams and events of the schedule included).
+std::optional<codegen::Program> lowerStage(DumpContext& c) {
+  auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
+  if (!m) return std::nullopt;
+  auto o = optimizeOptions(c.args);
+  if (!o) return std::nullopt;
+  std::string name = c.args.get("function");
+  if (name == "train_step") {
+    if (Status s = runTrainingPipeline(**m, *o); !s) {
+      std::cerr << s.str() << "\n";
+      return std::nullopt;
+    }
+  }
+  const ir::Function* f = (*m)->lookup(name);
+  if (!f) {
+    std::cerr << fmt::format("{}: error: the model has no @{} function{}\n", c.path, name,
+                             name == "train_step" ? " (it needs a train block)" : "");
+    return std::nullopt;
+  }
+  auto p = codegen::lowerForCpu(*f, {{"B", o->batch}});
   if (!p) {
     std::cerr << p.status().str() << "\n";
     return std::nullopt;
@@ -70,14 +89,14 @@ std::optional<codegen::Program> lowerForward(DumpContext& c) {
 }
 
 int dumpMemory(DumpContext& c) {
-  auto p = lowerForward(c);
+  auto p = lowerStage(c);
   if (!p) return kExitError;
   c.out << codegen::memoryPlanStr(*p);
   return kExitOk;
 }
 
 int dumpProgram(DumpContext& c) {
-  auto p = lowerForward(c);
+  auto p = lowerStage(c);
   if (!p) return kExitError;
   c.out << p->str();
   return kExitOk;
@@ -86,12 +105,9 @@ int dumpProgram(DumpContext& c) {
 int dumpCuda(DumpContext& c) {
   auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
   if (!m) return kExitError;
-  std::optional<long long> batch = c.args.has("batch") ? c.args.getInt("batch") : std::optional<long long>(4096);
-  if (!batch || *batch <= 0) {
-    std::cerr << "kiln dump: error: --batch must be a positive integer\n";
-    return kExitUsage;
-  }
-  return printCudaStage(**m, *batch, c.out, std::cerr);
+  auto o = optimizeOptions(c.args);
+  if (!o) return kExitUsage;
+  return printCudaStage(**m, o->batch, c.out, std::cerr);
 }
 
 struct Stage {
@@ -104,8 +120,8 @@ const Stage kStages[] = {
     {"ast", "the syntax tree of the file, as S-expressions", dumpAst},
     {"ir", "the lowered IR (@forward and the module attributes)", dumpIr},
     {"cuda", "the generated CUDA of the training step, kernels specialized to --batch", dumpCuda},
-    {"memory", "the CPU memory plan of @forward at --batch: buffers, offsets, live ranges, peak_bytes", dumpMemory},
-    {"program", "the CPU Program of @forward at --batch: buffers and per-stream instructions", dumpProgram},
+    {"memory", "the CPU memory plan of --function at --batch: buffers, offsets, live ranges, peak_bytes", dumpMemory},
+    {"program", "the CPU Program of --function at --batch: buffers and per-stream instructions", dumpProgram},
 };
 
 }  // namespace
@@ -120,11 +136,12 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("format", "mlir|dot", "text, or a Graphviz graph of each function", "mlir");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "OUT", "write to OUT instead of stdout");
-  p.addOption("batch", "B", "the batch size B bound before planning (--stats, --explain)", "1024");
+  p.addOption("function", "forward|train_step", "with --stage=memory|program: which function", "forward");
+  p.addOption("batch", "B", "the batch size B bound before planning (memory, program, cuda, --stats, --explain)", "1024");
   p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
-  p.addOption("memory-budget", "BYTES|N%", "with --stats/--explain: recompute activations until the peak fits");
-  p.addOption("disable-pass", "NAME", "with --stats/--explain: leave this pass out", std::nullopt, true);
+  p.addOption("memory-budget", "BYTES|N%", "training step: recompute activations until the peak fits");
+  p.addOption("disable-pass", "NAME", "training step: leave this pass out of the pipeline", std::nullopt, true);
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");
@@ -133,6 +150,8 @@ int runDump(const std::vector<std::string>& args) {
   for (const std::string& s : p.getAll("set"))
     if (Status st = frontend::addOverride(s, overrides); !st.isOk()) return p.usageError(st.message());
 
+  if (p.get("function") != "forward" && p.get("function") != "train_step")
+    return p.usageError(fmt::format("--function must be forward or train_step, got '{}'", p.get("function")));
   const Stage* stage = nullptr;
   for (const Stage& s : kStages)
     if (p.get("stage") == s.name) stage = &s;
@@ -147,16 +166,12 @@ int runDump(const std::vector<std::string>& args) {
   if (p.flag("stats") || p.has("explain")) {
     if (p.has("explain") && p.get("explain") != "fusion")
       return p.usageError(fmt::format("--explain: unknown pass '{}' (use fusion)", p.get("explain")));
-    OptimizeOptions o;
-    auto batch = p.getInt("batch");
-    if (!batch || *batch <= 0) return p.usageError("--batch must be a positive integer");
-    o.batch = *batch;
-    if (p.has("memory-budget")) o.memory_budget = p.get("memory-budget");
-    for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
+    auto o = optimizeOptions(p);
+    if (!o) return kExitUsage;
     auto m = frontend::compileModelFile(p.positionals()[0], overrides, diags);
     if (!m) return kExitError;
     std::ostream& out = p.has("output") ? static_cast<std::ostream&>(file) : std::cout;
-    return p.flag("stats") ? printOptimizeStats(**m, o, out, std::cerr) : printFusionExplanation(**m, o, out, std::cerr);
+    return p.flag("stats") ? printOptimizeStats(**m, *o, out, std::cerr) : printFusionExplanation(**m, *o, out, std::cerr);
   }
   DumpContext c{p, p.positionals()[0], overrides, format, p.has("output") ? static_cast<std::ostream&>(file) : std::cout, diags};
   return stage->run(c);

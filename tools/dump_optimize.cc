@@ -14,10 +14,8 @@
 
 namespace kiln::cli {
 
-namespace {
-
 // Runs the training pipeline up to (not including) `stop` ("" = all of it).
-Status runPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view stop) {
+Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view stop) {
   ir::AttrDict symbols = {{"B", ir::Attribute(o.batch)}};
   m.mutableAttrs()["kiln.symbols"] = ir::Attribute(symbols);
   if (!o.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(o.memory_budget);
@@ -28,10 +26,8 @@ Status runPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view sto
   return r ? Status::ok() : r.status();
 }
 
-}  // namespace
-
 int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& out, std::ostream& err) {
-  if (Status s = runPipeline(m, o, ""); !s) {
+  if (Status s = runTrainingPipeline(m, o, ""); !s) {
     err << s.str() << "\n";
     return kExitError;
   }
@@ -57,7 +53,7 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
 }
 
 int printFusionExplanation(ir::Module& m, const OptimizeOptions& o, std::ostream& out, std::ostream& err) {
-  if (Status s = runPipeline(m, o, "fusion"); !s) {
+  if (Status s = runTrainingPipeline(m, o, "fusion"); !s) {
     err << s.str() << "\n";
     return kExitError;
   }

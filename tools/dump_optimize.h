@@ -5,8 +5,10 @@
 #include <iosfwd>
 #include <set>
 #include <string>
+#include <string_view>
 
 #include "ir/ir.h"
+#include "ir/status.h"
 
 namespace kiln::cli {
 
@@ -15,6 +17,10 @@ struct OptimizeOptions {
   std::string memory_budget;                           // "" = none; "60%" or bytes
   std::set<std::string, std::less<>> disabled_passes;  // --disable-pass
 };
+
+// Sets the symbols (B = batch) and the memory budget on the module and runs the default training
+// pipeline, up to (not including) the pass `stop` unless it is empty.
+Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& options, std::string_view stop = "");
 
 // Prints `kernels: N`, `peak_bytes: N`, `flops: N`, `recompute_flops: N` for @train_step.
 // Errors go to `err`; returns an exit code.
