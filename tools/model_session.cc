@@ -108,8 +108,14 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
     s->model_name_ = name->isString() ? name->asString() : "";
   if (auto it = m.attrs().find("kiln.outputs"); it != m.attrs().end() && it->second.isArray())
     for (const auto& a : it->second.asArray()) s->outputs_.push_back(a.isString() ? a.asString() : "");
-  if (auto it = m.attrs().find("kiln.train"); it != m.attrs().end() && it->second.isDict())
-    s->train_ = &it->second.asDict();
+  if (auto it = m.attrs().find("kiln.train"); it != m.attrs().end() && it->second.isDict()) {
+    if (!options.train_overrides.empty()) {
+      ir::AttrDict train = it->second.asDict();
+      for (const auto& [key, value] : options.train_overrides) train[key] = value;
+      m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(train));
+    }
+    s->train_ = &m.attrs().at("kiln.train").asDict();
+  }
   if (options.training && !s->train_)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
 

@@ -30,6 +30,9 @@ struct SessionOptions {
   bool training = true;  // build @train_step (needs a train block)
   std::string device = "cpu";  // "cpu" or "cuda" (one GPU; parameters stay on it between steps)
   std::string memory_budget;  // "" = none; "60%" or bytes of the training step's planned peak
+  // Entries that replace those of the model's train block (kiln.train) before the pipeline runs,
+  // e.g. {"optimizer": {kind = "sgd", lr = 0.01}} for a benchmark that fixes the optimizer.
+  ir::AttrDict train_overrides;
   passes::PassManagerOptions pass_options;
 };
 
