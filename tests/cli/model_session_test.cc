@@ -52,7 +52,8 @@ TEST(ModelSession, TrainOverridesReplaceTheModelsOptimizers) {
   EXPECT_EQ(kinds.count("dense:adagrad"), 0u);
   // SGD keeps no state: no accumulator parameters are created.
   for (const ir::Op* op : (*s)->module().lookup("train_step")->entry().opList()) {
-    if (op->name() == "kiln.parameter") EXPECT_FALSE(op->hasAttr("state_of")) << op->strAttr("name");
+    if (op->name() != "kiln.parameter") continue;
+    EXPECT_FALSE(op->hasAttr("state_of")) << op->strAttr("name");
   }
 }
 
