@@ -43,6 +43,24 @@ __device__ __forceinline__ void kiln_st(int* p, long long i, int v) { p[i] = v; 
 __device__ __forceinline__ void kiln_st(long long* p, long long i, long long v) { p[i] = v; }
 __device__ __forceinline__ void kiln_st(bool* p, long long i, bool v) { p[i] = v; }
 
+// Scatter-adds. bf16 has no hardware atomic add of its own here (no cuda_bf16.h): a 16-bit CAS
+// loop rounds each sum to nearest even like kiln_st does.
+__device__ __forceinline__ void kiln_atomic_add(float* p, long long i, float v) { atomicAdd(p + i, v); }
+__device__ __forceinline__ void kiln_atomic_add(double* p, long long i, double v) { atomicAdd(p + i, v); }
+__device__ __forceinline__ void kiln_atomic_add(int* p, long long i, int v) { atomicAdd(p + i, v); }
+__device__ __forceinline__ void kiln_atomic_add(long long* p, long long i, long long v) {
+  atomicAdd((unsigned long long*)(p + i), (unsigned long long)v);  // two's complement wraps alike
+}
+__device__ __forceinline__ void kiln_atomic_add(kiln_bf16* p, long long i, float v) {
+  unsigned short* a = &p[i].bits;
+  unsigned short old = *a, seen;
+  do {
+    seen = old;
+    kiln_bf16 cur; cur.bits = seen;
+    old = atomicCAS(a, seen, kiln_f32_to_bf16(kiln_bf16_to_f32(cur) + v).bits);
+  } while (old != seen);
+}
+
 // Math with the formulas of the CPU references (no fast-math approximations).
 __device__ __forceinline__ float kiln_exp(float x) { return expf(x); }
 __device__ __forceinline__ double kiln_exp(double x) { return exp(x); }
@@ -344,7 +362,8 @@ class KernelPrinter {
     for (const Store& s : stores) roots.insert(roots.end(), {s.index, s.value, s.guard});
     emitScope(indent, roots);
     for (const Store& s : stores) {
-      std::string st = fmt::format("kiln_st(b{}, {}, {});", s.buffer, ref(s.index), ref(s.value));
+      std::string st = fmt::format("{}(b{}, {}, {});", s.accumulate ? "kiln_atomic_add" : "kiln_st", s.buffer,
+                                   ref(s.index), ref(s.value));
       line(indent, s.guard >= 0 ? fmt::format("if ({}) {}", ref(s.guard), st) : st);
     }
   }

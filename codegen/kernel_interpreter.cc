@@ -95,7 +95,14 @@ class Evaluator {
     const KernelBuffer& b = k_.buffers[static_cast<size_t>(s.buffer)];
     if (idx < 0 || idx >= b.elements)
       return Status::errorf("kernel '{}' stores out of bounds: {}[{}] of {}", k_.name, b.name, idx, b.elements);
-    write(s.buffer, idx, eval(s.value));
+    Val v = eval(s.value);
+    if (s.accumulate) {
+      // One logical thread at a time: the atomic add is a plain add in the compute type.
+      Val old = read(s.buffer, idx);
+      if (ir::isFloat(b.dtype)) v.f = b.dtype == DType::f64 ? old.f + v.f : static_cast<float>(old.f) + static_cast<float>(v.f);
+      else v.i = old.i + v.i;
+    }
+    write(s.buffer, idx, v);
     return Status::ok();
   }
 

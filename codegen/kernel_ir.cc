@@ -289,6 +289,8 @@ Status checkStores(const Kernel& k, const std::vector<Store>& stores, int coords
     if (k.exprs.typeOf(s.value) != computeType(k.buffers[static_cast<size_t>(s.buffer)].dtype))
       return Status::errorf("kernel '{}': {} stores {} into a {} buffer", k.name, where,
                             ir::dtypeName(k.exprs.typeOf(s.value)), ir::dtypeName(k.buffers[static_cast<size_t>(s.buffer)].dtype));
+    if (s.accumulate && k.buffers[static_cast<size_t>(s.buffer)].dtype == DType::i1)
+      return Status::errorf("kernel '{}': {} accumulates into an i1 buffer", k.name, where);
     if (s.guard >= 0 && k.exprs.typeOf(s.guard) != DType::i1)
       return Status::errorf("kernel '{}': {} store guard is not i1", k.name, where);
     KILN_RETURN_IF_ERROR(checkScope(k, {s.index, s.value, s.guard}, coords, row_values, where));

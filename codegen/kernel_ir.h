@@ -100,12 +100,15 @@ struct KernelBuffer {
   bool written = false;
 };
 
-// buffers[buffer][index] = value, when `guard` (an i1 node, -1 = always) holds.
+// buffers[buffer][index] = value, when `guard` (an i1 node, -1 = always) holds. With
+// `accumulate`, buffers[buffer][index] += value as one atomic read-modify-write (scatter-adds,
+// where several logical threads may hit one element).
 struct Store {
   int buffer = -1;
   int index = -1;
   int value = -1;
   int guard = -1;
+  bool accumulate = false;
 };
 
 enum class Combiner : uint8_t { Sum, Max };

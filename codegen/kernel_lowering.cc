@@ -23,6 +23,28 @@ Expected<std::vector<int64_t>> concreteShape(const ir::TensorType& t, const ir::
   return s;
 }
 
+const Value* outerValue(const Value* v) {
+  for (;;) {
+    if (v->isBlockArgument()) {
+      const ir::Block* b = v->parentBlock();
+      const Op* fused = b && b->parentRegion() ? b->parentRegion()->parentOp() : nullptr;
+      if (!fused || fused->name() != "kiln.fused" || v->index() >= fused->numOperands()) return v;
+      v = fused->operand(v->index());
+      continue;
+    }
+    const Value* yielded_as = nullptr;
+    for (const ir::Use& u : v->uses())
+      if (u.user->name() == "kiln.yield") {
+        const ir::Block* b = u.user->parentBlock();
+        const Op* fused = b && b->parentRegion() ? b->parentRegion()->parentOp() : nullptr;
+        if (fused && fused->name() == "kiln.fused" && u.operand_index < fused->numResults())
+          yielded_as = fused->result(u.operand_index);
+      }
+    if (!yielded_as) return v;
+    v = yielded_as;
+  }
+}
+
 bool isSourceOrTerminator(const Op& op) {
   return op.hasTrait(ir::kSource) || op.hasTrait(ir::kTerminator) || op.name() == "kiln.constant";
 }
@@ -94,14 +116,17 @@ class GroupLowering {
 
   Expected<std::vector<int64_t>> shapeOf(const Value* v) { return concreteShape(v->type(), symbols_); }
 
-  int groupBuffer(const Value* v, bool written) {
+  int groupBuffer(const Value* inner, bool written) {
+    const Value* v = outerValue(inner);
+    bool defined = inner->definingOp() && in_group_.count(inner->definingOp());
     auto it = value_buffer_.find(v);
     if (it != value_buffer_.end()) {
       out_.buffers[static_cast<size_t>(it->second)].written |= written;
+      out_.buffers[static_cast<size_t>(it->second)].defined |= defined;
       return it->second;
     }
     auto shape = shapeOf(v);
-    GroupBuffer b{v, valueName(v), v->type().dtype(), shape ? product(*shape) : 0, written};
+    GroupBuffer b{v, valueName(v), v->type().dtype(), shape ? product(*shape) : 0, written, defined};
     out_.buffers.push_back(b);
     int id = static_cast<int>(out_.buffers.size() - 1);
     value_buffer_[v] = id;
@@ -150,7 +175,7 @@ class GroupLowering {
   // Leaves of the expressions: splat constants inline, everything else from its buffer.
   Expected<int> load(KB& kb, const Value* v, int offset) {
     ExprGraph& g = kb.k.exprs;
-    const Op* d = v->definingOp();
+    const Op* d = outerValue(v)->definingOp();
     if (d && d->name() == "kiln.constant" && d->attr("value") && d->attr("value")->isNumber())
       return g.constant(d->attr("value")->asDouble(), v->type().dtype());
     DType t = v->type().dtype();
@@ -901,7 +926,14 @@ class GroupLowering {
     int keys, accum;
     int64_t capacity, dim;
   };
-  Expected<Accumulated> accumulate(const Op& op, const ir::EmbeddingUpdateLayout& l, int64_t rows) {
+  // Where an update reads its pooled-output gradient: columns [offset, offset + dim) of rows of
+  // `stride` elements of `value` (the concatenated gradient, when a fused group drops the slice).
+  struct GradSource {
+    const Value* value;
+    int64_t stride, offset;
+  };
+  Expected<Accumulated> accumulate(const Op& op, const ir::EmbeddingUpdateLayout& l, int64_t rows,
+                                   const GradSource* source = nullptr) {
     const Value* ids = op.operand(static_cast<unsigned>(l.ids));
     const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
     KILN_RETURN_IF_ERROR(checkFixedHotness(op, ids));
@@ -939,8 +971,9 @@ class GroupLowering {
     t.dim = a.dim;
     t.hotness = (*is)[1];
     t.mean = op.strAttr("mode", "sum") == "mean";
-    t.out = bindValue(kb, grad, false);
-    t.out_stride = a.dim;
+    t.out = bindValue(kb, source ? source->value : grad, false);
+    t.out_stride = source ? source->stride : a.dim;
+    t.out_offset = source ? source->offset : 0;
     t.keys = bind(kb, a.keys, true);
     t.accum = bind(kb, a.accum, true);
     t.capacity = a.capacity;
@@ -950,13 +983,13 @@ class GroupLowering {
     return a;
   }
 
-  Status lowerEmbeddingUpdate(const Op& op) {
+  Status lowerEmbeddingUpdate(const Op& op, const GradSource* source = nullptr) {
     auto l = ir::embeddingUpdateLayout(op);
     if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
     const Value* table = op.operand(static_cast<unsigned>(l->table));
     auto ts = shapeOf(table);
     if (!ts) return ts.status();
-    auto a = accumulate(op, *l, (*ts)[0]);
+    auto a = accumulate(op, *l, (*ts)[0], source);
     if (!a) return a.status();
     std::string kind = op.strAttr("optimizer");
     KB kb;
@@ -1021,6 +1054,239 @@ class GroupLowering {
     return finish(kb);
   }
 
+  // ---- Scatter-add ----------------------------------------------------------------------------
+
+  // result = base, then result[..., indices[j], ...] += updates[..., j, ...] with atomic adds.
+  // Atomics rather than a deterministic owner-computes kernel (each output element searching the
+  // indices for its updates): that costs O(outputs x indices), atomics O(updates). The order of
+  // additions only matters where indices repeat; DLRM's interaction pairs are distinct, so its
+  // backward is exact. Out-of-range indices add nothing (the CPU reference reports them).
+  Status lowerScatterAdd(const Op& op) {
+    const Value* base = op.operand(0);
+    const Value* idx = op.operand(1);
+    const Value* upd = op.operand(2);
+    auto bs = shapeOf(base);
+    auto is = shapeOf(idx);
+    auto us = shapeOf(upd);
+    if (!bs || !is || !us) return !bs ? bs.status() : !is ? is.status() : us.status();
+    DType t = op.result()->type().dtype();
+    if (t == DType::i1) return Status::errorf("{} on the CUDA backend needs numeric values, not i1", opLabel(op));
+    int64_t axis = op.intAttr("axis");
+    if (axis < 0) axis += static_cast<int64_t>(bs->size());
+    int out = groupBuffer(op.result(), true);
+    {
+      KB kb;
+      Kernel& k = kb.k;
+      k.name = "scatter_add_init";
+      k.kind = KernelKind::Pointwise;
+      k.space = *bs;
+      ExprGraph& g = k.exprs;
+      std::vector<int> coords;
+      for (size_t i = 0; i < bs->size(); ++i) coords.push_back(g.coord(static_cast<int>(i)));
+      auto x = valueAt(kb, base, coords);  // a splat zero base is a constant: the output is zeroed
+      if (!x) return x.status();
+      k.stores.push_back({bind(kb, out, true), rowMajorOffset(g, coords, *bs), g.cast(*x, t), -1});
+      KILN_RETURN_IF_ERROR(finish(kb));
+    }
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "scatter_add";
+    k.kind = KernelKind::Pointwise;
+    k.space = *us;
+    ExprGraph& g = k.exprs;
+    std::vector<int> coords;
+    for (size_t i = 0; i < us->size(); ++i) coords.push_back(g.coord(static_cast<int>(i)));
+    const size_t a = static_cast<size_t>(axis), ri = is->size();
+    auto iv = valueAt(kb, idx, std::vector<int>(coords.begin() + static_cast<int64_t>(a),
+                                                coords.begin() + static_cast<int64_t>(a + ri)));
+    if (!iv) return iv.status();
+    int id = g.cast(*iv, DType::i64);
+    int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, id, g.intConstant(0)),
+                      g.binary(ExprOp::Lt, id, g.intConstant((*bs)[a])));
+    std::vector<int> oc(coords.begin(), coords.begin() + static_cast<int64_t>(a));
+    oc.push_back(id);
+    oc.insert(oc.end(), coords.begin() + static_cast<int64_t>(a + ri), coords.end());
+    auto v = valueAt(kb, upd, coords);
+    if (!v) return v.status();
+    Store st{bind(kb, out, true), rowMajorOffset(g, oc, *bs), g.cast(*v, t), ok};
+    st.accumulate = true;
+    k.stores.push_back(st);
+    return finish(kb);
+  }
+
+  // ---- GEMMs ----------------------------------------------------------------------------------
+
+  // A matmul, optionally with its epilogue (bias add, then relu or gelu, then an output cast),
+  // as ONE cuBLASLt call. Only what cuBLASLt computes exactly as the ops do is accepted.
+  Status lowerGemm(const std::vector<const Op*>& ops) {
+    const Op& mm = *ops.front();
+    if (mm.name() != "kiln.matmul") return Status::errorf("a GEMM group starts with {}, not kiln.matmul", opLabel(mm));
+    GemmCall call;
+    const Value* cur = mm.result();
+    const Value* bias = nullptr;
+    for (size_t i = 1; i < ops.size(); ++i) {
+      const Op& e = *ops[i];
+      bool consumes = e.numOperands() > 0 && (e.operand(0) == cur || (e.numOperands() > 1 && e.operand(1) == cur));
+      if (!consumes) return Status::errorf("{} does not consume the GEMM's result", opLabel(e));
+      for (const ir::Use& u : cur->uses())
+        if (u.user != &e)
+          return Status::errorf("{} has another user; cuBLASLt writes only the epilogue's final result", opLabel(*ops[i - 1]));
+      if (ops[i - 1]->name() == "kiln.cast") return Status::errorf("{} follows the output cast", opLabel(e));
+      if (e.name() == "kiln.add" && i == 1 && e.numOperands() == 2) {
+        bias = e.operand(0) == cur ? e.operand(1) : e.operand(0);
+        if (bias->type().rank() != 1) return Status::errorf("{} adds {}, not a bias vector", opLabel(e), bias->type().str());
+      } else if ((e.name() == "kiln.relu" || e.name() == "kiln.gelu") && call.activation.empty()) {
+        call.activation = shortOpName(e);
+      } else if (e.name() == "kiln.cast") {
+      } else {
+        return Status::errorf("{} has no cuBLASLt epilogue (a bias add, then relu or gelu, then a cast)", opLabel(e));
+      }
+      cur = e.result();
+    }
+    DType ta = mm.operand(0)->type().dtype(), tb = mm.operand(1)->type().dtype();
+    DType tm = mm.result()->type().dtype(), tc = cur->type().dtype();
+    if (ta != tb || (ta != DType::f32 && ta != DType::bf16 && ta != DType::f16))
+      return Status::errorf("{}: cuBLASLt multiplies f32, bf16 or f16 pairs, not {} x {}", opLabel(mm),
+                            ir::dtypeName(ta), ir::dtypeName(tb));
+    if (ops.size() > 1) {
+      if (ta == DType::f32 && tc != DType::f32)
+        return Status::errorf("{}: cuBLASLt has no f32 x f32 -> {} GEMM", opLabel(mm), ir::dtypeName(tc));
+      if (tc != DType::f32 && tc != ta)
+        return Status::errorf("{}: cuBLASLt has no {} x {} -> {} GEMM", opLabel(mm), ir::dtypeName(ta),
+                              ir::dtypeName(ta), ir::dtypeName(tc));
+      if (tm != DType::f32 && tc == DType::f32)
+        return Status::errorf("{}: the epilogue widens a {} product; cuBLASLt would skip its rounding", opLabel(mm),
+                              ir::dtypeName(tm));
+      if (bias && bias->type().dtype() != tc)
+        return Status::errorf("{}: a {} bias on a {} output; cuBLASLt's bias has the output's type", opLabel(mm),
+                              ir::dtypeName(bias->type().dtype()), ir::dtypeName(tc));
+    }
+    call.a = groupBuffer(mm.operand(0), false);
+    call.b = groupBuffer(mm.operand(1), false);
+    if (bias) call.bias = groupBuffer(bias, false);
+    call.c = groupBuffer(cur, true);
+    out_.gemm = &mm;
+    out_.gemm_call = call;
+    return Status::ok();
+  }
+
+  // ---- Fused embedding groups -------------------------------------------------------------------
+
+  // Bags of a collection and their concat: ONE lookup kernel writing each bag's pooled rows at
+  // its columns of the concatenated output; other concat operands (the dense features) are
+  // copied into their columns by a Pointwise kernel each.
+  Status lowerEmbeddingConcat(const std::vector<const Op*>& ops) {
+    const Op& cat = *ops.back();
+    if (cat.name() != "kiln.concat") return Status::errorf("an embedding group ends in {}, not kiln.concat", opLabel(cat));
+    auto cs = shapeOf(cat.result());
+    if (!cs) return cs.status();
+    int64_t axis = cat.intAttr("axis");
+    if (axis < 0) axis += static_cast<int64_t>(cs->size());
+    if (cs->size() != 2 || axis != 1)
+      return Status::errorf("{}: the lookup kernel writes a [batch, width] concatenation along axis 1", opLabel(cat));
+    for (size_t i = 0; i + 1 < ops.size(); ++i)
+      if (ops[i]->name() != "kiln.embedding_bag")
+        return Status::errorf("{} in an embedding group is not an embedding_bag", opLabel(*ops[i]));
+    const int64_t width = (*cs)[1];
+    int out = groupBuffer(cat.result(), true);
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_bags_concat";
+    k.kind = KernelKind::EmbeddingForward;
+    k.batch = (*cs)[0];
+    std::vector<std::pair<const Value*, int64_t>> copies;
+    int64_t at = 0;
+    for (const Value* x : cat.operands()) {
+      auto xs = shapeOf(x);
+      if (!xs) return xs.status();
+      const Op* bag = x->definingOp();
+      if (bag && in_group_.count(bag)) {
+        const Value* table = bag->operand(0);
+        const Value* ids = bag->operand(1);
+        KILN_RETURN_IF_ERROR(checkFixedHotness(*bag, ids));
+        auto ts = shapeOf(table);
+        auto is = shapeOf(ids);
+        if (!ts || !is) return !ts ? ts.status() : is.status();
+        if ((*is)[0] != k.batch) return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*bag));
+        EmbeddingTable t;
+        t.weight = bindValue(kb, table, false);
+        t.ids = bindValue(kb, ids, false);
+        if (bag->numOperands() == 3) t.weights = bindValue(kb, bag->operand(2), false);
+        t.rows = (*ts)[0];
+        t.dim = (*ts)[1];
+        t.hotness = (*is)[1];
+        t.mean = bag->strAttr("mode", "sum") == "mean";
+        t.out = bind(kb, out, true);
+        t.out_stride = width;
+        t.out_offset = at;
+        k.tables.push_back(t);
+      } else {
+        copies.push_back({x, at});
+      }
+      at += (*xs)[1];
+    }
+    if (k.tables.empty()) return Status::errorf("{}: the embedding group has no bag", opLabel(cat));
+    k.error_flag = bind(kb, errorFlag(), true);
+    KILN_RETURN_IF_ERROR(finish(kb));
+    for (const auto& [x, offset] : copies) {
+      auto xs = shapeOf(x);
+      KB cb;
+      Kernel& ck = cb.k;
+      ck.name = "concat_columns";
+      ck.kind = KernelKind::Pointwise;
+      ck.space = *xs;
+      ExprGraph& g = ck.exprs;
+      int b = g.coord(0), c = g.coord(1);
+      auto v = valueAt(cb, x, {b, c});
+      if (!v) return v.status();
+      int dst = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, b, g.intConstant(width)),
+                         g.binary(ExprOp::Add, c, g.intConstant(offset)));
+      ck.stores.push_back({bind(cb, out, true), dst, g.cast(*v, cat.result()->type().dtype()), -1});
+      KILN_RETURN_IF_ERROR(finish(cb));
+    }
+    return Status::ok();
+  }
+
+  // Slices of one concatenated gradient and the sparse updates they feed: each update reads its
+  // columns of the concatenated gradient directly (no slice is materialized).
+  Status lowerEmbeddingUpdates(const std::vector<const Op*>& ops) {
+    for (const Op* op : ops) {
+      if (op->name() == "kiln.slice") continue;
+      if (op->name() != "kiln.embedding_bag_update")
+        return Status::errorf("{} in an embedding_update group is not a slice or embedding_bag_update", opLabel(*op));
+      auto l = ir::embeddingUpdateLayout(*op);
+      if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(*op));
+      const Value* grad = op->operand(static_cast<unsigned>(l->grad_out));
+      const Op* slice = grad->definingOp();
+      if (!slice || !in_group_.count(slice) || slice->name() != "kiln.slice")
+        return Status::errorf("{}: its gradient is not a slice of the group", opLabel(*op));
+      const Value* src = slice->operand(0);
+      auto ss = shapeOf(src);
+      if (!ss) return ss.status();
+      int64_t axis = slice->intAttr("axis");
+      if (axis < 0) axis += static_cast<int64_t>(ss->size());
+      if (ss->size() != 2 || axis != 1)
+        return Status::errorf("{}: the update reads columns of a [batch, width] gradient; this slices axis {} of {}",
+                              opLabel(*slice), axis, src->type().str());
+      for (const ir::Use& u : slice->result()->uses())
+        if (u.user != op) return Status::errorf("{}: the gradient slice has other users", opLabel(*slice));
+      GradSource source{src, (*ss)[1], slice->intAttr("start")};
+      KILN_RETURN_IF_ERROR(lowerEmbeddingUpdate(*op, &source));
+    }
+    return Status::ok();
+  }
+
+  // A kiln.fused op's ops as one unit of `kind` work.
+  Status lowerFused(const std::string& kind) {
+    const std::vector<const Op*>& ops = out_.ops;
+    if (ops.empty()) return Status::error("the fused group is empty");
+    if (kind == "pointwise" || kind == "reduction") return lower();
+    if (kind == "gemm_epilogue") return lowerGemm(ops);
+    if (kind == "embedding") return lowerEmbeddingConcat(ops);
+    if (kind == "embedding_update") return lowerEmbeddingUpdates(ops);
+    return Status::errorf("the CUDA backend runs no '{}' group as one unit", kind);
+  }
+
   Status lower() {
     const std::vector<const Op*>& ops = out_.ops;
     if (ops.empty()) return Status::ok();
@@ -1030,7 +1296,7 @@ class GroupLowering {
     bool prefix_pointwise = std::all_of(ops.begin(), ops.end() - 1, [](const Op* o) { return isPointwiseOp(*o); });
     if (isPointwiseOp(last) && prefix_pointwise) return lowerPointwise();
     if (!prefix_pointwise || (ops.size() > 1 && !(last.name() == "kiln.reduce" || last.name() == "kiln.softmax" ||
-                                                  last.name() == "kiln.bce_with_logits")))
+                                                  last.name() == "kiln.bce_with_logits" || last.name() == "kiln.sum_to")))
       return Status::errorf("cannot lower a group ending in {} with other ops as one unit", opLabel(last));
     // Producers of a reduction must not escape the group: they are only computed inline.
     for (size_t i = 0; i + 1 < ops.size(); ++i)
@@ -1038,10 +1304,8 @@ class GroupLowering {
         if (!in_group_.count(u.user))
           return Status::errorf("{} is used outside its fused reduction group", opLabel(*ops[i]));
     const std::string& n = last.name();
-    if (n == "kiln.matmul") {
-      out_.gemm = &last;
-      return Status::ok();
-    }
+    if (n == "kiln.matmul") return lowerGemm({&last});
+    if (n == "kiln.scatter_add") return lowerScatterAdd(last);
     if (n == "kiln.reduce") return lowerReduce(last);
     if (!ir::isFloat(last.numResults() ? last.result()->type().dtype() : DType::f32) && last.name() == "kiln.sum_to")
       return Status::errorf("{} on the CUDA backend needs float values", opLabel(last));
@@ -1121,15 +1385,58 @@ Expected<LoweredGroup> lowerGroup(const std::vector<const Op*>& ops, const ir::S
   return gl.take();
 }
 
+Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vector<const Op*>& ops,
+                                       const ir::SymbolBindings& symbols) {
+  GroupLowering gl(ops, symbols);
+  KILN_RETURN_IF_ERROR(gl.lowerFused(kind));
+  return gl.take();
+}
+
 Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols) {
-  std::vector<const Op*> ops;
-  for (const auto& op : f.entry().ops()) ops.push_back(op.get());
   std::vector<LoweredGroup> out;
-  for (const auto& group : groupOps(ops)) {
-    auto g = lowerGroup(group, symbols);
-    if (!g) return g.status();
-    out.push_back(g.take());
+  // Ops outside fused groups are grouped greedily between them (a fused op is a barrier: it runs
+  // where the fusion pass placed it).
+  std::vector<const Op*> loose;
+  auto lowerLoose = [&]() -> Status {
+    for (const auto& group : groupOps(loose)) {
+      auto g = lowerGroup(group, symbols);
+      if (!g) return g.status();
+      out.push_back(g.take());
+    }
+    loose.clear();
+    return Status::ok();
+  };
+  int fused_index = 0;
+  for (const auto& op : f.entry().ops()) {
+    if (op->name() != "kiln.fused") {
+      loose.push_back(op.get());
+      continue;
+    }
+    KILN_RETURN_IF_ERROR(lowerLoose());
+    std::vector<const Op*> ops;
+    if (!op->regions().empty() && !op->regions().front()->empty())
+      for (const auto& inner : op->regions().front()->front().ops())
+        if (!inner->hasTrait(ir::kTerminator)) ops.push_back(inner.get());
+    std::string kind = op->strAttr("kind");
+    auto whole = lowerFusedGroup(kind, ops, symbols);
+    if (whole) {
+      whole->fused_kind = kind;
+      whole->fused_index = fused_index++;
+      out.push_back(whole.take());
+      continue;
+    }
+    // Not one unit on this backend: the greedy grouping over the group's ops, reason kept.
+    for (const auto& group : groupOps(ops)) {
+      auto g = lowerGroup(group, symbols);
+      if (!g) return g.status();
+      g->fused_kind = kind;
+      g->fused_index = fused_index;
+      g->split_reason = whole.status().message();
+      out.push_back(g.take());
+    }
+    ++fused_index;
   }
+  KILN_RETURN_IF_ERROR(lowerLoose());
   return out;
 }
 

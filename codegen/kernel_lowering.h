@@ -9,8 +9,14 @@
 //   - every fixed-hotness embedding_bag of a collection: ONE EmbeddingForward kernel;
 //   - an embedding_bag_update: clear, accumulate (duplicate ids combined in a hash table) and
 //     one Row kernel applying the sparse optimizer to the touched rows;
-//   - a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set.
-// groupOps() forms groups greedily (the fusion pass can hand its own groups to lowerGroup).
+//   - a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set;
+//   - a scatter_add: a copy of the base, then one atomic add per update.
+// groupOps() forms groups greedily over ops the fusion pass left alone. lowerFunction takes the
+// fusion pass's `kiln.fused` ops as they are: each becomes one group (a pointwise or reduction
+// kernel, ONE cuBLASLt call with its epilogue, one lookup kernel writing the concatenated rows,
+// the accumulate + row-update kernels of every table reading the concatenated gradient), or,
+// where the backend cannot run it as one unit, is split by groupOps with the reason recorded.
+// See docs/cuda.md.
 #pragma once
 
 #include <string>
@@ -22,22 +28,44 @@
 namespace kiln::codegen {
 
 // A buffer the kernels of a group read or write: an IR value, or a temporary of the group.
+// Values inside a kiln.fused region stand for values outside it: a block argument for the fused
+// op's operand, a yielded value for the fused op's result. Buffers always hold the outer value.
 struct GroupBuffer {
-  const ir::Value* value = nullptr;  // null for a temporary
+  const ir::Value* value = nullptr;  // null for a temporary; never a value inside a fused region
+                                     // that the region's op passes in or yields (see outerValue)
   std::string name;
   DType dtype = DType::f32;
   int64_t elements = 0;
   bool written = false;
+  bool defined = false;  // an op of the group computes this value (it is not an input)
+};
+
+// One cuBLASLt call: C = epilogue(op(A) op(B) + bias). Fields are indices into
+// LoweredGroup::buffers; `bias` is -1 without one.
+struct GemmCall {
+  int a = -1, b = -1, c = -1, bias = -1;
+  std::string activation;  // "", "relu" or "gelu" (cuBLASLt's GELU is the tanh form, as ours)
 };
 
 struct LoweredGroup {
   std::vector<const ir::Op*> ops;
-  const ir::Op* gemm = nullptr;  // a matmul, run by cuBLASLt: no kernels
+  const ir::Op* gemm = nullptr;  // a matmul, run by cuBLASLt (with `gemm_call`): no kernels
+  GemmCall gemm_call;
   std::vector<GroupBuffer> buffers;
   std::vector<Kernel> kernels;
   // args[k][j]: the group buffer bound to buffer j of kernels[k].
   std::vector<std::vector<int>> args;
+  // Where the group came from: the `kind` of its kiln.fused op and that op's number among the
+  // function's fused ops ("" and -1 for ops the fusion pass left alone). A fused op the backend
+  // cannot run as one unit becomes several groups sharing fused_index, each with the reason.
+  std::string fused_kind;
+  int fused_index = -1;
+  std::string split_reason;
 };
+
+// The value outside every kiln.fused region that `v` stands for (v itself for a value of the
+// function's body, or an op result inside a region that is not yielded).
+const ir::Value* outerValue(const ir::Value* v);
 
 // Ops that need no GPU work of their own: sources (inputs, parameters, constants) and
 // terminators.
@@ -52,7 +80,13 @@ std::vector<std::vector<const ir::Op*>> groupOps(const std::vector<const ir::Op*
 // backend does not support.
 Expected<LoweredGroup> lowerGroup(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols);
 
-// Every group of a function, lowered: what `kiln dump --stage=cuda` prints.
+// Lowers the ops of one kiln.fused op (its region's ops, the yield excluded) as one unit of the
+// given kind; an error says why the backend cannot (the caller then splits the group).
+Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vector<const ir::Op*>& ops,
+                                       const ir::SymbolBindings& symbols);
+
+// Every group of a function, lowered, in execution order: what `kiln dump --stage=cuda` prints
+// and the CUDA executor runs. Top-level kiln.fused ops are consumed as described above.
 Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols);
 
 // The concrete shape of a type under symbol values (bounded dims at their bound).

@@ -4,14 +4,23 @@
 
 #include "codegen/cuda_emitter.h"
 #include "codegen/kernel_lowering.h"
-#include "passes/autodiff.h"
+#include "passes/pass_manager.h"
+#include "passes/pipeline.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
 
 int printCudaStage(ir::Module& module, int64_t batch, std::ostream& out, std::ostream& err) {
+  // The passes `kiln train --device cuda` runs (fusion included), so the kernels shown are the
+  // kernels that run.
   if (module.attrs().count("kiln.train") && !module.lookup("train_step")) {
-    if (Status s = passes::buildTrainStep(module); !s.isOk()) {
+    passes::PassManager pm;
+    Status s = pm.addPipeline(passes::defaultPipeline(true));
+    if (s.isOk()) {
+      auto r = pm.run(module);
+      if (!r) s = r.status();
+    }
+    if (!s.isOk()) {
       err << s.str() << "\n";
       return kExitError;
     }
@@ -31,16 +40,30 @@ int printCudaStage(ir::Module& module, int64_t batch, std::ostream& out, std::os
   for (const auto& g : *groups)
     for (const auto& k : g.kernels) kernels.push_back(&k);
   codegen::CudaModule m = codegen::emitModule(kernels);
-  out << fmt::format("// @{} at B = {}: {} groups, {} kernel launches\n", f->name(), batch, groups->size(), kernels.size());
+  size_t gemms = 0;
+  for (const auto& g : *groups) gemms += g.gemm != nullptr;
+  out << fmt::format("// @{} at B = {}: {} groups, {} kernel launches, {} cuBLASLt calls\n", f->name(), batch,
+                     groups->size(), kernels.size(), gemms);
   size_t next = 0;
+  int last_split = -1;
   for (const auto& g : *groups) {
+    // A fused group the backend could not run as one unit: one line saying why, then its pieces.
+    if (!g.split_reason.empty() && g.fused_index != last_split) {
+      last_split = g.fused_index;
+      out << fmt::format("//   split {} group #{}: {}\n", g.fused_kind, g.fused_index, g.split_reason);
+    }
     std::string ops;
     for (const ir::Op* op : g.ops) ops += (ops.empty() ? "" : ", ") + op->name();
+    std::string origin = g.fused_kind.empty() ? "" : fmt::format("{} #{} ", g.fused_kind, g.fused_index);
     if (g.gemm) {
-      out << fmt::format("//   gemm (cuBLASLt): {}\n", ops);
+      const codegen::GemmCall& c = g.gemm_call;
+      std::string epilogue = c.bias >= 0 ? "bias" : "";
+      if (!c.activation.empty()) epilogue += (epilogue.empty() ? "" : "+") + c.activation;
+      out << fmt::format("//   {}gemm (cuBLASLt{}{}, {} out): {}\n", origin, epilogue.empty() ? "" : ", epilogue ",
+                         epilogue, ir::dtypeName(g.buffers[static_cast<size_t>(c.c)].dtype), ops);
       continue;
     }
-    out << fmt::format("//   [{}]:", ops);
+    out << fmt::format("//   {}[{}]:", origin, ops);
     for (size_t i = 0; i < g.kernels.size(); ++i, ++next) out << " " << m.kernels[next].name;
     out << "\n";
   }

@@ -110,7 +110,7 @@ struct Step {
   std::string name;  // kernel symbol, or the GEMM's description
   int64_t grid = 1;
   int block = 256;
-  std::vector<CUdeviceptr> args;  // kernel arguments; a GEMM's a, b, c
+  std::vector<CUdeviceptr> args;  // kernel arguments; a GEMM's a, b, c and bias (0: none)
   GemmShape shape;
 };
 
@@ -181,7 +181,7 @@ Status CudaExecutor::Impl::enqueue() {
   for (const ErrorFlag& f : flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st), "clearing " + f.kernel + "'s error flag");
   for (const Step& step : steps) {
     if (step.gemm) {
-      Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], 0, st);
+      Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st);
       if (!r) return Status::errorf("cuBLASLt {}: {}", step.name, r.message());
     } else {
       KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
@@ -260,28 +260,16 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   std::set<int> error_flag_buffers;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const codegen::LoweredGroup& g = groups[gi];
-    std::set<const ir::Op*> in_group(g.ops.begin(), g.ops.end());
     codegen::Instruction in;
     in.seq = static_cast<int>(gi);
     in.op = g.gemm ? "kiln.matmul" : "cuda.group";
-    if (g.gemm) {
-      for (unsigned i = 0; i < 2; ++i) {
-        auto b = bufferOf(g.gemm->operand(i));
-        if (!b) return b.status();
-        in.operands.push_back(*b);
-      }
-      auto c = bufferOf(g.gemm->result());
-      if (!c) return c.status();
-      in.results.push_back(*c);
-    }
     for (const codegen::GroupBuffer& gb : g.buffers) {
       int id;
       if (gb.value) {
         auto b = bufferOf(gb.value);
         if (!b) return b.status();
         id = *b;
-        bool defined_here = gb.value->definingOp() && in_group.count(gb.value->definingOp());
-        (defined_here ? in.results : in.operands).push_back(id);
+        (gb.defined ? in.results : in.operands).push_back(id);
       } else if (gb.name == "embedding_errors") {
         // Outside the arena: it must survive the step to be checked.
         id = addBuffer(codegen::BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
@@ -362,12 +350,20 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     if (g.gemm) {
       auto shape = gemmShapeOf(*g.gemm, symbols);
       if (!shape) return shape.status();
-      const codegen::Instruction& in = im.program.streams[0].instrs[gi];
+      // The epilogue the lowering accepted: bias, activation and the output's type.
+      const codegen::GemmCall& call = g.gemm_call;
+      auto addressOf = [&](int gb) { return gb < 0 ? CUdeviceptr{0} : im.address[group_buffers[gi][static_cast<size_t>(gb)]]; };
+      shape->c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
+      bool bias = call.bias >= 0;
+      if (bias) shape->bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
+      shape->epilogue = call.activation == "relu" ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
+                        : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
+                        : (bias ? Epilogue::Bias : Epilogue::None);
       Step s;
       s.gemm = true;
       s.shape = *shape;
       s.name = fmt::format("{} at {}", shape->str(), g.gemm->location().str());
-      s.args = {im.address[in.operands[0]], im.address[in.operands[1]], im.address[in.results[0]]};
+      s.args = {addressOf(call.a), addressOf(call.b), addressOf(call.c), addressOf(call.bias)};
       im.steps.push_back(std::move(s));
       ++im.gemms;
       continue;
@@ -489,7 +485,7 @@ Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime:
     for (size_t i = 0; i < im.steps.size(); ++i) {
       const Step& step = im.steps[i];
       if (step.gemm) {
-        KILN_RETURN_IF_ERROR(si.blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], 0, st));
+        KILN_RETURN_IF_ERROR(si.blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st));
       } else {
         KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
       }

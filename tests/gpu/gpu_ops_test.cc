@@ -191,7 +191,7 @@ TEST_P(GpuGemm, ExecutorMatmulMatchesNaiveLoop) {
   auto mm = b.create("kiln.matmul", {(*a)->result(), (*bb)->result()},
                      {{"transpose_a", Attribute(gc.ta)}, {"transpose_b", Attribute(gc.tb)}});
   ASSERT_TRUE(mm) << mm.status().message();
-  auto ret = b.create("func.return", {(*mm)->result()});
+  auto ret = b.createWithTypes("func.return", {(*mm)->result()}, {});
   ASSERT_TRUE(ret) << ret.status().message();
   f.setResultTypes({(*mm)->result()->type()});
 

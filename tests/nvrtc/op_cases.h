@@ -189,6 +189,20 @@ inline std::vector<OpCase> allOpCases() {
          {{"axis", Attribute(int64_t{0})}});
     add(b);
   }
+  {  // gather's adjoint along axis 1 (DLRM's interaction backward); ids repeat, so adds collide.
+    CaseBuilder b("scatter_add_axis1");
+    b.op("kiln.scatter_add", {b.input("base", f32, S({4, 9})), b.input("i", DType::i64, S({12}), Fill::Ids, 9),
+                              b.input("u", f32, S({4, 12}))},
+         {{"axis", Attribute(int64_t{1})}});
+    b.kernels(2);
+    add(b);
+  }
+  {  // Leading axis, 2-D indices, inner dims.
+    CaseBuilder b("scatter_add_axis0_inner");
+    b.op("kiln.scatter_add", {b.input("base", f32, S({6, 2, 3})), b.input("i", DType::i32, S({2, 4}), Fill::Ids, 6),
+                              b.input("u", f32, S({2, 4, 2, 3}))});
+    add(b);
+  }
   {
     CaseBuilder b("reshape_then_relu");
     Value* x = b.input("x", f32, S({4, 6}));

@@ -1,0 +1,279 @@
+// Fused groups (kiln.fused ops, as the fusion pass builds them) on the GPU through the
+// CudaExecutor: a GEMM epilogue is ONE cuBLASLt call, bags + concat one lookup kernel, slices +
+// sparse updates the accumulate and row-update kernels. Results (and updated parameters) equal
+// the unfused ops' CPU references; the arena is poisoned (NaN) before every run. Everything here
+// skips without a GPU (ctest label `gpu`).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "ir/builder.h"
+#include "runtime/cuda/cuda_driver.h"
+#include "runtime/cuda/cuda_executor.h"
+#include "runtime/parameter_store.h"
+#include "tests/nvrtc/fused_groups.h"
+#include "tests/nvrtc/op_cases.h"
+
+namespace kiln::testing {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                             \
+  do {                                                                 \
+    std::string why;                                                   \
+    if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why; \
+  } while (0)
+
+double readAsDouble(const ir::TensorView& v, int64_t i) {
+  switch (v.dtype) {
+    case DType::f32:
+      return v.as<float>()[i];
+    case DType::bf16:
+      return ir::bf16ToFloat(v.as<uint16_t>()[i]);
+    default:
+      return std::numeric_limits<double>::quiet_NaN();
+  }
+}
+
+void expectClose(const ir::TensorView& got, const ir::TensorView& want, double tol, const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  int bad = 0;
+  for (int64_t i = 0; i < got.numel() && bad < 5; ++i) {
+    double g = readAsDouble(got, i), w = readAsDouble(want, i);
+    if (!(std::fabs(g - w) <= tol * (1 + std::fabs(w)))) {
+      ADD_FAILURE() << what << "[" << i << "]: GPU " << g << ", reference " << w;
+      ++bad;
+    }
+  }
+}
+
+#ifdef KILN_HAVE_CUDA_HEADERS
+
+// A fused GEMM epilogue (matmul + bias + activation, as the fusion pass groups it) runs as ONE
+// cuBLASLt call with the epilogue; its result equals the unfused ops' CPU references.
+struct EpilogueCase {
+  const char* name;
+  const char* activation;  // "" for a bias-only epilogue
+  DType dtype;
+  double tol;
+};
+
+class GpuGemmEpilogue : public ::testing::TestWithParam<EpilogueCase> {};
+
+TEST_P(GpuGemmEpilogue, OneCublasLtCallMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const EpilogueCase ec = GetParam();
+  const int64_t m = 37, n = 24, k = 50;
+  ir::Module module;
+  ir::Function& f = module.addFunction("f");
+  f.body().addBlock();
+  ir::Builder b(f.entry());
+  std::mt19937 rng(11);
+  std::map<const Value*, ir::HostTensor> values;
+  runtime::cpu::Batch batch;
+  auto input = [&](const char* name, ir::Shape shape) {
+    auto op = b.createWithTypes("kiln.input", {}, {TensorType(ec.dtype, shape)}, {{"name", Attribute(name)}});
+    EXPECT_TRUE(op);
+    Value* v = (*op)->result();
+    std::vector<int64_t> dims;
+    for (const Dim& d : shape) dims.push_back(d.size());
+    ir::HostTensor t(ec.dtype, dims);
+    fillTensor(t, Fill::Normal, 0, rng);
+    values[v] = t;
+    return v;
+  };
+  Value* x = input("x", S({m, k}));
+  Value* w = input("w", S({n, k}));
+  Value* bias = input("b", S({n}));
+  for (const auto& [v, t] : values) batch[v->definingOp()->strAttr("name")] = t.view;
+  std::vector<ir::Op*> members;
+  auto add = [&](const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
+    auto op = b.create(name, operands, std::move(attrs));
+    EXPECT_TRUE(op) << op.status().message();
+    members.push_back(*op);
+    return (*op)->result();
+  };
+  Value* y = add("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}});
+  y = add("kiln.add", {y, bias});
+  if (*ec.activation) y = add(ec.activation, {y});
+  ASSERT_TRUE(b.createWithTypes("func.return", {y}, {}));
+  f.setResultTypes({y->type()});
+  std::vector<const ir::Op*> flat(members.begin(), members.end());
+  ASSERT_TRUE(referenceRun(flat, {}, values).isOk());
+  const ir::HostTensor want = values.at(y);
+  fuseOps(f, members, "gemm_epilogue");
+
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numGemms(), 1);
+  EXPECT_EQ((*ex)->numKernels(), 0) << "the epilogue runs inside cuBLASLt";
+  for (int run = 0; run < 2; ++run) {  // eager, then captured
+    auto out = (*ex)->run(batch);
+    ASSERT_TRUE(out) << out.status().message();
+    expectClose((*out)[0].view, want.view, ec.tol, std::string(ec.name) + " run " + std::to_string(run));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Epilogues, GpuGemmEpilogue,
+                         ::testing::Values(EpilogueCase{"bias_f32", "", DType::f32, 1e-4},
+                                           EpilogueCase{"bias_relu_f32", "kiln.relu", DType::f32, 1e-4},
+                                           EpilogueCase{"bias_gelu_f32", "kiln.gelu", DType::f32, 1e-4},
+                                           EpilogueCase{"bias_relu_bf16", "kiln.relu", DType::bf16, 3e-2}),
+                         [](const ::testing::TestParamInfo<EpilogueCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// A function with sources as inputs and parameters, built flat, its reference computed, then
+// fused; run on the GPU through the executor.
+struct GpuFusedCase {
+  ir::Module module;
+  ir::Function* f = nullptr;
+  ir::Builder b;
+  std::mt19937 rng{5};
+  std::map<const Value*, ir::HostTensor> values;  // sources, then the reference's results
+  runtime::cpu::Batch batch;
+  runtime::ParameterStore store;
+  std::vector<const ir::Op*> ops;
+
+  GpuFusedCase() {
+    f = &module.addFunction("f");
+    f->body().addBlock();
+    b.setInsertionPointToEnd(f->entry());
+  }
+  Value* source(const char* kind, const std::string& name, DType t, ir::Shape shape, Fill fill,
+                int64_t range) {
+    auto op = b.createWithTypes(kind, {}, {TensorType(t, shape)}, {{"name", Attribute(name)}});
+    EXPECT_TRUE(op) << op.status().message();
+    Value* v = (*op)->result();
+    std::vector<int64_t> dims;
+    for (const Dim& d : shape) dims.push_back(d.size());
+    ir::HostTensor h(t, dims);
+    fillTensor(h, fill, range, rng);
+    values[v] = h;
+    if (std::string(kind) == "kiln.parameter") store.set(name, h);
+    return v;
+  }
+  Value* input(const std::string& name, DType t, ir::Shape shape, Fill fill = Fill::Normal,
+               int64_t range = 0) {
+    return source("kiln.input", name, t, std::move(shape), fill, range);
+  }
+  Value* param(const std::string& name, DType t, ir::Shape shape, Fill fill = Fill::Normal) {
+    return source("kiln.parameter", name, t, std::move(shape), fill, 0);
+  }
+  ir::Op* op(const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
+    auto r = b.create(name, operands, std::move(attrs));
+    EXPECT_TRUE(r) << name << ": " << r.status().message();
+    ops.push_back(*r);
+    return *r;
+  }
+  // The batch views the inputs; call once every source exists.
+  void bindInputs() {
+    for (const auto& [v, t] : values)
+      if (v->definingOp()->name() == "kiln.input") batch[v->definingOp()->strAttr("name")] = t.view;
+  }
+  std::vector<ir::Op*> members(size_t begin, size_t end) const {
+    std::vector<ir::Op*> m;
+    for (size_t i = begin; i < end; ++i) m.push_back(const_cast<ir::Op*>(ops[i]));
+    return m;
+  }
+};
+
+TEST(GpuFused, LookupGemmEpilogueAndReductionMatchCpuReference) {
+  SKIP_WITHOUT_GPU();
+  GpuFusedCase c;
+  const int64_t batch = 33;
+  Value* dense = c.input("dense", DType::f32, S({batch, 5}));
+  Value* t0 = c.param("tables.0", DType::f32, S({50, 16}));
+  Value* t1 = c.param("tables.1", DType::f32, S({20, 40}));
+  Value* ids0 = c.input("cats.0", DType::i64, S({batch, 3}), Fill::Ids, 50);
+  Value* ids1 = c.input("cats.1", DType::i32, S({batch, 1}), Fill::Ids, 20);
+  Value* w = c.param("top.weight", DType::f32, S({12, 5 + 16 + 40}));
+  Value* bias = c.param("top.bias", DType::f32, S({12}));
+  Value* scale = c.input("scale", DType::f32, S({12}));
+  c.bindInputs();
+  Value* e0 = c.op("kiln.embedding_bag", {t0, ids0})->result();
+  Value* e1 = c.op("kiln.embedding_bag", {t1, ids1})->result();
+  Value* x = c.op("kiln.concat", {dense, e0, e1}, {{"axis", Attribute(int64_t{1})}})->result();
+  Value* mm = c.op("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}})->result();
+  Value* h = c.op("kiln.relu", {c.op("kiln.add", {mm, bias})->result()})->result();
+  Value* p = c.op("kiln.mul", {h, scale})->result();
+  Value* out =
+      c.op("kiln.reduce", {p}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints({1})}})->result();
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {x, out}, {}));
+  c.f->setResultTypes({x->type(), out->type()});
+  ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());
+  const ir::HostTensor want_x = c.values.at(x), want_out = c.values.at(out);
+  fuseOps(*c.f, c.members(0, 3), "embedding");
+  fuseOps(*c.f, c.members(3, 6), "gemm_epilogue");
+  fuseOps(*c.f, c.members(6, 8), "reduction");
+
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numGemms(), 1);
+  EXPECT_EQ((*ex)->numKernels(), 3) << "lookup, dense-column copy, reduction";
+  for (int run = 0; run < 2; ++run) {
+    auto got = (*ex)->run(c.batch);
+    ASSERT_TRUE(got) << got.status().message();
+    expectClose((*got)[0].view, want_x.view, 1e-6, "concat run " + std::to_string(run));
+    expectClose((*got)[1].view, want_out.view, 1e-4, "reduce run " + std::to_string(run));
+  }
+}
+
+TEST(GpuFused, EmbeddingUpdateGroupMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  GpuFusedCase c;
+  const int64_t batch = 40;
+  Value* t0 = c.param("tables.0", DType::f32, S({30, 8}));
+  Value* s0 = c.param("tables.0.adagrad_sum", DType::f32, S({30, 8}), Fill::Positive);
+  Value* t1 = c.param("tables.1", DType::f32, S({6, 64}));
+  Value* s1 = c.param("tables.1.rowwise_adagrad_sum", DType::f32, S({6}), Fill::Positive);
+  Value* ids0 = c.input("cats.0", DType::i64, S({batch, 2}), Fill::Ids, 30);
+  Value* ids1 = c.input("cats.1", DType::i64, S({batch, 3}), Fill::Ids, 6);
+  Value* grad = c.input("grad", DType::f32, S({batch, 80}));
+  Value* lr = c.input("lr", DType::f32, {}, Fill::Positive);
+  Value* step = c.input("step", DType::f32, {}, Fill::Ids, 4);
+  c.bindInputs();
+  auto slice = [&](int64_t start, int64_t limit) {
+    return c
+        .op("kiln.slice", {grad},
+            {{"axis", Attribute(int64_t{1})}, {"start", Attribute(start)}, {"limit", Attribute(limit)}})
+        ->result();
+  };
+  Value* g0 = slice(8, 16);
+  c.op("kiln.embedding_bag_update", {t0, ids0, g0, s0, lr, step},
+       {{"optimizer", Attribute("adagrad")}, {"lr", Attribute(0.1)}});
+  Value* g1 = slice(16, 80);
+  c.op("kiln.embedding_bag_update", {t1, ids1, g1, s1, lr, step},
+       {{"optimizer", Attribute("rowwise_adagrad")}, {"lr", Attribute(0.05)}});
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {}, {}));
+  ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());  // updates c.values; c.store keeps the start
+  fuseOps(*c.f, c.members(0, 4), "embedding_update");
+
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
+  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numKernels(), 6) << "clear, accumulate, row update per table; no slice copies";
+  auto got = (*ex)->run(c.batch);
+  ASSERT_TRUE(got) << got.status().message();
+  ASSERT_TRUE((*session)->downloadParameters(c.store).isOk());
+  for (Value* p : {t0, s0, t1, s1}) {
+    const std::string name = p->definingOp()->strAttr("name");
+    expectClose(c.store.find(name)->view, c.values.at(p).view, 1e-5, name);
+  }
+}
+
+#endif  // KILN_HAVE_CUDA_HEADERS
+
+}  // namespace
+}  // namespace kiln::testing
