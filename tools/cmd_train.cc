@@ -39,6 +39,7 @@ struct TrainFlags {
   bool resume = false;
   std::string metrics_path;
   bool strict = false;
+  bool profile = false;
 };
 
 class Trainer {
@@ -277,6 +278,7 @@ int Trainer::run() {
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
   if (!f_.checkpoint_dir.empty()) std::printf("checkpoint: %s\n", checkpointFile(f_.checkpoint_dir).c_str());
+  if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
   return kExitOk;
 }
 
@@ -301,6 +303,7 @@ int runTrain(const std::vector<std::string>& args) {
   p.addFlag("resume", "continue from the checkpoint in --checkpoint DIR");
   p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
+  p.addFlag("profile", "time every op of the training step (CPU) and print where the time went");
   addModelFlags(p);
   addDeviceFlag(p);
   int code;
@@ -330,6 +333,7 @@ int runTrain(const std::vector<std::string>& args) {
   if (f.checkpoint_every > 0 && f.checkpoint_dir.empty()) return p.usageError("--checkpoint-every needs --checkpoint DIR");
   f.metrics_path = p.get("metrics");
   f.strict = p.flag("strict");
+  f.profile = p.flag("profile");
   for (const std::string& d : f.data)
     if (d != "synthetic" && !std::filesystem::exists(d)) return p.usageError(fmt::format("no such data file '{}'", d));
   if (f.data.size() > 1 && std::find(f.data.begin(), f.data.end(), "synthetic") != f.data.end())
@@ -341,6 +345,7 @@ int runTrain(const std::vector<std::string>& args) {
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = f.batch;
+  so.profile = f.profile;
   if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   auto session = ModelSession::create(so, std::cerr);
   if (!session) {

@@ -1,5 +1,6 @@
 #include "tools/model_session.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -169,11 +170,41 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   if (!program) return program.status();
   runtime::cpu::ExecutorOptions eo;
   eo.threads = options_.threads;
+  eo.profile = options_.profile;
   auto exec = runtime::cpu::CpuExecutor::create(program.take(), eo);
   if (!exec) return exec.status();
   runtime::cpu::CpuExecutor* raw = exec->get();
   executors_[key] = exec.take();
   return raw;
+}
+
+std::string ModelSession::profileTable(const std::string& function) const {
+  std::map<std::string, runtime::cpu::OpTime, std::less<>> ops;
+  int64_t runs = 0;
+  for (const auto& [key, exec] : executors_) {
+    if (key.first != function) continue;
+    runs += exec->runs();
+    for (const auto& [name, t] : exec->profile()) {
+      runtime::cpu::OpTime& o = ops[name];
+      o.launches += t.launches;
+      o.seconds += t.seconds;
+      o.reference |= t.reference;
+    }
+  }
+  if (runs == 0) return "";
+  std::vector<std::pair<std::string, runtime::cpu::OpTime>> rows(ops.begin(), ops.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+  double total = 0;
+  for (const auto& [_, t] : rows) total += t.seconds;
+  const double per = 1.0 / static_cast<double>(runs);
+  std::string out = fmt::format("profile of @{} on the CPU ({} runs, {:.2f} ms per run in kernels):\n", function, runs,
+                                total * 1e3 * per);
+  out += fmt::format("  {:<32} {:>10} {:>10} {:>7}  {}\n", "op", "launches", "ms/run", "share", "kernel");
+  for (const auto& [name, t] : rows)
+    out += fmt::format("  {:<32} {:>10.0f} {:>10.3f} {:>6.1f}%  {}\n", name, static_cast<double>(t.launches) * per,
+                       t.seconds * 1e3 * per, total > 0 ? 100.0 * t.seconds / total : 0.0,
+                       t.reference ? "reference" : "fast");
+  return out;
 }
 
 Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& function, int64_t batch) {

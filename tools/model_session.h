@@ -33,6 +33,7 @@ struct SessionOptions {
   // Entries that replace those of the model's train block (kiln.train) before the pipeline runs,
   // e.g. {"optimizer": {kind = "sgd", lr = 0.01}} for a benchmark that fixes the optimizer.
   ir::AttrDict train_overrides;
+  bool profile = false;  // time every launch of the CPU executors (kiln train --profile)
   passes::PassManagerOptions pass_options;
 };
 
@@ -76,6 +77,10 @@ class ModelSession {
 
   // Names of the tensors a checkpoint holds: every parameter and optimizer state.
   std::vector<std::string> checkpointNames() const { return params_.names(); }
+
+  // With SessionOptions::profile: where the CPU time of `function`'s runs went, one line per op
+  // (launches and ms per run, share of the total, fast kernel or reference), slowest first.
+  std::string profileTable(const std::string& function) const;
 
  private:
   ModelSession() = default;

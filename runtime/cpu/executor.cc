@@ -1,5 +1,6 @@
 #include "runtime/cpu/executor.h"
 
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -125,6 +126,7 @@ Status CpuExecutor::bindSources(const Batch& batch, ParameterStore& params) {
 Expected<std::vector<ir::HostTensor>> CpuExecutor::run(const Batch& batch, ParameterStore& params) {
   KILN_RETURN_IF_ERROR(bindSources(batch, params));
   fast_launches_ = reference_launches_ = 0;
+  ++runs_;
   ir::CpuContext ref_ctx{&program_.symbols, pool_->numThreads()};
   KernelContext fast_ctx{pool_.get(), &program_.symbols};
   std::vector<const ir::TensorView*> operands;
@@ -141,8 +143,15 @@ Expected<std::vector<ir::HostTensor>> CpuExecutor::run(const Batch& batch, Param
       v.shape = bound_[static_cast<size_t>(id)];  // full capacity; the kernel sets the actual shape
       results.push_back(&v);
     }
+    auto start = options_.profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     Status s = l.fast ? l.fast->run(*l.op, operands, results, fast_ctx) : l.reference(*l.op, operands, results, ref_ctx);
     (l.fast ? fast_launches_ : reference_launches_)++;
+    if (options_.profile) {
+      OpTime& p = profile_[in.op];
+      p.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      p.launches += 1;
+      p.reference = !l.fast;
+    }
     if (!s.isOk())
       return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,
                             in.results.empty() ? -1 : in.results[0], s.message());

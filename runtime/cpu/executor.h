@@ -26,6 +26,14 @@ struct ExecutorOptions {
   int threads = 1;                // --threads N (the caller counts as one)
   bool use_fast_kernels = true;   // false: every op through its reference hook
   bool poison_arena = false;      // fill the arena with kPoison first (tests, debugging)
+  bool profile = false;           // time every launch (kiln train --profile)
+};
+
+// Time spent in one op over all runs of a program (ExecutorOptions::profile).
+struct OpTime {
+  int64_t launches = 0;
+  double seconds = 0;
+  bool reference = false;  // ran through the op table's reference hook, not a fast kernel
 };
 
 class CpuExecutor {
@@ -48,6 +56,9 @@ class CpuExecutor {
   int64_t scanTouchedArenaBytes() const;
   // How many launches ran through a fast kernel / a reference hook in the last run.
   int fastLaunches() const { return fast_launches_; }
+  // With options.profile: time per op name over all runs so far, and how many runs.
+  const std::map<std::string, OpTime, std::less<>>& profile() const { return profile_; }
+  int64_t runs() const { return runs_; }
   int referenceLaunches() const { return reference_launches_; }
 
  private:
@@ -68,6 +79,8 @@ class CpuExecutor {
   std::vector<std::vector<int64_t>> bound_;    // per buffer: shape at the bound symbols
   int64_t high_water_mark_ = 0;
   int fast_launches_ = 0, reference_launches_ = 0;
+  std::map<std::string, OpTime, std::less<>> profile_;
+  int64_t runs_ = 0;
 };
 
 }  // namespace kiln::runtime::cpu
