@@ -2,6 +2,8 @@
 // inputs, threaded and not; the GEMM also against a naive triple loop written here.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "ir/builder.h"
 #include "ir/optimizer.h"
 #include "runtime/cpu/kernels/kernels.h"
@@ -304,6 +306,61 @@ void checkEmbeddingUpdate(const std::string& optimizer, bool jagged, bool weight
       expectClose(mine[i], ref[i], 1e-6, 1e-7, std::string(optimizer).append(" operand ").append(std::to_string(i)));
     EXPECT_NE(mine[0].storage, values[0].storage) << "the table moved";
   }
+}
+
+// kiln.optimizer_update: the threaded kernel leaves the same bits as the reference hook for every
+// dense optimizer, with weight decay and a clipping scale, over a size that several threads split.
+void checkDenseUpdate(const std::string& kind, ir::AttrDict extra, bool scaled) {
+  const int64_t n = 200003;
+  ir::Module m;
+  ir::Function& f = m.addFunction("f");
+  ir::Builder b(f.entry());
+  auto source = [&](const char* op, const std::string& name, ir::TensorType t) {
+    return (*b.createWithTypes(op, {}, {t}, {{"name", ir::Attribute(name)}}))->result();
+  };
+  const ir::TensorType vec(DType::f32, ir::Shape{ir::Dim::fixed(n)}), scalar(DType::f32, ir::Shape{});
+  ir::AttrDict attrs = {{"kind", ir::Attribute(kind)}, {"lr", 0.05}, {"weight_decay", 0.01}, {"scaled", scaled}};
+  for (auto& [k, v] : extra) attrs[k] = v;
+  std::vector<ir::Value*> operands = {source("kiln.parameter", "w", vec), source("kiln.input", "g", vec)};
+  std::vector<HostTensor> values = {randomTensor(DType::f32, {n}, 1), randomTensor(DType::f32, {n}, 2)};
+  for (const auto& slot : ir::denseOptimizerState(kind, attrs)) {
+    operands.push_back(source("kiln.parameter", "w." + slot.suffix, vec));
+    values.push_back(randomTensor(DType::f32, {n}, 3, 0.1, 1));
+  }
+  for (float v : {0.7f, 3.0f, 0.5f}) {  // lr factor, step, clipping scale
+    if (v == 0.5f && !scaled) break;
+    operands.push_back(source("kiln.input", "s" + std::to_string(values.size()), scalar));
+    HostTensor t(DType::f32, {});
+    t.as<float>()[0] = v;
+    values.push_back(t);
+  }
+  auto op = b.createWithTypes("kiln.optimizer_update", operands, {}, attrs);
+  ASSERT_TRUE(op.isOk()) << op.status().str();
+  const FastKernel* fast = findFastKernel(**op);
+  ASSERT_NE(fast, nullptr) << kind;
+  for (int threads : {1, 3}) {
+    std::vector<HostTensor> mine = values, ref = values;
+    std::vector<const ir::TensorView*> mv, rv;
+    for (auto& t : mine) mv.push_back(&t.view);
+    for (auto& t : ref) rv.push_back(&t.view);
+    ThreadPool pool(threads);
+    Status s = fast->run(**op, mv, {}, KernelContext{&pool, nullptr});
+    ASSERT_TRUE(s.isOk()) << s.str();
+    ASSERT_TRUE((*op)->def()->cpu(**op, rv, {}, ir::CpuContext{}).isOk());
+    for (size_t i = 0; i < values.size(); ++i)
+      EXPECT_EQ(std::memcmp(mine[i].view.data, ref[i].view.data, static_cast<size_t>(mine[i].view.bytes())), 0)
+          << kind << " operand " << i << " with " << threads << " threads";
+    EXPECT_NE(std::memcmp(mine[0].view.data, values[0].view.data, static_cast<size_t>(n) * 4), 0) << "nothing moved";
+  }
+}
+
+TEST(FastKernels, DenseOptimizerUpdateMatchesReferenceBitForBit) {
+  checkDenseUpdate("sgd", {}, false);
+  checkDenseUpdate("sgd", {{"momentum", 0.9}}, true);
+  checkDenseUpdate("sgd", {{"momentum", 0.9}, {"nesterov", true}}, false);
+  checkDenseUpdate("adagrad", {}, true);
+  checkDenseUpdate("adam", {}, false);
+  checkDenseUpdate("adamw", {}, true);
 }
 
 TEST(FastKernels, SparseEmbeddingUpdateMatchesReference) {

@@ -1,5 +1,5 @@
 // Fast CPU kernels: the ops where a tuned implementation pays (GEMMs through BLAS, threaded
-// elementwise, reductions and embedding lookups). The executor uses one when it supports the
+// elementwise, reductions, embedding lookups and the optimizer steps). The executor uses one when it supports the
 // op's types and falls back to the op table's CPU reference hook otherwise, so every op runs.
 //
 // Contract shared with the reference hooks: result views arrive at their bound shape with
@@ -44,6 +44,7 @@ void registerMatmulKernels(KernelTable& t);       // matmul.cc
 void registerReduceKernels(KernelTable& t);       // reduce.cc
 void registerEmbeddingKernels(KernelTable& t);    // embedding_bag.cc
 void registerEmbeddingUpdateKernels(KernelTable& t);  // embedding_update.cc: the sparse optimizer step
+void registerOptimizerKernels(KernelTable& t);     // optimizer_update.cc: the dense optimizer step
 void registerDataKernels(KernelTable& t);         // data.cc: constant, reshape, cast
 
 // Element access with f32 compute over f32 / bf16 / f64 storage.

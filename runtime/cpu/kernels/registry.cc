@@ -19,6 +19,7 @@ static const KernelTable& table() {
     registerReduceKernels(t);
     registerEmbeddingKernels(t);
     registerEmbeddingUpdateKernels(t);
+    registerOptimizerKernels(t);
     registerDataKernels(t);
     return t;
   }();
