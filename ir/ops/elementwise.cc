@@ -1,6 +1,7 @@
 // Elementwise ops: binary arithmetic with numpy broadcasting, unary math and activations,
 // comparison and selection, and the fused activation backward op.
-//   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for relu, gelu (tanh form), silu
+//   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for relu, gelu (tanh form), silu (for
+//                                             relu, x may be relu's output: f'(y) = f'(x))
 #include <cmath>
 
 #include "ir/op_def.h"
@@ -414,11 +415,13 @@ Status gradTanh(GradContext& ctx, const Op& op) {
   });
 }
 
-// relu, gelu, silu: one fused backward op that reads x.
+// relu, gelu, silu: one fused backward op that reads x. relu reads its output instead (y > 0
+// exactly where x > 0): the pre-activation then dies in the forward pass, which saves its memory
+// and lets matmul + bias + relu run as one GEMM with an epilogue.
 Status gradActivation(GradContext& ctx, const Op& op) {
   std::string act = op.name().substr(std::string_view("kiln.").size());
-  return unaryRule(ctx, op, [&](B& b, V g, V x, V) -> EV {
-    return b.createValue("kiln.activation_grad", {x, g}, {{"activation", Attribute(act)}});
+  return unaryRule(ctx, op, [&](B& b, V g, V x, V y) -> EV {
+    return b.createValue("kiln.activation_grad", {act == "relu" ? y : x, g}, {{"activation", Attribute(act)}});
   });
 }
 
