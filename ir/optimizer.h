@@ -17,6 +17,8 @@
 // when ids are flat ([N]); weights exactly when `weighted`.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -24,6 +26,7 @@
 
 #include "ir/attribute.h"
 #include "ir/ir.h"
+#include "ir/status.h"
 
 namespace kiln::ir {
 
@@ -60,5 +63,66 @@ struct EmbeddingUpdateLayout {
 };
 // nullopt when the op's attributes do not determine a layout (an unknown optimizer).
 std::optional<EmbeddingUpdateLayout> embeddingUpdateLayout(const Op& op);
+
+// ---- The dense optimizer step, element by element --------------------------------------------
+// One definition of the math of kiln.optimizer_update, shared by the op table's reference hook
+// (ir/ops/optimizer.cc) and the threaded CPU kernel (runtime/cpu/kernels/optimizer_update.cc),
+// so both give the same bits. Each element is computed in double and stored in T.
+
+enum class DenseStep { kSgd, kSgdMomentum, kAdagrad, kAdam, kAdamW };
+
+struct DenseHyper {
+  DenseStep step = DenseStep::kSgd;
+  double lr = 0, momentum = 0, eps = 1e-8, beta1 = 0.9, beta2 = 0.999, weight_decay = 0, scale = 1;
+  bool nesterov = false;
+  double bias1 = 1, bias2 = 1;  // Adam's 1 - beta^t
+};
+
+// The hyperparameters of a kiln.optimizer_update op, given the step's lr factor, its 1-based step
+// number and the clipping scale (1 when the op is not `scaled`). Adam needs step >= 1.
+Expected<DenseHyper> denseHyper(const Op& op, double lr_factor, double step, double scale);
+
+template <DenseStep K, typename T>
+void denseStepRange(const DenseHyper& h, int64_t begin, int64_t end, T* p, const T* grad, T* s0, T* s1) {
+  for (int64_t i = begin; i < end; ++i) {
+    double w = p[i];
+    double g = static_cast<double>(grad[i]) * h.scale;
+    if constexpr (K == DenseStep::kAdamW) {
+      w -= h.lr * h.weight_decay * w;
+    } else {
+      g += h.weight_decay * w;
+    }
+    if constexpr (K == DenseStep::kSgd) {
+      w -= h.lr * g;
+    } else if constexpr (K == DenseStep::kSgdMomentum) {
+      double m = h.momentum * static_cast<double>(s0[i]) + g;
+      s0[i] = static_cast<T>(m);
+      w -= h.lr * (h.nesterov ? g + h.momentum * m : m);
+    } else if constexpr (K == DenseStep::kAdagrad) {
+      double s = static_cast<double>(s0[i]) + g * g;
+      s0[i] = static_cast<T>(s);
+      w -= h.lr * g / (std::sqrt(s) + h.eps);
+    } else {
+      double m = h.beta1 * static_cast<double>(s0[i]) + (1 - h.beta1) * g;
+      double v = h.beta2 * static_cast<double>(s1[i]) + (1 - h.beta2) * g * g;
+      s0[i] = static_cast<T>(m);
+      s1[i] = static_cast<T>(v);
+      w -= h.lr * (m / h.bias1) / (std::sqrt(v / h.bias2) + h.eps);
+    }
+    p[i] = static_cast<T>(w);
+  }
+}
+
+// Elements [begin, end) of one step; s0 / s1 are the state slots (null when the step has none).
+template <typename T>
+void denseStep(const DenseHyper& h, int64_t begin, int64_t end, T* p, const T* grad, T* s0, T* s1) {
+  switch (h.step) {
+    case DenseStep::kSgd: return denseStepRange<DenseStep::kSgd>(h, begin, end, p, grad, s0, s1);
+    case DenseStep::kSgdMomentum: return denseStepRange<DenseStep::kSgdMomentum>(h, begin, end, p, grad, s0, s1);
+    case DenseStep::kAdagrad: return denseStepRange<DenseStep::kAdagrad>(h, begin, end, p, grad, s0, s1);
+    case DenseStep::kAdam: return denseStepRange<DenseStep::kAdam>(h, begin, end, p, grad, s0, s1);
+    case DenseStep::kAdamW: return denseStepRange<DenseStep::kAdamW>(h, begin, end, p, grad, s0, s1);
+  }
+}
 
 }  // namespace kiln::ir

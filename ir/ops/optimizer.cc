@@ -78,6 +78,32 @@ std::optional<EmbeddingUpdateLayout> embeddingUpdateLayout(const Op& op) {
   return l;
 }
 
+Expected<DenseHyper> denseHyper(const Op& op, double lr_factor, double step, double scale) {
+  const std::string kind = op.strAttr("kind");
+  DenseHyper h;
+  h.lr = op.floatAttr("lr") * lr_factor;
+  h.scale = scale;
+  h.momentum = op.floatAttr("momentum");
+  h.nesterov = op.boolAttr("nesterov");
+  h.eps = op.floatAttr("eps", 1e-8);
+  h.beta1 = op.floatAttr("beta1", 0.9);
+  h.beta2 = op.floatAttr("beta2", 0.999);
+  h.weight_decay = op.floatAttr("weight_decay");
+  if (kind == "sgd") {
+    h.step = denseOptimizerState(kind, op.attrs()).empty() ? DenseStep::kSgd : DenseStep::kSgdMomentum;
+  } else if (kind == "adagrad") {
+    h.step = DenseStep::kAdagrad;
+  } else if (kind == "adam" || kind == "adamw") {
+    if (step < 1) return Status::errorf("'{}' ({}): step must be >= 1, got {}", op.name(), kind, step);
+    h.bias1 = 1 - std::pow(h.beta1, step);
+    h.bias2 = 1 - std::pow(h.beta2, step);
+    h.step = kind == "adamw" ? DenseStep::kAdamW : DenseStep::kAdam;
+  } else {
+    return Status::errorf("'{}': unknown optimizer '{}'", op.name(), kind);
+  }
+  return h;
+}
+
 namespace {
 
 // ---- Verification -------------------------------------------------------------------------------
@@ -266,76 +292,22 @@ double readFloat(const TensorView& v, int64_t i) {
   }
 }
 
-struct DenseHyper {
-  std::string kind;
-  double lr, momentum, eps, beta1, beta2, weight_decay, scale;
-  bool nesterov;
-  double bias1 = 1, bias2 = 1;  // Adam's 1 - beta^t
-};
-
-template <typename T>
-void denseUpdate(const DenseHyper& h, int64_t n, T* p, const T* grad, T* s0, T* s1) {
-  for (int64_t i = 0; i < n; ++i) {
-    double w = p[i];
-    double g = static_cast<double>(grad[i]) * h.scale;
-    if (h.kind == "adamw") {
-      w -= h.lr * h.weight_decay * w;
-    } else {
-      g += h.weight_decay * w;
-    }
-    if (h.kind == "sgd") {
-      double d = g;
-      if (s0) {
-        double m = h.momentum * static_cast<double>(s0[i]) + g;
-        s0[i] = static_cast<T>(m);
-        d = h.nesterov ? g + h.momentum * m : m;
-      }
-      w -= h.lr * d;
-    } else if (h.kind == "adagrad") {
-      double s = static_cast<double>(s0[i]) + g * g;
-      s0[i] = static_cast<T>(s);
-      w -= h.lr * g / (std::sqrt(s) + h.eps);
-    } else {  // adam, adamw
-      double m = h.beta1 * static_cast<double>(s0[i]) + (1 - h.beta1) * g;
-      double v = h.beta2 * static_cast<double>(s1[i]) + (1 - h.beta2) * g * g;
-      s0[i] = static_cast<T>(m);
-      s1[i] = static_cast<T>(v);
-      w -= h.lr * (m / h.bias1) / (std::sqrt(v / h.bias2) + h.eps);
-    }
-    p[i] = static_cast<T>(w);
-  }
-}
-
 Status cpuOptimizerUpdate(const Op& op, const std::vector<const TensorView*>& in,
                           const std::vector<TensorView*>&, const CpuContext&) {
-  DenseHyper h;
-  h.kind = op.strAttr("kind");
-  size_t nstate = denseOptimizerState(h.kind, op.attrs()).size();
-  size_t s = 2 + nstate;
-  h.lr = op.floatAttr("lr") * readScalar(*in[s]);
-  double step = readScalar(*in[s + 1]);
-  h.scale = op.boolAttr("scaled") ? readScalar(*in[s + 2]) : 1.0;
-  h.momentum = op.floatAttr("momentum");
-  h.nesterov = op.boolAttr("nesterov");
-  h.eps = op.floatAttr("eps", 1e-8);
-  h.beta1 = op.floatAttr("beta1", 0.9);
-  h.beta2 = op.floatAttr("beta2", 0.999);
-  h.weight_decay = op.floatAttr("weight_decay");
-  if (h.kind == "adam" || h.kind == "adamw") {
-    if (step < 1) return Status::errorf("'kiln.optimizer_update' (adam): step must be >= 1, got {}", step);
-    h.bias1 = 1 - std::pow(h.beta1, step);
-    h.bias2 = 1 - std::pow(h.beta2, step);
-  }
+  const size_t nstate = denseOptimizerState(op.strAttr("kind"), op.attrs()).size();
+  const size_t s = 2 + nstate;
+  auto h = denseHyper(op, readScalar(*in[s]), readScalar(*in[s + 1]), op.boolAttr("scaled") ? readScalar(*in[s + 2]) : 1.0);
+  if (!h) return h.status();
   const TensorView& p = *in[0];
   int64_t n = p.numel();
   if (in[1]->numel() != n) return Status::error("'kiln.optimizer_update': gradient size differs from the parameter");
   auto state = [&](size_t k) { return k < nstate ? in[2 + k]->data : nullptr; };
   if (p.dtype == DType::f64) {
-    denseUpdate<double>(h, n, p.as<double>(), in[1]->as<double>(), static_cast<double*>(state(0)),
-                        static_cast<double*>(state(1)));
+    denseStep<double>(*h, 0, n, p.as<double>(), in[1]->as<double>(), static_cast<double*>(state(0)),
+                      static_cast<double*>(state(1)));
   } else if (p.dtype == DType::f32) {
-    denseUpdate<float>(h, n, p.as<float>(), in[1]->as<float>(), static_cast<float*>(state(0)),
-                       static_cast<float*>(state(1)));
+    denseStep<float>(*h, 0, n, p.as<float>(), in[1]->as<float>(), static_cast<float*>(state(0)),
+                     static_cast<float*>(state(1)));
   } else {
     return Status::errorf("'kiln.optimizer_update' has no CPU kernel for {} parameters", dtypeName(p.dtype));
   }
@@ -416,8 +388,14 @@ void rowGradient(const RowGroups& g, size_t k, const TensorView& grad_out, int64
   }
 }
 
+struct SparseHyper {
+  std::string kind;
+  double lr, eps, beta1, beta2, weight_decay, scale;
+  double bias1 = 1, bias2 = 1;  // Adam's 1 - beta^t
+};
+
 template <typename T>
-void sparseUpdate(const DenseHyper& h, const RowGroups& groups, const TensorView& grad_out, int64_t dim,
+void sparseUpdate(const SparseHyper& h, const RowGroups& groups, const TensorView& grad_out, int64_t dim,
                   T* table, T* s0, T* s1) {
   std::vector<double> g(static_cast<size_t>(dim));
   for (size_t k = 0; k < groups.rows.size(); ++k) {
@@ -464,7 +442,7 @@ Status cpuEmbeddingUpdate(const Op& op, const std::vector<const TensorView*>& in
   int64_t rows = table.shape[0], dim = table.shape[1];
   auto groups = groupRows(op, *l, in, rows);
   if (!groups) return groups.status();
-  DenseHyper h;
+  SparseHyper h;
   h.kind = op.strAttr("optimizer");
   h.lr = op.floatAttr("lr") * readScalar(*in[l->lr]);
   double step = readScalar(*in[l->step]);
