@@ -228,6 +228,23 @@ TEST(FastKernels, CastReshapeConstant) {
 namespace kiln::runtime::cpu {
 namespace {
 
+// Runs an in-place op (no results: it updates its operands) through the fast kernel and the
+// reference hook, each on its own copy of `values`; returns (fast, reference).
+std::pair<std::vector<HostTensor>, std::vector<HostTensor>> runInPlaceBothWays(const ir::Op& op, const FastKernel& fast,
+                                                                             const std::vector<HostTensor>& values,
+                                                                             int threads) {
+  std::vector<HostTensor> mine = values, ref = values;
+  std::vector<const ir::TensorView*> mv, rv;
+  for (auto& t : mine) mv.push_back(&t.view);
+  for (auto& t : ref) rv.push_back(&t.view);
+  ThreadPool pool(threads);
+  Status s = fast.run(op, mv, {}, KernelContext{&pool, nullptr});
+  EXPECT_TRUE(s.isOk()) << s.str();
+  Status r = op.def()->cpu(op, rv, {}, ir::CpuContext{});
+  EXPECT_TRUE(r.isOk()) << r.str();
+  return {std::move(mine), std::move(ref)};
+}
+
 // kiln.embedding_bag_update: the threaded kernel and the reference hook start from the same
 // table and state and must leave the same values behind, for every optimizer and id layout.
 void checkEmbeddingUpdate(const std::string& optimizer, bool jagged, bool weighted, bool scaled, const std::string& mode) {
@@ -294,14 +311,7 @@ void checkEmbeddingUpdate(const std::string& optimizer, bool jagged, bool weight
   const FastKernel* fast = findFastKernel(**op);
   ASSERT_NE(fast, nullptr);
   for (int threads : {1, 4}) {
-    std::vector<HostTensor> mine = values, ref = values;
-    std::vector<const ir::TensorView*> mv, rv;
-    for (auto& t : mine) mv.push_back(&t.view);
-    for (auto& t : ref) rv.push_back(&t.view);
-    ThreadPool pool(threads);
-    Status s = fast->run(**op, mv, {}, KernelContext{&pool, nullptr});
-    ASSERT_TRUE(s.isOk()) << s.str();
-    ASSERT_TRUE((*op)->def()->cpu(**op, rv, {}, ir::CpuContext{}).isOk());
+    auto [mine, ref] = runInPlaceBothWays(**op, *fast, values, threads);
     for (size_t i = 0; i < values.size(); ++i)
       expectClose(mine[i], ref[i], 1e-6, 1e-7, std::string(optimizer).append(" operand ").append(std::to_string(i)));
     EXPECT_NE(mine[0].storage, values[0].storage) << "the table moved";
@@ -339,14 +349,7 @@ void checkDenseUpdate(const std::string& kind, ir::AttrDict extra, bool scaled) 
   const FastKernel* fast = findFastKernel(**op);
   ASSERT_NE(fast, nullptr) << kind;
   for (int threads : {1, 3}) {
-    std::vector<HostTensor> mine = values, ref = values;
-    std::vector<const ir::TensorView*> mv, rv;
-    for (auto& t : mine) mv.push_back(&t.view);
-    for (auto& t : ref) rv.push_back(&t.view);
-    ThreadPool pool(threads);
-    Status s = fast->run(**op, mv, {}, KernelContext{&pool, nullptr});
-    ASSERT_TRUE(s.isOk()) << s.str();
-    ASSERT_TRUE((*op)->def()->cpu(**op, rv, {}, ir::CpuContext{}).isOk());
+    auto [mine, ref] = runInPlaceBothWays(**op, *fast, values, threads);
     for (size_t i = 0; i < values.size(); ++i)
       EXPECT_EQ(std::memcmp(mine[i].view.data, ref[i].view.data, static_cast<size_t>(mine[i].view.bytes())), 0)
           << kind << " operand " << i << " with " << threads << " threads";
