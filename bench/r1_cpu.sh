@@ -15,8 +15,9 @@ KILN="$BUILD/tools/kiln"
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 
-# The model file trains with MLPerf's Adagrad / row-wise Adagrad; R1's peer uses SGD. The
-# optimizer is a small share of a CPU step (the GEMMs dominate).
+# The model file trains with MLPerf's Adagrad / row-wise Adagrad; R1's peer uses SGD. Adagrad's
+# step is about a quarter of a CPU step at small batches and less at large ones; the GEMMs
+# dominate (`kiln train ... --profile` shows the split).
 "$KILN" train models/dlrm_dcnv2.kiln --set rows_cap="$ROWS_CAP" \
   --batch "$BATCH" --steps "$STEPS" --log-every 1 --threads "$THREADS" \
   --metrics "$OUT/metrics.jsonl" > "$OUT/train.out" 2> "$OUT/train.err"
