@@ -129,23 +129,27 @@ __device__ T kiln_block_reduce(T v, T* scratch, T identity) {
   return scratch[0];
 }
 
-// Embeddings. An out-of-range id sets err = {1, table} (first one wins) and contributes nothing.
-__device__ __forceinline__ void kiln_set_error(int* err, int table) {
-  if (atomicCAS(err, 0, 1) == 0) atomicExch(err + 1, table);
+// Embeddings. An out-of-range id sets err = {1, table}, bad jagged lengths {2, table} (first
+// one wins); the offending id contributes nothing.
+__device__ __forceinline__ void kiln_flag_error(int* err, int code, int table) {
+  if (atomicCAS(err, 0, code) == 0) atomicExch(err + 1, table);
 }
+__device__ __forceinline__ void kiln_set_error(int* err, int table) { kiln_flag_error(err, 1, table); }
 
-// One warp pools one bag: lanes own dims lane, lane+32, ...; f32 accumulation in id order.
-template <int D, int H, typename T, typename I, typename W, typename O>
+// One warp pools one bag, ids [lo, hi): lanes own dims lane, lane+32, ...; f32 accumulation in
+// id order; a mean divides by the bag's size (an empty bag gives zeros).
+template <int D, typename T, typename I, typename W, typename O>
 __device__ __forceinline__ void kiln_bag_forward(const T* table, const I* ids, const W* wts, long long rows, bool mean,
-                                                 long long b, O* out, long long out_at, int* err, int t, int lane) {
+                                                 long long lo, long long hi, O* out, long long out_at, int* err, int t,
+                                                 int lane) {
   constexpr int kPer = (D + 31) / 32;
   float acc[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) acc[j] = 0.0f;
-  for (int h = 0; h < H; ++h) {
-    const long long id = (long long)ids[b * H + h];
+  for (long long p = lo; p < hi; ++p) {
+    const long long id = (long long)ids[p];
     if (id < 0 || id >= rows) { if (lane == 0) kiln_set_error(err, t); continue; }
-    const float w = wts ? kiln_ld(wts, b * H + h) : 1.0f;
+    const float w = wts ? kiln_ld(wts, p) : 1.0f;
     const T* row = table + id * D;
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
@@ -153,12 +157,64 @@ __device__ __forceinline__ void kiln_bag_forward(const T* table, const I* ids, c
       if (d < D) acc[j] += w * kiln_ld(row, d);
     }
   }
-  const float s = mean ? 1.0f / (float)H : 1.0f;
+  const float s = mean && hi > lo ? 1.0f / (float)(hi - lo) : 1.0f;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int d = lane + 32 * j;
     if (d < D) kiln_st(out, out_at + d, acc[j] * s);
   }
+}
+
+// The bag owning id position p of a jagged table: the b with offsets[b] <= p < offsets[b + 1]
+// (binary search; empty bags are skipped).
+__device__ __forceinline__ long long kiln_bag_of(const long long* offsets, long long batch, long long p) {
+  long long lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const long long mid = (lo + hi) >> 1;
+    if (offsets[mid + 1] > p) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
+// Exclusive scan of one jagged table's lengths by one block: offsets[0] = 0 and
+// offsets[b + 1] = min(offsets[b] + max(lengths[b], 0), n), so readers stay inside the ids even
+// when the lengths are wrong. n is the ids buffer's size (a bounded dim's bound: a batch may
+// use fewer); a negative length or a total above n sets err = {2, t}.
+template <typename L>
+__device__ __forceinline__ void kiln_bag_offsets(const L* lengths, long long* offsets, long long batch, long long n,
+                                                 int* err, int t) {
+  __shared__ long long warp_sums[32];
+  __shared__ long long carry;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = (int)(blockDim.x >> 5);
+  if (tid == 0) { carry = 0; offsets[0] = 0; }
+  bool negative = false;
+  __syncthreads();
+  for (long long base = 0; base < batch; base += blockDim.x) {
+    const long long b = base + tid;
+    long long v = b < batch ? (long long)lengths[b] : 0;
+    if (v < 0) { negative = true; v = 0; }
+    for (int o = 1; o < 32; o <<= 1) {
+      const long long u = __shfl_up_sync(0xffffffffu, v, o);
+      if (lane >= o) v += u;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+      long long w = lane < warps ? warp_sums[lane] : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        const long long u = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += u;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const long long inclusive = carry + v + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (b < batch) offsets[b + 1] = inclusive < n ? inclusive : n;
+    __syncthreads();  // every thread has read carry and warp_sums
+    if (tid == (int)blockDim.x - 1) carry = inclusive;
+    __syncthreads();
+  }
+  if (negative || (tid == 0 && carry > n)) kiln_flag_error(err, 2, t);
 }
 
 // Open addressing, linear probing, multiplicative hash; keys start at -1 (empty).
@@ -173,20 +229,20 @@ __device__ __forceinline__ long long kiln_hash_insert(long long* keys, long long
   return -1;
 }
 
-// One warp adds one id occurrence's gradient row into its distinct id's slot.
-template <int D, int H, typename I, typename W, typename G>
+// One warp adds id occurrence p (of bag b, scaled by `scale`: 1/size for a mean) into its
+// distinct id's slot.
+template <int D, typename I, typename W, typename G>
 __device__ __forceinline__ void kiln_bag_accumulate(const I* ids, const W* wts, const G* grad, long long* keys,
-                                                    float* accum, long long cap, long long rows, bool mean,
-                                                    long long p, long long stride, long long off, int* err, int t,
-                                                    int lane) {
+                                                    float* accum, long long cap, long long rows, long long p,
+                                                    long long b, float scale, long long stride, long long off,
+                                                    int* err, int t, int lane) {
   const long long id = (long long)ids[p];
   if (id < 0 || (rows > 0 && id >= rows)) { if (lane == 0) kiln_set_error(err, t); return; }
   long long slot = 0;
   if (lane == 0) slot = kiln_hash_insert(keys, cap, id);
   slot = __shfl_sync(0xffffffffu, slot, 0);
   if (slot < 0) { if (lane == 0) kiln_set_error(err, t); return; }
-  const long long b = p / H;
-  const float c = (wts ? kiln_ld(wts, p) : 1.0f) * (mean ? 1.0f / (float)H : 1.0f);
+  const float c = (wts ? kiln_ld(wts, p) : 1.0f) * scale;
   for (int d = lane; d < D; d += 32) atomicAdd(accum + slot * D + d, c * kiln_ld(grad, b * stride + off + d));
 }
 )CUDA";
@@ -243,6 +299,7 @@ class KernelPrinter {
       case KernelKind::Row: printRow(lc); break;
       case KernelKind::EmbeddingForward: printEmbeddingForward(); break;
       case KernelKind::EmbeddingAccumulate: printEmbeddingAccumulate(); break;
+      case KernelKind::BagOffsets: printBagOffsets(); break;
     }
     out_ += "}\n";
     return out_;
@@ -449,9 +506,12 @@ class KernelPrinter {
     line(1, "switch (t) {");
     for (size_t i = 0; i < k_.tables.size(); ++i) {
       const EmbeddingTable& t = k_.tables[i];
-      line(2, fmt::format("case {}: kiln_bag_forward<{}, {}>(b{}, b{}, {}, {}LL, {}, b, b{}, b * {}LL + {}LL, b{}, {}, lane); break;",
-                          i, t.dim, t.hotness, t.weight, t.ids, bufferOrNull(t.weights, "float"), t.rows,
-                          t.mean ? "true" : "false", t.out, t.out_stride, t.out_offset, k_.error_flag, i));
+      // Jagged bags span their offsets; fixed ones [b*H, b*H + H).
+      std::string range = t.jagged() ? fmt::format("b{0}[b], b{0}[b + 1]", t.offsets)
+                                     : fmt::format("b * {0}LL, b * {0}LL + {0}LL", t.hotness);
+      line(2, fmt::format("case {}: kiln_bag_forward<{}>(b{}, b{}, {}, {}LL, {}, {}, b{}, b * {}LL + {}LL, b{}, {}, lane); break;",
+                          i, t.dim, t.weight, t.ids, bufferOrNull(t.weights, "float"), t.rows,
+                          t.mean ? "true" : "false", range, t.out, t.out_stride, t.out_offset, k_.error_flag, i));
     }
     line(1, "}");
   }
@@ -462,14 +522,36 @@ class KernelPrinter {
     int64_t begin = 0;
     for (size_t i = 0; i < k_.tables.size(); ++i) {
       const EmbeddingTable& t = k_.tables[i];
-      int64_t n = k_.batch * t.hotness;
+      int64_t n = t.occurrences(k_.batch);
       line(1, fmt::format("if (warp >= {}LL && warp < {}LL) {{", begin, begin + n));
-      line(2, fmt::format("kiln_bag_accumulate<{}, {}>(b{}, {}, b{}, b{}, b{}, {}LL, {}LL, {}, warp - {}LL, {}LL, {}LL, b{}, {}, lane);",
-                          t.dim, t.hotness, t.ids, bufferOrNull(t.weights, "float"), t.out, t.keys, t.accum, t.capacity,
-                          t.rows, t.mean ? "true" : "false", begin, t.out_stride, t.out_offset, k_.error_flag, i));
+      line(2, fmt::format("const long long p = warp - {}LL;", begin));
+      if (t.jagged()) {
+        // Positions past the last bag are padding of a bounded ids buffer.
+        line(2, fmt::format("if (p >= b{}[{}]) return;", t.offsets, k_.batch));
+        line(2, fmt::format("const long long b = kiln_bag_of(b{}, {}LL, p);", t.offsets, k_.batch));
+        line(2, fmt::format("const long long size = b{0}[b + 1] - b{0}[b];", t.offsets));
+        line(2, fmt::format("const float scale = {} && size > 0 ? 1.0f / (float)size : 1.0f;", t.mean ? "true" : "false"));
+      } else {
+        line(2, fmt::format("const long long b = p / {}LL;", t.hotness));
+        line(2, fmt::format("const float scale = {};", t.mean ? fmt::format("1.0f / (float){}", t.hotness) : "1.0f"));
+      }
+      line(2, fmt::format("kiln_bag_accumulate<{}>(b{}, {}, b{}, b{}, b{}, {}LL, {}LL, p, b, scale, {}LL, {}LL, b{}, {}, lane);",
+                          t.dim, t.ids, bufferOrNull(t.weights, "float"), t.out, t.keys, t.accum, t.capacity,
+                          t.rows, t.out_stride, t.out_offset, k_.error_flag, i));
       line(1, "}");
       begin += n;
     }
+  }
+
+  // Block t scans table t's lengths.
+  void printBagOffsets() {
+    line(1, "switch (blockIdx.x) {");
+    for (size_t i = 0; i < k_.tables.size(); ++i) {
+      const EmbeddingTable& t = k_.tables[i];
+      line(2, fmt::format("case {}: kiln_bag_offsets(b{}, b{}, {}LL, {}LL, b{}, {}); break;", i, t.lengths, t.offsets,
+                          k_.batch, t.num_ids, k_.error_flag, i));
+    }
+    line(1, "}");
   }
 
   const Kernel& k_;
@@ -500,9 +582,12 @@ LaunchConfig launchConfig(const Kernel& k) {
       return {std::max<int64_t>(1, ceilDiv(static_cast<int64_t>(k.tables.size()) * k.batch, 8)), 256};
     case KernelKind::EmbeddingAccumulate: {
       int64_t warps = 0;
-      for (const EmbeddingTable& t : k.tables) warps += k.batch * t.hotness;
+      for (const EmbeddingTable& t : k.tables) warps += t.occurrences(k.batch);
       return {std::max<int64_t>(1, ceilDiv(warps, 8)), 256};
     }
+    case KernelKind::BagOffsets:
+      // One block per table; 1024 threads so a scan of B lengths takes B/1024 steps.
+      return {std::max<int64_t>(1, static_cast<int64_t>(k.tables.size())), 1024};
   }
   return {};
 }

@@ -1,5 +1,6 @@
 #include "codegen/kernel_interpreter.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -272,12 +273,37 @@ float readFloat(const KernelBuffer& b, const void* p, int64_t i) {
   }
 }
 
-void setError(const Kernel& k, const std::vector<void*>& bufs, int table) {
+void setError(const Kernel& k, const std::vector<void*>& bufs, int table, int code = 1) {
   int32_t* flag = static_cast<int32_t*>(bufs[static_cast<size_t>(k.error_flag)]);
   if (flag[0] == 0) {
-    flag[0] = 1;
+    flag[0] = code;
     flag[1] = table;
   }
+}
+
+// The CUDA scan's result: offsets[b + 1] = min(offsets[b] + max(lengths[b], 0), n), and the
+// error {2, table} for a negative length or a total above n (the ids buffer's size).
+Status runBagOffsets(const Kernel& k, const std::vector<void*>& bufs) {
+  for (size_t ti = 0; ti < k.tables.size(); ++ti) {
+    const EmbeddingTable& t = k.tables[ti];
+    const KernelBuffer& lb = k.buffers[static_cast<size_t>(t.lengths)];
+    const void* lengths = bufs[static_cast<size_t>(t.lengths)];
+    auto* offsets = static_cast<int64_t*>(bufs[static_cast<size_t>(t.offsets)]);
+    int64_t total = 0;
+    bool bad = false;
+    offsets[0] = 0;
+    for (int64_t b = 0; b < k.batch; ++b) {
+      int64_t len = readId(lb, lengths, b);
+      if (len < 0) {
+        bad = true;
+        len = 0;
+      }
+      total += len;
+      offsets[b + 1] = std::min(total, t.num_ids);
+    }
+    if (bad || total > t.num_ids) setError(k, bufs, static_cast<int>(ti), 2);
+  }
+  return Status::ok();
 }
 
 // The slot of `id` in a power-of-two open-addressing table, as the CUDA kernel finds it
@@ -304,20 +330,24 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
     const KernelBuffer* wb = t.weights >= 0 ? &k.buffers[static_cast<size_t>(t.weights)] : nullptr;
     const KernelBuffer& ob = k.buffers[static_cast<size_t>(t.out)];
     void* out = bufs[static_cast<size_t>(t.out)];
-    float scale = t.mean ? 1.0f / static_cast<float>(t.hotness) : 1.0f;
+    const auto* offsets = t.jagged() ? static_cast<const int64_t*>(bufs[static_cast<size_t>(t.offsets)]) : nullptr;
     std::vector<float> acc(static_cast<size_t>(t.dim));
     for (int64_t b = 0; b < k.batch; ++b) {
+      // Bag b is ids [lo, hi): from the scanned offsets, or b*H + [0, H).
+      const int64_t lo = offsets ? offsets[b] : b * t.hotness;
+      const int64_t hi = offsets ? offsets[b + 1] : lo + t.hotness;
+      const float scale = t.mean && hi > lo ? 1.0f / static_cast<float>(hi - lo) : 1.0f;
       if (k.kind == KernelKind::EmbeddingForward) {
         std::fill(acc.begin(), acc.end(), 0.0f);
         const KernelBuffer& tb = k.buffers[static_cast<size_t>(t.weight)];
         const void* table = bufs[static_cast<size_t>(t.weight)];
-        for (int64_t h = 0; h < t.hotness; ++h) {
-          int64_t id = readId(idb, ids, b * t.hotness + h);
+        for (int64_t p = lo; p < hi; ++p) {
+          int64_t id = readId(idb, ids, p);
           if (id < 0 || id >= t.rows) {
             setError(k, bufs, static_cast<int>(ti));
             continue;
           }
-          float w = wts ? readFloat(*wb, wts, b * t.hotness + h) : 1.0f;
+          float w = wts ? readFloat(*wb, wts, p) : 1.0f;
           for (int64_t d = 0; d < t.dim; ++d) acc[static_cast<size_t>(d)] += w * readFloat(tb, table, id * t.dim + d);
         }
         for (int64_t d = 0; d < t.dim; ++d) {
@@ -330,15 +360,15 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
       } else {
         auto* keys = static_cast<int64_t*>(bufs[static_cast<size_t>(t.keys)]);
         auto* accum = static_cast<float*>(bufs[static_cast<size_t>(t.accum)]);
-        for (int64_t h = 0; h < t.hotness; ++h) {
-          int64_t id = readId(idb, ids, b * t.hotness + h);
+        for (int64_t p = lo; p < hi; ++p) {
+          int64_t id = readId(idb, ids, p);
           if (id < 0 || (t.rows > 0 && id >= t.rows)) {
             setError(k, bufs, static_cast<int>(ti));
             continue;
           }
           int64_t slot = hashSlot(keys, t.capacity, id);
           if (slot < 0) return Status::errorf("kernel '{}': hash table full", k.name);
-          float c = (wts ? readFloat(*wb, wts, b * t.hotness + h) : 1.0f) * scale;
+          float c = (wts ? readFloat(*wb, wts, p) : 1.0f) * scale;
           for (int64_t d = 0; d < t.dim; ++d)
             accum[slot * t.dim + d] += c * readFloat(ob, out, b * t.out_stride + t.out_offset + d);
         }
@@ -360,6 +390,7 @@ Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
     case KernelKind::Row: return runRow(k, ev);
     case KernelKind::EmbeddingForward:
     case KernelKind::EmbeddingAccumulate: return runEmbedding(k, buffers);
+    case KernelKind::BagOffsets: return runBagOffsets(k, buffers);
   }
   return Status::ok();
 }
@@ -377,6 +408,9 @@ Status interpretGroup(const LoweredGroup& g, const std::vector<void*>& group_buf
       const auto* flag = static_cast<const int32_t*>(args[static_cast<size_t>(k.error_flag)]);
       if (flag[0]) {
         const EmbeddingTable& t = k.tables[static_cast<size_t>(flag[1])];
+        if (k.kind == KernelKind::BagOffsets)
+          return Status::errorf("jagged bags '{}': a length is negative or the lengths add up to more than the {} ids",
+                                k.buffers[static_cast<size_t>(t.lengths)].name, t.num_ids);
         return Status::errorf("embedding table '{}': an id is out of range [0, {})",
                               k.buffers[static_cast<size_t>(t.weight >= 0 ? t.weight : t.ids)].name, t.rows);
       }

@@ -57,6 +57,7 @@ const char* kernelKindName(KernelKind k) {
     case KernelKind::Row: return "row";
     case KernelKind::EmbeddingForward: return "embedding_forward";
     case KernelKind::EmbeddingAccumulate: return "embedding_accumulate";
+    case KernelKind::BagOffsets: return "bag_offsets";
   }
   return "?";
 }
@@ -341,8 +342,21 @@ Status validate(const Kernel& k) {
         if (k.kind == KernelKind::EmbeddingAccumulate &&
             (t.keys < 0 || t.accum < 0 || t.capacity <= 0 || (t.capacity & (t.capacity - 1)) != 0))
           return Status::errorf("kernel '{}': the hash table needs a power-of-two capacity", k.name);
+        if (t.jagged() && (static_cast<size_t>(t.offsets) >= k.buffers.size() ||
+                           k.buffers[static_cast<size_t>(t.offsets)].dtype != DType::i64))
+          return Status::errorf("kernel '{}': a jagged table needs i64 offsets", k.name);
       }
       if (k.error_flag < 0) return Status::errorf("kernel '{}': embedding kernels need an error flag", k.name);
+      return Status::ok();
+    case KernelKind::BagOffsets:
+      for (const EmbeddingTable& t : k.tables) {
+        if (t.lengths < 0 || static_cast<size_t>(t.lengths) >= k.buffers.size() || !t.jagged() ||
+            static_cast<size_t>(t.offsets) >= k.buffers.size() ||
+            k.buffers[static_cast<size_t>(t.offsets)].dtype != DType::i64 ||
+            k.buffers[static_cast<size_t>(t.offsets)].elements < k.batch + 1)
+          return Status::errorf("kernel '{}': a scan needs lengths and i64 offsets [batch + 1]", k.name);
+      }
+      if (k.error_flag < 0) return Status::errorf("kernel '{}': a bag-offsets scan needs an error flag", k.name);
       return Status::ok();
   }
   return Status::ok();

@@ -9,6 +9,7 @@
 //              element. Reductions, softmax, losses and optimizer row updates are Row kernels.
 //   EmbeddingForward     pooled lookups of every table of a collection, in one launch.
 //   EmbeddingAccumulate  combines duplicate ids of an embedding backward in a hash table.
+//   BagOffsets           exclusive scan of jagged bags' lengths into offsets, one block per table.
 //
 // Shapes are concrete: a kernel is specialized to the symbol bindings of its run (as XLA
 // specializes to static shapes), so index arithmetic is by constants. Floating-point values
@@ -123,9 +124,18 @@ struct Phase {
 // One table of an embedding kernel. Buffer fields index Kernel::buffers.
 struct EmbeddingTable {
   int weight = -1;   // [rows, dim], f32 or bf16
-  int ids = -1;      // [batch, hotness], i32 or i64
-  int weights = -1;  // optional per-id weights [batch, hotness], f32
+  int ids = -1;      // [batch, hotness], i32 or i64; jagged: [num_ids]
+  int weights = -1;  // optional per-id weights, shaped like ids, f32
   int64_t rows = 0, dim = 0, hotness = 0;
+  // Jagged bags (TorchRec's KeyedJaggedTensor layout): bag b owns ids [offsets[b], offsets[b+1]).
+  // `offsets` is i64 [batch + 1], computed on the device from the i32/i64 `lengths` [batch] by a
+  // BagOffsets kernel; hotness is 0 then. num_ids is the ids buffer's size (a bounded dim's
+  // bound); a batch may use fewer, the rest is never read.
+  int lengths = -1, offsets = -1;
+  int64_t num_ids = 0;
+  bool jagged() const { return offsets >= 0; }
+  // Id occurrences of the batch: one warp each in an EmbeddingAccumulate kernel.
+  int64_t occurrences(int64_t batch) const { return jagged() ? num_ids : batch * hotness; }
   bool mean = false;
   // Forward: the pooled [batch, dim] output written at out[b * out_stride + out_offset + d], so
   // one output buffer can hold the concatenation of several tables.
@@ -138,7 +148,7 @@ struct EmbeddingTable {
   int64_t capacity = 0;
 };
 
-enum class KernelKind : uint8_t { Pointwise, Row, EmbeddingForward, EmbeddingAccumulate };
+enum class KernelKind : uint8_t { Pointwise, Row, EmbeddingForward, EmbeddingAccumulate, BagOffsets };
 const char* kernelKindName(KernelKind k);
 
 struct Kernel {
@@ -154,7 +164,9 @@ struct Kernel {
   // Embedding kernels.
   int64_t batch = 0;
   std::vector<EmbeddingTable> tables;
-  int error_flag = -1;  // i32 [2]: set to {1, table} when an id is out of range
+  // i32 [2]: {1, table} when an id is out of range; {2, table} when a jagged table's lengths
+  // are negative or add up to more than its ids buffer holds (BagOffsets).
+  int error_flag = -1;
 
   int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);
   int64_t spaceSize() const;

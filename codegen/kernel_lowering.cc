@@ -884,27 +884,103 @@ class GroupLowering {
     return Status::ok();
   }
 
+  // The ids of one bag op: [B, H] (fixed hotness) or [N] with lengths [B] (jagged).
+  struct BagIds {
+    const Value* ids = nullptr;
+    const Value* lengths = nullptr;
+    int64_t batch = 0, hotness = 0, num_ids = 0;
+  };
+  Expected<BagIds> bagIds(const Op& op, const Value* ids, const Value* lengths) {
+    BagIds b;
+    b.ids = ids;
+    auto is = shapeOf(ids);
+    if (!is) return is.status();
+    if (ids->type().rank() == 2) {
+      b.batch = (*is)[0];
+      b.hotness = (*is)[1];
+      return b;
+    }
+    if (ids->type().rank() != 1 || !lengths)
+      return Status::errorf("{}: ids must be [batch, hotness], or [N] with lengths [batch]", opLabel(op));
+    auto ls = shapeOf(lengths);
+    if (!ls) return ls.status();
+    b.lengths = lengths;
+    b.batch = (*ls)[0];
+    b.num_ids = (*is)[0];
+    return b;
+  }
+  // Positions of an embedding_bag's operands: (table, ids[, weights]) or (table, ids, lengths[, weights]).
+  Expected<BagIds> bagIdsOf(const Op& bag) {
+    const bool flat = bag.operand(1)->type().rank() == 1;
+    return bagIds(bag, bag.operand(1), flat && bag.numOperands() > 2 ? bag.operand(2) : nullptr);
+  }
+  const Value* bagWeights(const Op& bag) {
+    const unsigned at = bag.operand(1)->type().rank() == 1 ? 3 : 2;
+    return bag.numOperands() > at ? bag.operand(at) : nullptr;
+  }
+
+  // Offsets of jagged bags, computed on the device: ONE BagOffsets kernel scans the lengths of
+  // every jagged bag not scanned yet in this group (bags sharing lengths share offsets). Runs
+  // before the kernels that read them, which bind `offsets_of_[lengths]`.
+  Status scanLengths(const std::vector<BagIds>& bags) {
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "bag_offsets";
+    k.kind = KernelKind::BagOffsets;
+    for (const BagIds& b : bags) {
+      if (!b.lengths || offsets_of_.count(b.lengths)) continue;
+      if (!k.tables.empty() && b.batch != k.batch)
+        return Status::errorf("jagged bags of one group must share the batch ({} vs {})", b.batch, k.batch);
+      k.batch = b.batch;
+      int offsets = tempBuffer(valueName(b.lengths) + ".offsets", DType::i64, b.batch + 1);
+      offsets_of_[b.lengths] = offsets;
+      EmbeddingTable t;
+      t.lengths = bindValue(kb, b.lengths, false);
+      t.offsets = bind(kb, offsets, true);
+      t.num_ids = b.num_ids;
+      k.tables.push_back(t);
+    }
+    if (k.tables.empty()) return Status::ok();
+    k.error_flag = bind(kb, errorFlag(), true);
+    return finish(kb);
+  }
+
+  // Sets a table's ids (and, for jagged bags, offsets and count) in kernel `kb`.
+  void bindIds(KB& kb, EmbeddingTable& t, const BagIds& b) {
+    t.ids = bindValue(kb, b.ids, false);
+    t.hotness = b.hotness;
+    if (b.lengths) {
+      t.offsets = bind(kb, offsets_of_.at(b.lengths), false);
+      t.num_ids = b.num_ids;
+    }
+  }
+
   Status lowerEmbeddingForward(const std::vector<const Op*>& ops) {
+    std::vector<BagIds> bags;
+    for (const Op* op : ops) {
+      auto b = bagIdsOf(*op);
+      if (!b) return b.status();
+      if (!bags.empty() && b->batch != bags.front().batch)
+        return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*op));
+      bags.push_back(*b);
+    }
+    KILN_RETURN_IF_ERROR(scanLengths(bags));
     KB kb;
     Kernel& k = kb.k;
     k.name = "embedding_bags";
     k.kind = KernelKind::EmbeddingForward;
-    for (const Op* op : ops) {
+    k.batch = bags.empty() ? 0 : bags.front().batch;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const Op* op = ops[i];
       const Value* table = op->operand(0);
-      const Value* ids = op->operand(1);
-      KILN_RETURN_IF_ERROR(checkFixedHotness(*op, ids));
       auto ts = shapeOf(table);
-      auto is = shapeOf(ids);
-      if (!ts || !is) return (!ts ? ts.status() : is.status());
-      if (k.tables.empty()) k.batch = (*is)[0];
-      if ((*is)[0] != k.batch) return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*op));
+      if (!ts) return ts.status();
       EmbeddingTable t;
       t.weight = bindValue(kb, table, false);
-      t.ids = bindValue(kb, ids, false);
-      if (op->numOperands() == 3) t.weights = bindValue(kb, op->operand(2), false);
+      bindIds(kb, t, bags[i]);
+      if (const Value* w = bagWeights(*op)) t.weights = bindValue(kb, w, false);
       t.rows = (*ts)[0];
       t.dim = (*ts)[1];
-      t.hotness = (*is)[1];
       t.mean = op->strAttr("mode", "sum") == "mean";
       t.out = bindValue(kb, op->result(), true);
       t.out_stride = t.dim;
@@ -936,10 +1012,12 @@ class GroupLowering {
                                    const GradSource* source = nullptr) {
     const Value* ids = op.operand(static_cast<unsigned>(l.ids));
     const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
-    KILN_RETURN_IF_ERROR(checkFixedHotness(op, ids));
+    auto bag = bagIds(op, ids, l.lengths >= 0 ? op.operand(static_cast<unsigned>(l.lengths)) : nullptr);
+    if (!bag) return bag.status();
     auto is = shapeOf(ids);
     auto gs = shapeOf(grad);
     if (!is || !gs) return !is ? is.status() : gs.status();
+    KILN_RETURN_IF_ERROR(scanLengths({*bag}));
     Accumulated a;
     a.dim = (*gs)[1];
     int64_t n = product(*is);
@@ -963,13 +1041,12 @@ class GroupLowering {
     Kernel& k = kb.k;
     k.name = "embedding_grad_combine";
     k.kind = KernelKind::EmbeddingAccumulate;
-    k.batch = (*is)[0];
+    k.batch = bag->batch;
     EmbeddingTable t;
-    t.ids = bindValue(kb, ids, false);
+    bindIds(kb, t, *bag);
     if (l.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(l.weights)), false);
     t.rows = rows;
     t.dim = a.dim;
-    t.hotness = (*is)[1];
     t.mean = op.strAttr("mode", "sum") == "mean";
     t.out = bindValue(kb, source ? source->value : grad, false);
     t.out_stride = source ? source->stride : a.dim;
@@ -1188,6 +1265,14 @@ class GroupLowering {
       if (ops[i]->name() != "kiln.embedding_bag")
         return Status::errorf("{} in an embedding group is not an embedding_bag", opLabel(*ops[i]));
     const int64_t width = (*cs)[1];
+    std::vector<BagIds> bags;
+    for (size_t i = 0; i + 1 < ops.size(); ++i) {
+      auto b = bagIdsOf(*ops[i]);
+      if (!b) return b.status();
+      if (b->batch != (*cs)[0]) return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*ops[i]));
+      bags.push_back(*b);
+    }
+    KILN_RETURN_IF_ERROR(scanLengths(bags));
     int out = groupBuffer(cat.result(), true);
     KB kb;
     Kernel& k = kb.k;
@@ -1202,19 +1287,15 @@ class GroupLowering {
       const Op* bag = x->definingOp();
       if (bag && in_group_.count(bag)) {
         const Value* table = bag->operand(0);
-        const Value* ids = bag->operand(1);
-        KILN_RETURN_IF_ERROR(checkFixedHotness(*bag, ids));
         auto ts = shapeOf(table);
-        auto is = shapeOf(ids);
-        if (!ts || !is) return !ts ? ts.status() : is.status();
-        if ((*is)[0] != k.batch) return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*bag));
+        auto ids = bagIdsOf(*bag);
+        if (!ts || !ids) return !ts ? ts.status() : ids.status();
         EmbeddingTable t;
         t.weight = bindValue(kb, table, false);
-        t.ids = bindValue(kb, ids, false);
-        if (bag->numOperands() == 3) t.weights = bindValue(kb, bag->operand(2), false);
+        bindIds(kb, t, *ids);
+        if (const Value* w = bagWeights(*bag)) t.weights = bindValue(kb, w, false);
         t.rows = (*ts)[0];
         t.dim = (*ts)[1];
-        t.hotness = (*is)[1];
         t.mean = bag->strAttr("mode", "sum") == "mean";
         t.out = bind(kb, out, true);
         t.out_stride = width;
@@ -1327,6 +1408,7 @@ class GroupLowering {
   std::set<const Op*> in_group_;
   LoweredGroup out_;
   std::map<const Value*, int> value_buffer_;
+  std::map<const Value*, int> offsets_of_;  // jagged lengths -> the temp holding their offsets
   int error_flag_ = -1;
 };
 
@@ -1337,10 +1419,15 @@ bool isPointwiseOp(const Op& op) {
   return unaryOps().count(op.name()) || binaryOps().count(op.name()) || movementOps().count(op.name());
 }
 
+int streamOf(const Op& op) {
+  const ir::Attribute* s = op.attr("kiln.stream");
+  return s && s->isInt() ? static_cast<int>(s->asInt()) : 0;
+}
+
 std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) {
   std::vector<std::vector<const Op*>> groups;
-  std::vector<const Op*> bags;
-  size_t bag_slot = 0;
+  // Bags over sources, per stream: each stream's bags form one group at its first bag's place.
+  std::map<int, std::pair<size_t, std::vector<const Op*>>> bags;
   auto sourcesOnly = [](const Op* op) {
     for (const Value* v : op->operands())
       if (!v->definingOp() || !isSourceOrTerminator(*v->definingOp())) return false;
@@ -1355,18 +1442,20 @@ std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) 
   };
   for (const Op* op : ops) {
     if (isSourceOrTerminator(*op)) continue;
-    // Every fixed-hotness bag over sources joins one group, at the first bag's place.
-    if (op->name() == "kiln.embedding_bag" && op->operand(1)->type().rank() == 2 && sourcesOnly(op)) {
+    // Every bag over sources joins one group (per stream), at the first bag's place.
+    if (op->name() == "kiln.embedding_bag" && sourcesOnly(op)) {
       flush();
-      if (bags.empty()) {
-        bag_slot = groups.size();
+      auto [it, first] = bags.try_emplace(streamOf(*op));
+      if (first) {
+        it->second.first = groups.size();
         groups.emplace_back();
       }
-      bags.push_back(op);
+      it->second.second.push_back(op);
       continue;
     }
     bool joins = false;
     if (isPointwiseOp(*op) && !current.empty() && op->numResults() == 1 &&
+        streamOf(*op) == streamOf(*current.back()) &&
         op->result()->type().shape() == current.back()->result()->type().shape())
       for (const Value* v : op->operands()) joins |= current_values.count(v) > 0;
     if (!joins) flush();
@@ -1375,7 +1464,7 @@ std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) 
     if (!isPointwiseOp(*op)) flush();
   }
   flush();
-  if (!bags.empty()) groups[bag_slot] = bags;
+  for (auto& [_, slot_bags] : bags) groups[slot_bags.first] = std::move(slot_bags.second);
   return groups;
 }
 
@@ -1401,6 +1490,7 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     for (const auto& group : groupOps(loose)) {
       auto g = lowerGroup(group, symbols);
       if (!g) return g.status();
+      g->stream = streamOf(*group.front());
       out.push_back(g.take());
     }
     loose.clear();
@@ -1418,8 +1508,11 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
       for (const auto& inner : op->regions().front()->front().ops())
         if (!inner->hasTrait(ir::kTerminator)) ops.push_back(inner.get());
     std::string kind = op->strAttr("kind");
+    // An op inside a fused group runs on the group's stream.
+    const int stream = streamOf(*op);
     auto whole = lowerFusedGroup(kind, ops, symbols);
     if (whole) {
+      whole->stream = stream;
       whole->fused_kind = kind;
       whole->fused_index = fused_index++;
       out.push_back(whole.take());
@@ -1429,6 +1522,7 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     for (const auto& group : groupOps(ops)) {
       auto g = lowerGroup(group, symbols);
       if (!g) return g.status();
+      g->stream = stream;
       g->fused_kind = kind;
       g->fused_index = fused_index;
       g->split_reason = whole.status().message();

@@ -6,9 +6,11 @@
 //     group are stored, the rest stay in registers;
 //   - a reduction or softmax, optionally fed by such a chain (the chain is computed inline);
 //   - losses (bce_with_logits, softmax_cross_entropy) and dense optimizer updates;
-//   - every fixed-hotness embedding_bag of a collection: ONE EmbeddingForward kernel;
-//   - an embedding_bag_update: clear, accumulate (duplicate ids combined in a hash table) and
-//     one Row kernel applying the sparse optimizer to the touched rows;
+//   - every embedding_bag over sources (per stream): ONE EmbeddingForward kernel; jagged bags
+//     (ids[N] + lengths[B]) first get their offsets from ONE BagOffsets scan kernel;
+//   - an embedding_bag_update: (a scan for jagged ids,) clear, accumulate (duplicate ids
+//     combined in a hash table) and one Row kernel applying the sparse optimizer to the touched
+//     rows;
 //   - a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set;
 //   - a scatter_add: a copy of the base, then one atomic add per update.
 // groupOps() forms groups greedily over ops the fusion pass left alone. lowerFunction takes the
@@ -61,7 +63,13 @@ struct LoweredGroup {
   std::string fused_kind;
   int fused_index = -1;
   std::string split_reason;
+  // The stream the schedule pass put the group on (`kiln.stream` of its fused op or its ops;
+  // 0 without one). groupOps never mixes streams in one group.
+  int stream = 0;
 };
+
+// The `kiln.stream` of an op (0 when absent).
+int streamOf(const ir::Op& op);
 
 // The value outside every kiln.fused region that `v` stands for (v itself for a value of the
 // function's body, or an op result inside a region that is not yielded).

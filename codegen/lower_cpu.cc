@@ -116,9 +116,9 @@ class CpuLowering {
       in.results.push_back(*id);
       buffer_of_[r] = *id;
     }
-    // Ops with side effects (optimizer updates) write their operands in place.
-    const std::vector<int> none;
-    const std::vector<int>& written = op.hasTrait(ir::kSideEffect) ? in.operands : none;
+    // Optimizer updates write their parameter and state in place.
+    std::vector<int> written;
+    for (unsigned i : ir::writtenOperands(op)) written.push_back(in.operands[i]);
     const int step = static_cast<int>(launch_at_.size());
     // Waiting for the latest launch of a stream covers its earlier ones: one wait per stream.
     std::map<int, int> latest;  // producer stream -> index in pending_

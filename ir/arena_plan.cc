@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <limits>
 #include <map>
 
 namespace kiln::ir {
@@ -80,6 +81,107 @@ class Arena {
   std::map<int64_t, Free> free_;  // by offset
   int64_t top_ = 0;
 };
+
+// Online best fit places buffers in program order and cannot foresee that a large buffer made
+// later would fit below long-lived ones; it fragments. This second layout places whole blocks
+// (a buffer with the buffers that took it over in place) largest first, each at the lowest
+// offset free of every block it may overlap in time (TFLite's and XLA's greedy-by-size
+// heuristic), and replaces the first when its peak is lower.
+void improveLayout(ArenaPlan& plan, const std::vector<ArenaBuffer>& buffers, const std::vector<int64_t>& block_size,
+                   const std::vector<Clock>& used, const std::vector<Clock>& clock, const std::vector<ArenaStep>& steps,
+                   const std::map<int, size_t>& stream_index) {
+  const size_t nbuf = buffers.size();
+  struct Block {
+    int root = -1;
+    int64_t size = 0;
+    int first = 0, last = 0;
+    Clock used;
+    std::vector<int> members;
+    int64_t offset = -1;
+  };
+  auto rootOf = [&](int b) {
+    while (plan.in_place_of[static_cast<size_t>(b)] >= 0) b = plan.in_place_of[static_cast<size_t>(b)];
+    return b;
+  };
+  std::vector<Block> blocks;
+  std::map<int, size_t> block_of_root;
+  const int kForever = std::numeric_limits<int>::max();
+  for (size_t b = 0; b < nbuf; ++b) {
+    if (!buffers[b].in_arena || block_size[b] <= 0 || plan.first[b] < 0) continue;
+    int root = rootOf(static_cast<int>(b));
+    auto [it, added] = block_of_root.try_emplace(root, blocks.size());
+    if (added) {
+      Block blk;
+      blk.root = root;
+      blk.size = block_size[static_cast<size_t>(root)];
+      blk.first = plan.first[static_cast<size_t>(root)];
+      blk.used = Clock(used[b].size(), 0);
+      blocks.push_back(std::move(blk));
+    }
+    Block& blk = blocks[it->second];
+    blk.members.push_back(static_cast<int>(b));
+    blk.last = std::max(blk.last, plan.last[b]);
+    if (buffers[b].live_to_end) blk.used.assign(blk.used.size(), kForever);
+    else mergeInto(blk.used, used[b]);
+  }
+  // before(x, y): every use of x happens before y's block is first written (strictly: a step
+  // that writes y while reading x would need them apart).
+  auto before = [&](const Block& x, const Block& y) {
+    const ArenaStep& s = steps[static_cast<size_t>(y.first)];
+    Clock upto = clock[static_cast<size_t>(y.first)];
+    upto[stream_index.at(s.stream)] = y.first;  // steps of y's stream before y.first
+    return happenedBefore(x.used, upto);
+  };
+  // Greedy placement in the given order: each block at the lowest offset that no block it
+  // overlaps in time occupies. Returns the peak; offsets are left in the blocks.
+  auto place = [&](const std::vector<size_t>& order) {
+    std::vector<size_t> placed;
+    int64_t peak = 0;
+    for (size_t i : order) {
+      Block& blk = blocks[i];
+      std::vector<std::pair<int64_t, int64_t>> taken;  // [offset, end) of blocks live with it
+      for (size_t j : placed) {
+        const Block& other = blocks[j];
+        if (!before(blk, other) && !before(other, blk)) taken.push_back({other.offset, other.offset + other.size});
+      }
+      std::sort(taken.begin(), taken.end());
+      int64_t off = 0;
+      for (const auto& [lo, hi] : taken) {
+        if (lo >= off + blk.size) break;  // the gap below this one holds it
+        off = std::max(off, hi);
+      }
+      blk.offset = off;
+      placed.push_back(i);
+      for (int m : blk.members) peak = std::max(peak, off + buffers[static_cast<size_t>(m)].bytes);
+    }
+    return peak;
+  };
+  // Largest first; among equal sizes, the longer-lived (then the earlier) first, or the earlier
+  // first: the better of the two orders wins.
+  std::vector<size_t> order(blocks.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto span = [&](const Block& b) { return b.last - b.first; };
+  std::vector<int64_t> best_offsets;
+  int64_t peak = plan.peak;
+  for (int variant = 0; variant < 2; ++variant) {
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+      const Block& x = blocks[a];
+      const Block& y = blocks[b];
+      if (x.size != y.size) return x.size > y.size;
+      if (variant == 0 && span(x) != span(y)) return span(x) > span(y);
+      return x.first < y.first;
+    });
+    int64_t p = place(order);
+    if (p >= peak) continue;
+    peak = p;
+    best_offsets.clear();
+    for (const Block& blk : blocks) best_offsets.push_back(blk.offset);
+  }
+  if (best_offsets.empty()) return;
+  for (size_t i = 0; i < blocks.size(); ++i)
+    for (int m : blocks[i].members) plan.offset[static_cast<size_t>(m)] = best_offsets[i];
+  plan.peak = peak;
+}
 
 }  // namespace
 
@@ -185,6 +287,7 @@ ArenaPlan planArena(const std::vector<ArenaStep>& steps, const std::vector<Arena
   }
   for (size_t b = 0; b < nbuf; ++b)
     if (buffers[b].in_arena && plan.offset[b] < 0) plan.offset[b] = 0;  // never written: holds nothing
+  improveLayout(plan, buffers, block_size, used, clock, steps, stream_index);
   return plan;
 }
 

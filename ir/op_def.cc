@@ -47,6 +47,15 @@ std::vector<const OpDef*> OpRegistry::all() const {
   return out;
 }
 
+std::vector<unsigned> writtenOperands(const Op& op) {
+  const OpDef* def = op.def();
+  if (!def || !def->has(kSideEffect)) return {};
+  if (def->written) return def->written(op);
+  std::vector<unsigned> all(op.numOperands());
+  for (unsigned i = 0; i < all.size(); ++i) all[i] = i;
+  return all;
+}
+
 Status expectRank(const Op& op, unsigned operand, int64_t rank) {
   const TensorType& t = op.operand(operand)->type();
   if (t.rank() != rank)

@@ -69,6 +69,7 @@ using CostFn = OpCost (*)(const Op& op, const SymbolBindings& symbols);
 using GradFn = Status (*)(GradContext& ctx, const Op& op);
 using CpuFn = Status (*)(const Op& op, const std::vector<const TensorView*>& operands,
                          const std::vector<TensorView*>& results, const CpuContext& ctx);
+using WrittenFn = std::vector<unsigned> (*)(const Op& op);
 
 struct OpDef {
   std::string name;          // "kiln.matmul"
@@ -83,6 +84,9 @@ struct OpDef {
   CostFn cost = nullptr;
   GradFn grad = nullptr;
   CpuFn cpu = nullptr;
+  // kSideEffect ops: the operands they write in place (the others they only read). Without the
+  // hook, every operand counts as written.
+  WrittenFn written = nullptr;
 
   bool has(uint32_t t) const { return (traits & t) != 0; }
   const AttrSpec* attrSpec(std::string_view n) const;
@@ -113,6 +117,10 @@ void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax, 
 void registerEmbeddingOps(OpRegistry& r);    // ops/embedding.cc
 void registerLossOps(OpRegistry& r);         // ops/loss.cc
 void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_update, embedding_bag_update
+
+// The operands `op` writes in place: none for ops without kSideEffect; the op's `written` hook
+// (an optimizer update writes its parameter and state, not its gradient or lr); else all.
+std::vector<unsigned> writtenOperands(const Op& op);
 
 // Shared helpers for rules.
 Status expectRank(const Op& op, unsigned operand, int64_t rank);

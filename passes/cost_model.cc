@@ -122,4 +122,13 @@ ir::SymbolBindings planningSymbols(const ir::Module& m) {
   return s;
 }
 
+ir::SymbolBindings bindAllSymbols(const ir::Function& f, ir::SymbolBindings symbols) {
+  const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
+    for (const ir::Value* r : op.results())
+      for (const ir::Dim& d : r->type().shape())
+        if (!d.sym().empty() && !symbols.count(d.sym())) symbols[d.sym()] = CostModel::kDefaultSymbolValue;
+  });
+  return symbols;
+}
+
 }  // namespace kiln::passes

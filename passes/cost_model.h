@@ -76,5 +76,7 @@ class CostModel {
 // The symbols a module asks planning passes to cost at: its `kiln.symbols = {B = 16384}`
 // attribute (set by `kiln dump --batch`), missing symbols defaulting as in CostModel.
 ir::SymbolBindings planningSymbols(const ir::Module& m);
+// `symbols` plus every other symbol `f` mentions, at CostModel::kDefaultSymbolValue.
+ir::SymbolBindings bindAllSymbols(const ir::Function& f, ir::SymbolBindings symbols);
 
 }  // namespace kiln::passes

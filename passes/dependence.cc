@@ -2,13 +2,14 @@
 
 #include <algorithm>
 #include <queue>
+#include <unordered_map>
 
 #include "ir/op_def.h"
 
 namespace kiln::passes {
 
 bool writesInPlace(const ir::Op& op) {
-  if (op.hasTrait(ir::kSideEffect)) return true;
+  if (!ir::writtenOperands(op).empty()) return true;
   for (const auto& r : op.regions())
     for (const auto& b : r->blocks())
       for (const auto& inner : b->ops())
@@ -31,37 +32,47 @@ BlockDependences::BlockDependences(const ir::Block& block) : ops_(block.opList()
     return user;
   };
   // Operands of the op and of the ops nested in it (a fused group may name a parameter it
-  // updates directly); `written`: those of ops that update them in place.
+  // updates directly); `written`: those the op or a nested op updates in place.
+  // A group's block argument stands for the group op's operand of that number.
+  auto outer = [](ir::Value* v) {
+    while (v->isBlockArgument() && v->parentBlock() && v->parentBlock()->parentRegion()) {
+      const ir::Op* group = v->parentBlock()->parentRegion()->parentOp();
+      if (!group || v->index() >= group->numOperands()) break;
+      v = group->operand(v->index());
+    }
+    return v;
+  };
   std::function<void(const ir::Op&, std::vector<ir::Value*>&, std::vector<ir::Value*>&)> collect =
       [&](const ir::Op& op, std::vector<ir::Value*>& read, std::vector<ir::Value*>& written) {
-        for (ir::Value* v : op.operands()) {
-          read.push_back(v);
-          if (op.hasTrait(ir::kSideEffect)) written.push_back(v);
-        }
+        for (ir::Value* v : op.operands()) read.push_back(outer(v));
+        for (unsigned i : ir::writtenOperands(op)) written.push_back(outer(op.operand(i)));
         for (const auto& r : op.regions())
           for (const auto& b : r->blocks())
             for (const auto& inner : b->ops()) collect(*inner, read, written);
       };
-  int last_writer = -1;
+  // Per written value: its last writer and the readers since, as positions.
+  std::unordered_map<const ir::Value*, int> last_writer;
   for (int i = 0; i < n; ++i) {
     ir::Op* op = ops_[static_cast<size_t>(i)];
     std::vector<ir::Value*> read, written;
     collect(*op, read, written);
-    for (ir::Value* v : read)
+    for (ir::Value* v : read) {
       if (v->definingOp() && pos_.count(v->definingOp())) addEdge(pos_[v->definingOp()], i);
+      // A value updated in place earlier: its readers see the update.
+      if (auto w = last_writer.find(v); w != last_writer.end()) addEdge(w->second, i);
+    }
     if (op->hasTrait(ir::kTerminator)) {
       for (int j = 0; j < i; ++j) addEdge(j, i);
       continue;
     }
-    if (!writesInPlace(*op)) continue;
-    if (last_writer >= 0) addEdge(last_writer, i);
-    last_writer = i;
-    // Readers of what this op writes that come before it keep seeing the old value.
-    for (ir::Value* v : written)
+    for (ir::Value* v : written) {
+      // Readers of the old value come first, whatever op they are.
       for (const ir::Use& u : v->uses()) {
         ir::Op* reader = topLevel(u.user);
         if (reader && reader != op && pos_[reader] < i) addEdge(pos_[reader], i);
       }
+      last_writer[v] = i;
+    }
   }
 }
 

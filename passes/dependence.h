@@ -1,7 +1,8 @@
 // The dependences between the ops of one block that any reordering must keep: a value's
-// producer before its users (SSA), and, for ops that write their operands in place (optimizer
-// updates, trait kSideEffect, also inside a fused group), every earlier reader of a written
-// value before the writer and the writers in their original order. Fusion (which may move a
+// producer before its users (SSA), and, for ops that write operands in place (optimizer
+// updates: ir::writtenOperands, also inside a fused group), every earlier reader of a written
+// value before the writer, the writers of one value in their original order, and later readers
+// of a written value after its writer. Updates of different parameters are not ordered. Fusion (which may move a
 // group) and scheduling (which reorders the block) both order ops by this graph.
 #pragma once
 

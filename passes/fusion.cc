@@ -11,6 +11,7 @@
 #include "ir/printer.h"
 #include "passes/dependence.h"
 #include "passes/pass_registry.h"
+#include "passes/peak_memory.h"
 
 namespace kiln::passes {
 namespace {
@@ -54,6 +55,14 @@ bool isActivation(const Op& op) {
   return acts.count(op.name()) > 0;
 }
 
+// "226.5 MB": byte counts in reasons.
+std::string byteSize(double bytes) {
+  if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
+  if (bytes >= 1e6) return fmt::format("{:.1f} MB", bytes / 1e6);
+  if (bytes >= 1e3) return fmt::format("{:.1f} kB", bytes / 1e3);
+  return fmt::format("{:.0f} B", bytes);
+}
+
 struct Group {
   Kind kind = Kind::Other;
   std::vector<Op*> members;  // in block order
@@ -63,7 +72,10 @@ struct Group {
 
 class FunctionFuser {
  public:
-  FunctionFuser(ir::Function& f, const CostModel& cost) : f_(f), cost_(cost), namer_(f), deps_(f.entry()) {
+  // `leave_recomputed`: ops remat cloned stay out of groups (a group runs where its last op
+  // was, which can move a clone away from the reader it was placed for).
+  FunctionFuser(ir::Function& f, const CostModel& cost, bool leave_recomputed = false)
+      : f_(f), cost_(cost), namer_(f), deps_(f.entry()), leave_recomputed_(leave_recomputed) {
     for (size_t i = 0; i < deps_.ops().size(); ++i) pos_[deps_.ops()[i]] = static_cast<int>(i);
   }
 
@@ -75,6 +87,7 @@ class FunctionFuser {
     formEmbeddingUpdateGroups();
     for (Op* op : deps_.ops()) {
       if (!CostModel::launchesWork(*op) || group_of_.count(op)) continue;
+      if (leave_recomputed_ && op->boolAttr("kiln.recompute")) continue;
       place(op);
     }
     for (size_t g = 0; g < groups_.size(); ++g) {
@@ -217,11 +230,62 @@ class FunctionFuser {
           if (it != pos_.end() && it->second > from && it->second < to && !grp.has(u.user))
             return forbid(fmt::format("fusing would delay {} (it reads {} in between)", label(*u.user), namer_.name(r)));
         }
+    if (FusionDecision d = keepsLiveSetBounded(grp, consumer); !d) return forbid(d.reason());
     // Profitability, from the one cost model.
     std::vector<const Op*> before(grp.members.begin(), grp.members.end()), after(with.begin(), with.end());
     double gain = cost_.fusionBenefit(after) - cost_.fusionBenefit(before) - 0.0;
     if (gain <= 0) return forbid(fmt::format("not profitable: the cost model predicts {:.3f} us saved", gain * 1e6));
     return FusionDecision::allow();
+  }
+
+  // A fused group runs where its last op was (`from`); taking `consumer` moves it to the
+  // consumer (`to`). Values the group reads that would have died in it then live across the ops
+  // in between, while the group's results that only it and the consumer read stop living there.
+  // Fusion must not raise the planned peak, so it is refused when the live bytes would grow at
+  // an allocating op in between: e.g. a gradient sum fused across the backward pass would keep
+  // one [B, d] term per layer live to its end, and the clones made by remat along with them.
+  FusionDecision keepsLiveSetBounded(const Group& grp, const Op& consumer) const {
+    const int from = pos_.at(grp.members.back()), to = pos_.at(&consumer);
+    // The extension is largest at the last op in between that allocates.
+    int last_alloc = -1;
+    for (int q = to - 1; q > from && last_alloc < 0; --q) {
+      const Op* op = deps_.ops()[static_cast<size_t>(q)];
+      if (CostModel::launchesWork(*op) && op->numResults() > 0) last_alloc = q;
+    }
+    if (last_alloc < 0) return FusionDecision::allow();
+    double freed = 0;
+    for (const Op* m : grp.members)
+      for (const Value* r : m->results()) {
+        bool consumer_reads = false, others_read = false;
+        for (const ir::Use& u : r->uses()) {
+          consumer_reads |= u.user == &consumer;
+          others_read |= u.user != &consumer && !grp.has(u.user);
+        }
+        if (consumer_reads && !others_read) freed += cost_.valueBytes(*r);
+      }
+    double kept = 0, largest = 0;
+    const Value* largest_value = nullptr;
+    std::unordered_set<const Value*> seen;
+    for (const Op* m : grp.members)
+      for (const Value* v : m->operands()) {
+        const Op* d = v->definingOp();
+        if (!d || grp.has(d) || d->hasTrait(ir::kSource) || !seen.insert(v).second) continue;
+        bool live_there = false;  // read at or after the op in between by an op outside the group
+        for (const ir::Use& u : v->uses()) {
+          if (grp.has(u.user)) continue;
+          auto it = pos_.find(u.user);
+          live_there |= it == pos_.end() || it->second >= last_alloc;
+        }
+        if (live_there) continue;
+        double bytes = cost_.valueBytes(*v);
+        kept += bytes;
+        if (bytes > largest) largest = bytes, largest_value = v;
+      }
+    if (kept <= freed) return FusionDecision::allow();
+    return FusionDecision::forbid(fmt::format(
+        "fusing would keep {} ({}) live until {}, past {}: {} more live bytes there (the planned peak may rise)",
+        namer_.name(largest_value), byteSize(largest), label(consumer), label(*deps_.ops()[static_cast<size_t>(last_alloc)]),
+        static_cast<int64_t>(kept - freed)));
   }
 
   // Puts `op` into the first group of an operand producer that may take it, else into a new one.
@@ -368,6 +432,7 @@ class FunctionFuser {
   std::vector<Group> groups_;
   std::unordered_map<const Op*, int> group_of_;
   std::vector<RefusedFusion> refused_;
+  bool leave_recomputed_ = false;
 };
 
 }  // namespace
@@ -384,9 +449,34 @@ Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOption
   std::vector<FusionReport> reports;
   for (auto& f : m.functions()) {
     if (f->body().empty()) continue;
-    auto r = FunctionFuser(*f, cost).run();
-    if (!r) return r.status();
-    reports.push_back(r.take());
+    // The lifetime rule refuses most fusions that would keep memory live; what it cannot see
+    // (the arena's layout after groups move) is checked here: fusion is tried on a copy, then
+    // without remat's clones, and kept only in a form that does not raise the planned peak.
+    const ir::SymbolBindings bound = bindAllSymbols(*f, symbols);
+    auto before = estimatePeakBytes(*f, bound);
+    if (!before) return before.status();
+    bool fused = false;
+    for (bool leave_recomputed : {false, true}) {
+      ir::Module scratch;
+      ir::Function& trial = ir::cloneFunction(*f, scratch, f->name());
+      auto t = FunctionFuser(trial, cost, leave_recomputed).run();
+      if (!t) return t.status();
+      auto after = estimatePeakBytes(trial, bound);
+      if (!after) return after.status();
+      if (*after > *before) continue;
+      auto r = FunctionFuser(*f, cost, leave_recomputed).run();
+      if (!r) return r.status();
+      reports.push_back(r.take());
+      fused = true;
+      break;
+    }
+    if (!fused) {
+      FusionReport r;
+      r.function = f->name();
+      r.launches_before = r.launches_after = countLaunches(*f);
+      r.refused.push_back({"@" + f->name(), "", "every grouping found would raise the planned peak; left unfused"});
+      reports.push_back(std::move(r));
+    }
   }
   return reports;
 }

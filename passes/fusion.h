@@ -9,7 +9,9 @@
 //   embedding_update the slices of one concatenated gradient and the embedding_bag_update ops
 //                    they feed: the backward of the above, one kernel.
 // Legality rules return a FusionDecision with its reason; the shared cost model (cost_model.h)
-// decides profitability. The report lists each group and each refused (producer, consumer) pair.
+// decides profitability. A group runs where its last op was, so a fusion that would grow the
+// live bytes at an op it moves past is refused: fusion never raises the planned peak. The
+// report lists each group and each refused (producer, consumer) pair.
 #pragma once
 
 #include <string>

@@ -94,9 +94,9 @@ class Flattener {
       buffer_of_[r] = *id;
     }
     // The waits codegen's lowering turns into events (codegen/lower_cpu.cc).
-    const std::vector<int> none;
-    s.waits = hazards_.add(static_cast<int>(steps.size()), s.stream, s.operands,
-                           op.hasTrait(ir::kSideEffect) ? s.operands : none, s.results);
+    std::vector<int> written;
+    for (unsigned i : ir::writtenOperands(op)) written.push_back(s.operands[i]);
+    s.waits = hazards_.add(static_cast<int>(steps.size()), s.stream, s.operands, written, s.results);
     steps.push_back(std::move(s));
     return Status::ok();
   }

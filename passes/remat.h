@@ -1,8 +1,10 @@
 // Rematerialization under a memory budget (XLA's HloRematerialization, Inductor's activation
-// budget): on @train_step, forward activations that stay live into the backward pass are
-// dropped and recomputed there, their producing op cloned right before the first backward use
-// (the clone carries `kiln.recompute = true`). Greedy by bytes freed per flop added, each step
-// kept only if the estimated planned peak (peak_memory.h) drops, until the peak fits.
+// budget): on @train_step, values live across the op where the live bytes peak are dropped and
+// recomputed right before their next reader, their producing op cloned there (the clone carries
+// `kiln.recompute = true`; producers of operands no longer live are cloned along). Each step
+// tries the best candidates (bytes freed at the peak per second of recomputation, by the shared
+// cost model) on the planned-peak estimate (peak_memory.h) and keeps the one that lowers it most
+// per second, until the peak fits; docs/passes.md tells the whole rule.
 // Must run after CSE, which would merge the clones back (passes.def asserts the order).
 #pragma once
 

@@ -1,13 +1,5 @@
-// Scheduling: orders each function's ops to shorten lifetimes and assigns independent work to
-// streams.
-//  - Order: a list scheduler over the block's dependences (dependence.h). Among the ready ops
-//    it prefers one that frees more bytes than it allocates (its operands die there), else the
-//    earliest in the current order; recomputed ops (remat) are never pulled early, which would
-//    undo them. The new order is kept only if the estimated planned peak does not grow.
-//  - Streams: the embedding work, which only meets the dense network through one concat and
-//    one gradient, runs on stream 1 (`kiln.stream = 1`: lookups over the model's sources, the
-//    sparse updates and the gradient slices that feed them); everything else on stream 0.
-//    codegen turns a value that crosses streams into a record/wait event pair.
+#include "passes/schedule.h"
+
 #include <unordered_map>
 
 #include "ir/op_def.h"
@@ -96,6 +88,59 @@ std::vector<int> listSchedule(const BlockDependences& deps, const CostModel& cos
 
 }  // namespace
 
+namespace {
+
+// Keeps the new order only if the estimated peak does not grow.
+Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
+  ir::Block& block = f.entry();
+  auto before = estimatePeakBytes(f, symbols);
+  if (!before) return before.status();
+  BlockDependences deps(block);
+  std::vector<int> order = listSchedule(deps, cost);
+  bool same = true;
+  for (size_t k = 0; k < order.size(); ++k) same &= order[k] == static_cast<int>(k);
+  if (same) return false;
+  std::vector<Op*> original = deps.ops();
+  auto apply = [&](const std::vector<Op*>& seq) {
+    std::vector<std::unique_ptr<Op>> held;
+    for (Op* op : seq) held.push_back(block.remove(op));
+    for (auto& op : held) block.push_back(std::move(op));
+  };
+  std::vector<Op*> scheduled;
+  for (int i : order) scheduled.push_back(original[static_cast<size_t>(i)]);
+  apply(scheduled);
+  auto after = estimatePeakBytes(f, symbols);
+  if (!after) return after.status();
+  if (*after <= *before) return true;
+  apply(original);
+  return false;
+}
+
+}  // namespace
+
+Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols) {
+  if (f.body().empty()) return false;
+  ir::SymbolBindings bound = bindAllSymbols(f, symbols);
+  CostModel cost(cpuDevice(), bound);
+  auto changed = reorderChecked(f, cost, bound);
+  if (!changed) return changed.status();
+  bool streams = false;
+  for (const auto& op : f.entry().ops())
+    if (onEmbeddingStream(*op) && op->intAttr("kiln.stream", 0) != 1) {
+      op->setAttr("kiln.stream", ir::Attribute(int64_t{1}));
+      streams = true;
+    }
+  return *changed || streams;
+}
+
+Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols) {
+  ir::Module scratch;
+  ir::Function& copy = ir::cloneFunction(f, scratch, f.name());
+  auto changed = scheduleFunction(copy, symbols);
+  if (!changed) return changed.status();
+  return estimatePeakBytes(copy, symbols);
+}
+
 class SchedulePass : public RegisteredPass<SchedulePass> {
  public:
   KILN_PASS_INFO(SchedulePass)
@@ -104,53 +149,11 @@ class SchedulePass : public RegisteredPass<SchedulePass> {
     bool changed = false;
     ir::SymbolBindings symbols = planningSymbols(m);
     for (auto& f : m.functions()) {
-      if (f->body().empty()) continue;
-      ir::SymbolBindings bound = symbols;
-      f->walk([&](Op& op) {
-        for (Value* r : op.results())
-          for (const ir::Dim& d : r->type().shape())
-            if (!d.sym().empty() && !bound.count(d.sym())) bound[d.sym()] = CostModel::kDefaultSymbolValue;
-      });
-      CostModel cost(cpuDevice(), bound);
-      changed |= reorder(*f, cost, bound);
-      for (const auto& op : f->entry().ops())
-        if (onEmbeddingStream(*op) && op->intAttr("kiln.stream", 0) != 1) {
-          op->setAttr("kiln.stream", ir::Attribute(int64_t{1}));
-          changed = true;
-        }
+      auto c = scheduleFunction(*f, symbols);
+      if (!c) return c.status();
+      changed |= *c;
     }
     return changed;
-  }
-
- private:
-  static Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
-    ir::Block& block = f.entry();
-    auto before = estimatePeakBytes(f, symbols);
-    if (!before) return before.status();
-    BlockDependences deps(block);
-    std::vector<int> order = listSchedule(deps, cost);
-    bool same = true;
-    for (size_t k = 0; k < order.size(); ++k) same &= order[k] == static_cast<int>(k);
-    if (same) return false;
-    std::vector<Op*> original = deps.ops();
-    auto apply = [&](const std::vector<Op*>& seq) {
-      std::vector<std::unique_ptr<Op>> held;
-      for (Op* op : seq) held.push_back(block.remove(op));
-      for (auto& op : held) block.push_back(std::move(op));
-    };
-    std::vector<Op*> scheduled;
-    for (int i : order) scheduled.push_back(original[static_cast<size_t>(i)]);
-    apply(scheduled);
-    auto after = estimatePeakBytes(f, symbols);
-    if (!after) return after.status();
-    if (*after <= *before) return true;
-    apply(original);
-    return false;
-  }
-
-  static bool reorder(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
-    auto r = reorderChecked(f, cost, symbols);
-    return r && *r;
   }
 };
 

@@ -292,6 +292,27 @@ double readFloat(const TensorView& v, int64_t i) {
   }
 }
 
+// The parameter and its state slots; the gradient, lr, step and clipping scale are only read.
+std::vector<unsigned> writtenByOptimizerUpdate(const Op& op) {
+  std::vector<unsigned> out = {0};
+  const size_t nstate = denseOptimizerState(op.strAttr("kind"), op.attrs()).size();
+  for (unsigned i = 0; i < nstate; ++i) out.push_back(2 + i);
+  return out;
+}
+
+// The table and its state slots.
+std::vector<unsigned> writtenByEmbeddingUpdate(const Op& op) {
+  auto l = embeddingUpdateLayout(op);
+  if (!l) {  // an unknown optimizer (the verifier says so): assume everything is written
+    std::vector<unsigned> all(op.numOperands());
+    for (unsigned i = 0; i < all.size(); ++i) all[i] = i;
+    return all;
+  }
+  std::vector<unsigned> out = {static_cast<unsigned>(l->table)};
+  for (int i = 0; i < l->num_state; ++i) out.push_back(static_cast<unsigned>(l->state_begin + i));
+  return out;
+}
+
 Status cpuOptimizerUpdate(const Op& op, const std::vector<const TensorView*>& in,
                           const std::vector<TensorView*>&, const CpuContext&) {
   const size_t nstate = denseOptimizerState(op.strAttr("kind"), op.attrs()).size();
@@ -514,7 +535,8 @@ void registerOptimizerOps(OpRegistry& r) {
          .infer = inferOptimizerUpdate,
          .verify = verifyOptimizerUpdate,
          .cost = costOptimizerUpdate,
-         .cpu = cpuOptimizerUpdate});
+         .cpu = cpuOptimizerUpdate,
+         .written = writtenByOptimizerUpdate});
 
   r.add({.name = "kiln.embedding_bag_update",
          .summary = "Sparse optimizer step on the embedding rows a kiln.embedding_bag looked up",
@@ -534,7 +556,8 @@ void registerOptimizerOps(OpRegistry& r) {
          .infer = inferEmbeddingUpdate,
          .verify = verifyEmbeddingUpdate,
          .cost = costEmbeddingUpdate,
-         .cpu = cpuEmbeddingUpdate});
+         .cpu = cpuEmbeddingUpdate,
+         .written = writtenByEmbeddingUpdate});
 
   r.add({.name = "kiln.embedding_bag_grad_sqnorm",
          .summary = "Squared L2 norm of an embedding table's gradient, duplicates combined, never materialized",

@@ -1,5 +1,6 @@
 #include "runtime/cuda/cuda_driver.h"
 
+#include <algorithm>
 #include <mutex>
 
 #include <fmt/format.h>
@@ -134,6 +135,40 @@ Stream::~Stream() {
 }
 
 Status Stream::synchronize() const { return drv_->check(drv_->cuStreamSynchronize(s_), "cuStreamSynchronize"); }
+
+Expected<std::unique_ptr<Event>> Event::create(CudaDriver* drv, const std::string& what) {
+  std::unique_ptr<Event> e(new Event());
+  e->drv_ = drv;
+  KILN_CU(drv, cuEventCreate(&e->e_, CU_EVENT_DISABLE_TIMING), what);
+  return e;
+}
+
+Event::~Event() {
+  if (e_) drv_->cuEventDestroy(e_);
+}
+
+Expected<PinnedBuffer> PinnedBuffer::allocate(CudaDriver* drv, size_t bytes, const std::string& what) {
+  PinnedBuffer b;
+  b.drv_ = drv;
+  KILN_CU(drv, cuMemAllocHost(&b.ptr_, std::max<size_t>(bytes, 1)), fmt::format("{} pinned bytes for {}", bytes, what));
+  b.bytes_ = bytes;
+  return b;
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) drv_->cuMemFreeHost(ptr_);
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) drv_->cuMemFreeHost(ptr_);
+    drv_ = o.drv_;
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+  }
+  return *this;
+}
 
 Expected<std::unique_ptr<LoadedModule>> LoadedModule::load(CudaDriver* drv, const std::vector<char>& cubin) {
   std::unique_ptr<LoadedModule> m(new LoadedModule());

@@ -99,6 +99,36 @@ class Stream {
   CUstream s_ = nullptr;
 };
 
+// An event for ordering work across streams (timing disabled: it only orders).
+class Event {
+ public:
+  static Expected<std::unique_ptr<Event>> create(CudaDriver* drv, const std::string& what);
+  ~Event();
+  CUevent get() const { return e_; }
+
+ private:
+  CudaDriver* drv_ = nullptr;
+  CUevent e_ = nullptr;
+};
+
+// Page-locked host memory: copies from it are truly asynchronous (a pageable source makes
+// cuMemcpyHtoDAsync stage through a driver buffer and block the host).
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  static Expected<PinnedBuffer> allocate(CudaDriver* drv, size_t bytes, const std::string& what);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& o) noexcept : drv_(o.drv_), ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  CudaDriver* drv_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 // A loaded CUBIN and its kernels.
 class LoadedModule {
  public:

@@ -1,5 +1,7 @@
 #include "runtime/cuda/cuda_executor.h"
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
 
@@ -7,14 +9,13 @@
 
 #include "codegen/kernel_lowering.h"
 #include "codegen/memory_planner.h"
+#include "ir/arena_plan.h"
 #include "ir/op_def.h"
 #include "runtime/cuda/cublaslt.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/nvrtc_compiler.h"
 
 namespace kiln::cuda {
-
-#ifdef KILN_HAVE_CUDA_HEADERS
 
 namespace {
 
@@ -24,12 +25,191 @@ int64_t product(const std::vector<int64_t>& s) {
   return n;
 }
 
-std::string shapeStr(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+[[maybe_unused]] std::string shapeStr(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 // Enough for every vectorized access a kernel or cuBLASLt makes.
-constexpr int64_t kArenaAlignment = 256;
+[[maybe_unused]] constexpr int64_t kArenaAlignment = 256;
+
+// Instructions in the global order, each on its stream; a launch records an event right after
+// itself when some later instruction waits for it.
+class StreamedProgram {
+ public:
+  explicit StreamedProgram(codegen::Program& p) : p_(p) {}
+
+  void launch(int stream, codegen::Instruction in) { pending_.push_back({stream, std::move(in), -1, true}); }
+  int lastIndex() const { return static_cast<int>(pending_.size()) - 1; }
+
+  // `stream` waits for the instruction at `at` (recorded by its stream), unless it already waited
+  // for that one or a later one of the same stream (a stream runs in order).
+  void wait(int stream, int at) {
+    Pending& prod = pending_[static_cast<size_t>(at)];
+    int& joined = joined_.try_emplace({stream, prod.stream}, -1).first->second;
+    if (at <= joined) return;
+    joined = at;
+    if (prod.record_event < 0) prod.record_event = p_.num_events++;
+    codegen::Instruction w;
+    w.kind = codegen::InstrKind::WaitEvent;
+    w.event = prod.record_event;
+    pending_.push_back({stream, std::move(w), -1, true});
+  }
+
+  // A point on `stream` that others may wait for, with no instruction of its own (the fork):
+  // only the record a wait() gives it is emitted.
+  int marker(int stream) {
+    pending_.push_back({stream, {}, -1, false});
+    return lastIndex();
+  }
+
+  void assemble() {
+    std::map<int, codegen::Stream> streams;
+    streams[0].id = 0;
+    int seq = 0;
+    auto emit = [&](int s, codegen::Instruction in) {
+      in.seq = seq++;
+      streams[s].id = s;
+      streams[s].instrs.push_back(std::move(in));
+    };
+    for (Pending& p : pending_) {
+      if (p.emit) emit(p.stream, std::move(p.instr));
+      if (p.record_event >= 0) {
+        codegen::Instruction rec;
+        rec.kind = codegen::InstrKind::RecordEvent;
+        rec.event = p.record_event;
+        emit(p.stream, std::move(rec));
+      }
+    }
+    for (auto& [_, st] : streams) p_.streams.push_back(std::move(st));
+  }
+
+ private:
+  struct Pending {
+    int stream;
+    codegen::Instruction instr;
+    int record_event;  // recorded on `stream` right after this point, -1 if nobody waits
+    bool emit;         // false for a marker
+  };
+  codegen::Program& p_;
+  std::vector<Pending> pending_;
+  std::map<std::pair<int, int>, int> joined_;  // (stream, producer stream) -> latest waited for
+};
 
 }  // namespace
+
+Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups,
+                                       const ir::SymbolBindings& symbols, int64_t alignment) {
+  CudaProgram out;
+  codegen::Program& p = out.program;
+  p.function = f.name();
+  p.symbols = symbols;
+  std::map<const ir::Value*, int> value_buffer;
+  std::set<const ir::Value*> returned;
+  const ir::Op* ret = f.returnOp();
+  if (ret)
+    for (const ir::Value* v : ret->operands()) returned.insert(v);
+  auto addBuffer = [&](codegen::BufferKind kind, std::string name, ir::TensorType type, std::vector<int64_t> shape,
+                       ir::DType dtype) {
+    codegen::Buffer b;
+    b.id = static_cast<int>(p.buffers.size());
+    b.kind = kind;
+    b.name = std::move(name);
+    b.type = std::move(type);
+    b.bytes = product(shape) * ir::dtypeBytes(dtype);
+    p.buffers.push_back(std::move(b));
+    out.shapes.push_back(std::move(shape));
+    return static_cast<int>(p.buffers.size() - 1);
+  };
+  auto bufferOf = [&](const ir::Value* v) -> Expected<int> {
+    auto it = value_buffer.find(v);
+    if (it != value_buffer.end()) return it->second;
+    auto shape = codegen::concreteShape(v->type(), symbols);
+    if (!shape) return shape.status();
+    const ir::Op* def = v->definingOp();
+    if (!def) return Status::errorf("cuda executor: @{} has a block argument; expected kiln.input ops", f.name());
+    codegen::BufferKind kind = returned.count(v) ? codegen::BufferKind::Output : codegen::BufferKind::Temp;
+    std::string name = v->nameHint();
+    if (def->name() == "kiln.input") {
+      kind = codegen::BufferKind::Input;
+      name = def->strAttr("name");
+    } else if (def->name() == "kiln.parameter") {
+      kind = codegen::BufferKind::Parameter;
+      name = def->strAttr("name");
+    } else if (def->name() == "kiln.constant") {
+      kind = codegen::BufferKind::Parameter;  // outside the arena, uploaded once
+    }
+    int id = addBuffer(kind, name, v->type(), *shape, v->type().dtype());
+    if (def->name() == "kiln.constant") out.constants.push_back({id, def});
+    if (kind == codegen::BufferKind::Input) out.inputs.push_back(id);
+    value_buffer[v] = id;
+    return id;
+  };
+
+  StreamedProgram sp(p);
+  std::set<int> streams = {0};
+  for (const codegen::LoweredGroup& g : groups) {
+    if (g.stream < 0 || g.stream > 1024) return Status::errorf("cuda executor: stream {} is not a stream number", g.stream);
+    streams.insert(g.stream);
+  }
+  const bool forked = streams.size() > 1;
+  const int fork = forked ? sp.marker(0) : -1;
+  std::set<int> started;
+  ir::StreamHazards hazards;
+  std::vector<int> launch_at;  // group -> its index among the pending instructions
+  std::map<int, int> latest_launch;
+  out.group_buffers.resize(groups.size());
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const codegen::LoweredGroup& g = groups[gi];
+    codegen::Instruction in;
+    in.op = g.gemm ? "kiln.matmul" : "cuda.group";
+    in.attrs["group"] = ir::Attribute(static_cast<int64_t>(gi));
+    std::vector<int> written_in_place;
+    for (const codegen::GroupBuffer& gb : g.buffers) {
+      int id;
+      if (gb.value) {
+        auto b = bufferOf(gb.value);
+        if (!b) return b.status();
+        id = *b;
+        (gb.defined ? in.results : in.operands).push_back(id);
+        // Written without being defined here: state updated in place (optimizer updates).
+        if (gb.written && !gb.defined) written_in_place.push_back(id);
+      } else if (gb.name == "embedding_errors") {
+        // Outside the arena: it must survive the step to be checked.
+        id = addBuffer(codegen::BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
+        out.error_flags.push_back(id);
+      } else {
+        id = addBuffer(codegen::BufferKind::Temp, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
+        in.results.push_back(id);
+      }
+      out.group_buffers[gi].push_back(id);
+    }
+    // The first launch of another stream waits for stream 0's fork.
+    if (forked && g.stream != 0 && started.insert(g.stream).second) sp.wait(g.stream, fork);
+    // Waiting for the latest launch of a stream covers its earlier ones: one wait per stream.
+    std::map<int, int> latest;  // producer stream -> pending index
+    for (int earlier : hazards.add(static_cast<int>(gi), g.stream, in.operands, written_in_place, in.results)) {
+      int at = launch_at[static_cast<size_t>(earlier)];
+      int& l = latest.try_emplace(groups[static_cast<size_t>(earlier)].stream, -1).first->second;
+      l = std::max(l, at);
+    }
+    for (const auto& [_, at] : latest) sp.wait(g.stream, at);
+    sp.launch(g.stream, std::move(in));
+    launch_at.push_back(sp.lastIndex());
+    latest_launch[g.stream] = sp.lastIndex();
+  }
+  // The join: stream 0 ends after every other stream's last launch.
+  for (const auto& [stream, at] : latest_launch)
+    if (stream != 0) sp.wait(0, at);
+  sp.assemble();
+  if (ret)
+    for (const ir::Value* v : ret->operands()) {
+      auto b = bufferOf(v);
+      if (!b) return b.status();
+      p.results.push_back(*b);
+    }
+  KILN_RETURN_IF_ERROR(codegen::planMemory(p, {.alignment = alignment, .in_place = false}));
+  return out;
+}
+
+#ifdef KILN_HAVE_CUDA_HEADERS
 
 struct CudaSession::Impl {
   std::unique_ptr<CudaContext> ctx;
@@ -114,30 +294,41 @@ struct Step {
   GemmShape shape;
 };
 
-// An embedding kernel's {flag, table} pair, outside the arena so it survives the step.
+// A group's embedding {code, table} flag, outside the arena so it survives the step: code 1 from
+// an embedding kernel (an id out of range), 2 from its jagged-lengths scan.
 struct ErrorFlag {
   CUdeviceptr ptr = 0;
-  std::string kernel;
-  std::vector<std::string> tables;  // weight buffer names, by table index
+  std::string kernel, scan_kernel;
+  std::vector<std::string> tables;   // weight buffer names, by the embedding kernel's table index
+  std::vector<std::string> lengths;  // lengths buffer names, by the scan kernel's table index
 };
 
 struct CudaExecutor::Impl {
   std::shared_ptr<CudaSession> session;
   CudaExecutorOptions options;
-  codegen::Program program;
+  CudaProgram built;
+  codegen::Program& program = built.program;
   DeviceBuffer arena;
   std::vector<DeviceBuffer> owned;            // inputs, constants, error flags
   std::vector<CUdeviceptr> address;           // per program buffer
-  std::vector<std::vector<int64_t>> shapes;   // per program buffer, at the bound symbols
-  std::vector<int> inputs;                    // program buffer ids of kiln.input values
   std::vector<ErrorFlag> flags;
-  std::vector<Step> steps;
+  std::vector<Step> steps;                    // in group order
+  std::vector<std::pair<size_t, size_t>> group_steps;  // group -> [begin, end) of steps
+  std::map<int, CUstream> streams;            // Program stream -> CUstream (0: the session's)
+  std::vector<std::unique_ptr<Stream>> own_streams;
+  std::vector<std::unique_ptr<Event>> events;  // per Program event
+  std::vector<std::pair<int, const codegen::Instruction*>> order;  // (stream, instruction) by seq
+  // Pinned staging of the inputs, laid out once: the step copies from here asynchronously.
+  PinnedBuffer staging;
+  std::vector<size_t> staging_at;             // per entry of built.inputs
   std::unique_ptr<LoadedModule> module;
   std::unique_ptr<CudaGraph> graph;
   int kernels = 0, gemms = 0, compiled = 0, runs = 0;
 
   CudaSession::Impl& s() { return session->impl(); }
+  Status runStep(const Step& step, CUstream st);
   Status enqueue();
+  Status synchronize();
 };
 
 namespace {
@@ -175,17 +366,49 @@ Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symb
 
 }  // namespace
 
+Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
+  if (step.gemm) {
+    Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st);
+    if (!r) return Status::errorf("cuBLASLt {}: {}", step.name, r.message());
+    return Status::ok();
+  }
+  return launchKernel(s().drv(), step.fn, step.name, step.grid, step.block, step.args, st);
+}
+
+// The Program's instructions in global order, each on its stream's CUstream (records precede
+// the waits on them in that order, so one host thread can enqueue them all).
 Status CudaExecutor::Impl::enqueue() {
   CudaDriver* drv = s().drv();
-  CUstream st = s().stream->get();
-  for (const ErrorFlag& f : flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st), "clearing " + f.kernel + "'s error flag");
-  for (const Step& step : steps) {
-    if (step.gemm) {
-      Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st);
-      if (!r) return Status::errorf("cuBLASLt {}: {}", step.name, r.message());
-    } else {
-      KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
+  CUstream st0 = streams.at(0);
+  for (const ErrorFlag& f : flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st0), "clearing " + f.kernel + "'s error flag");
+  for (const auto& [stream, in] : order) {
+    CUstream cs = streams.at(stream);
+    switch (in->kind) {
+      case codegen::InstrKind::Launch: {
+        auto [begin, end] = group_steps[static_cast<size_t>(in->attrs.find("group")->second.asInt())];
+        for (size_t i = begin; i < end; ++i) KILN_RETURN_IF_ERROR(runStep(steps[i], cs));
+        break;
+      }
+      case codegen::InstrKind::RecordEvent:
+        KILN_CU(drv, cuEventRecord(events[static_cast<size_t>(in->event)]->get(), cs),
+                fmt::format("event {} on stream {}", in->event, stream));
+        break;
+      case codegen::InstrKind::WaitEvent:
+        KILN_CU(drv, cuStreamWaitEvent(cs, events[static_cast<size_t>(in->event)]->get(), 0),
+                fmt::format("stream {} waiting for event {}", stream, in->event));
+        break;
+      case codegen::InstrKind::HostStep:
+        return Status::errorf("@{}: the CUDA executor runs no host step ('{}')", program.function, in->op);
     }
+  }
+  return Status::ok();
+}
+
+Status CudaExecutor::Impl::synchronize() {
+  for (const auto& [id, st] : streams) {
+    Status done = s().drv()->check(s().drv()->cuStreamSynchronize(st), "cuStreamSynchronize",
+                                   fmt::format("stream {} of @{}", id, program.function));
+    if (!done) return done;
   }
   return Status::ok();
 }
@@ -206,90 +429,41 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   auto lowered = codegen::lowerFunction(f, symbols);
   if (!lowered) return lowered.status();
   std::vector<codegen::LoweredGroup>& groups = *lowered;
-
-  // Program buffers: one per IR value that crosses a group, plus each group's temporaries.
+  // cuBLASLt shares one workspace per session: GEMMs on two streams could run at once over it.
+  std::set<int> gemm_streams;
+  for (const codegen::LoweredGroup& g : groups)
+    if (g.gemm) gemm_streams.insert(g.stream);
+  if (gemm_streams.size() > 1)
+    return Status::errorf("cuda executor: @{} puts cuBLASLt calls on streams {}; they share one workspace, so GEMMs "
+                          "must stay on one stream",
+                          f.name(), fmt::join(gemm_streams, " and "));
+  auto built = buildCudaProgram(f, groups, symbols, kArenaAlignment);
+  if (!built) return built.status();
+  im.built = built.take();
   codegen::Program& p = im.program;
-  p.function = f.name();
-  p.symbols = symbols;
-  std::map<const ir::Value*, int> value_buffer;
-  std::set<const ir::Value*> returned;
-  const ir::Op* ret = f.returnOp();
-  if (ret)
-    for (const ir::Value* v : ret->operands()) returned.insert(v);
-  std::map<int, const ir::Op*> constants;  // buffer -> kiln.constant
-  auto addBuffer = [&](codegen::BufferKind kind, std::string name, ir::TensorType type, std::vector<int64_t> shape,
-                       ir::DType dtype) {
-    codegen::Buffer b;
-    b.id = static_cast<int>(p.buffers.size());
-    b.kind = kind;
-    b.name = std::move(name);
-    b.type = std::move(type);
-    b.bytes = product(shape) * ir::dtypeBytes(dtype);
-    p.buffers.push_back(std::move(b));
-    im.shapes.push_back(std::move(shape));
-    return static_cast<int>(p.buffers.size() - 1);
-  };
-  auto bufferOf = [&](const ir::Value* v) -> Expected<int> {
-    auto it = value_buffer.find(v);
-    if (it != value_buffer.end()) return it->second;
-    auto shape = codegen::concreteShape(v->type(), symbols);
-    if (!shape) return shape.status();
-    const ir::Op* def = v->definingOp();
-    if (!def) return Status::errorf("cuda executor: @{} has a block argument; expected kiln.input ops", f.name());
-    codegen::BufferKind kind = returned.count(v) ? codegen::BufferKind::Output : codegen::BufferKind::Temp;
-    std::string name = v->nameHint();
-    if (def->name() == "kiln.input") {
-      kind = codegen::BufferKind::Input;
-      name = def->strAttr("name");
-    } else if (def->name() == "kiln.parameter") {
-      kind = codegen::BufferKind::Parameter;
-      name = def->strAttr("name");
-    } else if (def->name() == "kiln.constant") {
-      kind = codegen::BufferKind::Parameter;  // outside the arena, uploaded once
-    }
-    int id = addBuffer(kind, name, v->type(), *shape, v->type().dtype());
-    if (def->name() == "kiln.constant") constants[id] = def;
-    if (kind == codegen::BufferKind::Input) im.inputs.push_back(id);
-    value_buffer[v] = id;
-    return id;
-  };
+  const std::vector<std::vector<int>>& group_buffers = im.built.group_buffers;
+  std::set<int> error_flag_buffers(im.built.error_flags.begin(), im.built.error_flags.end());
+  std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
 
-  // Each group is one launch of the program; its kernel arguments map to program buffers.
-  std::vector<std::vector<int>> group_buffers(groups.size());
-  codegen::Stream stream0;
-  std::set<int> error_flag_buffers;
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const codegen::LoweredGroup& g = groups[gi];
-    codegen::Instruction in;
-    in.seq = static_cast<int>(gi);
-    in.op = g.gemm ? "kiln.matmul" : "cuda.group";
-    for (const codegen::GroupBuffer& gb : g.buffers) {
-      int id;
-      if (gb.value) {
-        auto b = bufferOf(gb.value);
-        if (!b) return b.status();
-        id = *b;
-        (gb.defined ? in.results : in.operands).push_back(id);
-      } else if (gb.name == "embedding_errors") {
-        // Outside the arena: it must survive the step to be checked.
-        id = addBuffer(codegen::BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
-        error_flag_buffers.insert(id);
-      } else {
-        id = addBuffer(codegen::BufferKind::Temp, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
-        in.results.push_back(id);
-      }
-      group_buffers[gi].push_back(id);
+  // Streams and events: Program stream 0 is the session's stream.
+  for (const codegen::Stream& ps : p.streams) {
+    if (ps.id == 0) {
+      im.streams[0] = si.stream->get();
+      continue;
     }
-    stream0.instrs.push_back(std::move(in));
+    auto st = Stream::create(drv);
+    if (!st) return Status::errorf("creating stream {} of @{}: {}", ps.id, f.name(), st.status().message());
+    im.streams[ps.id] = (*st)->get();
+    im.own_streams.push_back(st.take());
   }
-  if (ret)
-    for (const ir::Value* v : ret->operands()) {
-      auto b = bufferOf(v);
-      if (!b) return b.status();
-      p.results.push_back(*b);
-    }
-  p.streams.push_back(std::move(stream0));
-  KILN_RETURN_IF_ERROR(codegen::planMemory(p, {.alignment = kArenaAlignment, .in_place = false}));
+  for (int e = 0; e < p.num_events; ++e) {
+    auto ev = Event::create(drv, fmt::format("event {} of @{}", e, f.name()));
+    if (!ev) return ev.status();
+    im.events.push_back(ev.take());
+  }
+  for (const codegen::Stream& ps : p.streams)
+    for (const codegen::Instruction& in : ps.instrs) im.order.push_back({ps.id, &in});
+  std::sort(im.order.begin(), im.order.end(), [](const auto& a, const auto& b) { return a.second->seq < b.second->seq; });
 
   // Device memory: the arena, then every buffer outside it.
   auto arena = DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(p.arena_bytes, kArenaAlignment)),
@@ -319,7 +493,7 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   }
   // Constants: computed by the op's CPU reference, uploaded once.
   for (const auto& [id, op] : constants) {
-    ir::HostTensor t(op->result()->type().dtype(), im.shapes[id]);
+    ir::HostTensor t(op->result()->type().dtype(), im.built.shapes[id]);
     if (!op->def() || !op->def()->cpu) return Status::errorf("kiln.constant at {}: no reference to evaluate it", op->location().str());
     ir::CpuContext cc;
     cc.symbols = &symbols;
@@ -327,6 +501,16 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     if (!t.storage.empty())
       KILN_CU(drv, cuMemcpyHtoD(im.address[id], t.storage.data(), t.storage.size()), "constant " + p.buffers[id].name);
   }
+  // Pinned staging for the inputs, sized once: each step copies the batch here, then to the
+  // device asynchronously on stream 0.
+  size_t staging_bytes = 0;
+  for (int id : im.built.inputs) {
+    im.staging_at.push_back(staging_bytes);
+    staging_bytes += static_cast<size_t>((p.buffers[id].bytes + 63) / 64 * 64);
+  }
+  auto staging = PinnedBuffer::allocate(drv, staging_bytes, fmt::format("the inputs of @{}", f.name()));
+  if (!staging) return staging.status();
+  im.staging = staging.take();
 
   // One NVRTC module holding every kernel of the function.
   std::vector<const codegen::Kernel*> all;
@@ -347,6 +531,7 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   size_t kernel_index = 0;
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const codegen::LoweredGroup& g = groups[gi];
+    im.group_steps.push_back({im.steps.size(), 0});  // the end is set below
     if (g.gemm) {
       auto shape = gemmShapeOf(*g.gemm, symbols);
       if (!shape) return shape.status();
@@ -380,18 +565,26 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       s.block = lc.block;
       for (int gb : g.args[ki]) s.args.push_back(im.address[group_buffers[gi][static_cast<size_t>(gb)]]);
       if (k.error_flag >= 0) {
+        // One flag per group, shared by its scan ({2, t}) and embedding kernels ({1, t}).
         int pb = group_buffers[gi][static_cast<size_t>(g.args[ki][static_cast<size_t>(k.error_flag)])];
-        ErrorFlag ef{im.address[pb], s.name, {}};
-        for (const codegen::EmbeddingTable& t : k.tables)
-          ef.tables.push_back(t.weight >= 0 ? k.buffers[static_cast<size_t>(t.weight)].name : "?");
-        bool seen = false;
-        for (const ErrorFlag& e : im.flags) seen |= e.ptr == ef.ptr;
-        if (!seen) im.flags.push_back(std::move(ef));
+        auto it = std::find_if(im.flags.begin(), im.flags.end(), [&](const ErrorFlag& e) { return e.ptr == im.address[pb]; });
+        if (it == im.flags.end()) it = im.flags.insert(im.flags.end(), ErrorFlag{im.address[pb], {}, {}, {}, {}});
+        std::vector<std::string>& names = k.kind == codegen::KernelKind::BagOffsets ? it->lengths : it->tables;
+        std::string& kernel = k.kind == codegen::KernelKind::BagOffsets ? it->scan_kernel : it->kernel;
+        if (kernel.empty()) {  // a group's first kernel of each kind names the tables
+          kernel = s.name;
+          for (const codegen::EmbeddingTable& t : k.tables) {
+            int named = k.kind == codegen::KernelKind::BagOffsets ? t.lengths : t.weight;
+            names.push_back(named >= 0 ? k.buffers[static_cast<size_t>(named)].name : "?");
+          }
+        }
       }
       im.steps.push_back(std::move(s));
       ++im.kernels;
     }
   }
+  for (size_t gi = 0; gi < im.group_steps.size(); ++gi)
+    im.group_steps[gi].second = gi + 1 < im.group_steps.size() ? im.group_steps[gi + 1].first : im.steps.size();
   return ex;
 }
 
@@ -402,19 +595,29 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
   CudaSession::Impl& si = im.s();
   CudaDriver* drv = si.drv();
   KILN_RETURN_IF_ERROR(si.ctx->makeCurrent());
-  KILN_RETURN_IF_ERROR(si.stream->synchronize());  // nothing may still read the input buffers
-  CUstream st = si.stream->get();
+  // Every stream is idle here (the previous run synchronized), so the staging may be rewritten.
+  KILN_RETURN_IF_ERROR(im.synchronize());
+  CUstream st = im.streams.at(0);
 
-  for (int id : im.inputs) {
+  for (size_t i = 0; i < im.built.inputs.size(); ++i) {
+    int id = im.built.inputs[i];
     const codegen::Buffer& b = im.program.buffers[id];
+    const std::vector<int64_t>& shape = im.built.shapes[id];
     auto it = batch.find(b.name);
     if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", im.program.function, b.name);
     const ir::TensorView& v = it->second;
-    if (v.dtype != b.type.dtype() || v.shape != im.shapes[id])
+    // A bounded 1-d input (jagged ids, `?(3*B)`) may hold fewer elements than its bound: the
+    // kernels read only the ids the lengths cover.
+    const bool within_bound = b.type.rank() == 1 && b.type.dim(0).isBounded() && v.shape.size() == 1 &&
+                              v.shape[0] <= shape[0];
+    if (v.dtype != b.type.dtype() || (v.shape != shape && !within_bound))
       return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}", im.program.function, b.name,
-                            ir::dtypeName(v.dtype), shapeStr(v.shape), ir::dtypeName(b.type.dtype()),
-                            shapeStr(im.shapes[id]));
-    if (b.bytes) KILN_CU(drv, cuMemcpyHtoDAsync(im.address[id], v.data, static_cast<size_t>(b.bytes), st), "input " + b.name);
+                            ir::dtypeName(v.dtype), shapeStr(v.shape), ir::dtypeName(b.type.dtype()), shapeStr(shape));
+    const size_t bytes = static_cast<size_t>(product(v.shape) * ir::dtypeBytes(v.dtype));
+    if (!bytes) continue;
+    uint8_t* staged = im.staging.data() + im.staging_at[i];
+    std::memcpy(staged, v.data, bytes);
+    KILN_CU(drv, cuMemcpyHtoDAsync(im.address[id], staged, bytes, st), "input " + b.name);
   }
   if (im.options.poison_arena)
     KILN_CU(drv, cuMemsetD8Async(im.arena.ptr(), 0xFF, im.arena.bytes(), st), "poisoning the arena");
@@ -422,41 +625,46 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
   if (im.graph) {
     KILN_RETURN_IF_ERROR(im.graph->launch(st));
   } else if (im.options.use_graph && im.runs >= 1) {
-    // The first run went eagerly (cuBLASLt chose its algorithms); now capture and replay.
+    // The first run went eagerly (cuBLASLt chose its algorithms); now capture and replay. The
+    // capture starts on stream 0 and reaches the other streams through the Program's fork event.
     KILN_RETURN_IF_ERROR(CudaGraph::beginCapture(drv, st));
     Status s = im.enqueue();
     if (!s) {
       CUgraph g = nullptr;
       drv->cuStreamEndCapture(st, &g);
       if (g) drv->cuGraphDestroy(g);
-      return s;
+      return Status::errorf("capturing @{} as a CUDA graph: {}", im.program.function, s.message());
     }
     auto graph = CudaGraph::endCapture(drv, st);
-    if (!graph) return graph.status();
+    if (!graph) return Status::errorf("capturing @{} as a CUDA graph: {}", im.program.function, graph.status().message());
     im.graph = graph.take();
     KILN_RETURN_IF_ERROR(im.graph->launch(st));
   } else {
     KILN_RETURN_IF_ERROR(im.enqueue());
   }
-  Status done = si.stream->synchronize();
+  Status done = im.synchronize();
   if (!done) return Status::errorf("@{} on the GPU: {}", im.program.function, done.message());
   ++im.runs;
 
   for (const ErrorFlag& f : im.flags) {
     int32_t flag[2] = {0, 0};
-    KILN_CU(drv, cuMemcpyDtoH(flag, f.ptr, sizeof(flag)), "reading " + f.kernel + "'s error flag");
-    if (flag[0]) {
-      std::string table = flag[1] >= 0 && static_cast<size_t>(flag[1]) < f.tables.size() ? f.tables[flag[1]]
-                                                                                         : std::to_string(flag[1]);
-      return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", im.program.function,
-                            table, f.kernel);
-    }
+    KILN_CU(drv, cuMemcpyDtoH(flag, f.ptr, sizeof(flag)), "reading the embedding error flag of " + f.kernel);
+    if (!flag[0]) continue;
+    auto name = [&](const std::vector<std::string>& names) {
+      return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size() ? names[static_cast<size_t>(flag[1])]
+                                                                          : std::to_string(flag[1]);
+    };
+    if (flag[0] == 2)
+      return Status::errorf("@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
+                            im.program.function, name(f.lengths), f.scan_kernel);
+    return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", im.program.function,
+                          name(f.tables), f.kernel);
   }
 
   std::vector<ir::HostTensor> out;
   for (int id : im.program.results) {
     const codegen::Buffer& b = im.program.buffers[id];
-    ir::HostTensor t(b.type.dtype(), im.shapes[id]);
+    ir::HostTensor t(b.type.dtype(), im.built.shapes[id]);
     if (!t.storage.empty())
       KILN_CU(drv, cuMemcpyDtoH(t.storage.data(), im.address[id], t.storage.size()), "result " + b.name);
     out.push_back(std::move(t));
@@ -471,7 +679,7 @@ Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime:
   if (!first) return first.status();
   CudaSession::Impl& si = im.s();
   CudaDriver* drv = si.drv();
-  CUstream st = si.stream->get();
+  CUstream st = im.streams.at(0);
   std::vector<CUevent> events(im.steps.size() + 1, nullptr);
   auto destroy = [&] {
     for (CUevent e : events)
@@ -483,12 +691,7 @@ Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime:
     for (const ErrorFlag& f : im.flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st), "clearing an error flag");
     KILN_CU(drv, cuEventRecord(events[0], st), "profiling");
     for (size_t i = 0; i < im.steps.size(); ++i) {
-      const Step& step = im.steps[i];
-      if (step.gemm) {
-        KILN_RETURN_IF_ERROR(si.blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st));
-      } else {
-        KILN_RETURN_IF_ERROR(launchKernel(drv, step.fn, step.name, step.grid, step.block, step.args, st));
-      }
+      KILN_RETURN_IF_ERROR(im.runStep(im.steps[i], st));
       KILN_CU(drv, cuEventRecord(events[i + 1], st), "profiling");
     }
     KILN_RETURN_IF_ERROR(si.stream->synchronize());

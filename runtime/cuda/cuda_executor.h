@@ -1,12 +1,16 @@
 // The CUDA executor: runs one Function (the training step or the forward pass) on one GPU.
 //
-// create() lowers the function to kernel groups (codegen::lowerFunction), plans one device
-// arena for every value that crosses a group with the memory planner (a Program with one launch
-// per group, so lifetimes follow the group order), compiles all kernels as one NVRTC module
-// through the disk cache, and resolves every kernel argument to a device address. run() uploads
-// the inputs, launches the groups in order on one stream (kiln.matmul through cuBLASLt), checks
-// the embedding kernels' out-of-range flags and downloads the results. From the second run on,
-// the step is captured once as a CUDA graph and replayed (shapes are static per executor).
+// create() lowers the function to kernel groups (codegen::lowerFunction) and builds the Program
+// it runs with buildCudaProgram (below, a pure function): one launch per group on the group's
+// stream (the schedule pass's `kiln.stream`: embedding lookups and sparse updates on stream 1),
+// record/wait events where a group reads, or updates in place, what another stream touches, and
+// one device arena laid out by the stream-aware memory planner. It compiles all kernels as one
+// NVRTC module through the disk cache and resolves every kernel argument to a device address.
+// run() copies the inputs from pinned host staging on stream 0, runs each Program stream on its
+// own CUstream (kiln.matmul through cuBLASLt), checks the embedding kernels' error flags and
+// downloads the results. From the second run on, the step is captured once as a CUDA graph
+// (stream 0 forks the other streams through an event and joins them at the end, so the graph
+// keeps the cross-stream edges) and replayed (shapes are static per executor).
 //
 // Parameters and optimizer state live in a CudaSession shared by the executors of one model, so
 // @forward sees what @train_step wrote; they are copied from and back to a ParameterStore only
@@ -28,7 +32,35 @@
 #include "runtime/cpu/executor.h"
 #include "runtime/parameter_store.h"
 
+namespace kiln::codegen {
+struct LoweredGroup;
+}
+
 namespace kiln::cuda {
+
+// The Program of a CUDA executor and how its buffers map to the lowered groups.
+//
+// Streams: group g runs on groups[g].stream. Waits come from ir::StreamHazards over the groups
+// in order (a group reads the values it does not define; it writes in place the values it
+// writes without defining them, i.e. an optimizer's parameters and state), one wait per producer
+// stream (its latest launch). When there is more than one stream, stream 0 records a fork event
+// first, which every other stream waits for before its first launch (the inputs are copied on
+// stream 0, and a CUDA graph captured on stream 0 reaches the other streams this way), and waits
+// at the end for an event each other stream records after its last launch (the join).
+// Launch instructions carry attribute "group" (the group's index).
+struct CudaProgram {
+  codegen::Program program;                     // memory-planned
+  std::vector<std::vector<int>> group_buffers;  // [group][group buffer] -> program buffer
+  std::vector<std::vector<int64_t>> shapes;     // per program buffer, at the bound symbols
+  std::vector<int> inputs;                      // buffers of kiln.input values
+  std::vector<int> error_flags;                 // embedding error flags (outside the arena)
+  std::vector<std::pair<int, const ir::Op*>> constants;  // buffer, its kiln.constant
+};
+
+// Builds and memory-plans the Program of `groups` (codegen::lowerFunction(f, symbols)). Needs no
+// GPU. Buffers outside the arena: inputs, parameters, constants (kind Parameter) and error flags.
+Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups,
+                                       const ir::SymbolBindings& symbols, int64_t alignment = 256);
 
 struct CudaSessionOptions {
   int device = 0;
@@ -36,7 +68,8 @@ struct CudaSessionOptions {
   std::string arch;       // empty: the device's own (sm_90 on the H200)
 };
 
-// One GPU's context, stream, NVRTC, cuBLASLt and the device copies of a model's parameters.
+// One GPU's context, stream (stream 0 of every executor), NVRTC, cuBLASLt and the device
+// copies of a model's parameters.
 class CudaSession {
  public:
   static Expected<std::shared_ptr<CudaSession>> create(const CudaSessionOptions& options = {});
@@ -77,8 +110,9 @@ class CudaExecutor {
   // exactly their bound shapes.
   Expected<std::vector<ir::HostTensor>> run(const runtime::cpu::Batch& batch);
 
-  // Runs the function once more, eagerly, with an event around every kernel and GEMM: the
-  // device time of each, in order (for the benchmark's bandwidth and TFLOP/s figures).
+  // Runs the function once more, eagerly and serialized on stream 0 (groups in order), with an
+  // event around every kernel and GEMM: the device time of each, in order (for the benchmark's
+  // bandwidth and TFLOP/s figures).
   struct Timing {
     std::string name;   // kernel symbol, or the GEMM's description
     bool gemm = false;
@@ -87,7 +121,7 @@ class CudaExecutor {
   };
   Expected<std::vector<Timing>> profile(const runtime::cpu::Batch& batch);
 
-  // The buffers and arena plan (one launch per group).
+  // The buffers, streams and arena plan (one launch per group).
   const codegen::Program& plan() const;
   int numKernels() const;
   int numGemms() const;

@@ -24,27 +24,9 @@ namespace {
     if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why; \
   } while (0)
 
-double readAsDouble(const ir::TensorView& v, int64_t i) {
-  switch (v.dtype) {
-    case DType::f32:
-      return v.as<float>()[i];
-    case DType::bf16:
-      return ir::bf16ToFloat(v.as<uint16_t>()[i]);
-    default:
-      return std::numeric_limits<double>::quiet_NaN();
-  }
-}
-
+// GPU results against the reference (tests/nvrtc/op_cases.h).
 void expectClose(const ir::TensorView& got, const ir::TensorView& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.numel(), want.numel()) << what;
-  int bad = 0;
-  for (int64_t i = 0; i < got.numel() && bad < 5; ++i) {
-    double g = readAsDouble(got, i), w = readAsDouble(want, i);
-    if (!(std::fabs(g - w) <= tol * (1 + std::fabs(w)))) {
-      ADD_FAILURE() << what << "[" << i << "]: GPU " << g << ", reference " << w;
-      ++bad;
-    }
-  }
+  testing::expectClose(got, want, tol, what, "GPU");
 }
 
 #ifdef KILN_HAVE_CUDA_HEADERS
@@ -271,6 +253,78 @@ TEST(GpuFused, EmbeddingUpdateGroupMatchesCpuReference) {
     const std::string name = p->definingOp()->strAttr("name");
     expectClose(c.store.find(name)->view, c.values.at(p).view, 1e-5, name);
   }
+}
+
+// Two streams through the executor: the jagged lookup and the sparse update on stream 1 (as the
+// schedule pass places them), the dense part on stream 0, which reads the lookup, feeds the
+// update, and reads the table the update then overwrites (the update must wait for it). Eager,
+// captured and replayed runs, each from the same starting parameters, equal the CPU reference.
+TEST(GpuStreams, TwoStreamStepMatchesCpuReferenceEagerCapturedAndReplayed) {
+  SKIP_WITHOUT_GPU();
+  GpuFusedCase c;
+  const int64_t batch = 40, ids = 97;
+  Value* dense = c.input("dense", DType::f32, S({batch, 16}));
+  Value* table = c.param("tables.0", DType::f32, S({30, 16}));
+  Value* w = c.param("w", DType::f32, S({16, 16}));
+  Value* cats = c.input("cats.0", DType::i64, S({ids}), Fill::Ids, 30);
+  Value* lengths = c.input("cats.0.lengths", DType::i32, S({batch}), Fill::Lengths, ids);
+  Value* lr = c.input("lr", DType::f32, {}, Fill::Positive);
+  Value* step = c.input("step", DType::f32, {}, Fill::Ids, 3);
+  c.bindInputs();
+  ir::Op* bag = c.op("kiln.embedding_bag", {table, cats, lengths}, {{"mode", Attribute("mean")}});
+  bag->setAttr("kiln.stream", Attribute(int64_t{1}));
+  Value* h = c.op("kiln.matmul", {dense, w})->result();
+  Value* sum = c.op("kiln.add", {h, bag->result()})->result();
+  Value* norm =
+      c.op("kiln.reduce", {table}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0, 1})}})->result();
+  ir::Op* update = c.op("kiln.embedding_bag_update", {table, cats, lengths, sum, lr, step},
+                        {{"optimizer", Attribute("sgd")}, {"lr", Attribute(0.1)}, {"mode", Attribute("mean")}});
+  update->setAttr("kiln.stream", Attribute(int64_t{1}));
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {sum, norm}, {}));
+  c.f->setResultTypes({sum->type(), norm->type()});
+  ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());  // c.store keeps the starting table
+
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  ASSERT_EQ((*ex)->plan().streams.size(), 2u);
+  for (int run = 0; run < 3; ++run) {  // eager, captured, replayed
+    runtime::ParameterStore start = c.store;
+    ASSERT_TRUE((*session)->uploadParameters(start).isOk());  // same sizes: same device buffers
+    auto got = (*ex)->run(c.batch);
+    ASSERT_TRUE(got) << "run " << run << ": " << got.status().message();
+    expectClose((*got)[0].view, c.values.at(sum).view, 1e-4, "sum run " + std::to_string(run));
+    expectClose((*got)[1].view, c.values.at(norm).view, 1e-4, "norm run " + std::to_string(run));
+    ASSERT_TRUE((*session)->downloadParameters(start).isOk());
+    expectClose(start.find("tables.0")->view, c.values.at(table).view, 1e-5, "table run " + std::to_string(run));
+  }
+  EXPECT_TRUE((*ex)->graphCaptured());
+}
+
+// Jagged lengths that claim more ids than the batch holds: a clear error naming the lengths.
+TEST(GpuStreams, BadJaggedLengthsAreAClearError) {
+  SKIP_WITHOUT_GPU();
+  GpuFusedCase c;
+  Value* table = c.param("tables.0", DType::f32, S({10, 8}));
+  Value* cats = c.input("cats.0", DType::i64, S({12}), Fill::Ids, 10);
+  Value* lengths = c.input("cats.0.lengths", DType::i32, S({4}), Fill::Lengths, 12);
+  c.bindInputs();
+  Value* e = c.op("kiln.embedding_bag", {table, cats, lengths})->result();
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {e}, {}));
+  c.f->setResultTypes({e->type()});
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
+  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session);
+  ASSERT_TRUE(ex) << ex.status().message();
+  c.values.at(lengths).as<int32_t>()[0] += 5;
+  auto got = (*ex)->run(c.batch);
+  ASSERT_FALSE(got);
+  EXPECT_NE(got.status().message().find("cats.0.lengths"), std::string::npos) << got.status().message();
 }
 
 #endif  // KILN_HAVE_CUDA_HEADERS

@@ -5,8 +5,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
-#include <limits>
 
 #include "codegen/kernel_interpreter.h"
 #include "codegen/kernel_lowering.h"
@@ -17,39 +15,6 @@ namespace {
 
 using codegen::LoweredGroup;
 
-double readAsDouble(const ir::TensorView& v, int64_t i) {
-  switch (v.dtype) {
-    case DType::f32: return v.as<float>()[i];
-    case DType::f64: return v.as<double>()[i];
-    case DType::bf16: return ir::bf16ToFloat(v.as<uint16_t>()[i]);
-    case DType::i32: return v.as<int32_t>()[i];
-    case DType::i64: return static_cast<double>(v.as<int64_t>()[i]);
-    case DType::i1: return v.as<uint8_t>()[i];
-    default: return 0;
-  }
-}
-
-void poison(ir::HostTensor& t) {
-  if (t.view.dtype == DType::f32)
-    for (int64_t i = 0; i < t.numel(); ++i) t.as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
-  else if (t.view.dtype == DType::bf16)
-    for (int64_t i = 0; i < t.numel(); ++i) t.as<uint16_t>()[i] = 0x7fc0;
-  else
-    std::memset(t.view.data, 0xA5, t.storage.size());
-}
-
-void expectClose(const ir::TensorView& got, const ir::TensorView& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.numel(), want.numel()) << what;
-  int bad = 0;
-  for (int64_t i = 0; i < got.numel() && bad < 5; ++i) {
-    double g = readAsDouble(got, i), w = readAsDouble(want, i);
-    if (!(std::fabs(g - w) <= tol * (1 + std::fabs(w)))) {
-      ADD_FAILURE() << what << "[" << i << "]: kernel " << g << ", reference " << w;
-      ++bad;
-    }
-  }
-}
-
 class KernelSemantics : public ::testing::TestWithParam<int> {};
 
 TEST_P(KernelSemantics, InterpretedKernelsMatchCpuReference) {
@@ -57,33 +22,8 @@ TEST_P(KernelSemantics, InterpretedKernelsMatchCpuReference) {
   OpCase& c = cases[static_cast<size_t>(GetParam())];
   SCOPED_TRACE(c.name);
   std::mt19937 rng(1234 + static_cast<unsigned>(GetParam()));
-
-  // Inputs, and the reference's own copies of everything it may write.
-  std::map<const Value*, ir::HostTensor> ref, dev;
-  for (auto& [v, fill] : c.fills) {
-    auto shape = codegen::concreteShape(v->type(), c.symbols);
-    ASSERT_TRUE(shape) << shape.status().message();
-    ir::HostTensor t(v->type().dtype(), *shape);
-    fillTensor(t, fill.first, fill.second, rng);
-    ref[v] = t;
-    dev[v] = t;
-  }
-  ir::CpuContext ctx;
-  ctx.symbols = &c.symbols;
-  for (const ir::Op* op : c.group) {
-    ASSERT_NE(op->def()->cpu, nullptr) << op->name() << " has no CPU reference";
-    std::vector<const ir::TensorView*> in;
-    for (Value* v : op->operands()) in.push_back(&ref.at(v).view);
-    std::vector<ir::TensorView*> out;
-    for (Value* r : op->results()) {
-      auto shape = codegen::concreteShape(r->type(), c.symbols);
-      ASSERT_TRUE(shape);
-      ref[r] = ir::HostTensor(r->type().dtype(), *shape);
-      out.push_back(&ref[r].view);
-    }
-    Status s = op->def()->cpu(*op, in, out, ctx);
-    ASSERT_TRUE(s.isOk()) << s.message();
-  }
+  auto run = runReference(c, rng);
+  ASSERT_TRUE(run) << run.status().message();
 
   auto lowered = codegen::lowerGroup(c.group, c.symbols);
   ASSERT_TRUE(lowered) << lowered.status().message();
@@ -91,32 +31,12 @@ TEST_P(KernelSemantics, InterpretedKernelsMatchCpuReference) {
   if (c.expected_kernels) {
     EXPECT_EQ(g.kernels.size(), c.expected_kernels);
   }
-  std::vector<ir::HostTensor> storage(g.buffers.size());
+  std::vector<ir::HostTensor> storage = groupStorage(g, *run);
   std::vector<void*> ptrs;
-  for (size_t i = 0; i < g.buffers.size(); ++i) {
-    const codegen::GroupBuffer& b = g.buffers[i];
-    if (b.value && dev.count(b.value)) {
-      storage[i] = dev.at(b.value);
-    } else {
-      storage[i] = ir::HostTensor(b.dtype, {b.elements});
-      poison(storage[i]);
-    }
-    ptrs.push_back(storage[i].view.data);
-  }
+  for (ir::HostTensor& t : storage) ptrs.push_back(t.view.data);
   Status s = codegen::interpretGroup(g, ptrs);
   ASSERT_TRUE(s.isOk()) << s.message();
-
-  // Every value the group wrote: results and updated parameters/state.
-  int checked = 0;
-  for (size_t i = 0; i < g.buffers.size(); ++i) {
-    const codegen::GroupBuffer& b = g.buffers[i];
-    if (!b.value || !b.written) continue;
-    ir::TensorView got = storage[i].view;
-    got.shape = ref.at(b.value).view.shape;
-    expectClose(got, ref.at(b.value).view, c.tol, g.buffers[i].name);
-    ++checked;
-  }
-  EXPECT_GT(checked, 0);
+  EXPECT_GT(expectGroupMatchesReference(g, storage, *run, c.tol, "kernel"), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(AllOps, KernelSemantics, ::testing::Range(0, static_cast<int>(allOpCases().size())),
@@ -161,6 +81,76 @@ TEST(KernelSemanticsByHand, EmbeddingIdOutOfRangeIsAnError) {
   EXPECT_FLOAT_EQ(out[0], 1 + 7);  // sample 0 pools rows 0 and 3
   EXPECT_FLOAT_EQ(out[1], 2 + 8);
   EXPECT_FLOAT_EQ(out[2], 3);  // sample 1: row 1, the bad id contributes nothing
+}
+
+// Jagged bags by hand: lengths {2, 0, 3} over 5 ids, mean pooling; the empty bag gives zeros.
+TEST(KernelSemanticsByHand, JaggedBagsPoolTheirOffsets) {
+  CaseBuilder b("jagged");
+  Value* t = b.param("tables.0", DType::f32, S({4, 2}));
+  b.op("kiln.embedding_bag", {t, b.input("ids", DType::i64, S({5})), b.input("lengths", DType::i32, S({3}))},
+       {{"mode", Attribute("mean")}});
+  OpCase c = b.take();
+  auto g = codegen::lowerGroup(c.group, {});
+  ASSERT_TRUE(g) << g.status().message();
+  ASSERT_EQ(g->kernels.size(), 2u);
+  EXPECT_EQ(g->kernels[0].kind, codegen::KernelKind::BagOffsets);
+  float table[8] = {1, 2, 3, 4, 5, 6, 7, 8}, out[6] = {-1, -1, -1, -1, -1, -1};
+  int64_t ids[5] = {0, 3, 1, 1, 2}, offsets[4] = {-1, -1, -1, -1};
+  int32_t lengths[3] = {2, 0, 3}, err[2] = {0, 0};
+  std::vector<void*> bufs;
+  for (const auto& buf : g->buffers)
+    bufs.push_back(buf.name == "tables.0"  ? static_cast<void*>(table)
+                   : buf.name == "ids"     ? static_cast<void*>(ids)
+                   : buf.name == "lengths" ? static_cast<void*>(lengths)
+                   : buf.dtype == DType::i64 ? static_cast<void*>(offsets)
+                   : buf.dtype == DType::i32 ? static_cast<void*>(err)
+                                             : static_cast<void*>(out));
+  Status s = codegen::interpretGroup(*g, bufs);
+  ASSERT_TRUE(s.isOk()) << s.message();
+  EXPECT_EQ(offsets[0], 0);
+  EXPECT_EQ(offsets[1], 2);
+  EXPECT_EQ(offsets[2], 2);
+  EXPECT_EQ(offsets[3], 5);
+  EXPECT_FLOAT_EQ(out[0], (1 + 7) / 2.0f);  // rows 0 and 3
+  EXPECT_FLOAT_EQ(out[1], (2 + 8) / 2.0f);
+  EXPECT_FLOAT_EQ(out[2], 0);  // empty
+  EXPECT_FLOAT_EQ(out[3], 0);
+  EXPECT_FLOAT_EQ(out[4], (3 + 3 + 5) / 3.0f);  // rows 1, 1, 2
+  EXPECT_FLOAT_EQ(out[5], (4 + 4 + 6) / 3.0f);
+
+  // Lengths claiming more ids than there are: an error naming the lengths, reads stay in bounds.
+  lengths[2] = 4;
+  s = codegen::interpretGroup(*g, bufs);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("lengths"), std::string::npos) << s.message();
+  EXPECT_EQ(offsets[3], 5);
+  // Fewer (a bounded ids buffer with padding) is fine: the padding is never read.
+  lengths[2] = 1;
+  ids[3] = ids[4] = 99;
+  s = codegen::interpretGroup(*g, bufs);
+  ASSERT_TRUE(s.isOk()) << s.message();
+  EXPECT_FLOAT_EQ(out[4], 3);
+}
+
+TEST(KernelLowering, GroupsNeverMixStreams) {
+  CaseBuilder b("streams");
+  Value* x = b.input("x", DType::f32, S({4, 8}));
+  Value* t0 = b.param("tables.0", DType::f32, S({10, 8}));
+  Value* t1 = b.param("tables.1", DType::f32, S({10, 8}));
+  ir::Op* e0 = b.op("kiln.embedding_bag", {t0, b.input("c0", DType::i64, S({4, 1}), Fill::Ids, 10)});
+  ir::Op* e1 = b.op("kiln.embedding_bag", {t1, b.input("c1", DType::i64, S({4, 1}), Fill::Ids, 10)});
+  e1->setAttr("kiln.stream", Attribute(int64_t{1}));
+  ir::Op* a = b.op("kiln.add", {x, e0->result()});
+  ir::Op* r = b.op("kiln.relu", {a->result()});
+  r->setAttr("kiln.stream", Attribute(int64_t{1}));
+  OpCase c = b.take();
+  auto groups = codegen::groupOps(c.group);
+  // [bag0] [bag1 on stream 1] [add] [relu on stream 1].
+  ASSERT_EQ(groups.size(), 4u);
+  for (const auto& g : groups) {
+    ASSERT_EQ(g.size(), 1u);
+    EXPECT_EQ(codegen::streamOf(*g.front()), g.front() == e1 || g.front() == r ? 1 : 0);
+  }
 }
 
 TEST(KernelLowering, GroupsElementwiseChainsAndEmbeddingCollections) {

@@ -1,14 +1,22 @@
 // Small IR programs, one per op kind the CUDA backend lowers, shared by the kernel-semantics
-// test (interpreted kernel IR vs the op's CPU reference) and the NVRTC compile test.
+// test (interpreted kernel IR vs the op's CPU reference), the NVRTC compile test and the GPU op
+// test (CUDA vs the CPU reference), with the helpers that run and compare them.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "codegen/kernel_lowering.h"
 #include "ir/builder.h"
 #include "ir/ir.h"
 #include "ir/op_def.h"
@@ -23,8 +31,9 @@ using ir::DType;
 using ir::TensorType;
 using ir::Value;
 
-// How an input is filled.
-enum class Fill { Normal, Positive, Ids, Probabilities, Labels01 };
+// How an input is filled. Lengths: non-negative bag sizes (some empty) adding up to `range`,
+// the number of ids of a jagged bag.
+enum class Fill { Normal, Positive, Ids, Probabilities, Labels01, Lengths };
 
 struct OpCase {
   std::string name;
@@ -350,6 +359,40 @@ inline std::vector<OpCase> allOpCases() {
       add(b);
     }
   }
+  {  // Jagged ids (ids[N] + lengths[B], empty bags included) next to a fixed-hotness bag: one
+     // scan of both lengths, then one lookup launch.
+    CaseBuilder b("embedding_bags_jagged");
+    Value* t0 = b.param("tables.0", f32, S({10, 8}));
+    Value* t1 = b.param("tables.1", f32, S({7, 40}));
+    Value* t2 = b.param("tables.2", f32, S({5, 16}));
+    b.op("kiln.embedding_bag", {t0, b.input("cats.0", DType::i64, S({13}), Fill::Ids, 10),
+                                b.input("cats.0.lengths", DType::i32, S({6}), Fill::Lengths, 13)});
+    b.op("kiln.embedding_bag", {t1, b.input("cats.1", DType::i32, S({9}), Fill::Ids, 7),
+                                b.input("cats.1.lengths", DType::i64, S({6}), Fill::Lengths, 9), b.input("w", f32, S({9}))},
+         {{"mode", Attribute("mean")}});
+    b.op("kiln.embedding_bag", {t2, b.input("cats.2", DType::i64, S({6, 2}), Fill::Ids, 5)});
+    b.kernels(2);
+    add(b);
+  }
+  for (const char* opt : {"sgd", "rowwise_adagrad", "adam"}) {
+    CaseBuilder b(std::string("embedding_update_jagged_") + opt);
+    Value* table = b.param("tables.0", f32, S({6, 12}));
+    // 8 samples holding 20 ids over 6 rows, weighted mean: duplicates, empty bags.
+    std::vector<Value*> operands = {table, b.input("ids", DType::i64, S({20}), Fill::Ids, 6),
+                                    b.input("lengths", DType::i32, S({8}), Fill::Lengths, 20), b.input("w", f32, S({20})),
+                                    b.input("grad", f32, S({8, 12}))};
+    std::string o = opt;
+    int nstate = o == "sgd" ? 0 : o == "adam" ? 2 : 1;
+    for (int i = 0; i < nstate; ++i)
+      operands.push_back(b.param("s" + std::to_string(i), f32, o == "rowwise_adagrad" ? S({6}) : S({6, 12}), Fill::Positive));
+    operands.push_back(b.input("lr", f32, {}, Fill::Positive));
+    operands.push_back(b.input("step", f32, {}, Fill::Ids, 4));
+    b.op("kiln.embedding_bag_update", operands,
+         {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weighted", Attribute(true)}, {"mode", Attribute("mean")}});
+    b.kernels(4);  // scan, clear, accumulate, row update
+    b.tol(1e-4);
+    add(b);
+  }
   {
     CaseBuilder b("embedding_grad_sqnorm");
     b.op("kiln.embedding_bag_grad_sqnorm", {b.input("ids", DType::i64, S({8, 2}), Fill::Ids, 5), b.input("grad", f32, S({8, 6}))});
@@ -361,6 +404,19 @@ inline std::vector<OpCase> allOpCases() {
 
 // Fills a host tensor as `fill` says, deterministically from `rng`.
 inline void fillTensor(ir::HostTensor& t, Fill fill, int64_t range, std::mt19937& rng) {
+  if (fill == Fill::Lengths) {
+    // Sorted cut points in [0, range]: the gaps between them are the lengths.
+    const int64_t n = t.numel();
+    std::vector<int64_t> cuts = {0, range};
+    for (int64_t i = 1; i < n; ++i) cuts.push_back(static_cast<int64_t>(rng() % static_cast<uint32_t>(range + 1)));
+    std::sort(cuts.begin(), cuts.end());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t len = cuts[static_cast<size_t>(i) + 1] - cuts[static_cast<size_t>(i)];
+      if (t.view.dtype == DType::i32) t.as<int32_t>()[i] = static_cast<int32_t>(len);
+      else t.as<int64_t>()[i] = len;
+    }
+    return;
+  }
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> uni(0.1f, 2.0f);
   int64_t n = t.numel();
@@ -371,6 +427,7 @@ inline void fillTensor(ir::HostTensor& t, Fill fill, int64_t range, std::mt19937
       case Fill::Normal: v = normal(rng); break;
       case Fill::Positive: v = uni(rng); break;
       case Fill::Labels01: v = static_cast<float>(rng() % 2); break;
+      case Fill::Lengths: break;  // handled above
       case Fill::Probabilities: v = uni(rng); break;
       case Fill::Ids:
         id = static_cast<int64_t>(rng() % static_cast<uint32_t>(range));
@@ -394,6 +451,114 @@ inline void fillTensor(ir::HostTensor& t, Fill fill, int64_t range, std::mt19937
       for (int64_t c = 0; c < cols; ++c) t.as<float>()[r * cols + c] /= s;
     }
   }
+}
+
+// ---- Running a case: inputs, the CPU reference, poisoning and comparison ---------------------
+// Shared by the interpreter test (tests/nvrtc/kernel_semantics_test.cc) and the GPU test
+// (tests/gpu/gpu_ops_test.cc), which run the same cases against the same oracle.
+
+inline double readAsDouble(const ir::TensorView& v, int64_t i) {
+  switch (v.dtype) {
+    case DType::f32: return v.as<float>()[i];
+    case DType::f64: return v.as<double>()[i];
+    case DType::bf16: return ir::bf16ToFloat(v.as<uint16_t>()[i]);
+    case DType::i32: return v.as<int32_t>()[i];
+    case DType::i64: return static_cast<double>(v.as<int64_t>()[i]);
+    case DType::i1: return v.as<uint8_t>()[i];
+    default: return 0;
+  }
+}
+
+// NaN for floats, 0xA5 bytes otherwise: an element a kernel forgets to write fails the comparison.
+inline void poison(ir::HostTensor& t) {
+  if (t.view.dtype == DType::f32)
+    for (int64_t i = 0; i < t.numel(); ++i) t.as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+  else if (t.view.dtype == DType::bf16)
+    for (int64_t i = 0; i < t.numel(); ++i) t.as<uint16_t>()[i] = 0x7fc0;
+  else
+    std::memset(t.view.data, 0xA5, t.storage.size());
+}
+
+// |got - want| <= tol * (1 + |want|) elementwise; the first few misses are reported, each
+// naming `what` and the side that computed `got` ("kernel", "GPU").
+inline void expectClose(const ir::TensorView& got, const ir::TensorView& want, double tol, const std::string& what,
+                        const char* computed_by) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  int bad = 0;
+  for (int64_t i = 0; i < got.numel() && bad < 5; ++i) {
+    double g = readAsDouble(got, i), w = readAsDouble(want, i);
+    if (!(std::fabs(g - w) <= tol * (1 + std::fabs(w)))) {
+      ADD_FAILURE() << what << "[" << i << "]: " << computed_by << " " << g << ", reference " << w;
+      ++bad;
+    }
+  }
+}
+
+// A case's random inputs and the reference's results. `inputs` holds pristine copies for the
+// side under test; `ref` the inputs as the CPU reference left them (updated state) and every
+// result of the group.
+struct CaseRun {
+  std::map<const Value*, ir::HostTensor> inputs, ref;
+};
+
+inline Expected<CaseRun> runReference(const OpCase& c, std::mt19937& rng) {
+  CaseRun r;
+  for (const auto& [v, fill] : c.fills) {
+    auto shape = codegen::concreteShape(v->type(), c.symbols);
+    if (!shape) return shape.status();
+    ir::HostTensor t(v->type().dtype(), *shape);
+    fillTensor(t, fill.first, fill.second, rng);
+    r.ref[v] = t;
+    r.inputs[v] = t;
+  }
+  ir::CpuContext ctx;
+  ctx.symbols = &c.symbols;
+  for (const ir::Op* op : c.group) {
+    if (!op->def()->cpu) return Status::errorf("{} has no CPU reference", op->name());
+    std::vector<const ir::TensorView*> in;
+    for (Value* v : op->operands()) in.push_back(&r.ref.at(v).view);
+    std::vector<ir::TensorView*> out;
+    for (Value* res : op->results()) {
+      auto shape = codegen::concreteShape(res->type(), c.symbols);
+      if (!shape) return shape.status();
+      r.ref[res] = ir::HostTensor(res->type().dtype(), *shape);
+      out.push_back(&r.ref[res].view);
+    }
+    KILN_RETURN_IF_ERROR(op->def()->cpu(*op, in, out, ctx));
+  }
+  return r;
+}
+
+// Host storage for each buffer of a lowered group: a case input's pristine copy, or a poisoned
+// tensor (results, temporaries).
+inline std::vector<ir::HostTensor> groupStorage(const codegen::LoweredGroup& g, const CaseRun& run) {
+  std::vector<ir::HostTensor> storage(g.buffers.size());
+  for (size_t i = 0; i < g.buffers.size(); ++i) {
+    const codegen::GroupBuffer& b = g.buffers[i];
+    if (b.value && run.inputs.count(b.value)) {
+      storage[i] = run.inputs.at(b.value);
+    } else {
+      storage[i] = ir::HostTensor(b.dtype, {b.elements});
+      poison(storage[i]);
+    }
+  }
+  return storage;
+}
+
+// Compares every value the group wrote (results, updated parameters and state) with the
+// reference; returns how many were compared.
+inline int expectGroupMatchesReference(const codegen::LoweredGroup& g, const std::vector<ir::HostTensor>& storage,
+                                       const CaseRun& run, double tol, const char* computed_by) {
+  int checked = 0;
+  for (size_t i = 0; i < g.buffers.size(); ++i) {
+    const codegen::GroupBuffer& b = g.buffers[i];
+    if (!b.value || !b.written) continue;
+    ir::TensorView got = storage[i].view;
+    got.shape = run.ref.at(b.value).view.shape;
+    expectClose(got, run.ref.at(b.value).view, tol, b.name, computed_by);
+    ++checked;
+  }
+  return checked;
 }
 
 }  // namespace kiln::testing

@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "ir/parser.h"
 #include "ir/printer.h"
 #include "ir/verifier.h"
+#include "passes/peak_memory.h"
+#include "passes/remat.h"
 #include "tests/passes/model_fixture.h"
 
 namespace kiln::passes {
@@ -89,7 +93,8 @@ func.func @f(%x: !kiln.tensor<Bx8xf32>, %y: !kiln.tensor<Bx8xf32>) -> (!kiln.ten
   EXPECT_EQ(groupKinds(*m->lookup("f")), (std::vector<std::string>{"pointwise", "reduction"}));
   bool shape_refusal = false;
   for (const RefusedFusion& x : (*r)[0].refused)
-    shape_refusal |= x.consumer == "%c = kiln.slice" && x.reason.find("but the group iterates over") != std::string::npos;
+    shape_refusal |=
+        x.consumer == "%c = kiln.slice" && x.reason.find("but the group iterates over") != std::string::npos;
   EXPECT_TRUE(shape_refusal) << explainFusion(*r);
 }
 
@@ -122,11 +127,40 @@ func.func @f(%x: !kiln.tensor<4x4xf32>) -> (!kiln.tensor<4x4xf32>) {
   ASSERT_TRUE(r);
   ASSERT_TRUE(ir::verify(*m).isOk());
   bool cycle = false;
-  for (const RefusedFusion& x : (*r)[0].refused) cycle |= x.reason.find("would make a cycle") != std::string::npos;
+  for (const RefusedFusion& x : (*r)[0].refused)
+    cycle |= x.reason.find("would make a cycle") != std::string::npos;
   EXPECT_TRUE(cycle) << explainFusion(*r);
 }
 
 class FusionOnModels : public ::testing::TestWithParam<const char*> {};
+
+TEST(Fusion, RefusesToKeepATermLiveAcrossTheOpsInBetween) {
+  // Adding %s to the group of %p would run %p where %s is: %t1 and %t2, which die at %p, would
+  // stay live while %big is made, and the live bytes there would grow by one [B, 64] tensor.
+  auto m = parse(R"(
+func.func @f(%x: !kiln.tensor<Bx64xf32>, %y: !kiln.tensor<Bx64xf32>, %w: !kiln.tensor<64x64xf32>) -> (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx256xf32>) {
+  %t1 = "kiln.matmul"(%x, %w) {transpose_a = false, transpose_b = true} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<64x64xf32>) -> !kiln.tensor<Bx64xf32>
+  %t2 = "kiln.matmul"(%y, %w) {transpose_a = false, transpose_b = true} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<64x64xf32>) -> !kiln.tensor<Bx64xf32>
+  %p = "kiln.mul"(%t1, %t2) : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  %big = "kiln.concat"(%x, %y, %x, %y) {axis = 1} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx256xf32>
+  %u = "kiln.exp"(%y) : (!kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  %s = "kiln.add"(%p, %u) : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  return %s, %big : !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx256xf32>
+}
+)");
+  ASSERT_TRUE(m);
+  FusionOptions options;
+  options.symbols = {{"B", 4096}};
+  const int64_t before = *estimatePeakBytes(*m->lookup("f"), options.symbols);
+  auto r = fuseModule(*m, options);
+  ASSERT_TRUE(r) << r.status().str();
+  ASSERT_TRUE(ir::verify(*m).isOk()) << ir::verify(*m).str();
+  bool lifetime_refusal = false;
+  for (const RefusedFusion& x : (*r)[0].refused)
+    lifetime_refusal |= x.consumer == "%s = kiln.add" && x.reason.find("live until") != std::string::npos;
+  EXPECT_TRUE(lifetime_refusal) << explainFusion(*r);
+  EXPECT_LE(*estimatePeakBytes(*m->lookup("f"), options.symbols), before);
+}
 
 TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
   auto m = trainingModule(GetParam());
@@ -153,6 +187,28 @@ TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
   auto again = ir::parseModule(ir::printModule(**m));
   ASSERT_TRUE(again) << again.status().str();
   testing::expectSameTrainStep(**reference, **m, 4);
+}
+
+// Fusion must not raise the planned peak (issue 6): at batch 16384, unbudgeted and after remat
+// under a 60% budget, no function's estimated peak grows when its ops are grouped.
+TEST_P(FusionOnModels, NeverRaisesThePlannedPeak) {
+  const ir::SymbolBindings symbols = {{"B", 16384}};
+  for (const char* budget : {"", "60%"}) {
+    auto m = trainingModule(GetParam());
+    ASSERT_TRUE(m) << m.status().str();
+    if (*budget) {
+      ASSERT_TRUE(rematerialize(**m, budget, symbols));
+    }
+    std::map<std::string, int64_t> before;
+    for (const auto& f : (*m)->functions()) before[f->name()] = *estimatePeakBytes(*f, symbols);
+    FusionOptions options;
+    options.symbols = symbols;
+    auto r = fuseModule(**m, options);
+    ASSERT_TRUE(r) << r.status().str();
+    for (const auto& f : (*m)->functions())
+      EXPECT_LE(*estimatePeakBytes(*f, symbols), before.at(f->name()))
+          << "@" << f->name() << " budget '" << budget << "'";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, FusionOnModels, ::testing::ValuesIn(kModels));

@@ -31,3 +31,24 @@ func.func @chain(%x: !kiln.tensor<Bx8xf32>, %y: !kiln.tensor<Bx8xf32>) -> (!kiln
   %s = "kiln.reduce"(%e) {axes = [1], kind = "sum"} : (!kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bxf32>
   return %e, %s : !kiln.tensor<Bx8xf32>, !kiln.tensor<Bxf32>
 }
+
+// -----
+
+// Fusion must not raise the planned peak: %s may not join %p's group, which would run %p where %s
+// is and keep %t1 and %t2 live while %big is made; it joins %u's instead.
+// CHECK-LABEL: func.func @lifetime
+// CHECK:         %p = "kiln.mul"(%t1, %t2)
+// CHECK-NEXT:    %big = "kiln.concat"
+// CHECK-NEXT:    %s = "kiln.fused"(%y, %p) ({
+// CHECK:           "kiln.exp"
+// CHECK-NEXT:      "kiln.add"
+// CHECK:         }) {kind = "pointwise"}
+func.func @lifetime(%x: !kiln.tensor<Bx64xf32>, %y: !kiln.tensor<Bx64xf32>, %w: !kiln.tensor<64x64xf32>) -> (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx256xf32>) {
+  %t1 = "kiln.matmul"(%x, %w) {transpose_a = false, transpose_b = true} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<64x64xf32>) -> !kiln.tensor<Bx64xf32>
+  %t2 = "kiln.matmul"(%y, %w) {transpose_a = false, transpose_b = true} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<64x64xf32>) -> !kiln.tensor<Bx64xf32>
+  %p = "kiln.mul"(%t1, %t2) : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  %big = "kiln.concat"(%x, %y, %x, %y) {axis = 1} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx256xf32>
+  %u = "kiln.exp"(%y) : (!kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  %s = "kiln.add"(%p, %u) : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
+  return %s, %big : !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx256xf32>
+}
