@@ -14,15 +14,10 @@
 #include "runtime/parameter_store.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kiln::testing {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                             \
-  do {                                                                 \
-    std::string why;                                                   \
-    if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why; \
-  } while (0)
 
 // GPU results against the reference (tests/nvrtc/op_cases.h).
 void expectClose(const ir::TensorView& got, const ir::TensorView& want, double tol, const std::string& what) {

@@ -15,15 +15,10 @@
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/cuda/nvrtc_compiler.h"
 #include "tests/nvrtc/op_cases.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kiln::testing {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                       \
-  do {                                                           \
-    std::string why;                                             \
-    if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why; \
-  } while (0)
 
 #ifdef KILN_HAVE_CUDA_HEADERS
 

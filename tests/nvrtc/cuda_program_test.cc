@@ -17,6 +17,7 @@
 #include "ir/parser.h"
 #include "passes/pass_manager.h"
 #include "runtime/cuda/cuda_executor.h"
+#include "tests/nvrtc/op_cases.h"
 
 namespace kiln::testing {
 namespace {
@@ -263,14 +264,6 @@ TEST(CudaProgram, OneStreamNeedsNoEvents) {
 
 // Every model's training step through the product's pipeline (fusion, then the schedule pass
 // that puts embedding work on stream 1).
-std::vector<std::string> modelFiles() {
-  std::vector<std::string> files;
-  for (const auto& e : fs::directory_iterator(fs::path(KILN_SOURCE_DIR) / "models"))
-    if (e.path().extension() == ".kiln") files.push_back(e.path().string());
-  std::sort(files.begin(), files.end());
-  return files;
-}
-
 class ModelCudaProgram : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ModelCudaProgram, StreamsEventsAndArenaAreSafe) {

@@ -12,19 +12,12 @@
 #include "frontend/frontend.h"
 #include "passes/pass_manager.h"
 #include "runtime/cuda/nvrtc_compiler.h"
+#include "tests/nvrtc/op_cases.h"
 
 namespace kiln::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::vector<std::string> modelFiles() {
-  std::vector<std::string> files;
-  for (const auto& e : fs::directory_iterator(fs::path(KILN_SOURCE_DIR) / "models"))
-    if (e.path().extension() == ".kiln") files.push_back(e.path().string());
-  std::sort(files.begin(), files.end());
-  return files;
-}
 
 // The training step's kernels at a small batch (the batch only changes constants), after the
 // passes of `pipeline` (autodiff first).

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <map>
@@ -99,6 +100,15 @@ class CaseBuilder {
   ir::Function* f_;
   ir::Builder b_;
 };
+
+// Every model file in models/, sorted (the models every codegen test runs over).
+inline std::vector<std::string> modelFiles() {
+  std::vector<std::string> files;
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(KILN_SOURCE_DIR) / "models"))
+    if (e.path().extension() == ".kiln") files.push_back(e.path().string());
+  std::sort(files.begin(), files.end());
+  return files;
+}
 
 inline ir::Shape S(std::initializer_list<int64_t> dims) {
   ir::Shape s;
