@@ -415,6 +415,12 @@ class RematPass : public RegisteredPass<RematPass> {
                                                : "";
     auto r = rematerialize(m, budget, planningSymbols(m));
     if (!r) return r.status();
+    // What was reached, for the tools to report (a budget below what recomputation can reach
+    // is not an error: the step still runs, with the lowest peak found).
+    m.mutableAttrs()["kiln.remat"] = ir::Attribute(ir::AttrDict{
+        {"budget_bytes", ir::Attribute(r->budget)},
+        {"peak_bytes", ir::Attribute(r->peak_after)},
+        {"recomputed_ops", ir::Attribute(static_cast<int64_t>(r->recomputed.size()))}});
     return !r->recomputed.empty();
   }
 };

@@ -130,6 +130,14 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   KILN_RETURN_IF_ERROR(pm.build());
   auto changed = pm.run(m);
   if (!changed) return changed.status();
+  if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
+    const ir::AttrDict& r = it->second.asDict();
+    const int64_t budget = r.at("budget_bytes").asInt(), peak = r.at("peak_bytes").asInt();
+    if (peak > budget)
+      diag << fmt::format("warning: --memory-budget {}: recomputation gets the training step's planned peak down to "
+                          "{} bytes, not to the budget of {} bytes\n",
+                          options.memory_budget, peak, budget);
+  }
 
   const ir::Function* fwd = m.lookup("forward");
   if (!fwd) return Status::error(fmt::format("{}: the model has no @forward", options.model_path));
