@@ -74,15 +74,16 @@ std::vector<int64_t> axesArg(ModelLowering& L, const Val* v, const Location& loc
 ir::Value* stackFeatures(ModelLowering& L, const std::vector<ir::Value*>& xs, const Location& loc, const char* what) {
   if (xs.empty()) L.fail(loc, fmt::format("{} needs at least one tensor", what));
   if (xs.size() > 4096) L.fail(loc, fmt::format("{} of {} tensors is too many", what, xs.size()));
-  std::vector<ir::Value*> parts;
   for (ir::Value* x : xs) {
     const auto& t = x->type();
     if (t.rank() != 2 || !(t.shape() == xs[0]->type().shape()) || t.dtype() != xs[0]->type().dtype())
       L.fail(loc, fmt::format("{} needs tensors of one [B, D] type, got {} and {}", what, typeStr(xs[0]->type()), typeStr(t)));
-    parts.push_back(L.reshape(x, {t.dim(0), ir::Dim::fixed(1), t.dim(1)}));
   }
-  if (parts.size() == 1) return parts[0];
-  return L.emit("kiln.concat", parts, {{"axis", int64_t{1}}});
+  // Side by side, then one reshape: [B, F*D] row-major is [B, F, D]. The lookups then feed the
+  // concat directly, which fusion turns into one kernel writing every pooled row in place.
+  const auto& t = xs[0]->type();
+  ir::Value* wide = xs.size() == 1 ? xs[0] : L.emit("kiln.concat", xs, {{"axis", int64_t{1}}});
+  return L.reshape(wide, {t.dim(0), ir::Dim::fixed(static_cast<int64_t>(xs.size())), t.dim(1)});
 }
 
 ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep) {
