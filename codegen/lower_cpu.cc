@@ -1,22 +1,15 @@
 #include "codegen/lower_cpu.h"
 
-#include <algorithm>
 #include <map>
 #include <unordered_map>
 
 #include <fmt/format.h>
 
-#include "ir/arena_plan.h"
+#include "codegen/stream_builder.h"
 #include "ir/op_def.h"
 
 namespace kiln::codegen {
 namespace {
-
-struct Pending {
-  int stream;
-  Instruction instr;
-  int record_event = -1;  // recorded on `stream` right after this instruction
-};
 
 class CpuLowering {
  public:
@@ -27,7 +20,7 @@ class CpuLowering {
     program_.symbols = symbols_;
     if (f.body().empty()) return Status::errorf("function @{} has no body", f.name());
     for (ir::Op* op : f.entry().opList()) KILN_RETURN_IF_ERROR(lowerOp(*op));
-    assemble();
+    streams_.assembleInto(program_);
     KILN_RETURN_IF_ERROR(validate(program_));
     return std::move(program_);
   }
@@ -119,17 +112,7 @@ class CpuLowering {
     // Optimizer updates write their parameter and state in place.
     std::vector<int> written;
     for (unsigned i : ir::writtenOperands(op)) written.push_back(in.operands[i]);
-    const int step = static_cast<int>(launch_at_.size());
-    // Waiting for the latest launch of a stream covers its earlier ones: one wait per stream.
-    std::map<int, int> latest;  // producer stream -> index in pending_
-    for (int earlier : hazards_.add(step, stream, in.operands, written, in.results)) {
-      const Pending& prod = pending_[static_cast<size_t>(launch_at_[static_cast<size_t>(earlier)])];
-      int& at = latest.try_emplace(prod.stream, -1).first->second;
-      at = std::max(at, launch_at_[static_cast<size_t>(earlier)]);
-    }
-    for (const auto& [_, launch] : latest) addWait(stream, launch);
-    launch_at_.push_back(static_cast<int>(pending_.size()));
-    pending_.push_back({stream, std::move(in)});
+    streams_.launch(stream, std::move(in), written);
     return Status::ok();
   }
 
@@ -155,53 +138,11 @@ class CpuLowering {
     return Status::ok();
   }
 
-  // `stream` waits for the launch at pending_[launch]: that launch records an event (one per
-  // launch), the stream waits on it, unless it already waited for that launch or a later one of
-  // the same stream.
-  void addWait(int stream, int launch) {
-    Pending& prod = pending_[static_cast<size_t>(launch)];
-    int& joined = joined_.try_emplace({stream, prod.stream}, -1).first->second;
-    if (launch <= joined) return;
-    joined = launch;
-    if (prod.record_event < 0) prod.record_event = program_.num_events++;
-    Instruction wait;
-    wait.kind = InstrKind::WaitEvent;
-    wait.event = prod.record_event;
-    pending_.push_back({stream, std::move(wait)});
-  }
-
-  void assemble() {
-    std::map<int, Stream> streams;
-    streams[0].id = 0;
-    int seq = 0;
-    auto emit = [&](int s, Instruction in) {
-      in.seq = seq++;
-      streams[s].id = s;
-      streams[s].instrs.push_back(std::move(in));
-    };
-    // A launch's record must precede any wait on it: waits are added after it in pending_.
-    for (Pending& p : pending_) {
-      int event = p.record_event;
-      int s = p.stream;
-      emit(s, std::move(p.instr));
-      if (event >= 0) {
-        Instruction rec;
-        rec.kind = InstrKind::RecordEvent;
-        rec.event = event;
-        emit(s, std::move(rec));
-      }
-    }
-    for (auto& [_, s] : streams) program_.streams.push_back(std::move(s));
-  }
-
   const ir::SymbolBindings& symbols_;
   Program program_;
   std::unordered_map<const ir::Value*, int> buffer_of_;
   std::map<std::string, int> inputs_, params_;
-  ir::StreamHazards hazards_;  // steps: launches in order
-  std::vector<int> launch_at_;  // launch -> its index in pending_
-  std::vector<Pending> pending_;
-  std::map<std::pair<int, int>, int> joined_;  // (stream, other stream) -> latest launch waited for
+  StreamBuilder streams_;  // launches in order, events added where streams meet
   int group_stream_ = 0;  // the stream of the fused group being lowered
 };
 

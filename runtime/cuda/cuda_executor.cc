@@ -9,6 +9,7 @@
 
 #include "codegen/kernel_lowering.h"
 #include "codegen/memory_planner.h"
+#include "codegen/stream_builder.h"
 #include "ir/arena_plan.h"
 #include "ir/op_def.h"
 #include "runtime/cuda/cublaslt.h"
@@ -29,69 +30,6 @@ int64_t product(const std::vector<int64_t>& s) {
 
 // Enough for every vectorized access a kernel or cuBLASLt makes.
 [[maybe_unused]] constexpr int64_t kArenaAlignment = 256;
-
-// Instructions in the global order, each on its stream; a launch records an event right after
-// itself when some later instruction waits for it.
-class StreamedProgram {
- public:
-  explicit StreamedProgram(codegen::Program& p) : p_(p) {}
-
-  void launch(int stream, codegen::Instruction in) { pending_.push_back({stream, std::move(in), -1, true}); }
-  int lastIndex() const { return static_cast<int>(pending_.size()) - 1; }
-
-  // `stream` waits for the instruction at `at` (recorded by its stream), unless it already waited
-  // for that one or a later one of the same stream (a stream runs in order).
-  void wait(int stream, int at) {
-    Pending& prod = pending_[static_cast<size_t>(at)];
-    int& joined = joined_.try_emplace({stream, prod.stream}, -1).first->second;
-    if (at <= joined) return;
-    joined = at;
-    if (prod.record_event < 0) prod.record_event = p_.num_events++;
-    codegen::Instruction w;
-    w.kind = codegen::InstrKind::WaitEvent;
-    w.event = prod.record_event;
-    pending_.push_back({stream, std::move(w), -1, true});
-  }
-
-  // A point on `stream` that others may wait for, with no instruction of its own (the fork):
-  // only the record a wait() gives it is emitted.
-  int marker(int stream) {
-    pending_.push_back({stream, {}, -1, false});
-    return lastIndex();
-  }
-
-  void assemble() {
-    std::map<int, codegen::Stream> streams;
-    streams[0].id = 0;
-    int seq = 0;
-    auto emit = [&](int s, codegen::Instruction in) {
-      in.seq = seq++;
-      streams[s].id = s;
-      streams[s].instrs.push_back(std::move(in));
-    };
-    for (Pending& p : pending_) {
-      if (p.emit) emit(p.stream, std::move(p.instr));
-      if (p.record_event >= 0) {
-        codegen::Instruction rec;
-        rec.kind = codegen::InstrKind::RecordEvent;
-        rec.event = p.record_event;
-        emit(p.stream, std::move(rec));
-      }
-    }
-    for (auto& [_, st] : streams) p_.streams.push_back(std::move(st));
-  }
-
- private:
-  struct Pending {
-    int stream;
-    codegen::Instruction instr;
-    int record_event;  // recorded on `stream` right after this point, -1 if nobody waits
-    bool emit;         // false for a marker
-  };
-  codegen::Program& p_;
-  std::vector<Pending> pending_;
-  std::map<std::pair<int, int>, int> joined_;  // (stream, producer stream) -> latest waited for
-};
 
 }  // namespace
 
@@ -143,7 +81,7 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
     return id;
   };
 
-  StreamedProgram sp(p);
+  codegen::StreamBuilder sp;
   std::set<int> streams = {0};
   for (const codegen::LoweredGroup& g : groups) {
     if (g.stream < 0 || g.stream > 1024) return Status::errorf("cuda executor: stream {} is not a stream number", g.stream);
@@ -152,9 +90,6 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
   const bool forked = streams.size() > 1;
   const int fork = forked ? sp.marker(0) : -1;
   std::set<int> started;
-  ir::StreamHazards hazards;
-  std::vector<int> launch_at;  // group -> its index among the pending instructions
-  std::map<int, int> latest_launch;
   out.group_buffers.resize(groups.size());
   for (size_t gi = 0; gi < groups.size(); ++gi) {
     const codegen::LoweredGroup& g = groups[gi];
@@ -183,22 +118,12 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
     }
     // The first launch of another stream waits for stream 0's fork.
     if (forked && g.stream != 0 && started.insert(g.stream).second) sp.wait(g.stream, fork);
-    // Waiting for the latest launch of a stream covers its earlier ones: one wait per stream.
-    std::map<int, int> latest;  // producer stream -> pending index
-    for (int earlier : hazards.add(static_cast<int>(gi), g.stream, in.operands, written_in_place, in.results)) {
-      int at = launch_at[static_cast<size_t>(earlier)];
-      int& l = latest.try_emplace(groups[static_cast<size_t>(earlier)].stream, -1).first->second;
-      l = std::max(l, at);
-    }
-    for (const auto& [_, at] : latest) sp.wait(g.stream, at);
-    sp.launch(g.stream, std::move(in));
-    launch_at.push_back(sp.lastIndex());
-    latest_launch[g.stream] = sp.lastIndex();
+    sp.launch(g.stream, std::move(in), written_in_place);
   }
   // The join: stream 0 ends after every other stream's last launch.
-  for (const auto& [stream, at] : latest_launch)
+  for (const auto& [stream, at] : sp.lastLaunch())
     if (stream != 0) sp.wait(0, at);
-  sp.assemble();
+  sp.assembleInto(p);
   if (ret)
     for (const ir::Value* v : ret->operands()) {
       auto b = bufferOf(v);
