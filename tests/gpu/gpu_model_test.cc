@@ -9,6 +9,7 @@
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/data/batch_reader.h"
 #include "tools/model_session.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kiln::cli {
 namespace {
@@ -72,8 +73,7 @@ double maxRelDiff(const ir::HostTensor& a, const ir::HostTensor& b) {
 class GpuModel : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GpuModel, TrainingStepMatchesCpu) {
-  std::string why;
-  if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why;
+  SKIP_WITHOUT_GPU();
   auto cpu = makeSession(GetParam(), "cpu");
   auto gpu = makeSession(GetParam(), "cuda");
   ASSERT_TRUE(cpu && gpu);
@@ -99,8 +99,7 @@ TEST_P(GpuModel, TrainingStepMatchesCpu) {
 }
 
 TEST_P(GpuModel, FiftyStepLossTrajectoriesAgree) {
-  std::string why;
-  if (!cuda::cudaAvailable(&why)) GTEST_SKIP() << "no GPU: " << why;
+  SKIP_WITHOUT_GPU();
   auto cpu = makeSession(GetParam(), "cpu");
   auto gpu = makeSession(GetParam(), "cuda");
   ASSERT_TRUE(cpu && gpu);

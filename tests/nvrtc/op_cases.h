@@ -116,6 +116,17 @@ inline ir::Shape S(std::initializer_list<int64_t> dims) {
   return s;
 }
 
+// The operands of a kiln.embedding_bag_update after its gradient, for a 6 x 12 table: the
+// optimizer's state slots (positive), lr and step.
+inline void appendUpdateTail(CaseBuilder& b, std::vector<ir::Value*>& operands, const std::string& opt) {
+  const int nstate = opt == "sgd" ? 0 : opt == "adam" ? 2 : 1;
+  for (int i = 0; i < nstate; ++i)
+    operands.push_back(b.param("s" + std::to_string(i), ir::DType::f32, opt == "rowwise_adagrad" ? S({6}) : S({6, 12}),
+                               Fill::Positive));
+  operands.push_back(b.input("lr", ir::DType::f32, {}, Fill::Positive));
+  operands.push_back(b.input("step", ir::DType::f32, {}, Fill::Ids, 4));
+}
+
 inline std::vector<OpCase> allOpCases() {
   std::vector<OpCase> cases;
   auto add = [&](CaseBuilder& b) { cases.push_back(b.take()); };
@@ -352,12 +363,7 @@ inline std::vector<OpCase> allOpCases() {
       std::vector<Value*> operands = {table, b.input("ids", DType::i64, S({8, 3}), Fill::Ids, 6)};
       if (weighted) operands.push_back(b.input("w", f32, S({8, 3})));
       operands.push_back(b.input("grad", f32, S({8, 12})));
-      std::string o = opt;
-      int nstate = o == "sgd" ? 0 : o == "adam" ? 2 : 1;
-      for (int i = 0; i < nstate; ++i)
-        operands.push_back(b.param("s" + std::to_string(i), f32, o == "rowwise_adagrad" ? S({6}) : S({6, 12}), Fill::Positive));
-      operands.push_back(b.input("lr", f32, {}, Fill::Positive));
-      operands.push_back(b.input("step", f32, {}, Fill::Ids, 4));
+      appendUpdateTail(b, operands, opt);
       AttrDict attrs = {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weight_decay", Attribute(0.01)}};
       if (weighted) {
         attrs["weighted"] = Attribute(true);
@@ -391,12 +397,7 @@ inline std::vector<OpCase> allOpCases() {
     std::vector<Value*> operands = {table, b.input("ids", DType::i64, S({20}), Fill::Ids, 6),
                                     b.input("lengths", DType::i32, S({8}), Fill::Lengths, 20), b.input("w", f32, S({20})),
                                     b.input("grad", f32, S({8, 12}))};
-    std::string o = opt;
-    int nstate = o == "sgd" ? 0 : o == "adam" ? 2 : 1;
-    for (int i = 0; i < nstate; ++i)
-      operands.push_back(b.param("s" + std::to_string(i), f32, o == "rowwise_adagrad" ? S({6}) : S({6, 12}), Fill::Positive));
-    operands.push_back(b.input("lr", f32, {}, Fill::Positive));
-    operands.push_back(b.input("step", f32, {}, Fill::Ids, 4));
+    appendUpdateTail(b, operands, opt);
     b.op("kiln.embedding_bag_update", operands,
          {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weighted", Attribute(true)}, {"mode", Attribute("mean")}});
     b.kernels(4);  // scan, clear, accumulate, row update
