@@ -1,20 +1,12 @@
 #include "codegen/memory_planner.h"
 
-#include <algorithm>
 #include <map>
 
 #include <fmt/format.h>
 
 #include "ir/arena_plan.h"
-#include "ir/op_def.h"
 
 namespace kiln::codegen {
-
-bool mayUpdateInPlace(std::string_view op_name) {
-  if (op_name == "kiln.reshape") return true;
-  const ir::OpDef* def = ir::OpRegistry::get().lookup(op_name);
-  return def && def->has(ir::kElementwise) && !def->has(ir::kSideEffect);
-}
 
 Status planMemory(Program& p, const MemoryPlanOptions& options) {
   KILN_RETURN_IF_ERROR(validate(p));
@@ -37,8 +29,7 @@ Status planMemory(Program& p, const MemoryPlanOptions& options) {
     s.results = in.results;
     if (in.kind == InstrKind::RecordEvent) recorded_at[in.event] = t;
     if (in.kind == InstrKind::WaitEvent) s.waits.push_back(recorded_at.at(in.event));  // validate() checked
-    if (in.kind == InstrKind::Launch && mayUpdateInPlace(in.op))
-      s.in_place = in.op == "kiln.reshape" ? ir::InPlace::kSameBytes : ir::InPlace::kSameType;
+    if (in.kind == InstrKind::Launch) s.in_place = ir::inPlaceKind(in.op);
   }
   std::vector<ir::ArenaBuffer> buffers(p.buffers.size());
   for (size_t b = 0; b < p.buffers.size(); ++b) {

@@ -23,9 +23,6 @@ struct MemoryPlanOptions {
 // and in-place links of arena buffers, and the program's peak_bytes and arena_bytes.
 Status planMemory(Program& p, const MemoryPlanOptions& options = {});
 
-// Whether an op may write its result over an operand of the same type (see above).
-bool mayUpdateInPlace(std::string_view op_name);
-
 // The plan as text: one line per buffer (offset, bytes, live range), then `peak_bytes: N`.
 std::string memoryPlanStr(const Program& p);
 

@@ -5,6 +5,8 @@
 #include <limits>
 #include <map>
 
+#include "ir/op_def.h"
+
 namespace kiln::ir {
 namespace {
 
@@ -184,6 +186,12 @@ void improveLayout(ArenaPlan& plan, const std::vector<ArenaBuffer>& buffers, con
 }
 
 }  // namespace
+
+InPlace inPlaceKind(std::string_view op_name) {
+  if (op_name == "kiln.reshape") return InPlace::kSameBytes;
+  const OpDef* def = OpRegistry::get().lookup(op_name);
+  return def && def->has(kElementwise) && !def->has(kSideEffect) ? InPlace::kSameType : InPlace::kNever;
+}
 
 ArenaPlan planArena(const std::vector<ArenaStep>& steps, const std::vector<ArenaBuffer>& buffers,
                     const ArenaPlanOptions& options) {

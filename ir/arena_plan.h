@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "ir/types.h"
@@ -30,6 +31,11 @@ enum class InPlace : uint8_t {
   kSameType,   // elementwise: element i is read before element i is written
   kSameBytes,  // reshape: the same bytes under another shape
 };
+
+// How the op named `op_name` may share a dying operand's storage: elementwise ops without side
+// effects element by element, reshapes as the same bytes, everything else not at all. The one
+// rule the memory planner, the peak estimate and remat's live profile all apply.
+InPlace inPlaceKind(std::string_view op_name);
 
 struct ArenaStep {
   int stream = 0;

@@ -74,10 +74,7 @@ class Flattener {
     ir::ArenaStep s;
     s.stream = group_stream_;
     if (const ir::Attribute* st = op.attr("kiln.stream"); st && st->isInt()) s.stream = static_cast<int>(st->asInt());
-    if (op.name() == "kiln.reshape")
-      s.in_place = ir::InPlace::kSameBytes;
-    else if (op.hasTrait(ir::kElementwise) && !op.hasTrait(ir::kSideEffect))
-      s.in_place = ir::InPlace::kSameType;
+    s.in_place = ir::inPlaceKind(op.name());
     for (const ir::Value* v : op.operands()) {
       // A function argument (IR tests; models take none) lives outside the arena like an input.
       if (!buffer_of_.count(v)) {

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "ir/arena_plan.h"
 #include "ir/op_def.h"
 #include "ir/printer.h"
 #include "passes/cost_model.h"
@@ -68,10 +69,6 @@ double recomputeFlops(const ir::Function& f, const ir::SymbolBindings& symbols) 
 
 namespace {
 
-bool reusesOperandBuffer(const Op& op) {
-  return op.name() == "kiln.reshape" || (op.hasTrait(ir::kElementwise) && !op.hasTrait(ir::kSideEffect));
-}
-
 // Live bytes of the block's values at each op, as the memory planner sees them without its
 // layout: a result is live from its op to its last reader (returned: to the end), sources live
 // outside the arena, and an elementwise op writing over an operand that dies there (same type)
@@ -91,7 +88,7 @@ class LiveProfile {
         double bytes = cost.valueBytes(*r);
         delta[static_cast<size_t>(t)] += bytes;
         delta[static_cast<size_t>(last + 1)] -= bytes;
-        if (!reusesOperandBuffer(*op)) continue;
+        if (ir::inPlaceKind(op->name()) == ir::InPlace::kNever) continue;
         for (const Value* o : op->operands()) {
           const Op* d = o->definingOp();
           if (!d || d->hasTrait(ir::kSource) || lastUse(o) != t ||
