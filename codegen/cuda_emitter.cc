@@ -130,7 +130,8 @@ __device__ T kiln_block_reduce(T v, T* scratch, T identity) {
 }
 
 // Embeddings. An out-of-range id sets err = {1, table}, bad jagged lengths {2, table} (first
-// one wins); the offending id contributes nothing.
+// one wins; `table` is numbered across the kernels sharing the flag); the offending id
+// contributes nothing.
 __device__ __forceinline__ void kiln_flag_error(int* err, int code, int table) {
   if (atomicCAS(err, 0, code) == 0) atomicExch(err + 1, table);
 }
@@ -341,6 +342,7 @@ class KernelPrinter {
       case ExprOp::Coord: return fmt::format("c{}", e.index);
       case ExprOp::RowValue: return fmt::format("rv{}", e.index);
       case ExprOp::Load: return fmt::format("kiln_ld(b{}, {})", e.buffer, ref(e.a));
+      case ExprOp::BagOf: return fmt::format("kiln_bag_of(b{}, {}LL, {})", e.buffer, e.ivalue, ref(e.a));
       case ExprOp::Neg: return fmt::format("(-{})", ref(e.a));
       case ExprOp::Not: return fmt::format("(!{})", ref(e.a));
       case ExprOp::Abs: return unaryFn("kiln_abs");
@@ -511,7 +513,8 @@ class KernelPrinter {
                                      : fmt::format("b * {0}LL, b * {0}LL + {0}LL", t.hotness);
       line(2, fmt::format("case {}: kiln_bag_forward<{}>(b{}, b{}, {}, {}LL, {}, {}, b{}, b * {}LL + {}LL, b{}, {}, lane); break;",
                           i, t.dim, t.weight, t.ids, bufferOrNull(t.weights, "float"), t.rows,
-                          t.mean ? "true" : "false", range, t.out, t.out_stride, t.out_offset, k_.error_flag, i));
+                          t.mean ? "true" : "false", range, t.out, t.out_stride, t.out_offset, k_.error_flag,
+                          t.flag_index));
     }
     line(1, "}");
   }
@@ -537,7 +540,7 @@ class KernelPrinter {
       }
       line(2, fmt::format("kiln_bag_accumulate<{}>(b{}, {}, b{}, b{}, b{}, {}LL, {}LL, p, b, scale, {}LL, {}LL, b{}, {}, lane);",
                           t.dim, t.ids, bufferOrNull(t.weights, "float"), t.out, t.keys, t.accum, t.capacity,
-                          t.rows, t.out_stride, t.out_offset, k_.error_flag, i));
+                          t.rows, t.out_stride, t.out_offset, k_.error_flag, t.flag_index));
       line(1, "}");
       begin += n;
     }
@@ -549,7 +552,7 @@ class KernelPrinter {
     for (size_t i = 0; i < k_.tables.size(); ++i) {
       const EmbeddingTable& t = k_.tables[i];
       line(2, fmt::format("case {}: kiln_bag_offsets(b{}, b{}, {}LL, {}LL, b{}, {}); break;", i, t.lengths, t.offsets,
-                          k_.batch, t.num_ids, k_.error_flag, i));
+                          k_.batch, t.num_ids, k_.error_flag, t.flag_index));
     }
     line(1, "}");
   }

@@ -150,6 +150,17 @@ class Evaluator {
       case ExprOp::Coord: v.i = coords[static_cast<size_t>(e.index)]; return v;
       case ExprOp::RowValue: return row_values[static_cast<size_t>(e.index)];
       case ExprOp::Load: return read(e.buffer, eval(e.a).i);
+      case ExprOp::BagOf: {  // kiln_bag_of's binary search
+        const int64_t p = eval(e.a).i;
+        int64_t lo = 0, hi = e.ivalue - 1;
+        while (lo < hi) {
+          const int64_t mid = (lo + hi) / 2;
+          if (read(e.buffer, mid + 1).i > p) hi = mid;
+          else lo = mid + 1;
+        }
+        v.i = lo;
+        return v;
+      }
       case ExprOp::Select: return eval(e.a).i ? eval(e.b) : eval(e.c);
       case ExprOp::Cast: return cast(eval(e.a), g_.typeOf(e.a), e.type);
       default: break;
@@ -273,11 +284,12 @@ float readFloat(const KernelBuffer& b, const void* p, int64_t i) {
   }
 }
 
-void setError(const Kernel& k, const std::vector<void*>& bufs, int table, int code = 1) {
+// Records {code, the table's group-wide flag_index}; the first error wins.
+void setError(const Kernel& k, const std::vector<void*>& bufs, const EmbeddingTable& t, int code = 1) {
   int32_t* flag = static_cast<int32_t*>(bufs[static_cast<size_t>(k.error_flag)]);
   if (flag[0] == 0) {
     flag[0] = code;
-    flag[1] = table;
+    flag[1] = t.flag_index;
   }
 }
 
@@ -301,7 +313,7 @@ Status runBagOffsets(const Kernel& k, const std::vector<void*>& bufs) {
       total += len;
       offsets[b + 1] = std::min(total, t.num_ids);
     }
-    if (bad || total > t.num_ids) setError(k, bufs, static_cast<int>(ti), 2);
+    if (bad || total > t.num_ids) setError(k, bufs, t, 2);
   }
   return Status::ok();
 }
@@ -344,7 +356,7 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
         for (int64_t p = lo; p < hi; ++p) {
           int64_t id = readId(idb, ids, p);
           if (id < 0 || id >= t.rows) {
-            setError(k, bufs, static_cast<int>(ti));
+            setError(k, bufs, t);
             continue;
           }
           float w = wts ? readFloat(*wb, wts, p) : 1.0f;
@@ -363,7 +375,7 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
         for (int64_t p = lo; p < hi; ++p) {
           int64_t id = readId(idb, ids, p);
           if (id < 0 || (t.rows > 0 && id >= t.rows)) {
-            setError(k, bufs, static_cast<int>(ti));
+            setError(k, bufs, t);
             continue;
           }
           int64_t slot = hashSlot(keys, t.capacity, id);
@@ -407,12 +419,15 @@ Status interpretGroup(const LoweredGroup& g, const std::vector<void*>& group_buf
     if (k.error_flag >= 0) {
       const auto* flag = static_cast<const int32_t*>(args[static_cast<size_t>(k.error_flag)]);
       if (flag[0]) {
-        const EmbeddingTable& t = k.tables[static_cast<size_t>(flag[1])];
-        if (k.kind == KernelKind::BagOffsets)
+        // The flag's table is numbered across the group, whichever kernel set it.
+        if (flag[1] < 0 || static_cast<size_t>(flag[1]) >= g.error_subjects.size())
+          return Status::errorf("kernel '{}' set error {} naming table {}, which the group does not have", k.name,
+                                flag[0], flag[1]);
+        const ErrorSubject& e = g.error_subjects[static_cast<size_t>(flag[1])];
+        if (flag[0] == 2)
           return Status::errorf("jagged bags '{}': a length is negative or the lengths add up to more than the {} ids",
-                                k.buffers[static_cast<size_t>(t.lengths)].name, t.num_ids);
-        return Status::errorf("embedding table '{}': an id is out of range [0, {})",
-                              k.buffers[static_cast<size_t>(t.weight >= 0 ? t.weight : t.ids)].name, t.rows);
+                                e.name, e.bound);
+        return Status::errorf("embedding table '{}': an id is out of range [0, {})", e.name, e.bound);
       }
     }
   }

@@ -11,6 +11,7 @@ const char* exprOpName(ExprOp op) {
     case ExprOp::Coord: return "coord";
     case ExprOp::RowValue: return "row_value";
     case ExprOp::Load: return "load";
+    case ExprOp::BagOf: return "bag_of";
     case ExprOp::Neg: return "neg";
     case ExprOp::Abs: return "abs";
     case ExprOp::Exp: return "exp";
@@ -154,6 +155,17 @@ int ExprGraph::load(int buffer, DType storage, int offset) {
   e.type = computeType(storage);
   e.buffer = buffer;
   e.a = offset;
+  return add(e);
+}
+
+int ExprGraph::bagOf(int offsets_buffer, int64_t batch, int position) {
+  assert(typeOf(position) == DType::i64);
+  Expr e;
+  e.op = ExprOp::BagOf;
+  e.type = DType::i64;
+  e.buffer = offsets_buffer;
+  e.a = position;
+  e.ivalue = batch;
   return add(e);
 }
 
@@ -311,7 +323,20 @@ Status validate(const Kernel& k) {
         return Status::errorf("kernel '{}': node {} uses a later node {}", k.name, i, o);
     if (e.op == ExprOp::Load && (e.buffer < 0 || static_cast<size_t>(e.buffer) >= k.buffers.size()))
       return Status::errorf("kernel '{}': node {} loads from missing buffer {}", k.name, i, e.buffer);
+    if (e.op == ExprOp::BagOf &&
+        (e.buffer < 0 || static_cast<size_t>(e.buffer) >= k.buffers.size() ||
+         k.buffers[static_cast<size_t>(e.buffer)].dtype != DType::i64 || e.ivalue < 1 ||
+         k.buffers[static_cast<size_t>(e.buffer)].elements < e.ivalue + 1 || e.a < 0 ||
+         k.exprs.typeOf(e.a) != DType::i64))
+      return Status::errorf("kernel '{}': node {} needs i64 offsets of at least one bag and an i64 position", k.name, i);
   }
+  if (k.error_flag >= 0 && (static_cast<size_t>(k.error_flag) >= k.buffers.size() ||
+                            k.buffers[static_cast<size_t>(k.error_flag)].dtype != DType::i32 ||
+                            !k.buffers[static_cast<size_t>(k.error_flag)].written))
+    return Status::errorf("kernel '{}': the error flag must be a written i32 buffer", k.name);
+  for (const EmbeddingTable& t : k.tables)
+    if (t.flag_index < 0 && k.kind != KernelKind::Pointwise && k.kind != KernelKind::Row)
+      return Status::errorf("kernel '{}': a table has no error-flag index", k.name);
   int outer = static_cast<int>(k.space.size());
   switch (k.kind) {
     case KernelKind::Pointwise:

@@ -36,6 +36,11 @@ enum class ExprOp : uint8_t {
              // coordinates first, then the row coordinates
   RowValue,  // the result of Reduce phase `index` of a Row kernel
   Load,      // buffers[buffer][a], a: i64 element offset; bf16 widens to f32
+  BagOf,     // i64: the jagged bag owning id position a (i64), given the i64 offsets
+             // buffers[buffer] of `ivalue` bags (EmbeddingTable::offsets): the b in [0, ivalue)
+             // with offsets[b] <= a < offsets[b + 1], found by binary search (empty bags are
+             // skipped). A position at or past offsets[ivalue] (padding of a bounded ids buffer)
+             // gives ivalue - 1: guard with a < offsets[ivalue] where that matters.
   // Unary.
   Neg, Abs, Exp, Log, Log1p, Sqrt, Rsqrt, Sigmoid, Tanh, Relu, Gelu, Silu,
   RoundBf16,  // f32 rounded to the nearest bf16 (a cast to bf16 inside a fused chain)
@@ -60,7 +65,7 @@ struct Expr {
   int32_t a = -1, b = -1, c = -1;
   int32_t buffer = -1;  // Load
   int32_t index = 0;    // Coord, RowValue
-  int64_t ivalue = 0;   // Const of an integer or i1 type
+  int64_t ivalue = 0;   // Const of an integer or i1 type; BagOf: the number of bags
   double fvalue = 0;    // Const of a float type
   bool operator==(const Expr& o) const = default;
 };
@@ -82,6 +87,7 @@ class ExprGraph {
   int coord(int axis);
   int rowValue(int phase, DType t);
   int load(int buffer, DType storage, int offset);
+  int bagOf(int offsets_buffer, int64_t batch, int position);
   int unary(ExprOp op, int x);
   int binary(ExprOp op, int x, int y);
   int select(int cond, int x, int y);
@@ -146,6 +152,9 @@ struct EmbeddingTable {
   // gradient of each distinct id (f32 [capacity, dim]).
   int keys = -1, accum = -1;
   int64_t capacity = 0;
+  // What the kernel writes as `table` in the error flag: a group-wide number
+  // (LoweredGroup::error_subjects), so kernels sharing one flag name the right table.
+  int flag_index = -1;
 };
 
 enum class KernelKind : uint8_t { Pointwise, Row, EmbeddingForward, EmbeddingAccumulate, BagOffsets };
@@ -165,7 +174,11 @@ struct Kernel {
   int64_t batch = 0;
   std::vector<EmbeddingTable> tables;
   // i32 [2]: {1, table} when an id is out of range; {2, table} when a jagged table's lengths
-  // are negative or add up to more than its ids buffer holds (BagOffsets).
+  // are negative or add up to more than its ids buffer holds (BagOffsets). `table` is the
+  // table's flag_index, numbered across the group: the kernels of a group share one flag. The
+  // first error wins. Embedding kernels and scans set it themselves; a Row kernel that checks
+  // ids (an embedding weight gradient) stores {1, table} in its epilogue, guarded by a bad id
+  // and a clear flag (every writer of one kernel writes the same two values).
   int error_flag = -1;
 
   int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);

@@ -742,37 +742,78 @@ class GroupLowering {
     return finish(kb);
   }
 
-  // dw[b, h] = <table[ids[b, h]], g[b]> (/ H for a mean): one row reduction per id.
+  // dw[p] = <table[ids[p]], g[b]> for id position p of bag b (/ the bag's size for a mean): one
+  // row reduction per id position. Fixed hotness: p = (b, h). Jagged: p runs over the ids
+  // buffer, b = the bag owning p (a BagOf search over the scanned offsets); positions past the
+  // batch's last id (a bounded buffer's padding) get 0. An out-of-range id contributes 0 and
+  // sets the group's error flag, as the CPU reference rejects it.
   Status lowerEmbeddingWeightGrad(const Op& op) {
     const Value* table = op.operand(0);
     const Value* ids = op.operand(1);
-    KILN_RETURN_IF_ERROR(checkFixedHotness(op, ids));
-    const Value* gval = op.operand(2);
+    const bool jagged = ids->type().rank() == 1;
+    auto bag = bagIds(op, ids, jagged ? op.operand(2) : nullptr);
+    if (!bag) return bag.status();
+    if (jagged && bag->batch < 1) return Status::errorf("{}: jagged ids need at least one bag", opLabel(op));
+    const Value* gval = op.operand(op.numOperands() - 1);
     auto ts = shapeOf(table);
     auto is = shapeOf(ids);
     if (!ts || !is) return !ts ? ts.status() : is.status();
-    int64_t rows = (*ts)[0], dim = (*ts)[1], hot = (*is)[1];
+    const int64_t rows = (*ts)[0], dim = (*ts)[1];
+    if (jagged) KILN_RETURN_IF_ERROR(scanLengths({*bag}));
     KB kb;
     Kernel& k = kb.k;
-    k.name = "embedding_weight_grad";
+    k.name = jagged ? "embedding_weight_grad_jagged" : "embedding_weight_grad";
     k.kind = KernelKind::Row;
     k.space = *is;
     k.row_space = {dim};
     ExprGraph& g = k.exprs;
-    int b = g.coord(0), h = g.coord(1), d = g.coord(2);
-    auto id = valueAt(kb, ids, {b, h});
+    const int d = g.coord(static_cast<int>(is->size()));
+    int b, live = -1, size = -1;  // size: a jagged bag's id count
+    Expected<int> id = 0;
+    if (jagged) {
+      const int p = g.coord(0);
+      const int offsets = bind(kb, offsets_of_.at(bag->lengths), false);
+      auto offset = [&](int i) { return g.load(offsets, DType::i64, i); };
+      live = g.binary(ExprOp::Lt, p, offset(g.intConstant(bag->batch)));
+      b = g.bagOf(offsets, bag->batch, p);
+      size = g.binary(ExprOp::Sub, offset(g.binary(ExprOp::Add, b, g.intConstant(1))), offset(b));
+      id = valueAt(kb, ids, {p});
+    } else {
+      b = g.coord(0);
+      id = valueAt(kb, ids, {b, g.coord(1)});
+    }
     if (!id) return id.status();
-    int id64 = g.cast(*id, DType::i64);
+    const int id64 = g.cast(*id, DType::i64);
     int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, id64, g.intConstant(0)), g.binary(ExprOp::Lt, id64, g.intConstant(rows)));
+    int bad = g.unary(ExprOp::Not, ok);
+    if (live >= 0) {
+      ok = g.binary(ExprOp::And, live, ok);
+      bad = g.binary(ExprOp::And, live, bad);  // padding is never checked
+    }
     auto w = valueAt(kb, table, {id64, d});
     auto gv = valueAt(kb, gval, {b, d});
     if (!w || !gv) return !w ? w.status() : gv.status();
-    DType ct = g.typeOf(*w);
+    const DType ct = g.typeOf(*w);
     k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum,
                         g.select(ok, g.binary(ExprOp::Mul, *w, g.cast(*gv, ct)), g.constant(0, ct)), {}});
     int acc = g.rowValue(0, ct);
-    if (op.strAttr("mode", "sum") == "mean") acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(hot), ct));
-    k.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, {b, h}, *is), g.cast(acc, op.result()->type().dtype()), -1});
+    if (op.strAttr("mode", "sum") == "mean") {
+      // A live position's bag holds at least that id, so size > 0.
+      acc = jagged ? g.binary(ExprOp::Div, acc, g.cast(size, ct))
+                   : g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(bag->hotness), ct));
+    }
+    if (live >= 0) acc = g.select(live, acc, g.constant(0, ct));
+    const DType rt = op.result()->type().dtype();
+    std::vector<int> at;
+    for (size_t i = 0; i < is->size(); ++i) at.push_back(g.coord(static_cast<int>(i)));
+    k.stores.push_back({bindValue(kb, op.result(), true), rowMajorOffset(g, at, *is), g.cast(acc, rt), -1});
+    // {1, table} for a bad id, unless an earlier error holds the flag.
+    k.error_flag = bind(kb, errorFlag(), true);
+    const int table_index = errorSubject(valueName(table), rows);
+    const int clear = g.binary(ExprOp::Eq, g.load(k.error_flag, DType::i32, g.intConstant(0)), g.intConstant(0, DType::i32));
+    const int report = g.binary(ExprOp::And, bad, clear);
+    k.stores.push_back({k.error_flag, g.intConstant(1), g.intConstant(table_index, DType::i32), report});
+    k.stores.push_back({k.error_flag, g.intConstant(0), g.intConstant(1, DType::i32), report});
     return finish(kb);
   }
 
@@ -877,13 +918,6 @@ class GroupLowering {
 
   // ---- Embeddings -----------------------------------------------------------------------------
 
-  Status checkFixedHotness(const Op& op, const Value* ids) {
-    if (ids->type().rank() != 2)
-      return Status::errorf("{}: variable-length ids (ids[N] with lengths) are not supported by the CUDA backend yet",
-                            opLabel(op));
-    return Status::ok();
-  }
-
   // The ids of one bag op: [B, H] (fixed hotness) or [N] with lengths [B] (jagged).
   struct BagIds {
     const Value* ids = nullptr;
@@ -938,6 +972,7 @@ class GroupLowering {
       t.lengths = bindValue(kb, b.lengths, false);
       t.offsets = bind(kb, offsets, true);
       t.num_ids = b.num_ids;
+      t.flag_index = errorSubject(valueName(b.lengths), b.num_ids);
       k.tables.push_back(t);
     }
     if (k.tables.empty()) return Status::ok();
@@ -985,6 +1020,7 @@ class GroupLowering {
       t.out = bindValue(kb, op->result(), true);
       t.out_stride = t.dim;
       t.out_offset = 0;
+      t.flag_index = errorSubject(valueName(table), t.rows);
       k.tables.push_back(t);
     }
     k.error_flag = bind(kb, errorFlag(), true);
@@ -994,6 +1030,13 @@ class GroupLowering {
   int errorFlag() {
     if (error_flag_ < 0) error_flag_ = tempBuffer("embedding_errors", DType::i32, 2);
     return error_flag_;
+  }
+  // Numbers what the kernel being built (the next one finished) checks: its index in
+  // error_subjects is what the kernel writes as the flag's `table`, the same in every kernel of
+  // the group.
+  int errorSubject(std::string name, int64_t bound) {
+    out_.error_subjects.push_back({std::move(name), bound, static_cast<int>(out_.kernels.size())});
+    return static_cast<int>(out_.error_subjects.size() - 1);
   }
 
   // Clear + accumulate: duplicate ids of the batch combined into a hash table of summed
@@ -1054,6 +1097,7 @@ class GroupLowering {
     t.keys = bind(kb, a.keys, true);
     t.accum = bind(kb, a.accum, true);
     t.capacity = a.capacity;
+    t.flag_index = errorSubject(valueName(l.table >= 0 ? op.operand(static_cast<unsigned>(l.table)) : ids), rows);
     k.tables.push_back(t);
     k.error_flag = bind(kb, errorFlag(), true);
     KILN_RETURN_IF_ERROR(finish(kb));
@@ -1300,6 +1344,7 @@ class GroupLowering {
         t.out = bind(kb, out, true);
         t.out_stride = width;
         t.out_offset = at;
+        t.flag_index = errorSubject(valueName(table), t.rows);
         k.tables.push_back(t);
       } else {
         copies.push_back({x, at});

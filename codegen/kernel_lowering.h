@@ -49,6 +49,15 @@ struct GemmCall {
   std::string activation;  // "", "relu" or "gelu" (cuBLASLt's GELU is the tanh form, as ours)
 };
 
+// What the `table` word of a group's error flag (Kernel::error_flag) names: an embedding table
+// (code 1: an id out of range [0, bound)) or a jagged bag's lengths (code 2: negative, or more
+// than the `bound` ids). One list per group, so every kernel sharing the flag numbers alike.
+struct ErrorSubject {
+  std::string name;   // the table's (or lengths') IR value name
+  int64_t bound = 0;  // rows, or the ids the lengths may cover
+  int kernel = -1;    // the group's kernel that checks it
+};
+
 struct LoweredGroup {
   std::vector<const ir::Op*> ops;
   const ir::Op* gemm = nullptr;  // a matmul, run by cuBLASLt (with `gemm_call`): no kernels
@@ -57,6 +66,8 @@ struct LoweredGroup {
   std::vector<Kernel> kernels;
   // args[k][j]: the group buffer bound to buffer j of kernels[k].
   std::vector<std::vector<int>> args;
+  // Indexed by the error flag's `table` word (EmbeddingTable::flag_index).
+  std::vector<ErrorSubject> error_subjects;
   // Where the group came from: the `kind` of its kiln.fused op and that op's number among the
   // function's fused ops ("" and -1 for ops the fusion pass left alone). A fused op the backend
   // cannot run as one unit becomes several groups sharing fused_index, each with the reason.

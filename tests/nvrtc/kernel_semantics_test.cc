@@ -132,6 +132,98 @@ TEST(KernelSemanticsByHand, JaggedBagsPoolTheirOffsets) {
   EXPECT_FLOAT_EQ(out[4], 3);
 }
 
+// The kernels of a group share one error flag; the table it names is numbered across the
+// group, so a bad id in the second table's update is reported as that table, not the first.
+TEST(KernelSemanticsByHand, UpdateGroupErrorNamesTheTableWithTheBadId) {
+  for (int bad_table : {0, 1}) {
+    SCOPED_TRACE(bad_table);
+    CaseBuilder b("two_updates");
+    Value* t0 = b.param("tables.0", DType::f32, S({5, 4}));
+    Value* t1 = b.param("tables.1", DType::f32, S({8, 6}));
+    Value* ids0 = b.input("cats.0", DType::i64, S({4, 2}), Fill::Ids, 5);
+    Value* ids1 = b.input("cats.1", DType::i32, S({4, 3}), Fill::Ids, 8);
+    Value* grad = b.input("grad", DType::f32, S({4, 10}));
+    Value* lr = b.input("lr", DType::f32, {}, Fill::Positive);
+    Value* step = b.input("step", DType::f32, {}, Fill::Ids, 4);
+    auto slice = [&](int64_t start, int64_t limit) {
+      return b.op("kiln.slice", {grad}, {{"axis", Attribute(int64_t{1})}, {"start", Attribute(start)},
+                                         {"limit", Attribute(limit)}})->result();
+    };
+    AttrDict sgd = {{"optimizer", Attribute("sgd")}, {"lr", Attribute(0.1)}};
+    b.op("kiln.embedding_bag_update", {t0, ids0, slice(0, 4), lr, step}, sgd);
+    b.op("kiln.embedding_bag_update", {t1, ids1, slice(4, 10), lr, step}, sgd);
+    OpCase c = b.take();
+    std::mt19937 rng(7);
+    auto run = runReference(c, rng);  // every id valid: the reference of the good table's update
+    ASSERT_TRUE(run) << run.status().message();
+    auto g = codegen::lowerFusedGroup("embedding_update", c.group, {});
+    ASSERT_TRUE(g) << g.status().message();
+    ASSERT_EQ(g->kernels.size(), 6u);  // clear, combine, update per table
+    std::vector<ir::HostTensor> storage = groupStorage(*g, *run);
+    std::vector<void*> ptrs;
+    size_t t0_at = 0;
+    for (size_t i = 0; i < g->buffers.size(); ++i) {
+      ir::HostTensor& h = storage[i];
+      if (g->buffers[i].value == (bad_table ? ids1 : ids0)) {
+        if (h.view.dtype == DType::i32) h.as<int32_t>()[5] = 8;
+        else h.as<int64_t>()[5] = -1;
+      }
+      if (g->buffers[i].value == t0) t0_at = i;
+      ptrs.push_back(h.view.data);
+    }
+    Status st = codegen::interpretGroup(*g, ptrs);
+    ASSERT_FALSE(st.isOk());
+    const std::string want = bad_table ? "'tables.1'" : "'tables.0'", other = bad_table ? "'tables.0'" : "'tables.1'";
+    EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
+    EXPECT_EQ(st.message().find(other), std::string::npos) << st.message();
+    if (bad_table == 1) {  // the first table's kernels ran before the failing one, correctly
+      ir::TensorView got = storage[t0_at].view;
+      expectClose(got, run->ref.at(t0).view, 1e-5, "tables.0", "kernel");
+    }
+  }
+}
+
+// Jagged weight gradient by hand: lengths {2, 0, 1} over a 6-id buffer (3 padding positions
+// holding bad ids, never checked), mean mode; then a bad id inside a bag is an error.
+TEST(KernelSemanticsByHand, JaggedWeightGradFindsEachIdsBag) {
+  CaseBuilder b("jagged_weight_grad");
+  Value* t = b.param("tables.0", DType::f32, S({4, 2}));
+  ir::Op* op = b.op("kiln.embedding_bag_weight_grad",
+                    {t, b.input("ids", DType::i64, S({6})), b.input("lengths", DType::i32, S({3})),
+                     b.input("grad", DType::f32, S({3, 2}))},
+                    {{"mode", Attribute("mean")}});
+  OpCase c = b.take();
+  auto g = codegen::lowerGroup(c.group, {});
+  ASSERT_TRUE(g) << g.status().message();
+  ASSERT_EQ(g->kernels.size(), 2u);
+  float table[8] = {1, 2, 3, 4, 5, 6, 7, 8}, grad[6] = {1, 2, 3, 4, 5, 6};
+  float dw[6] = {-1, -1, -1, -1, -1, -1};
+  int64_t ids[6] = {0, 3, 1, 99, -5, 99}, offsets[4] = {-1, -1, -1, -1};
+  int32_t lengths[3] = {2, 0, 1}, err[2] = {0, 0};
+  std::vector<void*> bufs;
+  for (const auto& buf : g->buffers)
+    bufs.push_back(buf.value == op->result()   ? static_cast<void*>(dw)
+                   : buf.name == "tables.0"    ? static_cast<void*>(table)
+                   : buf.name == "ids"         ? static_cast<void*>(ids)
+                   : buf.name == "lengths"     ? static_cast<void*>(lengths)
+                   : buf.name == "grad"        ? static_cast<void*>(grad)
+                   : buf.dtype == DType::i64   ? static_cast<void*>(offsets)
+                                               : static_cast<void*>(err));
+  Status s = codegen::interpretGroup(*g, bufs);
+  ASSERT_TRUE(s.isOk()) << s.message();
+  EXPECT_FLOAT_EQ(dw[0], (1 * 1 + 2 * 2) / 2.0f);  // bag 0 (2 ids), row 0 . grad[0]
+  EXPECT_FLOAT_EQ(dw[1], (7 * 1 + 8 * 2) / 2.0f);  // row 3 . grad[0]
+  EXPECT_FLOAT_EQ(dw[2], 3 * 5 + 4 * 6);           // bag 2 (1 id; bag 1 is empty), row 1 . grad[2]
+  for (int p = 3; p < 6; ++p) EXPECT_EQ(dw[p], 0.0f) << p;  // padding
+
+  ids[1] = 4;  // out of range [0, 4): contributes 0, the error names the table
+  s = codegen::interpretGroup(*g, bufs);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("'tables.0'"), std::string::npos) << s.message();
+  EXPECT_EQ(dw[1], 0.0f);
+  EXPECT_FLOAT_EQ(dw[0], 2.5f);
+}
+
 TEST(KernelLowering, GroupsNeverMixStreams) {
   CaseBuilder b("streams");
   Value* x = b.input("x", DType::f32, S({4, 8}));

@@ -404,6 +404,27 @@ inline std::vector<OpCase> allOpCases() {
     b.tol(1e-4);
     add(b);
   }
+  {  // The per-id weights' gradient of a fixed-hotness bag: one dot product per id.
+    CaseBuilder b("embedding_weight_grad");
+    b.op("kiln.embedding_bag_weight_grad", {b.param("tables.0", f32, S({7, 10})),
+                                            b.input("ids", DType::i64, S({5, 3}), Fill::Ids, 7),
+                                            b.input("grad", f32, S({5, 10}))},
+         {{"mode", Attribute("mean")}});
+    b.kernels(1);
+    b.tol(1e-5);
+    add(b);
+  }
+  for (const char* mode : {"sum", "mean"}) {  // jagged: each id position finds its bag (empty bags included)
+    CaseBuilder b(std::string("embedding_weight_grad_jagged_") + mode);
+    b.op("kiln.embedding_bag_weight_grad", {b.param("tables.0", f32, S({9, 40})),
+                                            b.input("ids", DType::i32, S({17}), Fill::Ids, 9),
+                                            b.input("lengths", DType::i64, S({7}), Fill::Lengths, 17),
+                                            b.input("grad", f32, S({7, 40}))},
+         {{"mode", Attribute(mode)}});
+    b.kernels(2);  // scan, one row reduction per id
+    b.tol(1e-5);
+    add(b);
+  }
   {
     CaseBuilder b("embedding_grad_sqnorm");
     b.op("kiln.embedding_bag_grad_sqnorm", {b.input("ids", DType::i64, S({8, 2}), Fill::Ids, 5), b.input("grad", f32, S({8, 6}))});
