@@ -33,6 +33,35 @@ int64_t product(const std::vector<int64_t>& s) {
 
 }  // namespace
 
+Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symbols) {
+  auto sa = codegen::concreteShape(op.operand(0)->type(), symbols);
+  auto sb = codegen::concreteShape(op.operand(1)->type(), symbols);
+  auto sc = codegen::concreteShape(op.result()->type(), symbols);
+  if (!sa || !sb || !sc) return Status::errorf("kiln.matmul at {}: shapes are not concrete", op.location().str());
+  if (sa->size() < 2 || sb->size() < 2 || sc->size() < 2)
+    return Status::errorf("kiln.matmul at {}: the CUDA backend needs operands of rank >= 2", op.location().str());
+  GemmShape g;
+  g.transpose_a = op.boolAttr("transpose_a");
+  g.transpose_b = op.boolAttr("transpose_b");
+  g.m = (*sc)[sc->size() - 2];
+  g.n = sc->back();
+  g.k = g.transpose_a ? (*sa)[sa->size() - 2] : sa->back();
+  g.a_type = op.operand(0)->type().dtype();
+  g.b_type = op.operand(1)->type().dtype();
+  g.c_type = op.result()->type().dtype();
+  auto batchOf = [](const std::vector<int64_t>& s) { return product({s.begin(), s.end() - 2}); };
+  int64_t ba = batchOf(*sa), bb = batchOf(*sb), bc = batchOf(*sc);
+  if (ba == bc && bb == bc) {
+    g.batch = bc;
+  } else if (bb == 1 && ba == bc && !g.transpose_a) {
+    g.m *= bc;  // [batch, M, K] x [K, N]: one [batch*M, K] x [K, N] product
+  } else {
+    return Status::errorf("kiln.matmul at {}: broadcast batch dims {} x {} are not supported on the CUDA backend",
+                          op.location().str(), shapeStr(*sa), shapeStr(*sb));
+  }
+  return g;
+}
+
 Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups,
                                        const ir::SymbolBindings& symbols, int64_t alignment) {
   CudaProgram out;
@@ -131,6 +160,41 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
       p.results.push_back(*b);
     }
   KILN_RETURN_IF_ERROR(codegen::planMemory(p, {.alignment = alignment, .in_place = false}));
+
+  // The steps of each group, their arguments as program buffers.
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const codegen::LoweredGroup& g = groups[gi];
+    const std::vector<int>& gb = out.group_buffers[gi];
+    out.group_steps.push_back({out.steps.size(), 0});
+    if (g.gemm) {
+      auto shape = gemmShapeOf(*g.gemm, symbols);
+      if (!shape) return shape.status();
+      // The epilogue the lowering accepted: bias, activation and the output's type.
+      const codegen::GemmCall& call = g.gemm_call;
+      shape->c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
+      const bool bias = call.bias >= 0;
+      if (bias) shape->bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
+      shape->epilogue = call.activation == "relu" ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
+                        : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
+                        : (bias ? Epilogue::Bias : Epilogue::None);
+      CudaStep s;
+      s.group = static_cast<int>(gi);
+      s.gemm = *shape;
+      s.name = fmt::format("{} at {}", shape->str(), g.gemm->location().str());
+      for (int a : {call.a, call.b, call.c, call.bias}) s.args.push_back(a < 0 ? -1 : gb[static_cast<size_t>(a)]);
+      out.steps.push_back(std::move(s));
+    }
+    for (size_t ki = 0; ki < g.kernels.size(); ++ki) {
+      CudaStep s;
+      s.group = static_cast<int>(gi);
+      s.kernel = static_cast<int>(ki);
+      codegen::emitKernel(g.kernels[ki], &s.name);
+      s.launch = codegen::launchConfig(g.kernels[ki]);
+      for (int a : g.args[ki]) s.args.push_back(gb[static_cast<size_t>(a)]);
+      out.steps.push_back(std::move(s));
+    }
+    out.group_steps.back().second = out.steps.size();
+  }
   return out;
 }
 
@@ -220,12 +284,13 @@ struct Step {
 };
 
 // A group's embedding {code, table} flag, outside the arena so it survives the step: code 1 from
-// an embedding kernel (an id out of range), 2 from its jagged-lengths scan.
+// an embedding kernel (an id out of range), 2 from its jagged-lengths scan. `table` is numbered
+// across the group (LoweredGroup::error_subjects), whichever of its kernels set the flag.
 struct ErrorFlag {
   CUdeviceptr ptr = 0;
-  std::string kernel, scan_kernel;
-  std::vector<std::string> tables;   // weight buffer names, by the embedding kernel's table index
-  std::vector<std::string> lengths;  // lengths buffer names, by the scan kernel's table index
+  std::string kernel;                 // the group's first kernel using the flag
+  std::vector<std::string> subjects;  // table (or lengths) names, by the flag's `table`
+  std::vector<std::string> checkers;  // the kernel that checks each, by the flag's `table`
 };
 
 struct CudaExecutor::Impl {
@@ -256,40 +321,6 @@ struct CudaExecutor::Impl {
   Status synchronize();
 };
 
-namespace {
-
-// The row-major GEMM a kiln.matmul is: batch dims must match (a shared right operand is folded
-// into M when the left one is not transposed).
-Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symbols) {
-  auto sa = codegen::concreteShape(op.operand(0)->type(), symbols);
-  auto sb = codegen::concreteShape(op.operand(1)->type(), symbols);
-  auto sc = codegen::concreteShape(op.result()->type(), symbols);
-  if (!sa || !sb || !sc) return Status::errorf("kiln.matmul at {}: shapes are not concrete", op.location().str());
-  if (sa->size() < 2 || sb->size() < 2 || sc->size() < 2)
-    return Status::errorf("kiln.matmul at {}: the CUDA backend needs operands of rank >= 2", op.location().str());
-  GemmShape g;
-  g.transpose_a = op.boolAttr("transpose_a");
-  g.transpose_b = op.boolAttr("transpose_b");
-  g.m = (*sc)[sc->size() - 2];
-  g.n = sc->back();
-  g.k = g.transpose_a ? (*sa)[sa->size() - 2] : sa->back();
-  g.a_type = op.operand(0)->type().dtype();
-  g.b_type = op.operand(1)->type().dtype();
-  g.c_type = op.result()->type().dtype();
-  auto batchOf = [](const std::vector<int64_t>& s) { return product({s.begin(), s.end() - 2}); };
-  int64_t ba = batchOf(*sa), bb = batchOf(*sb), bc = batchOf(*sc);
-  if (ba == bc && bb == bc) {
-    g.batch = bc;
-  } else if (bb == 1 && ba == bc && !g.transpose_a) {
-    g.m *= bc;  // [batch, M, K] x [K, N]: one [batch*M, K] x [K, N] product
-  } else {
-    return Status::errorf("kiln.matmul at {}: broadcast batch dims {} x {} are not supported on the CUDA backend",
-                          op.location().str(), shapeStr(*sa), shapeStr(*sb));
-  }
-  return g;
-}
-
-}  // namespace
 
 Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
   if (step.gemm) {
@@ -366,7 +397,6 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   if (!built) return built.status();
   im.built = built.take();
   codegen::Program& p = im.program;
-  const std::vector<std::vector<int>>& group_buffers = im.built.group_buffers;
   std::set<int> error_flag_buffers(im.built.error_flags.begin(), im.built.error_flags.end());
   std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
 
@@ -452,64 +482,42 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     im.module = loaded.take();
   }
 
-  // The steps, in group order, with every argument resolved.
-  size_t kernel_index = 0;
-  for (size_t gi = 0; gi < groups.size(); ++gi) {
-    const codegen::LoweredGroup& g = groups[gi];
-    im.group_steps.push_back({im.steps.size(), 0});  // the end is set below
-    if (g.gemm) {
-      auto shape = gemmShapeOf(*g.gemm, symbols);
-      if (!shape) return shape.status();
-      // The epilogue the lowering accepted: bias, activation and the output's type.
-      const codegen::GemmCall& call = g.gemm_call;
-      auto addressOf = [&](int gb) { return gb < 0 ? CUdeviceptr{0} : im.address[group_buffers[gi][static_cast<size_t>(gb)]]; };
-      shape->c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
-      bool bias = call.bias >= 0;
-      if (bias) shape->bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
-      shape->epilogue = call.activation == "relu" ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
-                        : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
-                        : (bias ? Epilogue::Bias : Epilogue::None);
-      Step s;
-      s.gemm = true;
-      s.shape = *shape;
-      s.name = fmt::format("{} at {}", shape->str(), g.gemm->location().str());
-      s.args = {addressOf(call.a), addressOf(call.b), addressOf(call.c), addressOf(call.bias)};
+  // The steps, every argument resolved to a device address.
+  for (const CudaStep& cs : im.built.steps) {
+    Step s;
+    s.gemm = cs.isGemm();
+    s.name = cs.name;
+    s.shape = cs.gemm;
+    s.grid = cs.launch.grid;
+    s.block = cs.launch.block;
+    for (int b : cs.args) s.args.push_back(b < 0 ? CUdeviceptr{0} : im.address[static_cast<size_t>(b)]);
+    if (s.gemm) {
       im.steps.push_back(std::move(s));
       ++im.gemms;
       continue;
     }
-    for (size_t ki = 0; ki < g.kernels.size(); ++ki, ++kernel_index) {
-      const codegen::Kernel& k = g.kernels[ki];
-      Step s;
-      codegen::emitKernel(k, &s.name);
-      auto fn = im.module->function(s.name);
-      if (!fn) return fn.status();
-      s.fn = *fn;
-      codegen::LaunchConfig lc = codegen::launchConfig(k);
-      s.grid = lc.grid;
-      s.block = lc.block;
-      for (int gb : g.args[ki]) s.args.push_back(im.address[group_buffers[gi][static_cast<size_t>(gb)]]);
-      if (k.error_flag >= 0) {
-        // One flag per group, shared by its scan ({2, t}) and embedding kernels ({1, t}).
-        int pb = group_buffers[gi][static_cast<size_t>(g.args[ki][static_cast<size_t>(k.error_flag)])];
-        auto it = std::find_if(im.flags.begin(), im.flags.end(), [&](const ErrorFlag& e) { return e.ptr == im.address[pb]; });
-        if (it == im.flags.end()) it = im.flags.insert(im.flags.end(), ErrorFlag{im.address[pb], {}, {}, {}, {}});
-        std::vector<std::string>& names = k.kind == codegen::KernelKind::BagOffsets ? it->lengths : it->tables;
-        std::string& kernel = k.kind == codegen::KernelKind::BagOffsets ? it->scan_kernel : it->kernel;
-        if (kernel.empty()) {  // a group's first kernel of each kind names the tables
-          kernel = s.name;
-          for (const codegen::EmbeddingTable& t : k.tables) {
-            int named = k.kind == codegen::KernelKind::BagOffsets ? t.lengths : t.weight;
-            names.push_back(named >= 0 ? k.buffers[static_cast<size_t>(named)].name : "?");
-          }
-        }
+    auto fn = im.module->function(s.name);
+    if (!fn) return fn.status();
+    s.fn = *fn;
+    const codegen::LoweredGroup& g = groups[static_cast<size_t>(cs.group)];
+    const size_t ki = static_cast<size_t>(cs.kernel);
+    const codegen::Kernel& k = g.kernels[ki];
+    if (k.error_flag >= 0) {
+      // One flag per group, shared by its scan ({2, t}) and embedding kernels ({1, t}).
+      const CUdeviceptr flag = s.args[static_cast<size_t>(k.error_flag)];
+      auto it = std::find_if(im.flags.begin(), im.flags.end(), [&](const ErrorFlag& e) { return e.ptr == flag; });
+      if (it == im.flags.end()) {  // the group's list names every table its kernels check
+        it = im.flags.insert(im.flags.end(), ErrorFlag{flag, s.name, {}, {}});
+        for (const codegen::ErrorSubject& e : g.error_subjects) it->subjects.push_back(e.name);
+        it->checkers.resize(g.error_subjects.size(), "?");
       }
-      im.steps.push_back(std::move(s));
-      ++im.kernels;
+      for (size_t e = 0; e < g.error_subjects.size(); ++e)
+        if (g.error_subjects[e].kernel == static_cast<int>(ki)) it->checkers[e] = s.name;
     }
+    im.steps.push_back(std::move(s));
+    ++im.kernels;
   }
-  for (size_t gi = 0; gi < im.group_steps.size(); ++gi)
-    im.group_steps[gi].second = gi + 1 < im.group_steps.size() ? im.group_steps[gi + 1].first : im.steps.size();
+  im.group_steps = im.built.group_steps;
   return ex;
 }
 
@@ -575,15 +583,15 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
     int32_t flag[2] = {0, 0};
     KILN_CU(drv, cuMemcpyDtoH(flag, f.ptr, sizeof(flag)), "reading the embedding error flag of " + f.kernel);
     if (!flag[0]) continue;
-    auto name = [&](const std::vector<std::string>& names) {
+    auto at = [&](const std::vector<std::string>& names) {
       return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size() ? names[static_cast<size_t>(flag[1])]
                                                                           : std::to_string(flag[1]);
     };
     if (flag[0] == 2)
       return Status::errorf("@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
-                            im.program.function, name(f.lengths), f.scan_kernel);
+                            im.program.function, at(f.subjects), at(f.checkers));
     return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", im.program.function,
-                          name(f.tables), f.kernel);
+                          at(f.subjects), at(f.checkers));
   }
 
   std::vector<ir::HostTensor> out;

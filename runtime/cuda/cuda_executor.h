@@ -25,11 +25,13 @@
 #include <string>
 #include <vector>
 
+#include "codegen/cuda_emitter.h"
 #include "codegen/program.h"
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/tensor_view.h"
 #include "runtime/cpu/executor.h"
+#include "runtime/cuda/cublaslt.h"
 #include "runtime/parameter_store.h"
 
 namespace kiln::codegen {
@@ -48,6 +50,21 @@ namespace kiln::cuda {
 // stream 0, and a CUDA graph captured on stream 0 reaches the other streams this way), and waits
 // at the end for an event each other stream records after its last launch (the join).
 // Launch instructions carry attribute "group" (the group's index).
+//
+// Steps: what each launch instruction runs, in group order, with every argument a program
+// buffer, so a runtime only maps buffers to addresses (the CUDA executor to device memory, the
+// simt tests to host memory).
+struct CudaStep {
+  int group = 0;
+  int kernel = -1;               // index into the group's kernels; -1: the group's GEMM
+  std::string name;              // the kernel's symbol, or the GEMM's description
+  codegen::LaunchConfig launch;  // kernels
+  GemmShape gemm;                // the GEMM: shape, types and epilogue
+  std::vector<int> args;         // a kernel's buffers in parameter order; a GEMM's a, b, c, bias
+                                 // (-1: no bias)
+  bool isGemm() const { return kernel < 0; }
+};
+
 struct CudaProgram {
   codegen::Program program;                     // memory-planned
   std::vector<std::vector<int>> group_buffers;  // [group][group buffer] -> program buffer
@@ -55,7 +72,13 @@ struct CudaProgram {
   std::vector<int> inputs;                      // buffers of kiln.input values
   std::vector<int> error_flags;                 // embedding error flags (outside the arena)
   std::vector<std::pair<int, const ir::Op*>> constants;  // buffer, its kiln.constant
+  std::vector<CudaStep> steps;                  // in group order
+  std::vector<std::pair<size_t, size_t>> group_steps;  // [group] -> [begin, end) of steps
 };
+
+// The row-major GEMM a kiln.matmul is, at concrete shapes (types from its operands, no
+// epilogue): batch dims must match, or a shared right operand is folded into M.
+Expected<GemmShape> gemmShapeOf(const ir::Op& matmul, const ir::SymbolBindings& symbols);
 
 // Builds and memory-plans the Program of `groups` (codegen::lowerFunction(f, symbols)). Needs no
 // GPU. Buffers outside the arena: inputs, parameters, constants (kind Parameter) and error flags.

@@ -10,6 +10,7 @@
 #include "runtime/data/batch_reader.h"
 #include "tools/model_session.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/model_compare.h"
 
 namespace kiln::cli {
 namespace {
@@ -50,26 +51,6 @@ std::vector<data::Batch> batches(const ModelSession& s, int n) {
   return out;
 }
 
-double maxRelDiff(const ir::HostTensor& a, const ir::HostTensor& b) {
-  double worst = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    double x, y;
-    if (a.view.dtype == ir::DType::bf16) {
-      x = ir::bf16ToFloat(a.as<uint16_t>()[i]);
-      y = ir::bf16ToFloat(b.as<uint16_t>()[i]);
-    } else if (a.view.dtype == ir::DType::f64) {
-      x = a.as<double>()[i];
-      y = b.as<double>()[i];
-    } else {
-      x = a.as<float>()[i];
-      y = b.as<float>()[i];
-    }
-    double d = std::fabs(x - y) / (1e-3 + std::fabs(y));
-    if (!(d <= worst)) worst = std::isnan(d) ? INFINITY : d;
-  }
-  return worst;
-}
-
 class GpuModel : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(GpuModel, TrainingStepMatchesCpu) {
@@ -94,7 +75,8 @@ TEST_P(GpuModel, TrainingStepMatchesCpu) {
     const ir::HostTensor* got = gpu->params().find(name);
     ASSERT_TRUE(want && got) << name;
     ASSERT_EQ(want->storage.size(), got->storage.size()) << name;
-    EXPECT_LE(maxRelDiff(*got, *want), want->view.dtype == ir::DType::bf16 ? 2e-2 : 2e-3) << name;
+    testing::TensorDiff d = testing::compareTensors(*got, *want, testing::stateTolerance(want->view.dtype));
+    EXPECT_LE(d.off, d.total / 1000) << name << ": " << d.str();
   }
 }
 

@@ -3,16 +3,16 @@
 // simt::HostModule force-includes this header ahead of a codegen::CudaModule's source and builds
 // both with the host C++ compiler into a shared object. The source is the text NVRTC compiles,
 // unchanged: this header gives its CUDA words host meanings.
-//   - A launch runs its blocks one after another. The threads of a block are fibers (ucontext)
-//     on one OS thread, each resumed until it finishes or waits at a barrier, so __syncthreads
-//     and warp shuffles keep CUDA's semantics, and __shared__ (a function-local static here) is
-//     shared by the block that runs.
+//   - A launch runs its blocks one after another. The threads of a block are fibers on one OS
+//     thread, each resumed until it finishes or waits at a barrier, so __syncthreads and warp
+//     shuffles keep CUDA's semantics, and __shared__ (a function-local static here) is shared
+//     by the block that runs. Blocks, and threads between barriers, run in a shuffled order.
 //   - Atomics are plain read-modify-writes: only one fiber runs at a time.
 //   - Mistakes the GPU would make silently or hang on are errors naming the kernel, block and
 //     thread: a barrier some threads never reach (deadlock), a warp shuffle with an exited lane,
 //     and a memory access fault (the harness places buffers against inaccessible pages).
-// Not modelled: concurrency between blocks (a race between blocks goes unseen), the memory
-// model, and the GPU's math library (glibc's expf may differ in the last bit).
+// Not modelled: threads truly at once (a race is seen only through the order it leaves results
+// in), the memory model, and the GPU's math library (glibc's expf may differ in the last bit).
 #pragma once
 
 #include <math.h>
@@ -43,8 +43,72 @@ namespace kiln_simt {
 
 enum class State : unsigned char { Ready, AtBlockBarrier, AtWarpBarrier, Done };
 
+// Switching between fibers. On x86-64 a few instructions save the callee-saved registers and
+// the floating-point control words on the old stack and restore them from the new one
+// (glibc's swapcontext makes a system call per switch for the signal mask, which dominated the
+// run time); elsewhere ucontext does it.
+#if defined(__x86_64__)
+extern "C" void kiln_simt_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden kiln_simt_switch
+  .type kiln_simt_switch, @function
+kiln_simt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size kiln_simt_switch, .-kiln_simt_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+inline void switchContext(Context& from, Context& to) { kiln_simt_switch(&from.sp, to.sp); }
+// A context that starts `entry` (which must never return) on [stack, stack + bytes).
+inline void makeContext(Context& c, char* stack, size_t bytes, Context&, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t{15};
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;                          // entry's return address: it never returns
+  *--sp = reinterpret_cast<void*>(entry);   // where kiln_simt_switch's ret goes
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp rbx r12 r13 r14 r15
+  *--sp = reinterpret_cast<void*>(uintptr_t{0x037F} << 32 | 0x1F80);  // x87 control word, MXCSR
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void switchContext(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void makeContext(Context& c, char* stack, size_t bytes, Context& link, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = &link.uc;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-  ucontext_t context;
+  Context context;
   State state = State::Ready;
 };
 
@@ -53,7 +117,7 @@ struct Launch {
   void** args = nullptr;
   const char* kernel = "";
   std::vector<Fiber> fibers;
-  ucontext_t scheduler;
+  Context scheduler;
   int current = -1;
   std::vector<unsigned long long> lanes;  // one exchange slot per thread, for shuffles
   std::string error;
@@ -92,13 +156,15 @@ inline void wait(State s) {
   Launch& l = *running;
   Fiber& f = l.fibers[static_cast<size_t>(l.current)];
   f.state = s;
-  swapcontext(&f.context, &l.scheduler);
+  switchContext(f.context, l.scheduler);
 }
 
-inline void fiberEntry() {
+[[noreturn]] inline void fiberEntry() {
   running->body(running->args);
-  running->fibers[static_cast<size_t>(running->current)].state = State::Done;
-  // Returning resumes uc_link: the scheduler.
+  Fiber& f = running->fibers[static_cast<size_t>(running->current)];
+  f.state = State::Done;
+  switchContext(f.context, running->scheduler);  // never resumed
+  __builtin_unreachable();
 }
 
 // A memory fault inside a kernel ends its launch with an error instead of the process.
@@ -111,7 +177,9 @@ inline void onFault(int sig, siginfo_t* info, void*) {
   char what[128];
   snprintf(what, sizeof what, "a memory access fault at address %p", info->si_addr);
   running->error = std::string(what) + where();
-  setcontext(&running->scheduler);  // back into the scheduler, with its signal mask
+  // Back into the scheduler, abandoning the fiber (SA_NODEFER left the signal unblocked).
+  Fiber& f = running->fibers[static_cast<size_t>(running->current)];
+  switchContext(f.context, running->scheduler);
 }
 
 // Releases the barrier the block's fibers wait at, if it is complete. False when the block can
@@ -185,24 +253,39 @@ inline int launch(void (*body)(void**), void** args, long long grid, int block, 
   running = &l;
   blockDim = {static_cast<unsigned>(block), 1, 1};
   gridDim = {static_cast<unsigned>(grid), 1, 1};
-  for (long long b = 0; b < grid && l.error.empty(); ++b) {
-    blockIdx = {static_cast<unsigned>(b), 0, 0};
+  // Blocks, and the threads of a block between barriers, run in a shuffled order drawn from
+  // the kernel's name: the same every run (so results repeat bit for bit), but not index order,
+  // so code that assumes an order the GPU does not promise (a missing __syncthreads, block 0
+  // finishing first) computes wrong results here rather than passing by luck.
+  unsigned long long rng = 0x9E3779B97F4A7C15ull;
+  for (const char* c = kernel; *c; ++c) rng = (rng ^ static_cast<unsigned char>(*c)) * 0x100000001B3ull;
+  auto next = [&rng](unsigned long long n) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return n ? rng % n : 0;
+  };
+  auto shuffled = [&](std::vector<unsigned>& order, size_t n) {
+    order.resize(n);
+    for (size_t i = 0; i < n; ++i) order[i] = static_cast<unsigned>(i);
+    for (size_t i = n; i > 1; --i) std::swap(order[i - 1], order[next(i)]);
+  };
+  std::vector<unsigned> blocks, threads;
+  shuffled(blocks, static_cast<size_t>(grid));
+  for (size_t bi = 0; bi < blocks.size() && l.error.empty(); ++bi) {
+    blockIdx = {blocks[bi], 0, 0};
+    shuffled(threads, static_cast<size_t>(block));
     for (int t = 0; t < block; ++t) {
       Fiber& f = l.fibers[static_cast<size_t>(t)];
-      getcontext(&f.context);
-      f.context.uc_stack.ss_sp = stacks + static_cast<size_t>(t) * kStackBytes;
-      f.context.uc_stack.ss_size = kStackBytes;
-      f.context.uc_link = &l.scheduler;
-      makecontext(&f.context, fiberEntry, 0);
+      makeContext(f.context, stacks + static_cast<size_t>(t) * kStackBytes, kStackBytes, l.scheduler, fiberEntry);
       f.state = State::Ready;
     }
     while (l.error.empty()) {
-      for (int t = 0; t < block && l.error.empty(); ++t) {
-        Fiber& f = l.fibers[static_cast<size_t>(t)];
+      for (size_t i = 0; i < threads.size() && l.error.empty(); ++i) {
+        const unsigned t = threads[i];
+        Fiber& f = l.fibers[t];
         if (f.state != State::Ready) continue;
-        l.current = t;
-        threadIdx = {static_cast<unsigned>(t), 0, 0};
-        swapcontext(&l.scheduler, &f.context);
+        l.current = static_cast<int>(t);
+        threadIdx = {t, 0, 0};
+        switchContext(l.scheduler, f.context);
         l.current = -1;
       }
       if (!l.error.empty() || !release(l)) break;

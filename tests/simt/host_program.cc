@@ -1,0 +1,262 @@
+#include "tests/simt/host_program.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "codegen/cuda_emitter.h"
+#include "codegen/kernel_lowering.h"
+#include "ir/op_def.h"
+#include "runtime/cuda/cuda_executor.h"
+#include "tests/simt/host_module.h"
+
+namespace kiln::simt {
+
+namespace {
+
+float load(const void* p, ir::DType t, int64_t i) {
+  switch (t) {
+    case ir::DType::bf16: return ir::bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    case ir::DType::f64: return static_cast<float>(static_cast<const double*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+void store(void* p, ir::DType t, int64_t i, float v) {
+  if (t == ir::DType::bf16)
+    static_cast<uint16_t*>(p)[i] = ir::floatToBf16(v);
+  else
+    static_cast<float*>(p)[i] = v;
+}
+
+bool hasBias(cuda::Epilogue e) {
+  return e == cuda::Epilogue::Bias || e == cuda::Epilogue::BiasRelu || e == cuda::Epilogue::BiasGelu;
+}
+
+}  // namespace
+
+void gemmAsCublasLt(const cuda::GemmShape& s, const void* a, const void* b, void* c, const void* bias) {
+  const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
+  // cuBLASLt's operands: its A is our B, its B our A. A layout is the matrix as stored; the
+  // operation applies to it. Both are first packed as f32, op(A) by rows and op(B) by columns,
+  // so each element of D is one contiguous dot product.
+  const void* first = b;
+  const void* second = a;
+  const int64_t first_stride = g.rows_first * g.cols_first, second_stride = g.rows_second * g.cols_second;
+  std::vector<float> rows(static_cast<size_t>(g.m * g.k)), cols(static_cast<size_t>(g.n * g.k));
+  for (int64_t bt = 0; bt < s.batch; ++bt) {
+    for (int64_t i = 0; i < g.m; ++i)
+      for (int64_t k = 0; k < g.k; ++k)  // op(A)[i, k]
+        rows[static_cast<size_t>(i * g.k + k)] =
+            load(first, s.b_type, bt * first_stride + (g.trans_first ? k + i * g.ld_first : i + k * g.ld_first));
+    for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t k = 0; k < g.k; ++k)  // op(B)[k, j]
+        cols[static_cast<size_t>(j * g.k + k)] =
+            load(second, s.a_type, bt * second_stride + (g.trans_second ? j + k * g.ld_second : k + j * g.ld_second));
+    for (int64_t j = 0; j < g.n; ++j)
+      for (int64_t i = 0; i < g.m; ++i) {
+        const float* x = rows.data() + i * g.k;
+        const float* y = cols.data() + j * g.k;
+        float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // f32 accumulation, eight running sums
+        int64_t k = 0;
+        for (; k + 8 <= g.k; k += 8)
+          for (int l = 0; l < 8; ++l) part[l] += x[k + l] * y[k + l];
+        float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+        for (; k < g.k; ++k) acc += x[k] * y[k];
+        if (hasBias(s.epilogue)) acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
+        if (s.epilogue == cuda::Epilogue::Relu || s.epilogue == cuda::Epilogue::BiasRelu) acc = std::max(acc, 0.0f);
+        if (s.epilogue == cuda::Epilogue::Gelu || s.epilogue == cuda::Epilogue::BiasGelu)
+          acc = 0.5f * acc * (1.0f + std::tanh(0.7978845608028654f * (acc + 0.044715f * acc * acc * acc)));
+        store(c, s.c_type, bt * g.m * g.n + i + j * g.ld_c, acc);
+      }
+  }
+}
+
+namespace {
+
+// The checks cuBLASLt makes of a problem's layouts (CUBLAS_STATUS_INVALID_VALUE otherwise).
+Status checkLayouts(const cuda::GemmShape& s) {
+  const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
+  auto check = [&](const char* which, bool trans, int64_t rows, int64_t cols, int64_t ld, int64_t op_rows,
+                   int64_t op_cols) -> Status {
+    int64_t want_rows = trans ? op_cols : op_rows, want_cols = trans ? op_rows : op_cols;
+    if (rows != want_rows || cols != want_cols || ld < rows)
+      return Status::errorf("{}: cuBLASLt's {} is laid out {}x{} (ld {}), its operation needs {}x{}", s.str(), which,
+                            rows, cols, ld, want_rows, want_cols);
+    return Status::ok();
+  };
+  KILN_RETURN_IF_ERROR(check("A", g.trans_first, g.rows_first, g.cols_first, g.ld_first, g.m, g.k));
+  KILN_RETURN_IF_ERROR(check("B", g.trans_second, g.rows_second, g.cols_second, g.ld_second, g.k, g.n));
+  if (g.ld_c < g.m) return Status::errorf("{}: ldc {} < m {}", s.str(), g.ld_c, g.m);
+  return Status::ok();
+}
+
+}  // namespace
+
+struct HostProgram::Impl {
+  cuda::CudaProgram built;
+  std::vector<codegen::LoweredGroup> groups;
+  std::unique_ptr<HostModule> module;
+  ir::SymbolBindings symbols;
+  int kernels = 0, gemms = 0;
+};
+
+HostProgram::~HostProgram() = default;
+int HostProgram::numKernels() const { return impl_->kernels; }
+int HostProgram::numGemms() const { return impl_->gemms; }
+
+Expected<std::unique_ptr<HostProgram>> HostProgram::create(const ir::Function& f, const ir::SymbolBindings& symbols) {
+  std::unique_ptr<HostProgram> hp(new HostProgram());
+  hp->impl_ = std::make_unique<Impl>();
+  Impl& im = *hp->impl_;
+  im.symbols = symbols;
+  auto groups = codegen::lowerFunction(f, symbols);
+  if (!groups) return groups.status();
+  im.groups = groups.take();
+  auto built = cuda::buildCudaProgram(f, im.groups, symbols);
+  if (!built) return built.status();
+  im.built = built.take();
+  std::vector<const codegen::Kernel*> all;
+  for (const codegen::LoweredGroup& g : im.groups)
+    for (const codegen::Kernel& k : g.kernels) all.push_back(&k);
+  auto module = HostModule::compile(codegen::emitModule(all));
+  if (!module) return module.status();
+  im.module = module.take();
+  for (const cuda::CudaStep& s : im.built.steps) {
+    if (s.isGemm()) {
+      KILN_RETURN_IF_ERROR(checkLayouts(s.gemm));
+      ++im.gemms;
+    } else {
+      ++im.kernels;
+    }
+  }
+  return hp;
+}
+
+Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch& batch,
+                                                       runtime::ParameterStore& params, uint64_t seed) {
+  Impl& im = *impl_;
+  const codegen::Program& p = im.built.program;
+  std::set<int> flags(im.built.error_flags.begin(), im.built.error_flags.end());
+  std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
+  std::set<int> inputs(im.built.inputs.begin(), im.built.inputs.end());
+
+  // Memory: the arena (poisoned), then every buffer outside it in its own guarded buffer.
+  auto arena = GuardedBuffer::allocate(static_cast<size_t>(std::max<int64_t>(p.arena_bytes, 256)), 256);
+  if (!arena) return arena.status();
+  std::memset(arena->data(), 0xFF, arena->bytes());
+  std::vector<GuardedBuffer> owned(p.buffers.size());
+  std::vector<char*> address(p.buffers.size(), nullptr);
+  std::vector<std::pair<int, ir::HostTensor*>> param_of;
+  for (const codegen::Buffer& b : p.buffers) {
+    if (b.inArena()) {
+      address[b.id] = static_cast<char*>(arena->data()) + b.offset;
+      continue;
+    }
+    const size_t align = static_cast<size_t>(std::max<int64_t>(1, ir::dtypeBytes(b.type.dtype())));
+    auto buf = GuardedBuffer::allocate(static_cast<size_t>(b.bytes), flags.count(b.id) ? 4 : align);
+    if (!buf) return buf.status();
+    owned[b.id] = buf.take();
+    address[b.id] = static_cast<char*>(owned[b.id].data());
+    const std::vector<int64_t>& shape = im.built.shapes[b.id];
+    if (flags.count(b.id)) {
+      std::memset(address[b.id], 0, static_cast<size_t>(b.bytes));
+    } else if (constants.count(b.id)) {
+      const ir::Op* op = constants.at(b.id);
+      ir::HostTensor t(op->result()->type().dtype(), shape);
+      ir::CpuContext cc;
+      cc.symbols = &im.symbols;
+      KILN_RETURN_IF_ERROR(op->def()->cpu(*op, {}, {&t.view}, cc));
+      std::memcpy(address[b.id], t.storage.data(), t.storage.size());
+    } else if (inputs.count(b.id)) {
+      auto it = batch.find(b.name);
+      if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", p.function, b.name);
+      const size_t bytes = static_cast<size_t>(it->second.numel() * ir::dtypeBytes(it->second.dtype));
+      if (bytes > static_cast<size_t>(b.bytes))
+        return Status::errorf("input '{}' holds {} bytes, the program {}", b.name, bytes, b.bytes);
+      std::memset(address[b.id], 0xA5, static_cast<size_t>(b.bytes));
+      std::memcpy(address[b.id], it->second.data, bytes);
+    } else {
+      ir::HostTensor* t = params.find(b.name);
+      if (!t) return Status::errorf("parameter '{}' is not in the store", b.name);
+      if (static_cast<int64_t>(t->storage.size()) != b.bytes)
+        return Status::errorf("parameter '{}' is {} bytes, the program needs {}", b.name, t->storage.size(), b.bytes);
+      std::memcpy(address[b.id], t->storage.data(), t->storage.size());
+      param_of.push_back({b.id, t});
+    }
+  }
+
+  // One launch instruction: its group's steps.
+  auto launch = [&](const codegen::Instruction& in) -> Status {
+    const size_t group = static_cast<size_t>(in.attrs.find("group")->second.asInt());
+    auto [begin, end] = im.built.group_steps[group];
+    for (size_t i = begin; i < end; ++i) {
+      const cuda::CudaStep& s = im.built.steps[i];
+      std::vector<void*> args;
+      for (int a : s.args) args.push_back(a < 0 ? nullptr : address[static_cast<size_t>(a)]);
+      if (s.isGemm()) {
+        // Each operand's buffer must hold the matrices cuBLASLt will touch.
+        const cuda::GemmShape& g = s.gemm;
+        const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n, g.n};
+        const ir::DType types[4] = {g.a_type, g.b_type, g.c_type, g.bias_type};
+        for (int o = 0; o < 4; ++o) {
+          if (s.args[static_cast<size_t>(o)] < 0) continue;
+          const codegen::Buffer& b = p.buffers[static_cast<size_t>(s.args[static_cast<size_t>(o)])];
+          if (b.bytes < elements[o] * ir::dtypeBytes(types[o]))
+            return Status::errorf("{}: operand {} ('{}') holds {} bytes, the GEMM reads {}", s.name, "ABCb"[o], b.name,
+                                  b.bytes, elements[o] * ir::dtypeBytes(types[o]));
+        }
+        gemmAsCublasLt(g, args[0], args[1], args[2], args[3]);
+      } else {
+        KILN_RETURN_IF_ERROR(im.module->launch(s.name, s.launch, args));
+      }
+    }
+    return Status::ok();
+  };
+
+  // The streams, interleaved at random where the events allow.
+  std::mt19937_64 rng(seed);
+  std::vector<size_t> pc(p.streams.size(), 0);
+  std::vector<bool> recorded(static_cast<size_t>(p.num_events), false);
+  for (;;) {
+    std::vector<size_t> ready;
+    bool left = false;
+    for (size_t s = 0; s < p.streams.size(); ++s) {
+      if (pc[s] >= p.streams[s].instrs.size()) continue;
+      left = true;
+      const codegen::Instruction& in = p.streams[s].instrs[pc[s]];
+      if (in.kind != codegen::InstrKind::WaitEvent || recorded[static_cast<size_t>(in.event)]) ready.push_back(s);
+    }
+    if (!left) break;
+    if (ready.empty()) return Status::errorf("@{}: every stream waits for an event nobody records", p.function);
+    const size_t s = ready[std::uniform_int_distribution<size_t>(0, ready.size() - 1)(rng)];
+    const codegen::Instruction& in = p.streams[s].instrs[pc[s]++];
+    switch (in.kind) {
+      case codegen::InstrKind::Launch: KILN_RETURN_IF_ERROR(launch(in)); break;
+      case codegen::InstrKind::RecordEvent: recorded[static_cast<size_t>(in.event)] = true; break;
+      case codegen::InstrKind::WaitEvent: break;
+      case codegen::InstrKind::HostStep: return Status::errorf("a CUDA program has no host steps ('{}')", in.op);
+    }
+  }
+
+  for (int id : im.built.error_flags) {
+    const int32_t* flag = reinterpret_cast<const int32_t*>(address[static_cast<size_t>(id)]);
+    if (flag[0]) return Status::errorf("@{}: an embedding kernel flagged error {{{}, {}}}", p.function, flag[0], flag[1]);
+  }
+  for (auto& [id, t] : param_of) std::memcpy(t->storage.data(), address[static_cast<size_t>(id)], t->storage.size());
+  std::vector<ir::HostTensor> out;
+  for (int id : p.results) {
+    ir::HostTensor t(p.buffers[static_cast<size_t>(id)].type.dtype(), im.built.shapes[static_cast<size_t>(id)]);
+    std::memcpy(t.storage.data(), address[static_cast<size_t>(id)], t.storage.size());
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace kiln::simt
