@@ -3,10 +3,13 @@
 // ms/step of the CUDA-graph step (inputs already on the host, copied per step as in training),
 // and a per-kernel profile summed into GEMM time and FLOPs and embedding forward/backward time.
 //
-//   r1_bench [--model FILE] [--batch B] [--rows-cap N] [--steps N] [--disable-pass NAME]
+//   r1_bench [--model FILE] [--batch B] [--rows-cap N] [--steps N] [--precision bf16|f32]
+//            [--disable-pass NAME]
 //
 // The model's train block is overridden to plain SGD (lr 0.01) for tables and MLPs, as R1 and
-// the PyTorch peer specify; `--disable-pass fusion` measures the step without Kiln's fusion.
+// the PyTorch peer specify, and to the given precision: bf16 (the default) stores GEMM inputs
+// and outputs in bf16 with f32 accumulation, as the peer's bf16 autocast does; f32 runs FP32
+// GEMMs. `--disable-pass fusion` measures the step without Kiln's fusion.
 #include <chrono>
 #include <cstdio>
 #include <algorithm>
@@ -37,6 +40,7 @@ int fail(const std::string& what, const Status& s) {
 int main(int argc, char** argv) {
   std::string model = std::string(KILN_SOURCE_DIR) + "/models/dlrm_dcnv2.kiln";
   int64_t batch = 16384, rows_cap = 1000000, steps = 20;
+  std::string precision = "bf16";
   std::set<std::string, std::less<>> disabled;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
@@ -45,6 +49,7 @@ int main(int argc, char** argv) {
     else if (k == "--rows-cap") rows_cap = std::stoll(v);
     else if (k == "--steps") steps = std::stoll(v);
     else if (k == "--disable-pass") disabled.insert(v);
+    else if (k == "--precision" && (v == "bf16" || v == "f32")) precision = v;
     else {
       std::fprintf(stderr, "r1_bench: unknown flag %s\n", k.c_str());
       return 2;
@@ -65,7 +70,9 @@ int main(int argc, char** argv) {
   so.device = "cpu";
   so.pass_options.disabled = disabled;
   const ir::AttrDict sgd = {{"kind", ir::Attribute(std::string("sgd"))}, {"lr", ir::Attribute(0.01)}};
-  so.train_overrides = {{"optimizer", ir::Attribute(sgd)}, {"embedding_optimizer", ir::Attribute(sgd)}};
+  so.train_overrides = {{"optimizer", ir::Attribute(sgd)},
+                        {"embedding_optimizer", ir::Attribute(sgd)},
+                        {"precision", ir::Attribute(precision)}};
   auto t0 = std::chrono::steady_clock::now();
   auto session = cli::ModelSession::create(so, std::cerr);
   if (!session) return fail("compiling " + model, session.status());
@@ -157,12 +164,12 @@ int main(int argc, char** argv) {
       "KILN {\"ms_per_step\": %.3f, \"samples_per_s\": %.0f, \"kernels\": %d, \"gemms\": %d, \"graph\": %s, "
       "\"profile_ms\": {\"gemm\": %.3f, \"emb_fwd\": %.3f, \"emb_bwd\": %.3f, \"other\": %.3f}, "
       "\"gemm_tflops\": %.1f, \"emb_fwd_tbps\": %.3f, \"emb_bwd_tbps\": %.3f, \"loss_first\": %.5f, \"loss_last\": %.5f, "
-      "\"setup_s\": %.1f, \"fusion\": %s, \"device\": \"%s\"}\n",
+      "\"setup_s\": %.1f, \"fusion\": %s, \"precision\": \"%s\", \"device\": \"%s\"}\n",
       ms, static_cast<double>(batch) / ms * 1e3, (*ex)->numKernels(), (*ex)->numGemms(),
       (*ex)->graphCaptured() ? "true" : "false", gemm_ms, emb_fwd_ms, emb_bwd_ms, other_ms,
       gemm_ms > 0 ? gemm_flops / (gemm_ms * 1e-3) / 1e12 : 0.0, emb_fwd_ms > 0 ? fwd_bytes / (emb_fwd_ms * 1e-3) / 1e12 : 0.0,
       emb_bwd_ms > 0 ? bwd_bytes / (emb_bwd_ms * 1e-3) / 1e12 : 0.0, first_loss, loss, setup_s,
-      disabled.count("fusion") ? "false" : "true", (*cs)->deviceName().c_str());
+      disabled.count("fusion") ? "false" : "true", precision.c_str(), (*cs)->deviceName().c_str());
   // The ten slowest launches, to see where the time goes.
   std::vector<cuda::CudaExecutor::Timing> top = *prof;
   std::sort(top.begin(), top.end(), [](const auto& a, const auto& b) { return a.ms > b.ms; });

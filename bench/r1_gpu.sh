@@ -22,6 +22,9 @@ echo "   exit $?"; tail -15 "$LOG/kiln.log"
 echo "== kiln without fusion (log: $LOG/kiln_nofusion.log)"
 "$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --disable-pass fusion >"$LOG/kiln_nofusion.log" 2>&1
 echo "   exit $?"; grep KILN "$LOG/kiln_nofusion.log"; cat "$LOG/kiln_nofusion.log" >>"$LOG/kiln.log"
+echo "== kiln f32 GEMMs (log: $LOG/kiln_f32.log)"
+"$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --precision f32 >"$LOG/kiln_f32.log" 2>&1
+echo "   exit $?"; grep KILN "$LOG/kiln_f32.log"; cat "$LOG/kiln_f32.log" >>"$LOG/kiln.log"
 echo "== pytorch peer $PEER (log: $LOG/torch.log)"
 if [ -f "$PEER" ]; then
   CAP=1000000 B=16384 timeout 900 python3 "$PEER" >"$LOG/torch.log" 2>&1
@@ -51,7 +54,7 @@ def row(name, ms):
     e = f"{eager['ms_per_step'] / ms:.2f}x" if eager else "-"
     c = f"{comp['ms_per_step'] / ms:.2f}x" if comp else "-"
     print(f"| {name} | {ms:.2f} | {16384 / ms * 1e3 / 1e6:.2f} M | {e} | {c} | {FLOOR / ms:.0%} |")
-for r in k: row(f"kiln f32, CUDA graph, fusion {'on' if r.get('fusion', True) else 'off'}", r["ms_per_step"])
+for r in k: row(f"kiln {r.get('precision', 'f32')}, CUDA graph, fusion {'on' if r.get('fusion', True) else 'off'}", r["ms_per_step"])
 if not k: print("| kiln | FAILED (see kiln.log) | | | | |")
 for r in t: row(f"pytorch {'compile' if r['compiled'] else 'eager'} {'bf16' if r['amp'] else 'fp32'}", r["ms_per_step"])
 if k:

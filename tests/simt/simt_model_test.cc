@@ -17,14 +17,14 @@ namespace kiln::cli {
 namespace {
 
 using testing::compareTensors;
+using testing::ModelCase;
 using testing::valueAt;
 
-const char* const kModels[] = {"dlrm", "dcn", "deepfm", "wide_deep", "dlrm_dcnv2"};
 constexpr int64_t kBatch = 64;
 
-std::unique_ptr<ModelSession> makeSession(const std::string& model) {
+std::unique_ptr<ModelSession> makeSession(const ModelCase& c) {
   SessionOptions o;
-  o.model_path = std::string(KILN_SOURCE_DIR) + "/models/" + model + ".kiln";
+  c.apply(o);
   o.overrides["rows_cap"] = "500";  // small tables keep both sides fast; the code is the same
   o.batch = kBatch;
   o.threads = 1;
@@ -67,11 +67,12 @@ struct StepInputs {
   StepInputs(const StepInputs&) = delete;
 };
 
-class SimtModel : public ::testing::TestWithParam<const char*> {};
+class SimtModel : public ::testing::TestWithParam<ModelCase> {};
 
 TEST_P(SimtModel, TrainingStepMatchesCpu) {
   auto cpu = makeSession(GetParam());
   auto host = makeSession(GetParam());
+  const double loss_tol = testing::lossTolerance(GetParam()), logit_tol = testing::logitTolerance(GetParam());
   ASSERT_TRUE(cpu && host);
   const ir::Function* f = host->module().lookup("train_step");
   ASSERT_NE(f, nullptr);
@@ -87,10 +88,10 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
     auto r = (*program)->run(in.batch, host->params(), static_cast<uint64_t>(step));
     ASSERT_TRUE(r) << r.status().message();
     ASSERT_GE(r->size(), 2u);
-    EXPECT_NEAR(valueAt((*r)[0], 0), c->loss, 1e-4 * (1 + std::fabs(c->loss))) << "step " << step;
+    EXPECT_NEAR(valueAt((*r)[0], 0), c->loss, loss_tol * (1 + std::fabs(c->loss))) << "step " << step;
     ASSERT_EQ((*r)[1].numel(), static_cast<int64_t>(c->logits.size()));
     for (size_t i = 0; i < c->logits.size(); ++i)
-      ASSERT_NEAR(valueAt((*r)[1], static_cast<int64_t>(i)), c->logits[i], 1e-3 * (1 + std::fabs(c->logits[i])))
+      ASSERT_NEAR(valueAt((*r)[1], static_cast<int64_t>(i)), c->logits[i], logit_tol * (1 + std::fabs(c->logits[i])))
           << "logit " << i << " step " << step;
   }
   for (const std::string& name : cpu->checkpointNames()) {
@@ -98,7 +99,7 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
     const ir::HostTensor* got = host->params().find(name);
     ASSERT_TRUE(want && got) << name;
     ASSERT_EQ(want->storage.size(), got->storage.size()) << name;
-    testing::TensorDiff d = compareTensors(*got, *want, testing::stateTolerance(want->view.dtype));
+    testing::TensorDiff d = compareTensors(*got, *want, testing::stateTolerance(GetParam(), want->view.dtype));
     EXPECT_LE(d.off, d.total / 1000) << name << ": " << d.str();
   }
 }
@@ -133,7 +134,8 @@ TEST_P(SimtModel, EveryStreamInterleavingComputesTheSameBits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, SimtModel, ::testing::ValuesIn(kModels));
+INSTANTIATE_TEST_SUITE_P(Models, SimtModel, ::testing::ValuesIn(testing::modelCases()),
+                         [](const ::testing::TestParamInfo<ModelCase>& i) { return i.param.name(); });
 
 }  // namespace
 }  // namespace kiln::cli
