@@ -163,6 +163,13 @@ class FunctionFuser {
 
   std::string shapeOf(const Group& g) const { return g.members.back()->result()->type().str(); }
 
+  // Whether `cast` widens the bf16 or f16 result of the matmul `mm` to f32.
+  static bool isWideningCast(const Op& mm, const Op& cast) {
+    if (mm.name() != "kiln.matmul" || cast.name() != "kiln.cast" || cast.operand(0) != mm.result()) return false;
+    const ir::DType from = mm.result()->type().dtype();
+    return (from == ir::DType::bf16 || from == ir::DType::f16) && cast.result()->type().dtype() == ir::DType::f32;
+  }
+
   // Legality of adding `consumer` to the group of its operand's producer `producer`.
   FusionDecision canFuse(const Op& producer, const Op& consumer, int g) const {
     const Group& grp = groups_[static_cast<size_t>(g)];
@@ -182,21 +189,25 @@ class FunctionFuser {
       if (int n = outsideUsers(tail, {const_cast<Op*>(&consumer)}); n > 0)
         return forbid(fmt::format("producer has {} user{} outside the group; a cuBLASLt epilogue writes only its "
                                   "final result", n, n == 1 ? "" : "s"));
+      // A bf16/f16 product widened to f32 at once is cuBLASLt's f32 accumulator (the lowering
+      // skips that rounding, as XLA's excess precision does); the epilogue continues after it.
+      const size_t head = grp.members.size() > 1 && isWideningCast(*grp.members[0], *grp.members[1]) ? 2 : 1;
       bool has_act = std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); });
-      bool has_bias = grp.members.size() > 1 && grp.members[1]->name() == "kiln.add";
+      bool has_bias = grp.members.size() > head && grp.members[head]->name() == "kiln.add";
       if (consumer.name() == "kiln.add") {
         const Value* other = consumer.operand(0) == producer.result() ? consumer.operand(1) : consumer.operand(0);
-        if (grp.members.size() != 1 || has_bias) return forbid("the bias add must directly follow the GEMM");
+        if (grp.members.size() != head || has_bias) return forbid("the bias add must directly follow the GEMM");
         if (other->type().rank() != 1) return forbid("the added value is not a bias vector (rank 1)");
         if (!(consumer.result()->type() == producer.result()->type())) return forbid("the bias add changes the shape");
       } else if (isActivation(consumer)) {
         if (has_act) return forbid("the epilogue already has an activation");
       } else if (consumer.name() == "kiln.cast") {
-        // A cast ends the epilogue (the GEMM's output type).
+        // A cast ends the epilogue (the GEMM's output type), unless it widens the product.
       } else {
         return forbid(fmt::format("{} is not a bias add, activation or cast epilogue", consumer.name()));
       }
-      if (tail.name() == "kiln.cast") return forbid("the epilogue already ends in a cast");
+      if (tail.name() == "kiln.cast" && !(grp.members.size() == 2 && head == 2))
+        return forbid("the epilogue already ends in a cast");
     } else if (grp.kind == Kind::Pointwise) {
       if (isPointwise(consumer)) {
         if (consumer.result()->type().shape() != grp.members.back()->result()->type().shape())

@@ -34,6 +34,9 @@ struct TensorDiff {
   double worst = 0;
   int64_t worst_at = -1;
   double got_at_worst = 0, want_at_worst = 0;
+  // How many may be off: one per thousand, and one more (a relu whose input rounds across zero
+  // flips one gradient term).
+  int64_t allowed() const { return 1 + total / 1000; }
   std::string str() const {
     return fmt::format("{} of {} elements off; worst [{}]: {} vs {} (relative {:.3g})", off, total, worst_at,
                        got_at_worst, want_at_worst, worst);

@@ -33,6 +33,9 @@ struct EpilogueCase {
   const char* activation;  // "" for a bias-only epilogue
   DType dtype;
   double tol;
+  // Mixed precision's form: the bf16 product widened to f32 at once, then an f32 bias and
+  // activation (one bf16-in, f32-out call that skips the product's rounding).
+  bool widen = false;
 };
 
 class GpuGemmEpilogue : public ::testing::TestWithParam<EpilogueCase> {};
@@ -48,20 +51,20 @@ TEST_P(GpuGemmEpilogue, OneCublasLtCallMatchesCpuReference) {
   std::mt19937 rng(11);
   std::map<const Value*, ir::HostTensor> values;
   runtime::cpu::Batch batch;
-  auto input = [&](const char* name, ir::Shape shape) {
-    auto op = b.createWithTypes("kiln.input", {}, {TensorType(ec.dtype, shape)}, {{"name", Attribute(name)}});
+  auto input = [&](const char* name, ir::Shape shape, DType dtype) {
+    auto op = b.createWithTypes("kiln.input", {}, {TensorType(dtype, shape)}, {{"name", Attribute(name)}});
     EXPECT_TRUE(op);
     Value* v = (*op)->result();
     std::vector<int64_t> dims;
     for (const Dim& d : shape) dims.push_back(d.size());
-    ir::HostTensor t(ec.dtype, dims);
+    ir::HostTensor t(dtype, dims);
     fillTensor(t, Fill::Normal, 0, rng);
     values[v] = t;
     return v;
   };
-  Value* x = input("x", S({m, k}));
-  Value* w = input("w", S({n, k}));
-  Value* bias = input("b", S({n}));
+  Value* x = input("x", S({m, k}), ec.dtype);
+  Value* w = input("w", S({n, k}), ec.dtype);
+  Value* bias = input("b", S({n}), ec.widen ? DType::f32 : ec.dtype);
   for (const auto& [v, t] : values) batch[v->definingOp()->strAttr("name")] = t.view;
   std::vector<ir::Op*> members;
   auto add = [&](const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
@@ -71,6 +74,7 @@ TEST_P(GpuGemmEpilogue, OneCublasLtCallMatchesCpuReference) {
     return (*op)->result();
   };
   Value* y = add("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}});
+  if (ec.widen) y = add("kiln.cast", {y}, {{"to", Attribute("f32")}});
   y = add("kiln.add", {y, bias});
   if (*ec.activation) y = add(ec.activation, {y});
   ASSERT_TRUE(b.createWithTypes("func.return", {y}, {}));
@@ -99,7 +103,8 @@ INSTANTIATE_TEST_SUITE_P(Epilogues, GpuGemmEpilogue,
                          ::testing::Values(EpilogueCase{"bias_f32", "", DType::f32, 1e-4},
                                            EpilogueCase{"bias_relu_f32", "kiln.relu", DType::f32, 1e-4},
                                            EpilogueCase{"bias_gelu_f32", "kiln.gelu", DType::f32, 1e-4},
-                                           EpilogueCase{"bias_relu_bf16", "kiln.relu", DType::bf16, 3e-2}),
+                                           EpilogueCase{"bias_relu_bf16", "kiln.relu", DType::bf16, 3e-2},
+                                           EpilogueCase{"widened_bias_relu_bf16", "kiln.relu", DType::bf16, 1e-2, true}),
                          [](const ::testing::TestParamInfo<EpilogueCase>& i) {
                            return std::string(i.param.name);
                          });

@@ -77,7 +77,7 @@ TEST_P(GpuModel, TrainingStepMatchesCpu) {
     ASSERT_TRUE(want && got) << name;
     ASSERT_EQ(want->storage.size(), got->storage.size()) << name;
     testing::TensorDiff d = testing::compareTensors(*got, *want, testing::stateTolerance(GetParam(), want->view.dtype));
-    EXPECT_LE(d.off, d.total / 1000) << name << ": " << d.str();
+    EXPECT_LE(d.off, d.allowed()) << name << ": " << d.str();
   }
 }
 

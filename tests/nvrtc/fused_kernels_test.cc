@@ -237,6 +237,51 @@ TEST(FusedKernels, GemmEpilogueCublasLtCannotRunIsSplitWithItsReason) {
   }
 }
 
+TEST(FusedKernels, WidenedBf16ProductIsTheAccumulatorOfOneCublasLtCall) {
+  // Mixed precision's cast(matmul(bf16, bf16), f32) + bias, relu: ONE cuBLASLt call, bf16 in,
+  // f32 out, bias and relu in its f32 epilogue (the product's bf16 rounding skipped).
+  FusedCase c;
+  Value* x = c.input("x", DType::bf16, S({8, 5}));
+  Value* w = c.param("w", DType::bf16, S({3, 5}));
+  Value* bias = c.param("b", DType::f32, S({3}));
+  Value* mm = c.op("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}})->result();
+  Value* wide = c.op("kiln.cast", {mm}, {{"to", Attribute("f32")}})->result();
+  Value* y = c.op("kiln.add", {wide, bias})->result();
+  Value* z = c.op("kiln.relu", {y})->result();
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {z}, {}));
+  fuseOps(*c.f, c.members(), "gemm_epilogue");
+  auto groups = codegen::lowerFunction(*c.f, c.symbols);
+  ASSERT_TRUE(groups) << groups.status().message();
+  ASSERT_EQ(groups->size(), 1u);
+  const LoweredGroup& g = groups->front();
+  EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
+  ASSERT_NE(g.gemm, nullptr);
+  EXPECT_EQ(g.gemm_call.activation, "relu");
+  ASSERT_GE(g.gemm_call.bias, 0);
+  EXPECT_EQ(g.buffers[static_cast<size_t>(g.gemm_call.a)].dtype, DType::bf16);
+  EXPECT_EQ(g.buffers[static_cast<size_t>(g.gemm_call.c)].dtype, DType::f32);
+  EXPECT_EQ(g.buffers[static_cast<size_t>(g.gemm_call.c)].value, c.f->returnOp()->operand(0));
+}
+
+TEST(FusedKernels, Bf16ProductWidenedAfterTheBiasIsSplit) {
+  // matmul(bf16) + bf16 bias, then widened: the sum was rounded to bf16 before the cast, which
+  // cuBLASLt's f32 output would not do: split, with the reason.
+  FusedCase c;
+  Value* x = c.input("x", DType::bf16, S({8, 5}));
+  Value* w = c.param("w", DType::bf16, S({3, 5}));
+  Value* bias = c.param("b", DType::bf16, S({3}));
+  Value* mm = c.op("kiln.matmul", {x, w}, {{"transpose_b", Attribute(true)}})->result();
+  Value* y = c.op("kiln.add", {mm, bias})->result();
+  Value* wide = c.op("kiln.cast", {y}, {{"to", Attribute("f32")}})->result();
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {wide}, {}));
+  fuseOps(*c.f, c.members(), "gemm_epilogue");
+  auto groups = codegen::lowerFunction(*c.f, c.symbols);
+  ASSERT_TRUE(groups) << groups.status().message();
+  ASSERT_GE(groups->size(), 2u);
+  EXPECT_NE(groups->front().split_reason.find("widens a bf16 product"), std::string::npos)
+      << groups->front().split_reason;
+}
+
 TEST(FusedKernels, OuterValueSeesThroughFusedRegions) {
   FusedCase c;
   Value* x = c.input("x", DType::f32, S({4}));

@@ -18,6 +18,30 @@ func.func @epilogue(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>, %b: !k
 
 // -----
 
+// Mixed precision's widened bf16 product is the GEMM's f32 accumulator: the bias add and relu
+// after it join the epilogue; the cast to bf16 for the next GEMM does not (relu's result has
+// another user).
+// CHECK-LABEL: func.func @bf16_epilogue
+// CHECK:         %[[G:.*]] = "kiln.fused"(%x, %w, %b) ({
+// CHECK:           "kiln.matmul"
+// CHECK-NEXT:      "kiln.cast"
+// CHECK-NEXT:      "kiln.add"
+// CHECK-NEXT:      "kiln.relu"
+// CHECK-NEXT:      "kiln.yield"
+// CHECK:         }) {kind = "gemm_epilogue"}
+// CHECK-NOT:     "kiln.matmul"
+// CHECK:         "kiln.cast"(%[[G]])
+func.func @bf16_epilogue(%x: !kiln.tensor<Bx8xbf16>, %w: !kiln.tensor<4x8xbf16>, %b: !kiln.tensor<4xf32>) -> (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx4xbf16>) {
+  %0 = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx8xbf16>, !kiln.tensor<4x8xbf16>) -> !kiln.tensor<Bx4xbf16>
+  %1 = "kiln.cast"(%0) {to = "f32"} : (!kiln.tensor<Bx4xbf16>) -> !kiln.tensor<Bx4xf32>
+  %2 = "kiln.add"(%1, %b) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<4xf32>) -> !kiln.tensor<Bx4xf32>
+  %3 = "kiln.relu"(%2) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xf32>
+  %4 = "kiln.cast"(%3) {to = "bf16"} : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xbf16>
+  return %3, %4 : !kiln.tensor<Bx4xf32>, !kiln.tensor<Bx4xbf16>
+}
+
+// -----
+
 // A pointwise chain of one shape is one group; the reduction of a value also returned is not.
 // CHECK-LABEL: func.func @chain
 // CHECK:         "kiln.fused"(%x, %y) ({
