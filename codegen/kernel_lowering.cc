@@ -1039,11 +1039,14 @@ class GroupLowering {
     return static_cast<int>(out_.error_subjects.size() - 1);
   }
 
-  // Clear + accumulate: duplicate ids of the batch combined into a hash table of summed
-  // gradients. Returns the table's hash-table buffers.
+  // Clear, insert, accumulate: duplicate ids of the batch combined into a hash table of summed
+  // gradients. The clear resets only the keys and the distinct count; the insert zeroes the rows
+  // it claims, so the gradient rows (capacity x dim floats, gigabytes at R1's scale) are never
+  // swept. Returns the table's hash-table buffers.
   struct Accumulated {
-    int keys, accum;
+    int keys, accum, distinct;
     int64_t capacity, dim;
+    int64_t bound;  // distinct ids at most: min(occurrences, rows)
   };
   // Where an update reads its pooled-output gradient: columns [offset, offset + dim) of rows of
   // `stride` elements of `value` (the concatenated gradient, when a fused group drops the slice).
@@ -1064,44 +1067,67 @@ class GroupLowering {
     Accumulated a;
     a.dim = (*gs)[1];
     int64_t n = product(*is);
-    a.capacity = std::max<int64_t>(32, nextPow2(2 * std::min(n, rows > 0 ? rows : n)));
+    a.bound = std::min(n, rows > 0 ? rows : n);
+    a.capacity = std::max<int64_t>(32, nextPow2(2 * a.bound));
     std::string stem = op.hasAttr("table") ? op.strAttr("table") : valueName(grad);
     a.keys = tempBuffer(stem + ".unique_ids", DType::i64, a.capacity);
     a.accum = tempBuffer(stem + ".row_grads", DType::f32, a.capacity * a.dim);
+    a.distinct = tempBuffer(stem + ".distinct_slots", DType::i64, 1 + a.capacity);
     {
       KB kb;
       Kernel& k = kb.k;
       k.name = "embedding_grad_clear";
       k.kind = KernelKind::Pointwise;
-      k.space = {a.capacity, a.dim};
+      k.space = {a.capacity};
       ExprGraph& g = k.exprs;
-      int slot = g.coord(0), d = g.coord(1);
-      k.stores.push_back({bind(kb, a.keys, true), slot, g.intConstant(-1), g.binary(ExprOp::Eq, d, g.intConstant(0))});
-      k.stores.push_back({bind(kb, a.accum, true), rowMajorOffset(g, {slot, d}, k.space), g.constant(0, DType::f32), -1});
+      int slot = g.coord(0);
+      k.stores.push_back({bind(kb, a.keys, true), slot, g.intConstant(-1), -1});
+      k.stores.push_back({bind(kb, a.distinct, true), g.intConstant(0), g.intConstant(0),
+                          g.binary(ExprOp::Eq, slot, g.intConstant(0))});
       KILN_RETURN_IF_ERROR(finish(kb));
     }
-    KB kb;
-    Kernel& k = kb.k;
-    k.name = "embedding_grad_combine";
-    k.kind = KernelKind::EmbeddingAccumulate;
-    k.batch = bag->batch;
-    EmbeddingTable t;
-    bindIds(kb, t, *bag);
-    if (l.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(l.weights)), false);
-    t.rows = rows;
-    t.dim = a.dim;
-    t.mean = op.strAttr("mode", "sum") == "mean";
-    t.out = bindValue(kb, source ? source->value : grad, false);
-    t.out_stride = source ? source->stride : a.dim;
-    t.out_offset = source ? source->offset : 0;
-    t.keys = bind(kb, a.keys, true);
-    t.accum = bind(kb, a.accum, true);
-    t.capacity = a.capacity;
-    t.flag_index = errorSubject(valueName(l.table >= 0 ? op.operand(static_cast<unsigned>(l.table)) : ids), rows);
-    k.tables.push_back(t);
-    k.error_flag = bind(kb, errorFlag(), true);
-    KILN_RETURN_IF_ERROR(finish(kb));
+    // The insert checks the ids; the accumulate after it reports an id it cannot find there.
+    const int flag_index =
+        errorSubject(valueName(l.table >= 0 ? op.operand(static_cast<unsigned>(l.table)) : ids), rows);
+    for (KernelKind kind : {KernelKind::EmbeddingInsert, KernelKind::EmbeddingAccumulate}) {
+      const bool insert = kind == KernelKind::EmbeddingInsert;
+      KB kb;
+      Kernel& k = kb.k;
+      k.name = insert ? "embedding_grad_insert" : "embedding_grad_combine";
+      k.kind = kind;
+      k.batch = bag->batch;
+      EmbeddingTable t;
+      bindIds(kb, t, *bag);
+      t.rows = rows;
+      t.dim = a.dim;
+      t.keys = bind(kb, a.keys, true);
+      t.accum = bind(kb, a.accum, true);
+      t.capacity = a.capacity;
+      t.flag_index = flag_index;
+      if (insert) {
+        t.distinct = bind(kb, a.distinct, true);
+      } else {
+        if (l.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(l.weights)), false);
+        t.mean = op.strAttr("mode", "sum") == "mean";
+        t.out = bindValue(kb, source ? source->value : grad, false);
+        t.out_stride = source ? source->stride : a.dim;
+        t.out_offset = source ? source->offset : 0;
+      }
+      k.tables.push_back(t);
+      k.error_flag = bind(kb, errorFlag(), true);
+      KILN_RETURN_IF_ERROR(finish(kb));
+    }
     return a;
+  }
+
+  // The slot of the o-th distinct id of an accumulated table, and whether there is one:
+  // (o < distinct[0], distinct[1 + o]).
+  std::pair<int, int> distinctSlot(KB& kb, const Accumulated& a, int o) {
+    ExprGraph& g = kb.k.exprs;
+    int list = bind(kb, a.distinct, false);
+    int present = g.binary(ExprOp::Lt, o, g.load(list, DType::i64, g.intConstant(0)));
+    int slot = g.load(list, DType::i64, g.binary(ExprOp::Add, o, g.intConstant(1)));
+    return {present, slot};
   }
 
   Status lowerEmbeddingUpdate(const Op& op, const GradSource* source = nullptr) {
@@ -1113,18 +1139,20 @@ class GroupLowering {
     auto a = accumulate(op, *l, (*ts)[0], source);
     if (!a) return a.status();
     std::string kind = op.strAttr("optimizer");
+    // One row per distinct id, walking the insert's list (not the whole hash table).
     KB kb;
     Kernel& k = kb.k;
     k.name = "embedding_update_" + kind;
     k.kind = KernelKind::Row;
-    k.space = {a->capacity};
+    k.space = {a->bound};
     k.row_space = {a->dim};
     ExprGraph& g = k.exprs;
     DType ct = computeType(table->type().dtype());
     Hyper h = hyper(kb, op, l->lr, l->step, l->grad_scale, ct);
-    int slot = g.coord(0), d = g.coord(1);
+    int d = g.coord(1);
+    auto [present, slot] = distinctSlot(kb, *a, g.coord(0));
+    k.guard = present;
     int key = g.load(bind(kb, a->keys, false), DType::i64, slot);
-    k.guard = g.binary(ExprOp::Ge, key, g.intConstant(0));
     int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a->dim)), d);
     int tw = bindValue(kb, table, true);
     int w = g.load(tw, table->type().dtype(), elem);
@@ -1165,11 +1193,13 @@ class GroupLowering {
     k.name = "embedding_grad_sqnorm";
     k.kind = KernelKind::Row;
     k.space = {1};
-    k.row_space = {a->capacity, a->dim};
+    k.row_space = {a->bound, a->dim};
     ExprGraph& g = k.exprs;
-    int v = g.load(bind(kb, a->accum, false), DType::f32, rowMajorOffset(g, {g.coord(1), g.coord(2)}, k.row_space));
-    // Empty slots hold zeros, so every slot may be summed.
-    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, v, v), {}});
+    // The rows of the distinct ids; the rest of the table is never written.
+    auto [present, slot] = distinctSlot(kb, *a, g.coord(1));
+    int v = g.load(bind(kb, a->accum, false), DType::f32, rowMajorOffset(g, {slot, g.coord(2)}, {a->capacity, a->dim}));
+    int sq = g.select(present, g.binary(ExprOp::Mul, v, v), g.constant(0, DType::f32));
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, sq, {}});
     k.stores.push_back({bindValue(kb, op.result(), true), g.intConstant(0),
                         g.cast(g.rowValue(0, DType::f32), op.result()->type().dtype()), -1});
     return finish(kb);

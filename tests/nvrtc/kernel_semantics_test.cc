@@ -158,7 +158,7 @@ TEST(KernelSemanticsByHand, UpdateGroupErrorNamesTheTableWithTheBadId) {
     ASSERT_TRUE(run) << run.status().message();
     auto g = codegen::lowerFusedGroup("embedding_update", c.group, {});
     ASSERT_TRUE(g) << g.status().message();
-    ASSERT_EQ(g->kernels.size(), 6u);  // clear, combine, update per table
+    ASSERT_EQ(g->kernels.size(), 8u);  // clear, insert, combine, update per table
     std::vector<ir::HostTensor> storage = groupStorage(*g, *run);
     std::vector<void*> ptrs;
     size_t t0_at = 0;

@@ -370,7 +370,7 @@ inline std::vector<OpCase> allOpCases() {
         attrs["mode"] = Attribute("mean");
       }
       b.op("kiln.embedding_bag_update", operands, attrs);
-      b.kernels(3);
+      b.kernels(4);  // clear, insert, accumulate, row update
       b.tol(1e-4);
       add(b);
     }
@@ -400,7 +400,7 @@ inline std::vector<OpCase> allOpCases() {
     appendUpdateTail(b, operands, opt);
     b.op("kiln.embedding_bag_update", operands,
          {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weighted", Attribute(true)}, {"mode", Attribute("mean")}});
-    b.kernels(4);  // scan, clear, accumulate, row update
+    b.kernels(5);  // scan, clear, insert, accumulate, row update
     b.tol(1e-4);
     add(b);
   }
