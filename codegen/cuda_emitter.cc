@@ -147,6 +147,9 @@ __device__ __forceinline__ void kiln_bag_forward(const T* table, const I* ids, c
   float acc[kPer];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) acc[j] = 0.0f;
+  // Unrolled so several ids' rows are in flight at once: a many-hot bag (R1 has bags of 100)
+  // is otherwise one dependent id-then-row load after another.
+#pragma unroll 4
   for (long long p = lo; p < hi; ++p) {
     const long long id = (long long)ids[p];
     if (id < 0 || id >= rows) { if (lane == 0) kiln_set_error(err, t); continue; }

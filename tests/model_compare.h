@@ -2,7 +2,11 @@
 // the host) with the CPU executor's, shared by gpu_model_test and simt_model_test.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
+#include <memory>
+#include <sstream>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -10,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "ir/tensor_view.h"
+#include "runtime/data/batch_reader.h"
 #include "tools/model_session.h"
 
 namespace kiln::testing {
@@ -89,6 +94,43 @@ inline const std::vector<ModelCase>& modelCases() {
                                                {"wide_deep", ""}, {"dlrm_dcnv2", ""},   {"dlrm", "bf16"},
                                                {"dlrm_dcnv2", "bf16"}};
   return cases;
+}
+
+// A session of the case's model on the host (small tables keep the CPU side fast; the code is
+// the same): `batch` samples a step, seed 3, on `device`.
+inline std::unique_ptr<cli::ModelSession> makeSession(const ModelCase& c, int64_t batch, const std::string& rows_cap,
+                                                      const std::string& device = "cpu", int threads = 1) {
+  cli::SessionOptions o;
+  c.apply(o);
+  o.overrides["rows_cap"] = rows_cap;
+  o.batch = batch;
+  o.threads = threads;
+  o.seed = 3;
+  o.device = device;
+  std::ostringstream diag;
+  auto s = cli::ModelSession::create(o, diag);
+  EXPECT_TRUE(s) << s.status().message() << "\n" << diag.str();
+  return s ? s.take() : nullptr;
+}
+
+// The first `n` synthetic training batches of `batch` samples (seed 11) for the session's model.
+inline std::vector<data::Batch> syntheticBatches(const cli::ModelSession& s, int64_t batch, int n) {
+  data::DataOptions opts;
+  opts.paths = {"synthetic"};
+  opts.batch_size = batch;
+  opts.epochs = 0;
+  opts.synthetic.seed = 11;
+  std::vector<data::Batch> out;
+  auto reader = data::openBatchReader(s.trainSpec(), opts);
+  EXPECT_TRUE(reader) << reader.status().message();
+  if (!reader) return out;
+  for (int i = 0; i < n; ++i) {
+    data::Batch b;
+    auto more = (*reader)->next(b);
+    EXPECT_TRUE(more && *more);
+    out.push_back(std::move(b));
+  }
+  return out;
 }
 
 // bf16 GEMM outputs: a sum rounded the other way is off by one bf16 step (2^-8 relative), and

@@ -19,37 +19,10 @@ using testing::ModelCase;
 constexpr int64_t kBatch = 256;
 
 std::unique_ptr<ModelSession> makeSession(const ModelCase& c, const std::string& device) {
-  SessionOptions o;
-  c.apply(o);
-  o.overrides["rows_cap"] = "2000";  // small tables keep the CPU side fast; the math is the same
-  o.batch = kBatch;
-  o.threads = 2;
-  o.seed = 3;
-  o.device = device;
-  std::ostringstream diag;
-  auto s = ModelSession::create(o, diag);
-  EXPECT_TRUE(s) << s.status().message() << "\n" << diag.str();
-  return s ? s.take() : nullptr;
+  return testing::makeSession(c, kBatch, "2000", device, 2);
 }
 
-std::vector<data::Batch> batches(const ModelSession& s, int n) {
-  data::DataOptions opts;
-  opts.paths = {"synthetic"};
-  opts.batch_size = kBatch;
-  opts.epochs = 0;
-  opts.synthetic.seed = 11;
-  std::vector<data::Batch> out;
-  auto reader = data::openBatchReader(s.trainSpec(), opts);
-  EXPECT_TRUE(reader) << reader.status().message();
-  if (!reader) return out;
-  for (int i = 0; i < n; ++i) {
-    data::Batch b;
-    auto more = (*reader)->next(b);
-    EXPECT_TRUE(more && *more);
-    out.push_back(std::move(b));
-  }
-  return out;
-}
+std::vector<data::Batch> batches(const ModelSession& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
 
 class GpuModel : public ::testing::TestWithParam<ModelCase> {};
 

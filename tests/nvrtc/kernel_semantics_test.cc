@@ -18,16 +18,12 @@ using codegen::LoweredGroup;
 class KernelSemantics : public ::testing::TestWithParam<int> {};
 
 TEST_P(KernelSemantics, InterpretedKernelsMatchCpuReference) {
-  std::vector<OpCase> cases = allOpCases();
-  OpCase& c = cases[static_cast<size_t>(GetParam())];
+  auto prepared = prepareCase(GetParam(), 1234);
+  ASSERT_TRUE(prepared) << prepared.status().message();
+  const OpCase& c = prepared->c;
+  const CaseRun* run = &prepared->run;
+  const LoweredGroup& g = prepared->group;
   SCOPED_TRACE(c.name);
-  std::mt19937 rng(1234 + static_cast<unsigned>(GetParam()));
-  auto run = runReference(c, rng);
-  ASSERT_TRUE(run) << run.status().message();
-
-  auto lowered = codegen::lowerGroup(c.group, c.symbols);
-  ASSERT_TRUE(lowered) << lowered.status().message();
-  const LoweredGroup& g = *lowered;
   if (c.expected_kernels) {
     EXPECT_EQ(g.kernels.size(), c.expected_kernels);
   }

@@ -577,6 +577,41 @@ inline std::vector<ir::HostTensor> groupStorage(const codegen::LoweredGroup& g, 
   return storage;
 }
 
+// What every backend's op test starts from: case `index` of allOpCases(), its CPU reference on
+// fresh random inputs (drawn from `seed` + index) and its lowered group. The case owns the
+// module the group's ops live in.
+struct PreparedCase {
+  OpCase c;
+  CaseRun run;
+  codegen::LoweredGroup group;
+};
+inline Expected<PreparedCase> prepareCase(int index, unsigned seed) {
+  std::vector<OpCase> cases = allOpCases();
+  PreparedCase p{std::move(cases[static_cast<size_t>(index)]), {}, {}};
+  std::mt19937 rng(seed + static_cast<unsigned>(index));
+  auto run = runReference(p.c, rng);
+  if (!run) return Status::errorf("{}: {}", p.c.name, run.status().message());
+  p.run = run.take();
+  auto lowered = codegen::lowerGroup(p.c.group, p.c.symbols);
+  if (!lowered) return Status::errorf("{}: {}", p.c.name, lowered.status().message());
+  p.group = lowered.take();
+  return p;
+}
+
+// The group's embedding error flags start clear, as the executor leaves them before each step.
+inline void clearErrorFlags(const codegen::LoweredGroup& g, std::vector<ir::HostTensor>& storage) {
+  for (size_t i = 0; i < g.buffers.size(); ++i)
+    if (g.buffers[i].name == "embedding_errors") std::memset(storage[i].view.data, 0, storage[i].storage.size());
+}
+
+// After the kernels ran (and the flags were copied back): no embedding error was flagged.
+inline void expectNoErrorFlagged(const codegen::LoweredGroup& g, const std::vector<ir::HostTensor>& storage) {
+  for (size_t i = 0; i < g.buffers.size(); ++i)
+    if (g.buffers[i].name == "embedding_errors") {
+      EXPECT_EQ(storage[i].as<int32_t>()[0], 0) << "the kernels flagged an error for table " << storage[i].as<int32_t>()[1];
+    }
+}
+
 // Compares every value the group wrote (results, updated parameters and state) with the
 // reference; returns how many were compared.
 inline int expectGroupMatchesReference(const codegen::LoweredGroup& g, const std::vector<ir::HostTensor>& storage,

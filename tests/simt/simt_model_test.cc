@@ -22,38 +22,9 @@ using testing::valueAt;
 
 constexpr int64_t kBatch = 64;
 
-std::unique_ptr<ModelSession> makeSession(const ModelCase& c) {
-  SessionOptions o;
-  c.apply(o);
-  o.overrides["rows_cap"] = "500";  // small tables keep both sides fast; the code is the same
-  o.batch = kBatch;
-  o.threads = 1;
-  o.seed = 3;
-  o.device = "cpu";
-  std::ostringstream diag;
-  auto s = ModelSession::create(o, diag);
-  EXPECT_TRUE(s) << s.status().message() << "\n" << diag.str();
-  return s ? s.take() : nullptr;
-}
+std::unique_ptr<ModelSession> makeSession(const ModelCase& c) { return testing::makeSession(c, kBatch, "500"); }
 
-std::vector<data::Batch> batches(const ModelSession& s, int n) {
-  data::DataOptions opts;
-  opts.paths = {"synthetic"};
-  opts.batch_size = kBatch;
-  opts.epochs = 0;
-  opts.synthetic.seed = 11;
-  std::vector<data::Batch> out;
-  auto reader = data::openBatchReader(s.trainSpec(), opts);
-  EXPECT_TRUE(reader) << reader.status().message();
-  if (!reader) return out;
-  for (int i = 0; i < n; ++i) {
-    data::Batch b;
-    auto more = (*reader)->next(b);
-    EXPECT_TRUE(more && *more);
-    out.push_back(std::move(b));
-  }
-  return out;
-}
+std::vector<data::Batch> batches(const ModelSession& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
 
 // The training step's inputs: the batch and the lr factor and step scalars.
 struct StepInputs {

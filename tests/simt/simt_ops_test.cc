@@ -40,23 +40,19 @@ const simt::HostModule& allCasesModule() {
 class SimtOps : public ::testing::TestWithParam<int> {};
 
 TEST_P(SimtOps, EmittedCudaMatchesCpuReference) {
-  std::vector<OpCase> cases = allOpCases();
-  OpCase& c = cases[static_cast<size_t>(GetParam())];
+  auto prepared = prepareCase(GetParam(), 4321);
+  ASSERT_TRUE(prepared) << prepared.status().message();
+  const OpCase& c = prepared->c;
+  const CaseRun* run = &prepared->run;
+  const codegen::LoweredGroup& g = prepared->group;
   SCOPED_TRACE(c.name);
-  std::mt19937 rng(4321 + static_cast<unsigned>(GetParam()));
-  auto run = runReference(c, rng);
-  ASSERT_TRUE(run) << run.status().message();
-  auto lowered = codegen::lowerGroup(c.group, c.symbols);
-  ASSERT_TRUE(lowered) << lowered.status().message();
-  const codegen::LoweredGroup& g = *lowered;
   if (g.gemm) GTEST_SKIP() << "a GEMM: cuBLASLt's, not generated";
   const simt::HostModule& module = allCasesModule();
 
   std::vector<ir::HostTensor> host = groupStorage(g, *run);
+  clearErrorFlags(g, host);
   std::vector<simt::GuardedBuffer> bufs;
   for (size_t i = 0; i < g.buffers.size(); ++i) {
-    // The embedding error flag starts clear, as the executor leaves it before each step.
-    if (g.buffers[i].name == "embedding_errors") std::memset(host[i].view.data, 0, host[i].storage.size());
     auto b = simt::GuardedBuffer::allocate(host[i].storage.size(), ir::dtypeBytes(g.buffers[i].dtype));
     ASSERT_TRUE(b) << b.status().message();
     if (!host[i].storage.empty()) std::memcpy(b->data(), host[i].storage.data(), host[i].storage.size());
@@ -70,12 +66,9 @@ TEST_P(SimtOps, EmittedCudaMatchesCpuReference) {
     Status s = module.launch(name, codegen::launchConfig(g.kernels[k]), args);
     ASSERT_TRUE(s.isOk()) << s.message();
   }
-  for (size_t i = 0; i < g.buffers.size(); ++i) {
+  for (size_t i = 0; i < g.buffers.size(); ++i)
     if (!host[i].storage.empty()) std::memcpy(host[i].storage.data(), bufs[i].data(), host[i].storage.size());
-    if (g.buffers[i].name == "embedding_errors") {
-      EXPECT_EQ(host[i].as<int32_t>()[0], 0) << "the kernels flagged an error for table " << host[i].as<int32_t>()[1];
-    }
-  }
+  expectNoErrorFlagged(g, host);
   EXPECT_GT(expectGroupMatchesReference(g, host, *run, c.tol, "simt"), 0);
 }
 
