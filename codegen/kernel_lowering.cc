@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
 #include "ir/op_def.h"
@@ -1040,22 +1041,31 @@ class GroupLowering {
   }
 
   // Clear, insert, accumulate: duplicate ids of the batch combined into a hash table of summed
-  // gradients. The clear resets only the keys and the distinct count; the insert zeroes the rows
-  // it claims, so the gradient rows (capacity x dim floats, gigabytes at R1's scale) are never
-  // swept. Returns the table's hash-table buffers.
-  struct Accumulated {
-    int keys, accum, distinct;
-    int64_t capacity, dim;
-    int64_t bound;  // distinct ids at most: min(occurrences, rows)
-  };
+  // gradients, one table per update. The clear resets only the keys and the distinct count; the
+  // insert zeroes the rows it claims, so the gradient rows (capacity x dim floats, gigabytes at
+  // R1's scale) are never swept. ONE insert and ONE accumulate kernel serve every table of a
+  // group, as ONE lookup kernel serves every bag.
   // Where an update reads its pooled-output gradient: columns [offset, offset + dim) of rows of
   // `stride` elements of `value` (the concatenated gradient, when a fused group drops the slice).
   struct GradSource {
     const Value* value;
     int64_t stride, offset;
   };
-  Expected<Accumulated> accumulate(const Op& op, const ir::EmbeddingUpdateLayout& l, int64_t rows,
-                                   const GradSource* source = nullptr) {
+  struct Accumulated {
+    int keys = -1, accum = -1, distinct = -1;
+    int64_t capacity = 0, dim = 0;
+    int64_t bound = 0;  // distinct ids at most: min(occurrences, rows)
+    // What the insert and accumulate kernels read.
+    const Op* op = nullptr;
+    ir::EmbeddingUpdateLayout layout;
+    BagIds bag;
+    int64_t rows = 0;  // -1: unchecked (a squared-norm probe has no table)
+    std::optional<GradSource> source;
+  };
+
+  // One table's buffers and its clear kernel. The jagged lengths are scanned by accumulateAll.
+  Expected<Accumulated> prepareAccumulate(const Op& op, const ir::EmbeddingUpdateLayout& l, int64_t rows,
+                                          const GradSource* source) {
     const Value* ids = op.operand(static_cast<unsigned>(l.ids));
     const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
     auto bag = bagIds(op, ids, l.lengths >= 0 ? op.operand(static_cast<unsigned>(l.lengths)) : nullptr);
@@ -1063,8 +1073,12 @@ class GroupLowering {
     auto is = shapeOf(ids);
     auto gs = shapeOf(grad);
     if (!is || !gs) return !is ? is.status() : gs.status();
-    KILN_RETURN_IF_ERROR(scanLengths({*bag}));
     Accumulated a;
+    a.op = &op;
+    a.layout = l;
+    a.bag = *bag;
+    a.rows = rows;
+    if (source) a.source = *source;
     a.dim = (*gs)[1];
     int64_t n = product(*is);
     a.bound = std::min(n, rows > 0 ? rows : n);
@@ -1073,51 +1087,70 @@ class GroupLowering {
     a.keys = tempBuffer(stem + ".unique_ids", DType::i64, a.capacity);
     a.accum = tempBuffer(stem + ".row_grads", DType::f32, a.capacity * a.dim);
     a.distinct = tempBuffer(stem + ".distinct_slots", DType::i64, 1 + a.capacity);
-    {
-      KB kb;
-      Kernel& k = kb.k;
-      k.name = "embedding_grad_clear";
-      k.kind = KernelKind::Pointwise;
-      k.space = {a.capacity};
-      ExprGraph& g = k.exprs;
-      int slot = g.coord(0);
-      k.stores.push_back({bind(kb, a.keys, true), slot, g.intConstant(-1), -1});
-      k.stores.push_back({bind(kb, a.distinct, true), g.intConstant(0), g.intConstant(0),
-                          g.binary(ExprOp::Eq, slot, g.intConstant(0))});
-      KILN_RETURN_IF_ERROR(finish(kb));
+    KB kb;
+    Kernel& k = kb.k;
+    k.name = "embedding_grad_clear";
+    k.kind = KernelKind::Pointwise;
+    k.space = {a.capacity};
+    ExprGraph& g = k.exprs;
+    int slot = g.coord(0);
+    k.stores.push_back({bind(kb, a.keys, true), slot, g.intConstant(-1), -1});
+    k.stores.push_back({bind(kb, a.distinct, true), g.intConstant(0), g.intConstant(0),
+                        g.binary(ExprOp::Eq, slot, g.intConstant(0))});
+    KILN_RETURN_IF_ERROR(finish(kb));
+    return a;
+  }
+
+  // The jagged scan, then ONE insert and ONE accumulate kernel over every table of `tables`.
+  Status accumulateAll(const std::vector<Accumulated>& tables) {
+    std::vector<BagIds> bags;
+    for (const Accumulated& a : tables) {
+      if (a.bag.batch != tables.front().bag.batch)
+        return Status::errorf("{}: the updates of one kernel must share the batch", opLabel(*a.op));
+      bags.push_back(a.bag);
     }
+    KILN_RETURN_IF_ERROR(scanLengths(bags));
     // The insert checks the ids; the accumulate after it reports an id it cannot find there.
-    const int flag_index =
-        errorSubject(valueName(l.table >= 0 ? op.operand(static_cast<unsigned>(l.table)) : ids), rows);
+    std::vector<int> flag_index;
+    for (const Accumulated& a : tables) {
+      const ir::EmbeddingUpdateLayout& l = a.layout;
+      flag_index.push_back(
+          errorSubject(valueName(a.op->operand(static_cast<unsigned>(l.table >= 0 ? l.table : l.ids))), a.rows));
+    }
     for (KernelKind kind : {KernelKind::EmbeddingInsert, KernelKind::EmbeddingAccumulate}) {
       const bool insert = kind == KernelKind::EmbeddingInsert;
       KB kb;
       Kernel& k = kb.k;
       k.name = insert ? "embedding_grad_insert" : "embedding_grad_combine";
       k.kind = kind;
-      k.batch = bag->batch;
-      EmbeddingTable t;
-      bindIds(kb, t, *bag);
-      t.rows = rows;
-      t.dim = a.dim;
-      t.keys = bind(kb, a.keys, true);
-      t.accum = bind(kb, a.accum, true);
-      t.capacity = a.capacity;
-      t.flag_index = flag_index;
-      if (insert) {
-        t.distinct = bind(kb, a.distinct, true);
-      } else {
-        if (l.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(l.weights)), false);
-        t.mean = op.strAttr("mode", "sum") == "mean";
-        t.out = bindValue(kb, source ? source->value : grad, false);
-        t.out_stride = source ? source->stride : a.dim;
-        t.out_offset = source ? source->offset : 0;
+      k.batch = tables.front().bag.batch;
+      for (size_t i = 0; i < tables.size(); ++i) {
+        const Accumulated& a = tables[i];
+        const Op& op = *a.op;
+        EmbeddingTable t;
+        bindIds(kb, t, a.bag);
+        t.rows = a.rows;
+        t.dim = a.dim;
+        t.keys = bind(kb, a.keys, true);
+        t.accum = bind(kb, a.accum, true);
+        t.capacity = a.capacity;
+        t.flag_index = flag_index[i];
+        if (insert) {
+          t.distinct = bind(kb, a.distinct, true);
+        } else {
+          if (a.layout.weights >= 0) t.weights = bindValue(kb, op.operand(static_cast<unsigned>(a.layout.weights)), false);
+          t.mean = op.strAttr("mode", "sum") == "mean";
+          const Value* grad = op.operand(static_cast<unsigned>(a.layout.grad_out));
+          t.out = bindValue(kb, a.source ? a.source->value : grad, false);
+          t.out_stride = a.source ? a.source->stride : a.dim;
+          t.out_offset = a.source ? a.source->offset : 0;
+        }
+        k.tables.push_back(t);
       }
-      k.tables.push_back(t);
       k.error_flag = bind(kb, errorFlag(), true);
       KILN_RETURN_IF_ERROR(finish(kb));
     }
-    return a;
+    return Status::ok();
   }
 
   // The slot of the o-th distinct id of an accumulated table, and whether there is one:
@@ -1130,14 +1163,28 @@ class GroupLowering {
     return {present, slot};
   }
 
-  Status lowerEmbeddingUpdate(const Op& op, const GradSource* source = nullptr) {
+  // An embedding_bag_update's table: its buffers and clear kernel (accumulateAll follows).
+  Expected<Accumulated> prepareUpdate(const Op& op, const GradSource* source = nullptr) {
     auto l = ir::embeddingUpdateLayout(op);
     if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
-    const Value* table = op.operand(static_cast<unsigned>(l->table));
-    auto ts = shapeOf(table);
+    auto ts = shapeOf(op.operand(static_cast<unsigned>(l->table)));
     if (!ts) return ts.status();
-    auto a = accumulate(op, *l, (*ts)[0], source);
+    return prepareAccumulate(op, *l, (*ts)[0], source);
+  }
+
+  Status lowerEmbeddingUpdate(const Op& op) {
+    auto a = prepareUpdate(op);
     if (!a) return a.status();
+    KILN_RETURN_IF_ERROR(accumulateAll({*a}));
+    return updateRows(*a);
+  }
+
+  // The sparse optimizer applied to the rows of an accumulated table's distinct ids.
+  Status updateRows(const Accumulated& acc) {
+    const Accumulated* a = &acc;
+    const Op& op = *acc.op;
+    const ir::EmbeddingUpdateLayout* l = &acc.layout;
+    const Value* table = op.operand(static_cast<unsigned>(l->table));
     std::string kind = op.strAttr("optimizer");
     // One row per distinct id, walking the insert's list (not the whole hash table).
     KB kb;
@@ -1186,8 +1233,9 @@ class GroupLowering {
 
   Status lowerGradSqnorm(const Op& op) {
     auto l = ir::embeddingUpdateLayout(op);
-    auto a = accumulate(op, *l, -1);
+    auto a = prepareAccumulate(op, *l, -1, nullptr);
     if (!a) return a.status();
+    KILN_RETURN_IF_ERROR(accumulateAll({*a}));
     KB kb;
     Kernel& k = kb.k;
     k.name = "embedding_grad_sqnorm";
@@ -1424,6 +1472,7 @@ class GroupLowering {
   // Slices of one concatenated gradient and the sparse updates they feed: each update reads its
   // columns of the concatenated gradient directly (no slice is materialized).
   Status lowerEmbeddingUpdates(const std::vector<const Op*>& ops) {
+    std::vector<Accumulated> tables;
     for (const Op* op : ops) {
       if (op->name() == "kiln.slice") continue;
       if (op->name() != "kiln.embedding_bag_update")
@@ -1445,8 +1494,12 @@ class GroupLowering {
       for (const ir::Use& u : slice->result()->uses())
         if (u.user != op) return Status::errorf("{}: the gradient slice has other users", opLabel(*slice));
       GradSource source{src, (*ss)[1], slice->intAttr("start")};
-      KILN_RETURN_IF_ERROR(lowerEmbeddingUpdate(*op, &source));
+      auto a = prepareUpdate(*op, &source);
+      if (!a) return a.status();
+      tables.push_back(*a);
     }
+    KILN_RETURN_IF_ERROR(accumulateAll(tables));
+    for (const Accumulated& a : tables) KILN_RETURN_IF_ERROR(updateRows(a));
     return Status::ok();
   }
 

@@ -150,21 +150,20 @@ TEST(KernelSemanticsByHand, UpdateGroupErrorNamesTheTableWithTheBadId) {
     b.op("kiln.embedding_bag_update", {t1, ids1, slice(4, 10), lr, step}, sgd);
     OpCase c = b.take();
     std::mt19937 rng(7);
-    auto run = runReference(c, rng);  // every id valid: the reference of the good table's update
+    auto run = runReference(c, rng);  // every id valid: the inputs, before one is spoiled
     ASSERT_TRUE(run) << run.status().message();
     auto g = codegen::lowerFusedGroup("embedding_update", c.group, {});
     ASSERT_TRUE(g) << g.status().message();
-    ASSERT_EQ(g->kernels.size(), 8u);  // clear, insert, combine, update per table
+    // A clear per table, ONE insert and ONE combine for both, an update per table.
+    ASSERT_EQ(g->kernels.size(), 6u);
     std::vector<ir::HostTensor> storage = groupStorage(*g, *run);
     std::vector<void*> ptrs;
-    size_t t0_at = 0;
     for (size_t i = 0; i < g->buffers.size(); ++i) {
       ir::HostTensor& h = storage[i];
       if (g->buffers[i].value == (bad_table ? ids1 : ids0)) {
         if (h.view.dtype == DType::i32) h.as<int32_t>()[5] = 8;
         else h.as<int64_t>()[5] = -1;
       }
-      if (g->buffers[i].value == t0) t0_at = i;
       ptrs.push_back(h.view.data);
     }
     Status st = codegen::interpretGroup(*g, ptrs);
@@ -172,10 +171,6 @@ TEST(KernelSemanticsByHand, UpdateGroupErrorNamesTheTableWithTheBadId) {
     const std::string want = bad_table ? "'tables.1'" : "'tables.0'", other = bad_table ? "'tables.0'" : "'tables.1'";
     EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
     EXPECT_EQ(st.message().find(other), std::string::npos) << st.message();
-    if (bad_table == 1) {  // the first table's kernels ran before the failing one, correctly
-      ir::TensorView got = storage[t0_at].view;
-      expectClose(got, run->ref.at(t0).view, 1e-5, "tables.0", "kernel");
-    }
   }
 }
 
