@@ -1180,31 +1180,30 @@ class GroupLowering {
   }
 
   // The sparse optimizer applied to the rows of an accumulated table's distinct ids.
-  Status updateRows(const Accumulated& acc) {
-    const Accumulated* a = &acc;
-    const Op& op = *acc.op;
-    const ir::EmbeddingUpdateLayout* l = &acc.layout;
-    const Value* table = op.operand(static_cast<unsigned>(l->table));
+  Status updateRows(const Accumulated& a) {
+    const Op& op = *a.op;
+    const ir::EmbeddingUpdateLayout& l = a.layout;
+    const Value* table = op.operand(static_cast<unsigned>(l.table));
     std::string kind = op.strAttr("optimizer");
     // One row per distinct id, walking the insert's list (not the whole hash table).
     KB kb;
     Kernel& k = kb.k;
     k.name = "embedding_update_" + kind;
     k.kind = KernelKind::Row;
-    k.space = {a->bound};
-    k.row_space = {a->dim};
+    k.space = {a.bound};
+    k.row_space = {a.dim};
     ExprGraph& g = k.exprs;
     DType ct = computeType(table->type().dtype());
-    Hyper h = hyper(kb, op, l->lr, l->step, l->grad_scale, ct);
+    Hyper h = hyper(kb, op, l.lr, l.step, l.grad_scale, ct);
     int d = g.coord(1);
-    auto [present, slot] = distinctSlot(kb, *a, g.coord(0));
+    auto [present, slot] = distinctSlot(kb, a, g.coord(0));
     k.guard = present;
-    int key = g.load(bind(kb, a->keys, false), DType::i64, slot);
-    int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a->dim)), d);
+    int key = g.load(bind(kb, a.keys, false), DType::i64, slot);
+    int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a.dim)), d);
     int tw = bindValue(kb, table, true);
     int w = g.load(tw, table->type().dtype(), elem);
-    int grad = g.cast(g.load(bind(kb, a->accum, false), DType::f32, rowMajorOffset(g, {slot, d}, {a->capacity, a->dim})), ct);
-    auto state = [&](int j) { return op.operand(static_cast<unsigned>(l->state_begin + j)); };
+    int grad = g.cast(g.load(bind(kb, a.accum, false), DType::f32, rowMajorOffset(g, {slot, d}, {a.capacity, a.dim})), ct);
+    auto state = [&](int j) { return op.operand(static_cast<unsigned>(l.state_begin + j)); };
     Phase map;
     if (kind == "rowwise_adagrad") {
       auto c = [&](double v) { return g.constant(v, ct); };
@@ -1213,7 +1212,7 @@ class GroupLowering {
       k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, gr, gr), {}});
       int sb = bindValue(kb, state(0), true);
       int s = g.binary(ExprOp::Add, g.load(sb, state(0)->type().dtype(), key),
-                       g.binary(ExprOp::Mul, g.rowValue(0, ct), c(1.0 / static_cast<double>(a->dim))));
+                       g.binary(ExprOp::Mul, g.rowValue(0, ct), c(1.0 / static_cast<double>(a.dim))));
       int step = g.binary(ExprOp::Div, h.lr, g.binary(ExprOp::Add, g.unary(ExprOp::Sqrt, s), c(h.eps)));
       map.stores.push_back({tw, elem, g.cast(g.binary(ExprOp::Sub, w, g.binary(ExprOp::Mul, step, gr)), table->type().dtype()), -1});
       k.phases.push_back(map);
