@@ -144,8 +144,8 @@ int main(int argc, char** argv) {
     if (t.gemm) {
       gemm_ms += t.ms;
       gemm_flops += t.flops;
-    } else if (t.name.find("embedding_grad") != std::string::npos || t.name.find("embedding_bag_update") != std::string::npos ||
-               t.name.find("sparse") != std::string::npos || t.name.find("accumulate") != std::string::npos) {
+    } else if (t.name.find("embedding_grad") != std::string::npos || t.name.find("embedding_update") != std::string::npos) {
+      // The backward's kernels: clear, insert, combine (embedding_grad_*) and the row updates.
       emb_bwd_ms += t.ms;
     } else if (t.name.find("embedding") != std::string::npos) {
       emb_fwd_ms += t.ms;

@@ -17,17 +17,17 @@ if [ ! -x "$BUILD/bench/r1_bench" ]; then
 fi
 
 echo "== kiln (log: $LOG/kiln.log)"
-"$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 >"$LOG/kiln.log" 2>&1
+timeout 150 "$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 >"$LOG/kiln.log" 2>&1
 echo "   exit $?"; tail -15 "$LOG/kiln.log"
 echo "== kiln without fusion (log: $LOG/kiln_nofusion.log)"
-"$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --disable-pass fusion >"$LOG/kiln_nofusion.log" 2>&1
+timeout 120 "$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --disable-pass fusion >"$LOG/kiln_nofusion.log" 2>&1
 echo "   exit $?"; grep KILN "$LOG/kiln_nofusion.log"; cat "$LOG/kiln_nofusion.log" >>"$LOG/kiln.log"
 echo "== kiln f32 GEMMs (log: $LOG/kiln_f32.log)"
-"$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --precision f32 >"$LOG/kiln_f32.log" 2>&1
+timeout 120 "$BUILD/bench/r1_bench" --rows-cap 1000000 --batch 16384 --steps 20 --precision f32 >"$LOG/kiln_f32.log" 2>&1
 echo "   exit $?"; grep KILN "$LOG/kiln_f32.log"; cat "$LOG/kiln_f32.log" >>"$LOG/kiln.log"
 echo "== pytorch peer $PEER (log: $LOG/torch.log)"
 if [ -f "$PEER" ]; then
-  CAP=1000000 B=16384 timeout 900 python3 "$PEER" >"$LOG/torch.log" 2>&1
+  CAP=1000000 B=16384 timeout 240 python3 "$PEER" >"$LOG/torch.log" 2>&1
   echo "   exit $?"; grep -E "RESULT|FAILED|torch" "$LOG/torch.log" | tail -5
 else
   echo "   no peer script (copy ../shared/bench/dlrm_torch.py into .device/)" | tee "$LOG/torch.log"
