@@ -169,17 +169,22 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
   cublasOperation_t ta = g.trans_first ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_second ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasLtEpilogue_t epi = epilogueOf(s.epilogue);
   cudaDataType_t bias_type = *biast;
-  a.descSet(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
-  a.descSet(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
-  a.descSet(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-  if (hasBias(s.epilogue)) a.descSet(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+  // A rejected attribute is reported where it happens, not later as "no algorithm".
+  if ((st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))) != CUBLAS_STATUS_SUCCESS ||
+      (st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))) != CUBLAS_STATUS_SUCCESS ||
+      (st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi))) != CUBLAS_STATUS_SUCCESS ||
+      (hasBias(s.epilogue) &&
+       (st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type))) !=
+           CUBLAS_STATUS_SUCCESS))
+    return fail(st, "cublasLtMatmulDescSetAttribute");
   auto layout = [&](cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld) {
     cublasStatus_t r = a.layoutCreate(l, t, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld);
     if (r == CUBLAS_STATUS_SUCCESS && s.batch > 1) {
       int32_t count = static_cast<int32_t>(s.batch);
       int64_t stride = rows * cols;
-      a.layoutSet(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count));
-      a.layoutSet(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride));
+      r = a.layoutSet(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count));
+      if (r == CUBLAS_STATUS_SUCCESS)
+        r = a.layoutSet(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride));
     }
     return r;
   };
@@ -190,7 +195,10 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
   cublasLtMatmulPreference_t pref = nullptr;
   if ((st = a.prefCreate(&pref)) != CUBLAS_STATUS_SUCCESS) return fail(st, "cublasLtMatmulPreferenceCreate");
   uint64_t ws = workspace_.bytes();
-  a.prefSet(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if ((st = a.prefSet(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws))) != CUBLAS_STATUS_SUCCESS) {
+    a.prefDestroy(pref);
+    return fail(st, "cublasLtMatmulPreferenceSetAttribute");
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   st = a.heuristic(static_cast<cublasLtHandle_t>(handle_), p->desc, p->a, p->b, p->c, p->c, pref, 1, &result, &found);

@@ -115,7 +115,10 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 Status DeviceBuffer::upload(const void* host, size_t bytes, size_t offset) const {
   if (offset + bytes > bytes_) return Status::errorf("upload of {} bytes at {} overruns a {}-byte buffer", bytes, offset, bytes_);
-  return drv_->check(drv_->cuMemcpyHtoD(ptr_ + offset, host, bytes), "cuMemcpyHtoD");
+  KILN_RETURN_IF_ERROR(drv_->check(drv_->cuMemcpyHtoD(ptr_ + offset, host, bytes), "cuMemcpyHtoD"));
+  // From pageable memory the copy may return before its DMA lands, and Kiln's streams do not
+  // synchronize with the legacy stream it ran on: wait, so every later launch sees the data.
+  return drv_->check(drv_->cuCtxSynchronize(), "cuCtxSynchronize after an upload");
 }
 
 Status DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {

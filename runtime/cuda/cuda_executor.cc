@@ -255,7 +255,9 @@ Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
 Status CudaSession::downloadParameters(runtime::ParameterStore& store) const {
   const Impl& im = *impl_;
   KILN_RETURN_IF_ERROR(im.ctx->makeCurrent());
-  KILN_RETURN_IF_ERROR(im.stream->synchronize());
+  // Every stream: sparse updates write parameters on stream 1, and a run that stopped early may
+  // have left work there.
+  KILN_CU(im.drv(), cuCtxSynchronize(), "waiting for the device before downloading parameters");
   for (const auto& [name, buf] : im.params) {
     ir::HostTensor* t = store.find(name);
     if (!t) return Status::errorf("download: the parameter store has no '{}'", name);
@@ -456,6 +458,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     if (!t.storage.empty())
       KILN_CU(drv, cuMemcpyHtoD(im.address[id], t.storage.data(), t.storage.size()), "constant " + p.buffers[id].name);
   }
+  // Pageable copies may return before their DMA lands; the step's streams do not wait for them.
+  if (!constants.empty()) KILN_CU(drv, cuCtxSynchronize(), "waiting for the constants of @" + f.name());
   // Pinned staging for the inputs, sized once: each step copies the batch here, then to the
   // device asynchronously on stream 0.
   size_t staging_bytes = 0;

@@ -1,6 +1,8 @@
 #include "runtime/cuda/nvrtc_compiler.h"
 
 #include <cctype>
+#include <cstdio>
+#include <filesystem>
 #include <regex>
 #include <set>
 
@@ -40,6 +42,21 @@ Expected<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::create(std::string cache
   if (!lib) return Status::errorf("cannot compile CUDA kernels: NVRTC {}", lib.status().message());
   std::unique_ptr<NvrtcCompiler> c(new NvrtcCompiler());
   c->lib_ = lib.take();
+  // NVRTC opens its builtins library by bare name. When NVRTC itself was found by a full path
+  // the loader does not search, that fails at the first compile; load it from NVRTC's folder
+  // first (a loaded library answers later opens of its soname).
+  if (const std::string& path = c->lib_.path(); path.find('/') != std::string::npos) {
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::path(path).parent_path();
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("libnvrtc-builtins.so", 0) != 0) continue;
+      if (auto b = DynamicLibrary::open({e.path().string()})) {
+        c->builtins_ = b.take();
+        break;
+      }
+    }
+  }
   c->api_ = std::make_unique<Api>();
   Api& a = *c->api_;
   bool ok = true;
@@ -124,7 +141,11 @@ Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source,
   a.destroyProgram(&prog);
   if (r != NVRTC_SUCCESS || out.cubin.empty())
     return Status::errorf("NVRTC produced no CUBIN for {} ({})", arch, r != NVRTC_SUCCESS ? a.errorString(r) : "empty");
-  if (!cache_dir_.empty()) KILN_RETURN_IF_ERROR(cache.store(entry, out.cubin));
+  if (!cache_dir_.empty()) {
+    // A cache that cannot be written costs the next run a compile, not this one its kernels.
+    Status stored = cache.store(entry, out.cubin);
+    if (!stored) std::fprintf(stderr, "warning: kernel cache: %s\n", stored.message().c_str());
+  }
   return out;
 }
 

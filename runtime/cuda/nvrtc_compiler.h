@@ -47,6 +47,7 @@ class NvrtcCompiler {
   NvrtcCompiler() = default;
   struct Api;
   DynamicLibrary lib_;
+  DynamicLibrary builtins_;  // libnvrtc-builtins, preloaded when NVRTC came from a full path
   std::unique_ptr<Api> api_;
   int major_ = 0, minor_ = 0;
   std::string cache_dir_;

@@ -3,6 +3,8 @@
 // needs no GPU: this runs in CI on CPU-only machines.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
 #include <unistd.h>
 
 #include <filesystem>
@@ -107,6 +109,26 @@ TEST(Nvrtc, SecondCompileIsACacheHit) {
     ++files;
   }
   EXPECT_EQ(files, 2);
+}
+
+TEST(Nvrtc, UnwritableCacheStillCompiles) {
+  // The cache folder cannot be created (its parent is a file): the kernels still compile, and
+  // the next run compiles again.
+  TempDir dir;
+  const std::string file = dir.str() + "/not-a-folder";
+  fs::create_directories(dir.str());
+  { std::ofstream(file) << "x"; }
+  ASSERT_TRUE(fs::is_regular_file(file));
+  std::vector<OpCase> cases = allOpCases();
+  cases.resize(2);
+  std::vector<codegen::LoweredGroup> groups;
+  codegen::CudaModule m = allKernelsModule(cases, groups);
+  NVRTC_OR_SKIP(nvrtc, file + "/cache");
+  auto r = nvrtc->compile(m, "sm_90");
+  ASSERT_TRUE(r) << r.status().message();
+  EXPECT_FALSE(r->cubin.empty());
+  EXPECT_FALSE(r->from_cache);
+  EXPECT_FALSE(fs::exists(file + "/cache"));
 }
 
 TEST(Nvrtc, CompileErrorNamesTheKernel) {
