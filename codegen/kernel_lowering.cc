@@ -1331,8 +1331,7 @@ class GroupLowering {
     // product (taken as the accumulator's own f32).
     size_t first = 1;
     DType tm = mm.result()->type().dtype();
-    if (ops.size() > 1 && ops[1]->name() == "kiln.cast" && (tm == DType::bf16 || tm == DType::f16) &&
-        ops[1]->operand(0) == cur && ops[1]->result()->type().dtype() == DType::f32) {
+    if (ops.size() > 1 && ir::isWideningCast(mm, *ops[1])) {
       for (const ir::Use& u : cur->uses())
         if (u.user != ops[1])
           return Status::errorf("{} has another user; cuBLASLt writes only the epilogue's final result", opLabel(mm));

@@ -56,6 +56,12 @@ std::vector<unsigned> writtenOperands(const Op& op) {
   return all;
 }
 
+bool isWideningCast(const Op& matmul, const Op& cast) {
+  if (matmul.name() != "kiln.matmul" || cast.name() != "kiln.cast" || cast.operand(0) != matmul.result()) return false;
+  const DType from = matmul.result()->type().dtype();
+  return (from == DType::bf16 || from == DType::f16) && cast.result()->type().dtype() == DType::f32;
+}
+
 Status expectRank(const Op& op, unsigned operand, int64_t rank) {
   const TensorType& t = op.operand(operand)->type();
   if (t.rank() != rank)

@@ -122,6 +122,11 @@ void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_upda
 // (an optimizer update writes its parameter and state, not its gradient or lr); else all.
 std::vector<unsigned> writtenOperands(const Op& op);
 
+// Whether `cast` widens the bf16 or f16 result of the kiln.matmul `matmul` to f32 (mixed
+// precision's form). Fusion and the CUDA lowering take such a product as the GEMM's f32
+// accumulator (see docs/passes.md, gemm_epilogue).
+bool isWideningCast(const Op& matmul, const Op& cast);
+
 // Shared helpers for rules.
 Status expectRank(const Op& op, unsigned operand, int64_t rank);
 // Normalizes a possibly negative axis against rank; error if out of range.

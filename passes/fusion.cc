@@ -163,13 +163,6 @@ class FunctionFuser {
 
   std::string shapeOf(const Group& g) const { return g.members.back()->result()->type().str(); }
 
-  // Whether `cast` widens the bf16 or f16 result of the matmul `mm` to f32.
-  static bool isWideningCast(const Op& mm, const Op& cast) {
-    if (mm.name() != "kiln.matmul" || cast.name() != "kiln.cast" || cast.operand(0) != mm.result()) return false;
-    const ir::DType from = mm.result()->type().dtype();
-    return (from == ir::DType::bf16 || from == ir::DType::f16) && cast.result()->type().dtype() == ir::DType::f32;
-  }
-
   // Legality of adding `consumer` to the group of its operand's producer `producer`.
   FusionDecision canFuse(const Op& producer, const Op& consumer, int g) const {
     const Group& grp = groups_[static_cast<size_t>(g)];
@@ -191,7 +184,7 @@ class FunctionFuser {
                                   "final result", n, n == 1 ? "" : "s"));
       // A bf16/f16 product widened to f32 at once is cuBLASLt's f32 accumulator (the lowering
       // skips that rounding, as XLA's excess precision does); the epilogue continues after it.
-      const size_t head = grp.members.size() > 1 && isWideningCast(*grp.members[0], *grp.members[1]) ? 2 : 1;
+      const size_t head = grp.members.size() > 1 && ir::isWideningCast(*grp.members[0], *grp.members[1]) ? 2 : 1;
       bool has_act = std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); });
       bool has_bias = grp.members.size() > head && grp.members[head]->name() == "kiln.add";
       if (consumer.name() == "kiln.add") {
