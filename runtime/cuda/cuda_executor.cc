@@ -275,14 +275,11 @@ std::string CudaSession::deviceName() const { return impl_->ctx->name(); }
 std::string CudaSession::arch() const { return impl_->arch; }
 
 // One unit of stream work: a kernel launch or a GEMM.
+// A CudaStep of the Program with its arguments resolved to device addresses.
 struct Step {
-  bool gemm = false;
-  CUfunction fn = nullptr;
-  std::string name;  // kernel symbol, or the GEMM's description
-  int64_t grid = 1;
-  int block = 256;
-  std::vector<CUdeviceptr> args;  // kernel arguments; a GEMM's a, b, c and bias (0: none)
-  GemmShape shape;
+  const CudaStep* plan = nullptr;  // in Impl::built.steps
+  CUfunction fn = nullptr;         // kernels
+  std::vector<CUdeviceptr> args;   // kernel arguments; a GEMM's a, b, c and bias (0: none)
 };
 
 // A group's embedding {code, table} flag, outside the arena so it survives the step: code 1 from
@@ -305,7 +302,6 @@ struct CudaExecutor::Impl {
   std::vector<CUdeviceptr> address;           // per program buffer
   std::vector<ErrorFlag> flags;
   std::vector<Step> steps;                    // in group order
-  std::vector<std::pair<size_t, size_t>> group_steps;  // group -> [begin, end) of steps
   std::map<int, CUstream> streams;            // Program stream -> CUstream (0: the session's)
   std::vector<std::unique_ptr<Stream>> own_streams;
   std::vector<std::unique_ptr<Event>> events;  // per Program event
@@ -325,12 +321,13 @@ struct CudaExecutor::Impl {
 
 
 Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
-  if (step.gemm) {
-    Status r = s().blas->matmul(step.shape, step.args[0], step.args[1], step.args[2], step.args[3], st);
-    if (!r) return Status::errorf("cuBLASLt {}: {}", step.name, r.message());
+  const CudaStep& plan = *step.plan;
+  if (plan.isGemm()) {
+    Status r = s().blas->matmul(plan.gemm, step.args[0], step.args[1], step.args[2], step.args[3], st);
+    if (!r) return Status::errorf("cuBLASLt {}: {}", plan.name, r.message());
     return Status::ok();
   }
-  return launchKernel(s().drv(), step.fn, step.name, step.grid, step.block, step.args, st);
+  return launchKernel(s().drv(), step.fn, plan.name, plan.launch.grid, plan.launch.block, step.args, st);
 }
 
 // The Program's instructions in global order, each on its stream's CUstream (records precede
@@ -343,7 +340,7 @@ Status CudaExecutor::Impl::enqueue() {
     CUstream cs = streams.at(stream);
     switch (in->kind) {
       case codegen::InstrKind::Launch: {
-        auto [begin, end] = group_steps[static_cast<size_t>(in->attrs.find("group")->second.asInt())];
+        auto [begin, end] = built.group_steps[static_cast<size_t>(in->attrs.find("group")->second.asInt())];
         for (size_t i = begin; i < end; ++i) KILN_RETURN_IF_ERROR(runStep(steps[i], cs));
         break;
       }
@@ -489,18 +486,14 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   // The steps, every argument resolved to a device address.
   for (const CudaStep& cs : im.built.steps) {
     Step s;
-    s.gemm = cs.isGemm();
-    s.name = cs.name;
-    s.shape = cs.gemm;
-    s.grid = cs.launch.grid;
-    s.block = cs.launch.block;
+    s.plan = &cs;
     for (int b : cs.args) s.args.push_back(b < 0 ? CUdeviceptr{0} : im.address[static_cast<size_t>(b)]);
-    if (s.gemm) {
+    if (cs.isGemm()) {
       im.steps.push_back(std::move(s));
       ++im.gemms;
       continue;
     }
-    auto fn = im.module->function(s.name);
+    auto fn = im.module->function(cs.name);
     if (!fn) return fn.status();
     s.fn = *fn;
     const codegen::LoweredGroup& g = groups[static_cast<size_t>(cs.group)];
@@ -511,17 +504,16 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       const CUdeviceptr flag = s.args[static_cast<size_t>(k.error_flag)];
       auto it = std::find_if(im.flags.begin(), im.flags.end(), [&](const ErrorFlag& e) { return e.ptr == flag; });
       if (it == im.flags.end()) {  // the group's list names every table its kernels check
-        it = im.flags.insert(im.flags.end(), ErrorFlag{flag, s.name, {}, {}});
+        it = im.flags.insert(im.flags.end(), ErrorFlag{flag, cs.name, {}, {}});
         for (const codegen::ErrorSubject& e : g.error_subjects) it->subjects.push_back(e.name);
         it->checkers.resize(g.error_subjects.size(), "?");
       }
       for (size_t e = 0; e < g.error_subjects.size(); ++e)
-        if (g.error_subjects[e].kernel == static_cast<int>(ki)) it->checkers[e] = s.name;
+        if (g.error_subjects[e].kernel == static_cast<int>(ki)) it->checkers[e] = cs.name;
     }
     im.steps.push_back(std::move(s));
     ++im.kernels;
   }
-  im.group_steps = im.built.group_steps;
   return ex;
 }
 
@@ -635,9 +627,10 @@ Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime:
     for (size_t i = 0; i < im.steps.size(); ++i) {
       const Step& step = im.steps[i];
       float ms = 0;
-      KILN_CU(drv, cuEventElapsedTime(&ms, events[i], events[i + 1]), step.name);
-      const GemmShape& g = step.shape;
-      out.push_back({step.name, step.gemm, step.gemm ? 2.0 * g.m * g.n * g.k * g.batch : 0.0, ms});
+      const CudaStep& plan = *step.plan;
+      KILN_CU(drv, cuEventElapsedTime(&ms, events[i], events[i + 1]), plan.name);
+      const GemmShape& g = plan.gemm;
+      out.push_back({plan.name, plan.isGemm(), plan.isGemm() ? 2.0 * g.m * g.n * g.k * g.batch : 0.0, ms});
     }
     return Status::ok();
   }();
