@@ -110,18 +110,12 @@ int main(int argc, char** argv) {
       }
     }
   }
-  float lr = 1.0f, step = 1.0f;
-  auto inputsOf = [&](const data::Batch& b) {
-    runtime::cpu::Batch in;
-    for (size_t i = 0; i < b.names.size(); ++i) in[b.names[i]] = b.tensors[i].view;
-    in["lr"] = ir::TensorView{ir::DType::f32, {}, &lr};
-    in["step"] = ir::TensorView{ir::DType::f32, {}, &step};
-    return in;
-  };
+  float step = 1.0f;
+  auto inputsOf = [&](const data::Batch& b) { return cli::StepInputs(b, {{"lr", 1.0f}, {"step", step}}); };
 
   double first_loss = 0, loss = 0;
   for (int i = 0; i < 3; ++i) {  // eager, capture, replay
-    auto r = (*ex)->run(inputsOf(batches[static_cast<size_t>(i) % 4]));
+    auto r = (*ex)->run(inputsOf(batches[static_cast<size_t>(i) % 4]).views());
     if (!r) return fail("warm-up step", r.status());
     loss = *(*r)[0].as<float>();
     if (i == 0) first_loss = loss;
@@ -129,7 +123,7 @@ int main(int argc, char** argv) {
   }
   auto s0 = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < steps; ++i) {
-    auto r = (*ex)->run(inputsOf(batches[static_cast<size_t>(i) % 4]));
+    auto r = (*ex)->run(inputsOf(batches[static_cast<size_t>(i) % 4]).views());
     if (!r) return fail("step", r.status());
     loss = *(*r)[0].as<float>();
     step += 1;
@@ -137,7 +131,7 @@ int main(int argc, char** argv) {
   double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count() /
               static_cast<double>(steps);
 
-  auto prof = (*ex)->profile(inputsOf(batches[0]));
+  auto prof = (*ex)->profile(inputsOf(batches[0]).views());
   if (!prof) return fail("profile", prof.status());
   double gemm_ms = 0, gemm_flops = 0, emb_fwd_ms = 0, emb_bwd_ms = 0, other_ms = 0;
   for (const auto& t : *prof) {

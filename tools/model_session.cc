@@ -238,16 +238,19 @@ runtime::ParameterStore& ModelSession::params() {
   return params_;
 }
 
+StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std::string, float>>& scalars) {
+  for (size_t i = 0; i < batch.names.size(); ++i) views_[batch.names[i]] = batch.tensors[i].view;
+  scalars_.reserve(scalars.size());  // views point into it: no reallocation
+  for (const auto& [name, value] : scalars) {
+    scalars_.push_back(value);
+    views_[name] = ir::TensorView{ir::DType::f32, {}, &scalars_.back()};
+  }
+}
+
 Expected<StepOutputs> ModelSession::run(const std::string& function, const data::Batch& batch,
                                         const std::vector<std::pair<std::string, float>>& scalars) {
-  runtime::cpu::Batch inputs;
-  for (size_t i = 0; i < batch.names.size(); ++i) inputs[batch.names[i]] = batch.tensors[i].view;
-  std::vector<float> scalar_storage;
-  scalar_storage.reserve(scalars.size());
-  for (const auto& [name, value] : scalars) {
-    scalar_storage.push_back(value);
-    inputs[name] = ir::TensorView{ir::DType::f32, {}, &scalar_storage.back()};
-  }
+  const StepInputs step_inputs(batch, scalars);
+  const runtime::cpu::Batch& inputs = step_inputs.views();
   Expected<std::vector<ir::HostTensor>> results = Status::error("not run");
   if (cuda_) {
     if (host_touched_) {

@@ -46,6 +46,20 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
 void addDeviceFlag(ArgParser& p);
 bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code);
 
+// A step's inputs as the executors take them: views of a batch's tensors and named f32 scalars
+// (the training step's "lr" and "step"), which this object holds.
+class StepInputs {
+ public:
+  StepInputs(const data::Batch& batch, const std::vector<std::pair<std::string, float>>& scalars);
+  StepInputs(const StepInputs&) = delete;
+  StepInputs& operator=(const StepInputs&) = delete;
+  const runtime::cpu::Batch& views() const { return views_; }
+
+ private:
+  std::vector<float> scalars_;
+  runtime::cpu::Batch views_;
+};
+
 struct StepOutputs {
   double loss = 0;
   std::vector<float> logits;  // the prediction output, one per sample

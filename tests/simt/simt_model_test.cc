@@ -26,17 +26,8 @@ std::unique_ptr<ModelSession> makeSession(const ModelCase& c) { return testing::
 
 std::vector<data::Batch> batches(const ModelSession& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
 
-// The training step's inputs: the batch and the lr factor and step scalars.
-struct StepInputs {
-  runtime::cpu::Batch batch;
-  float lr = 1.0f, step = 0.0f;
-  StepInputs(const data::Batch& b, int64_t s) : step(static_cast<float>(s)) {
-    for (size_t i = 0; i < b.names.size(); ++i) batch[b.names[i]] = b.tensors[i].view;
-    batch["lr"] = ir::TensorView{ir::DType::f32, {}, &lr};
-    batch["step"] = ir::TensorView{ir::DType::f32, {}, &step};
-  }
-  StepInputs(const StepInputs&) = delete;
-};
+// The training step's inputs: the batch, the lr factor 1 and the 1-based step.
+StepInputs trainInputs(const data::Batch& b, int64_t step) { return StepInputs(b, {{"lr", 1.0f}, {"step", static_cast<float>(step)}}); }
 
 class SimtModel : public ::testing::TestWithParam<ModelCase> {};
 
@@ -55,8 +46,8 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
   for (int step = 1; step <= 2; ++step) {
     auto c = cpu->trainStep(bs[static_cast<size_t>(step - 1)], 1.0, step);
     ASSERT_TRUE(c) << c.status().message();
-    StepInputs in(bs[static_cast<size_t>(step - 1)], step);
-    auto r = (*program)->run(in.batch, host->params(), static_cast<uint64_t>(step));
+    const StepInputs in = trainInputs(bs[static_cast<size_t>(step - 1)], step);
+    auto r = (*program)->run(in.views(), host->params(), static_cast<uint64_t>(step));
     ASSERT_TRUE(r) << r.status().message();
     ASSERT_GE(r->size(), 2u);
     EXPECT_NEAR(valueAt((*r)[0], 0), c->loss, loss_tol * (1 + std::fabs(c->loss))) << "step " << step;
@@ -91,9 +82,8 @@ TEST_P(SimtModel, ForwardMatchesCpu) {
   ASSERT_TRUE(program) << program.status().message();
   auto c = cpu->forward(bs[1]);
   ASSERT_TRUE(c) << c.status().message();
-  runtime::cpu::Batch in;
-  for (size_t i = 0; i < bs[1].names.size(); ++i) in[bs[1].names[i]] = bs[1].tensors[i].view;
-  auto r = (*program)->run(in, host->params(), 1);
+  const StepInputs in(bs[1], {});
+  auto r = (*program)->run(in.views(), host->params(), 1);
   ASSERT_TRUE(r) << r.status().message();
   // @forward returns the model's outputs; the logits are the one with a value per sample.
   const ir::HostTensor* logits = nullptr;
@@ -117,13 +107,13 @@ TEST_P(SimtModel, EveryStreamInterleavingComputesTheSameBits) {
   ASSERT_TRUE(program) << program.status().message();
   std::vector<data::Batch> bs = batches(*host, 1);
   ASSERT_EQ(bs.size(), 1u);
-  StepInputs in(bs[0], 1);
+  const StepInputs in = trainInputs(bs[0], 1);
   const runtime::ParameterStore initial = host->params();
   std::vector<ir::HostTensor> first;
   runtime::ParameterStore first_params;
   for (uint64_t seed = 1; seed <= 3; ++seed) {
     runtime::ParameterStore params = initial;
-    auto r = (*program)->run(in.batch, params, seed);
+    auto r = (*program)->run(in.views(), params, seed);
     ASSERT_TRUE(r) << r.status().message();
     if (seed == 1) {
       first = r.take();
