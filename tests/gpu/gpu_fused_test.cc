@@ -152,6 +152,19 @@ struct GpuFusedCase {
     ops.push_back(*r);
     return *r;
   }
+  // The function on the GPU: a session holding the case's parameters (`session`), and an
+  // executor of f.
+  Expected<std::unique_ptr<cuda::CudaExecutor>> executor(bool poison_arena) {
+    auto s = cuda::CudaSession::create();
+    if (!s) return s.status();
+    session = s.take();
+    KILN_RETURN_IF_ERROR(session->uploadParameters(store));
+    cuda::CudaExecutorOptions options;
+    options.poison_arena = poison_arena;
+    return cuda::CudaExecutor::create(*f, {}, session, options);
+  }
+  std::shared_ptr<cuda::CudaSession> session;
+
   // The batch views the inputs; call once every source exists.
   void bindInputs() {
     for (const auto& [v, t] : values)
@@ -193,12 +206,7 @@ TEST(GpuFused, LookupGemmEpilogueAndReductionMatchCpuReference) {
   fuseOps(*c.f, c.members(3, 6), "gemm_epilogue");
   fuseOps(*c.f, c.members(6, 8), "reduction");
 
-  auto session = cuda::CudaSession::create();
-  ASSERT_TRUE(session) << session.status().message();
-  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
-  cuda::CudaExecutorOptions options;
-  options.poison_arena = true;
-  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session, options);
+  auto ex = c.executor(/*poison_arena=*/true);
   ASSERT_TRUE(ex) << ex.status().message();
   EXPECT_EQ((*ex)->numGemms(), 1);
   EXPECT_EQ((*ex)->numKernels(), 3) << "lookup, dense-column copy, reduction";
@@ -240,15 +248,12 @@ TEST(GpuFused, EmbeddingUpdateGroupMatchesCpuReference) {
   ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());  // updates c.values; c.store keeps the start
   fuseOps(*c.f, c.members(0, 4), "embedding_update");
 
-  auto session = cuda::CudaSession::create();
-  ASSERT_TRUE(session) << session.status().message();
-  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
-  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session);
+  auto ex = c.executor(/*poison_arena=*/false);
   ASSERT_TRUE(ex) << ex.status().message();
   EXPECT_EQ((*ex)->numKernels(), 6) << "clear, accumulate, row update per table; no slice copies";
   auto got = (*ex)->run(c.batch);
   ASSERT_TRUE(got) << got.status().message();
-  ASSERT_TRUE((*session)->downloadParameters(c.store).isOk());
+  ASSERT_TRUE(c.session->downloadParameters(c.store).isOk());
   for (Value* p : {t0, s0, t1, s1}) {
     const std::string name = p->definingOp()->strAttr("name");
     expectClose(c.store.find(name)->view, c.values.at(p).view, 1e-5, name);
@@ -284,22 +289,17 @@ TEST(GpuStreams, TwoStreamStepMatchesCpuReferenceEagerCapturedAndReplayed) {
   c.f->setResultTypes({sum->type(), norm->type()});
   ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());  // c.store keeps the starting table
 
-  auto session = cuda::CudaSession::create();
-  ASSERT_TRUE(session) << session.status().message();
-  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
-  cuda::CudaExecutorOptions options;
-  options.poison_arena = true;
-  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session, options);
+  auto ex = c.executor(/*poison_arena=*/true);
   ASSERT_TRUE(ex) << ex.status().message();
   ASSERT_EQ((*ex)->plan().streams.size(), 2u);
   for (int run = 0; run < 3; ++run) {  // eager, captured, replayed
     runtime::ParameterStore start = c.store;
-    ASSERT_TRUE((*session)->uploadParameters(start).isOk());  // same sizes: same device buffers
+    ASSERT_TRUE(c.session->uploadParameters(start).isOk());  // same sizes: same device buffers
     auto got = (*ex)->run(c.batch);
     ASSERT_TRUE(got) << "run " << run << ": " << got.status().message();
     expectClose((*got)[0].view, c.values.at(sum).view, 1e-4, "sum run " + std::to_string(run));
     expectClose((*got)[1].view, c.values.at(norm).view, 1e-4, "norm run " + std::to_string(run));
-    ASSERT_TRUE((*session)->downloadParameters(start).isOk());
+    ASSERT_TRUE(c.session->downloadParameters(start).isOk());
     expectClose(start.find("tables.0")->view, c.values.at(table).view, 1e-5, "table run " + std::to_string(run));
   }
   EXPECT_TRUE((*ex)->graphCaptured());
@@ -316,10 +316,7 @@ TEST(GpuStreams, BadJaggedLengthsAreAClearError) {
   Value* e = c.op("kiln.embedding_bag", {table, cats, lengths})->result();
   ASSERT_TRUE(c.b.createWithTypes("func.return", {e}, {}));
   c.f->setResultTypes({e->type()});
-  auto session = cuda::CudaSession::create();
-  ASSERT_TRUE(session) << session.status().message();
-  ASSERT_TRUE((*session)->uploadParameters(c.store).isOk());
-  auto ex = cuda::CudaExecutor::create(*c.f, {}, *session);
+  auto ex = c.executor(/*poison_arena=*/false);
   ASSERT_TRUE(ex) << ex.status().message();
   c.values.at(lengths).as<int32_t>()[0] += 5;
   auto got = (*ex)->run(c.batch);
