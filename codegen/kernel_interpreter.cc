@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "ir/scalar_fn.h"
 #include "ir/tensor_view.h"
 
 namespace kiln::codegen {
@@ -15,61 +16,6 @@ struct Val {
   double f = 0;
   int64_t i = 0;
 };
-
-float gelu(float x) {
-  return 0.5f * x * (1.0f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-}
-double gelu(double x) { return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
-
-template <typename T>
-T unaryMath(ExprOp op, T x) {
-  switch (op) {
-    case ExprOp::Neg: return -x;
-    case ExprOp::Abs: return std::fabs(x);
-    case ExprOp::Exp: return std::exp(x);
-    case ExprOp::Log: return std::log(x);
-    case ExprOp::Log1p: return std::log1p(x);
-    case ExprOp::Sqrt: return std::sqrt(x);
-    case ExprOp::Rsqrt: return T(1) / std::sqrt(x);
-    case ExprOp::Sigmoid: return T(1) / (T(1) + std::exp(-x));
-    case ExprOp::Tanh: return std::tanh(x);
-    case ExprOp::Relu: return x > T(0) ? x : T(0);
-    case ExprOp::Gelu: return gelu(x);
-    case ExprOp::Silu: return x / (T(1) + std::exp(-x));
-    case ExprOp::RoundBf16: return static_cast<T>(ir::bf16ToFloat(ir::floatToBf16(static_cast<float>(x))));
-    default: return x;
-  }
-}
-
-template <typename T>
-T binaryMath(ExprOp op, T a, T b) {
-  switch (op) {
-    case ExprOp::Add: return a + b;
-    case ExprOp::Sub: return a - b;
-    case ExprOp::Mul: return a * b;
-    case ExprOp::Div: return a / b;
-    case ExprOp::Max: return std::fmax(a, b);
-    case ExprOp::Min: return std::fmin(a, b);
-    case ExprOp::Pow: return std::pow(a, b);
-    case ExprOp::Rem: return std::fmod(a, b);
-    default: return a;
-  }
-}
-
-template <typename T>
-bool compare(ExprOp op, T a, T b) {
-  switch (op) {
-    case ExprOp::Eq: return a == b;
-    case ExprOp::Ne: return a != b;
-    case ExprOp::Lt: return a < b;
-    case ExprOp::Le: return a <= b;
-    case ExprOp::Gt: return a > b;
-    case ExprOp::Ge: return a >= b;
-    case ExprOp::And: return a && b;
-    case ExprOp::Or: return a || b;
-    default: return false;
-  }
-}
 
 class Evaluator {
  public:
@@ -165,36 +111,26 @@ class Evaluator {
       case ExprOp::Cast: return cast(eval(e.a), g_.typeOf(e.a), e.type);
       default: break;
     }
-    DType t = g_.typeOf(e.a);
-    if (isUnary(e.op)) {
-      Val a = eval(e.a);
-      if (e.op == ExprOp::Not) { v.i = !a.i; return v; }
-      if (t == DType::f32) v.f = unaryMath<float>(e.op, static_cast<float>(a.f));
-      else if (t == DType::f64) v.f = unaryMath<double>(e.op, a.f);
-      else v.i = e.op == ExprOp::Neg ? -a.i : e.op == ExprOp::Abs ? std::llabs(a.i)
-                 : e.op == ExprOp::Relu ? std::max<int64_t>(a.i, 0) : a.i;
+    const Val a = eval(e.a);
+    if (e.op == ExprOp::RoundBf16) {
+      v.f = ir::bf16ToFloat(ir::floatToBf16(static_cast<float>(a.f)));
       return v;
     }
-    Val a = eval(e.a), b = eval(e.b);
-    if (isComparison(e.op)) {
-      if (ir::isFloat(t)) v.i = compare<double>(e.op, a.f, b.f);
-      else v.i = compare<int64_t>(e.op, a.i, b.i);
+    // A function of scalar_fn.def, evaluated in its operands' type.
+    const ir::ScalarFn fn = *scalarFnOf(e.op);
+    const ir::ScalarFnInfo& info = ir::scalarFnInfo(fn);
+    const Val b = info.arity == 2 ? eval(e.b) : Val{};
+    const DType t = g_.typeOf(e.a);
+    if (t == DType::f32 || t == DType::f64) {
+      double r = t == DType::f32 ? ir::scalar::evaluate<float>(fn, static_cast<float>(a.f), static_cast<float>(b.f))
+                                 : ir::scalar::evaluate<double>(fn, a.f, b.f);
+      if (info.isPredicate()) v.i = r != 0;
+      else v.f = r;
       return v;
     }
-    if (t == DType::f32) { v.f = binaryMath<float>(e.op, static_cast<float>(a.f), static_cast<float>(b.f)); return v; }
-    if (t == DType::f64) { v.f = binaryMath<double>(e.op, a.f, b.f); return v; }
-    switch (e.op) {
-      case ExprOp::Add: v.i = a.i + b.i; break;
-      case ExprOp::Sub: v.i = a.i - b.i; break;
-      case ExprOp::Mul: v.i = a.i * b.i; break;
-      case ExprOp::Div: v.i = b.i ? a.i / b.i : 0; break;
-      case ExprOp::Rem: v.i = b.i ? a.i % b.i : 0; break;
-      case ExprOp::Max: v.i = std::max(a.i, b.i); break;
-      case ExprOp::Min: v.i = std::min(a.i, b.i); break;
-      case ExprOp::Pow: v.i = static_cast<int64_t>(std::pow(static_cast<double>(a.i), static_cast<double>(b.i))); break;
-      default: break;
-    }
-    if (t == DType::i32) v.i = static_cast<int32_t>(v.i);
+    v.i = ir::scalar::evaluate<int64_t>(fn, a.i, b.i);
+    if (info.isPredicate()) v.i = v.i != 0;
+    else if (t == DType::i32) v.i = static_cast<int32_t>(v.i);
     return v;
   }
 
@@ -247,12 +183,12 @@ Status runRow(const Kernel& k, Evaluator& ev) {
     for (const Phase& p : k.phases) {
       if (p.kind == Phase::Kind::Reduce) {
         bool f32 = k.exprs.typeOf(p.value) == DType::f32;
-        double acc = p.combiner == Combiner::Sum ? 0.0 : -INFINITY;
+        double acc = ir::scalar::identity<double>(p.combiner);
         for (int64_t r = 0; r < rows; ++r) {
           unflatten(r, k.row_space, ev.coords, outer);
           ev.next();
           double x = ev.eval(p.value).f;
-          acc = p.combiner == Combiner::Sum ? acc + x : std::fmax(acc, x);
+          acc = ir::scalar::combine<double>(p.combiner, acc, x);
           if (f32) acc = static_cast<float>(acc);
         }
         ev.row_values.push_back(Val{acc, 0});

@@ -6,51 +6,32 @@
 namespace kiln::codegen {
 
 const char* exprOpName(ExprOp op) {
+  if (auto fn = scalarFnOf(op)) return ir::scalarFnInfo(*fn).spelling.data();
   switch (op) {
     case ExprOp::Const: return "const";
     case ExprOp::Coord: return "coord";
     case ExprOp::RowValue: return "row_value";
     case ExprOp::Load: return "load";
     case ExprOp::BagOf: return "bag_of";
-    case ExprOp::Neg: return "neg";
-    case ExprOp::Abs: return "abs";
-    case ExprOp::Exp: return "exp";
-    case ExprOp::Log: return "log";
-    case ExprOp::Log1p: return "log1p";
     case ExprOp::RoundBf16: return "round_bf16";
-    case ExprOp::Sqrt: return "sqrt";
-    case ExprOp::Rsqrt: return "rsqrt";
-    case ExprOp::Sigmoid: return "sigmoid";
-    case ExprOp::Tanh: return "tanh";
-    case ExprOp::Relu: return "relu";
-    case ExprOp::Gelu: return "gelu";
-    case ExprOp::Silu: return "silu";
-    case ExprOp::Not: return "not";
-    case ExprOp::Add: return "add";
-    case ExprOp::Sub: return "sub";
-    case ExprOp::Mul: return "mul";
-    case ExprOp::Div: return "div";
-    case ExprOp::Rem: return "rem";
-    case ExprOp::Max: return "max";
-    case ExprOp::Min: return "min";
-    case ExprOp::Pow: return "pow";
-    case ExprOp::Eq: return "eq";
-    case ExprOp::Ne: return "ne";
-    case ExprOp::Lt: return "lt";
-    case ExprOp::Le: return "le";
-    case ExprOp::Gt: return "gt";
-    case ExprOp::Ge: return "ge";
-    case ExprOp::And: return "and";
-    case ExprOp::Or: return "or";
     case ExprOp::Select: return "select";
     case ExprOp::Cast: return "cast";
+    default: return "?";
   }
-  return "?";
 }
 
-bool isUnary(ExprOp op) { return op >= ExprOp::Neg && op <= ExprOp::Not; }
-bool isBinary(ExprOp op) { return op >= ExprOp::Add && op <= ExprOp::Or; }
-bool isComparison(ExprOp op) { return op >= ExprOp::Eq && op <= ExprOp::Or; }
+bool isUnary(ExprOp op) {
+  auto fn = scalarFnOf(op);
+  return op == ExprOp::RoundBf16 || (fn && ir::scalarFnInfo(*fn).arity == 1);
+}
+bool isBinary(ExprOp op) {
+  auto fn = scalarFnOf(op);
+  return fn && ir::scalarFnInfo(*fn).arity == 2;
+}
+bool isComparison(ExprOp op) {
+  auto fn = scalarFnOf(op);
+  return fn && ir::scalarFnInfo(*fn).isPredicate() && ir::scalarFnInfo(*fn).arity == 2;
+}
 
 const char* kernelKindName(KernelKind k) {
   switch (k) {
@@ -186,15 +167,9 @@ int ExprGraph::binary(ExprOp op, int x, int y) {
   const Expr& ey = (*this)[y];
   if (typeOf(x) == DType::i64 && !isComparison(op)) {
     if (ex.op == ExprOp::Const && ey.op == ExprOp::Const) {
-      int64_t a = ex.ivalue, b = ey.ivalue;
-      switch (op) {
-        case ExprOp::Add: return intConstant(a + b);
-        case ExprOp::Sub: return intConstant(a - b);
-        case ExprOp::Mul: return intConstant(a * b);
-        case ExprOp::Div: if (b != 0) return intConstant(a / b); break;
-        case ExprOp::Rem: if (b != 0) return intConstant(a % b); break;
-        default: break;
-      }
+      const bool folds = op == ExprOp::Add || op == ExprOp::Sub || op == ExprOp::Mul ||
+                         ((op == ExprOp::Div || op == ExprOp::Rem) && ey.ivalue != 0);
+      if (folds) return intConstant(ir::scalar::evaluate<int64_t>(*scalarFnOf(op), ex.ivalue, ey.ivalue));
     }
     if (ey.op == ExprOp::Const) {
       if ((op == ExprOp::Add || op == ExprOp::Sub) && ey.ivalue == 0) return x;

@@ -23,16 +23,30 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "ir/scalar_fn.h"
 #include "ir/types.h"
 
 namespace kiln::codegen {
 
 using ir::DType;
 
+// An expression node's operation. The scalar functions come first, numbered as ir::ScalarFn
+// (ExprOp::Gelu is ScalarFn::Gelu): their meaning is their entry in ir/scalar_fn.def, which the
+// interpreter evaluates and the CUDA emitter prints. Binary functions take two operands of one
+// type; comparisons and logic give i1.
 enum class ExprOp : uint8_t {
+#define KILN_UNARY(Name, ...) Name,
+#define KILN_ACTIVATION(Name, ...) Name, Name##Derivative,
+#define KILN_BINARY(Name, ...) Name,
+#define KILN_COMPARE(Name, ...) Name,
+#define KILN_KERNEL_UNARY(Name, ...) Name,
+#define KILN_KERNEL_BINARY(Name, ...) Name,
+#include "ir/scalar_fn.def"
+  // The kernel IR's own nodes.
   Const,     // ivalue (integer and i1 types) or fvalue (float types)
   Coord,     // coordinate `index` of the iteration space (i64); Row kernels number the outer
              // coordinates first, then the row coordinates
@@ -43,18 +57,18 @@ enum class ExprOp : uint8_t {
              // with offsets[b] <= a < offsets[b + 1], found by binary search (empty bags are
              // skipped). A position at or past offsets[ivalue] (padding of a bounded ids buffer)
              // gives ivalue - 1: guard with a < offsets[ivalue] where that matters.
-  // Unary.
-  Neg, Abs, Exp, Log, Log1p, Sqrt, Rsqrt, Sigmoid, Tanh, Relu, Gelu, Silu,
   RoundBf16,  // f32 rounded to the nearest bf16 (a cast to bf16 inside a fused chain)
-  Not,
-  // Binary, both operands of one type.
-  Add, Sub, Mul, Div, Rem, Max, Min, Pow,
-  // Comparisons and logic, an i1 result.
-  Eq, Ne, Lt, Le, Gt, Ge, And, Or,
   Select,  // a ? b : c; only the chosen branch is evaluated (a gather's or concat's loads are
            // guarded this way)
   Cast,    // a converted to `type`
 };
+
+constexpr ExprOp exprOpOf(ir::ScalarFn f) { return static_cast<ExprOp>(f); }
+// The scalar function of a node, if it is one.
+inline std::optional<ir::ScalarFn> scalarFnOf(ExprOp op) {
+  if (op >= ExprOp::Const) return std::nullopt;
+  return static_cast<ir::ScalarFn>(op);
+}
 
 const char* exprOpName(ExprOp op);
 bool isUnary(ExprOp op);
@@ -120,7 +134,7 @@ struct Store {
   bool accumulate = false;
 };
 
-enum class Combiner : uint8_t { Sum, Max };
+using ir::Combiner;  // Sum, Max: scalar_fn.def's KILN_COMBINER entries
 
 struct Phase {
   enum class Kind : uint8_t { Reduce, Map } kind = Kind::Map;

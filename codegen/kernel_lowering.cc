@@ -52,22 +52,6 @@ bool isSourceOrTerminator(const Op& op) {
 
 namespace {
 
-const std::map<std::string, ExprOp, std::less<>>& unaryOps() {
-  static const std::map<std::string, ExprOp, std::less<>> m = {
-      {"kiln.neg", ExprOp::Neg},         {"kiln.abs", ExprOp::Abs},   {"kiln.exp", ExprOp::Exp},
-      {"kiln.log", ExprOp::Log},         {"kiln.sqrt", ExprOp::Sqrt}, {"kiln.rsqrt", ExprOp::Rsqrt},
-      {"kiln.sigmoid", ExprOp::Sigmoid}, {"kiln.tanh", ExprOp::Tanh}, {"kiln.relu", ExprOp::Relu},
-      {"kiln.gelu", ExprOp::Gelu},       {"kiln.silu", ExprOp::Silu}};
-  return m;
-}
-
-const std::map<std::string, ExprOp, std::less<>>& binaryOps() {
-  static const std::map<std::string, ExprOp, std::less<>> m = {
-      {"kiln.add", ExprOp::Add}, {"kiln.sub", ExprOp::Sub}, {"kiln.mul", ExprOp::Mul}, {"kiln.div", ExprOp::Div},
-      {"kiln.max", ExprOp::Max}, {"kiln.min", ExprOp::Min}, {"kiln.pow", ExprOp::Pow}};
-  return m;
-}
-
 const std::set<std::string, std::less<>>& movementOps() {
   static const std::set<std::string, std::less<>> s = {"kiln.broadcast", "kiln.reshape", "kiln.transpose",
                                                        "kiln.slice",     "kiln.concat",  "kiln.gather",
@@ -214,27 +198,13 @@ class GroupLowering {
       return valueAt(kb, x, c);
     };
     const std::string& name = op.name();
-    if (auto u = unaryOps().find(name); u != unaryOps().end()) {
+    if (auto fn = ir::scalarFnOf(op)) {  // elementwise functions and comparisons
       auto x = operandAt(0);
       if (!x) return x;
-      return g.unary(u->second, *x);
-    }
-    if (auto b = binaryOps().find(name); b != binaryOps().end()) {
-      auto x = operandAt(0);
-      if (!x) return x;
+      if (ir::scalarFnInfo(*fn).arity == 1) return g.unary(exprOpOf(*fn), *x);
       auto y = operandAt(1);
       if (!y) return y;
-      return g.binary(b->second, *x, *y);
-    }
-    if (name == "kiln.compare") {
-      static const std::map<std::string, ExprOp, std::less<>> preds = {
-          {"eq", ExprOp::Eq}, {"ne", ExprOp::Ne}, {"lt", ExprOp::Lt},
-          {"le", ExprOp::Le}, {"gt", ExprOp::Gt}, {"ge", ExprOp::Ge}};
-      auto x = operandAt(0);
-      if (!x) return x;
-      auto y = operandAt(1);
-      if (!y) return y;
-      return g.binary(preds.at(op.strAttr("predicate")), *x, *y);
+      return g.binary(exprOpOf(*fn), *x, *y);
     }
     if (name == "kiln.select") {
       auto c = operandAt(0);
@@ -263,7 +233,9 @@ class GroupLowering {
       if (!x) return x;
       auto dy = operandAt(1);
       if (!dy) return dy;
-      return activationGrad(g, op.strAttr("activation"), *x, *dy);
+      // dy * f'(x), f' the activation's derivative in scalar_fn.def.
+      auto act = ir::findScalarFn(ir::ScalarFnKind::Activation, op.strAttr("activation"));
+      return g.binary(ExprOp::Mul, *dy, g.unary(exprOpOf(*ir::scalarFnInfo(*act).partner), *x));
     }
     if (name == "kiln.bce_with_logits_grad") {
       // g (sigmoid(x) - y), divided by the element count for a mean.
@@ -379,28 +351,6 @@ class GroupLowering {
       return g.select(in_range, *loaded, ir::isFloat(t) ? g.constant(0, t) : g.intConstant(0, t));
     }
     return Status::errorf("{} has no CUDA lowering", opLabel(op));
-  }
-
-  static int activationGrad(ExprGraph& g, const std::string& act, int x, int dy) {
-    DType t = g.typeOf(x);
-    auto c = [&](double v) { return g.constant(v, t); };
-    auto mul = [&](int a, int b) { return g.binary(ExprOp::Mul, a, b); };
-    auto add = [&](int a, int b) { return g.binary(ExprOp::Add, a, b); };
-    auto sub = [&](int a, int b) { return g.binary(ExprOp::Sub, a, b); };
-    int d;
-    if (act == "relu") {
-      d = g.select(g.binary(ExprOp::Gt, x, c(0)), c(1), c(0));
-    } else if (act == "silu") {
-      int s = g.unary(ExprOp::Sigmoid, x);
-      d = mul(s, add(c(1), mul(x, sub(c(1), s))));
-    } else {  // gelu, tanh form
-      const double kc = 0.7978845608028654, ka = 0.044715;
-      int x2 = mul(x, x);
-      int tt = g.unary(ExprOp::Tanh, mul(c(kc), add(x, mul(c(ka), mul(x2, x)))));
-      d = add(mul(c(0.5), add(c(1), tt)),
-              mul(mul(mul(c(0.5), x), sub(c(1), mul(tt, tt))), mul(c(kc), add(c(1), mul(c(3 * ka), x2)))));
-    }
-    return mul(dy, d);
   }
 
   // Values defined in the group that something outside it reads (or nothing reads at all).
@@ -1560,7 +1510,7 @@ class GroupLowering {
 
 bool isPointwiseOp(const Op& op) {
   if (op.name() == "kiln.reduce_grad") return op.strAttr("kind") != "max";
-  return unaryOps().count(op.name()) || binaryOps().count(op.name()) || movementOps().count(op.name());
+  return (op.def() && op.def()->scalar_fn) || movementOps().count(op.name());
 }
 
 int streamOf(const Op& op) {

@@ -69,9 +69,9 @@ class CpuLowering {
   Status lowerOp(const ir::Op& op) {
     if (!op.def())
       return located(op, Status::errorf("op '{}' is not in the op table; the CPU backend cannot run it", op.name()));
-    if (op.name() == "kiln.input") return lowerSource(op, BufferKind::Input, inputs_);
-    if (op.name() == "kiln.parameter") return lowerSource(op, BufferKind::Parameter, params_);
-    if (op.name() == "func.return") {
+    if (op.is(ir::OpCode::Input)) return lowerSource(op, BufferKind::Input, inputs_);
+    if (op.is(ir::OpCode::Parameter)) return lowerSource(op, BufferKind::Parameter, params_);
+    if (op.is(ir::OpCode::Return)) {
       for (ir::Value* v : op.operands()) {
         int id = buffer_of_.at(v);
         Buffer& b = program_.buffers[static_cast<size_t>(id)];
@@ -82,7 +82,7 @@ class CpuLowering {
     }
     // The CPU runs a fused group (passes/fusion.cc) op by op on the group's stream; the CUDA
     // backend runs it as one kernel.
-    if (op.name() == "kiln.fused" && !op.regions().empty() && !op.regions().front()->empty())
+    if (op.is(ir::OpCode::Fused) && !op.regions().empty() && !op.regions().front()->empty())
       return lowerFused(op);
     Instruction in;
     in.kind = InstrKind::Launch;
@@ -127,7 +127,7 @@ class CpuLowering {
     int outer = group_stream_;
     if (const ir::Attribute* s = op.attr("kiln.stream"); s && s->isInt()) group_stream_ = static_cast<int>(s->asInt());
     for (const auto& inner : body.ops()) {
-      if (inner->name() == "kiln.yield") {
+      if (inner->is(ir::OpCode::Yield)) {
         for (unsigned i = 0; i < inner->numOperands() && i < op.numResults(); ++i)
           buffer_of_[op.result(i)] = buffer_of_.at(inner->operand(i));
         continue;

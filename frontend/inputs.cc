@@ -37,7 +37,7 @@ void ModelLowering::execInput(const ast::Stmt& s) {
     if (!s.modifiers.empty())
       fail(s.modifiers[0].loc, fmt::format("'{}' applies only to sparse inputs (ids[...])", s.modifiers[0].name));
     std::string role = name == label_name_ ? "label" : "dense";
-    ir::Value* v = emitTyped("kiln.input", {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
+    ir::Value* v = emitTyped(ir::OpCode::Input, {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
     v->setNameHint(name);
     bind(name, Val::ofTensor(v), s.name_locs[0], "input");
     return;
@@ -94,16 +94,16 @@ void ModelLowering::execInput(const ast::Stmt& s) {
       attrs["hotness"] = hotness[i];
       ids_type = ir::TensorType(ir::DType::i64, {batch, ir::Dim::fixed(hotness[i])});
     }
-    sf.ids = emitTyped("kiln.input", {}, ids_type, attrs);
+    sf.ids = emitTyped(ir::OpCode::Input, {}, ids_type, attrs);
     sf.ids_op = sf.ids->definingOp();
     sf.ids->setNameHint(sf.name);
     if (variable) {
-      sf.lengths = emitTyped("kiln.input", {}, ir::TensorType(ir::DType::i32, {batch}),
+      sf.lengths = emitTyped(ir::OpCode::Input, {}, ir::TensorType(ir::DType::i32, {batch}),
                              {{"name", sf.name + ".lengths"}, {"role", "lengths"}, {"feature", sf.feature}});
       sf.lengths->setNameHint(sf.name + ".lengths");
     }
     if (weighted) {
-      sf.weights = emitTyped("kiln.input", {}, ids_type.withDType(ir::DType::f32),
+      sf.weights = emitTyped(ir::OpCode::Input, {}, ids_type.withDType(ir::DType::f32),
                              {{"name", sf.name + ".weights"}, {"role", "weights"}, {"feature", sf.feature}});
       sf.weights->setNameHint(sf.name + ".weights");
     }
@@ -134,7 +134,7 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
     if (f.lengths) operands.push_back(f.lengths);
     if (f.weights) operands.push_back(f.weights);
     L.builder().setLocation(args.loc);
-    ir::Value* v = L.emit("kiln.embedding_bag", operands, {{"mode", t.pool}, {"table", t.name}});
+    ir::Value* v = L.emit(ir::OpCode::EmbeddingBag, operands, {{"mode", t.pool}, {"table", t.name}});
     v->setNameHint(t.name + ".pooled");
     pooled.push_back(Val::ofTensor(v));
   }

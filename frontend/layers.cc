@@ -82,12 +82,12 @@ ir::Value* stackFeatures(ModelLowering& L, const std::vector<ir::Value*>& xs, co
   // Side by side, then one reshape: [B, F*D] row-major is [B, F, D]. The lookups then feed the
   // concat directly, which fusion turns into one kernel writing every pooled row in place.
   const auto& t = xs[0]->type();
-  ir::Value* wide = xs.size() == 1 ? xs[0] : L.emit("kiln.concat", xs, {{"axis", int64_t{1}}});
+  ir::Value* wide = xs.size() == 1 ? xs[0] : L.emit(ir::OpCode::Concat, xs, {{"axis", int64_t{1}}});
   return L.reshape(wide, {t.dim(0), ir::Dim::fixed(static_cast<int64_t>(xs.size())), t.dim(1)});
 }
 
 ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep) {
-  return L.emit("kiln.reduce", {x}, {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
+  return L.emit(ir::OpCode::Reduce, {x}, {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
 }
 
 // ---- compile-time helpers ------------------------------------------------------------------
@@ -131,7 +131,7 @@ Val minMax(ModelLowering& L, CallArgs& a, bool is_min) {
     if (!ir::broadcastShapes(p->type().shape(), q->type().shape()) || p->type().dtype() != q->type().dtype())
       L.fail(a.loc, fmt::format("cannot take the {} of {} and {}", name, typeStr(p->type()), typeStr(q->type())));
     L.builder().setLocation(a.loc);
-    return Val::ofTensor(L.emit(is_min ? "kiln.min" : "kiln.max", {p, q}));
+    return Val::ofTensor(L.emit(is_min ? ir::OpCode::Min : ir::OpCode::Max, {p, q}));
   }
   // Lists broadcast against scalars: min(rows, rows_cap) caps every table.
   if (x.kind == Val::Kind::List || y.kind == Val::Kind::List) {
@@ -150,16 +150,14 @@ Val fnMax(ModelLowering& L, CallArgs& a) { return minMax(L, a, false); }
 
 // ---- elementwise and shape operations ------------------------------------------------------
 
-template <const char* Op>
+// The builtin of a unary function of ir/scalar_fn.def: relu(x), exp(x), ...
+template <ir::ScalarFn F>
 Val unaryOp(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"x"}, 1);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], a.callee.c_str());
   L.builder().setLocation(a.loc);
-  return Val::ofTensor(L.emit(Op, {x}));
+  return Val::ofTensor(L.emit(ir::opCodeOf(F), {x}));
 }
-constexpr char kRelu[] = "kiln.relu", kSigmoid[] = "kiln.sigmoid", kTanh[] = "kiln.tanh", kGelu[] = "kiln.gelu",
-               kSilu[] = "kiln.silu", kExp[] = "kiln.exp", kLog[] = "kiln.log", kSqrt[] = "kiln.sqrt",
-               kRsqrt[] = "kiln.rsqrt", kAbs[] = "kiln.abs";
 
 Val fnIdentity(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"x"}, 1);
@@ -171,7 +169,7 @@ Val fnSoftmax(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"x", "axis"}, 1);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "softmax's input");
   int64_t axis = b.get(1) ? L.intArg(*b.get(1), b.locs[1], "axis") : -1;
-  return Val::ofTensor(L.emit("kiln.softmax", {x}, {{"axis", axis}}));
+  return Val::ofTensor(L.emit(ir::OpCode::Softmax, {x}, {{"axis", axis}}));
 }
 
 Val reduction(ModelLowering& L, CallArgs& a, const char* kind) {
@@ -240,7 +238,7 @@ ir::Value* concatAll(ModelLowering& L, const std::vector<ir::Value*>& xs, int64_
     if (!ok) L.fail(loc, fmt::format("cannot concatenate {} and {} along axis {}", typeStr(xs[0]->type()), typeStr(t), axis));
   }
   L.builder().setLocation(loc);
-  return L.emit("kiln.concat", xs, {{"axis", axis}});
+  return L.emit(ir::OpCode::Concat, xs, {{"axis", axis}});
 }
 
 Val fnConcat(ModelLowering& L, CallArgs& a) {
@@ -297,7 +295,7 @@ Val fnTranspose(ModelLowering& L, CallArgs& a) {
   for (int64_t i = 0; i < static_cast<int64_t>(sorted.size()); ++i)
     if (sorted[static_cast<size_t>(i)] != i || static_cast<int64_t>(sorted.size()) != r)
       L.fail(b.locs[1], fmt::format("perm must be a permutation of 0..{}", r));
-  return Val::ofTensor(L.emit("kiln.transpose", {x}, {{"perm", ir::Attribute::ints(perm)}}));
+  return Val::ofTensor(L.emit(ir::OpCode::Transpose, {x}, {{"perm", ir::Attribute::ints(perm)}}));
 }
 
 Val fnCast(ModelLowering& L, CallArgs& a) {
@@ -307,7 +305,7 @@ Val fnCast(ModelLowering& L, CallArgs& a) {
   auto dt = ir::parseDType(to);
   if (!dt) L.fail(b.locs[1], fmt::format("unknown element type '{}'", to));
   if (*dt == x->type().dtype()) return Val::ofTensor(x);
-  return Val::ofTensor(L.emit("kiln.cast", {x}, {{"to", to}}));
+  return Val::ofTensor(L.emit(ir::OpCode::Cast, {x}, {{"to", to}}));
 }
 
 // ---- layers --------------------------------------------------------------------------------
@@ -341,11 +339,11 @@ ir::Value* linearLayer(ModelLowering& L, ir::Value* x, int64_t out, bool bias, c
   ir::DType dt = x->type().dtype();
   ir::Value* w = L.makeParam(name + ".weight", ir::TensorType(dt, {ir::Dim::fixed(out), ir::Dim::fixed(in)}), init, loc);
   L.builder().setLocation(loc);
-  ir::Value* y = L.emit("kiln.matmul", {x, w}, {{"transpose_b", true}});
+  ir::Value* y = L.emit(ir::OpCode::Matmul, {x, w}, {{"transpose_b", true}});
   if (bias) {
     ir::Value* bv = L.makeParam(name + ".bias", ir::TensorType(dt, {ir::Dim::fixed(out)}), Val::builtin("zeros"), loc);
     L.builder().setLocation(loc);
-    y = L.emit("kiln.add", {y, bv});
+    y = L.emit(ir::OpCode::Add, {y, bv});
   }
   return y;
 }
@@ -399,15 +397,15 @@ Val fnCross(ModelLowering& L, CallArgs& a) {
     ir::Value* v = mat("v", rank, d);
     ir::Value* u = mat("u", d, rank);
     L.builder().setLocation(a.loc);
-    wx = L.emit("kiln.matmul", {L.emit("kiln.matmul", {x, v}, {{"transpose_b", true}}), u}, {{"transpose_b", true}});
+    wx = L.emit(ir::OpCode::Matmul, {L.emit(ir::OpCode::Matmul, {x, v}, {{"transpose_b", true}}), u}, {{"transpose_b", true}});
   } else {
     ir::Value* w = mat("weight", d, d);
     L.builder().setLocation(a.loc);
-    wx = L.emit("kiln.matmul", {x, w}, {{"transpose_b", true}});
+    wx = L.emit(ir::OpCode::Matmul, {x, w}, {{"transpose_b", true}});
   }
   ir::Value* bias = L.makeParam(name + ".bias", ir::TensorType(dt, {ir::Dim::fixed(d)}), Val::builtin("zeros"), a.loc);
   L.builder().setLocation(a.loc);
-  return Val::ofTensor(L.emit("kiln.add", {L.emit("kiln.mul", {x0, L.emit("kiln.add", {wx, bias})}), x}));
+  return Val::ofTensor(L.emit(ir::OpCode::Add, {L.emit(ir::OpCode::Mul, {x0, L.emit(ir::OpCode::Add, {wx, bias})}), x}));
 }
 
 // DLRM: pairwise dot products of [dense, emb_1..emb_n] (the strictly lower triangle, or with
@@ -428,17 +426,17 @@ Val fnDotInteraction(ModelLowering& L, CallArgs& a) {
   ir::Value* t = stackFeatures(L, feats, a.loc, "dot_interaction");  // [B, F, D]
   const ir::Dim batch = dense->type().dim(0);
   int64_t f = static_cast<int64_t>(feats.size());
-  ir::Value* z = L.emit("kiln.matmul", {t, t}, {{"transpose_b", true}});  // [B, F, F]
+  ir::Value* z = L.emit(ir::OpCode::Matmul, {t, t}, {{"transpose_b", true}});  // [B, F, F]
   ir::Value* flat = L.reshape(z, {batch, ir::Dim::fixed(f * f)});
   ir::AttrArray idx;
   for (int64_t i = 0; i < f; ++i)
     for (int64_t j = 0; j < (self ? i + 1 : i); ++j) idx.push_back(i * f + j);
   if (idx.empty()) L.fail(a.loc, "dot_interaction needs at least one embedding");
   int64_t pairs = static_cast<int64_t>(idx.size());
-  ir::Value* ids = L.emitTyped("kiln.constant", {}, ir::TensorType(ir::DType::i64, {ir::Dim::fixed(pairs)}),
+  ir::Value* ids = L.emitTyped(ir::OpCode::Constant, {}, ir::TensorType(ir::DType::i64, {ir::Dim::fixed(pairs)}),
                                {{"value", ir::Attribute(std::move(idx))}});
-  ir::Value* tri = L.emit("kiln.gather", {flat, ids}, {{"axis", int64_t{1}}});  // [B, pairs]
-  return Val::ofTensor(L.emit("kiln.concat", {dense, tri}, {{"axis", int64_t{1}}}));
+  ir::Value* tri = L.emit(ir::OpCode::Gather, {flat, ids}, {{"axis", int64_t{1}}});  // [B, pairs]
+  return Val::ofTensor(L.emit(ir::OpCode::Concat, {dense, tri}, {{"axis", int64_t{1}}}));
 }
 
 // Factorization machine, second order: 0.5 * sum_d((sum_f v)^2 - sum_f v^2), shaped [B, 1].
@@ -449,10 +447,10 @@ Val fnFm(ModelLowering& L, CallArgs& a) {
   ir::Value* t = stackFeatures(L, embs, a.loc, "fm");  // [B, F, D]
   if (embs.size() == 1) t = L.reshape(t, {embs[0]->type().dim(0), ir::Dim::fixed(1), embs[0]->type().dim(1)});
   ir::Value* s = reduce(L, t, "sum", {1}, false);
-  ir::Value* sq = reduce(L, L.emit("kiln.mul", {t, t}), "sum", {1}, false);
-  ir::Value* diff = L.emit("kiln.sub", {L.emit("kiln.mul", {s, s}), sq});
+  ir::Value* sq = reduce(L, L.emit(ir::OpCode::Mul, {t, t}), "sum", {1}, false);
+  ir::Value* diff = L.emit(ir::OpCode::Sub, {L.emit(ir::OpCode::Mul, {s, s}), sq});
   ir::Value* r = reduce(L, diff, "sum", {1}, true);
-  return Val::ofTensor(L.emit("kiln.mul", {r, L.scalarConstant(0.5, r->type().dtype())}));
+  return Val::ofTensor(L.emit(ir::OpCode::Mul, {r, L.scalarConstant(0.5, r->type().dtype())}));
 }
 
 Val norm(ModelLowering& L, CallArgs& a, bool rms) {
@@ -468,11 +466,11 @@ Val norm(ModelLowering& L, CallArgs& a, bool rms) {
   L.builder().setLocation(a.loc);
   int64_t last = x->type().rank() - 1;
   ir::Value* centered = x;
-  if (!rms) centered = L.emit("kiln.sub", {x, reduce(L, x, "mean", {last}, true)});
-  ir::Value* var = reduce(L, L.emit("kiln.mul", {centered, centered}), "mean", {last}, true);
-  ir::Value* inv = L.emit("kiln.rsqrt", {L.emit("kiln.add", {var, L.scalarConstant(eps, dt)})});
-  ir::Value* y = L.emit("kiln.mul", {L.emit("kiln.mul", {centered, inv}), gamma});
-  if (beta) y = L.emit("kiln.add", {y, beta});
+  if (!rms) centered = L.emit(ir::OpCode::Sub, {x, reduce(L, x, "mean", {last}, true)});
+  ir::Value* var = reduce(L, L.emit(ir::OpCode::Mul, {centered, centered}), "mean", {last}, true);
+  ir::Value* inv = L.emit(ir::OpCode::Rsqrt, {L.emit(ir::OpCode::Add, {var, L.scalarConstant(eps, dt)})});
+  ir::Value* y = L.emit(ir::OpCode::Mul, {L.emit(ir::OpCode::Mul, {centered, inv}), gamma});
+  if (beta) y = L.emit(ir::OpCode::Add, {y, beta});
   return Val::ofTensor(y);
 }
 Val fnLayernorm(ModelLowering& L, CallArgs& a) { return norm(L, a, false); }
@@ -551,7 +549,7 @@ Val fnBce(ModelLowering& L, CallArgs& a) {
     L.fail(a.loc, fmt::format("bce_with_logits needs logits and labels of one shape, got {} and {}",
                               typeStr(x->type()), typeStr(y->type())));
   L.builder().setLocation(a.loc);
-  return Val::ofTensor(L.emit("kiln.bce_with_logits", {x, y}, {{"reduction", red}}));
+  return Val::ofTensor(L.emit(ir::OpCode::BceWithLogits, {x, y}, {{"reduction", red}}));
 }
 
 Val fnSoftmaxCE(ModelLowering& L, CallArgs& a) {
@@ -561,7 +559,7 @@ Val fnSoftmaxCE(ModelLowering& L, CallArgs& a) {
   std::string red = b.get(2) ? L.wordArg(*b.get(2), b.locs[2], "reduction") : "mean";
   if (red != "mean" && red != "sum") L.fail(b.locs[2], "reduction must be mean or sum");
   L.builder().setLocation(a.loc);
-  return Val::ofTensor(L.emit("kiln.softmax_cross_entropy", {x, y}, {{"reduction", red}}));
+  return Val::ofTensor(L.emit(ir::OpCode::SoftmaxCrossEntropy, {x, y}, {{"reduction", red}}));
 }
 
 Val fnMse(ModelLowering& L, CallArgs& a) {
@@ -569,7 +567,7 @@ Val fnMse(ModelLowering& L, CallArgs& a) {
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "the prediction");
   ir::Value* y = floatTensor(L, *b.get(1), b.locs[1], "the target");
   ir::Value* d = L.binaryOp("-", x, y, a.loc);
-  ir::Value* sq = L.emit("kiln.mul", {d, d});
+  ir::Value* sq = L.emit(ir::OpCode::Mul, {d, d});
   if (sq->type().rank() == 0) return Val::ofTensor(sq);
   std::vector<int64_t> axes;
   for (int64_t i = 0; i < sq->type().rank(); ++i) axes.push_back(i);
@@ -616,16 +614,6 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"len", {fnLen, "length of a list"}},
         {"min", {fnMin, "minimum (numbers, lists elementwise, or tensors)"}},
         {"max", {fnMax, "maximum (numbers, lists elementwise, or tensors)"}},
-        {"relu", {unaryOp<kRelu>, "max(x, 0)"}},
-        {"sigmoid", {unaryOp<kSigmoid>, "1 / (1 + exp(-x))"}},
-        {"tanh", {unaryOp<kTanh>, "hyperbolic tangent"}},
-        {"gelu", {unaryOp<kGelu>, "GELU (tanh approximation)"}},
-        {"silu", {unaryOp<kSilu>, "x * sigmoid(x)"}},
-        {"exp", {unaryOp<kExp>, "e ** x"}},
-        {"log", {unaryOp<kLog>, "natural logarithm"}},
-        {"sqrt", {unaryOp<kSqrt>, "square root"}},
-        {"rsqrt", {unaryOp<kRsqrt>, "1 / sqrt(x)"}},
-        {"abs", {unaryOp<kAbs>, "|x|"}},
         {"identity", {fnIdentity, "x unchanged"}},
         {"softmax", {fnSoftmax, "softmax along an axis"}},
         {"sum", {fnSum, "sum over axes (or of a list)"}},
@@ -651,6 +639,13 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"softmax_cross_entropy", {fnSoftmaxCE, "cross entropy of a softmax"}},
         {"mse", {fnMse, "mean squared error"}},
     };
+    // The unary functions of ir/scalar_fn.def (negation is the `-` operator).
+#define KILN_BUILTIN(Name) \
+  if (ir::ScalarFn::Name != ir::ScalarFn::Neg) m[std::string(ir::scalarFnInfo(ir::ScalarFn::Name).spelling)] = {unaryOp<ir::ScalarFn::Name>, "elementwise, ir/scalar_fn.def"};
+#define KILN_UNARY(Name, ...) KILN_BUILTIN(Name)
+#define KILN_ACTIVATION(Name, ...) KILN_BUILTIN(Name)
+#include "ir/scalar_fn.def"
+#undef KILN_BUILTIN
     for (const auto& [name, fields] : recordFields()) m[name] = {fnRecord, "a setting"};
     return m;
   }();

@@ -105,13 +105,13 @@ Val ModelLowering::recordArg(const Val& v, const Location& loc, const char* what
 
 // ---- IR construction -----------------------------------------------------------------------
 
-ir::Value* ModelLowering::emit(const std::string& op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs) {
+ir::Value* ModelLowering::emit(ir::OpCode op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs) {
   auto v = builder_.createValue(op, operands, std::move(attrs));
   if (!v) fail(builder_.location(), v.status().message());
   return *v;
 }
 
-ir::Value* ModelLowering::emitTyped(const std::string& op, const std::vector<ir::Value*>& operands,
+ir::Value* ModelLowering::emitTyped(ir::OpCode op, const std::vector<ir::Value*>& operands,
                                     const ir::TensorType& type, ir::AttrDict attrs) {
   auto o = builder_.createWithTypes(op, operands, {type}, std::move(attrs));
   if (!o) fail(builder_.location(), o.status().message());
@@ -120,18 +120,18 @@ ir::Value* ModelLowering::emitTyped(const std::string& op, const std::vector<ir:
 
 ir::Value* ModelLowering::scalarConstant(double v, ir::DType dtype) {
   ir::Attribute value = ir::isInteger(dtype) ? ir::Attribute(static_cast<int64_t>(v)) : ir::Attribute(v);
-  return emitTyped("kiln.constant", {}, ir::TensorType(dtype, {}), {{"value", value}});
+  return emitTyped(ir::OpCode::Constant, {}, ir::TensorType(dtype, {}), {{"value", value}});
 }
 
 ir::Value* ModelLowering::reshape(ir::Value* x, ir::Shape shape) {
   if (x->type().shape() == shape) return x;
-  return emitTyped("kiln.reshape", {x}, ir::TensorType(x->type().dtype(), std::move(shape)));
+  return emitTyped(ir::OpCode::Reshape, {x}, ir::TensorType(x->type().dtype(), std::move(shape)));
 }
 
 ir::Value* ModelLowering::binaryOp(const char* op, ir::Value* a, ir::Value* b, const Location& loc) {
-  static const std::map<std::string, std::pair<const char*, const char*>> kOps = {
-      {"+", {"kiln.add", "add"}}, {"-", {"kiln.sub", "subtract"}}, {"*", {"kiln.mul", "multiply"}},
-      {"/", {"kiln.div", "divide"}}};
+  static const std::map<std::string, std::pair<ir::OpCode, const char*>> kOps = {
+      {"+", {ir::OpCode::Add, "add"}}, {"-", {ir::OpCode::Sub, "subtract"}}, {"*", {ir::OpCode::Mul, "multiply"}},
+      {"/", {ir::OpCode::Div, "divide"}}};
   auto it = kOps.find(op);
   if (it == kOps.end()) fail(loc, fmt::format("operator '{}' is not defined on tensors", op));
   const auto& ta = a->type();
@@ -166,7 +166,7 @@ ir::Value* ModelLowering::makeParam(const std::string& name, const ir::TensorTyp
       break;
     }
   if (first_math) top.setInsertionPoint(first_math);
-  auto op = top.createWithTypes("kiln.parameter", {}, {type}, std::move(attrs));
+  auto op = top.createWithTypes(ir::OpCode::Parameter, {}, {type}, std::move(attrs));
   if (!op) fail(loc, op.status().message());
   (*op)->result()->setNameHint(name);
   return (*op)->result();
@@ -395,7 +395,7 @@ Val ModelLowering::eval(const ast::Expr& e, const std::string& target) {
       if (x.kind == Val::Kind::Float) return Val::number(-x.f);
       if (x.kind == Val::Kind::Tensor) {
         builder_.setLocation(e.loc);
-        return Val::ofTensor(emit("kiln.neg", {x.tensor}));
+        return Val::ofTensor(emit(ir::OpCode::Neg, {x.tensor}));
       }
       fail(e.loc, fmt::format("cannot negate {}", describe(x)));
     }
@@ -598,7 +598,7 @@ Val ModelLowering::evalIndex(const ast::Expr& e) {
     Sub s = resolve(e.subs[i], d.isStatic() ? std::optional<int64_t>(d.size()) : std::nullopt);
     builder_.setLocation(e.subs[i].loc);
     if (!s.full && !(s.start == 0 && d.isStatic() && s.stop == d.size()))
-      x = emit("kiln.slice", {x}, {{"axis", static_cast<int64_t>(i)}, {"start", s.start}, {"limit", s.stop}});
+      x = emit(ir::OpCode::Slice, {x}, {{"axis", static_cast<int64_t>(i)}, {"start", s.start}, {"limit", s.stop}});
     if (s.is_slice)
       kept.push_back(x->type().dim(static_cast<int64_t>(i)));
     else
@@ -784,7 +784,7 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
     module_->mutableAttrs()["kiln.train"] = t;
   }
   builder_.setLocation(model.loc);
-  auto ret = builder_.createWithTypes("func.return", results, {});
+  auto ret = builder_.createWithTypes(ir::OpCode::Return, results, {});
   if (!ret) {
     diags_.error(model.loc, ret.status().message());
     return nullptr;

@@ -111,8 +111,8 @@ class ModelLowering {
   Val recordArg(const Val& v, const Location& loc, const char* what);
 
   // IR construction at the current location
-  ir::Value* emit(const std::string& op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs = {});
-  ir::Value* emitTyped(const std::string& op, const std::vector<ir::Value*>& operands, const ir::TensorType& type,
+  ir::Value* emit(ir::OpCode op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs = {});
+  ir::Value* emitTyped(ir::OpCode op, const std::vector<ir::Value*>& operands, const ir::TensorType& type,
                        ir::AttrDict attrs = {});
   ir::Value* scalarConstant(double v, ir::DType dtype);
   ir::Value* reshape(ir::Value* x, ir::Shape shape);

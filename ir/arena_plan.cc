@@ -188,7 +188,7 @@ void improveLayout(ArenaPlan& plan, const std::vector<ArenaBuffer>& buffers, con
 }  // namespace
 
 InPlace inPlaceKind(std::string_view op_name) {
-  if (op_name == "kiln.reshape") return InPlace::kSameBytes;
+  if (opCodeOf(op_name) == OpCode::Reshape) return InPlace::kSameBytes;
   const OpDef* def = OpRegistry::get().lookup(op_name);
   return def && def->has(kElementwise) && !def->has(kSideEffect) ? InPlace::kSameType : InPlace::kNever;
 }

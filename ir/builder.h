@@ -39,6 +39,17 @@ class Builder {
   // Creates an op with stated result types (input, parameter, reshape, ...); still verified.
   Expected<Op*> createWithTypes(const std::string& name, const std::vector<Value*>& operands,
                                 const std::vector<TensorType>& result_types, AttrDict attrs = {});
+  // The same by opcode, for code outside ir/ops/ (which never spells an op's name).
+  Expected<Op*> create(OpCode code, const std::vector<Value*>& operands, AttrDict attrs = {}) {
+    return create(std::string(opName(code)), operands, std::move(attrs));
+  }
+  Expected<Value*> createValue(OpCode code, const std::vector<Value*>& operands, AttrDict attrs = {}) {
+    return createValue(std::string(opName(code)), operands, std::move(attrs));
+  }
+  Expected<Op*> createWithTypes(OpCode code, const std::vector<Value*>& operands,
+                                const std::vector<TensorType>& result_types, AttrDict attrs = {}) {
+    return createWithTypes(std::string(opName(code)), operands, result_types, std::move(attrs));
+  }
   // Inserts an already-built op.
   Op* insert(std::unique_ptr<Op> op);
 

@@ -37,6 +37,7 @@ std::unique_ptr<Op> Op::create(std::string name, const std::vector<Value*>& oper
                                Location loc) {
   std::unique_ptr<Op> op(new Op());
   op->def_ = OpRegistry::get().lookup(name);
+  op->code_ = op->def_ ? op->def_->opcode : OpCode::Unknown;
   op->name_ = std::move(name);
   op->loc_ = std::move(loc);
   op->attrs_ = std::move(attrs);
@@ -201,7 +202,7 @@ Function::Function(std::string name, Module* parent)
 
 Op* Function::returnOp() const {
   Op* last = entry().back();
-  return last && last->name() == "func.return" ? last : nullptr;
+  return last && last->is(OpCode::Return) ? last : nullptr;
 }
 
 size_t Function::numOps() const {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ir/attribute.h"
+#include "ir/opcode.h"
 #include "ir/status.h"
 #include "ir/types.h"
 
@@ -100,10 +101,22 @@ class Op {
   static std::unique_ptr<Op> create(std::string name, const std::vector<Value*>& operands,
                                     const std::vector<TensorType>& result_types, AttrDict attrs = {},
                                     Location loc = {});
+  static std::unique_ptr<Op> create(OpCode code, const std::vector<Value*>& operands,
+                                    const std::vector<TensorType>& result_types, AttrDict attrs = {},
+                                    Location loc = {}) {
+    return create(std::string(opName(code)), operands, result_types, std::move(attrs), std::move(loc));
+  }
 
   const std::string& name() const { return name_; }
   // The op-table entry, or nullptr for an op the table does not know.
   const OpDef* def() const { return def_; }
+  // What the op is (OpCode::Unknown for an op ops.def does not list).
+  OpCode opcode() const { return code_; }
+  bool is(OpCode code) const { return code_ == code; }
+  template <typename... Codes>
+  bool isAnyOf(Codes... codes) const {
+    return ((code_ == codes) || ...);
+  }
   const Location& location() const { return loc_; }
   void setLocation(Location l) { loc_ = std::move(l); }
 
@@ -153,6 +166,7 @@ class Op {
 
   std::string name_;
   const OpDef* def_ = nullptr;
+  OpCode code_ = OpCode::Unknown;
   Location loc_;
   std::vector<Value*> operands_;
   std::vector<std::unique_ptr<Value>> results_;

@@ -10,7 +10,7 @@ const AttrSpec* OpDef::attrSpec(std::string_view n) const {
   return nullptr;
 }
 
-OpRegistry::OpRegistry() {
+OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerCoreOps(*this);
   registerElementwiseOps(*this);
   registerMatmulOps(*this);
@@ -28,7 +28,16 @@ OpRegistry& OpRegistry::get() {
 
 bool OpRegistry::add(OpDef def) {
   std::string name = def.name;
-  return defs_.emplace(std::move(name), std::move(def)).second;
+  def.opcode = opCodeOf(name);
+  auto [it, inserted] = defs_.emplace(std::move(name), std::move(def));
+  // std::map never moves its elements, so the pointer stays valid.
+  if (inserted && it->second.opcode != OpCode::Unknown) by_code_[static_cast<size_t>(it->second.opcode)] = &it->second;
+  return inserted;
+}
+
+const OpDef* OpRegistry::lookup(OpCode code) const {
+  size_t i = static_cast<size_t>(code);
+  return i < by_code_.size() ? by_code_[i] : nullptr;
 }
 
 const OpDef* OpRegistry::lookup(std::string_view name) const {
@@ -56,8 +65,27 @@ std::vector<unsigned> writtenOperands(const Op& op) {
   return all;
 }
 
+std::optional<ScalarFn> scalarFnOf(const Op& op) {
+  if (op.is(OpCode::Compare)) return findScalarFn(ScalarFnKind::Compare, op.strAttr("predicate"));
+  const OpDef* def = op.def();
+  return def ? def->scalar_fn : std::nullopt;
+}
+
+OpCode opCodeOf(ScalarFn fn) {
+  switch (fn) {
+#define KILN_UNARY(Name, ...) \
+  case ScalarFn::Name: return OpCode::Name;
+#define KILN_ACTIVATION(Name, ...) \
+  case ScalarFn::Name: return OpCode::Name;
+#define KILN_BINARY(Name, ...) \
+  case ScalarFn::Name: return OpCode::Name;
+#include "ir/scalar_fn.def"
+    default: return OpCode::Unknown;
+  }
+}
+
 bool isWideningCast(const Op& matmul, const Op& cast) {
-  if (matmul.name() != "kiln.matmul" || cast.name() != "kiln.cast" || cast.operand(0) != matmul.result()) return false;
+  if (!matmul.is(OpCode::Matmul) || !cast.is(OpCode::Cast) || cast.operand(0) != matmul.result()) return false;
   const DType from = matmul.result()->type().dtype();
   return (from == DType::bf16 || from == DType::f16) && cast.result()->type().dtype() == DType::f32;
 }

@@ -14,6 +14,8 @@
 
 #include "ir/attribute.h"
 #include "ir/ir.h"
+#include "ir/opcode.h"
+#include "ir/scalar_fn.h"
 #include "ir/tensor_view.h"
 
 namespace kiln::ir {
@@ -73,6 +75,7 @@ using WrittenFn = std::vector<unsigned> (*)(const Op& op);
 
 struct OpDef {
   std::string name;          // "kiln.matmul"
+  OpCode opcode = OpCode::Unknown;  // set by OpRegistry::add from ops.def
   std::string summary;       // one line, for docs and --help
   int min_operands = 0;
   int max_operands = 0;      // -1: variadic
@@ -87,6 +90,8 @@ struct OpDef {
   // kSideEffect ops: the operands they write in place (the others they only read). Without the
   // hook, every operand counts as written.
   WrittenFn written = nullptr;
+  // An elementwise op of scalar_fn.def: the function it applies to each element.
+  std::optional<ScalarFn> scalar_fn;
 
   bool has(uint32_t t) const { return (traits & t) != 0; }
   const AttrSpec* attrSpec(std::string_view n) const;
@@ -98,6 +103,7 @@ class OpRegistry {
   // Registers a definition; returns false if the name is taken.
   bool add(OpDef def);
   const OpDef* lookup(std::string_view name) const;
+  const OpDef* lookup(OpCode code) const;
   // Mutable access, for later layers that attach a hook to an existing op.
   OpDef* mutableLookup(std::string_view name);
   std::vector<const OpDef*> all() const;
@@ -105,6 +111,7 @@ class OpRegistry {
  private:
   OpRegistry();
   std::map<std::string, OpDef, std::less<>> defs_;
+  std::vector<const OpDef*> by_code_;  // indexed by OpCode
 };
 
 // Each family file defines one of these; OpRegistry's constructor calls them all, so no
@@ -126,6 +133,12 @@ std::vector<unsigned> writtenOperands(const Op& op);
 // precision's form). Fusion and the CUDA lowering take such a product as the GEMM's f32
 // accumulator (see docs/passes.md, gemm_epilogue).
 bool isWideningCast(const Op& matmul, const Op& cast);
+
+// The scalar function an elementwise op applies: its table entry's, or for kiln.compare the
+// function of its predicate; nullopt for other ops.
+std::optional<ScalarFn> scalarFnOf(const Op& op);
+// The op of a function with an op of its own (ScalarFnInfo::isOp()); Unknown otherwise.
+OpCode opCodeOf(ScalarFn fn);
 
 // Shared helpers for rules.
 Status expectRank(const Op& op, unsigned operand, int64_t rank);

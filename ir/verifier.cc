@@ -39,7 +39,7 @@ Status verifyBlock(const Block& block, const Function& f, std::unordered_set<con
     for (unsigned i = 0; i < op.numResults(); ++i) visible.insert(op.result(i));
   }
   if (is_function_body) {
-    if (!last || last->name() != "func.return")
+    if (!last || !last->is(OpCode::Return))
       return Status::error(fmt::format("function @{} must end with func.return", f.name()), f.loc);
     if (last->numOperands() != f.resultTypes().size())
       return located(Status::errorf("func.return has {} operands but @{} returns {} values",

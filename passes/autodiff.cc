@@ -107,7 +107,7 @@ class TrainStepBuilder {
 
  private:
   Expected<Value*> constant(ir::DType dtype, double v) {
-    auto op = builder_.createWithTypes("kiln.constant", {}, {TensorType(dtype, {})}, {{"value", v}});
+    auto op = builder_.createWithTypes(ir::OpCode::Constant, {}, {TensorType(dtype, {})}, {{"value", v}});
     if (!op) return op.status();
     return (*op)->result();
   }
@@ -136,17 +136,17 @@ class TrainStepBuilder {
 
 Expected<Value*> TrainStepBuilder::scalarInput(const std::string& name) {
   for (Op* op : func_.entry().opList())
-    if (op->name() == "kiln.input" && op->strAttr("name") == name)
+    if (op->is(ir::OpCode::Input) && op->strAttr("name") == name)
       return Status::error(fmt::format("@forward already has an input named '{}', which @train_step reserves", name),
                            op->location());
-  auto op = builder_.createWithTypes("kiln.input", {}, {TensorType(ir::DType::f32, {})},
+  auto op = builder_.createWithTypes(ir::OpCode::Input, {}, {TensorType(ir::DType::f32, {})},
                                      {{"name", name}, {"role", name}});
   if (!op) return op.status();
   (*op)->result()->setNameHint(name);
   return (*op)->result();
 }
 
-bool isTrainable(const Op& op) { return op.name() == "kiln.parameter" && op.boolAttr("trainable", true); }
+bool isTrainable(const Op& op) { return op.is(ir::OpCode::Parameter) && op.boolAttr("trainable", true); }
 
 // (table, ids[B, H], weights) or (table, ids[N], lengths, weights).
 bool isWeightedLookup(const Op& op) {
@@ -154,7 +154,7 @@ bool isWeightedLookup(const Op& op) {
 }
 
 bool isSparseLookup(const Op& op) {
-  return op.name() == "kiln.embedding_bag" && op.operand(0)->definingOp() && isTrainable(*op.operand(0)->definingOp());
+  return op.is(ir::OpCode::EmbeddingBag) && op.operand(0)->definingOp() && isTrainable(*op.operand(0)->definingOp());
 }
 
 // A value needs a gradient when a trainable parameter reaches it through differentiable ops.
@@ -176,7 +176,7 @@ Status TrainStepBuilder::accumulate(Value* v, Value* g, const Op& from) {
                          from.location());
   auto [it, inserted] = grads_.emplace(v, g);
   if (inserted) return Status::ok();
-  auto sum = builder_.createValue("kiln.add", {it->second, g});
+  auto sum = builder_.createValue(ir::OpCode::Add, {it->second, g});
   if (!sum) return sum.status();
   it->second = *sum;
   return Status::ok();
@@ -202,7 +202,7 @@ Status TrainStepBuilder::backward(Value* loss) {
     builder_.setLocation(op->location());
 
     bool sparse = isSparseLookup(*op);
-    if (op->name() == "kiln.embedding_bag" && !sparse && needs_grad_.count(op->operand(0)))
+    if (op->is(ir::OpCode::EmbeddingBag) && !sparse && needs_grad_.count(op->operand(0)))
       return Status::error("the table of a kiln.embedding_bag that is trained must be a kiln.parameter itself "
                            "(its update is sparse, applied to the parameter in place)",
                            op->location());
@@ -240,13 +240,13 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
     auto g = grads_.find(op->result());
     if (g == grads_.end()) continue;
     Value* sq = nullptr;
-    auto prod = builder_.createValue("kiln.mul", {g->second, g->second});
+    auto prod = builder_.createValue(ir::OpCode::Mul, {g->second, g->second});
     if (!prod) return prod.status();
     sq = *prod;
     if (g->second->type().rank() > 0) {
       std::vector<int64_t> axes;
       for (int64_t i = 0; i < g->second->type().rank(); ++i) axes.push_back(i);
-      auto red = builder_.createValue("kiln.reduce", {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}});
+      auto red = builder_.createValue(ir::OpCode::Reduce, {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}});
       if (!red) return red.status();
       sq = *red;
     }
@@ -257,7 +257,7 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
       std::vector<Value*> operands(u.lookup->operands().begin() + 1, u.lookup->operands().end());
       operands.push_back(u.grad_out);
       AttrDict attrs{{"mode", u.lookup->strAttr("mode", "sum")}, {"weighted", isWeightedLookup(*u.lookup)}};
-      auto sq = builder_.createValue("kiln.embedding_bag_grad_sqnorm", operands, attrs);
+      auto sq = builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs);
       if (!sq) return sq.status();
       squares.push_back(*sq);
     }
@@ -268,21 +268,21 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
   for (size_t i = 1; i < squares.size(); ++i) {
     Value* s = squares[i];
     if (s->type().dtype() != dtype) {
-      auto c = builder_.createValue("kiln.cast", {s}, {{"to", std::string(ir::dtypeName(dtype))}});
+      auto c = builder_.createValue(ir::OpCode::Cast, {s}, {{"to", std::string(ir::dtypeName(dtype))}});
       if (!c) return c.status();
       s = *c;
     }
-    auto sum = builder_.createValue("kiln.add", {total, s});
+    auto sum = builder_.createValue(ir::OpCode::Add, {total, s});
     if (!sum) return sum.status();
     total = *sum;
   }
-  auto norm = builder_.createValue("kiln.sqrt", {total});
+  auto norm = builder_.createValue(ir::OpCode::Sqrt, {total});
   if (!norm) return norm.status();
   auto limit = constant(dtype, max_norm);
   if (!limit) return limit.status();
-  auto denom = builder_.createValue("kiln.max", {*norm, *limit});
+  auto denom = builder_.createValue(ir::OpCode::Max, {*norm, *limit});
   if (!denom) return denom.status();
-  auto scale = builder_.createValue("kiln.div", {*limit, *denom});
+  auto scale = builder_.createValue(ir::OpCode::Div, {*limit, *denom});
   if (!scale) return scale.status();
   (*scale)->setNameHint("grad_scale");
   return *scale;
@@ -307,7 +307,7 @@ Expected<std::vector<Value*>> TrainStepBuilder::stateFor(Op* param, const std::v
     } else {
       attrs["init"] = "zeros";
     }
-    auto op = b.createWithTypes("kiln.parameter", {}, {st}, attrs);
+    auto op = b.createWithTypes(ir::OpCode::Parameter, {}, {st}, attrs);
     if (!op) return op.status();
     (*op)->result()->setNameHint(name + "." + slot.suffix);
     out.push_back((*op)->result());
@@ -365,7 +365,7 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       (*attrs)["scaled"] = scale != nullptr;
       (*attrs)["table"] = name;
       builder_.setLocation(use.lookup->location());
-      auto op = builder_.create("kiln.embedding_bag_update", operands, *attrs);
+      auto op = builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs);
       if (!op) return op.status();
       continue;
     }
@@ -381,7 +381,7 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
     (*attrs)["scaled"] = scale != nullptr;
     (*attrs)["param"] = name;
     builder_.setLocation(param->location());
-    auto op = builder_.create("kiln.optimizer_update", operands, *attrs);
+    auto op = builder_.create(ir::OpCode::OptimizerUpdate, operands, *attrs);
     if (!op) return op.status();
   }
   builder_.setLocation({});
@@ -430,7 +430,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   if (prediction) results.push_back(prediction);
   std::vector<TensorType> types;
   for (Value* v : results) types.push_back(v->type());
-  auto r = builder_.createWithTypes("func.return", results, {});
+  auto r = builder_.createWithTypes(ir::OpCode::Return, results, {});
   if (!r) return r.status();
   func_.setResultTypes(types);
 

@@ -9,7 +9,6 @@
 // Pure ops left unused by these rewrites are removed; other dead code is DCE's job.
 #include <algorithm>
 #include <cmath>
-#include <numbers>
 #include <optional>
 #include <unordered_set>
 
@@ -29,7 +28,7 @@ using ir::Value;
 // The number of a splat `kiln.constant` (one value for every element), if v is one.
 std::optional<double> splatValue(const Value* v) {
   const Op* def = v->definingOp();
-  if (!def || def->name() != "kiln.constant") return std::nullopt;
+  if (!def || !def->is(ir::OpCode::Constant)) return std::nullopt;
   const Attribute* a = def->attr("value");
   if (!a || !a->isNumber()) return std::nullopt;
   return a->asDouble();
@@ -61,43 +60,14 @@ std::optional<double> roundTo(DType t, double v) {
   }
 }
 
-std::optional<double> foldUnary(const std::string& name, double x) {
-  if (name == "kiln.neg") return -x;
-  if (name == "kiln.abs") return std::fabs(x);
-  if (name == "kiln.exp") return std::exp(x);
-  if (name == "kiln.log") return std::log(x);
-  if (name == "kiln.sqrt") return std::sqrt(x);
-  if (name == "kiln.rsqrt") return 1.0 / std::sqrt(x);
-  if (name == "kiln.sigmoid") return 1.0 / (1.0 + std::exp(-x));
-  if (name == "kiln.tanh") return std::tanh(x);
-  if (name == "kiln.relu") return x > 0 ? x : 0.0;
-  if (name == "kiln.silu") return x / (1.0 + std::exp(-x));
-  if (name == "kiln.gelu") {
-    const double k = std::sqrt(2.0 / std::numbers::pi);
-    return 0.5 * x * (1.0 + std::tanh(k * (x + 0.044715 * x * x * x)));
-  }
-  return std::nullopt;
-}
-
-std::optional<double> foldBinary(const Op& op, double a, double b, bool integer) {
-  const std::string& name = op.name();
-  if (name == "kiln.add") return a + b;
-  if (name == "kiln.sub") return a - b;
-  if (name == "kiln.mul") return a * b;
-  if (name == "kiln.max") return std::max(a, b);
-  if (name == "kiln.min") return std::min(a, b);
-  if (name == "kiln.div" && !integer) return a / b;
-  if (name == "kiln.pow" && !integer) return std::pow(a, b);
-  if (name == "kiln.compare") {
-    std::string p = op.strAttr("predicate");
-    if (p == "eq") return a == b;
-    if (p == "ne") return a != b;
-    if (p == "lt") return a < b;
-    if (p == "le") return a <= b;
-    if (p == "gt") return a > b;
-    if (p == "ge") return a >= b;
-  }
-  return std::nullopt;
+// An elementwise function of scalar_fn.def (or a comparison) on constants, evaluated in double;
+// nullopt for a function of floats only applied to integers.
+std::optional<double> foldFunction(const Op& op, const std::vector<double>& in) {
+  auto fn = ir::scalarFnOf(op);
+  if (!fn || in.empty()) return std::nullopt;
+  const ir::ScalarFnInfo& info = ir::scalarFnInfo(*fn);
+  if (info.domain == ir::ScalarDomain::Float && ir::isInteger(op.operand(0)->type().dtype())) return std::nullopt;
+  return ir::scalar::evaluate<double>(*fn, in[0], info.arity == 2 ? in[1] : 0.0);
 }
 
 class Rewriter {
@@ -151,24 +121,21 @@ Value* foldConstant(Op* op, Rewriter& rw) {
     in.push_back(*s);
   }
   std::optional<double> out;
-  if (op->name() == "kiln.cast") {
+  if (op->is(ir::OpCode::Cast)) {
     DType from = op->operand(0)->type().dtype();
     // Float to integer conversion semantics belong to the backends; leave it to them.
     if (ir::isFloat(from) && !ir::isFloat(type.dtype())) return nullptr;
     out = in[0];
-  } else if (op->name() == "kiln.select") {
+  } else if (op->is(ir::OpCode::Select)) {
     out = in[0] != 0 ? in[1] : in[2];
-  } else if (in.size() == 1) {
-    out = foldUnary(op->name(), in[0]);
-  } else if (in.size() == 2) {
-    bool int_operands = ir::isInteger(op->operand(0)->type().dtype());
-    out = foldBinary(*op, in[0], in[1], int_operands);
+  } else {
+    out = foldFunction(*op, in);
   }
   if (!out) return nullptr;
   out = roundTo(type.dtype(), *out);
   if (!out) return nullptr;
   Attribute value = integer ? Attribute(static_cast<int64_t>(*out)) : Attribute(*out);
-  auto c = Op::create("kiln.constant", {}, {type}, {{"value", value}}, op->location());
+  auto c = Op::create(ir::OpCode::Constant, {}, {type}, {{"value", value}}, op->location());
   c->result()->setNameHint(op->result()->nameHint());
   return rw.insertBefore(op, std::move(c))->result();
 }
@@ -181,15 +148,15 @@ Value* foldIdentity(Op* op) {
   Value* b = op->operand(1);
   const TensorType& t = op->result()->type();
   auto keep = [&](Value* v) { return v->type() == t ? v : nullptr; };
-  if (n == "kiln.mul") {
+  if (op->is(ir::OpCode::Mul)) {
     if (isSplat(b, 1)) return keep(a);
     if (isSplat(a, 1)) return keep(b);
-  } else if (n == "kiln.add") {
+  } else if (op->is(ir::OpCode::Add)) {
     if (isSplat(b, 0)) return keep(a);
     if (isSplat(a, 0)) return keep(b);
-  } else if (n == "kiln.sub") {
+  } else if (op->is(ir::OpCode::Sub)) {
     if (isSplat(b, 0)) return keep(a);
-  } else if (n == "kiln.div") {
+  } else if (op->is(ir::OpCode::Div)) {
     if (isSplat(b, 1)) return keep(a);
   }
   return nullptr;
@@ -207,7 +174,7 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
   if (op->numResults() != 1 || !op->hasTrait(ir::kPure) || !op->regions().empty()) return;
   Value* result = op->result();
 
-  if ((op->hasTrait(ir::kElementwise) || n == "kiln.cast") && op->numOperands() > 0) {
+  if ((op->hasTrait(ir::kElementwise) || op->is(ir::OpCode::Cast)) && op->numOperands() > 0) {
     if (Value* c = foldConstant(op, rw)) return rw.replace(op, c);
   }
   if (Value* x = foldIdentity(op)) return rw.replace(op, x);
@@ -216,14 +183,14 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
   if (!in) return;
   Op* producer = in->definingOp();
 
-  if (n == "kiln.neg" && producer && producer->name() == "kiln.neg" &&
+  if (op->is(ir::OpCode::Neg) && producer && producer->is(ir::OpCode::Neg) &&
       producer->operand(0)->type() == result->type())
     return rw.replace(op, producer->operand(0));
 
-  if (n == "kiln.reshape" || n == "kiln.cast") {
+  if (op->is(ir::OpCode::Reshape) || op->is(ir::OpCode::Cast)) {
     if (in->type() == result->type()) return rw.replace(op, in);
   }
-  if (n == "kiln.reshape" && producer && producer->name() == "kiln.reshape") {
+  if (op->is(ir::OpCode::Reshape) && producer && producer->is(ir::OpCode::Reshape)) {
     Value* src = producer->operand(0);
     if (src->type() == result->type()) return rw.replace(op, src);
     op->setOperand(0, src);
@@ -231,10 +198,10 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
     rw.eraseIfDead(producer);
     return;
   }
-  if (n == "kiln.transpose") {
+  if (op->is(ir::OpCode::Transpose)) {
     std::vector<int64_t> perm = op->intsAttr("perm");
     if (isIdentityPerm(perm) && in->type() == result->type()) return rw.replace(op, in);
-    if (producer && producer->name() == "kiln.transpose") {
+    if (producer && producer->is(ir::OpCode::Transpose)) {
       // out.dim(i) = mid.dim(perm[i]) = src.dim(inner[perm[i]]).
       std::vector<int64_t> inner = producer->intsAttr("perm");
       if (inner.size() != perm.size()) return;

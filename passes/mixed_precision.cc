@@ -26,7 +26,7 @@ std::string precisionOf(const ir::Module& m) {
 }
 
 Expected<ir::Value*> castTo(ir::Builder& b, ir::Value* v, ir::DType t) {
-  return b.createValue("kiln.cast", {v}, {{"to", std::string(ir::dtypeName(t))}});
+  return b.createValue(ir::OpCode::Cast, {v}, {{"to", std::string(ir::dtypeName(t))}});
 }
 
 }  // namespace
@@ -35,7 +35,7 @@ Expected<ir::Value*> castTo(ir::Builder& b, ir::Value* v, ir::DType t) {
 Expected<bool> castMatmulsToBf16(ir::Function& f) {
   bool changed = false;
   for (ir::Op* op : f.entry().opList()) {
-    if (op->name() != "kiln.matmul" || op->operand(0)->type().dtype() != ir::DType::f32) continue;
+    if (!op->is(ir::OpCode::Matmul) || op->operand(0)->type().dtype() != ir::DType::f32) continue;
     ir::Builder b;
     b.setInsertionPoint(op);
     b.setLocation(op->location());
@@ -43,7 +43,7 @@ Expected<bool> castMatmulsToBf16(ir::Function& f) {
     if (!a16) return a16.status();
     auto w16 = castTo(b, op->operand(1), ir::DType::bf16);
     if (!w16) return w16.status();
-    auto y16 = b.createValue("kiln.matmul", {*a16, *w16}, op->attrs());
+    auto y16 = b.createValue(ir::OpCode::Matmul, {*a16, *w16}, op->attrs());
     if (!y16) return y16.status();
     auto y = castTo(b, *y16, ir::DType::f32);
     if (!y) return y.status();

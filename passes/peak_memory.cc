@@ -35,8 +35,8 @@ class Flattener {
   }
 
   Status lower(const ir::Op& op) {
-    if (op.name() == "kiln.input" || op.name() == "kiln.parameter") {
-      auto& by_name = op.name() == "kiln.input" ? inputs_ : params_;
+    if (op.is(ir::OpCode::Input) || op.is(ir::OpCode::Parameter)) {
+      auto& by_name = op.is(ir::OpCode::Input) ? inputs_ : params_;
       std::string name = op.strAttr("name");
       if (!by_name.count(name)) {
         auto id = newBuffer(op, op.result()->type(), false);
@@ -46,7 +46,7 @@ class Flattener {
       buffer_of_[op.result()] = by_name[name];
       return Status::ok();
     }
-    if (op.name() == "func.return") {
+    if (op.is(ir::OpCode::Return)) {
       for (const ir::Value* v : op.operands())
         if (buffer_of_.count(v)) {
           ir::ArenaBuffer& b = buffers[static_cast<size_t>(buffer_of_.at(v))];
@@ -54,14 +54,14 @@ class Flattener {
         }
       return Status::ok();
     }
-    if (op.name() == "kiln.fused" && !op.regions().empty() && !op.regions().front()->empty()) {
+    if (op.is(ir::OpCode::Fused) && !op.regions().empty() && !op.regions().front()->empty()) {
       const ir::Block& body = op.regions().front()->front();
       for (unsigned i = 0; i < body.numArguments() && i < op.numOperands(); ++i)
         if (buffer_of_.count(op.operand(i))) buffer_of_[body.argument(i)] = buffer_of_.at(op.operand(i));
       int outer = group_stream_;
       if (const ir::Attribute* st = op.attr("kiln.stream"); st && st->isInt()) group_stream_ = static_cast<int>(st->asInt());
       for (const auto& inner : body.ops()) {
-        if (inner->name() == "kiln.yield") {
+        if (inner->is(ir::OpCode::Yield)) {
           for (unsigned i = 0; i < inner->numOperands() && i < op.numResults(); ++i)
             if (buffer_of_.count(inner->operand(i))) buffer_of_[op.result(i)] = buffer_of_.at(inner->operand(i));
           continue;

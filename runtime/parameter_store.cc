@@ -112,7 +112,7 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, 
                                       ThreadPool* pool) {
   Status status;
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
-    if (!status.isOk() || op.name() != "kiln.parameter") return;
+    if (!status.isOk() || !op.is(ir::OpCode::Parameter)) return;
     const std::string name = op.strAttr("name");
     const ir::TensorType& type = op.result()->type();
     std::vector<int64_t> shape;

@@ -1,6 +1,8 @@
 // Elementwise ops: binary arithmetic with numpy broadcasting, unary math and activations,
-// comparison and selection, and the fused activation backward op.
-//   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for relu, gelu (tanh form), silu (for
+// comparison and selection, and the fused activation backward op. Each function's meaning is
+// its entry in ir/scalar_fn.def; this file adds what the op table needs around it (shape
+// rules, gradient rules, the CPU reference loops).
+//   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for an activation of scalar_fn.def (for
 //                                             relu, x may be relu's output: f'(y) = f'(x))
 #include <cmath>
 
@@ -63,64 +65,14 @@ Status inferSelect(const Op& op, std::vector<TensorType>& out) {
 
 // ---- CPU kernels -------------------------------------------------------------------------------
 
-enum class Bin { add, sub, mul, div, max, min, pow };
-enum class Un { neg, abs, exp, log, sqrt, rsqrt, sigmoid, tanh, relu, gelu, silu };
+using scalar::apply;
 
-constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
-constexpr double kGeluA = 0.044715;
-
-template <class C>
-C sigmoidOf(C x) {
-  // Never exponentiates a large positive number.
-  if (x >= 0) return C(1) / (C(1) + std::exp(-x));
-  C e = std::exp(x);
-  return e / (C(1) + e);
+// The function kiln.activation_grad differentiates.
+ScalarFn activationOf(const Op& op) {
+  return *findScalarFn(ScalarFnKind::Activation, op.strAttr("activation"));
 }
 
-template <Bin K, class C>
-C applyBin(C a, C b) {
-  if constexpr (K == Bin::add) return a + b;
-  if constexpr (K == Bin::sub) return a - b;
-  if constexpr (K == Bin::mul) return a * b;
-  if constexpr (K == Bin::div) return a / b;
-  if constexpr (K == Bin::max) return a > b ? a : b;
-  if constexpr (K == Bin::min) return a < b ? a : b;
-  if constexpr (K == Bin::pow) return std::pow(a, b);
-}
-
-template <Un K, class C>
-C applyUn(C x) {
-  if constexpr (K == Un::neg) return -x;
-  if constexpr (K == Un::abs) return x < 0 ? -x : x;
-  if constexpr (K == Un::exp) return std::exp(x);
-  if constexpr (K == Un::log) return std::log(x);
-  if constexpr (K == Un::sqrt) return std::sqrt(x);
-  if constexpr (K == Un::rsqrt) return C(1) / std::sqrt(x);
-  if constexpr (K == Un::sigmoid) return sigmoidOf(x);
-  if constexpr (K == Un::tanh) return std::tanh(x);
-  if constexpr (K == Un::relu) return x > 0 ? x : C(0);
-  if constexpr (K == Un::gelu)
-    return C(0.5) * x * (C(1) + std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x)));
-  if constexpr (K == Un::silu) return x * sigmoidOf(x);
-}
-
-// d f(x) / dx for the activations kiln.activation_grad supports.
-template <class C>
-C activationDerivative(const std::string& act, C x) {
-  if (act == "relu") return x > 0 ? C(1) : C(0);
-  if (act == "silu") {
-    C s = sigmoidOf(x);
-    return s * (C(1) + x * (C(1) - s));
-  }
-  // gelu, tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 a x^2)
-  C t = std::tanh(C(kGeluC) * (x + C(kGeluA) * x * x * x));
-  return C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * C(kGeluC) * (C(1) + C(3 * kGeluA) * x * x);
-}
-
-constexpr bool floatOnly(Bin k) { return k == Bin::div || k == Bin::pow; }
-constexpr bool floatOnly(Un k) { return k != Un::neg && k != Un::abs && k != Un::relu; }
-
-template <Bin K>
+template <ScalarFn F>
 Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
   const TensorView& a = *in[0];
   const TensorView& b = *in[1];
@@ -131,7 +83,7 @@ Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, con
   auto body = [&](auto tag) -> Status {
     using T = decltype(tag);
     using C = typename T::Compute;
-    if constexpr (floatOnly(K) && !std::is_floating_point_v<C>) {
+    if constexpr (isFloatOnly(F) && !std::is_floating_point_v<C>) {
       return unsupportedDType(op, a.dtype);
     } else {
       const auto* pa = data<T>(a);
@@ -139,7 +91,7 @@ Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, con
       auto* pr = data<T>(r);
       forEachIndex<2>(r.shape, {broadcastStrides(a.shape, r.shape), broadcastStrides(b.shape, r.shape)},
                       [&](int64_t i, const std::array<int64_t, 2>& o) {
-                        pr[i] = T::store(applyBin<K, C>(T::load(pa[o[0]]), T::load(pb[o[1]])));
+                        pr[i] = T::store(apply<F, C>(T::load(pa[o[0]]), T::load(pb[o[1]])));
                       });
       return Status::ok();
     }
@@ -147,7 +99,7 @@ Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, con
   return visitNumeric(op, a.dtype, body);
 }
 
-template <Un K>
+template <ScalarFn F>
 Status cpuUnary(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
   const TensorView& x = *in[0];
   TensorView& r = *out[0];
@@ -155,12 +107,12 @@ Status cpuUnary(const Op& op, const CpuOperands& in, const CpuResults& out, cons
   auto body = [&](auto tag) -> Status {
     using T = decltype(tag);
     using C = typename T::Compute;
-    if constexpr (floatOnly(K) && !std::is_floating_point_v<C>) {
+    if constexpr (isFloatOnly(F) && !std::is_floating_point_v<C>) {
       return unsupportedDType(op, x.dtype);
     } else {
       const auto* px = data<T>(x);
       auto* pr = data<T>(r);
-      for (int64_t i = 0, n = x.numel(); i < n; ++i) pr[i] = T::store(applyUn<K, C>(T::load(px[i])));
+      for (int64_t i = 0, n = x.numel(); i < n; ++i) pr[i] = T::store(apply<F, C>(T::load(px[i])));
       return Status::ok();
     }
   };
@@ -175,15 +127,15 @@ Status cpuActivationGrad(const Op& op, const CpuOperands& in, const CpuResults& 
     return Status::errorf("'{}': x {} and dy {} differ in run-time shape", op.name(), shapeString(x.shape),
                           shapeString(dy.shape));
   KILN_RETURN_IF_ERROR(setResultShape(op, r, x.shape));
-  const std::string act = op.strAttr("activation");
+  const ScalarFn derivative = *scalarFnInfo(activationOf(op)).partner;
   return visitFloat(op, x.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     using C = typename T::Compute;
     const auto* px = data<T>(x);
     const auto* pd = data<T>(dy);
     auto* pr = data<T>(r);
-    for (int64_t i = 0, n = x.numel(); i < n; ++i)
-      pr[i] = T::store(T::load(pd[i]) * activationDerivative<C>(act, T::load(px[i])));
+    const scalar::UnaryFnPtr<C> d = scalar::unaryFnPtr<C>(derivative);
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) pr[i] = T::store(T::load(pd[i]) * d(T::load(px[i])));
     return Status::ok();
   });
 }
@@ -195,7 +147,7 @@ Status cpuCompare(const Op& op, const CpuOperands& in, const CpuResults& out, co
   auto shape = broadcastRuntime(op, a.shape, b.shape);
   if (!shape) return shape.status();
   KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
-  const std::string pred = op.strAttr("predicate");
+  const ScalarFn pred = *scalarFnOf(op);
   return visitAny(op, a.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     const auto* pa = data<T>(a);
@@ -203,15 +155,8 @@ Status cpuCompare(const Op& op, const CpuOperands& in, const CpuResults& out, co
     auto* pr = static_cast<uint8_t*>(r.data);
     forEachIndex<2>(r.shape, {broadcastStrides(a.shape, r.shape), broadcastStrides(b.shape, r.shape)},
                     [&](int64_t i, const std::array<int64_t, 2>& o) {
-                      auto x = T::load(pa[o[0]]);
-                      auto y = T::load(pb[o[1]]);
-                      bool v = pred == "eq"   ? x == y
-                               : pred == "ne" ? x != y
-                               : pred == "lt" ? x < y
-                               : pred == "le" ? x <= y
-                               : pred == "gt" ? x > y
-                                              : x >= y;
-                      pr[i] = v ? 1 : 0;
+                      using C = typename T::Compute;
+                      pr[i] = scalar::evaluate<C>(pred, T::load(pa[o[0]]), T::load(pb[o[1]])) != C(0);
                     });
     return Status::ok();
   });
@@ -419,9 +364,10 @@ Status gradTanh(GradContext& ctx, const Op& op) {
 // exactly where x > 0): the pre-activation then dies in the forward pass, which saves its memory
 // and lets matmul + bias + relu run as one GEMM with an epilogue.
 Status gradActivation(GradContext& ctx, const Op& op) {
-  std::string act = op.name().substr(std::string_view("kiln.").size());
+  const ScalarFn act = *op.def()->scalar_fn;
   return unaryRule(ctx, op, [&](B& b, V g, V x, V y) -> EV {
-    return b.createValue("kiln.activation_grad", {act == "relu" ? y : x, g}, {{"activation", Attribute(act)}});
+    return b.createValue("kiln.activation_grad", {act == ScalarFn::Relu ? y : x, g},
+                         {{"activation", Attribute(std::string(scalarFnInfo(act).spelling))}});
   });
 }
 
@@ -453,62 +399,56 @@ OpCost costPerElement(const Op& op, const SymbolBindings& symbols) {
   return elementwiseCost(op, symbols, Flops);
 }
 
-void addBinary(OpRegistry& r, const char* name, const char* summary, uint32_t extra, bool float_only,
-               CpuFn cpu, GradFn grad, CostFn cost = costPerElement<1>) {
-  r.add({.name = name,
-         .summary = summary,
-         .min_operands = 2,
-         .max_operands = 2,
-         .traits = kPure | kElementwise | kBroadcasting | extra,
-         .infer = inferBinary,
-         .verify = float_only ? verifyFloatOperands : nullptr,
-         .cost = cost,
-         .grad = grad,
-         .cpu = cpu});
+// The one-line summary of a function's op: its body when that is one return statement.
+std::string formulaOf(const ScalarFnInfo& info) {
+  std::string_view b = info.body;
+  if (b.starts_with("return ") && b.ends_with(";") && b.find(';') == b.size() - 1)
+    return std::string(b.substr(7, b.size() - 8));
+  return fmt::format("{} (ir/scalar_fn.def)", info.spelling);
 }
 
-void addUnary(OpRegistry& r, const char* name, const char* summary, bool float_only, CpuFn cpu, GradFn grad,
-              CostFn cost = costPerElement<1>) {
-  r.add({.name = name,
-         .summary = summary,
-         .min_operands = 1,
-         .max_operands = 1,
-         .traits = kPure | kElementwise,
-         .infer = inferUnary,
-         .verify = float_only ? verifyFloatOperands : nullptr,
+void addElementwise(OpRegistry& r, ScalarFn fn, CpuFn cpu, GradFn grad, CostFn cost) {
+  const ScalarFnInfo& info = scalarFnInfo(fn);
+  const bool binary = info.arity == 2;
+  r.add({.name = fmt::format("kiln.{}", info.spelling),
+         .summary = formulaOf(info),
+         .min_operands = info.arity,
+         .max_operands = info.arity,
+         .traits = kPure | kElementwise | (binary ? kBroadcasting : 0u) | (info.commutative ? kCommutative : 0u),
+         .infer = binary ? inferBinary : inferUnary,
+         .verify = info.domain == ScalarDomain::Float ? verifyFloatOperands : nullptr,
          .cost = cost,
          .grad = grad,
-         .cpu = cpu});
+         .cpu = cpu,
+         .scalar_fn = fn});
+}
+
+std::vector<std::string> activationNames() {
+  std::vector<std::string> names;
+  for (const ScalarFnInfo& i : scalarFns())
+    if (i.kind == ScalarFnKind::Activation) names.emplace_back(i.spelling);
+  return names;
 }
 
 }  // namespace
 
 void registerElementwiseOps(OpRegistry& r) {
-  addBinary(r, "kiln.add", "a + b", kCommutative, false, cpuBinary<Bin::add>, gradAdd);
-  addBinary(r, "kiln.sub", "a - b", 0, false, cpuBinary<Bin::sub>, gradSub);
-  addBinary(r, "kiln.mul", "a * b", kCommutative, false, cpuBinary<Bin::mul>, gradMul);
-  addBinary(r, "kiln.div", "a / b", 0, true, cpuBinary<Bin::div>, gradDiv);
-  addBinary(r, "kiln.max", "max(a, b)", kCommutative, false, cpuBinary<Bin::max>, gradMax);
-  addBinary(r, "kiln.min", "min(a, b)", kCommutative, false, cpuBinary<Bin::min>, gradMin);
-  addBinary(r, "kiln.pow", "a ** b", 0, true, cpuBinary<Bin::pow>, gradPow, costPerElement<8>);
+  // Every op of scalar_fn.def; the gradient rule of an entry is grad<Name> above, or for an
+  // activation the shared kiln.activation_grad rule.
+#define KILN_UNARY(Name, spelling, flops, domain, body) \
+  addElementwise(r, ScalarFn::Name, cpuUnary<ScalarFn::Name>, grad##Name, costPerElement<flops>);
+#define KILN_ACTIVATION(Name, spelling, flops, body, derivative) \
+  addElementwise(r, ScalarFn::Name, cpuUnary<ScalarFn::Name>, gradActivation, costPerElement<flops>);
+#define KILN_BINARY(Name, spelling, flops, domain, commutative, body) \
+  addElementwise(r, ScalarFn::Name, cpuBinary<ScalarFn::Name>, grad##Name, costPerElement<flops>);
+#include "ir/scalar_fn.def"
 
-  addUnary(r, "kiln.neg", "-x", false, cpuUnary<Un::neg>, gradNeg);
-  addUnary(r, "kiln.abs", "|x|", false, cpuUnary<Un::abs>, gradAbs);
-  addUnary(r, "kiln.exp", "e ** x", true, cpuUnary<Un::exp>, gradExp, costPerElement<4>);
-  addUnary(r, "kiln.log", "natural logarithm", true, cpuUnary<Un::log>, gradLog, costPerElement<4>);
-  addUnary(r, "kiln.sqrt", "square root", true, cpuUnary<Un::sqrt>, gradSqrt, costPerElement<4>);
-  addUnary(r, "kiln.rsqrt", "1 / sqrt(x)", true, cpuUnary<Un::rsqrt>, gradRsqrt, costPerElement<4>);
-  addUnary(r, "kiln.sigmoid", "1 / (1 + exp(-x))", true, cpuUnary<Un::sigmoid>, gradSigmoid, costPerElement<6>);
-  addUnary(r, "kiln.tanh", "hyperbolic tangent", true, cpuUnary<Un::tanh>, gradTanh, costPerElement<6>);
-  addUnary(r, "kiln.relu", "max(x, 0)", true, cpuUnary<Un::relu>, gradActivation);
-  addUnary(r, "kiln.gelu", "x * Phi(x), the tanh approximation", true, cpuUnary<Un::gelu>, gradActivation,
-           costPerElement<12>);
-  addUnary(r, "kiln.silu", "x * sigmoid(x)", true, cpuUnary<Un::silu>, gradActivation, costPerElement<7>);
-
+  std::vector<std::string> predicates;
+  for (const ScalarFnInfo& i : scalarFns())
+    if (i.kind == ScalarFnKind::Compare) predicates.emplace_back(i.spelling);
   r.add({.name = "kiln.compare", .summary = "Elementwise comparison, an i1 result",
          .min_operands = 2, .max_operands = 2,
-         .attrs = {{"predicate", Attribute::Kind::String, true, std::nullopt,
-                    {"eq", "ne", "lt", "le", "gt", "ge"}}},
+         .attrs = {{"predicate", Attribute::Kind::String, true, std::nullopt, predicates}},
          .traits = kPure | kElementwise | kBroadcasting | kNonDifferentiable,
          .infer = inferCompare, .cost = costPerElement<1>, .cpu = cpuCompare});
   r.add({.name = "kiln.select", .summary = "cond ? a : b, elementwise with broadcasting",
@@ -516,9 +456,9 @@ void registerElementwiseOps(OpRegistry& r) {
          .traits = kPure | kElementwise | kBroadcasting,
          .infer = inferSelect, .cost = costPerElement<1>, .grad = gradSelect, .cpu = cpuSelect});
   // Backward-only: autodiff emits it; no second-order gradients flow through it.
-  r.add({.name = "kiln.activation_grad", .summary = "dy * f'(x) for an activation f (backward of relu/gelu/silu)",
+  r.add({.name = "kiln.activation_grad", .summary = "dy * f'(x) for an activation f (the backward of an activation)",
          .min_operands = 2, .max_operands = 2,
-         .attrs = {{"activation", Attribute::Kind::String, true, std::nullopt, {"relu", "gelu", "silu"}}},
+         .attrs = {{"activation", Attribute::Kind::String, true, std::nullopt, activationNames()}},
          .traits = kPure | kElementwise | kNonDifferentiable,
          .infer = inferActivationGrad, .verify = verifyFloatOperands, .cost = costPerElement<12>,
          .cpu = cpuActivationGrad});

@@ -217,7 +217,7 @@ Expected<BatchSpec> fromFunction(const ir::Function& fn) {
   std::vector<std::pair<ir::AttrDict, ir::TensorType>> decls;
   for (const auto& blk : fn.body().blocks())
     for (const auto& op : blk->ops())
-      if (op->name() == "kiln.input") decls.emplace_back(op->attrs(), op->result()->type());
+      if (op->is(ir::OpCode::Input)) decls.emplace_back(op->attrs(), op->result()->type());
   auto spec = fromInputs(decls);
   if (!spec) return Status::error(fmt::format("function @{}: {}", fn.name(), spec.status().message()), fn.loc);
   return spec;

@@ -112,9 +112,9 @@ bool supportsCast(const ir::Op& op) {
 }  // namespace
 
 void registerDataKernels(KernelTable& t) {
-  addKernel(t, "kiln.constant", {"constant", runConstant, supportsConstant});
-  addKernel(t, "kiln.reshape", {"reshape", runReshape, [](const ir::Op&) { return true; }});
-  addKernel(t, "kiln.cast", {"cast", runCast, supportsCast});
+  addKernel(t, ir::OpCode::Constant, {"constant", runConstant, supportsConstant});
+  addKernel(t, ir::OpCode::Reshape, {"reshape", runReshape, [](const ir::Op&) { return true; }});
+  addKernel(t, ir::OpCode::Cast, {"cast", runCast, supportsCast});
 }
 
 }  // namespace kiln::runtime::cpu

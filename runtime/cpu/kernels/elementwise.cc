@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "ir/scalar_fn.h"
 #include "runtime/cpu/kernels/broadcast.h"
 #include "runtime/cpu/kernels/kernels.h"
 
@@ -20,38 +21,17 @@ struct BF16 {
   static void store(T* p, int64_t i, float v) { p[i] = ir::floatToBf16(v); }
 };
 
-enum class Fn { Add, Sub, Mul, Div, Max, Min, Pow, Neg, Abs, Exp, Log, Sqrt, Rsqrt, Sigmoid, Tanh, Relu, Gelu, Silu };
-
-template <Fn F>
-inline float apply(float a, float b) {
-  if constexpr (F == Fn::Add) return a + b;
-  if constexpr (F == Fn::Sub) return a - b;
-  if constexpr (F == Fn::Mul) return a * b;
-  if constexpr (F == Fn::Div) return a / b;
-  if constexpr (F == Fn::Max) return a > b ? a : b;
-  if constexpr (F == Fn::Min) return a < b ? a : b;
-  if constexpr (F == Fn::Pow) return std::pow(a, b);
-  if constexpr (F == Fn::Neg) return -a;
-  if constexpr (F == Fn::Abs) return std::fabs(a);
-  if constexpr (F == Fn::Exp) return std::exp(a);
-  if constexpr (F == Fn::Log) return std::log(a);
-  if constexpr (F == Fn::Sqrt) return std::sqrt(a);
-  if constexpr (F == Fn::Rsqrt) return 1.0f / std::sqrt(a);
-  if constexpr (F == Fn::Sigmoid) return 1.0f / (1.0f + std::exp(-a));
-  if constexpr (F == Fn::Tanh) return std::tanh(a);
-  if constexpr (F == Fn::Relu) return a > 0.0f ? a : 0.0f;
-  if constexpr (F == Fn::Gelu) {
-    constexpr float k = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * a * (1.0f + std::tanh(k * (a + 0.044715f * a * a * a)));
+constexpr bool isUnary(ir::ScalarFn f) {
+  switch (f) {
+#define KILN_BINARY(Name, ...) case ir::ScalarFn::Name:
+#include "ir/scalar_fn.def"
+      return false;
+    default:
+      return true;
   }
-  if constexpr (F == Fn::Silu) return a / (1.0f + std::exp(-a));
-  (void)b;
-  return 0;
 }
 
-constexpr bool isUnary(Fn f) { return f >= Fn::Neg; }
-
-template <typename S, Fn F>
+template <typename S, ir::ScalarFn F>
 void runTyped(const BroadcastIter& it, const std::vector<const ir::TensorView*>& in, ir::TensorView* out,
               ThreadPool& pool) {
   using T = typename S::T;
@@ -70,15 +50,15 @@ void runTyped(const BroadcastIter& it, const std::vector<const ir::TensorView*>&
       const T* pb = b + (isUnary(F) ? offs[0] : offs[1]);
       T* pc = c + r * inner;
       if (sa == 1 && sb == 1) {
-        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, apply<F>(S::load(pa, j), S::load(pb, j)));
+        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j), S::load(pb, j)));
       } else {
-        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, apply<F>(S::load(pa, j * sa), S::load(pb, j * sb)));
+        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j * sa), S::load(pb, j * sb)));
       }
     }
   });
 }
 
-template <Fn F>
+template <ir::ScalarFn F>
 Status runElementwise(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
                       const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
   std::vector<const std::vector<int64_t>*> shapes;
@@ -103,25 +83,12 @@ bool sameFloatTypes(const ir::Op& op) {
 }  // namespace
 
 void registerElementwiseKernels(KernelTable& t) {
-#define KILN_EW(NAME, FN) addKernel(t, NAME, {"ew_" #FN, runElementwise<Fn::FN>, sameFloatTypes})
-  KILN_EW("kiln.add", Add);
-  KILN_EW("kiln.sub", Sub);
-  KILN_EW("kiln.mul", Mul);
-  KILN_EW("kiln.div", Div);
-  KILN_EW("kiln.max", Max);
-  KILN_EW("kiln.min", Min);
-  KILN_EW("kiln.pow", Pow);
-  KILN_EW("kiln.neg", Neg);
-  KILN_EW("kiln.abs", Abs);
-  KILN_EW("kiln.exp", Exp);
-  KILN_EW("kiln.log", Log);
-  KILN_EW("kiln.sqrt", Sqrt);
-  KILN_EW("kiln.rsqrt", Rsqrt);
-  KILN_EW("kiln.sigmoid", Sigmoid);
-  KILN_EW("kiln.tanh", Tanh);
-  KILN_EW("kiln.relu", Relu);
-  KILN_EW("kiln.gelu", Gelu);
-  KILN_EW("kiln.silu", Silu);
+  // Every op of ir/scalar_fn.def, f32 compute over f32 or bf16 storage.
+#define KILN_EW(Name, spelling) addKernel(t, ir::OpCode::Name, {"ew_" #Name, runElementwise<ir::ScalarFn::Name>, sameFloatTypes});
+#define KILN_UNARY(Name, spelling, ...) KILN_EW(Name, spelling)
+#define KILN_ACTIVATION(Name, spelling, ...) KILN_EW(Name, spelling)
+#define KILN_BINARY(Name, spelling, ...) KILN_EW(Name, spelling)
+#include "ir/scalar_fn.def"
 #undef KILN_EW
 }
 

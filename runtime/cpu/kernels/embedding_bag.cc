@@ -98,7 +98,7 @@ bool supportsEmbeddingBag(const ir::Op& op) {
 }  // namespace
 
 void registerEmbeddingKernels(KernelTable& t) {
-  addKernel(t, "kiln.embedding_bag", {"embedding_bag", runEmbeddingBag, supportsEmbeddingBag});
+  addKernel(t, ir::OpCode::EmbeddingBag, {"embedding_bag", runEmbeddingBag, supportsEmbeddingBag});
 }
 
 }  // namespace kiln::runtime::cpu

@@ -173,7 +173,7 @@ bool supportsEmbeddingUpdate(const ir::Op& op) {
 }  // namespace
 
 void registerEmbeddingUpdateKernels(KernelTable& t) {
-  addKernel(t, "kiln.embedding_bag_update", {"embedding_bag_update", runEmbeddingUpdate, supportsEmbeddingUpdate});
+  addKernel(t, ir::OpCode::EmbeddingBagUpdate, {"embedding_bag_update", runEmbeddingUpdate, supportsEmbeddingUpdate});
 }
 
 }  // namespace kiln::runtime::cpu

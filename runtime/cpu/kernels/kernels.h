@@ -38,7 +38,7 @@ const FastKernel* findFastKernel(const ir::Op& op);
 
 // Registration, one function per family file in runtime/cpu/kernels/.
 struct KernelTable;
-void addKernel(KernelTable& t, std::string_view op_name, FastKernel k);
+void addKernel(KernelTable& t, ir::OpCode op, FastKernel k);
 void registerElementwiseKernels(KernelTable& t);  // elementwise.cc
 void registerMatmulKernels(KernelTable& t);       // matmul.cc
 void registerReduceKernels(KernelTable& t);       // reduce.cc

@@ -44,7 +44,7 @@ Status runOptimizerUpdate(const ir::Op& op, const std::vector<const ir::TensorVi
 }  // namespace
 
 void registerOptimizerKernels(KernelTable& t) {
-  addKernel(t, "kiln.optimizer_update", {"optimizer_update", runOptimizerUpdate, supportsOptimizerUpdate});
+  addKernel(t, ir::OpCode::OptimizerUpdate, {"optimizer_update", runOptimizerUpdate, supportsOptimizerUpdate});
 }
 
 }  // namespace kiln::runtime::cpu

@@ -6,10 +6,10 @@
 namespace kiln::runtime::cpu {
 
 struct KernelTable {
-  std::multimap<std::string, FastKernel, std::less<>> by_op;
+  std::multimap<ir::OpCode, FastKernel> by_op;
 };
 
-void addKernel(KernelTable& t, std::string_view op_name, FastKernel k) { t.by_op.emplace(std::string(op_name), k); }
+void addKernel(KernelTable& t, ir::OpCode op, FastKernel k) { t.by_op.emplace(op, k); }
 
 static const KernelTable& table() {
   static const KernelTable t = [] {
@@ -27,7 +27,7 @@ static const KernelTable& table() {
 }
 
 const FastKernel* findFastKernel(const ir::Op& op) {
-  auto [lo, hi] = table().by_op.equal_range(op.name());
+  auto [lo, hi] = table().by_op.equal_range(op.opcode());
   for (auto it = lo; it != hi; ++it)
     if (it->second.supports(op)) return &it->second;
   return nullptr;
