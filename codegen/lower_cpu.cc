@@ -59,10 +59,9 @@ class CpuLowering {
       buffer_of_[op.result()] = it->second;
       return Status::ok();
     }
-    auto id = newBuffer(op, kind, name, op.result()->type());
-    if (!id) return id.status();
-    by_name[name] = *id;
-    buffer_of_[op.result()] = *id;
+    KILN_ASSIGN_OR_RETURN(auto id, newBuffer(op, kind, name, op.result()->type()));
+    by_name[name] = id;
+    buffer_of_[op.result()] = id;
     return Status::ok();
   }
 
@@ -104,10 +103,9 @@ class CpuLowering {
     }
     for (ir::Value* r : op.results()) {
       std::string hint = r->nameHint().empty() ? "" : r->nameHint();
-      auto id = newBuffer(op, BufferKind::Temp, hint, r->type());
-      if (!id) return id.status();
-      in.results.push_back(*id);
-      buffer_of_[r] = *id;
+      KILN_ASSIGN_OR_RETURN(auto id, newBuffer(op, BufferKind::Temp, hint, r->type()));
+      in.results.push_back(id);
+      buffer_of_[r] = id;
     }
     // Optimizer updates write their parameter and state in place.
     std::vector<int> written;
@@ -150,9 +148,8 @@ class CpuLowering {
 
 Expected<Program> lowerForCpu(const ir::Function& f, const ir::SymbolBindings& symbols,
                               const CpuLoweringOptions& options) {
-  auto p = CpuLowering(symbols).run(f);
-  if (!p) return p.status();
-  if (options.plan_memory) KILN_RETURN_IF_ERROR(planMemory(*p, options.memory));
+  KILN_ASSIGN_OR_RETURN(auto p, CpuLowering(symbols).run(f));
+  if (options.plan_memory) KILN_RETURN_IF_ERROR(planMemory(p, options.memory));
   return p;
 }
 

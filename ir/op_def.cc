@@ -163,16 +163,15 @@ Status verifyOp(const Op& op) {
   if (!def) return Status::errorf("unknown op '{}'", op.name());
   KILN_RETURN_IF_ERROR(checkSignature(*def, op));
   if (!def->has(kTypeGiven) && def->infer) {
-    auto types = inferResultTypes(op);
-    if (!types) return types.status();
-    if (types->size() != op.numResults())
-      return Status::errorf("'{}' infers {} results but has {}", op.name(), types->size(), op.numResults());
+    KILN_ASSIGN_OR_RETURN(auto types, inferResultTypes(op));
+    if (types.size() != op.numResults())
+      return Status::errorf("'{}' infers {} results but has {}", op.name(), types.size(), op.numResults());
     for (unsigned i = 0; i < op.numResults(); ++i) {
       // Sharding annotations are added by planning passes; shapes and dtypes must agree.
       TensorType have = op.result(i)->type().withSharding(std::nullopt);
-      if (have != (*types)[i].withSharding(std::nullopt))
+      if (have != types[i].withSharding(std::nullopt))
         return Status::errorf("'{}' result #{} has type {} but its operands give {}", op.name(), i,
-                              op.result(i)->type().str(), (*types)[i].str());
+                              op.result(i)->type().str(), types[i].str());
     }
   }
   if (def->verify) KILN_RETURN_IF_ERROR(def->verify(op));
@@ -202,11 +201,10 @@ Expected<Op*> Builder::create(const std::string& name, const std::vector<Value*>
 
 Expected<Value*> Builder::createValue(const std::string& name, const std::vector<Value*>& operands,
                                       AttrDict attrs) {
-  auto op = create(name, operands, std::move(attrs));
-  if (!op) return op.status();
-  if ((*op)->numResults() != 1)
-    return Status::error(fmt::format("'{}' has {} results, expected 1", name, (*op)->numResults()), loc_);
-  return (*op)->result(0);
+  KILN_ASSIGN_OR_RETURN(auto op, create(name, operands, std::move(attrs)));
+  if (op->numResults() != 1)
+    return Status::error(fmt::format("'{}' has {} results, expected 1", name, op->numResults()), loc_);
+  return op->result(0);
 }
 
 Expected<Op*> Builder::createWithTypes(const std::string& name, const std::vector<Value*>& operands,

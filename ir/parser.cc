@@ -110,10 +110,9 @@ class Lexer {
     }
     if (isDigit(c) || (c == '-' && isDigit(peek(1)))) return lexNumber(t);
     if (c == '"') {
-      auto s = lexString(t);
-      if (!s) return s.status();
+      KILN_ASSIGN_OR_RETURN(auto s, lexString(t));
       t.kind = Tok::String;
-      t.text = s.take();
+      t.text = std::move(s);
       return t;
     }
     if (c == '%' || c == '^') {
@@ -130,9 +129,8 @@ class Lexer {
       advance(1);
       t.kind = Tok::SymbolId;
       if (peek(0) == '"') {
-        auto s = lexString(t);
-        if (!s) return s.status();
-        t.text = s.take();
+        KILN_ASSIGN_OR_RETURN(auto s, lexString(t));
+        t.text = std::move(s);
         return t;
       }
       size_t start = pos_;
@@ -373,9 +371,8 @@ class Parser {
  private:
   // ---- tokens ----
   Status advance() {
-    auto t = lex_.next();
-    if (!t) return t.status();
-    tok_ = t.take();
+    KILN_ASSIGN_OR_RETURN(auto t, lex_.next());
+    tok_ = std::move(t);
     return Status::ok();
   }
   Location locOf(const Token& t) const { return lex_.loc(t.line, t.col); }

@@ -83,6 +83,18 @@ class [[nodiscard]] Expected {
 
 }  // namespace kiln
 
+// Evaluates `expr`, an Expected<T>: on an error returns its Status from the enclosing function,
+// else moves the value into `lhs`, a declaration (`auto op`, `Value* v`) or a variable. XLA's
+// TF_ASSIGN_OR_RETURN.
+//   KILN_ASSIGN_OR_RETURN(Value* sum, builder.createValue(OpCode::Add, {a, b}));
+#define KILN_ASSIGN_OR_RETURN(lhs, expr) KILN_ASSIGN_OR_RETURN_IMPL(KILN_STATUS_CONCAT(kiln_expected_, __LINE__), lhs, expr)
+#define KILN_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                               \
+  if (!tmp) return tmp.status();                   \
+  lhs = tmp.take()
+#define KILN_STATUS_CONCAT(a, b) KILN_STATUS_CONCAT_IMPL(a, b)
+#define KILN_STATUS_CONCAT_IMPL(a, b) a##b
+
 // Propagates a failed Status out of the enclosing function.
 #define KILN_RETURN_IF_ERROR(expr)                \
   do {                                            \

@@ -107,9 +107,8 @@ class TrainStepBuilder {
 
  private:
   Expected<Value*> constant(ir::DType dtype, double v) {
-    auto op = builder_.createWithTypes(ir::OpCode::Constant, {}, {TensorType(dtype, {})}, {{"value", v}});
-    if (!op) return op.status();
-    return (*op)->result();
+    KILN_ASSIGN_OR_RETURN(auto op, builder_.createWithTypes(ir::OpCode::Constant, {}, {TensorType(dtype, {})}, {{"value", v}}));
+    return op->result();
   }
   Expected<Value*> scalarInput(const std::string& name);
   void markNeedsGrad();
@@ -139,11 +138,10 @@ Expected<Value*> TrainStepBuilder::scalarInput(const std::string& name) {
     if (op->is(ir::OpCode::Input) && op->strAttr("name") == name)
       return Status::error(fmt::format("@forward already has an input named '{}', which @train_step reserves", name),
                            op->location());
-  auto op = builder_.createWithTypes(ir::OpCode::Input, {}, {TensorType(ir::DType::f32, {})},
-                                     {{"name", name}, {"role", name}});
-  if (!op) return op.status();
-  (*op)->result()->setNameHint(name);
-  return (*op)->result();
+  KILN_ASSIGN_OR_RETURN(auto op, builder_.createWithTypes(ir::OpCode::Input, {}, {TensorType(ir::DType::f32, {})},
+                                     {{"name", name}, {"role", name}}));
+  op->result()->setNameHint(name);
+  return op->result();
 }
 
 bool isTrainable(const Op& op) { return op.is(ir::OpCode::Parameter) && op.boolAttr("trainable", true); }
@@ -176,16 +174,14 @@ Status TrainStepBuilder::accumulate(Value* v, Value* g, const Op& from) {
                          from.location());
   auto [it, inserted] = grads_.emplace(v, g);
   if (inserted) return Status::ok();
-  auto sum = builder_.createValue(ir::OpCode::Add, {it->second, g});
-  if (!sum) return sum.status();
-  it->second = *sum;
+  KILN_ASSIGN_OR_RETURN(auto sum, builder_.createValue(ir::OpCode::Add, {it->second, g}));
+  it->second = sum;
   return Status::ok();
 }
 
 Status TrainStepBuilder::backward(Value* loss) {
-  auto seed = constant(loss->type().dtype(), 1.0);
-  if (!seed) return seed.status();
-  grads_[loss] = *seed;
+  KILN_ASSIGN_OR_RETURN(auto seed, constant(loss->type().dtype(), 1.0));
+  grads_[loss] = seed;
   for (auto it = forward_ops_.rbegin(); it != forward_ops_.rend(); ++it) {
     Op* op = *it;
     std::vector<Value*> result_grads;
@@ -240,15 +236,13 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
     auto g = grads_.find(op->result());
     if (g == grads_.end()) continue;
     Value* sq = nullptr;
-    auto prod = builder_.createValue(ir::OpCode::Mul, {g->second, g->second});
-    if (!prod) return prod.status();
-    sq = *prod;
+    KILN_ASSIGN_OR_RETURN(auto prod, builder_.createValue(ir::OpCode::Mul, {g->second, g->second}));
+    sq = prod;
     if (g->second->type().rank() > 0) {
       std::vector<int64_t> axes;
       for (int64_t i = 0; i < g->second->type().rank(); ++i) axes.push_back(i);
-      auto red = builder_.createValue(ir::OpCode::Reduce, {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}});
-      if (!red) return red.status();
-      sq = *red;
+      KILN_ASSIGN_OR_RETURN(auto red, builder_.createValue(ir::OpCode::Reduce, {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}}));
+      sq = red;
     }
     squares.push_back(sq);
   }
@@ -257,9 +251,8 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
       std::vector<Value*> operands(u.lookup->operands().begin() + 1, u.lookup->operands().end());
       operands.push_back(u.grad_out);
       AttrDict attrs{{"mode", u.lookup->strAttr("mode", "sum")}, {"weighted", isWeightedLookup(*u.lookup)}};
-      auto sq = builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs);
-      if (!sq) return sq.status();
-      squares.push_back(*sq);
+      KILN_ASSIGN_OR_RETURN(auto sq, builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs));
+      squares.push_back(sq);
     }
   }
   if (squares.empty()) return Status::error("grad_clip is set but no parameter has a gradient");
@@ -268,24 +261,18 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
   for (size_t i = 1; i < squares.size(); ++i) {
     Value* s = squares[i];
     if (s->type().dtype() != dtype) {
-      auto c = builder_.createValue(ir::OpCode::Cast, {s}, {{"to", std::string(ir::dtypeName(dtype))}});
-      if (!c) return c.status();
-      s = *c;
+      KILN_ASSIGN_OR_RETURN(auto c, builder_.createValue(ir::OpCode::Cast, {s}, {{"to", std::string(ir::dtypeName(dtype))}}));
+      s = c;
     }
-    auto sum = builder_.createValue(ir::OpCode::Add, {total, s});
-    if (!sum) return sum.status();
-    total = *sum;
+    KILN_ASSIGN_OR_RETURN(auto sum, builder_.createValue(ir::OpCode::Add, {total, s}));
+    total = sum;
   }
-  auto norm = builder_.createValue(ir::OpCode::Sqrt, {total});
-  if (!norm) return norm.status();
-  auto limit = constant(dtype, max_norm);
-  if (!limit) return limit.status();
-  auto denom = builder_.createValue(ir::OpCode::Max, {*norm, *limit});
-  if (!denom) return denom.status();
-  auto scale = builder_.createValue(ir::OpCode::Div, {*limit, *denom});
-  if (!scale) return scale.status();
-  (*scale)->setNameHint("grad_scale");
-  return *scale;
+  KILN_ASSIGN_OR_RETURN(auto norm, builder_.createValue(ir::OpCode::Sqrt, {total}));
+  KILN_ASSIGN_OR_RETURN(auto limit, constant(dtype, max_norm));
+  KILN_ASSIGN_OR_RETURN(auto denom, builder_.createValue(ir::OpCode::Max, {norm, limit}));
+  KILN_ASSIGN_OR_RETURN(auto scale, builder_.createValue(ir::OpCode::Div, {limit, denom}));
+  scale->setNameHint("grad_scale");
+  return scale;
 }
 
 // Creates the state parameters of `param` right after it, named "<param>.<suffix>".
@@ -307,20 +294,17 @@ Expected<std::vector<Value*>> TrainStepBuilder::stateFor(Op* param, const std::v
     } else {
       attrs["init"] = "zeros";
     }
-    auto op = b.createWithTypes(ir::OpCode::Parameter, {}, {st}, attrs);
-    if (!op) return op.status();
-    (*op)->result()->setNameHint(name + "." + slot.suffix);
-    out.push_back((*op)->result());
+    KILN_ASSIGN_OR_RETURN(auto op, b.createWithTypes(ir::OpCode::Parameter, {}, {st}, attrs));
+    op->result()->setNameHint(name + "." + slot.suffix);
+    out.push_back(op->result());
   }
   return out;
 }
 
 Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
-  auto dense_opt = dictField(train, "optimizer", "kiln.train");
-  if (!dense_opt) return dense_opt.status();
-  auto sparse_opt = dictField(train, "embedding_optimizer", "kiln.train");
-  if (!sparse_opt) return sparse_opt.status();
-  if (dense_opt->empty()) return Status::error("kiln.train has no 'optimizer'");
+  KILN_ASSIGN_OR_RETURN(auto dense_opt, dictField(train, "optimizer", "kiln.train"));
+  KILN_ASSIGN_OR_RETURN(auto sparse_opt, dictField(train, "embedding_optimizer", "kiln.train"));
+  if (dense_opt.empty()) return Status::error("kiln.train has no 'optimizer'");
 
   for (Op* param : forward_ops_) {
     if (!isTrainable(*param)) continue;
@@ -342,21 +326,20 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
                                          name, sparse->second.size()),
                              param->location());
       // The table's own optimizer overrides the model's embedding optimizer.
-      AttrDict opt = *sparse_opt;
+      AttrDict opt = sparse_opt;
       if (const Attribute* own = param->attr("optimizer")) {
         if (!own->isDict()) return Status::error(fmt::format("{}: 'optimizer' must be a dictionary", where), param->location());
         opt = own->asDict();
       }
-      if (opt.empty()) opt = *dense_opt;  // no embedding optimizer: the dense one, if it has a sparse form
+      if (opt.empty()) opt = dense_opt;  // no embedding optimizer: the dense one, if it has a sparse form
       auto attrs = optimizerAttrs(opt, /*sparse=*/true, where);
       if (!attrs) return Status(attrs.status()).withLocation(param->location());
-      auto state = stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs));
-      if (!state) return state.status();
+      KILN_ASSIGN_OR_RETURN(auto state, stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs)));
       const SparseUse& use = sparse->second[0];
       std::vector<Value*> operands = use.lookup->operands();
       bool weighted = isWeightedLookup(*use.lookup);
       operands.push_back(use.grad_out);
-      operands.insert(operands.end(), state->begin(), state->end());
+      operands.insert(operands.end(), state.begin(), state.end());
       operands.push_back(lr_);
       operands.push_back(step_);
       if (scale) operands.push_back(scale);
@@ -365,24 +348,20 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       (*attrs)["scaled"] = scale != nullptr;
       (*attrs)["table"] = name;
       builder_.setLocation(use.lookup->location());
-      auto op = builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs);
-      if (!op) return op.status();
+      KILN_ASSIGN_OR_RETURN(auto op, builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs));
       continue;
     }
-    auto attrs = optimizerAttrs(*dense_opt, /*sparse=*/false, "kiln.train optimizer");
-    if (!attrs) return attrs.status();
-    auto state = stateFor(param, ir::denseOptimizerState((*attrs)["kind"].asString(), *attrs));
-    if (!state) return state.status();
+    KILN_ASSIGN_OR_RETURN(auto attrs, optimizerAttrs(dense_opt, /*sparse=*/false, "kiln.train optimizer"));
+    KILN_ASSIGN_OR_RETURN(auto state, stateFor(param, ir::denseOptimizerState(attrs["kind"].asString(), attrs)));
     std::vector<Value*> operands{p, dense->second};
-    operands.insert(operands.end(), state->begin(), state->end());
+    operands.insert(operands.end(), state.begin(), state.end());
     operands.push_back(lr_);
     operands.push_back(step_);
     if (scale) operands.push_back(scale);
-    (*attrs)["scaled"] = scale != nullptr;
-    (*attrs)["param"] = name;
+    attrs["scaled"] = scale != nullptr;
+    attrs["param"] = name;
     builder_.setLocation(param->location());
-    auto op = builder_.create(ir::OpCode::OptimizerUpdate, operands, *attrs);
-    if (!op) return op.status();
+    KILN_ASSIGN_OR_RETURN(auto op, builder_.create(ir::OpCode::OptimizerUpdate, operands, attrs));
   }
   builder_.setLocation({});
   return Status::ok();
@@ -404,12 +383,10 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
 
   // lr and step come first, like the other sources.
   if (!body.empty()) builder_.setInsertionPoint(body.ops().front().get());
-  auto lr = scalarInput("lr");
-  if (!lr) return lr.status();
-  auto step = scalarInput("step");
-  if (!step) return step.status();
-  lr_ = *lr;
-  step_ = *step;
+  KILN_ASSIGN_OR_RETURN(auto lr, scalarInput("lr"));
+  KILN_ASSIGN_OR_RETURN(auto step, scalarInput("step"));
+  lr_ = lr;
+  step_ = step;
   builder_.setInsertionPointToEnd(body);
 
   markNeedsGrad();
@@ -420,9 +397,8 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   double clip = clip_it != train.end() && clip_it->second.isNumber() ? clip_it->second.asDouble() : 0.0;
   if (clip < 0) return Status::errorf("kiln.train: grad_clip must be >= 0, got {}", clip);
   if (clip > 0) {
-    auto s = clipScale(clip);
-    if (!s) return s.status();
-    scale = *s;
+    KILN_ASSIGN_OR_RETURN(auto s, clipScale(clip));
+    scale = s;
   }
   KILN_RETURN_IF_ERROR(emitUpdates(train, scale));
 
@@ -430,8 +406,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   if (prediction) results.push_back(prediction);
   std::vector<TensorType> types;
   for (Value* v : results) types.push_back(v->type());
-  auto r = builder_.createWithTypes(ir::OpCode::Return, results, {});
-  if (!r) return r.status();
+  KILN_ASSIGN_OR_RETURN(auto r, builder_.createWithTypes(ir::OpCode::Return, results, {}));
   func_.setResultTypes(types);
 
   // Drop what the backward built but nothing uses (e.g. dense table gradients of a weighted
@@ -468,22 +443,19 @@ Status buildTrainStep(ir::Module& module) {
   if (!train_it->second.isDict()) return Status::error("'kiln.train' must be a dictionary");
   const AttrDict& train = train_it->second.asDict();
 
-  auto loss_index = outputIndex(module, stringField(train, "loss", "loss"), "loss");
-  if (!loss_index) return loss_index.status();
+  KILN_ASSIGN_OR_RETURN(auto loss_index, outputIndex(module, stringField(train, "loss", "loss"), "loss"));
   std::optional<size_t> prediction_index;
   if (train.count("prediction")) {
-    auto p = outputIndex(module, stringField(train, "prediction", ""), "prediction");
-    if (!p) return p.status();
-    prediction_index = *p;
+    KILN_ASSIGN_OR_RETURN(auto p, outputIndex(module, stringField(train, "prediction", ""), "prediction"));
+    prediction_index = p;
   }
-  auto schedule = dictField(train, "lr_schedule", "kiln.train");
-  if (!schedule) return schedule.status();
-  KILN_RETURN_IF_ERROR(checkLrSchedule(*schedule));
+  KILN_ASSIGN_OR_RETURN(auto schedule, dictField(train, "lr_schedule", "kiln.train"));
+  KILN_RETURN_IF_ERROR(checkLrSchedule(schedule));
 
   module.eraseFunction("train_step");
   ir::Function& step = ir::cloneFunction(*forward, module, "train_step");
   TrainStepBuilder builder(step);
-  Status s = builder.run(train, *loss_index, prediction_index);
+  Status s = builder.run(train, loss_index, prediction_index);
   if (s) s = ir::verify(step);
   if (!s) {
     module.eraseFunction("train_step");  // never leave a half-built function behind

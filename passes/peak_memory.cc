@@ -39,9 +39,8 @@ class Flattener {
       auto& by_name = op.is(ir::OpCode::Input) ? inputs_ : params_;
       std::string name = op.strAttr("name");
       if (!by_name.count(name)) {
-        auto id = newBuffer(op, op.result()->type(), false);
-        if (!id) return id.status();
-        by_name[name] = *id;
+        KILN_ASSIGN_OR_RETURN(auto id, newBuffer(op, op.result()->type(), false));
+        by_name[name] = id;
       }
       buffer_of_[op.result()] = by_name[name];
       return Status::ok();
@@ -78,17 +77,15 @@ class Flattener {
     for (const ir::Value* v : op.operands()) {
       // A function argument (IR tests; models take none) lives outside the arena like an input.
       if (!buffer_of_.count(v)) {
-        auto id = newBuffer(op, v->type(), false);
-        if (!id) return id.status();
-        buffer_of_[v] = *id;
+        KILN_ASSIGN_OR_RETURN(auto id, newBuffer(op, v->type(), false));
+        buffer_of_[v] = id;
       }
       s.operands.push_back(buffer_of_.at(v));
     }
     for (const ir::Value* r : op.results()) {
-      auto id = newBuffer(op, r->type(), true);
-      if (!id) return id.status();
-      s.results.push_back(*id);
-      buffer_of_[r] = *id;
+      KILN_ASSIGN_OR_RETURN(auto id, newBuffer(op, r->type(), true));
+      s.results.push_back(id);
+      buffer_of_[r] = id;
     }
     // The waits codegen's lowering turns into events (codegen/lower_cpu.cc).
     std::vector<int> written;

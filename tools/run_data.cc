@@ -22,9 +22,8 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
   opts.synthetic.seed = o.seed + 1;  // the same hidden task as training ...
   opts.synthetic.stream = 1;         // ... on the held-out stream
   opts.synthetic_samples = o.synthetic_samples;
-  auto reader = data::openBatchReader(s.forwardSpec(), opts);
-  if (!reader) return reader.status();
-  data::Prefetcher prefetch(reader.take(), 2);
+  KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(s.forwardSpec(), opts));
+  data::Prefetcher prefetch(std::move(reader), 2);
 
   const data::BatchSpec& spec = s.forwardSpec();
   runtime::AucAccumulator auc;
@@ -33,14 +32,12 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
   EvalResult r;
   std::vector<float> scores, labels;
   while (true) {
-    auto more = prefetch.next(batch);
-    if (!more) return more.status();
-    if (!*more) break;
-    auto out = s.forward(batch);
-    if (!out) return out.status();
-    loss.add(out->loss, static_cast<double>(batch.size));
-    scores.resize(out->logits.size());
-    for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out->logits[i]));
+    KILN_ASSIGN_OR_RETURN(auto more, prefetch.next(batch));
+    if (!more) break;
+    KILN_ASSIGN_OR_RETURN(auto out, s.forward(batch));
+    loss.add(out.loss, static_cast<double>(batch.size));
+    scores.resize(out.logits.size());
+    for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
     if (spec.labelIndex() >= 0) {
       labels.resize(static_cast<size_t>(batch.size));
       for (int64_t i = 0; i < batch.size; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(batch, spec, i);
@@ -61,15 +58,14 @@ Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
   std::string path = dir_or_file;
   if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "checkpoint.safetensors").string();
   if (!std::filesystem::exists(path)) return Status::error(fmt::format("no checkpoint at '{}'", path));
-  auto ckpt = runtime::loadCheckpoint(path);
-  if (!ckpt) return ckpt.status();
+  KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::loadCheckpoint(path));
   // Evaluation reads the model's parameters; the optimizer state a training checkpoint also
   // holds is left out. Every parameter of the model must be there.
   std::map<std::string, ir::TensorView> dest;
   for (const std::string& name : s.checkpointNames()) dest[name] = s.params().find(name)->view;
   runtime::Checkpoint wanted;
-  wanted.metadata = ckpt->metadata;
-  for (auto& [name, tensor] : ckpt->tensors)
+  wanted.metadata = ckpt.metadata;
+  for (auto& [name, tensor] : ckpt.tensors)
     if (dest.count(name)) wanted.tensors.emplace_back(name, std::move(tensor));
   return runtime::restoreTensors(wanted, dest, path);
 }

@@ -77,9 +77,8 @@ Status cpuBinary(const Op& op, const CpuOperands& in, const CpuResults& out, con
   const TensorView& a = *in[0];
   const TensorView& b = *in[1];
   TensorView& r = *out[0];
-  auto shape = broadcastRuntime(op, a.shape, b.shape);
-  if (!shape) return shape.status();
-  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  KILN_ASSIGN_OR_RETURN(auto shape, broadcastRuntime(op, a.shape, b.shape));
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, std::move(shape)));
   auto body = [&](auto tag) -> Status {
     using T = decltype(tag);
     using C = typename T::Compute;
@@ -144,9 +143,8 @@ Status cpuCompare(const Op& op, const CpuOperands& in, const CpuResults& out, co
   const TensorView& a = *in[0];
   const TensorView& b = *in[1];
   TensorView& r = *out[0];
-  auto shape = broadcastRuntime(op, a.shape, b.shape);
-  if (!shape) return shape.status();
-  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  KILN_ASSIGN_OR_RETURN(auto shape, broadcastRuntime(op, a.shape, b.shape));
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, std::move(shape)));
   const ScalarFn pred = *scalarFnOf(op);
   return visitAny(op, a.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
@@ -168,11 +166,9 @@ Status cpuSelect(const Op& op, const CpuOperands& in, const CpuResults& out, con
   const TensorView& a = *in[1];
   const TensorView& b = *in[2];
   TensorView& r = *out[0];
-  auto ab = broadcastRuntime(op, a.shape, b.shape);
-  if (!ab) return ab.status();
-  auto shape = broadcastRuntime(op, c.shape, *ab);
-  if (!shape) return shape.status();
-  KILN_RETURN_IF_ERROR(setResultShape(op, r, shape.take()));
+  KILN_ASSIGN_OR_RETURN(auto ab, broadcastRuntime(op, a.shape, b.shape));
+  KILN_ASSIGN_OR_RETURN(auto shape, broadcastRuntime(op, c.shape, ab));
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, std::move(shape)));
   const size_t es = static_cast<size_t>(dtypeBytes(a.dtype));
   const auto* pc = static_cast<const uint8_t*>(c.data);
   const auto* pa = static_cast<const unsigned char*>(a.data);
@@ -197,9 +193,8 @@ using grads::sumTo;
 using grads::unary;
 
 Status setSummed(GradContext& ctx, unsigned i, Value* g, const Op& op) {
-  auto s = sumTo(ctx.builder, g, op.operand(i)->type());
-  if (!s) return s.status();
-  ctx.operand_grads[i] = *s;
+  KILN_ASSIGN_OR_RETURN(auto s, sumTo(ctx.builder, g, op.operand(i)->type()));
+  ctx.operand_grads[i] = s;
   return Status::ok();
 }
 

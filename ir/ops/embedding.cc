@@ -127,18 +127,17 @@ Status cpuEmbeddingBag(const Op& op, const CpuOperands& in, const CpuResults& ou
   TensorView& r = *out[0];
   const int64_t rows = table.shape[0], dim = table.shape[1];
   KILN_RETURN_IF_ERROR(checkIds(op, ids, rows));
-  auto bags = bagsOf(op, ids, extra.lengths);
-  if (!bags) return bags.status();
-  KILN_RETURN_IF_ERROR(setResultShape(op, r, {bags->batch(), dim}));
+  KILN_ASSIGN_OR_RETURN(auto bags, bagsOf(op, ids, extra.lengths));
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, {bags.batch(), dim}));
   const bool mean = op.strAttr("mode") == "mean";
   return visitFloat(op, table.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     const auto* pt = data<T>(table);
     auto* pr = data<T>(r);
     std::vector<double> acc(static_cast<size_t>(dim));
-    for (int64_t b = 0; b < bags->batch(); ++b) {
+    for (int64_t b = 0; b < bags.batch(); ++b) {
       std::fill(acc.begin(), acc.end(), 0.0);
-      const int64_t lo = bags->begin[static_cast<size_t>(b)], hi = bags->begin[static_cast<size_t>(b) + 1];
+      const int64_t lo = bags.begin[static_cast<size_t>(b)], hi = bags.begin[static_cast<size_t>(b) + 1];
       for (int64_t j = lo; j < hi; ++j) {
         const double w = extra.weights ? loadAsDouble(*extra.weights, j) : 1.0;
         const auto* row = pt + loadIndex(ids, j) * dim;
@@ -160,11 +159,10 @@ Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuR
   TensorView& r = *out[0];
   const int64_t rows = table.shape[0], dim = table.shape[1];
   KILN_RETURN_IF_ERROR(checkIds(op, ids, rows));
-  auto bags = bagsOf(op, ids, lengths);
-  if (!bags) return bags.status();
-  if (g.shape != std::vector<int64_t>{bags->batch(), dim})
+  KILN_ASSIGN_OR_RETURN(auto bags, bagsOf(op, ids, lengths));
+  if (g.shape != std::vector<int64_t>{bags.batch(), dim})
     return Status::errorf("{}: grad_out {} does not match {} bags of dim {}", tableLabel(op),
-                          shapeString(g.shape), bags->batch(), dim);
+                          shapeString(g.shape), bags.batch(), dim);
   KILN_RETURN_IF_ERROR(setResultShape(op, r, ids.shape));
   const bool mean = op.strAttr("mode") == "mean";
   return visitFloat(op, table.dtype, [&](auto tag) -> Status {
@@ -172,8 +170,8 @@ Status cpuEmbeddingBagWeightGrad(const Op& op, const CpuOperands& in, const CpuR
     const auto* pt = data<T>(table);
     const auto* pg = data<T>(g);
     auto* pr = data<T>(r);
-    for (int64_t b = 0; b < bags->batch(); ++b) {
-      const int64_t lo = bags->begin[static_cast<size_t>(b)], hi = bags->begin[static_cast<size_t>(b) + 1];
+    for (int64_t b = 0; b < bags.batch(); ++b) {
+      const int64_t lo = bags.begin[static_cast<size_t>(b)], hi = bags.begin[static_cast<size_t>(b) + 1];
       const double scale = mean && hi > lo ? 1.0 / static_cast<double>(hi - lo) : 1.0;
       for (int64_t j = lo; j < hi; ++j) {
         const auto* row = pt + loadIndex(ids, j) * dim;

@@ -59,20 +59,19 @@ Status cpuMatmul(const Op& op, const std::vector<const TensorView*>& in, const s
                           shapeString(b.shape));
   std::vector<int64_t> batch_a(a.shape.begin(), a.shape.end() - 2),
       batch_b(b.shape.begin(), b.shape.end() - 2);
-  auto batch = broadcastRuntime(op, batch_a, batch_b);
-  if (!batch) return batch.status();
-  std::vector<int64_t> shape = *batch;
+  KILN_ASSIGN_OR_RETURN(auto batch, broadcastRuntime(op, batch_a, batch_b));
+  std::vector<int64_t> shape = batch;
   shape.push_back(m);
   shape.push_back(n);
   KILN_RETURN_IF_ERROR(setResultShape(op, r, std::move(shape)));
   // Per-batch matrix offsets, in matrices.
   std::vector<int64_t> off_a, off_b;
-  forEachIndex<2>(*batch, {broadcastStrides(batch_a, *batch), broadcastStrides(batch_b, *batch)},
+  forEachIndex<2>(batch, {broadcastStrides(batch_a, batch), broadcastStrides(batch_b, batch)},
                   [&](int64_t, const std::array<int64_t, 2>& o) {
                     off_a.push_back(o[0]);
                     off_b.push_back(o[1]);
                   });
-  if (batch->empty()) off_a = off_b = {0};
+  if (batch.empty()) off_a = off_b = {0};
   return visitFloat(op, a.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     const auto* pa = data<T>(a);

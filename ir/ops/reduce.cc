@@ -23,9 +23,8 @@ Status inferReduce(const Op& op, std::vector<TensorType>& out) {
   const TensorType& in = op.operand(0)->type();
   std::set<int64_t> axes;
   for (int64_t a : op.intsAttr("axes")) {
-    auto n = normalizeAxis(op, a, in.rank());
-    if (!n) return n.status();
-    if (!axes.insert(*n).second) return Status::errorf("'kiln.reduce' repeats axis {}", a);
+    KILN_ASSIGN_OR_RETURN(auto n, normalizeAxis(op, a, in.rank()));
+    if (!axes.insert(n).second) return Status::errorf("'kiln.reduce' repeats axis {}", a);
   }
   if (axes.empty()) return Status::error("'kiln.reduce' needs at least one axis");
   bool keep = op.boolAttr("keepdims");
@@ -42,8 +41,7 @@ Status inferReduce(const Op& op, std::vector<TensorType>& out) {
 
 Status inferSoftmax(const Op& op, std::vector<TensorType>& out) {
   const TensorType& in = op.operand(0)->type();
-  auto axis = normalizeAxis(op, op.intAttr("axis", -1), in.rank());
-  if (!axis) return axis.status();
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis", -1), in.rank()));
   if (!isFloat(in.dtype())) return Status::errorf("'kiln.softmax' needs a float operand, got {}", in.str());
   out = {in.withSharding(std::nullopt)};
   return Status::ok();
@@ -190,12 +188,11 @@ Status gradReduce(GradContext& ctx, const Op& op) {
   if (!g || !isFloat(x->type().dtype())) return Status::ok();
   std::vector<Value*> operands = {g};
   if (op.strAttr("kind") == "max") operands = {g, x, op.result()};
-  auto r = ctx.builder.createWithTypes("kiln.reduce_grad", operands, {x->type().withSharding(std::nullopt)},
+  KILN_ASSIGN_OR_RETURN(auto r, ctx.builder.createWithTypes("kiln.reduce_grad", operands, {x->type().withSharding(std::nullopt)},
                                        {{"kind", Attribute(op.strAttr("kind"))},
                                         {"axes", Attribute::ints(op.intsAttr("axes"))},
-                                        {"keepdims", Attribute(op.boolAttr("keepdims"))}});
-  if (!r) return r.status();
-  ctx.operand_grads[0] = (*r)->result();
+                                        {"keepdims", Attribute(op.boolAttr("keepdims"))}}));
+  ctx.operand_grads[0] = r->result();
   return Status::ok();
 }
 
@@ -230,9 +227,8 @@ Status verifyReduceGrad(const Op& op) {
                           x.str());
   std::set<int64_t> axes;
   for (int64_t a : op.intsAttr("axes")) {
-    auto n = normalizeAxis(op, a, x.rank());
-    if (!n) return n.status();
-    axes.insert(*n);
+    KILN_ASSIGN_OR_RETURN(auto n, normalizeAxis(op, a, x.rank()));
+    axes.insert(n);
   }
   Shape want;
   for (int64_t i = 0; i < x.rank(); ++i) {

@@ -69,8 +69,7 @@ Status inferTranspose(const Op& op, std::vector<TensorType>& out) {
 
 Status inferConcat(const Op& op, std::vector<TensorType>& out) {
   const TensorType& first = op.operand(0)->type();
-  auto axis = normalizeAxis(op, op.intAttr("axis"), first.rank());
-  if (!axis) return axis.status();
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis"), first.rank()));
   Shape s = first.shape();
   int64_t static_sum = 0;
   std::string sym;
@@ -81,9 +80,9 @@ Status inferConcat(const Op& op, std::vector<TensorType>& out) {
     if (t.rank() != first.rank() || t.dtype() != first.dtype())
       return Status::errorf("'kiln.concat' operands differ: {} and {}", first.str(), t.str());
     for (int64_t i = 0; i < t.rank(); ++i)
-      if (i != *axis && !(t.dim(i) == first.dim(i)))
-        return Status::errorf("'kiln.concat' operands differ off axis {}: {} and {}", *axis, first.str(), t.str());
-    const Dim& d = t.dim(*axis);
+      if (i != axis && !(t.dim(i) == first.dim(i)))
+        return Status::errorf("'kiln.concat' operands differ off axis {}: {} and {}", axis, first.str(), t.str());
+    const Dim& d = t.dim(axis);
     if (d.isBounded()) dynamic = true;
     if (d.sym().empty()) {
       static_sum += d.factor();
@@ -97,7 +96,7 @@ Status inferConcat(const Op& op, std::vector<TensorType>& out) {
   if (!sym.empty() && static_sum != 0)
     return Status::error("'kiln.concat' along an axis mixing static and symbolic sizes is not supported");
   Dim d = sym.empty() ? Dim::fixed(static_sum) : Dim::symbol(sym, sym_factor);
-  s[static_cast<size_t>(*axis)] = dynamic ? Dim::bounded(d) : d;
+  s[static_cast<size_t>(axis)] = dynamic ? Dim::bounded(d) : d;
   out = {TensorType(first.dtype(), std::move(s))};
   return Status::ok();
 }
@@ -105,15 +104,14 @@ Status inferConcat(const Op& op, std::vector<TensorType>& out) {
 // slice: one axis, [start, limit) with stride 1; the axis must be static.
 Status inferSlice(const Op& op, std::vector<TensorType>& out) {
   const TensorType& in = op.operand(0)->type();
-  auto axis = normalizeAxis(op, op.intAttr("axis"), in.rank());
-  if (!axis) return axis.status();
-  const Dim& d = in.dim(*axis);
-  if (!d.isStatic()) return Status::errorf("'kiln.slice' axis {} of {} is not static", *axis, in.str());
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis"), in.rank()));
+  const Dim& d = in.dim(axis);
+  if (!d.isStatic()) return Status::errorf("'kiln.slice' axis {} of {} is not static", axis, in.str());
   int64_t start = op.intAttr("start"), limit = op.intAttr("limit");
   if (start < 0 || limit > d.size() || start >= limit)
     return Status::errorf("'kiln.slice' range [{}, {}) is out of bounds for size {}", start, limit, d.size());
   Shape s = in.shape();
-  s[static_cast<size_t>(*axis)] = Dim::fixed(limit - start);
+  s[static_cast<size_t>(axis)] = Dim::fixed(limit - start);
   out = {TensorType(in.dtype(), std::move(s))};
   return Status::ok();
 }
@@ -124,11 +122,10 @@ Status inferGather(const Op& op, std::vector<TensorType>& out) {
   const TensorType& idx = op.operand(1)->type();
   if (!isInteger(idx.dtype()))
     return Status::errorf("'kiln.gather' indices must be i32 or i64, got {}", idx.str());
-  auto axis = normalizeAxis(op, op.intAttr("axis"), x.rank());
-  if (!axis) return axis.status();
-  Shape s(x.shape().begin(), x.shape().begin() + *axis);
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis"), x.rank()));
+  Shape s(x.shape().begin(), x.shape().begin() + axis);
   s.insert(s.end(), idx.shape().begin(), idx.shape().end());
-  s.insert(s.end(), x.shape().begin() + *axis + 1, x.shape().end());
+  s.insert(s.end(), x.shape().begin() + axis + 1, x.shape().end());
   out = {TensorType(x.dtype(), std::move(s))};
   return Status::ok();
 }
@@ -156,15 +153,14 @@ Status verifySumTo(const Op& op) {
 
 Status inferPad(const Op& op, std::vector<TensorType>& out) {
   const TensorType& in = op.operand(0)->type();
-  auto axis = normalizeAxis(op, op.intAttr("axis"), in.rank());
-  if (!axis) return axis.status();
-  const Dim& d = in.dim(*axis);
-  if (!d.isStatic()) return Status::errorf("'kiln.pad' axis {} of {} is not static", *axis, in.str());
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis"), in.rank()));
+  const Dim& d = in.dim(axis);
+  if (!d.isStatic()) return Status::errorf("'kiln.pad' axis {} of {} is not static", axis, in.str());
   int64_t low = op.intAttr("low"), high = op.intAttr("high");
   if (low < 0 || high < 0)
     return Status::errorf("'kiln.pad' needs low >= 0 and high >= 0, got {} and {}", low, high);
   Shape s = in.shape();
-  s[static_cast<size_t>(*axis)] = Dim::fixed(d.size() + low + high);
+  s[static_cast<size_t>(axis)] = Dim::fixed(d.size() + low + high);
   out = {TensorType(in.dtype(), std::move(s))};
   return Status::ok();
 }
@@ -175,11 +171,10 @@ Status inferScatterAdd(const Op& op, std::vector<TensorType>& out) {
   const TensorType& upd = op.operand(2)->type();
   if (!isInteger(idx.dtype()))
     return Status::errorf("'kiln.scatter_add' indices must be i32 or i64, got {}", idx.str());
-  auto axis = normalizeAxis(op, op.intAttr("axis"), base.rank());
-  if (!axis) return axis.status();
-  Shape want(base.shape().begin(), base.shape().begin() + *axis);
+  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis"), base.rank()));
+  Shape want(base.shape().begin(), base.shape().begin() + axis);
   want.insert(want.end(), idx.shape().begin(), idx.shape().end());
-  want.insert(want.end(), base.shape().begin() + *axis + 1, base.shape().end());
+  want.insert(want.end(), base.shape().begin() + axis + 1, base.shape().end());
   if (upd.dtype() != base.dtype() || upd.shape() != want)
     return Status::errorf("'kiln.scatter_add' updates must be {} for base {} and indices {}, got {}",
                           TensorType(base.dtype(), want).str(), base.str(), idx.str(), upd.str());

@@ -134,20 +134,18 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
                                 fmt::format("a label must be f32[B] or f32[Bx1], got {}", type.str())));
       if (spec.labelIndex() >= 0) return inputError(in.name, "a second label input");
     } else if (role == "sparse" || role == "lengths" || role == "weights") {
-      auto f = intAttr(attrs, in.name, "feature", true);
-      if (!f) return f.status();
-      if (*f < 0 || *f >= kNumSparse)
-        return inputError(in.name, fmt::format("feature {} is outside the {} categorical features", *f, kNumSparse));
-      in.feature = static_cast<int>(*f);
+      KILN_ASSIGN_OR_RETURN(auto f, intAttr(attrs, in.name, "feature", true));
+      if (f < 0 || f >= kNumSparse)
+        return inputError(in.name, fmt::format("feature {} is outside the {} categorical features", f, kNumSparse));
+      in.feature = static_cast<int>(f);
       if (role == "sparse") {
         in.role = InputRole::Sparse;
         if (sparse_of_feature.count(in.feature))
           return inputError(in.name, fmt::format("feature {} is already read by '{}'", in.feature,
                                                  spec.inputs[static_cast<size_t>(sparse_of_feature[in.feature])].name));
-        auto rows = intAttr(attrs, in.name, "rows", true);
-        if (!rows) return rows.status();
-        if (*rows <= 0) return inputError(in.name, fmt::format("rows must be positive, got {}", *rows));
-        in.rows = *rows;
+        KILN_ASSIGN_OR_RETURN(auto rows, intAttr(attrs, in.name, "rows", true));
+        if (rows <= 0) return inputError(in.name, fmt::format("rows must be positive, got {}", rows));
+        in.rows = rows;
         if (const ir::Attribute* m = get(attrs, "id_map")) {
           if (!m->isString() || (m->asString() != "modulo" && m->asString() != "hash"))
             return inputError(in.name, fmt::format("id_map must be \"modulo\" or \"hash\", got {}", m->str()));

@@ -15,9 +15,8 @@ static bool epochsDone(const StreamPosition& p, int64_t epochs) { return epochs 
 Expected<bool> BatchReader::nextRecord(RawSample& s) {
   for (;;) {
     if (epochsDone(pos_, opts_.epochs)) return false;
-    auto got = records_->next(s);
-    if (!got) return got.status();
-    if (*got) {
+    KILN_ASSIGN_OR_RETURN(auto got, records_->next(s));
+    if (got) {
       StreamPosition at = records_->position();
       pos_.file = at.file;
       pos_.offset = at.offset;
@@ -66,9 +65,8 @@ Expected<bool> BatchReader::next(Batch& batch) {
   samples_.resize(static_cast<size_t>(b));
   int64_t got = 0;
   while (got < b) {
-    auto ok = nextRecord(samples_[static_cast<size_t>(got)]);
-    if (!ok) return ok.status();
-    if (!*ok) break;
+    KILN_ASSIGN_OR_RETURN(auto ok, nextRecord(samples_[static_cast<size_t>(got)]));
+    if (!ok) break;
     ++got;
   }
   if (got == 0 || (opts_.drop_last && got < b)) return false;
@@ -95,9 +93,8 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
     SyntheticGenerator gen(spec, opts.synthetic);
     return std::make_unique<BatchReader>(spec, std::move(opts), std::move(gen));
   }
-  auto records = openRecords(opts.paths, TsvOptions{opts.strict, opts.on_skip});
-  if (!records) return records.status();
-  return std::make_unique<BatchReader>(spec, std::move(opts), records.take());
+  KILN_ASSIGN_OR_RETURN(auto records, openRecords(opts.paths, TsvOptions{opts.strict, opts.on_skip}));
+  return std::make_unique<BatchReader>(spec, std::move(opts), std::move(records));
 }
 
 }  // namespace kiln::data

@@ -53,11 +53,10 @@ Expected<int64_t> fileSize(std::FILE* fp, const std::string& path) {
 
 // Validates the header of an open file; returns the record count.
 Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
-  auto size = fileSize(fp, path);
-  if (!size) return size.status();
+  KILN_ASSIGN_OR_RETURN(auto size, fileSize(fp, path));
   unsigned char h[kBinaryHeaderBytes];
-  if (*size < kBinaryHeaderBytes)
-    return Status::errorf("'{}': truncated binary data file: {} bytes, the header alone needs {}", path, *size,
+  if (size < kBinaryHeaderBytes)
+    return Status::errorf("'{}': truncated binary data file: {} bytes, the header alone needs {}", path, size,
                           kBinaryHeaderBytes);
   if (std::fread(h, 1, kBinaryHeaderBytes, fp) != static_cast<size_t>(kBinaryHeaderBytes))
     return Status::errorf("cannot read '{}': {}", path, std::strerror(errno));
@@ -71,11 +70,11 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
                           take<uint32_t>(h + 12), take<uint32_t>(h + 16), take<uint32_t>(h + 20), take<uint32_t>(h + 24),
                           take<uint32_t>(h + 28));
   uint64_t records = take<uint64_t>(h + 32);
-  uint64_t payload = static_cast<uint64_t>(*size - kBinaryHeaderBytes);
+  uint64_t payload = static_cast<uint64_t>(size - kBinaryHeaderBytes);
   if (records > payload / kBinaryRecordBytes || payload != records * kBinaryRecordBytes)
     return Status::errorf("'{}': {} file: the header says {} records ({} bytes) but the file has {} bytes", path,
                           payload < records * kBinaryRecordBytes ? "truncated" : "corrupt", records,
-                          kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, *size);
+                          kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
   return static_cast<int64_t>(records);
 }
 
@@ -180,9 +179,8 @@ class BinarySource final : public RecordSource {
     const std::string& path = files_[file_];
     fp_ = std::fopen(path.c_str(), "rb");
     if (!fp_) return Status::errorf("cannot open '{}': {}", path, std::strerror(errno));
-    auto n = checkHeader(fp_, path);
-    if (!n) return n.status();
-    count_ = *n;
+    KILN_ASSIGN_OR_RETURN(auto n, checkHeader(fp_, path));
+    count_ = n;
     if (record < 0 || record > count_)
       return Status::errorf("'{}': data position record {} is beyond its {} records", path, record, count_);
     if (fseeko(fp_, kBinaryHeaderBytes + record * kBinaryRecordBytes, SEEK_SET) != 0)
@@ -251,8 +249,7 @@ Expected<std::unique_ptr<RecordSource>> openBinary(std::vector<std::string> file
   if (files.empty()) return Status::error("no data files given");
   // Check every file up front so a bad one fails before training starts.
   for (const auto& f : files) {
-    auto n = checkBinaryFile(f);
-    if (!n) return n.status();
+    KILN_ASSIGN_OR_RETURN(auto n, checkBinaryFile(f));
   }
   auto src = std::make_unique<BinarySource>(std::move(files));
   KILN_RETURN_IF_ERROR(src->open(0, 0));
@@ -262,19 +259,16 @@ Expected<std::unique_ptr<RecordSource>> openBinary(std::vector<std::string> file
 Expected<ConvertStats> convertToBinary(const std::vector<std::string>& inputs, const std::string& output, TsvOptions opts) {
   for (const auto& f : inputs)
     if (isBinaryFile(f)) return Status::errorf("'{}' is already a Kiln binary data file", f);
-  auto src = openTsv(inputs, std::move(opts));
-  if (!src) return src.status();
-  auto writer = BinaryWriter::create(output);
-  if (!writer) return writer.status();
+  KILN_ASSIGN_OR_RETURN(auto src, openTsv(inputs, std::move(opts)));
+  KILN_ASSIGN_OR_RETURN(auto writer, BinaryWriter::create(output));
   RawSample s;
   for (;;) {
-    auto got = (*src)->next(s);
-    if (!got) return got.status();
-    if (!*got) break;
-    KILN_RETURN_IF_ERROR((*writer)->append(s));
+    KILN_ASSIGN_OR_RETURN(auto got, src->next(s));
+    if (!got) break;
+    KILN_RETURN_IF_ERROR(writer->append(s));
   }
-  KILN_RETURN_IF_ERROR((*writer)->finish());
-  return ConvertStats{(*writer)->records(), (*src)->malformed()};
+  KILN_RETURN_IF_ERROR(writer->finish());
+  return ConvertStats{writer->records(), src->malformed()};
 }
 
 Expected<std::unique_ptr<RecordSource>> openRecords(std::vector<std::string> files, TsvOptions opts) {

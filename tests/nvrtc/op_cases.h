@@ -145,7 +145,7 @@ inline std::vector<OpCase> allOpCases() {
     add(b);
   }
   for (const char* u : {"kiln.neg", "kiln.abs", "kiln.exp", "kiln.tanh", "kiln.sigmoid", "kiln.relu", "kiln.gelu",
-                        "kiln.silu"}) {
+                        "kiln.silu", "kiln.softplus", "kiln.hardswish"}) {
     CaseBuilder b(std::string("unary_") + (u + 5));
     b.op(u, {b.input("x", f32, S({3, 5}))});
     add(b);
@@ -285,7 +285,7 @@ inline std::vector<OpCase> allOpCases() {
          {b.input("x", f32, S({6, 5})), b.input("y", f32, S({6, 5}), Fill::Probabilities)}, {{"reduction", Attribute("sum")}});
     add(b);
   }
-  for (const char* act : {"relu", "gelu", "silu"}) {
+  for (const char* act : {"relu", "gelu", "silu", "softplus", "hardswish"}) {
     CaseBuilder b(std::string("activation_grad_") + act);
     b.op("kiln.activation_grad", {b.input("x", f32, S({3, 8})), b.input("dy", f32, S({3, 8}))},
          {{"activation", Attribute(act)}});

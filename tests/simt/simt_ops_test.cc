@@ -90,7 +90,7 @@ TEST(Simt, BlockReduceAndScanAcrossWarps) {
   __shared__ float scratch[32];
   float acc = 0.0f;
   for (int i = threadIdx.x; i < 200; i += blockDim.x) acc += x[i];
-  const float s = kiln_block_reduce<float, false>(acc, scratch, 0.0f);
+  const float s = kiln_block_reduce<float, kiln_fn::SumCombiner>(acc, scratch);
   if (threadIdx.x == 0) sum[blockIdx.x] = s;
   kiln_bag_offsets(len, off + blockIdx.x * 201, 200LL, 1000000LL, err, 0);
 })"));
