@@ -10,16 +10,8 @@
 
 namespace kiln {
 
-double FlopRates::of(ir::DType t) const {
-  switch (t) {
-    case ir::DType::bf16:
-    case ir::DType::f16:
-    case ir::DType::f8e4m3:
-    case ir::DType::f8e5m2:
-      return bf16;
-    default:
-      return f32;
-  }
+bool FlopRates::narrow(ir::DType t) {
+  return t == ir::DType::bf16 || t == ir::DType::f16 || t == ir::DType::f8e4m3 || t == ir::DType::f8e5m2;
 }
 
 namespace {

@@ -29,7 +29,8 @@ enum class TargetKind { cpu, gpu };
 struct FlopRates {
   double f32 = 0;
   double bf16 = 0;
-  double of(ir::DType t) const;
+  double of(ir::DType t) const { return narrow(t) ? bf16 : f32; }
+  static bool narrow(ir::DType t);  // runs at the `bf16` rate
 };
 
 // One kind of link between ranks: per direction, per device.

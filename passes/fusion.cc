@@ -449,7 +449,7 @@ int countLaunches(const ir::Function& f) {
 
 Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOptions& options) {
   ir::SymbolBindings symbols = options.symbols.empty() ? planningSymbols(m) : options.symbols;
-  CostModel cost(options.device, symbols);
+  CostModel cost(options.target, symbols);
   std::vector<FusionReport> reports;
   for (auto& f : m.functions()) {
     if (f->body().empty()) continue;

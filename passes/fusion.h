@@ -57,7 +57,7 @@ struct FusionReport {
 };
 
 struct FusionOptions {
-  DeviceModel device = h200Device();
+  Target target = h200Target();
   ir::SymbolBindings symbols;  // empty: the module's planning symbols
 };
 

@@ -60,7 +60,7 @@ Expected<int64_t> parseMemoryBudget(std::string_view text, int64_t unbudgeted_pe
 
 double recomputeFlops(const ir::Function& f, const ir::SymbolBindings& symbols) {
   double flops = 0;
-  CostModel cost(cpuDevice(), symbols);
+  CostModel cost(cpuTarget(), symbols);
   const_cast<ir::Function&>(f).walk([&](Op& op) {
     if (op.boolAttr("kiln.recompute")) flops += cost.opCost(op).flops;
   });
@@ -199,7 +199,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
   report.budget = *budget;
   if (*peak <= *budget) return report;
 
-  CostModel cost(cpuDevice(), symbols);
+  CostModel cost(cpuTarget(), symbols);
   ir::ValueNamer namer(*f);
   auto label = [&](const Value* v) {
     std::string n = namer.name(v);

@@ -121,7 +121,7 @@ Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::
 Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols) {
   if (f.body().empty()) return false;
   ir::SymbolBindings bound = bindAllSymbols(f, symbols);
-  CostModel cost(cpuDevice(), bound);
+  CostModel cost(cpuTarget(), bound);
   auto changed = reorderChecked(f, cost, bound);
   if (!changed) return changed.status();
   bool streams = false;

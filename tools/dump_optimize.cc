@@ -42,7 +42,7 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     err << program.status().str() << "\n";
     return kExitError;
   }
-  passes::CostModel cost(passes::cpuDevice(), symbols);
+  passes::CostModel cost(cpuTarget(), symbols);
   double flops = 0;
   for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;
   out << fmt::format("kernels: {}\n", passes::countLaunches(*f));

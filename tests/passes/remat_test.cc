@@ -97,7 +97,7 @@ OptimizedStep optimizedStep(const char* model, const std::string& budget, int64_
   const ir::Function& f = *(*m)->lookup("train_step");
   OptimizedStep out;
   out.peak = plannedPeak(f, batch);
-  CostModel cost(cpuDevice(), {{"B", batch}});
+  CostModel cost(cpuTarget(), {{"B", batch}});
   for (const auto& op : f.entry().ops()) out.flops += cost.opCost(*op).flops;
   out.recompute_flops = recomputeFlops(f, {{"B", batch}});
   return out;
