@@ -21,7 +21,8 @@ void addModelFlags(ArgParser& p) {
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
   p.addOption("memory-budget", "BYTES|N%",
-              "recompute activations in the backward pass until the training step's planned peak fits");
+              "recompute activations in the backward pass until the training step's planned peak fits "
+              "(remat{budget=...})");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
   p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
@@ -122,11 +123,10 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
 
   // Remat and fusion plan the training step at the batch it will run with.
   m.mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
-  if (!options.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(options.memory_budget);
   passes::PassManager pm;
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;
-  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training)));
+  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget)));
   KILN_RETURN_IF_ERROR(pm.build());
   auto changed = pm.run(m);
   if (!changed) return changed.status();
