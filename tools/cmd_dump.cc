@@ -47,8 +47,8 @@ int dumpIr(DumpContext& c) {
   return kExitOk;
 }
 
-// The options of the training pipeline from the flags: --batch, --memory-budget, --disable-pass;
-// the passes plan for the CPU, for the H200 with --stage=cuda.
+// The options of the training pipeline from the flags: --batch, --memory-budget, --disable-pass,
+// --target (default: cpu, the H200 for --stage=cuda).
 std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   OptimizeOptions o;
   std::optional<long long> batch = p.getInt("batch");
@@ -65,7 +65,10 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
     }
   }
   for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
-  o.target = p.get("stage") == "cuda" ? h200Target() : cpuTarget();
+  std::optional<Target> target;
+  int code = kExitOk;
+  if (!readTargetFlag(p, &target, &code)) return std::nullopt;
+  o.target = target ? *target : p.get("stage") == "cuda" ? h200Target() : cpuTarget();
   return o;
 }
 
@@ -150,6 +153,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
   p.addOption("memory-budget", "BYTES|N%", "training step: recompute activations until the peak fits (remat{budget=...})");
+  addTargetFlag(p, "cpu; h200 with --stage=cuda");
   p.addOption("disable-pass", "NAME", "training step: leave this pass out of the pipeline", std::nullopt, true);
   int code;
   if (!p.parse(args, &code)) return code;
