@@ -473,6 +473,6 @@ class AutodiffPass : public RegisteredPass<AutodiffPass> {
   }
 };
 
-std::unique_ptr<Pass> createAutodiffPass() { return std::make_unique<AutodiffPass>(); }
+Expected<std::unique_ptr<Pass>> createAutodiffPass(const PassContext&, const PassOptions&) { return makePass<AutodiffPass>(); }
 
 }  // namespace kiln::passes

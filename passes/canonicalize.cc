@@ -251,6 +251,6 @@ class CanonicalizePass : public RegisteredPass<CanonicalizePass> {
   }
 };
 
-std::unique_ptr<Pass> createCanonicalizePass() { return std::make_unique<CanonicalizePass>(); }
+Expected<std::unique_ptr<Pass>> createCanonicalizePass(const PassContext&, const PassOptions&) { return makePass<CanonicalizePass>(); }
 
 }  // namespace kiln::passes

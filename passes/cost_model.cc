@@ -8,26 +8,8 @@
 
 namespace kiln::passes {
 
-DeviceModel cpuDevice() {
-  // A two-socket-class server core count with OpenBLAS: ~200 GFLOP/s f32 GEMM, ~20 GFLOP/s in
-  // scalar loops, ~20 GB/s to DRAM, ~2 us to dispatch one op to the thread pool.
-  return {"cpu", 2.0e11, 2.0e10, 2.0e10, 2.0e-6};
-}
-
-DeviceModel h200Device() {
-  // H200 SXM: 786 TFLOP/s dense bf16 on tensor cores, ~60 TFLOP/s f32 on CUDA cores,
-  // 4.3 TB/s achieved copy bandwidth (4.8 peak), ~4 us per launch.
-  return {"h200", 7.86e14, 6.0e13, 4.3e12, 4.0e-6};
-}
-
-Expected<DeviceModel> deviceByName(std::string_view name) {
-  if (name == "cpu") return cpuDevice();
-  if (name == "h200") return h200Device();
-  return Status::errorf("unknown device '{}' (known devices: cpu, h200)", name);
-}
-
-CostModel::CostModel(DeviceModel device, ir::SymbolBindings symbols)
-    : device_(std::move(device)), symbols_(std::move(symbols)) {}
+CostModel::CostModel(Target target, ir::SymbolBindings symbols)
+    : target_(std::move(target)), symbols_(std::move(symbols)) {}
 
 bool CostModel::launchesWork(const ir::Op& op) {
   return !(op.hasTrait(ir::kSource) || op.hasTrait(ir::kTerminator) || op.name() == "kiln.constant");
@@ -57,9 +39,14 @@ double CostModel::valueBytes(const ir::Value& v) const {
 
 double CostModel::time(const GroupCost& c) const {
   double vector_flops = std::max(0.0, c.flops - c.gemm_flops);
-  double compute = c.gemm_flops / device_.gemm_flops_per_s + vector_flops / device_.vector_flops_per_s;
-  double memory = c.bytes / device_.bytes_per_s;
-  return std::max(compute, memory) + c.launches * device_.launch_s;
+  // A GPU multiplies bf16 on its tensor cores, f32 on its CUDA cores; elementwise math runs in
+  // f32 (the kernels widen bf16 operands).
+  double narrow_gemm_flops = std::max(0.0, c.gemm_flops - c.f32_gemm_flops);
+  double compute = narrow_gemm_flops / target_.gemm_flops_per_s.bf16 +
+                   c.f32_gemm_flops / target_.gemm_flops_per_s.f32 +
+                   vector_flops / target_.vector_flops_per_s.f32;
+  double memory = c.bytes / target_.bytes_per_s;
+  return std::max(compute, memory) + c.launches * target_.launch_s;
 }
 
 GroupCost CostModel::opCost(const ir::Op& op) const {
@@ -83,9 +70,13 @@ GroupCost CostModel::groupCost(const std::vector<const ir::Op*>& ops) const {
   for (const ir::Op* op : ops) {
     if (!launchesWork(*op)) continue;
     const ir::OpDef* def = op->def();
-    ir::OpCost c = def && def->cost ? def->cost(*op, symbols) : ir::OpCost{0, ir::kernels::operandAndResultBytes(*op, symbols)};
+    ir::OpCost c = def && def->cost ? def->cost(*op, symbols)
+                                    : ir::OpCost{0, ir::kernels::operandAndResultBytes(*op, symbols)};
     g.flops += c.flops;
-    if (op->name() == "kiln.matmul") g.gemm_flops += c.flops;
+    if (op->name() == "kiln.matmul") {
+      g.gemm_flops += c.flops;
+      if (!FlopRates::narrow(op->operand(0)->type().dtype())) g.f32_gemm_flops += c.flops;
+    }
     g.bytes += c.bytes;
     std::unordered_set<const ir::Value*> seen;
     for (const ir::Value* v : op->operands())

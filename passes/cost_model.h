@@ -1,10 +1,10 @@
 // The one cost model every planning pass shares (fusion, recomputation, scheduling): the time
 // of an op or a group of ops is
 //     max(flops / flop rate, bytes / bandwidth) + launches * launch overhead
-// over a device's rates, as XLA's GpuPerformanceModel estimates a fusion's time. Flops and bytes
-// come from each op's `cost` hook in the op table; a group reads each value that enters it once
-// and writes each value that leaves it once, so fusing saves the bytes of the values that stay
-// inside and all launches but one.
+// over a target's rates (ir/target.h), as XLA's GpuPerformanceModel estimates a fusion's time. Flops and
+// bytes come from each op's `cost` hook in the op table; a group reads each value that enters it once and
+// writes each value that leaves it once, so fusing saves the bytes of the values that stay inside and all
+// launches but one.
 #pragma once
 
 #include <string>
@@ -14,29 +14,17 @@
 #include "ir/ir.h"
 #include "ir/op_def.h"
 #include "ir/status.h"
+#include "ir/target.h"
 
 namespace kiln::passes {
-
-struct DeviceModel {
-  std::string name;
-  double gemm_flops_per_s = 0;    // dense matrix multiply (tensor cores on a GPU)
-  double vector_flops_per_s = 0;  // everything else
-  double bytes_per_s = 0;         // memory bandwidth (a copy's rate)
-  double launch_s = 0;            // fixed cost of one kernel launch (or one op dispatch)
-};
-
-// "cpu": a few cores with a BLAS; "h200": 786 TFLOP/s bf16 GEMM, 4.3 TB/s, ~4 us per launch.
-DeviceModel cpuDevice();
-DeviceModel h200Device();
-// By name ("cpu", "h200"); an error lists the known names.
-Expected<DeviceModel> deviceByName(std::string_view name);
 
 // The work of a set of ops run as one kernel.
 struct GroupCost {
   double flops = 0;
-  double gemm_flops = 0;  // the part of flops done by matrix multiplies
+  double gemm_flops = 0;  // the part of flops done by matrix multiplies, at the 16-bit GEMM rate
   double bytes = 0;       // values entering read once, values leaving written once
   int launches = 0;
+  double f32_gemm_flops = 0;  // the part of gemm_flops with f32 inputs, at the f32 GEMM rate
 };
 
 class CostModel {
@@ -44,9 +32,9 @@ class CostModel {
   // Symbols not in `symbols` are costed at kDefaultSymbolValue, so that a model with an unbound
   // batch still gets relative costs that follow its shapes.
   static constexpr int64_t kDefaultSymbolValue = 1024;
-  CostModel(DeviceModel device, ir::SymbolBindings symbols);
+  CostModel(Target target, ir::SymbolBindings symbols);
 
-  const DeviceModel& device() const { return device_; }
+  const Target& target() const { return target_; }
   const ir::SymbolBindings& symbols() const { return symbols_; }
 
   // Seconds for the given work.
@@ -69,7 +57,7 @@ class CostModel {
 
  private:
   ir::SymbolBindings bind(const ir::Function* f) const;
-  DeviceModel device_;
+  Target target_;
   ir::SymbolBindings symbols_;
 };
 

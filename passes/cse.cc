@@ -70,6 +70,6 @@ class CSEPass : public RegisteredPass<CSEPass> {
   }
 };
 
-std::unique_ptr<Pass> createCSEPass() { return std::make_unique<CSEPass>(); }
+Expected<std::unique_ptr<Pass>> createCSEPass(const PassContext&, const PassOptions&) { return makePass<CSEPass>(); }
 
 }  // namespace kiln::passes

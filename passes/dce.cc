@@ -43,6 +43,6 @@ class DCEPass : public RegisteredPass<DCEPass> {
   }
 };
 
-std::unique_ptr<Pass> createDCEPass() { return std::make_unique<DCEPass>(); }
+Expected<std::unique_ptr<Pass>> createDCEPass(const PassContext&, const PassOptions&) { return makePass<DCEPass>(); }
 
 }  // namespace kiln::passes

@@ -449,7 +449,7 @@ int countLaunches(const ir::Function& f) {
 
 Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOptions& options) {
   ir::SymbolBindings symbols = options.symbols.empty() ? planningSymbols(m) : options.symbols;
-  CostModel cost(options.device, symbols);
+  CostModel cost(options.target, symbols);
   std::vector<FusionReport> reports;
   for (auto& f : m.functions()) {
     if (f->body().empty()) continue;
@@ -505,15 +505,23 @@ std::string explainFusion(const std::vector<FusionReport>& reports) {
 class FusionPass : public RegisteredPass<FusionPass> {
  public:
   KILN_PASS_INFO(FusionPass)
+  explicit FusionPass(Target target) : target_(std::move(target)) {}
   Expected<bool> run(ir::Module& m) override {
-    auto reports = fuseModule(m);
+    FusionOptions options;
+    options.target = target_;
+    auto reports = fuseModule(m, options);
     if (!reports) return reports.status();
     for (const FusionReport& r : *reports)
       if (r.launches_after != r.launches_before) return true;
     return false;
   }
+
+ private:
+  Target target_;
 };
 
-std::unique_ptr<Pass> createFusionPass() { return std::make_unique<FusionPass>(); }
+Expected<std::unique_ptr<Pass>> createFusionPass(const PassContext& context, const PassOptions&) {
+  return makePass<FusionPass>(context.target);
+}
 
 }  // namespace kiln::passes

@@ -57,8 +57,8 @@ struct FusionReport {
 };
 
 struct FusionOptions {
-  DeviceModel device = h200Device();
-  ir::SymbolBindings symbols;  // empty: the module's planning symbols
+  Target target = cpuTarget();  // whose rates decide what pays (the pass: its PassContext's)
+  ir::SymbolBindings symbols;   // empty: the module's planning symbols
 };
 
 // Fuses every function of the module; returns one report per function.

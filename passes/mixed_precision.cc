@@ -70,6 +70,6 @@ class MixedPrecisionPass : public RegisteredPass<MixedPrecisionPass> {
   }
 };
 
-std::unique_ptr<Pass> createMixedPrecisionPass() { return std::make_unique<MixedPrecisionPass>(); }
+Expected<std::unique_ptr<Pass>> createMixedPrecisionPass(const PassContext&, const PassOptions&) { return makePass<MixedPrecisionPass>(); }
 
 }  // namespace kiln::passes

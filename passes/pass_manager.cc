@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -12,50 +13,143 @@
 
 namespace kiln::passes {
 
-PassManager::PassManager() {
+namespace {
+
+bool isNameChar(char c) {
+  return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+}
+bool isSpace(char c) { return c == ' ' || c == '\t' || c == '\n'; }
+
+// A recursive-descent reader of the pipeline grammar:
+//   pipeline := entry (',' entry)* | <empty>
+//   entry    := name ('{' (key '=' value)* '}')?
+//   value    := '...' | "..." | chars up to a space or a brace
+class PipelineParser {
+ public:
+  explicit PipelineParser(std::string_view text) : text_(text) {}
+
+  Expected<std::vector<PipelineEntry>> parse() {
+    std::vector<PipelineEntry> entries;
+    skipSpaces();
+    if (atEnd()) return entries;
+    while (true) {
+      auto e = entry();
+      if (!e) return e.status();
+      entries.push_back(e.take());
+      skipSpaces();
+      if (atEnd()) return entries;
+      if (text_[pos_] != ',')
+        return error(fmt::format("expected ',' between passes after '{}'", entries.back().name));
+      ++pos_;
+      skipSpaces();
+    }
+  }
+
+ private:
+  bool atEnd() const { return pos_ >= text_.size(); }
+  void skipSpaces() {
+    while (!atEnd() && isSpace(text_[pos_])) ++pos_;
+  }
+  std::string_view name() {
+    size_t start = pos_;
+    while (!atEnd() && isNameChar(text_[pos_])) ++pos_;
+    return text_.substr(start, pos_ - start);
+  }
+  // "malformed pipeline at column 7: expected ..." with the text and a caret under `at`.
+  Status error(const std::string& what, size_t at) const {
+    return Status::errorf("malformed pipeline at column {}: {}\n  {}\n  {}^", at + 1, what, text_,
+                          std::string(at, ' '));
+  }
+  Status error(const std::string& what) const { return error(what, pos_); }
+
+  Expected<PipelineEntry> entry() {
+    PipelineEntry e;
+    e.column = pos_ + 1;
+    e.name = std::string(name());
+    if (e.name.empty()) return error(atEnd() ? "expected a pass name at the end" : "expected a pass name");
+    skipSpaces();
+    if (atEnd() || text_[pos_] != '{') return e;
+    const size_t open = pos_++;
+    while (true) {
+      skipSpaces();
+      if (atEnd()) return error(fmt::format("the options of '{}' have no closing '}}'", e.name), open);
+      if (text_[pos_] == '}') {
+        ++pos_;
+        return e;
+      }
+      const size_t key_at = pos_;
+      std::string key(name());
+      if (key.empty())
+        return error(fmt::format("expected an option name or '}}' in the options of '{}'", e.name));
+      if (atEnd() || text_[pos_] != '=')
+        return error(fmt::format("expected '=' after option '{}' (options are key=value)", key));
+      ++pos_;
+      auto value = optionValue(key);
+      if (!value) return value.status();
+      if (e.options.has(key))
+        return error(fmt::format("option '{}' of '{}' is given twice", key, e.name), key_at);
+      e.options.set(std::move(key), value.take());
+    }
+  }
+
+  Expected<std::string> optionValue(const std::string& key) {
+    if (!atEnd() && (text_[pos_] == '\'' || text_[pos_] == '"')) {
+      const size_t open = pos_;
+      const char quote = text_[pos_++];
+      size_t close = text_.find(quote, pos_);
+      if (close == std::string_view::npos)
+        return error(fmt::format("the value of '{}' has no closing {}", key, quote), open);
+      std::string v(text_.substr(pos_, close - pos_));
+      pos_ = close + 1;
+      return v;
+    }
+    size_t start = pos_;
+    while (!atEnd() && !isSpace(text_[pos_]) && text_[pos_] != '}' && text_[pos_] != '{') ++pos_;
+    if (pos_ == start) return error(fmt::format("expected a value for option '{}'", key));
+    return std::string(text_.substr(start, pos_ - start));
+  }
+
+  std::string_view text_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::string PipelineEntry::str() const {
+  return options.empty() ? name : fmt::format("{}{{{}}}", name, options.str());
+}
+
+Expected<std::vector<PipelineEntry>> parsePipeline(std::string_view text) {
+  return PipelineParser(text).parse();
+}
+
+PassManager::PassManager(PassContext context) : context_(std::move(context)) {
   for (const PassOrdering& o : registeredOrderings())
     orderings_.push_back({std::string(o.first), std::string(o.then), std::string(o.reason)});
 }
 
 std::ostream& PassManager::log() const { return options_.log ? *options_.log : std::cerr; }
 
-static std::string knownPassNames() {
-  std::string out;
-  for (const PassInfo& p : registeredPasses()) {
-    if (!out.empty()) out += ", ";
-    out += p.name;
-  }
-  return out;
-}
-
-static bool isRegistered(std::string_view name) {
-  for (const PassInfo& p : registeredPasses())
-    if (p.name == name) return true;
-  return false;
-}
-
-Status PassManager::addPass(std::string_view name) {
-  std::unique_ptr<Pass> p = createPass(name);
-  if (!p) return Status::errorf("unknown pass '{}'; known passes: {}", name, knownPassNames());
-  passes_.push_back(std::move(p));
+Status PassManager::addPass(std::string_view name, const PassOptions& options) {
+  auto p = createPass(name, context_, options);
+  if (!p) return p.status();
+  passes_.push_back(p.take());
   return Status::ok();
 }
 
 void PassManager::addPass(std::unique_ptr<Pass> pass) { passes_.push_back(std::move(pass)); }
 
-Status PassManager::addPipeline(std::string_view list) {
-  size_t pos = 0;
-  while (pos <= list.size() && !list.empty()) {
-    size_t comma = list.find(',', pos);
-    std::string_view name =
-        list.substr(pos, comma == std::string_view::npos ? std::string_view::npos : comma - pos);
-    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
-    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
-    if (name.empty()) return Status::errorf("empty pass name in pipeline '{}'", list);
-    KILN_RETURN_IF_ERROR(addPass(name));
-    if (comma == std::string_view::npos) break;
-    pos = comma + 1;
+Status PassManager::addPipeline(std::string_view text) {
+  auto entries = parsePipeline(text);
+  if (!entries) return entries.status();
+  // All or nothing: a bad entry leaves the pipeline as it was.
+  std::vector<std::unique_ptr<Pass>> made;
+  for (const PipelineEntry& e : *entries) {
+    auto p = createPass(e.name, context_, e.options);
+    if (!p) return p.status();
+    made.push_back(p.take());
   }
+  for (auto& p : made) passes_.push_back(std::move(p));
   return Status::ok();
 }
 
@@ -74,7 +168,7 @@ std::vector<std::string> PassManager::pipeline() const {
 
 Status PassManager::build() const {
   auto known = [&](std::string_view name) {
-    if (isRegistered(name)) return true;
+    if (findPass(name)) return true;
     for (const auto& p : passes_)
       if (p->name() == name) return true;
     return false;

@@ -2,10 +2,12 @@
 // the verifier between passes (an error names the pass that broke the IR), IR printed after
 // chosen passes, every stage dumped to numbered files, and per-pass timing.
 //
-//   PassManager pm;
+//   PassManager pm({.target = h200Target()});
 //   pm.options().print_ir_after_all = true;
-//   KILN_RETURN_IF_ERROR(pm.addPipeline("canonicalize,cse,dce"));
+//   KILN_RETURN_IF_ERROR(pm.addPipeline("canonicalize,cse,remat{budget=60%},fusion"));
 //   KILN_RETURN_IF_ERROR(pm.run(module));
+//
+// Every pass it creates is built for the manager's PassContext (its target).
 #pragma once
 
 #include <iosfwd>
@@ -37,20 +39,40 @@ struct PassManagerOptions {
   std::ostream* log = nullptr;
 };
 
+// One entry of a pipeline's text: a pass name and the options in its braces.
+struct PipelineEntry {
+  std::string name;
+  PassOptions options;
+  size_t column = 0;  // where the name starts in the text, from 1
+
+  // The entry as the text reads it: `name` or `name{key=value ...}`.
+  std::string str() const;
+};
+
+// Parses a pipeline in MLIR's syntax: comma-separated pass names, each optionally followed by
+// options in braces, separated by spaces: `canonicalize,remat{budget=60%},fusion`. A value
+// runs to the next space or `}` (so `list=1,2` keeps its commas) unless quoted ('a b' or "a b").
+// "" is the empty pipeline. Malformed text is an error naming the column, with the text and a
+// caret under it.
+Expected<std::vector<PipelineEntry>> parsePipeline(std::string_view text);
+
 class PassManager {
  public:
-  // Starts with the ordering rules of passes.def.
-  PassManager();
+  // Starts with the ordering rules of passes.def; passes are built for `context`.
+  explicit PassManager(PassContext context = {});
+
+  const PassContext& context() const { return context_; }
 
   PassManagerOptions& options() { return options_; }
   const PassManagerOptions& options() const { return options_; }
 
-  // Appends a registered pass; an unknown name is an error that lists the known ones.
-  Status addPass(std::string_view name);
+  // Appends a registered pass built with `options`; an unknown name is an error that lists the
+  // known ones, an unknown option one that lists the pass's options.
+  Status addPass(std::string_view name, const PassOptions& options = {});
   // Appends a pass object (tests, passes built with parameters).
   void addPass(std::unique_ptr<Pass> pass);
-  // Appends the comma-separated passes of `--passes=a,b,c` ("" adds nothing).
-  Status addPipeline(std::string_view comma_separated);
+  // Appends the passes of `--passes=a,b{key=value},c` (parsePipeline; "" adds nothing).
+  Status addPipeline(std::string_view text);
 
   // Declares that `first` must not run after `then` in this pipeline; checked by build().
   void requireBefore(std::string first, std::string then, std::string reason = "");
@@ -71,6 +93,7 @@ class PassManager {
   std::ostream& log() const;
   bool enabled(const Pass& p) const;
 
+  PassContext context_;
   PassManagerOptions options_;
   std::vector<std::unique_ptr<Pass>> passes_;
   std::vector<Ordering> orderings_;

@@ -10,9 +10,11 @@
 // Every pass class, declared from passes.def.
 namespace kiln::passes {
 #define KILN_PASS(NAME, CLASS, DESCRIPTION) class CLASS;
+#define KILN_PASS_OPTION(PASS, NAME, DEFAULT, DESCRIPTION)
 #define KILN_PASS_ORDER(FIRST, THEN, REASON)
 #include "passes/passes.def"
 #undef KILN_PASS
+#undef KILN_PASS_OPTION
 #undef KILN_PASS_ORDER
 }  // namespace kiln::passes
 
@@ -28,9 +30,11 @@ struct PassInfoOf;
     static constexpr std::string_view name = NAME;               \
     static constexpr std::string_view description = DESCRIPTION; \
   };
+#define KILN_PASS_OPTION(PASS, NAME, DEFAULT, DESCRIPTION)
 #define KILN_PASS_ORDER(FIRST, THEN, REASON)
 #include "passes/passes.def"
 #undef KILN_PASS
+#undef KILN_PASS_OPTION
 #undef KILN_PASS_ORDER
 
 }  // namespace kiln::passes::detail

@@ -1,30 +1,46 @@
 #include "passes/pipeline.h"
 
-namespace kiln::passes {
+#include <vector>
 
-std::string defaultPipeline(bool training) {
-  std::string p = "canonicalize,cse,dce";
+#include "passes/pass_manager.h"
+
+namespace kiln::passes {
+namespace {
+
+std::vector<PipelineEntry> defaultEntries(bool training, std::string_view memory_budget) {
+  std::vector<PipelineEntry> p;
+  auto add = [&](std::string name) { p.push_back({std::move(name), {}, 0}); };
+  for (const char* name : {"canonicalize", "cse", "dce"}) add(name);
   if (!training) return p;
   // mixed-precision acts only when kiln.train asks for bf16; remat only under a memory budget
-  // (kiln.memory_budget, set by --memory-budget). Fusion and schedule run on every training
-  // step: the CPU executor runs a fused group op by op on its stream, a GPU as one kernel.
-  p += ",mixed-precision,autodiff,canonicalize,cse,dce,remat,fusion,schedule";
+  // (--memory-budget). Fusion and schedule run on every training step: the CPU executor runs a
+  // fused group op by op on its stream, a GPU as one kernel.
+  for (const char* name :
+       {"mixed-precision", "autodiff", "canonicalize", "cse", "dce", "remat", "fusion", "schedule"})
+    add(name);
+  if (!memory_budget.empty())
+    for (PipelineEntry& e : p)
+      if (e.name == "remat") e.options.set("budget", std::string(memory_budget));
   return p;
 }
 
-std::string pipelineUpTo(bool training, std::string_view pass) {
-  std::string full = defaultPipeline(training);
+std::string join(const std::vector<PipelineEntry>& entries, std::string_view stop) {
   std::string out;
-  size_t start = 0;
-  while (start <= full.size()) {
-    size_t end = full.find(',', start);
-    if (end == std::string::npos) end = full.size();
-    std::string_view name(full.data() + start, end - start);
-    if (name == pass) break;
-    out += (out.empty() ? "" : ",") + std::string(name);
-    start = end + 1;
+  for (const PipelineEntry& e : entries) {
+    if (e.name == stop) break;
+    out += (out.empty() ? "" : ",") + e.str();
   }
   return out;
+}
+
+}  // namespace
+
+std::string defaultPipeline(bool training, std::string_view memory_budget) {
+  return join(defaultEntries(training, memory_budget), "");
+}
+
+std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget) {
+  return join(defaultEntries(training, memory_budget), pass);
 }
 
 }  // namespace kiln::passes

@@ -7,12 +7,13 @@
 
 namespace kiln::passes {
 
-// Comma-separated pass names for PassManager::addPipeline. With `training`, autodiff builds
-// @train_step; the cleanup passes run before it and again on the training step.
-std::string defaultPipeline(bool training);
+// Pipeline text for PassManager::addPipeline. With `training`, autodiff builds @train_step; the
+// cleanup passes run before it and again on the training step, and remat gets
+// `memory_budget` ("60%" or bytes; "" = none) as its `budget` option.
+std::string defaultPipeline(bool training, std::string_view memory_budget = "");
 
 // The default pipeline up to, not including, the first run of `pass` (all of it when the
 // pipeline does not run `pass`): what `kiln dump --explain=fusion` runs before explaining.
-std::string pipelineUpTo(bool training, std::string_view pass);
+std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget = "");
 
 }  // namespace kiln::passes

@@ -43,16 +43,16 @@ const Op* topLevel(const Op* user, const ir::Block& b) {
 
 }  // namespace
 
-Expected<int64_t> parseMemoryBudget(std::string_view text, int64_t unbudgeted_peak) {
+Expected<int64_t> parseMemoryBudget(std::string_view text, int64_t unbudgeted_peak, std::string_view what) {
   std::string_view t = text;
   bool percent = !t.empty() && t.back() == '%';
   if (percent) t.remove_suffix(1);
   double v = 0;
   auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
   if (t.empty() || ec != std::errc() || end != t.data() + t.size() || v < 0)
-    return Status::errorf("--memory-budget: expected bytes or a percentage such as 60%, got '{}'", text);
+    return Status::errorf("{}: expected bytes or a percentage such as 60%, got '{}'", what, text);
   if (percent) {
-    if (v > 100) return Status::errorf("--memory-budget: {}% is more than the unbudgeted peak", text);
+    if (v > 100) return Status::errorf("{}: {}% is more than the unbudgeted peak", what, text);
     return static_cast<int64_t>(static_cast<double>(unbudgeted_peak) * v / 100.0);
   }
   return static_cast<int64_t>(v);
@@ -60,7 +60,7 @@ Expected<int64_t> parseMemoryBudget(std::string_view text, int64_t unbudgeted_pe
 
 double recomputeFlops(const ir::Function& f, const ir::SymbolBindings& symbols) {
   double flops = 0;
-  CostModel cost(cpuDevice(), symbols);
+  CostModel cost(cpuTarget(), symbols);
   const_cast<ir::Function&>(f).walk([&](Op& op) {
     if (op.boolAttr("kiln.recompute")) flops += cost.opCost(op).flops;
   });
@@ -181,7 +181,7 @@ struct RematPlan {
 }  // namespace
 
 Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
-                                    const ir::SymbolBindings& given) {
+                                    const ir::SymbolBindings& given, const Target& target) {
   RematReport report;
   ir::Function* f = m.lookup("train_step");
   if (!f || f->body().empty() || !f->returnOp() || f->returnOp()->numOperands() == 0) return report;
@@ -192,14 +192,14 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
   report.peak_before = report.peak_after = *peak;
   // A percentage is of the unbudgeted peak the pipeline ends with, i.e. after the schedule
   // (which runs later and only lowers the peak): reaching it here before scheduling is enough.
-  auto reference = scheduledPeakBytes(*f, symbols);
+  auto reference = scheduledPeakBytes(*f, symbols, target);
   if (!reference) return reference.status();
   auto budget = parseMemoryBudget(budget_text, std::min(*peak, *reference));
   if (!budget) return budget.status();
   report.budget = *budget;
   if (*peak <= *budget) return report;
 
-  CostModel cost(cpuDevice(), symbols);
+  CostModel cost(target, symbols);
   ir::ValueNamer namer(*f);
   auto label = [&](const Value* v) {
     std::string n = namer.name(v);
@@ -399,18 +399,20 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
   return report;
 }
 
-// Reads the budget from the module (`kiln.memory_budget = "60%"`, set by --memory-budget) and
-// the symbols from `kiln.symbols`; without a budget it does nothing.
+// Built with its budget (the `budget` option, set by --memory-budget) and the pipeline's
+// target; reads the symbols from `kiln.symbols`. Without a budget it does nothing.
 class RematPass : public RegisteredPass<RematPass> {
  public:
   KILN_PASS_INFO(RematPass)
+  RematPass(Target target, std::string budget) : target_(std::move(target)), budget_(std::move(budget)) {}
+
   Expected<bool> run(ir::Module& m) override {
-    auto it = m.attrs().find("kiln.memory_budget");
-    if (it == m.attrs().end()) return false;
-    std::string budget = it->second.isString() ? it->second.asString()
-                         : it->second.isInt()  ? std::to_string(it->second.asInt())
-                                               : "";
-    auto r = rematerialize(m, budget, planningSymbols(m));
+    // The budget used to travel as this module attribute; say so rather than ignore it.
+    if (m.attrs().count("kiln.memory_budget"))
+      return Status::error("the module attribute kiln.memory_budget is not read: give the budget as remat's option, "
+                           "e.g. --passes=remat{budget=60%}");
+    if (budget_.empty()) return false;
+    auto r = rematerialize(m, budget_, planningSymbols(m), target_);
     if (!r) return r.status();
     // What was reached, for the tools to report (a budget below what recomputation can reach
     // is not an error: the step still runs, with the lowest peak found).
@@ -420,8 +422,17 @@ class RematPass : public RegisteredPass<RematPass> {
         {"recomputed_ops", ir::Attribute(static_cast<int64_t>(r->recomputed.size()))}});
     return !r->recomputed.empty();
   }
+
+ private:
+  Target target_;
+  std::string budget_;
 };
 
-std::unique_ptr<Pass> createRematPass() { return std::make_unique<RematPass>(); }
+Expected<std::unique_ptr<Pass>> createRematPass(const PassContext& context, const PassOptions& options) {
+  const std::string& budget = options.get("budget");
+  if (!budget.empty())
+    if (auto b = parseMemoryBudget(budget, 1, "option 'budget'"); !b) return b.status();
+  return makePass<RematPass>(context.target, budget);
+}
 
 }  // namespace kiln::passes

@@ -118,10 +118,10 @@ Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::
 
 }  // namespace
 
-Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols) {
+Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols, const Target& target) {
   if (f.body().empty()) return false;
   ir::SymbolBindings bound = bindAllSymbols(f, symbols);
-  CostModel cost(cpuDevice(), bound);
+  CostModel cost(target, bound);
   auto changed = reorderChecked(f, cost, bound);
   if (!changed) return changed.status();
   bool streams = false;
@@ -133,10 +133,10 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
   return *changed || streams;
 }
 
-Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols) {
+Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols, const Target& target) {
   ir::Module scratch;
   ir::Function& copy = ir::cloneFunction(f, scratch, f.name());
-  auto changed = scheduleFunction(copy, symbols);
+  auto changed = scheduleFunction(copy, symbols, target);
   if (!changed) return changed.status();
   return estimatePeakBytes(copy, symbols);
 }
@@ -144,19 +144,25 @@ Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBind
 class SchedulePass : public RegisteredPass<SchedulePass> {
  public:
   KILN_PASS_INFO(SchedulePass)
+  explicit SchedulePass(Target target) : target_(std::move(target)) {}
 
   Expected<bool> run(ir::Module& m) override {
     bool changed = false;
     ir::SymbolBindings symbols = planningSymbols(m);
     for (auto& f : m.functions()) {
-      auto c = scheduleFunction(*f, symbols);
+      auto c = scheduleFunction(*f, symbols, target_);
       if (!c) return c.status();
       changed |= *c;
     }
     return changed;
   }
+
+ private:
+  Target target_;
 };
 
-std::unique_ptr<Pass> createSchedulePass() { return std::make_unique<SchedulePass>(); }
+Expected<std::unique_ptr<Pass>> createSchedulePass(const PassContext& context, const PassOptions&) {
+  return makePass<SchedulePass>(context.target);
+}
 
 }  // namespace kiln::passes

@@ -14,15 +14,18 @@
 
 #include "ir/ir.h"
 #include "ir/status.h"
+#include "ir/target.h"
 
 namespace kiln::passes {
 
-// Schedules one function (order, then streams) under `symbols` (unbound ones at the cost
-// model's default); returns whether anything changed.
-Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols);
+// Schedules one function (order, then streams) for `target` under `symbols` (unbound ones at
+// the cost model's default); returns whether anything changed.
+Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbols,
+                                const Target& target = cpuTarget());
 
 // The planned peak `f` would have once scheduled, computed on a copy: what a percentage memory
 // budget refers to when remat runs before the schedule.
-Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols);
+Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                     const Target& target = cpuTarget());
 
 }  // namespace kiln::passes

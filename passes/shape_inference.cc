@@ -65,6 +65,6 @@ class ShapeInferencePass : public RegisteredPass<ShapeInferencePass> {
   }
 };
 
-std::unique_ptr<Pass> createShapeInferencePass() { return std::make_unique<ShapeInferencePass>(); }
+Expected<std::unique_ptr<Pass>> createShapeInferencePass(const PassContext&, const PassOptions&) { return makePass<ShapeInferencePass>(); }
 
 }  // namespace kiln::passes

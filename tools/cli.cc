@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "ir/status.h"
+#include "ir/target.h"
 
 namespace kiln::cli {
 
@@ -159,6 +160,23 @@ std::string ArgParser::help() const {
   }
   out += fmt::format("  {:<28} {}\n", "--help", "show this help");
   return out;
+}
+
+void addTargetFlag(ArgParser& p, const std::string& default_help) {
+  p.addOption("target", fmt::format("{}", fmt::join(targetNames(), "|")),
+              fmt::format("the machine the passes plan for (default: {})", default_help));
+}
+
+bool readTargetFlag(const ArgParser& p, std::optional<Target>* target, int* exit_code) {
+  target->reset();
+  if (!p.has("target")) return true;
+  auto t = targetByName(p.get("target"));
+  if (!t) {
+    *exit_code = p.usageError(fmt::format("--target: {}", t.status().message()));
+    return false;
+  }
+  *target = t.take();
+  return true;
 }
 
 void printError(const std::string& command, const Status& status) {

@@ -10,7 +10,8 @@
 
 namespace kiln {
 class Status;
-}
+struct Target;
+}  // namespace kiln
 
 namespace kiln::cli {
 
@@ -66,6 +67,13 @@ class ArgParser {
   std::string pos_metavar_, pos_help_;
   int pos_min_ = 0, pos_max_ = 0;
 };
+
+// --target NAME, the machine the passes plan for (ir/target.h); `default_help` says what leaving
+// it out means.
+void addTargetFlag(ArgParser& p, const std::string& default_help);
+// The --target given, looked up (a usage error, printed, lists the known names); nullopt when
+// the flag is absent. Returns false on the usage error.
+bool readTargetFlag(const ArgParser& p, std::optional<Target>* target, int* exit_code);
 
 // Prints a failed Status for command `command`: "file:line:col: error: msg" when it is located,
 // "kiln COMMAND: error: msg" otherwise.

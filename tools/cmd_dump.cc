@@ -11,6 +11,7 @@
 #include "frontend/frontend.h"
 #include "ir/dot.h"
 #include "ir/printer.h"
+#include "passes/remat.h"
 #include "tools/cli.h"
 #include "tools/dump_optimize.h"
 #include "tools/dump_cuda.h"
@@ -46,7 +47,8 @@ int dumpIr(DumpContext& c) {
   return kExitOk;
 }
 
-// The options of the training pipeline from the flags: --batch, --memory-budget, --disable-pass.
+// The options of the training pipeline from the flags: --batch, --memory-budget, --disable-pass,
+// --target (default: cpu, the H200 for --stage=cuda).
 std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   OptimizeOptions o;
   std::optional<long long> batch = p.getInt("batch");
@@ -55,8 +57,18 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
     return std::nullopt;
   }
   o.batch = *batch;
-  if (p.has("memory-budget")) o.memory_budget = p.get("memory-budget");
+  if (p.has("memory-budget")) {
+    o.memory_budget = p.get("memory-budget");
+    if (auto b = passes::parseMemoryBudget(o.memory_budget, 1); !b) {
+      p.usageError(b.status().message());
+      return std::nullopt;
+    }
+  }
   for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
+  std::optional<Target> target;
+  int code = kExitOk;
+  if (!readTargetFlag(p, &target, &code)) return std::nullopt;
+  o.target = target ? *target : p.get("stage") == "cuda" ? h200Target() : cpuTarget();
   return o;
 }
 
@@ -107,7 +119,7 @@ int dumpCuda(DumpContext& c) {
   if (!m) return kExitError;
   auto o = optimizeOptions(c.args);
   if (!o) return kExitUsage;
-  return printCudaStage(**m, o->batch, c.out, std::cerr);
+  return printCudaStage(**m, *o, c.out, std::cerr);
 }
 
 struct Stage {
@@ -140,7 +152,8 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("batch", "B", "the batch size B bound before planning (memory, program, cuda, --stats, --explain)", "1024");
   p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
-  p.addOption("memory-budget", "BYTES|N%", "training step: recompute activations until the peak fits");
+  p.addOption("memory-budget", "BYTES|N%", "training step: recompute activations until the peak fits (remat{budget=...})");
+  addTargetFlag(p, "cpu; h200 with --stage=cuda");
   p.addOption("disable-pass", "NAME", "training step: leave this pass out of the pipeline", std::nullopt, true);
   int code;
   if (!p.parse(args, &code)) return code;

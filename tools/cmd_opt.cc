@@ -13,6 +13,7 @@
 #include "ir/op_def.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
+#include "ir/target.h"
 #include "passes/pass_manager.h"
 #include "tools/cli.h"
 
@@ -68,9 +69,23 @@ void listOps(std::ostream& os) {
     os << fmt::format("{:<36} {}\n", d->name, d->summary);
 }
 
+// Each pass, then its options: `  budget=VALUE  description (default: ...)`.
 void listPasses(std::ostream& os) {
-  for (const passes::PassInfo& p : passes::registeredPasses())
+  for (const passes::PassInfo& p : passes::registeredPasses()) {
     os << fmt::format("{:<20} {}\n", p.name, p.description);
+    for (const passes::PassOptionInfo& o : p.options)
+      os << fmt::format("  {:<18} {} (default: {})\n", fmt::format("{}=", o.name), o.description,
+                        o.default_value.empty() ? "none" : o.default_value);
+  }
+}
+
+void listTargets(std::ostream& os) {
+  for (std::string_view name : targetNames()) {
+    auto t = targetByName(name);
+    os << fmt::format("{:<8} {}: {:.3g} TFLOP/s GEMM bf16, {:.3g} f32, {:.3g} TB/s, {:.0f} us per launch\n", name,
+                      t->description, t->gemm_flops_per_s.bf16 / 1e12, t->gemm_flops_per_s.f32 / 1e12,
+                      t->bytes_per_s / 1e12, t->launch_s * 1e6);
+  }
 }
 
 }  // namespace
@@ -79,7 +94,9 @@ int runOpt(const std::vector<std::string>& raw_args) {
   ArgParser p("opt", "kiln opt FILE.mlir [--passes=a,b] [flags] [-o OUT]",
               "Reads IR in its text form ('-' reads stdin), runs passes over it and prints the result.");
   p.setPositionals("FILE.mlir", 0, 1, "the IR to read; '-' for stdin");
-  p.addOption("passes", "a,b,c", "the passes to run, in order (see --list-passes)", std::nullopt);
+  p.addOption("passes", "a,b{opt=v},c", "the passes to run, in order, with options in braces (see --list-passes)",
+              std::nullopt);
+  addTargetFlag(p, "cpu");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
   p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
@@ -89,7 +106,8 @@ int runOpt(const std::vector<std::string>& raw_args) {
   p.addOption("output", "OUT", "write the output to OUT instead of stdout (also -o OUT)");
   p.addFlag("split-input-file", "process each '// -----' separated chunk on its own");
   p.addFlag("list-ops", "list the ops of the op table and exit");
-  p.addFlag("list-passes", "list the passes and exit");
+  p.addFlag("list-passes", "list the passes and their options and exit");
+  p.addFlag("list-targets", "list the targets --target takes and exit");
 
   // `-o OUT` is the one short flag, spelled as compilers do.
   std::vector<std::string> args;
@@ -112,6 +130,13 @@ int runOpt(const std::vector<std::string>& raw_args) {
     listPasses(std::cout);
     return kExitOk;
   }
+  if (p.flag("list-targets")) {
+    listTargets(std::cout);
+    return kExitOk;
+  }
+  std::optional<Target> target;
+  if (!readTargetFlag(p, &target, &code)) return code;
+  const passes::PassContext context{target ? *target : cpuTarget()};
   if (p.positionals().empty()) return p.usageError("missing FILE.mlir (usage: kiln opt FILE.mlir [flags])");
   std::string format = p.get("format");
   if (format != "mlir" && format != "dot")
@@ -128,7 +153,7 @@ int runOpt(const std::vector<std::string>& raw_args) {
     return pm.build();
   };
   {
-    passes::PassManager probe;
+    passes::PassManager probe(context);
     Status s = makePassManager(probe);
     if (!s) return p.usageError(s.message());
   }
@@ -154,7 +179,7 @@ int runOpt(const std::vector<std::string>& raw_args) {
       exit_code = kExitError;
       continue;
     }
-    passes::PassManager pm;
+    passes::PassManager pm(context);
     Status built = makePassManager(pm);
     assert(built.isOk());
     (void)built;

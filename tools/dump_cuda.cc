@@ -10,12 +10,13 @@
 
 namespace kiln::cli {
 
-int printCudaStage(ir::Module& module, int64_t batch, std::ostream& out, std::ostream& err) {
+int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostream& out, std::ostream& err) {
+  const int64_t batch = options.batch;
   // The passes `kiln train --device cuda` runs (fusion included), so the kernels shown are the
   // kernels that run.
   if (module.attrs().count("kiln.train") && !module.lookup("train_step")) {
-    passes::PassManager pm;
-    Status s = pm.addPipeline(passes::defaultPipeline(true));
+    passes::PassManager pm({.target = options.target});
+    Status s = pm.addPipeline(passes::defaultPipeline(true, options.memory_budget));
     if (s.isOk()) {
       auto r = pm.run(module);
       if (!r) s = r.status();

@@ -5,11 +5,13 @@
 #include <ostream>
 
 #include "ir/ir.h"
+#include "tools/dump_optimize.h"
 
 namespace kiln::cli {
 
-// Builds @train_step when needed, lowers it at batch `batch` and prints, per group of ops, the
-// kernels (or the cuBLASLt GEMM) it becomes, then the whole module. Returns an exit code.
-int printCudaStage(ir::Module& module, int64_t batch, std::ostream& out, std::ostream& err);
+// Builds @train_step when needed (for options.target, remat under options.memory_budget), lowers
+// it at options.batch and prints, per group of ops, the kernels (or the cuBLASLt GEMM) it
+// becomes, then the whole module. Returns an exit code.
+int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostream& out, std::ostream& err);
 
 }  // namespace kiln::cli

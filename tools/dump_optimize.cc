@@ -18,10 +18,10 @@ namespace kiln::cli {
 Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& o, std::string_view stop) {
   ir::AttrDict symbols = {{"B", ir::Attribute(o.batch)}};
   m.mutableAttrs()["kiln.symbols"] = ir::Attribute(symbols);
-  if (!o.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(o.memory_budget);
-  passes::PassManager pm;
+  passes::PassManager pm({.target = o.target});
   pm.options().disabled = o.disabled_passes;
-  KILN_RETURN_IF_ERROR(pm.addPipeline(stop.empty() ? passes::defaultPipeline(true) : passes::pipelineUpTo(true, stop)));
+  KILN_RETURN_IF_ERROR(pm.addPipeline(stop.empty() ? passes::defaultPipeline(true, o.memory_budget)
+                                                   : passes::pipelineUpTo(true, stop, o.memory_budget)));
   auto r = pm.run(m);
   return r ? Status::ok() : r.status();
 }
@@ -42,7 +42,7 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     err << program.status().str() << "\n";
     return kExitError;
   }
-  passes::CostModel cost(passes::cpuDevice(), symbols);
+  passes::CostModel cost(o.target, symbols);
   double flops = 0;
   for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;
   out << fmt::format("kernels: {}\n", passes::countLaunches(*f));
@@ -61,7 +61,9 @@ int printFusionExplanation(ir::Module& m, const OptimizeOptions& o, std::ostream
     out << "fusion is disabled (--disable-pass=fusion)\n";
     return kExitOk;
   }
-  auto reports = passes::fuseModule(m);
+  passes::FusionOptions fusion;
+  fusion.target = o.target;
+  auto reports = passes::fuseModule(m, fusion);
   if (!reports) {
     err << reports.status().str() << "\n";
     return kExitError;

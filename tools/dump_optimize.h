@@ -9,17 +9,19 @@
 
 #include "ir/ir.h"
 #include "ir/status.h"
+#include "ir/target.h"
 
 namespace kiln::cli {
 
 struct OptimizeOptions {
   int64_t batch = 1024;
-  std::string memory_budget;                           // "" = none; "60%" or bytes
+  std::string memory_budget;                           // "" = none; "60%" or bytes: remat's budget
   std::set<std::string, std::less<>> disabled_passes;  // --disable-pass
+  Target target = cpuTarget();                         // --target: what the passes plan for
 };
 
-// Sets the symbols (B = batch) and the memory budget on the module and runs the default training
-// pipeline, up to (not including) the pass `stop` unless it is empty.
+// Sets the symbols (B = batch) on the module and runs the default training pipeline for the
+// target, remat under the memory budget, up to (not including) the pass `stop` unless it is empty.
 Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& options, std::string_view stop = "");
 
 // Prints `kernels: N`, `peak_bytes: N`, `flops: N`, `recompute_flops: N` for @train_step.

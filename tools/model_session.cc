@@ -21,7 +21,9 @@ void addModelFlags(ArgParser& p) {
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
   p.addOption("memory-budget", "BYTES|N%",
-              "recompute activations in the backward pass until the training step's planned peak fits");
+              "recompute activations in the backward pass until the training step's planned peak fits "
+              "(remat{budget=...})");
+  addTargetFlag(p, "the device the run uses: cpu, or the GPU's with --device cuda");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
   p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
@@ -56,6 +58,9 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
       return false;
     }
   }
+  std::optional<Target> target;
+  if (!readTargetFlag(p, &target, exit_code)) return false;
+  o.target = target ? target->name : "";
   for (const std::string& d : p.getAll("disable-pass")) o.pass_options.disabled.insert(d);
   for (const std::string& d : p.getAll("print-ir-after")) o.pass_options.print_ir_after.insert(d);
   o.pass_options.print_ir_after_all = p.flag("print-ir-after-all");
@@ -120,13 +125,30 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   if (options.training && !s->train_)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
 
+  if (options.device == "cuda") {
+    // Before the passes: without --target they plan for this GPU.
+    std::string why;
+    if (!cuda::cudaAvailable(&why)) return Status::error(fmt::format("--device cuda: {}", why));
+    auto cs = cuda::CudaSession::create();
+    if (!cs) return Status::error(fmt::format("--device cuda: {}", cs.status().message()));
+    s->cuda_ = cs.take();
+  } else if (options.device != "cpu") {
+    return Status::error(fmt::format("unknown device '{}' (cpu or cuda)", options.device));
+  }
+  if (!options.target.empty()) {
+    auto t = targetByName(options.target);
+    if (!t) return Status::error(fmt::format("--target: {}", t.status().message()));
+    s->target_ = t.take();
+  } else {
+    s->target_ = s->cuda_ ? gpuTargetForDevice(s->cuda_->deviceName()) : cpuTarget();
+  }
+
   // Remat and fusion plan the training step at the batch it will run with.
   m.mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
-  if (!options.memory_budget.empty()) m.mutableAttrs()["kiln.memory_budget"] = ir::Attribute(options.memory_budget);
-  passes::PassManager pm;
+  passes::PassManager pm({.target = s->target_});
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;
-  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training)));
+  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget)));
   KILN_RETURN_IF_ERROR(pm.build());
   auto changed = pm.run(m);
   if (!changed) return changed.status();
@@ -155,16 +177,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   }
   ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
-  if (options.device == "cuda") {
-    std::string why;
-    if (!cuda::cudaAvailable(&why)) return Status::error(fmt::format("--device cuda: {}", why));
-    auto cs = cuda::CudaSession::create();
-    if (!cs) return Status::error(fmt::format("--device cuda: {}", cs.status().message()));
-    s->cuda_ = cs.take();
-    KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));
-  } else if (options.device != "cpu") {
-    return Status::error(fmt::format("unknown device '{}' (cpu or cuda)", options.device));
-  }
+  if (s->cuda_) KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));
   return s;
 }
 

@@ -12,6 +12,7 @@
 
 #include "frontend/frontend.h"
 #include "ir/ir.h"
+#include "ir/target.h"
 #include "passes/pass_manager.h"
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cuda_executor.h"
@@ -30,6 +31,9 @@ struct SessionOptions {
   bool training = true;  // build @train_step (needs a train block)
   std::string device = "cpu";  // "cpu" or "cuda" (one GPU; parameters stay on it between steps)
   std::string memory_budget;  // "" = none; "60%" or bytes of the training step's planned peak
+  // What the passes plan for (--target): "" = the device the run uses (cpu, or the GPU's target
+  // with --device cuda).
+  std::string target;
   // Entries that replace those of the model's train block (kiln.train) before the pipeline runs,
   // e.g. {"optimizer": {kind = "sgd", lr = 0.01}} for a benchmark that fixes the optimizer.
   ir::AttrDict train_overrides;
@@ -38,7 +42,7 @@ struct SessionOptions {
 };
 
 // The flags every command that compiles a model shares: --set, --threads, --seed,
-// --memory-budget and the pass manager's flags.
+// --memory-budget, --target and the pass manager's flags.
 void addModelFlags(ArgParser& p);
 // Reads them back; returns a usage error (already printed) as false.
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
@@ -76,6 +80,8 @@ class ModelSession {
   // and the next step uploads the store again (a caller may have changed it, e.g. on resume).
   runtime::ParameterStore& params();
   const std::string& device() const { return options_.device; }
+  // The target the passes planned for.
+  const Target& target() const { return target_; }
   // The data the training step reads (labels included) and the forward pass reads.
   const data::BatchSpec& trainSpec() const { return train_spec_; }
   const data::BatchSpec& forwardSpec() const { return forward_spec_; }
@@ -104,6 +110,7 @@ class ModelSession {
                             const std::vector<std::pair<std::string, float>>& scalars);
 
   SessionOptions options_;
+  Target target_;
   std::unique_ptr<ir::Module> module_;
   std::string model_name_;
   const ir::AttrDict* train_ = nullptr;

@@ -13,7 +13,7 @@ using ir::DType;
 using ir::TensorType;
 
 TEST(CostModel, TimeIsTheSlowerOfComputeAndMemoryPlusLaunches) {
-  CostModel h200(h200Device(), {});
+  CostModel h200(h200Target(), {});
   // 786 TFLOP of GEMM takes one second on tensor cores; 4.3 TB one second of bandwidth.
   EXPECT_NEAR(h200.time({7.86e14, 7.86e14, 0, 1}), 1.0 + 4e-6, 1e-12);
   EXPECT_NEAR(h200.time({0, 0, 4.3e12, 1}), 1.0 + 4e-6, 1e-12);
@@ -22,14 +22,14 @@ TEST(CostModel, TimeIsTheSlowerOfComputeAndMemoryPlusLaunches) {
   // Launches add up; no work at all costs nothing.
   EXPECT_NEAR(h200.time({0, 0, 0, 3}), 12e-6, 1e-15);
   EXPECT_EQ(h200.time({}), 0.0);
-  CostModel cpu(cpuDevice(), {});
+  CostModel cpu(cpuTarget(), {});
   EXPECT_NEAR(cpu.time({2.0e11, 2.0e11, 0, 0}), 1.0, 1e-12);
 }
 
-TEST(CostModel, DevicesByName) {
-  EXPECT_EQ(deviceByName("h200")->name, "h200");
-  EXPECT_EQ(deviceByName("cpu")->name, "cpu");
-  auto bad = deviceByName("tpu");
+TEST(CostModel, TargetsByName) {
+  EXPECT_EQ(targetByName("h200")->name, "h200");
+  EXPECT_EQ(targetByName("cpu")->name, "cpu");
+  auto bad = targetByName("tpu");
   ASSERT_FALSE(bad);
   EXPECT_NE(bad.status().message().find("cpu, h200"), std::string::npos);
 }
@@ -53,7 +53,7 @@ struct Chain {
 TEST(CostModel, AGroupReadsEachInputOnceAndKeepsInnerValuesOutOfMemory) {
   Chain c;
   const double tensor = 1024.0 * 64 * 4;  // one f32[1024, 64]
-  CostModel cost(h200Device(), {{"B", 1024}});
+  CostModel cost(h200Target(), {{"B", 1024}});
   GroupCost add = cost.opCost(*c.add);
   EXPECT_EQ(add.flops, 1024.0 * 64);
   EXPECT_EQ(add.bytes, 3 * tensor);  // reads x and y, writes the sum
@@ -70,18 +70,40 @@ TEST(CostModel, AGroupReadsEachInputOnceAndKeepsInnerValuesOutOfMemory) {
 
 TEST(CostModel, UnboundSymbolsTakeTheDefault) {
   Chain c;
-  CostModel unbound(h200Device(), {});
-  CostModel bound(h200Device(), {{"B", CostModel::kDefaultSymbolValue}});
+  CostModel unbound(h200Target(), {});
+  CostModel bound(h200Target(), {{"B", CostModel::kDefaultSymbolValue}});
   EXPECT_EQ(unbound.opCost(*c.add).bytes, bound.opCost(*c.add).bytes);
   EXPECT_GT(unbound.opCost(*c.add).bytes, 0);
 }
 
 TEST(CostModel, SourcesAndTerminatorsLaunchNothing) {
   Chain c;
-  CostModel cost(h200Device(), {});
+  CostModel cost(h200Target(), {});
   const ir::Function& f = *c.m.lookup("f");
   EXPECT_EQ(cost.opCost(*f.entry().ops().front()).launches, 0);
   EXPECT_EQ(cost.opCost(*f.returnOp()).launches, 0);
+}
+
+// A GPU multiplies bf16 on its tensor cores and f32 on its CUDA cores (cuBLASLt without TF32);
+// the CPU's BLAS widens bf16 and runs both at one rate. Both GEMMs are compute bound here.
+TEST(CostModel, GemmsRunAtTheRateOfTheirInputDtype) {
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    ir::Module m;
+    ir::Function& f = m.addFunction("f");
+    ir::Builder b(f.entry());
+    TensorType t(dtype, {Dim::fixed(1024), Dim::fixed(1024)});
+    ir::Value* a = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("a")}}))->result();
+    ir::Value* w = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("w")}}))->result();
+    auto mm = b.create("kiln.matmul", {a, w});
+    ASSERT_TRUE(mm) << mm.status().message();
+    const double flops = 2.0 * 1024 * 1024 * 1024;
+    GroupCost c = CostModel(h200Target(), {}).opCost(**mm);
+    EXPECT_EQ(c.gemm_flops, flops);
+    EXPECT_EQ(c.f32_gemm_flops, dtype == DType::f32 ? flops : 0.0);
+    const double h200_rate = dtype == DType::f32 ? 6.0e13 : 7.86e14;
+    EXPECT_NEAR(CostModel(h200Target(), {}).time(c), flops / h200_rate + 4e-6, 1e-12) << ir::dtypeName(dtype);
+    EXPECT_NEAR(CostModel(cpuTarget(), {}).time(c), flops / 2.0e11 + 2e-6, 1e-12) << ir::dtypeName(dtype);
+  }
 }
 
 }  // namespace

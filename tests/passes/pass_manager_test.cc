@@ -11,6 +11,7 @@
 #include "ir/builder.h"
 #include "ir/parser.h"
 #include "ir/printer.h"
+#include "passes/pipeline.h"
 
 namespace kiln::passes {
 namespace {
@@ -252,6 +253,105 @@ TEST(PassManager, TimingTableListsEachPass) {
   ASSERT_NE(dce, std::string::npos) << t;
   EXPECT_LT(cse, dce);
   EXPECT_LT(dce, total);
+}
+
+// The pipeline text in MLIR's syntax: comma-separated names, options in braces.
+TEST(PipelineText, ParsesNamesAndOptions) {
+  EXPECT_TRUE(parsePipeline("")->empty());
+  EXPECT_TRUE(parsePipeline("  ")->empty());
+  auto p = parsePipeline("remat{budget=60%},fusion");
+  ASSERT_TRUE(p) << p.status().message();
+  ASSERT_EQ(p->size(), 2u);
+  EXPECT_EQ((*p)[0].name, "remat");
+  EXPECT_EQ((*p)[0].options.get("budget"), "60%");
+  EXPECT_EQ((*p)[0].column, 1u);
+  EXPECT_EQ((*p)[1].name, "fusion");
+  EXPECT_TRUE((*p)[1].options.empty());
+  EXPECT_EQ((*p)[1].column, 19u);
+  // Spaces around names, braces and options; a value keeps its commas (a list) unless quoted
+  // text holds spaces or braces.
+  auto q = parsePipeline(" cse , p{ a=1  b='x y' c=\"q}\" list=1,2,3 } ,dce ");
+  ASSERT_TRUE(q) << q.status().message();
+  ASSERT_EQ(q->size(), 3u);
+  const PassOptions& o = (*q)[1].options;
+  EXPECT_EQ(o.entries().size(), 4u);
+  EXPECT_EQ(o.get("a"), "1");
+  EXPECT_EQ(o.get("b"), "x y");
+  EXPECT_EQ(o.get("c"), "q}");
+  EXPECT_EQ(o.get("list"), "1,2,3");
+  EXPECT_EQ((*q)[2].name, "dce");
+  // An entry prints as it parses.
+  EXPECT_EQ((*q)[1].str(), "p{a=1 b='x y' c='q}' list=1,2,3}");
+  auto again = parsePipeline((*q)[1].str());
+  ASSERT_TRUE(again);
+  EXPECT_EQ((*again)[0].options.entries(), o.entries());
+  EXPECT_EQ((*q)[0].str(), "cse");
+}
+
+TEST(PipelineText, MalformedTextPointsAtTheColumn) {
+  auto error = [](std::string_view text) {
+    auto p = parsePipeline(text);
+    return p ? std::string("(parsed)") : p.status().message();
+  };
+  EXPECT_EQ(error("cse,,dce"), "malformed pipeline at column 5: expected a pass name\n  cse,,dce\n      ^");
+  auto starts = [&](std::string_view text, std::string_view prefix) {
+    std::string m = error(text);
+    EXPECT_EQ(m.rfind(prefix, 0), 0u) << "'" << text << "': " << m;
+  };
+  starts("cse,", "malformed pipeline at column 5: expected a pass name at the end");
+  starts(",cse", "malformed pipeline at column 1: expected a pass name");
+  starts("cse dce", "malformed pipeline at column 5: expected ',' between passes after 'cse'");
+  starts("remat{budget=60%", "malformed pipeline at column 6: the options of 'remat' have no closing '}'");
+  starts("remat{budget}", "malformed pipeline at column 13: expected '=' after option 'budget'");
+  starts("remat{budget=}", "malformed pipeline at column 14: expected a value for option 'budget'");
+  starts("remat{=60%}",
+         "malformed pipeline at column 7: expected an option name or '}' in the options of 'remat'");
+  starts("remat{budget=1 budget=2}",
+         "malformed pipeline at column 16: option 'budget' of 'remat' is given twice");
+  starts("remat{budget='60%}", "malformed pipeline at column 14: the value of 'budget' has no closing '");
+  starts("remat{budget=60%}}", "malformed pipeline at column 18: expected ',' between passes after 'remat'");
+  starts("cse;dce", "malformed pipeline at column 4: expected ',' between passes after 'cse'");
+}
+
+TEST(PipelineText, OptionsAreCheckedAgainstPassesDef) {
+  const PassInfo* remat = findPass("remat");
+  ASSERT_NE(remat, nullptr);
+  ASSERT_EQ(remat->options.size(), 1u);
+  EXPECT_EQ(remat->options[0].name, "budget");
+  EXPECT_EQ(remat->options[0].default_value, "");
+  EXPECT_FALSE(remat->options[0].description.empty());
+  PassManager pm;
+  EXPECT_TRUE(pm.addPipeline("cse,remat{budget=60%},remat{budget=123456},remat").isOk());
+  EXPECT_EQ(pm.pipeline(), (std::vector<std::string>{"cse", "remat", "remat", "remat"}));
+  EXPECT_EQ(pm.addPipeline("remat{budgt=60%}").message(),
+            "pass 'remat' has no option 'budgt'; its options: budget");
+  EXPECT_EQ(pm.addPipeline("cse{x=1}").message(), "pass 'cse' takes no options (given 'x')");
+  EXPECT_EQ(pm.addPipeline("remat{budget=60pc}").message(),
+            "pass 'remat': option 'budget': expected bytes or a percentage such as 60%, got '60pc'");
+  EXPECT_NE(pm.addPipeline("remat{budget=60%},typo").message().find("unknown pass 'typo'"),
+            std::string::npos);
+  auto made = createPass("remat", PassContext{}, {});
+  ASSERT_TRUE(made) << made.status().message();
+  EXPECT_EQ((*made)->name(), "remat");
+}
+
+TEST(PipelineText, PassesAreBuiltForTheManagersTarget) {
+  EXPECT_EQ(PassManager().context().target.name, "cpu");
+  PassManager pm({.target = h200Target()});
+  EXPECT_EQ(pm.context().target.name, "h200");
+}
+
+TEST(PipelineText, TheDefaultPipelineCarriesTheMemoryBudget) {
+  EXPECT_EQ(defaultPipeline(false), "canonicalize,cse,dce");
+  EXPECT_EQ(defaultPipeline(true),
+            "canonicalize,cse,dce,mixed-precision,autodiff,canonicalize,cse,dce,remat,fusion,schedule");
+  EXPECT_EQ(
+      defaultPipeline(true, "60%"),
+      "canonicalize,cse,dce,mixed-precision,autodiff,canonicalize,cse,dce,remat{budget=60%},fusion,schedule");
+  EXPECT_EQ(pipelineUpTo(true, "fusion", "1000"),
+            "canonicalize,cse,dce,mixed-precision,autodiff,canonicalize,cse,dce,remat{budget=1000}");
+  PassManager pm;
+  EXPECT_TRUE(pm.addPipeline(defaultPipeline(true, "60%")).isOk());
 }
 
 }  // namespace

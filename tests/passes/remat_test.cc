@@ -89,15 +89,15 @@ OptimizedStep optimizedStep(const char* model, const std::string& budget, int64_
   EXPECT_TRUE(m) << m.status().str();
   if (!m) return {};
   (*m)->mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(batch)}});
-  if (!budget.empty()) (*m)->mutableAttrs()["kiln.memory_budget"] = ir::Attribute(budget);
   PassManager pm;
-  EXPECT_TRUE(pm.addPipeline(fusion ? "remat,fusion,schedule" : "remat,schedule").isOk());
+  const std::string remat = budget.empty() ? "remat" : "remat{budget=" + budget + "}";
+  EXPECT_TRUE(pm.addPipeline(remat + (fusion ? ",fusion,schedule" : ",schedule")).isOk());
   auto r = pm.run(**m);
   EXPECT_TRUE(r) << r.status().str();
   const ir::Function& f = *(*m)->lookup("train_step");
   OptimizedStep out;
   out.peak = plannedPeak(f, batch);
-  CostModel cost(cpuDevice(), {{"B", batch}});
+  CostModel cost(cpuTarget(), {{"B", batch}});
   for (const auto& op : f.entry().ops()) out.flops += cost.opCost(*op).flops;
   out.recompute_flops = recomputeFlops(f, {{"B", batch}});
   return out;

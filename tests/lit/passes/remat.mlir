@@ -1,4 +1,4 @@
-// RUN: %kiln opt %s --passes=remat --split-input-file | FileCheck %s
+// RUN: %kiln opt %s "--passes=remat{budget=70%}" --split-input-file | FileCheck %s
 
 // Under a 70% budget the relu saved for the backward pass (live while %a and %b are) is
 // recomputed right before its backward use, and the backward reads the copy.
@@ -8,7 +8,7 @@
 // CHECK:         %big = "kiln.add"(%a, %b)
 // CHECK:         %h.recompute = "kiln.relu"(%x) {kiln.recompute = true}
 // CHECK-NEXT:    %gh = "kiln.mul"(%big, %h.recompute)
-module attributes {kiln.memory_budget = "70%", kiln.symbols = {B = 1024}} {
+module attributes {kiln.symbols = {B = 1024}} {
   func.func @train_step() -> (!kiln.tensor<f32>, !kiln.tensor<Bx64xf32>) {
     %x = "kiln.input"() {name = "x"} : () -> !kiln.tensor<Bx64xf32>
     %h = "kiln.relu"(%x) : (!kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
@@ -30,7 +30,7 @@ module attributes {kiln.memory_budget = "70%", kiln.symbols = {B = 1024}} {
 // CHECK-NEXT:    %y.recompute = "kiln.exp"(%x) {kiln.recompute = true}
 // CHECK-NEXT:    %h.recompute = "kiln.tanh"(%y.recompute) {kiln.recompute = true}
 // CHECK-NEXT:    %gh = "kiln.mul"(%big, %h.recompute)
-module attributes {kiln.memory_budget = "70%", kiln.symbols = {B = 1024}} {
+module attributes {kiln.symbols = {B = 1024}} {
   func.func @train_step() -> (!kiln.tensor<f32>, !kiln.tensor<Bx64xf32>) {
     %x = "kiln.input"() {name = "x"} : () -> !kiln.tensor<Bx64xf32>
     %y = "kiln.exp"(%x) : (!kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>

@@ -1,0 +1,77 @@
+// Targets: every known name resolves, an unknown one is an error naming them all, the CPU is
+// read off this machine, and the GPUs carry their datasheet-derived rates.
+#include "ir/target.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace kiln {
+namespace {
+
+TEST(Target, EveryKnownNameResolvesToItself) {
+  ASSERT_EQ(targetNames().size(), 4u);
+  for (std::string_view name : targetNames()) {
+    auto t = targetByName(name);
+    ASSERT_TRUE(t) << name << ": " << t.status().message();
+    EXPECT_EQ(t->name, name);
+    EXPECT_FALSE(t->description.empty()) << name;
+    EXPECT_GT(t->cores, 0) << name;
+    EXPECT_GT(t->gemm_flops_per_s.f32, 0) << name;
+    EXPECT_GE(t->gemm_flops_per_s.bf16, t->gemm_flops_per_s.f32) << name;
+    EXPECT_GT(t->vector_flops_per_s.f32, 0) << name;
+    EXPECT_GT(t->bytes_per_s, 0) << name;
+    EXPECT_GT(t->launch_s, 0) << name;
+    EXPECT_GT(t->intra_node.bytes_per_s, 0) << name;
+    EXPECT_GT(t->inter_node.latency_s, 0) << name;
+    // A machine's own links are faster than the network between machines.
+    EXPECT_GT(t->intra_node.bytes_per_s, t->inter_node.bytes_per_s) << name;
+  }
+}
+
+TEST(Target, AnUnknownNameListsTheKnownOnes) {
+  auto t = targetByName("tpu");
+  ASSERT_FALSE(t);
+  EXPECT_EQ(t.status().message(), "unknown target 'tpu' (known targets: cpu, h200, h100, a100)");
+  EXPECT_FALSE(targetByName(""));
+  EXPECT_FALSE(targetByName("H200"));  // names are lower case, as on the command line
+}
+
+TEST(Target, TheCpuIsReadOffThisMachine) {
+  const Target cpu = cpuTarget();
+  EXPECT_EQ(cpu.kind, TargetKind::cpu);
+  EXPECT_GE(cpu.cores, 1);
+  EXPECT_LE(cpu.cores, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  EXPECT_GT(cpu.memory_bytes, int64_t{64} << 20);
+  // The rates are fixed, whatever the machine: plans do not depend on where they were made.
+  EXPECT_EQ(cpu.gemm_flops_per_s.f32, 2.0e11);
+  EXPECT_EQ(cpu.vector_flops_per_s.f32, 2.0e10);
+  EXPECT_EQ(cpu.bytes_per_s, 2.0e10);
+  EXPECT_EQ(cpu.launch_s, 2.0e-6);
+}
+
+TEST(Target, GpusFollowTheirDatasheets) {
+  const Target h200 = h200Target(), h100 = h100Target(), a100 = a100Target();
+  for (const Target* t : {&h200, &h100, &a100}) EXPECT_EQ(t->kind, TargetKind::gpu) << t->name;
+  // One Hopper die: the same compute, the H200 has more and faster memory.
+  EXPECT_EQ(h200.gemm_flops_per_s.bf16, h100.gemm_flops_per_s.bf16);
+  EXPECT_GT(h200.bytes_per_s, h100.bytes_per_s);
+  EXPECT_GT(h200.memory_bytes, h100.memory_bytes);
+  EXPECT_GT(h100.gemm_flops_per_s.bf16, 3 * a100.gemm_flops_per_s.bf16);
+  EXPECT_GT(h100.intra_node.bytes_per_s, a100.intra_node.bytes_per_s);
+  // f32 GEMMs run on the CUDA cores (no TF32), bf16 on the tensor cores.
+  EXPECT_GT(h200.gemm_flops_per_s.bf16, 10 * h200.gemm_flops_per_s.f32);
+  EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::bf16), h200.gemm_flops_per_s.bf16);
+  EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::f16), h200.gemm_flops_per_s.bf16);
+  EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::f32), h200.gemm_flops_per_s.f32);
+}
+
+TEST(Target, CudaDeviceNamesMapToTheirTargets) {
+  EXPECT_EQ(gpuTargetForDevice("NVIDIA H200").name, "h200");
+  EXPECT_EQ(gpuTargetForDevice("NVIDIA H100 80GB HBM3").name, "h100");
+  EXPECT_EQ(gpuTargetForDevice("NVIDIA A100-SXM4-80GB").name, "a100");
+  EXPECT_EQ(gpuTargetForDevice("NVIDIA GeForce RTX 4090").name, "h200");
+}
+
+}  // namespace
+}  // namespace kiln
