@@ -71,6 +71,21 @@ std::optional<ScalarFn> scalarFnOf(const Op& op) {
   return def ? def->scalar_fn : std::nullopt;
 }
 
+bool isPointwise(const Op& op) {
+  switch (op.opcode()) {
+    case OpCode::ReduceGrad: return op.strAttr("kind") != "max";
+    case OpCode::Broadcast:
+    case OpCode::Reshape:
+    case OpCode::Transpose:
+    case OpCode::Slice:
+    case OpCode::Concat:
+    case OpCode::Gather:
+    case OpCode::Cast:
+    case OpCode::BceWithLogitsGrad: return true;
+    default: return op.hasTrait(kElementwise) && !op.hasTrait(kSideEffect) && op.numResults() == 1;
+  }
+}
+
 OpCode opCodeOf(ScalarFn fn) {
   switch (fn) {
 #define KILN_UNARY(Name, ...) \

@@ -134,6 +134,12 @@ std::vector<unsigned> writtenOperands(const Op& op);
 // accumulator (see docs/passes.md, gemm_epilogue).
 bool isWideningCast(const Op& matmul, const Op& cast);
 
+// Whether one pointwise kernel computes `op` per element of its result: elementwise math and
+// data movement (broadcast, reshape, transpose, slice, concat, gather, cast), and the backward
+// ops that are elementwise in effect. Fusion's pointwise groups and codegen's Pointwise kernels
+// are both this set.
+bool isPointwise(const Op& op);
+
 // The scalar function an elementwise op applies: its table entry's, or for kiln.compare the
 // function of its predicate; nullopt for other ops.
 std::optional<ScalarFn> scalarFnOf(const Op& op);

@@ -12,7 +12,7 @@ CostModel::CostModel(Target target, ir::SymbolBindings symbols)
     : target_(std::move(target)), symbols_(std::move(symbols)) {}
 
 bool CostModel::launchesWork(const ir::Op& op) {
-  return !(op.hasTrait(ir::kSource) || op.hasTrait(ir::kTerminator) || op.name() == "kiln.constant");
+  return !(op.hasTrait(ir::kSource) || op.hasTrait(ir::kTerminator) || op.is(ir::OpCode::Constant));
 }
 
 // Every symbol a function's types mention gets a value: the model's, else the default.
@@ -50,7 +50,7 @@ double CostModel::time(const GroupCost& c) const {
 }
 
 GroupCost CostModel::opCost(const ir::Op& op) const {
-  if (op.name() == "kiln.fused" && !op.regions().empty() && !op.regions().front()->empty()) {
+  if (op.is(ir::OpCode::Fused) && !op.regions().empty() && !op.regions().front()->empty()) {
     std::vector<const ir::Op*> members;
     for (const auto& inner : op.regions().front()->front().ops())
       if (launchesWork(*inner)) members.push_back(inner.get());
@@ -73,7 +73,7 @@ GroupCost CostModel::groupCost(const std::vector<const ir::Op*>& ops) const {
     ir::OpCost c = def && def->cost ? def->cost(*op, symbols)
                                     : ir::OpCost{0, ir::kernels::operandAndResultBytes(*op, symbols)};
     g.flops += c.flops;
-    if (op->name() == "kiln.matmul") {
+    if (op->is(ir::OpCode::Matmul)) {
       g.gemm_flops += c.flops;
       if (!FlopRates::narrow(op->operand(0)->type().dtype())) g.f32_gemm_flops += c.flops;
     }

@@ -33,26 +33,17 @@ const char* kindName(Kind k) {
   return "other";
 }
 
-// The ops a pointwise kernel computes per element: elementwise math and data movement (the
-// same set codegen/kernel_lowering.h lowers into one Pointwise kernel).
-bool isPointwise(const Op& op) {
-  static const std::set<std::string, std::less<>> movement = {
-      "kiln.broadcast", "kiln.reshape", "kiln.transpose", "kiln.slice", "kiln.concat", "kiln.gather",
-      "kiln.cast", "kiln.compare", "kiln.select", "kiln.activation_grad", "kiln.bce_with_logits_grad"};
-  if (op.name() == "kiln.reduce_grad") return op.strAttr("kind") != "max";
-  if (movement.count(op.name())) return true;
-  return op.hasTrait(ir::kElementwise) && !op.hasTrait(ir::kSideEffect) && op.numResults() == 1;
-}
 
 bool isReduction(const Op& op) {
-  return op.name() == "kiln.reduce" || op.name() == "kiln.softmax" || op.name() == "kiln.bce_with_logits" ||
-         op.name() == "kiln.sum_to";
+  return op.is(ir::OpCode::Reduce) || op.is(ir::OpCode::Softmax) || op.is(ir::OpCode::BceWithLogits) ||
+         op.is(ir::OpCode::SumTo);
 }
 
+// An activation of scalar_fn.def, or sigmoid or tanh: what may end a GEMM's epilogue.
 bool isActivation(const Op& op) {
-  static const std::set<std::string, std::less<>> acts = {"kiln.relu", "kiln.gelu", "kiln.silu", "kiln.sigmoid",
-                                                          "kiln.tanh"};
-  return acts.count(op.name()) > 0;
+  auto fn = ir::scalarFnOf(op);
+  return fn && (ir::scalarFnInfo(*fn).kind == ir::ScalarFnKind::Activation || *fn == ir::ScalarFn::Sigmoid ||
+                *fn == ir::ScalarFn::Tanh);
 }
 
 // "226.5 MB": byte counts in reasons.
@@ -186,23 +177,23 @@ class FunctionFuser {
       // skips that rounding, as XLA's excess precision does); the epilogue continues after it.
       const size_t head = grp.members.size() > 1 && ir::isWideningCast(*grp.members[0], *grp.members[1]) ? 2 : 1;
       bool has_act = std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); });
-      bool has_bias = grp.members.size() > head && grp.members[head]->name() == "kiln.add";
-      if (consumer.name() == "kiln.add") {
+      bool has_bias = grp.members.size() > head && grp.members[head]->is(ir::OpCode::Add);
+      if (consumer.is(ir::OpCode::Add)) {
         const Value* other = consumer.operand(0) == producer.result() ? consumer.operand(1) : consumer.operand(0);
         if (grp.members.size() != head || has_bias) return forbid("the bias add must directly follow the GEMM");
         if (other->type().rank() != 1) return forbid("the added value is not a bias vector (rank 1)");
         if (!(consumer.result()->type() == producer.result()->type())) return forbid("the bias add changes the shape");
       } else if (isActivation(consumer)) {
         if (has_act) return forbid("the epilogue already has an activation");
-      } else if (consumer.name() == "kiln.cast") {
+      } else if (consumer.is(ir::OpCode::Cast)) {
         // A cast ends the epilogue (the GEMM's output type), unless it widens the product.
       } else {
         return forbid(fmt::format("{} is not a bias add, activation or cast epilogue", consumer.name()));
       }
-      if (tail.name() == "kiln.cast" && !(grp.members.size() == 2 && head == 2))
+      if (tail.is(ir::OpCode::Cast) && !(grp.members.size() == 2 && head == 2))
         return forbid("the epilogue already ends in a cast");
     } else if (grp.kind == Kind::Pointwise) {
-      if (isPointwise(consumer)) {
+      if (ir::isPointwise(consumer)) {
         if (consumer.result()->type().shape() != grp.members.back()->result()->type().shape())
           return forbid(fmt::format("{} produces {} but the group iterates over {}", consumer.name(),
                                     consumer.result()->type().str(), shapeOf(grp)));
@@ -295,7 +286,7 @@ class FunctionFuser {
   // Puts `op` into the first group of an operand producer that may take it, else into a new one.
   void place(Op* op) {
     std::set<int> tried;
-    if (isPointwise(*op) || isReduction(*op)) {
+    if (ir::isPointwise(*op) || isReduction(*op)) {
       for (Value* v : op->operands()) {
         Op* p = v->definingOp();
         if (!p || !group_of_.count(p)) continue;
@@ -315,8 +306,8 @@ class FunctionFuser {
         refuse(*p, *op, d.reason());
       }
     }
-    if (op->name() == "kiln.matmul") newGroup(Kind::Gemm, {op}, false);
-    else if (isPointwise(*op)) newGroup(Kind::Pointwise, {op}, false);
+    if (op->is(ir::OpCode::Matmul)) newGroup(Kind::Gemm, {op}, false);
+    else if (ir::isPointwise(*op)) newGroup(Kind::Pointwise, {op}, false);
     else newGroup(isReduction(*op) ? Kind::Reduction : Kind::Other, {op}, true);
   }
 
@@ -337,11 +328,11 @@ class FunctionFuser {
 
   void formEmbeddingGroups() {
     for (Op* op : deps_.ops()) {
-      if (op->name() != "kiln.concat") continue;
+      if (!op->is(ir::OpCode::Concat)) continue;
       std::vector<Op*> members;
       for (Value* v : op->operands()) {
         Op* bag = v->definingOp();
-        if (!bag || bag->name() != "kiln.embedding_bag" || group_of_.count(bag)) continue;
+        if (!bag || !bag->is(ir::OpCode::EmbeddingBag) || group_of_.count(bag)) continue;
         if (FusionDecision d = bagFusible(*bag, *op); d) members.push_back(bag);
         else refuse(*bag, *op, d.reason());
       }
@@ -355,9 +346,9 @@ class FunctionFuser {
     std::unordered_map<Value*, std::vector<Op*>> by_source;  // concatenated gradient -> slices+updates
     std::vector<Value*> order;
     for (Op* op : deps_.ops()) {
-      if (op->name() != "kiln.embedding_bag_update") continue;
+      if (!op->is(ir::OpCode::EmbeddingBagUpdate)) continue;
       Op* slice = op->operand(2)->definingOp();
-      if (!slice || slice->name() != "kiln.slice") continue;
+      if (!slice || !slice->is(ir::OpCode::Slice)) continue;
       if (slice->result()->uses().size() != 1) {
         refuse(*slice, *op, "cannot fuse kiln.slice into kiln.embedding_bag_update: the gradient slice has other users");
         continue;
@@ -383,7 +374,7 @@ class FunctionFuser {
       // Parameters an op updates in place stay named directly (captured from the function),
       // as the verifier requires of in-place updates.
       auto captured = [](const Op& m, const Value* v) {
-        return writesInPlace(m) && v->definingOp() && v->definingOp()->name() == "kiln.parameter";
+        return writesInPlace(m) && v->definingOp() && v->definingOp()->is(ir::OpCode::Parameter);
       };
       for (Op* m : grp.members) {
         for (Value* v : m->operands())
@@ -400,7 +391,7 @@ class FunctionFuser {
       }
       std::vector<ir::TensorType> types;
       for (Value* v : outputs) types.push_back(v->type());
-      auto fused = Op::create("kiln.fused", inputs, types, {{"kind", ir::Attribute(kindName(grp.kind))}},
+      auto fused = Op::create(ir::OpCode::Fused, inputs, types, {{"kind", ir::Attribute(kindName(grp.kind))}},
                               grp.members.front()->location());
       ir::Block& body = fused->addRegion().addBlock();
       for (Value* v : inputs) body.addArgument(v->type(), v->nameHint());
@@ -420,7 +411,7 @@ class FunctionFuser {
           if (it != input_index.end()) moved->setOperand(i, body.argument(it->second));
         }
       }
-      body.push_back(Op::create("kiln.yield", outputs, {}));
+      body.push_back(Op::create(ir::OpCode::Yield, outputs, {}));
     }
     std::vector<Op*> now = block.opList();
     reorderBlock(block, [&](int a, int b) {

@@ -15,17 +15,16 @@ using ir::Op;
 using ir::Value;
 
 bool onEmbeddingStream(const Op& op) {
-  const std::string& n = op.name();
-  if (n == "kiln.embedding_bag_update") return true;
-  if (n == "kiln.fused") return op.strAttr("kind") == "embedding_update";
-  if (n == "kiln.embedding_bag") {
+  if (op.is(ir::OpCode::EmbeddingBagUpdate)) return true;
+  if (op.is(ir::OpCode::Fused)) return op.strAttr("kind") == "embedding_update";
+  if (op.is(ir::OpCode::EmbeddingBag)) {
     for (Value* v : op.operands())
       if (!v->definingOp() || !v->definingOp()->hasTrait(ir::kSource)) return false;
     return true;
   }
-  if (n == "kiln.slice") {
+  if (op.is(ir::OpCode::Slice)) {
     const auto& uses = op.result()->uses();
-    return uses.size() == 1 && uses[0].user->name() == "kiln.embedding_bag_update";
+    return uses.size() == 1 && uses[0].user->is(ir::OpCode::EmbeddingBagUpdate);
   }
   return false;
 }
