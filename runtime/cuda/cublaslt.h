@@ -1,14 +1,14 @@
 // GEMMs through cuBLASLt, loaded at run time (libcublasLt.so.13, .so.12 or .so; never linked):
 // row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU), f32 or bf16 in
 // and out, f32 accumulation, optionally batched. The algorithm for each distinct problem is
-// chosen once by cuBLASLt's heuristic and cached.
+// chosen once by cuBLASLt's heuristic and cached. The problem is a codegen::GemmShape
+// (codegen/cuda_program.h), as the Program's steps carry it.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 
 #include "codegen/cuda_program.h"
 #include "ir/status.h"
