@@ -87,8 +87,9 @@ std::vector<std::string> EmitterRegistry::fusedKinds() const {
   return out;
 }
 
-// The ops without an emitter. isSourceOrTerminator (kernel_lowering.h) skips the first group
-// before lowering; the registry test checks that every op it skips is marked here.
+// The ops no emitter lowers. groupOps skips sources and terminators (isSourceOrTerminator in
+// kernel_lowering.h) and lowerFunction hands a kiln.fused op's region to its kind's emitter;
+// the registry test checks that every source and terminator of the op table is marked here.
 void registerNoKernelOps(EmitterRegistry& r) {
   const NoKernel runs_without = NoKernel::kRunsWithout;
   r.addNoKernel("kiln.input", runs_without, "a source: a buffer the batch is copied into");

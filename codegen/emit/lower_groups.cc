@@ -109,9 +109,10 @@ Status lowerOps(GroupLowering& gl) {
   const EmitterRegistry& registry = EmitterRegistry::get();
   const Op& last = *ops.back();
   const OpEmitter* emitter = registry.emitterFor(last);
-  const bool all_of_last =
-      std::all_of(ops.begin(), ops.end(), [&](const Op* o) { return o->name() == last.name(); });
-  if (emitter && emitter->form == GroupForm::kManyOfTheOp && all_of_last) return emitter->lower(gl, ops);
+  // A group of only this op, one kernel for all (every embedding_bag of a group).
+  if (emitter && emitter->form == GroupForm::kManyOfTheOp &&
+      std::all_of(ops.begin(), ops.end(), [&](const Op* o) { return o->name() == last.name(); }))
+    return emitter->lower(gl, ops);
   bool prefix_pointwise =
       std::all_of(ops.begin(), ops.end() - 1, [](const Op* o) { return isPointwiseOp(*o); });
   if (isPointwiseOp(last) && prefix_pointwise) return registry.pointwiseChain()(gl);
