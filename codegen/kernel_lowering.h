@@ -1,24 +1,29 @@
-// Lowering IR ops to kernel IR.
+// Lowering IR ops to kernel IR: the public entry points of the CUDA lowering.
 //
-// A group is a list of ops of one block, in order, that becomes one unit of GPU work:
-//   - elementwise and data-movement ops (broadcast, reshape, transpose, slice, concat, gather,
-//     cast, activation_grad) of one output shape: ONE Pointwise kernel; values that leave the
-//     group are stored, the rest stay in registers;
-//   - a reduction or softmax, optionally fed by such a chain (the chain is computed inline);
-//   - losses (bce_with_logits, softmax_cross_entropy) and dense optimizer updates;
-//   - every embedding_bag over sources (per stream): ONE EmbeddingForward kernel; jagged bags
-//     (ids[N] + lengths[B]) first get their offsets from ONE BagOffsets scan kernel;
-//   - an embedding_bag_update: (a scan for jagged ids,) clear, accumulate (duplicate ids
-//     combined in a hash table) and one Row kernel applying the sparse optimizer to the touched
-//     rows;
-//   - a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set;
-//   - a scatter_add: a copy of the base, then one atomic add per update.
+// A group is a list of ops of one block, in order, that becomes one unit of GPU work. The
+// emitters of codegen/emit/, one file per kind, lower it; the EmitterRegistry
+// (codegen/emit/emitter_registry.h) says which, from the ops each emitter file registers:
+//   - pointwise.cc: elementwise and data-movement ops (broadcast, reshape, transpose, slice,
+//     concat, gather, cast, activation_grad, ...) of one output shape: ONE Pointwise kernel;
+//     values that leave the group are stored, the rest stay in registers;
+//   - reduction.cc, softmax_loss.cc: a reduction or softmax, optionally fed by such a chain (the
+//     chain is computed inline); losses and softmax cross-entropy's gradient;
+//   - embedding_lookup.cc: every embedding_bag over sources (per stream): ONE EmbeddingForward
+//     kernel; jagged bags (ids[N] + lengths[B]) first get their offsets from ONE BagOffsets scan
+//     kernel;
+//   - embedding_update.cc: an embedding_bag_update: (a scan for jagged ids,) clear, accumulate
+//     (duplicate ids combined in a hash table) and one Row kernel applying the sparse optimizer
+//     to the touched rows;
+//   - optimizer.cc: dense optimizer updates;
+//   - gemm.cc: a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set;
+//   - scatter.cc: a scatter_add: a copy of the base, then one atomic add per update.
 // groupOps() forms groups greedily over ops the fusion pass left alone. lowerFunction takes the
 // fusion pass's `kiln.fused` ops as they are: each becomes one group (a pointwise or reduction
 // kernel, ONE cuBLASLt call with its epilogue, one lookup kernel writing the concatenated rows,
 // the accumulate + row-update kernels of every table reading the concatenated gradient), or,
 // where the backend cannot run it as one unit, is split by groupOps with the reason recorded.
-// See docs/cuda.md.
+// These entry points live in codegen/emit/lower_groups.cc; codegen/cuda_program.h builds the
+// Program that runs the lowered groups. See docs/cuda.md.
 #pragma once
 
 #include <string>
@@ -87,9 +92,10 @@ int streamOf(const ir::Op& op);
 const ir::Value* outerValue(const ir::Value* v);
 
 // Ops that need no GPU work of their own: sources (inputs, parameters, constants) and
-// terminators.
+// terminators (the registry marks them so).
 bool isSourceOrTerminator(const ir::Op& op);
-// Ops that lower into a Pointwise kernel's expressions.
+// Ops that lower into a Pointwise kernel's expressions: those with an expression rule in the
+// EmitterRegistry.
 bool isPointwiseOp(const ir::Op& op);
 
 // Splits the ops of a block (sources and terminators skipped) into groups in execution order.

@@ -8,23 +8,8 @@
 
 namespace kiln::cuda {
 
-const char* epilogueName(Epilogue e) {
-  switch (e) {
-    case Epilogue::None: return "none";
-    case Epilogue::Bias: return "bias";
-    case Epilogue::Relu: return "relu";
-    case Epilogue::BiasRelu: return "bias+relu";
-    case Epilogue::Gelu: return "gelu";
-    case Epilogue::BiasGelu: return "bias+gelu";
-  }
-  return "?";
-}
-
-std::string GemmShape::str() const {
-  return fmt::format("gemm {}x{}x{}{} {}{}{} -> {} epilogue {}", m, n, k, batch > 1 ? fmt::format(" batch {}", batch) : "",
-                     ir::dtypeName(a_type), transpose_a ? " (A^T)" : "", transpose_b ? " (B^T)" : "",
-                     ir::dtypeName(c_type), epilogueName(epilogue));
-}
+using codegen::Epilogue;
+using codegen::GemmShape;
 
 ColumnMajorGemm toColumnMajor(const GemmShape& s) {
   // A row-major [r, c] buffer is a column-major [c, r] matrix with leading dimension c; the

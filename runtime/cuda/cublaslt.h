@@ -1,36 +1,21 @@
 // GEMMs through cuBLASLt, loaded at run time (libcublasLt.so.13, .so.12 or .so; never linked):
 // row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU), f32 or bf16 in
 // and out, f32 accumulation, optionally batched. The algorithm for each distinct problem is
-// chosen once by cuBLASLt's heuristic and cached.
+// chosen once by cuBLASLt's heuristic and cached. The problem is a codegen::GemmShape
+// (codegen/cuda_program.h), as the Program's steps carry it.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
-#include <tuple>
 
+#include "codegen/cuda_program.h"
 #include "ir/status.h"
 #include "ir/types.h"
 #include "runtime/cuda/cuda_driver.h"
 
 namespace kiln::cuda {
-
-enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu };
-const char* epilogueName(Epilogue e);
-
-struct GemmShape {
-  int64_t m = 0, n = 0, k = 0;
-  bool transpose_a = false, transpose_b = false;
-  ir::DType a_type = ir::DType::f32, b_type = ir::DType::f32, c_type = ir::DType::f32;
-  ir::DType bias_type = ir::DType::f32;
-  Epilogue epilogue = Epilogue::None;
-  int64_t batch = 1;  // batched with packed strides (M*K, K*N, M*N elements)
-  auto key() const {
-    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch);
-  }
-  std::string str() const;  // "gemm 16384x512x13 f32 (B^T) +bias relu"
-};
 
 // The column-major problem cuBLASLt solves for a row-major one: C^T = op(B)^T op(A)^T, so
 // cuBLASLt's A is our B. Pure arithmetic, tested without a GPU.
@@ -41,7 +26,7 @@ struct ColumnMajorGemm {
   int64_t rows_second, cols_second, ld_second; // layout of cuBLASLt's B (our A)
   int64_t ld_c;
 };
-ColumnMajorGemm toColumnMajor(const GemmShape& s);
+ColumnMajorGemm toColumnMajor(const codegen::GemmShape& s);
 
 #ifdef KILN_HAVE_CUDA_HEADERS
 
@@ -52,7 +37,7 @@ class CublasLt {
   ~CublasLt();
 
   // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0.
-  Status matmul(const GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias, CUstream stream);
+  Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias, CUstream stream);
 
   size_t cachedAlgorithms() const { return algos_.size(); }
   size_t version() const { return version_; }
@@ -61,7 +46,7 @@ class CublasLt {
   CublasLt() = default;
   struct Api;
   struct Plan;
-  Expected<Plan*> plan(const GemmShape& s);
+  Expected<Plan*> plan(const codegen::GemmShape& s);
 
   CudaDriver* drv_ = nullptr;
   DynamicLibrary lib_;
@@ -69,7 +54,7 @@ class CublasLt {
   void* handle_ = nullptr;
   DeviceBuffer workspace_;
   size_t version_ = 0;
-  std::map<decltype(GemmShape{}.key()), std::unique_ptr<Plan>> algos_;
+  std::map<decltype(codegen::GemmShape{}.key()), std::unique_ptr<Plan>> algos_;
 };
 
 #endif

@@ -1,11 +1,13 @@
 // The CUDA executor: runs one Function (the training step or the forward pass) on one GPU.
 //
-// create() lowers the function to kernel groups (codegen::lowerFunction) and builds the Program
-// it runs with buildCudaProgram (below, a pure function): one launch per group on the group's
-// stream (the schedule pass's `kiln.stream`: embedding lookups and sparse updates on stream 1),
-// record/wait events where a group reads, or updates in place, what another stream touches, and
-// one device arena laid out by the stream-aware memory planner. It compiles all kernels as one
-// NVRTC module through the disk cache and resolves every kernel argument to a device address.
+// create() lowers the function to kernel groups (codegen::lowerFunction) and takes the Program
+// codegen::buildCudaProgram (codegen/cuda_program.h) builds from them: one launch per group on
+// the group's stream (the schedule pass's `kiln.stream`: embedding lookups and sparse updates on
+// stream 1), record/wait events where a group reads, or updates in place, what another stream
+// touches, and one device arena laid out by the stream-aware memory planner. The executor only
+// maps that Program's buffers to device memory and launches its steps: it compiles all kernels
+// as one NVRTC module through the disk cache and resolves every kernel argument to a device
+// address.
 // run() copies the inputs from pinned host staging on stream 0, runs each Program stream on its
 // own CUstream (kiln.matmul through cuBLASLt), checks the embedding kernels' error flags and
 // downloads the results. From the second run on, the step is captured once as a CUDA graph
@@ -25,8 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "codegen/cuda_emitter.h"
-#include "codegen/program.h"
+#include "codegen/cuda_program.h"
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/tensor_view.h"
@@ -34,56 +35,7 @@
 #include "runtime/cuda/cublaslt.h"
 #include "runtime/parameter_store.h"
 
-namespace kiln::codegen {
-struct LoweredGroup;
-}
-
 namespace kiln::cuda {
-
-// The Program of a CUDA executor and how its buffers map to the lowered groups.
-//
-// Streams: group g runs on groups[g].stream. Waits come from ir::StreamHazards over the groups
-// in order (a group reads the values it does not define; it writes in place the values it
-// writes without defining them, i.e. an optimizer's parameters and state), one wait per producer
-// stream (its latest launch). When there is more than one stream, stream 0 records a fork event
-// first, which every other stream waits for before its first launch (the inputs are copied on
-// stream 0, and a CUDA graph captured on stream 0 reaches the other streams this way), and waits
-// at the end for an event each other stream records after its last launch (the join).
-// Launch instructions carry attribute "group" (the group's index).
-//
-// Steps: what each launch instruction runs, in group order, with every argument a program
-// buffer, so a runtime only maps buffers to addresses (the CUDA executor to device memory, the
-// simt tests to host memory).
-struct CudaStep {
-  int group = 0;
-  int kernel = -1;               // index into the group's kernels; -1: the group's GEMM
-  std::string name;              // the kernel's symbol, or the GEMM's description
-  codegen::LaunchConfig launch;  // kernels
-  GemmShape gemm;                // the GEMM: shape, types and epilogue
-  std::vector<int> args;         // a kernel's buffers in parameter order; a GEMM's a, b, c, bias
-                                 // (-1: no bias)
-  bool isGemm() const { return kernel < 0; }
-};
-
-struct CudaProgram {
-  codegen::Program program;                     // memory-planned
-  std::vector<std::vector<int>> group_buffers;  // [group][group buffer] -> program buffer
-  std::vector<std::vector<int64_t>> shapes;     // per program buffer, at the bound symbols
-  std::vector<int> inputs;                      // buffers of kiln.input values
-  std::vector<int> error_flags;                 // embedding error flags (outside the arena)
-  std::vector<std::pair<int, const ir::Op*>> constants;  // buffer, its kiln.constant
-  std::vector<CudaStep> steps;                  // in group order
-  std::vector<std::pair<size_t, size_t>> group_steps;  // [group] -> [begin, end) of steps
-};
-
-// The row-major GEMM a kiln.matmul is, at concrete shapes (types from its operands, no
-// epilogue): batch dims must match, or a shared right operand is folded into M.
-Expected<GemmShape> gemmShapeOf(const ir::Op& matmul, const ir::SymbolBindings& symbols);
-
-// Builds and memory-plans the Program of `groups` (codegen::lowerFunction(f, symbols)). Needs no
-// GPU. Buffers outside the arena: inputs, parameters, constants (kind Parameter) and error flags.
-Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups,
-                                       const ir::SymbolBindings& symbols, int64_t alignment = 256);
 
 struct CudaSessionOptions {
   int device = 0;

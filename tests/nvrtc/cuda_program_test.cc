@@ -1,8 +1,9 @@
-// The CUDA executor's Program (buildCudaProgram), checked on the CPU: groups on the streams the
-// schedule pass chose, events wherever a group reads or updates in place what another stream
-// touched, a fork from and a join into stream 0, and an arena plan in which no two buffers that
-// may be live at once overlap. Happens-before is recomputed here from the instructions alone
-// (stream order plus record -> wait edges), independently of the planner's vector clocks.
+// The CUDA executor's Program (codegen::buildCudaProgram), checked on the CPU: groups on the
+// streams the schedule pass chose, events wherever a group reads or updates in place what
+// another stream touched, a fork from and a join into stream 0, and an arena plan in which no
+// two buffers that may be live at once overlap. Happens-before is recomputed here from the
+// instructions alone (stream order plus record -> wait edges), independently of the planner's
+// vector clocks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,12 +12,12 @@
 #include <set>
 #include <sstream>
 
+#include "codegen/cuda_program.h"
 #include "codegen/kernel_lowering.h"
 #include "frontend/frontend.h"
 #include "ir/op_def.h"
 #include "ir/parser.h"
 #include "passes/pass_manager.h"
-#include "runtime/cuda/cuda_executor.h"
 #include "tests/nvrtc/op_cases.h"
 
 namespace kiln::testing {
@@ -85,7 +86,7 @@ struct Checked {
 
 // Checks every property in the header comment; returns counts so callers can assert that the
 // interesting cases occurred.
-Checked checkProgram(const cuda::CudaProgram& cp, const std::vector<codegen::LoweredGroup>& groups) {
+Checked checkProgram(const codegen::CudaProgram& cp, const std::vector<codegen::LoweredGroup>& groups) {
   Checked c;
   const codegen::Program& p = cp.program;
   EXPECT_TRUE(codegen::validate(p).isOk());
@@ -233,7 +234,7 @@ TEST(CudaProgram, TwoStreamsWaitForTheirProducersAndReaders) {
   const ir::Function& f = *(*m)->lookup("train_step");
   auto groups = codegen::lowerFunction(f, {{"B", 8}});
   ASSERT_TRUE(groups) << groups.status().message();
-  auto cp = cuda::buildCudaProgram(f, *groups, {{"B", 8}});
+  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
   ASSERT_TRUE(cp) << cp.status().message();
   const codegen::Program& p = cp->program;
   ASSERT_EQ(p.streams.size(), 2u) << p.str();
@@ -254,7 +255,7 @@ TEST(CudaProgram, OneStreamNeedsNoEvents) {
   auto groups = codegen::lowerFunction(f, {{"B", 8}});
   ASSERT_TRUE(groups) << groups.status().message();
   for (auto& g : *groups) g.stream = 0;
-  auto cp = cuda::buildCudaProgram(f, *groups, {{"B", 8}});
+  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
   ASSERT_TRUE(cp) << cp.status().message();
   EXPECT_EQ(cp->program.streams.size(), 1u);
   EXPECT_EQ(cp->program.num_events, 0);
@@ -279,7 +280,7 @@ TEST_P(ModelCudaProgram, StreamsEventsAndArenaAreSafe) {
   const ir::SymbolBindings symbols = {{"B", 64}};
   auto groups = codegen::lowerFunction(f, symbols);
   ASSERT_TRUE(groups) << groups.status().message();
-  auto cp = cuda::buildCudaProgram(f, *groups, symbols);
+  auto cp = codegen::buildCudaProgram(f, *groups, symbols);
   ASSERT_TRUE(cp) << cp.status().message();
   ASSERT_EQ(cp->program.streams.size(), 2u) << "the schedule pass puts embedding work on stream 1";
   Checked c = checkProgram(*cp, *groups);

@@ -11,9 +11,10 @@
 #include <fmt/format.h>
 
 #include "codegen/cuda_emitter.h"
+#include "codegen/cuda_program.h"
 #include "codegen/kernel_lowering.h"
 #include "ir/op_def.h"
-#include "runtime/cuda/cuda_executor.h"
+#include "runtime/cuda/cublaslt.h"
 #include "tests/simt/host_module.h"
 
 namespace kiln::simt {
@@ -35,13 +36,13 @@ void store(void* p, ir::DType t, int64_t i, float v) {
     static_cast<float*>(p)[i] = v;
 }
 
-bool hasBias(cuda::Epilogue e) {
-  return e == cuda::Epilogue::Bias || e == cuda::Epilogue::BiasRelu || e == cuda::Epilogue::BiasGelu;
+bool hasBias(codegen::Epilogue e) {
+  return e == codegen::Epilogue::Bias || e == codegen::Epilogue::BiasRelu || e == codegen::Epilogue::BiasGelu;
 }
 
 }  // namespace
 
-void gemmAsCublasLt(const cuda::GemmShape& s, const void* a, const void* b, void* c, const void* bias) {
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, const void* bias) {
   const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
   // cuBLASLt's operands: its A is our B, its B our A. A layout is the matrix as stored; the
   // operation applies to it. Both are first packed as f32, op(A) by rows and op(B) by columns,
@@ -70,8 +71,8 @@ void gemmAsCublasLt(const cuda::GemmShape& s, const void* a, const void* b, void
         float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         for (; k < g.k; ++k) acc += x[k] * y[k];
         if (hasBias(s.epilogue)) acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
-        if (s.epilogue == cuda::Epilogue::Relu || s.epilogue == cuda::Epilogue::BiasRelu) acc = std::max(acc, 0.0f);
-        if (s.epilogue == cuda::Epilogue::Gelu || s.epilogue == cuda::Epilogue::BiasGelu)
+        if (s.epilogue == codegen::Epilogue::Relu || s.epilogue == codegen::Epilogue::BiasRelu) acc = std::max(acc, 0.0f);
+        if (s.epilogue == codegen::Epilogue::Gelu || s.epilogue == codegen::Epilogue::BiasGelu)
           acc = 0.5f * acc * (1.0f + std::tanh(0.7978845608028654f * (acc + 0.044715f * acc * acc * acc)));
         store(c, s.c_type, bt * g.m * g.n + i + j * g.ld_c, acc);
       }
@@ -81,7 +82,7 @@ void gemmAsCublasLt(const cuda::GemmShape& s, const void* a, const void* b, void
 namespace {
 
 // The checks cuBLASLt makes of a problem's layouts (CUBLAS_STATUS_INVALID_VALUE otherwise).
-Status checkLayouts(const cuda::GemmShape& s) {
+Status checkLayouts(const codegen::GemmShape& s) {
   const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
   auto check = [&](const char* which, bool trans, int64_t rows, int64_t cols, int64_t ld, int64_t op_rows,
                    int64_t op_cols) -> Status {
@@ -100,7 +101,7 @@ Status checkLayouts(const cuda::GemmShape& s) {
 }  // namespace
 
 struct HostProgram::Impl {
-  cuda::CudaProgram built;
+  codegen::CudaProgram built;
   std::vector<codegen::LoweredGroup> groups;
   std::unique_ptr<HostModule> module;
   ir::SymbolBindings symbols;
@@ -119,7 +120,7 @@ Expected<std::unique_ptr<HostProgram>> HostProgram::create(const ir::Function& f
   auto groups = codegen::lowerFunction(f, symbols);
   if (!groups) return groups.status();
   im.groups = groups.take();
-  auto built = cuda::buildCudaProgram(f, im.groups, symbols);
+  auto built = codegen::buildCudaProgram(f, im.groups, symbols);
   if (!built) return built.status();
   im.built = built.take();
   std::vector<const codegen::Kernel*> all;
@@ -128,7 +129,7 @@ Expected<std::unique_ptr<HostProgram>> HostProgram::create(const ir::Function& f
   auto module = HostModule::compile(codegen::emitModule(all));
   if (!module) return module.status();
   im.module = module.take();
-  for (const cuda::CudaStep& s : im.built.steps) {
+  for (const codegen::CudaStep& s : im.built.steps) {
     if (s.isGemm()) {
       KILN_RETURN_IF_ERROR(checkLayouts(s.gemm));
       ++im.gemms;
@@ -197,12 +198,12 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
     const size_t group = static_cast<size_t>(in.attrs.find("group")->second.asInt());
     auto [begin, end] = im.built.group_steps[group];
     for (size_t i = begin; i < end; ++i) {
-      const cuda::CudaStep& s = im.built.steps[i];
+      const codegen::CudaStep& s = im.built.steps[i];
       std::vector<void*> args;
       for (int a : s.args) args.push_back(a < 0 ? nullptr : address[static_cast<size_t>(a)]);
       if (s.isGemm()) {
         // Each operand's buffer must hold the matrices cuBLASLt will touch.
-        const cuda::GemmShape& g = s.gemm;
+        const codegen::GemmShape& g = s.gemm;
         const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n, g.n};
         const ir::DType types[4] = {g.a_type, g.b_type, g.c_type, g.bias_type};
         for (int o = 0; o < 4; ++o) {

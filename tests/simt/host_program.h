@@ -1,6 +1,7 @@
-// A whole CUDA program run on the host: what CudaExecutor runs on the GPU (buildCudaProgram's
-// buffers, arena plan, streams, events and steps, the generated kernels), with host memory
-// for device memory, HostModule for NVRTC and gemmAsCublasLt for cuBLASLt.
+// A whole CUDA program run on the host: what CudaExecutor runs on the GPU
+// (codegen::buildCudaProgram's buffers, arena plan, streams, events and steps, the generated
+// kernels), with host memory for device memory, HostModule for NVRTC and gemmAsCublasLt for
+// cuBLASLt.
 //
 // Streams interleave: at each point one stream whose next instruction may run (a wait only once
 // its event's record has run) is picked at random from `seed`, so a missing event shows up as
@@ -12,11 +13,11 @@
 #include <memory>
 #include <vector>
 
+#include "codegen/cuda_program.h"
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/tensor_view.h"
 #include "runtime/cpu/executor.h"
-#include "runtime/cuda/cublaslt.h"
 #include "runtime/parameter_store.h"
 
 namespace kiln::simt {
@@ -25,7 +26,7 @@ namespace kiln::simt {
 // cuda::toColumnMajor(s) describes (its A is our B, its bias runs along its rows), with f32
 // accumulation and bf16 rounding of bf16 outputs. `a`, `b`, `c` and `bias` are what the
 // executor passes to CublasLt::matmul, as host pointers.
-void gemmAsCublasLt(const cuda::GemmShape& s, const void* a, const void* b, void* c, const void* bias);
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, const void* bias);
 
 class HostProgram {
  public:

@@ -1,0 +1,84 @@
+// The Program of the CUDA backend, built from a function's lowered groups (kernel_lowering.h):
+// buffers and their memory plan, streams and events, and the steps each launch runs. It is the
+// CUDA twin of lower_cpu.h's Program. A runtime only maps its buffers to addresses and runs the
+// steps: runtime/cuda/cuda_executor on a GPU, tests/simt's HostProgram on the host.
+//
+// Streams: group g runs on groups[g].stream. Waits come from ir::StreamHazards over the groups
+// in order (a group reads the values it does not define; it writes in place the values it
+// writes without defining them, i.e. an optimizer's parameters and state), one wait per producer
+// stream (its latest launch). When there is more than one stream, stream 0 records a fork event
+// first, which every other stream waits for before its first launch (the inputs are copied on
+// stream 0, and a CUDA graph captured on stream 0 reaches the other streams this way), and waits
+// at the end for an event each other stream records after its last launch (the join).
+// Launch instructions carry attribute "group" (the group's index).
+//
+// Steps: what each launch instruction runs, in group order, with every argument a program
+// buffer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "codegen/cuda_emitter.h"
+#include "codegen/program.h"
+#include "ir/ir.h"
+#include "ir/status.h"
+
+namespace kiln::codegen {
+
+struct LoweredGroup;
+
+enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu };
+const char* epilogueName(Epilogue e);
+
+// A row-major GEMM: C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU), as
+// cuBLASLt runs it (runtime/cuda/cublaslt.h).
+struct GemmShape {
+  int64_t m = 0, n = 0, k = 0;
+  bool transpose_a = false, transpose_b = false;
+  ir::DType a_type = ir::DType::f32, b_type = ir::DType::f32, c_type = ir::DType::f32;
+  ir::DType bias_type = ir::DType::f32;
+  Epilogue epilogue = Epilogue::None;
+  int64_t batch = 1;  // batched with packed strides (M*K, K*N, M*N elements)
+  auto key() const {
+    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch);
+  }
+  std::string str() const;  // "gemm 16384x512x13 f32 (B^T) +bias relu"
+};
+
+// The row-major GEMM a kiln.matmul is, at concrete shapes (types from its operands, no
+// epilogue): batch dims must match, or a shared right operand is folded into M.
+Expected<GemmShape> gemmShapeOf(const ir::Op& matmul, const ir::SymbolBindings& symbols);
+
+struct CudaStep {
+  int group = 0;
+  int kernel = -1;        // index into the group's kernels; -1: the group's GEMM
+  std::string name;       // the kernel's symbol, or the GEMM's description
+  LaunchConfig launch;    // kernels
+  GemmShape gemm;         // the GEMM: shape, types and epilogue
+  std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias
+                          // (-1: no bias)
+  bool isGemm() const { return kernel < 0; }
+};
+
+// The Program and how its buffers map to the lowered groups.
+struct CudaProgram {
+  Program program;                                       // memory-planned
+  std::vector<std::vector<int>> group_buffers;           // [group][group buffer] -> program buffer
+  std::vector<std::vector<int64_t>> shapes;              // per program buffer, at the bound symbols
+  std::vector<int> inputs;                               // buffers of kiln.input values
+  std::vector<int> error_flags;                          // embedding error flags (outside the arena)
+  std::vector<std::pair<int, const ir::Op*>> constants;  // buffer, its kiln.constant
+  std::vector<CudaStep> steps;                           // in group order
+  std::vector<std::pair<size_t, size_t>> group_steps;    // [group] -> [begin, end) of steps
+};
+
+// Builds and memory-plans the Program of `groups` (lowerFunction(f, symbols)). Needs no GPU.
+// Buffers outside the arena: inputs, parameters, constants (kind Parameter) and error flags.
+Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<LoweredGroup>& groups,
+                                       const ir::SymbolBindings& symbols, int64_t alignment = 256);
+
+}  // namespace kiln::codegen

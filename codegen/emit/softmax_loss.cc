@@ -1,0 +1,191 @@
+// The softmax and loss emitter: Row kernels for softmax, the losses (bce_with_logits,
+// softmax_cross_entropy) and softmax cross-entropy's gradient. softmax and bce_with_logits
+// compute a pointwise producer chain of their group inline.
+#include "codegen/emit/emitter_registry.h"
+
+namespace kiln::codegen::emit {
+namespace {
+
+using ir::Op;
+using ir::Value;
+
+// A Row kernel over `axis` of x, with x's value at each row element.
+struct AxisRowKernel {
+  KernelBuilder kb;
+  AxisRow row;
+  int x = -1;
+};
+Expected<AxisRowKernel> axisRowKernel(GroupLowering& gl, std::string name, const Value* x,
+                                      const std::vector<int64_t>& xs, int64_t axis) {
+  AxisRowKernel r{KernelBuilder::ofKind(std::move(name), KernelKind::Row), {}, -1};
+  r.row = GroupLowering::axisRow(r.kb.k, xs, axis);
+  auto v = gl.valueAt(r.kb, x, r.row.coords);
+  if (!v) return v.status();
+  r.x = *v;
+  return r;
+}
+
+// Whether a loss (or its gradient) is averaged over its elements rather than summed.
+bool isMean(const Op& op) { return op.strAttr("reduction", "mean") == "mean"; }
+
+Status lowerSoftmax(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* x = op.operand(0);
+  auto xs = gl.shapeOf(x);
+  if (!xs) return xs.status();
+  int64_t axis = op.intAttr("axis", -1);
+  if (axis < 0) axis += static_cast<int64_t>(xs->size());
+  auto rk = axisRowKernel(gl, "softmax", x, *xs, axis);
+  if (!rk) return rk.status();
+  Kernel& k = rk->kb.k;
+  ExprGraph& g = k.exprs;
+  DType ct = g.typeOf(rk->x);
+  int shifted = GroupLowering::expShiftedRow(k, rk->x);
+  Phase map;
+  int out = gl.bindValue(rk->kb, op.result(), true);
+  map.stores.push_back(
+      {out, rowMajorOffset(g, rk->row.coords, *xs),
+       g.cast(g.binary(ExprOp::Div, shifted, g.rowValue(1, ct)), op.result()->type().dtype()), -1});
+  k.phases.push_back(map);
+  return gl.finish(rk->kb);
+}
+
+Status lowerBce(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* x = op.operand(0);
+  const Value* y = op.operand(1);
+  auto xs = gl.shapeOf(x);
+  if (!xs) return xs.status();
+  KernelBuilder kb = KernelBuilder::row("bce_with_logits", {1}, xs->empty() ? std::vector<int64_t>{1} : *xs);
+  Kernel& k = kb.k;
+  ExprGraph& g = k.exprs;
+  std::vector<int> coords;
+  for (size_t i = 0; i < xs->size(); ++i) coords.push_back(g.coord(static_cast<int>(i) + 1));
+  auto xv = gl.valueAt(kb, x, coords);
+  if (!xv) return xv.status();
+  auto yv = gl.valueAt(kb, y, coords);
+  if (!yv) return yv.status();
+  DType ct = g.typeOf(*xv);
+  int yy = g.cast(*yv, ct);
+  // max(x, 0) - x*y + log1p(exp(-|x|)): no overflow for large |x|.
+  int loss =
+      g.binary(ExprOp::Add, g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, *xv), g.binary(ExprOp::Mul, *xv, yy)),
+               g.unary(ExprOp::Log1p, g.unary(ExprOp::Exp, g.unary(ExprOp::Neg, g.unary(ExprOp::Abs, *xv)))));
+  k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, loss, {}});
+  int acc = g.rowValue(0, ct);
+  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(product(*xs)), ct));
+  int out = gl.bindValue(kb, op.result(), true);
+  k.stores.push_back({out, g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
+  return gl.finish(kb);
+}
+
+// Two kernels: per-row losses into a temporary, then their sum (or mean).
+Status lowerSoftmaxCrossEntropy(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* x = op.operand(0);
+  const Value* y = op.operand(1);
+  auto xs = gl.shapeOf(x);
+  if (!xs) return xs.status();
+  int64_t n = (*xs)[0], c = (*xs)[1];
+  int rows = gl.tempBuffer("row_losses", DType::f32, n);
+  {
+    auto rk = axisRowKernel(gl, "softmax_xent_rows", x, *xs, 1);
+    if (!rk) return rk.status();
+    KernelBuilder& kb = rk->kb;
+    Kernel& k = kb.k;
+    ExprGraph& g = k.exprs;
+    const AxisRow& ar = rk->row;
+    const int xv = rk->x;
+    DType ct = g.typeOf(xv);
+    GroupLowering::expShiftedRow(k, xv);
+    int m = g.rowValue(0, ct);
+    int lse = g.binary(ExprOp::Add, m, g.unary(ExprOp::Log, g.rowValue(1, ct)));
+    int loss;
+    if (y->type().rank() == 1) {
+      // lse - x[n, label]; an out-of-range label contributes lse (x read as 0 is not used).
+      auto label = gl.valueAt(kb, y, {ar.outer[0]});
+      if (!label) return label.status();
+      int li = g.cast(*label, DType::i64);
+      auto picked = gl.valueAt(kb, x, {ar.outer[0], li});
+      if (!picked) return picked.status();
+      int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, li, g.intConstant(0)),
+                        g.binary(ExprOp::Lt, li, g.intConstant(c)));
+      loss = g.binary(ExprOp::Sub, lse, g.select(ok, *picked, g.constant(0, ct)));
+    } else {
+      // sum_c y_c (lse - x_c) = lse * sum(y) - sum(y * x)
+      auto yv = gl.valueAt(kb, y, ar.coords);
+      if (!yv) return yv.status();
+      int yc = g.cast(*yv, ct);
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, yc, xv), {}});
+      k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, yc, {}});
+      loss = g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, lse, g.rowValue(3, ct)), g.rowValue(2, ct));
+    }
+    k.stores.push_back({gl.bind(kb, rows, true), ar.outer[0], g.cast(loss, DType::f32), -1});
+    KILN_RETURN_IF_ERROR(gl.finish(kb));
+  }
+  KernelBuilder kb = KernelBuilder::row("softmax_xent_total", {1}, {n});
+  Kernel& k = kb.k;
+  ExprGraph& g = k.exprs;
+  k.phases.push_back(
+      {Phase::Kind::Reduce, Combiner::Sum, g.load(gl.bind(kb, rows, false), DType::f32, g.coord(1)), {}});
+  int acc = g.rowValue(0, DType::f32);
+  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(n), DType::f32));
+  k.stores.push_back(
+      {gl.bindValue(kb, op.result(), true), g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
+  return gl.finish(kb);
+}
+
+// g (softmax(x) * sum_c p - p) per row, / N for a mean; p is one-hot for class ids.
+Status lowerSoftmaxCrossEntropyGrad(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* x = op.operand(0);
+  const Value* y = op.operand(1);
+  auto xs = gl.shapeOf(x);
+  if (!xs) return xs.status();
+  auto rk = axisRowKernel(gl, "softmax_xent_grad", x, *xs, 1);
+  if (!rk) return rk.status();
+  KernelBuilder& kb = rk->kb;
+  Kernel& k = kb.k;
+  ExprGraph& g = k.exprs;
+  const AxisRow& ar = rk->row;
+  DType ct = g.typeOf(rk->x);
+  auto gv = gl.valueAt(kb, op.operand(2), {});
+  if (!gv) return gv.status();
+  int scale = g.cast(*gv, ct);
+  if (isMean(op)) scale = g.binary(ExprOp::Mul, scale, g.constant(1.0 / static_cast<double>((*xs)[0]), ct));
+  int e = GroupLowering::expShiftedRow(k, rk->x);
+  int p = g.binary(ExprOp::Div, e, g.rowValue(1, ct));
+  int target, mass;
+  if (y->type().rank() == 1) {
+    auto label = gl.valueAt(kb, y, {ar.outer[0]});
+    if (!label) return label.status();
+    target = g.select(g.binary(ExprOp::Eq, g.cast(*label, DType::i64), ar.coords[1]), g.constant(1, ct),
+                      g.constant(0, ct));
+    mass = g.constant(1, ct);
+  } else {
+    auto yv = gl.valueAt(kb, y, ar.coords);
+    if (!yv) return yv.status();
+    target = g.cast(*yv, ct);
+    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, target, {}});
+    mass = g.rowValue(2, ct);
+  }
+  Phase map;
+  map.stores.push_back(
+      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, ar.coords, *xs),
+       g.cast(g.binary(ExprOp::Mul, scale, g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, p, mass), target)),
+              op.result()->type().dtype()),
+       -1});
+  k.phases.push_back(map);
+  return gl.finish(kb);
+}
+
+}  // namespace
+
+void registerSoftmaxLossEmitters(EmitterRegistry& r) {
+  r.addOpEmitter(ir::OpCode::Softmax, {"softmax_loss", lowerSoftmax, GroupForm::kPointwiseInputs});
+  r.addOpEmitter(ir::OpCode::BceWithLogits, {"softmax_loss", lowerBce, GroupForm::kPointwiseInputs});
+  r.addOpEmitter(ir::OpCode::SoftmaxCrossEntropy, {"softmax_loss", lowerSoftmaxCrossEntropy});
+  r.addOpEmitter(ir::OpCode::SoftmaxCrossEntropyGrad, {"softmax_loss", lowerSoftmaxCrossEntropyGrad});
+}
+
+}  // namespace kiln::codegen::emit
