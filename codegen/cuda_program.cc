@@ -106,8 +106,7 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
   auto bufferOf = [&](const ir::Value* v) -> Expected<int> {
     auto it = value_buffer.find(v);
     if (it != value_buffer.end()) return it->second;
-    auto shape = concreteShape(v->type(), symbols);
-    if (!shape) return shape.status();
+    KILN_ASSIGN_OR_RETURN(auto shape, concreteShape(v->type(), symbols));
     const ir::Op* def = v->definingOp();
     if (!def)
       return Status::errorf("cuda executor: @{} has a block argument; expected kiln.input ops", f.name());
@@ -122,7 +121,7 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
     } else if (def->is(ir::OpCode::Constant)) {
       kind = BufferKind::Parameter;  // outside the arena, uploaded once
     }
-    int id = addBuffer(kind, name, v->type(), *shape, v->type().dtype());
+    int id = addBuffer(kind, name, v->type(), shape, v->type().dtype());
     if (def->is(ir::OpCode::Constant)) out.constants.push_back({id, def});
     if (kind == BufferKind::Input) out.inputs.push_back(id);
     value_buffer[v] = id;
@@ -149,9 +148,8 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
     for (const GroupBuffer& gb : g.buffers) {
       int id;
       if (gb.value) {
-        auto b = bufferOf(gb.value);
-        if (!b) return b.status();
-        id = *b;
+        KILN_ASSIGN_OR_RETURN(auto b, bufferOf(gb.value));
+        id = b;
         (gb.defined ? in.results : in.operands).push_back(id);
         // Written without being defined here: state updated in place (optimizer updates).
         if (gb.written && !gb.defined) written_in_place.push_back(id);
@@ -175,9 +173,8 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
   sp.assembleInto(p);
   if (ret)
     for (const ir::Value* v : ret->operands()) {
-      auto b = bufferOf(v);
-      if (!b) return b.status();
-      p.results.push_back(*b);
+      KILN_ASSIGN_OR_RETURN(auto b, bufferOf(v));
+      p.results.push_back(b);
     }
   KILN_RETURN_IF_ERROR(planMemory(p, {.alignment = alignment, .in_place = false}));
 
@@ -187,20 +184,19 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
     const std::vector<int>& gb = out.group_buffers[gi];
     out.group_steps.push_back({out.steps.size(), 0});
     if (g.gemm) {
-      auto shape = gemmShapeOf(*g.gemm, symbols);
-      if (!shape) return shape.status();
+      KILN_ASSIGN_OR_RETURN(auto shape, gemmShapeOf(*g.gemm, symbols));
       // The epilogue the lowering accepted: bias, activation and the output's type.
       const GemmCall& call = g.gemm_call;
-      shape->c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
+      shape.c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
       const bool bias = call.bias >= 0;
-      if (bias) shape->bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
-      shape->epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
-                        : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
-                                                    : (bias ? Epilogue::Bias : Epilogue::None);
+      if (bias) shape.bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
+      shape.epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
+                       : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
+                                                   : (bias ? Epilogue::Bias : Epilogue::None);
       CudaStep s;
       s.group = static_cast<int>(gi);
-      s.gemm = *shape;
-      s.name = fmt::format("{} at {}", shape->str(), g.gemm->location().str());
+      s.gemm = shape;
+      s.name = fmt::format("{} at {}", shape.str(), g.gemm->location().str());
       for (int a : {call.a, call.b, call.c, call.bias})
         s.args.push_back(a < 0 ? -1 : gb[static_cast<size_t>(a)]);
       out.steps.push_back(std::move(s));

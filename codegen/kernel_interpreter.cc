@@ -122,15 +122,20 @@ class Evaluator {
     const Val b = info.arity == 2 ? eval(e.b) : Val{};
     const DType t = g_.typeOf(e.a);
     if (t == DType::f32 || t == DType::f64) {
-      double r = t == DType::f32 ? ir::scalar::evaluate<float>(fn, static_cast<float>(a.f), static_cast<float>(b.f))
-                                 : ir::scalar::evaluate<double>(fn, a.f, b.f);
-      if (info.isPredicate()) v.i = r != 0;
-      else v.f = r;
+      double r = t == DType::f32
+                     ? ir::scalar::evaluate<float>(fn, static_cast<float>(a.f), static_cast<float>(b.f))
+                     : ir::scalar::evaluate<double>(fn, a.f, b.f);
+      if (info.isPredicate())
+        v.i = r != 0;
+      else
+        v.f = r;
       return v;
     }
     v.i = ir::scalar::evaluate<int64_t>(fn, a.i, b.i);
-    if (info.isPredicate()) v.i = v.i != 0;
-    else if (t == DType::i32) v.i = static_cast<int32_t>(v.i);
+    if (info.isPredicate())
+      v.i = v.i != 0;
+    else if (t == DType::i32)
+      v.i = static_cast<int32_t>(v.i);
     return v;
   }
 

@@ -12,11 +12,14 @@ const char* exprOpName(ExprOp op) {
     case ExprOp::Coord: return "coord";
     case ExprOp::RowValue: return "row_value";
     case ExprOp::Load: return "load";
-    case ExprOp::BagOf: return "bag_of";
-    case ExprOp::RoundBf16: return "round_bf16";
+    case ExprOp::BagOf:
+      return "bag_of";
+    case ExprOp::RoundBf16:
+      return "round_bf16";
     case ExprOp::Select: return "select";
     case ExprOp::Cast: return "cast";
-    default: return "?";
+    default:
+      return "?";
   }
 }
 

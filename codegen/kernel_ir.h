@@ -47,20 +47,20 @@ enum class ExprOp : uint8_t {
 #define KILN_KERNEL_BINARY(Name, ...) Name,
 #include "ir/scalar_fn.def"
   // The kernel IR's own nodes.
-  Const,     // ivalue (integer and i1 types) or fvalue (float types)
-  Coord,     // coordinate `index` of the iteration space (i64); Row kernels number the outer
-             // coordinates first, then the row coordinates
-  RowValue,  // the result of Reduce phase `index` of a Row kernel
-  Load,      // buffers[buffer][a], a: i64 element offset; bf16 widens to f32
-  BagOf,     // i64: the jagged bag owning id position a (i64), given the i64 offsets
-             // buffers[buffer] of `ivalue` bags (EmbeddingTable::offsets): the b in [0, ivalue)
-             // with offsets[b] <= a < offsets[b + 1], found by binary search (empty bags are
-             // skipped). A position at or past offsets[ivalue] (padding of a bounded ids buffer)
-             // gives ivalue - 1: guard with a < offsets[ivalue] where that matters.
+  Const,      // ivalue (integer and i1 types) or fvalue (float types)
+  Coord,      // coordinate `index` of the iteration space (i64); Row kernels number the outer
+              // coordinates first, then the row coordinates
+  RowValue,   // the result of Reduce phase `index` of a Row kernel
+  Load,       // buffers[buffer][a], a: i64 element offset; bf16 widens to f32
+  BagOf,      // i64: the jagged bag owning id position a (i64), given the i64 offsets
+              // buffers[buffer] of `ivalue` bags (EmbeddingTable::offsets): the b in [0, ivalue)
+              // with offsets[b] <= a < offsets[b + 1], found by binary search (empty bags are
+              // skipped). A position at or past offsets[ivalue] (padding of a bounded ids buffer)
+              // gives ivalue - 1: guard with a < offsets[ivalue] where that matters.
   RoundBf16,  // f32 rounded to the nearest bf16 (a cast to bf16 inside a fused chain)
-  Select,  // a ? b : c; only the chosen branch is evaluated (a gather's or concat's loads are
-           // guarded this way)
-  Cast,    // a converted to `type`
+  Select,     // a ? b : c; only the chosen branch is evaluated (a gather's or concat's loads are
+              // guarded this way)
+  Cast,       // a converted to `type`
 };
 
 constexpr ExprOp exprOpOf(ir::ScalarFn f) { return static_cast<ExprOp>(f); }

@@ -37,7 +37,8 @@ void ModelLowering::execInput(const ast::Stmt& s) {
     if (!s.modifiers.empty())
       fail(s.modifiers[0].loc, fmt::format("'{}' applies only to sparse inputs (ids[...])", s.modifiers[0].name));
     std::string role = name == label_name_ ? "label" : "dense";
-    ir::Value* v = emitTyped(ir::OpCode::Input, {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
+    ir::Value* v =
+        emitTyped(ir::OpCode::Input, {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
     v->setNameHint(name);
     bind(name, Val::ofTensor(v), s.name_locs[0], "input");
     return;

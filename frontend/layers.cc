@@ -87,7 +87,8 @@ ir::Value* stackFeatures(ModelLowering& L, const std::vector<ir::Value*>& xs, co
 }
 
 ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep) {
-  return L.emit(ir::OpCode::Reduce, {x}, {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
+  return L.emit(ir::OpCode::Reduce, {x},
+                {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
 }
 
 // ---- compile-time helpers ------------------------------------------------------------------
@@ -397,7 +398,8 @@ Val fnCross(ModelLowering& L, CallArgs& a) {
     ir::Value* v = mat("v", rank, d);
     ir::Value* u = mat("u", d, rank);
     L.builder().setLocation(a.loc);
-    wx = L.emit(ir::OpCode::Matmul, {L.emit(ir::OpCode::Matmul, {x, v}, {{"transpose_b", true}}), u}, {{"transpose_b", true}});
+    wx = L.emit(ir::OpCode::Matmul, {L.emit(ir::OpCode::Matmul, {x, v}, {{"transpose_b", true}}), u},
+                {{"transpose_b", true}});
   } else {
     ir::Value* w = mat("weight", d, d);
     L.builder().setLocation(a.loc);
@@ -405,7 +407,8 @@ Val fnCross(ModelLowering& L, CallArgs& a) {
   }
   ir::Value* bias = L.makeParam(name + ".bias", ir::TensorType(dt, {ir::Dim::fixed(d)}), Val::builtin("zeros"), a.loc);
   L.builder().setLocation(a.loc);
-  return Val::ofTensor(L.emit(ir::OpCode::Add, {L.emit(ir::OpCode::Mul, {x0, L.emit(ir::OpCode::Add, {wx, bias})}), x}));
+  return Val::ofTensor(
+      L.emit(ir::OpCode::Add, {L.emit(ir::OpCode::Mul, {x0, L.emit(ir::OpCode::Add, {wx, bias})}), x}));
 }
 
 // DLRM: pairwise dot products of [dense, emb_1..emb_n] (the strictly lower triangle, or with
@@ -433,8 +436,9 @@ Val fnDotInteraction(ModelLowering& L, CallArgs& a) {
     for (int64_t j = 0; j < (self ? i + 1 : i); ++j) idx.push_back(i * f + j);
   if (idx.empty()) L.fail(a.loc, "dot_interaction needs at least one embedding");
   int64_t pairs = static_cast<int64_t>(idx.size());
-  ir::Value* ids = L.emitTyped(ir::OpCode::Constant, {}, ir::TensorType(ir::DType::i64, {ir::Dim::fixed(pairs)}),
-                               {{"value", ir::Attribute(std::move(idx))}});
+  ir::Value* ids =
+      L.emitTyped(ir::OpCode::Constant, {}, ir::TensorType(ir::DType::i64, {ir::Dim::fixed(pairs)}),
+                  {{"value", ir::Attribute(std::move(idx))}});
   ir::Value* tri = L.emit(ir::OpCode::Gather, {flat, ids}, {{"axis", int64_t{1}}});  // [B, pairs]
   return Val::ofTensor(L.emit(ir::OpCode::Concat, {dense, tri}, {{"axis", int64_t{1}}}));
 }
@@ -640,8 +644,10 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"mse", {fnMse, "mean squared error"}},
     };
     // The unary functions of ir/scalar_fn.def (negation is the `-` operator).
-#define KILN_BUILTIN(Name) \
-  if (ir::ScalarFn::Name != ir::ScalarFn::Neg) m[std::string(ir::scalarFnInfo(ir::ScalarFn::Name).spelling)] = {unaryOp<ir::ScalarFn::Name>, "elementwise, ir/scalar_fn.def"};
+#define KILN_BUILTIN(Name)                                                                        \
+  if (ir::ScalarFn::Name != ir::ScalarFn::Neg)                                                    \
+    m[std::string(ir::scalarFnInfo(ir::ScalarFn::Name).spelling)] = {unaryOp<ir::ScalarFn::Name>, \
+                                                                     "elementwise, ir/scalar_fn.def"};
 #define KILN_UNARY(Name, ...) KILN_BUILTIN(Name)
 #define KILN_ACTIVATION(Name, ...) KILN_BUILTIN(Name)
 #include "ir/scalar_fn.def"

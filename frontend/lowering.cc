@@ -130,7 +130,9 @@ ir::Value* ModelLowering::reshape(ir::Value* x, ir::Shape shape) {
 
 ir::Value* ModelLowering::binaryOp(const char* op, ir::Value* a, ir::Value* b, const Location& loc) {
   static const std::map<std::string, std::pair<ir::OpCode, const char*>> kOps = {
-      {"+", {ir::OpCode::Add, "add"}}, {"-", {ir::OpCode::Sub, "subtract"}}, {"*", {ir::OpCode::Mul, "multiply"}},
+      {"+", {ir::OpCode::Add, "add"}},
+      {"-", {ir::OpCode::Sub, "subtract"}},
+      {"*", {ir::OpCode::Mul, "multiply"}},
       {"/", {ir::OpCode::Div, "divide"}}};
   auto it = kOps.find(op);
   if (it == kOps.end()) fail(loc, fmt::format("operator '{}' is not defined on tensors", op));
@@ -598,7 +600,8 @@ Val ModelLowering::evalIndex(const ast::Expr& e) {
     Sub s = resolve(e.subs[i], d.isStatic() ? std::optional<int64_t>(d.size()) : std::nullopt);
     builder_.setLocation(e.subs[i].loc);
     if (!s.full && !(s.start == 0 && d.isStatic() && s.stop == d.size()))
-      x = emit(ir::OpCode::Slice, {x}, {{"axis", static_cast<int64_t>(i)}, {"start", s.start}, {"limit", s.stop}});
+      x = emit(ir::OpCode::Slice, {x},
+               {{"axis", static_cast<int64_t>(i)}, {"start", s.start}, {"limit", s.stop}});
     if (s.is_slice)
       kept.push_back(x->type().dim(static_cast<int64_t>(i)));
     else

@@ -31,7 +31,8 @@ bool OpRegistry::add(OpDef def) {
   def.opcode = opCodeOf(name);
   auto [it, inserted] = defs_.emplace(std::move(name), std::move(def));
   // std::map never moves its elements, so the pointer stays valid.
-  if (inserted && it->second.opcode != OpCode::Unknown) by_code_[static_cast<size_t>(it->second.opcode)] = &it->second;
+  if (inserted && it->second.opcode != OpCode::Unknown)
+    by_code_[static_cast<size_t>(it->second.opcode)] = &it->second;
   return inserted;
 }
 
@@ -73,7 +74,8 @@ std::optional<ScalarFn> scalarFnOf(const Op& op) {
 
 bool isPointwise(const Op& op) {
   switch (op.opcode()) {
-    case OpCode::ReduceGrad: return op.strAttr("kind") != "max";
+    case OpCode::ReduceGrad:
+      return op.strAttr("kind") != "max";
     case OpCode::Broadcast:
     case OpCode::Reshape:
     case OpCode::Transpose:
@@ -81,26 +83,33 @@ bool isPointwise(const Op& op) {
     case OpCode::Concat:
     case OpCode::Gather:
     case OpCode::Cast:
-    case OpCode::BceWithLogitsGrad: return true;
-    default: return op.hasTrait(kElementwise) && !op.hasTrait(kSideEffect) && op.numResults() == 1;
+    case OpCode::BceWithLogitsGrad:
+      return true;
+    default:
+      return op.hasTrait(kElementwise) && !op.hasTrait(kSideEffect) && op.numResults() == 1;
   }
 }
 
 OpCode opCodeOf(ScalarFn fn) {
   switch (fn) {
 #define KILN_UNARY(Name, ...) \
-  case ScalarFn::Name: return OpCode::Name;
+  case ScalarFn::Name:        \
+    return OpCode::Name;
 #define KILN_ACTIVATION(Name, ...) \
-  case ScalarFn::Name: return OpCode::Name;
+  case ScalarFn::Name:             \
+    return OpCode::Name;
 #define KILN_BINARY(Name, ...) \
-  case ScalarFn::Name: return OpCode::Name;
+  case ScalarFn::Name:         \
+    return OpCode::Name;
 #include "ir/scalar_fn.def"
-    default: return OpCode::Unknown;
+    default:
+      return OpCode::Unknown;
   }
 }
 
 bool isWideningCast(const Op& matmul, const Op& cast) {
-  if (!matmul.is(OpCode::Matmul) || !cast.is(OpCode::Cast) || cast.operand(0) != matmul.result()) return false;
+  if (!matmul.is(OpCode::Matmul) || !cast.is(OpCode::Cast) || cast.operand(0) != matmul.result())
+    return false;
   const DType from = matmul.result()->type().dtype();
   return (from == DType::bf16 || from == DType::f16) && cast.result()->type().dtype() == DType::f32;
 }

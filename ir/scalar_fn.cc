@@ -12,12 +12,23 @@ const std::vector<ScalarFnInfo>& scalarFns() {
   static const std::vector<ScalarFnInfo> fns = {
 #define KILN_UNARY(Name, spelling, flops, domain, body) \
   {ScalarFn::Name, #Name, spelling, K::Unary, 1, D::domain, flops, false, #body, std::nullopt},
-#define KILN_ACTIVATION(Name, spelling, flops, body, derivative)                             \
-  {ScalarFn::Name, #Name, spelling, K::Activation, 1, D::Float, flops, false, #body, ScalarFn::Name##Derivative}, \
-  {ScalarFn::Name##Derivative, #Name "Derivative", spelling "_derivative", K::Derivative, 1, D::Float, flops, false, #derivative, ScalarFn::Name},
+#define KILN_ACTIVATION(Name, spelling, flops, body, derivative)                \
+  {ScalarFn::Name, #Name, spelling, K::Activation, 1,                           \
+   D::Float,       flops, false,    #body,         ScalarFn::Name##Derivative}, \
+      {ScalarFn::Name##Derivative,                                              \
+       #Name "Derivative",                                                      \
+       spelling "_derivative",                                                  \
+       K::Derivative,                                                           \
+       1,                                                                       \
+       D::Float,                                                                \
+       flops,                                                                   \
+       false,                                                                   \
+       #derivative,                                                             \
+       ScalarFn::Name},
 #define KILN_BINARY(Name, spelling, flops, domain, commutative, body) \
   {ScalarFn::Name, #Name, spelling, K::Binary, 2, D::domain, flops, commutative, #body, std::nullopt},
-#define KILN_COMPARE(Name, spelling, body) {ScalarFn::Name, #Name, spelling, K::Compare, 2, D::Any, 1, false, #body, std::nullopt},
+#define KILN_COMPARE(Name, spelling, body) \
+  {ScalarFn::Name, #Name, spelling, K::Compare, 2, D::Any, 1, false, #body, std::nullopt},
 #define KILN_KERNEL_UNARY(Name, spelling, body) \
   {ScalarFn::Name, #Name, spelling, K::KernelUnary, 1, D::Any, 1, false, #body, std::nullopt},
 #define KILN_KERNEL_BINARY(Name, spelling, body) \
@@ -37,7 +48,8 @@ std::optional<ScalarFn> findScalarFn(ScalarFnKind kind, std::string_view spellin
 
 const std::vector<CombinerInfo>& combiners() {
   static const std::vector<CombinerInfo> cs = {
-#define KILN_COMBINER(Name, spelling, combine, body) {Combiner::Name, #Name, spelling, ScalarFn::combine, #body},
+#define KILN_COMBINER(Name, spelling, combine, body) \
+  {Combiner::Name, #Name, spelling, ScalarFn::combine, #body},
 #include "ir/scalar_fn.def"
   };
   return cs;

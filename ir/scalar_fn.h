@@ -48,14 +48,18 @@ enum class ScalarDomain : uint8_t { Any, Float };
 constexpr bool isFloatOnly(ScalarFn f) {
   switch (f) {
 #define KILN_UNARY(Name, spelling, flops, domain, body) \
-  case ScalarFn::Name: return ScalarDomain::domain == ScalarDomain::Float;
+  case ScalarFn::Name:                                  \
+    return ScalarDomain::domain == ScalarDomain::Float;
 #define KILN_ACTIVATION(Name, ...) \
   case ScalarFn::Name:             \
-  case ScalarFn::Name##Derivative: return true;
+  case ScalarFn::Name##Derivative: \
+    return true;
 #define KILN_BINARY(Name, spelling, flops, domain, commutative, body) \
-  case ScalarFn::Name: return ScalarDomain::domain == ScalarDomain::Float;
+  case ScalarFn::Name:                                                \
+    return ScalarDomain::domain == ScalarDomain::Float;
 #include "ir/scalar_fn.def"
-    default: return false;
+    default:
+      return false;
   }
 }
 
@@ -64,16 +68,18 @@ struct ScalarFnInfo {
   std::string_view name;      // as in C++ and CUDA: "Gelu", "GeluDerivative"
   std::string_view spelling;  // "gelu"; a derivative: "gelu_derivative"
   ScalarFnKind kind;
-  int arity;                  // 1 or 2
+  int arity;  // 1 or 2
   ScalarDomain domain = ScalarDomain::Any;
-  int flops = 1;              // per element, for the cost model
+  int flops = 1;  // per element, for the cost model
   bool commutative = false;
-  std::string_view body;      // the C++/CUDA body of scalar_fn.def, over x (or a and b)
+  std::string_view body;  // the C++/CUDA body of scalar_fn.def, over x (or a and b)
   // An activation's derivative; a derivative's activation.
   std::optional<ScalarFn> partner;
 
   // Whether the function is an op of the op table (kiln.<spelling>) of its own.
-  bool isOp() const { return kind == ScalarFnKind::Unary || kind == ScalarFnKind::Activation || kind == ScalarFnKind::Binary; }
+  bool isOp() const {
+    return kind == ScalarFnKind::Unary || kind == ScalarFnKind::Activation || kind == ScalarFnKind::Binary;
+  }
   // Whether the result is i1 (comparisons and logic).
   bool isPredicate() const;
 };
@@ -98,70 +104,132 @@ namespace scalar {
 
 // The primitives the bodies are written in. Float arguments use the C library's functions (no
 // fast-math approximations); an integer quotient or remainder by zero is zero, never a trap.
-template <class T> T exp(T x) { return std::exp(x); }
-template <class T> T log(T x) { return std::log(x); }
-template <class T> T log1p(T x) { return std::log1p(x); }
-template <class T> T sqrt(T x) { return std::sqrt(x); }
-template <class T> T tanh(T x) { return std::tanh(x); }
-template <class T> T pow(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) return std::pow(a, b);
-  else return static_cast<T>(std::pow(static_cast<double>(a), static_cast<double>(b)));
+template <class T>
+T exp(T x) {
+  return std::exp(x);
 }
-template <class T> T abs(T x) {
-  if constexpr (std::is_floating_point_v<T>) return std::fabs(x);
-  else return x < 0 ? -x : x;
+template <class T>
+T log(T x) {
+  return std::log(x);
+}
+template <class T>
+T log1p(T x) {
+  return std::log1p(x);
+}
+template <class T>
+T sqrt(T x) {
+  return std::sqrt(x);
+}
+template <class T>
+T tanh(T x) {
+  return std::tanh(x);
+}
+template <class T>
+T pow(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::pow(a, b);
+  else
+    return static_cast<T>(std::pow(static_cast<double>(a), static_cast<double>(b)));
+}
+template <class T>
+T abs(T x) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::fabs(x);
+  else
+    return x < 0 ? -x : x;
 }
 // fmax and fmin for floats: a NaN operand gives the other one.
-template <class T> T max(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) return std::fmax(a, b);
-  else return a > b ? a : b;
+template <class T>
+T max(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::fmax(a, b);
+  else
+    return a > b ? a : b;
 }
-template <class T> T min(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) return std::fmin(a, b);
-  else return a < b ? a : b;
+template <class T>
+T min(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::fmin(a, b);
+  else
+    return a < b ? a : b;
 }
-template <class T> T quotient(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) return a / b;
-  else return b ? a / b : T(0);
+template <class T>
+T quotient(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return a / b;
+  else
+    return b ? a / b : T(0);
 }
-template <class T> T rem(T a, T b) {
-  if constexpr (std::is_floating_point_v<T>) return std::fmod(a, b);
-  else return b ? a % b : T(0);
+template <class T>
+T rem(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::fmod(a, b);
+  else
+    return b ? a % b : T(0);
 }
 // The smallest value of T: -infinity for floats.
-template <class T> T lowest() {
-  if constexpr (std::numeric_limits<T>::has_infinity) return -std::numeric_limits<T>::infinity();
-  else return std::numeric_limits<T>::lowest();
+template <class T>
+T lowest() {
+  if constexpr (std::numeric_limits<T>::has_infinity)
+    return -std::numeric_limits<T>::infinity();
+  else
+    return std::numeric_limits<T>::lowest();
 }
 
 // The functions of scalar_fn.def, by Name: scalar::Gelu(x), scalar::GeluDerivative(x),
 // scalar::Lt(a, b) (a bool).
 #define KILN_UNARY(Name, spelling, flops, domain, body) \
-  template <class T> T Name(T x) { body }
+  template <class T>                                    \
+  T Name(T x) {                                         \
+    body                                                \
+  }
 #define KILN_ACTIVATION(Name, spelling, flops, body, derivative) \
-  template <class T> T Name(T x) { body }                        \
-  template <class T> T Name##Derivative(T x) { derivative }
+  template <class T>                                             \
+  T Name(T x) {                                                  \
+    body                                                         \
+  }                                                              \
+  template <class T>                                             \
+  T Name##Derivative(T x) {                                      \
+    derivative                                                   \
+  }
 #define KILN_BINARY(Name, spelling, flops, domain, commutative, body) \
-  template <class T> T Name(T a, T b) { body }
+  template <class T>                                                  \
+  T Name(T a, T b) {                                                  \
+    body                                                              \
+  }
 #define KILN_COMPARE(Name, spelling, body) \
-  template <class T> bool Name(T a, T b) { body }
+  template <class T>                       \
+  bool Name(T a, T b) {                    \
+    body                                   \
+  }
 #define KILN_KERNEL_UNARY(Name, spelling, body) \
-  template <class T> T Name(T x) { body }
+  template <class T>                            \
+  T Name(T x) {                                 \
+    body                                        \
+  }
 #define KILN_KERNEL_BINARY(Name, spelling, body) \
-  template <class T> T Name(T a, T b) { body }
+  template <class T>                             \
+  T Name(T a, T b) {                             \
+    body                                         \
+  }
 #include "ir/scalar_fn.def"
 
 // F applied to a (and b for a binary function), chosen at compile time: the CPU kernels' loops.
 template <ScalarFn F, class T>
 T apply(T a, [[maybe_unused]] T b = T()) {
-#define KILN_UNARY(Name, ...) if constexpr (F == ScalarFn::Name) return Name(a);
-#define KILN_ACTIVATION(Name, ...)                                     \
-  if constexpr (F == ScalarFn::Name) return Name(a);                   \
+#define KILN_UNARY(Name, ...) \
+  if constexpr (F == ScalarFn::Name) return Name(a);
+#define KILN_ACTIVATION(Name, ...)                   \
+  if constexpr (F == ScalarFn::Name) return Name(a); \
   if constexpr (F == ScalarFn::Name##Derivative) return Name##Derivative(a);
-#define KILN_BINARY(Name, ...) if constexpr (F == ScalarFn::Name) return Name(a, b);
-#define KILN_COMPARE(Name, ...) if constexpr (F == ScalarFn::Name) return static_cast<T>(Name(a, b));
-#define KILN_KERNEL_UNARY(Name, ...) if constexpr (F == ScalarFn::Name) return Name(a);
-#define KILN_KERNEL_BINARY(Name, ...) if constexpr (F == ScalarFn::Name) return Name(a, b);
+#define KILN_BINARY(Name, ...) \
+  if constexpr (F == ScalarFn::Name) return Name(a, b);
+#define KILN_COMPARE(Name, ...) \
+  if constexpr (F == ScalarFn::Name) return static_cast<T>(Name(a, b));
+#define KILN_KERNEL_UNARY(Name, ...) \
+  if constexpr (F == ScalarFn::Name) return Name(a);
+#define KILN_KERNEL_BINARY(Name, ...) \
+  if constexpr (F == ScalarFn::Name) return Name(a, b);
 #include "ir/scalar_fn.def"
 }
 
@@ -171,7 +239,8 @@ template <class T>
 T evaluate(ScalarFn f, T a, T b = T()) {
   switch (f) {
 #define KILN_ONE(Name) \
-  case ScalarFn::Name: return apply<ScalarFn::Name, T>(a, b);
+  case ScalarFn::Name: \
+    return apply<ScalarFn::Name, T>(a, b);
 #define KILN_UNARY(Name, ...) KILN_ONE(Name)
 #define KILN_ACTIVATION(Name, ...) KILN_ONE(Name) KILN_ONE(Name##Derivative)
 #define KILN_BINARY(Name, ...) KILN_ONE(Name)
@@ -191,14 +260,19 @@ template <class T>
 UnaryFnPtr<T> unaryFnPtr(ScalarFn f) {
   switch (f) {
 #define KILN_UNARY(Name, ...) \
-  case ScalarFn::Name: return &Name<T>;
-#define KILN_ACTIVATION(Name, ...)     \
-  case ScalarFn::Name: return &Name<T>; \
-  case ScalarFn::Name##Derivative: return &Name##Derivative<T>;
+  case ScalarFn::Name:        \
+    return &Name<T>;
+#define KILN_ACTIVATION(Name, ...) \
+  case ScalarFn::Name:             \
+    return &Name<T>;               \
+  case ScalarFn::Name##Derivative: \
+    return &Name##Derivative<T>;
 #define KILN_KERNEL_UNARY(Name, ...) \
-  case ScalarFn::Name: return &Name<T>;
+  case ScalarFn::Name:               \
+    return &Name<T>;
 #include "ir/scalar_fn.def"
-    default: return nullptr;
+    default:
+      return nullptr;
   }
 }
 
@@ -223,7 +297,8 @@ template <class T>
 T identity(Combiner c) {
   switch (c) {
 #define KILN_COMBINER(Name, spelling, combine, body) \
-  case Combiner::Name: return [] { body }();
+  case Combiner::Name:                               \
+    return [] { body }();
 #include "ir/scalar_fn.def"
   }
   return T();

@@ -87,7 +87,8 @@ class [[nodiscard]] Expected {
 // else moves the value into `lhs`, a declaration (`auto op`, `Value* v`) or a variable. XLA's
 // TF_ASSIGN_OR_RETURN.
 //   KILN_ASSIGN_OR_RETURN(Value* sum, builder.createValue(OpCode::Add, {a, b}));
-#define KILN_ASSIGN_OR_RETURN(lhs, expr) KILN_ASSIGN_OR_RETURN_IMPL(KILN_STATUS_CONCAT(kiln_expected_, __LINE__), lhs, expr)
+#define KILN_ASSIGN_OR_RETURN(lhs, expr) \
+  KILN_ASSIGN_OR_RETURN_IMPL(KILN_STATUS_CONCAT(kiln_expected_, __LINE__), lhs, expr)
 #define KILN_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
   auto tmp = (expr);                               \
   if (!tmp) return tmp.status();                   \

@@ -107,7 +107,8 @@ class TrainStepBuilder {
 
  private:
   Expected<Value*> constant(ir::DType dtype, double v) {
-    KILN_ASSIGN_OR_RETURN(auto op, builder_.createWithTypes(ir::OpCode::Constant, {}, {TensorType(dtype, {})}, {{"value", v}}));
+    KILN_ASSIGN_OR_RETURN(
+        auto op, builder_.createWithTypes(ir::OpCode::Constant, {}, {TensorType(dtype, {})}, {{"value", v}}));
     return op->result();
   }
   Expected<Value*> scalarInput(const std::string& name);
@@ -138,8 +139,9 @@ Expected<Value*> TrainStepBuilder::scalarInput(const std::string& name) {
     if (op->is(ir::OpCode::Input) && op->strAttr("name") == name)
       return Status::error(fmt::format("@forward already has an input named '{}', which @train_step reserves", name),
                            op->location());
-  KILN_ASSIGN_OR_RETURN(auto op, builder_.createWithTypes(ir::OpCode::Input, {}, {TensorType(ir::DType::f32, {})},
-                                     {{"name", name}, {"role", name}}));
+  KILN_ASSIGN_OR_RETURN(auto op,
+                        builder_.createWithTypes(ir::OpCode::Input, {}, {TensorType(ir::DType::f32, {})},
+                                                 {{"name", name}, {"role", name}}));
   op->result()->setNameHint(name);
   return op->result();
 }
@@ -152,7 +154,8 @@ bool isWeightedLookup(const Op& op) {
 }
 
 bool isSparseLookup(const Op& op) {
-  return op.is(ir::OpCode::EmbeddingBag) && op.operand(0)->definingOp() && isTrainable(*op.operand(0)->definingOp());
+  return op.is(ir::OpCode::EmbeddingBag) && op.operand(0)->definingOp() &&
+         isTrainable(*op.operand(0)->definingOp());
 }
 
 // A value needs a gradient when a trainable parameter reaches it through differentiable ops.
@@ -241,7 +244,9 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
     if (g->second->type().rank() > 0) {
       std::vector<int64_t> axes;
       for (int64_t i = 0; i < g->second->type().rank(); ++i) axes.push_back(i);
-      KILN_ASSIGN_OR_RETURN(auto red, builder_.createValue(ir::OpCode::Reduce, {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}}));
+      KILN_ASSIGN_OR_RETURN(
+          auto red,
+          builder_.createValue(ir::OpCode::Reduce, {sq}, {{"kind", "sum"}, {"axes", Attribute::ints(axes)}}));
       sq = red;
     }
     squares.push_back(sq);
@@ -251,7 +256,8 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
       std::vector<Value*> operands(u.lookup->operands().begin() + 1, u.lookup->operands().end());
       operands.push_back(u.grad_out);
       AttrDict attrs{{"mode", u.lookup->strAttr("mode", "sum")}, {"weighted", isWeightedLookup(*u.lookup)}};
-      KILN_ASSIGN_OR_RETURN(auto sq, builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs));
+      KILN_ASSIGN_OR_RETURN(auto sq,
+                            builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs));
       squares.push_back(sq);
     }
   }
@@ -261,7 +267,8 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
   for (size_t i = 1; i < squares.size(); ++i) {
     Value* s = squares[i];
     if (s->type().dtype() != dtype) {
-      KILN_ASSIGN_OR_RETURN(auto c, builder_.createValue(ir::OpCode::Cast, {s}, {{"to", std::string(ir::dtypeName(dtype))}}));
+      KILN_ASSIGN_OR_RETURN(
+          auto c, builder_.createValue(ir::OpCode::Cast, {s}, {{"to", std::string(ir::dtypeName(dtype))}}));
       s = c;
     }
     KILN_ASSIGN_OR_RETURN(auto sum, builder_.createValue(ir::OpCode::Add, {total, s}));
@@ -334,7 +341,8 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       if (opt.empty()) opt = dense_opt;  // no embedding optimizer: the dense one, if it has a sparse form
       auto attrs = optimizerAttrs(opt, /*sparse=*/true, where);
       if (!attrs) return Status(attrs.status()).withLocation(param->location());
-      KILN_ASSIGN_OR_RETURN(auto state, stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs)));
+      KILN_ASSIGN_OR_RETURN(
+          auto state, stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs)));
       const SparseUse& use = sparse->second[0];
       std::vector<Value*> operands = use.lookup->operands();
       bool weighted = isWeightedLookup(*use.lookup);
@@ -352,7 +360,8 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       continue;
     }
     KILN_ASSIGN_OR_RETURN(auto attrs, optimizerAttrs(dense_opt, /*sparse=*/false, "kiln.train optimizer"));
-    KILN_ASSIGN_OR_RETURN(auto state, stateFor(param, ir::denseOptimizerState(attrs["kind"].asString(), attrs)));
+    KILN_ASSIGN_OR_RETURN(auto state,
+                          stateFor(param, ir::denseOptimizerState(attrs["kind"].asString(), attrs)));
     std::vector<Value*> operands{p, dense->second};
     operands.insert(operands.end(), state.begin(), state.end());
     operands.push_back(lr_);
@@ -473,6 +482,8 @@ class AutodiffPass : public RegisteredPass<AutodiffPass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createAutodiffPass(const PassContext&, const PassOptions&) { return makePass<AutodiffPass>(); }
+Expected<std::unique_ptr<Pass>> createAutodiffPass(const PassContext&, const PassOptions&) {
+  return makePass<AutodiffPass>();
+}
 
 }  // namespace kiln::passes

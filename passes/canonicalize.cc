@@ -66,7 +66,8 @@ std::optional<double> foldFunction(const Op& op, const std::vector<double>& in) 
   auto fn = ir::scalarFnOf(op);
   if (!fn || in.empty()) return std::nullopt;
   const ir::ScalarFnInfo& info = ir::scalarFnInfo(*fn);
-  if (info.domain == ir::ScalarDomain::Float && ir::isInteger(op.operand(0)->type().dtype())) return std::nullopt;
+  if (info.domain == ir::ScalarDomain::Float && ir::isInteger(op.operand(0)->type().dtype()))
+    return std::nullopt;
   return ir::scalar::evaluate<double>(*fn, in[0], info.arity == 2 ? in[1] : 0.0);
 }
 
@@ -251,6 +252,8 @@ class CanonicalizePass : public RegisteredPass<CanonicalizePass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createCanonicalizePass(const PassContext&, const PassOptions&) { return makePass<CanonicalizePass>(); }
+Expected<std::unique_ptr<Pass>> createCanonicalizePass(const PassContext&, const PassOptions&) {
+  return makePass<CanonicalizePass>();
+}
 
 }  // namespace kiln::passes

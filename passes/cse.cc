@@ -70,6 +70,8 @@ class CSEPass : public RegisteredPass<CSEPass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createCSEPass(const PassContext&, const PassOptions&) { return makePass<CSEPass>(); }
+Expected<std::unique_ptr<Pass>> createCSEPass(const PassContext&, const PassOptions&) {
+  return makePass<CSEPass>();
+}
 
 }  // namespace kiln::passes

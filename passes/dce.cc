@@ -43,6 +43,8 @@ class DCEPass : public RegisteredPass<DCEPass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createDCEPass(const PassContext&, const PassOptions&) { return makePass<DCEPass>(); }
+Expected<std::unique_ptr<Pass>> createDCEPass(const PassContext&, const PassOptions&) {
+  return makePass<DCEPass>();
+}
 
 }  // namespace kiln::passes

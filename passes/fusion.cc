@@ -33,7 +33,6 @@ const char* kindName(Kind k) {
   return "other";
 }
 
-
 bool isReduction(const Op& op) {
   return op.is(ir::OpCode::Reduce) || op.is(ir::OpCode::Softmax) || op.is(ir::OpCode::BceWithLogits) ||
          op.is(ir::OpCode::SumTo);
@@ -306,8 +305,10 @@ class FunctionFuser {
         refuse(*p, *op, d.reason());
       }
     }
-    if (op->is(ir::OpCode::Matmul)) newGroup(Kind::Gemm, {op}, false);
-    else if (ir::isPointwise(*op)) newGroup(Kind::Pointwise, {op}, false);
+    if (op->is(ir::OpCode::Matmul))
+      newGroup(Kind::Gemm, {op}, false);
+    else if (ir::isPointwise(*op))
+      newGroup(Kind::Pointwise, {op}, false);
     else newGroup(isReduction(*op) ? Kind::Reduction : Kind::Other, {op}, true);
   }
 
@@ -448,20 +449,16 @@ Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOption
     // (the arena's layout after groups move) is checked here: fusion is tried on a copy, then
     // without remat's clones, and kept only in a form that does not raise the planned peak.
     const ir::SymbolBindings bound = bindAllSymbols(*f, symbols);
-    auto before = estimatePeakBytes(*f, bound);
-    if (!before) return before.status();
+    KILN_ASSIGN_OR_RETURN(auto before, estimatePeakBytes(*f, bound));
     bool fused = false;
     for (bool leave_recomputed : {false, true}) {
       ir::Module scratch;
       ir::Function& trial = ir::cloneFunction(*f, scratch, f->name());
-      auto t = FunctionFuser(trial, cost, leave_recomputed).run();
-      if (!t) return t.status();
-      auto after = estimatePeakBytes(trial, bound);
-      if (!after) return after.status();
-      if (*after > *before) continue;
-      auto r = FunctionFuser(*f, cost, leave_recomputed).run();
-      if (!r) return r.status();
-      reports.push_back(r.take());
+      KILN_ASSIGN_OR_RETURN(auto t, FunctionFuser(trial, cost, leave_recomputed).run());
+      KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(trial, bound));
+      if (after > before) continue;
+      KILN_ASSIGN_OR_RETURN(auto r, FunctionFuser(*f, cost, leave_recomputed).run());
+      reports.push_back(std::move(r));
       fused = true;
       break;
     }
@@ -500,9 +497,8 @@ class FusionPass : public RegisteredPass<FusionPass> {
   Expected<bool> run(ir::Module& m) override {
     FusionOptions options;
     options.target = target_;
-    auto reports = fuseModule(m, options);
-    if (!reports) return reports.status();
-    for (const FusionReport& r : *reports)
+    KILN_ASSIGN_OR_RETURN(auto reports, fuseModule(m, options));
+    for (const FusionReport& r : reports)
       if (r.launches_after != r.launches_before) return true;
     return false;
   }

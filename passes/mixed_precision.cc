@@ -70,6 +70,8 @@ class MixedPrecisionPass : public RegisteredPass<MixedPrecisionPass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createMixedPrecisionPass(const PassContext&, const PassOptions&) { return makePass<MixedPrecisionPass>(); }
+Expected<std::unique_ptr<Pass>> createMixedPrecisionPass(const PassContext&, const PassOptions&) {
+  return makePass<MixedPrecisionPass>();
+}
 
 }  // namespace kiln::passes

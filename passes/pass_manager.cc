@@ -33,9 +33,8 @@ class PipelineParser {
     skipSpaces();
     if (atEnd()) return entries;
     while (true) {
-      auto e = entry();
-      if (!e) return e.status();
-      entries.push_back(e.take());
+      KILN_ASSIGN_OR_RETURN(auto e, entry());
+      entries.push_back(std::move(e));
       skipSpaces();
       if (atEnd()) return entries;
       if (text_[pos_] != ',')
@@ -84,11 +83,10 @@ class PipelineParser {
       if (atEnd() || text_[pos_] != '=')
         return error(fmt::format("expected '=' after option '{}' (options are key=value)", key));
       ++pos_;
-      auto value = optionValue(key);
-      if (!value) return value.status();
+      KILN_ASSIGN_OR_RETURN(auto value, optionValue(key));
       if (e.options.has(key))
         return error(fmt::format("option '{}' of '{}' is given twice", key, e.name), key_at);
-      e.options.set(std::move(key), value.take());
+      e.options.set(std::move(key), std::move(value));
     }
   }
 
@@ -131,23 +129,20 @@ PassManager::PassManager(PassContext context) : context_(std::move(context)) {
 std::ostream& PassManager::log() const { return options_.log ? *options_.log : std::cerr; }
 
 Status PassManager::addPass(std::string_view name, const PassOptions& options) {
-  auto p = createPass(name, context_, options);
-  if (!p) return p.status();
-  passes_.push_back(p.take());
+  KILN_ASSIGN_OR_RETURN(auto p, createPass(name, context_, options));
+  passes_.push_back(std::move(p));
   return Status::ok();
 }
 
 void PassManager::addPass(std::unique_ptr<Pass> pass) { passes_.push_back(std::move(pass)); }
 
 Status PassManager::addPipeline(std::string_view text) {
-  auto entries = parsePipeline(text);
-  if (!entries) return entries.status();
+  KILN_ASSIGN_OR_RETURN(auto entries, parsePipeline(text));
   // All or nothing: a bad entry leaves the pipeline as it was.
   std::vector<std::unique_ptr<Pass>> made;
-  for (const PipelineEntry& e : *entries) {
-    auto p = createPass(e.name, context_, e.options);
-    if (!p) return p.status();
-    made.push_back(p.take());
+  for (const PipelineEntry& e : entries) {
+    KILN_ASSIGN_OR_RETURN(auto p, createPass(e.name, context_, e.options));
+    made.push_back(std::move(p));
   }
   for (auto& p : made) passes_.push_back(std::move(p));
   return Status::ok();

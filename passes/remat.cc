@@ -187,17 +187,14 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
   if (!f || f->body().empty() || !f->returnOp() || f->returnOp()->numOperands() == 0) return report;
   ir::Block& block = f->entry();
   ir::SymbolBindings symbols = bindAllSymbols(*f, given);
-  auto peak = estimatePeakBytes(*f, symbols);
-  if (!peak) return peak.status();
-  report.peak_before = report.peak_after = *peak;
+  KILN_ASSIGN_OR_RETURN(auto peak, estimatePeakBytes(*f, symbols));
+  report.peak_before = report.peak_after = peak;
   // A percentage is of the unbudgeted peak the pipeline ends with, i.e. after the schedule
   // (which runs later and only lowers the peak): reaching it here before scheduling is enough.
-  auto reference = scheduledPeakBytes(*f, symbols, target);
-  if (!reference) return reference.status();
-  auto budget = parseMemoryBudget(budget_text, std::min(*peak, *reference));
-  if (!budget) return budget.status();
-  report.budget = *budget;
-  if (*peak <= *budget) return report;
+  KILN_ASSIGN_OR_RETURN(auto reference, scheduledPeakBytes(*f, symbols, target));
+  KILN_ASSIGN_OR_RETURN(auto budget, parseMemoryBudget(budget_text, std::min(peak, reference)));
+  report.budget = budget;
+  if (peak <= budget) return report;
 
   CostModel cost(target, symbols);
   ir::ValueNamer namer(*f);
@@ -283,8 +280,8 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
     std::string label;
   };
   std::vector<Move> moves;
-  int64_t current = *peak;
-  for (int step = 0; step < 256 && current > *budget; ++step) {
+  int64_t current = peak;
+  for (int step = 0; step < 256 && current > budget; ++step) {
     LiveProfile live(block, cost);
     // Candidates: values live across the profile's peak op and not read by it, best bytes freed
     // there per second of recomputation first (XLA's rematerialization chooses by memory freed
@@ -334,7 +331,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
     // recomputation wins. Where none lowers it (the peak sits on several ops, or the planner's
     // layout keeps it), the one that lowers the live bytes above the target most per second
     // explores; exploring moves that never pay off are undone at the end.
-    const double target = static_cast<double>(*budget);
+    const double target = static_cast<double>(budget);
     const double excess_before = live.excessOver(target);
     int best = -1;
     bool best_lowers = false;
@@ -344,17 +341,16 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
       for (size_t k = 0; k < candidates.size() && k < kTriedPerStep; ++k) {
         const RematPlan& p = candidates[k].second;
         auto [made, later] = apply(p, live);
-        auto now = estimatePeakBytes(*f, symbols);
-        if (!now) return now.status();
+        KILN_ASSIGN_OR_RETURN(auto now, estimatePeakBytes(*f, symbols));
         const double excess_after = LiveProfile(block, cost).excessOver(target);
         undo(p.value, made, later);
-        if (*now > current) continue;
-        const bool lowers = *now < current;
-        const double gain = lowers ? static_cast<double>(current - *now) : excess_before - excess_after;
+        if (now > current) continue;
+        const bool lowers = now < current;
+        const double gain = lowers ? static_cast<double>(current - now) : excess_before - excess_after;
         if (gain <= 0 || (best_lowers && !lowers)) continue;
         const double value = gain / (p.seconds + 1e-9);
         if (best < 0 || (lowers && !best_lowers) || value > best_value)
-          best = static_cast<int>(k), best_lowers = lowers, best_value = value, best_peak = *now;
+          best = static_cast<int>(k), best_lowers = lowers, best_value = value, best_peak = now;
       }
       return Status::ok();
     };
@@ -387,7 +383,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
                      made.size() > 1 ? fmt::format(" (with {} producers)", made.size() - 1) : "")});
   }
   // Moves after the last one that lowered the planned peak only explored: they are undone.
-  while (!moves.empty() && (moves.size() == 1 ? *peak : moves[moves.size() - 2].peak) == moves.back().peak) {
+  while (!moves.empty() && (moves.size() == 1 ? peak : moves[moves.size() - 2].peak) == moves.back().peak) {
     undo(moves.back().value, moves.back().made, moves.back().later);
     moves.pop_back();
   }
@@ -395,7 +391,7 @@ Expected<RematReport> rematerialize(ir::Module& m, std::string_view budget_text,
     report.recompute_flops += mv.flops;
     report.recomputed.push_back(mv.label);
   }
-  report.peak_after = moves.empty() ? *peak : moves.back().peak;
+  report.peak_after = moves.empty() ? peak : moves.back().peak;
   return report;
 }
 
@@ -409,18 +405,18 @@ class RematPass : public RegisteredPass<RematPass> {
   Expected<bool> run(ir::Module& m) override {
     // The budget used to travel as this module attribute; say so rather than ignore it.
     if (m.attrs().count("kiln.memory_budget"))
-      return Status::error("the module attribute kiln.memory_budget is not read: give the budget as remat's option, "
-                           "e.g. --passes=remat{budget=60%}");
+      return Status::error(
+          "the module attribute kiln.memory_budget is not read: give the budget as remat's option, "
+          "e.g. --passes=remat{budget=60%}");
     if (budget_.empty()) return false;
-    auto r = rematerialize(m, budget_, planningSymbols(m), target_);
-    if (!r) return r.status();
+    KILN_ASSIGN_OR_RETURN(auto r, rematerialize(m, budget_, planningSymbols(m), target_));
     // What was reached, for the tools to report (a budget below what recomputation can reach
     // is not an error: the step still runs, with the lowest peak found).
-    m.mutableAttrs()["kiln.remat"] = ir::Attribute(ir::AttrDict{
-        {"budget_bytes", ir::Attribute(r->budget)},
-        {"peak_bytes", ir::Attribute(r->peak_after)},
-        {"recomputed_ops", ir::Attribute(static_cast<int64_t>(r->recomputed.size()))}});
-    return !r->recomputed.empty();
+    m.mutableAttrs()["kiln.remat"] = ir::Attribute(
+        ir::AttrDict{{"budget_bytes", ir::Attribute(r.budget)},
+                     {"peak_bytes", ir::Attribute(r.peak_after)},
+                     {"recomputed_ops", ir::Attribute(static_cast<int64_t>(r.recomputed.size()))}});
+    return !r.recomputed.empty();
   }
 
  private:

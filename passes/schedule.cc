@@ -92,8 +92,7 @@ namespace {
 // Keeps the new order only if the estimated peak does not grow.
 Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
   ir::Block& block = f.entry();
-  auto before = estimatePeakBytes(f, symbols);
-  if (!before) return before.status();
+  KILN_ASSIGN_OR_RETURN(auto before, estimatePeakBytes(f, symbols));
   BlockDependences deps(block);
   std::vector<int> order = listSchedule(deps, cost);
   bool same = true;
@@ -108,9 +107,8 @@ Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::
   std::vector<Op*> scheduled;
   for (int i : order) scheduled.push_back(original[static_cast<size_t>(i)]);
   apply(scheduled);
-  auto after = estimatePeakBytes(f, symbols);
-  if (!after) return after.status();
-  if (*after <= *before) return true;
+  KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(f, symbols));
+  if (after <= before) return true;
   apply(original);
   return false;
 }
@@ -121,22 +119,21 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
   if (f.body().empty()) return false;
   ir::SymbolBindings bound = bindAllSymbols(f, symbols);
   CostModel cost(target, bound);
-  auto changed = reorderChecked(f, cost, bound);
-  if (!changed) return changed.status();
+  KILN_ASSIGN_OR_RETURN(auto changed, reorderChecked(f, cost, bound));
   bool streams = false;
   for (const auto& op : f.entry().ops())
     if (onEmbeddingStream(*op) && op->intAttr("kiln.stream", 0) != 1) {
       op->setAttr("kiln.stream", ir::Attribute(int64_t{1}));
       streams = true;
     }
-  return *changed || streams;
+  return changed || streams;
 }
 
-Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols, const Target& target) {
+Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                     const Target& target) {
   ir::Module scratch;
   ir::Function& copy = ir::cloneFunction(f, scratch, f.name());
-  auto changed = scheduleFunction(copy, symbols, target);
-  if (!changed) return changed.status();
+  KILN_ASSIGN_OR_RETURN(auto changed, scheduleFunction(copy, symbols, target));
   return estimatePeakBytes(copy, symbols);
 }
 
@@ -149,9 +146,8 @@ class SchedulePass : public RegisteredPass<SchedulePass> {
     bool changed = false;
     ir::SymbolBindings symbols = planningSymbols(m);
     for (auto& f : m.functions()) {
-      auto c = scheduleFunction(*f, symbols, target_);
-      if (!c) return c.status();
-      changed |= *c;
+      KILN_ASSIGN_OR_RETURN(auto c, scheduleFunction(*f, symbols, target_));
+      changed |= c;
     }
     return changed;
   }

@@ -65,6 +65,8 @@ class ShapeInferencePass : public RegisteredPass<ShapeInferencePass> {
   }
 };
 
-Expected<std::unique_ptr<Pass>> createShapeInferencePass(const PassContext&, const PassOptions&) { return makePass<ShapeInferencePass>(); }
+Expected<std::unique_ptr<Pass>> createShapeInferencePass(const PassContext&, const PassOptions&) {
+  return makePass<ShapeInferencePass>();
+}
 
 }  // namespace kiln::passes

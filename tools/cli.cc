@@ -1,9 +1,9 @@
 #include "tools/cli.h"
 
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <cstdlib>
-
-#include <fmt/format.h>
 
 #include "ir/status.h"
 #include "ir/target.h"

@@ -1,11 +1,11 @@
 // `kiln dump FILE --stage=NAME`: shows one stage of the compilation of a model. Each stage is
 // one entry of kStages; a later stage (memory, program, cuda) is one more entry and function.
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <optional>
-
-#include <fmt/format.h>
 
 #include "codegen/lower_cpu.h"
 #include "frontend/frontend.h"
@@ -13,8 +13,8 @@
 #include "ir/printer.h"
 #include "passes/remat.h"
 #include "tools/cli.h"
-#include "tools/dump_optimize.h"
 #include "tools/dump_cuda.h"
+#include "tools/dump_optimize.h"
 
 namespace kiln::cli {
 namespace {
@@ -152,7 +152,8 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("batch", "B", "the batch size B bound before planning (memory, program, cuda, --stats, --explain)", "1024");
   p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
-  p.addOption("memory-budget", "BYTES|N%", "training step: recompute activations until the peak fits (remat{budget=...})");
+  p.addOption("memory-budget", "BYTES|N%",
+              "training step: recompute activations until the peak fits (remat{budget=...})");
   addTargetFlag(p, "cpu; h200 with --stage=cuda");
   p.addOption("disable-pass", "NAME", "training step: leave this pass out of the pipeline", std::nullopt, true);
   int code;

@@ -82,8 +82,8 @@ void listPasses(std::ostream& os) {
 void listTargets(std::ostream& os) {
   for (std::string_view name : targetNames()) {
     auto t = targetByName(name);
-    os << fmt::format("{:<8} {}: {:.3g} TFLOP/s GEMM bf16, {:.3g} f32, {:.3g} TB/s, {:.0f} us per launch\n", name,
-                      t->description, t->gemm_flops_per_s.bf16 / 1e12, t->gemm_flops_per_s.f32 / 1e12,
+    os << fmt::format("{:<8} {}: {:.3g} TFLOP/s GEMM bf16, {:.3g} f32, {:.3g} TB/s, {:.0f} us per launch\n",
+                      name, t->description, t->gemm_flops_per_s.bf16 / 1e12, t->gemm_flops_per_s.f32 / 1e12,
                       t->bytes_per_s / 1e12, t->launch_s * 1e6);
   }
 }
@@ -94,8 +94,8 @@ int runOpt(const std::vector<std::string>& raw_args) {
   ArgParser p("opt", "kiln opt FILE.mlir [--passes=a,b] [flags] [-o OUT]",
               "Reads IR in its text form ('-' reads stdin), runs passes over it and prints the result.");
   p.setPositionals("FILE.mlir", 0, 1, "the IR to read; '-' for stdin");
-  p.addOption("passes", "a,b{opt=v},c", "the passes to run, in order, with options in braces (see --list-passes)",
-              std::nullopt);
+  p.addOption("passes", "a,b{opt=v},c",
+              "the passes to run, in order, with options in braces (see --list-passes)", std::nullopt);
   addTargetFlag(p, "cpu");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);

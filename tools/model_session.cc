@@ -150,8 +150,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   if (&diag != &std::cerr) pm.options().log = &diag;
   KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget)));
   KILN_RETURN_IF_ERROR(pm.build());
-  auto changed = pm.run(m);
-  if (!changed) return changed.status();
+  KILN_ASSIGN_OR_RETURN(auto changed, pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
     const ir::AttrDict& r = it->second.asDict();
     const int64_t budget = r.at("budget_bytes").asInt(), peak = r.at("peak_bytes").asInt();
@@ -163,15 +162,13 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
 
   const ir::Function* fwd = m.lookup("forward");
   if (!fwd) return Status::error(fmt::format("{}: the model has no @forward", options.model_path));
-  auto fspec = data::fromFunction(*fwd);
-  if (!fspec) return fspec.status();
-  s->forward_spec_ = fspec.take();
+  KILN_ASSIGN_OR_RETURN(auto fspec, data::fromFunction(*fwd));
+  s->forward_spec_ = std::move(fspec);
   if (options.training) {
     const ir::Function* ts = m.lookup("train_step");
     if (!ts) return Status::error("autodiff did not build @train_step");
-    auto tspec = data::fromFunction(*ts);
-    if (!tspec) return tspec.status();
-    s->train_spec_ = tspec.take();
+    KILN_ASSIGN_OR_RETURN(auto tspec, data::fromFunction(*ts));
+    s->train_spec_ = std::move(tspec);
   } else {
     s->train_spec_ = s->forward_spec_;
   }
@@ -187,15 +184,13 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   if (it != executors_.end()) return it->second.get();
   const ir::Function* f = module_->lookup(function);
   if (!f) return Status::error(fmt::format("the model has no @{}", function));
-  auto program = codegen::lowerForCpu(*f, {{"B", batch}});
-  if (!program) return program.status();
+  KILN_ASSIGN_OR_RETURN(auto program, codegen::lowerForCpu(*f, {{"B", batch}}));
   runtime::cpu::ExecutorOptions eo;
   eo.threads = options_.threads;
   eo.profile = options_.profile;
-  auto exec = runtime::cpu::CpuExecutor::create(program.take(), eo);
-  if (!exec) return exec.status();
-  runtime::cpu::CpuExecutor* raw = exec->get();
-  executors_[key] = exec.take();
+  KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
+  runtime::cpu::CpuExecutor* raw = exec.get();
+  executors_[key] = std::move(exec);
   return raw;
 }
 
@@ -234,10 +229,9 @@ Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& f
   if (it != cuda_executors_.end()) return it->second.get();
   const ir::Function* f = module_->lookup(function);
   if (!f) return Status::error(fmt::format("the model has no @{}", function));
-  auto exec = cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_);
-  if (!exec) return exec.status();
-  cuda::CudaExecutor* raw = exec->get();
-  cuda_executors_[key] = exec.take();
+  KILN_ASSIGN_OR_RETURN(auto exec, cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_));
+  cuda::CudaExecutor* raw = exec.get();
+  cuda_executors_[key] = std::move(exec);
   return raw;
 }
 
@@ -270,14 +264,12 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
       KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
       host_touched_ = false;
     }
-    auto exec = cudaExecutorFor(function, batch.size);
-    if (!exec) return exec.status();
-    results = (*exec)->run(inputs);
+    KILN_ASSIGN_OR_RETURN(auto exec, cudaExecutorFor(function, batch.size));
+    results = (exec)->run(inputs);
     if (function == "train_step") device_newer_ = true;
   } else {
-    auto exec = executorFor(function, batch.size);
-    if (!exec) return exec.status();
-    results = (*exec)->run(inputs, params_);
+    KILN_ASSIGN_OR_RETURN(auto exec, executorFor(function, batch.size));
+    results = (exec)->run(inputs, params_);
   }
   if (!results) return results.status();
 

@@ -15,14 +15,13 @@ using ir::Value;
 Status addLookupTable(GroupLowering& gl, KernelBuilder& kb, const Op& bag, const BagIds& ids, int out,
                       int64_t stride, int64_t offset) {
   const Value* table = bag.operand(0);
-  auto ts = gl.shapeOf(table);
-  if (!ts) return ts.status();
+  KILN_ASSIGN_OR_RETURN(auto ts, gl.shapeOf(table));
   EmbeddingTable t;
   t.weight = gl.bindValue(kb, table, false);
   gl.bindIds(kb, t, ids);
   if (const Value* w = GroupLowering::bagWeights(bag)) t.weights = gl.bindValue(kb, w, false);
-  t.rows = (*ts)[0];
-  t.dim = (*ts)[1];
+  t.rows = (ts)[0];
+  t.dim = (ts)[1];
   t.mean = bag.strAttr("mode", "sum") == "mean";
   t.out = out < 0 ? gl.bindValue(kb, bag.result(), true) : gl.bind(kb, out, true);
   t.out_stride = stride < 0 ? t.dim : stride;
@@ -35,11 +34,10 @@ Status addLookupTable(GroupLowering& gl, KernelBuilder& kb, const Op& bag, const
 Status lowerEmbeddingForward(GroupLowering& gl, const std::vector<const Op*>& ops) {
   std::vector<BagIds> bags;
   for (const Op* op : ops) {
-    auto b = gl.bagIdsOf(*op);
-    if (!b) return b.status();
-    if (!bags.empty() && b->batch != bags.front().batch)
+    KILN_ASSIGN_OR_RETURN(auto b, gl.bagIdsOf(*op));
+    if (!bags.empty() && b.batch != bags.front().batch)
       return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*op));
-    bags.push_back(*b);
+    bags.push_back(b);
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
   KernelBuilder kb = KernelBuilder::ofKind("embedding_bags", KernelKind::EmbeddingForward);
@@ -57,43 +55,39 @@ Status lowerEmbeddingConcat(GroupLowering& gl, const std::vector<const Op*>& ops
   const Op& cat = *ops.back();
   if (!cat.is(ir::OpCode::Concat))
     return Status::errorf("an embedding group ends in {}, not kiln.concat", opLabel(cat));
-  auto cs = gl.shapeOf(cat.result());
-  if (!cs) return cs.status();
+  KILN_ASSIGN_OR_RETURN(auto cs, gl.shapeOf(cat.result()));
   int64_t axis = cat.intAttr("axis");
-  if (axis < 0) axis += static_cast<int64_t>(cs->size());
-  if (cs->size() != 2 || axis != 1)
+  if (axis < 0) axis += static_cast<int64_t>(cs.size());
+  if (cs.size() != 2 || axis != 1)
     return Status::errorf("{}: the lookup kernel writes a [batch, width] concatenation along axis 1",
                           opLabel(cat));
   for (size_t i = 0; i + 1 < ops.size(); ++i)
     if (!ops[i]->is(ir::OpCode::EmbeddingBag))
       return Status::errorf("{} in an embedding group is not an embedding_bag", opLabel(*ops[i]));
-  const int64_t width = (*cs)[1];
+  const int64_t width = (cs)[1];
   std::vector<BagIds> bags;
   for (size_t i = 0; i + 1 < ops.size(); ++i) {
-    auto b = gl.bagIdsOf(*ops[i]);
-    if (!b) return b.status();
-    if (b->batch != (*cs)[0])
+    KILN_ASSIGN_OR_RETURN(auto b, gl.bagIdsOf(*ops[i]));
+    if (b.batch != (cs)[0])
       return Status::errorf("{}: the bags of one kernel must share the batch", opLabel(*ops[i]));
-    bags.push_back(*b);
+    bags.push_back(b);
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
   int out = gl.groupBuffer(cat.result(), true);
   KernelBuilder kb = KernelBuilder::ofKind("embedding_bags_concat", KernelKind::EmbeddingForward);
-  kb.k.batch = (*cs)[0];
+  kb.k.batch = (cs)[0];
   std::vector<std::pair<const Value*, int64_t>> copies;
   int64_t at = 0;
   for (const Value* x : cat.operands()) {
-    auto xs = gl.shapeOf(x);
-    if (!xs) return xs.status();
+    KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
     const Op* bag = x->definingOp();
     if (bag && gl.inGroup(bag)) {
-      auto ids = gl.bagIdsOf(*bag);
-      if (!ids) return ids.status();
-      KILN_RETURN_IF_ERROR(addLookupTable(gl, kb, *bag, *ids, out, width, at));
+      KILN_ASSIGN_OR_RETURN(auto ids, gl.bagIdsOf(*bag));
+      KILN_RETURN_IF_ERROR(addLookupTable(gl, kb, *bag, ids, out, width, at));
     } else {
       copies.push_back({x, at});
     }
-    at += (*xs)[1];
+    at += (xs)[1];
   }
   if (kb.k.tables.empty()) return Status::errorf("{}: the embedding group has no bag", opLabel(cat));
   kb.k.error_flag = gl.bind(kb, gl.errorFlag(), true);
@@ -103,11 +97,10 @@ Status lowerEmbeddingConcat(GroupLowering& gl, const std::vector<const Op*>& ops
     KernelBuilder cb = KernelBuilder::pointwise("concat_columns", *xs);
     ExprGraph& g = cb.g();
     int b = g.coord(0), c = g.coord(1);
-    auto v = gl.valueAt(cb, x, {b, c});
-    if (!v) return v.status();
+    KILN_ASSIGN_OR_RETURN(auto v, gl.valueAt(cb, x, {b, c}));
     int dst = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, b, g.intConstant(width)),
                        g.binary(ExprOp::Add, c, g.intConstant(offset)));
-    cb.k.stores.push_back({gl.bind(cb, out, true), dst, g.cast(*v, cat.result()->type().dtype()), -1});
+    cb.k.stores.push_back({gl.bind(cb, out, true), dst, g.cast(v, cat.result()->type().dtype()), -1});
     KILN_RETURN_IF_ERROR(gl.finish(cb));
   }
   return Status::ok();
@@ -123,15 +116,14 @@ Status lowerEmbeddingWeightGrad(GroupLowering& gl, const std::vector<const Op*>&
   const Value* table = op.operand(0);
   const Value* ids = op.operand(1);
   const bool jagged = ids->type().rank() == 1;
-  auto bag = gl.bagIds(op, ids, jagged ? op.operand(2) : nullptr);
-  if (!bag) return bag.status();
-  if (jagged && bag->batch < 1) return Status::errorf("{}: jagged ids need at least one bag", opLabel(op));
+  KILN_ASSIGN_OR_RETURN(auto bag, gl.bagIds(op, ids, jagged ? op.operand(2) : nullptr));
+  if (jagged && bag.batch < 1) return Status::errorf("{}: jagged ids need at least one bag", opLabel(op));
   const Value* gval = op.operand(op.numOperands() - 1);
   auto ts = gl.shapeOf(table);
   auto is = gl.shapeOf(ids);
   if (!ts || !is) return !ts ? ts.status() : is.status();
   const int64_t rows = (*ts)[0], dim = (*ts)[1];
-  if (jagged) KILN_RETURN_IF_ERROR(gl.scanLengths({*bag}));
+  if (jagged) KILN_RETURN_IF_ERROR(gl.scanLengths({bag}));
   KernelBuilder kb =
       KernelBuilder::row(jagged ? "embedding_weight_grad_jagged" : "embedding_weight_grad", *is, {dim});
   Kernel& k = kb.k;
@@ -141,10 +133,10 @@ Status lowerEmbeddingWeightGrad(GroupLowering& gl, const std::vector<const Op*>&
   Expected<int> id = 0;
   if (jagged) {
     const int p = g.coord(0);
-    const int offsets = gl.bind(kb, gl.offsetsOf(bag->lengths), false);
+    const int offsets = gl.bind(kb, gl.offsetsOf(bag.lengths), false);
     auto offset = [&](int i) { return g.load(offsets, DType::i64, i); };
-    live = g.binary(ExprOp::Lt, p, offset(g.intConstant(bag->batch)));
-    b = g.bagOf(offsets, bag->batch, p);
+    live = g.binary(ExprOp::Lt, p, offset(g.intConstant(bag.batch)));
+    b = g.bagOf(offsets, bag.batch, p);
     size = g.binary(ExprOp::Sub, offset(g.binary(ExprOp::Add, b, g.intConstant(1))), offset(b));
     id = gl.valueAt(kb, ids, {p});
   } else {
@@ -172,7 +164,7 @@ Status lowerEmbeddingWeightGrad(GroupLowering& gl, const std::vector<const Op*>&
   if (op.strAttr("mode", "sum") == "mean") {
     // A live position's bag holds at least that id, so size > 0.
     acc = jagged ? g.binary(ExprOp::Div, acc, g.cast(size, ct))
-                 : g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(bag->hotness), ct));
+                 : g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(bag.hotness), ct));
   }
   if (live >= 0) acc = g.select(live, acc, g.constant(0, ct));
   const DType rt = op.result()->type().dtype();
@@ -192,7 +184,8 @@ Status lowerEmbeddingWeightGrad(GroupLowering& gl, const std::vector<const Op*>&
 }  // namespace
 
 void registerEmbeddingLookupEmitters(EmitterRegistry& r) {
-  r.addOpEmitter(ir::OpCode::EmbeddingBag, {"embedding_lookup", lowerEmbeddingForward, GroupForm::kManyOfTheOp});
+  r.addOpEmitter(ir::OpCode::EmbeddingBag,
+                 {"embedding_lookup", lowerEmbeddingForward, GroupForm::kManyOfTheOp});
   r.addOpEmitter(ir::OpCode::EmbeddingBagWeightGrad, {"embedding_lookup", lowerEmbeddingWeightGrad});
   r.addFusedEmitter("embedding", lowerEmbeddingConcat);
 }

@@ -45,15 +45,15 @@ Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const i
                                         int64_t rows, const GradSource* source) {
   const Value* ids = op.operand(static_cast<unsigned>(l.ids));
   const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
-  auto bag = gl.bagIds(op, ids, l.lengths >= 0 ? op.operand(static_cast<unsigned>(l.lengths)) : nullptr);
-  if (!bag) return bag.status();
+  KILN_ASSIGN_OR_RETURN(
+      auto bag, gl.bagIds(op, ids, l.lengths >= 0 ? op.operand(static_cast<unsigned>(l.lengths)) : nullptr));
   auto is = gl.shapeOf(ids);
   auto gs = gl.shapeOf(grad);
   if (!is || !gs) return !is ? is.status() : gs.status();
   Accumulated a;
   a.op = &op;
   a.layout = l;
-  a.bag = *bag;
+  a.bag = bag;
   a.rows = rows;
   if (source) a.source = *source;
   a.dim = (*gs)[1];
@@ -139,9 +139,8 @@ std::pair<int, int> distinctSlot(GroupLowering& gl, KernelBuilder& kb, const Acc
 Expected<Accumulated> prepareUpdate(GroupLowering& gl, const Op& op, const GradSource* source = nullptr) {
   auto l = ir::embeddingUpdateLayout(op);
   if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
-  auto ts = gl.shapeOf(op.operand(static_cast<unsigned>(l->table)));
-  if (!ts) return ts.status();
-  return prepareAccumulate(gl, op, *l, (*ts)[0], source);
+  KILN_ASSIGN_OR_RETURN(auto ts, gl.shapeOf(op.operand(static_cast<unsigned>(l->table))));
+  return prepareAccumulate(gl, op, *l, (ts)[0], source);
 }
 
 // The sparse optimizer applied to the rows of an accumulated table's distinct ids.
@@ -195,24 +194,22 @@ Status updateRows(GroupLowering& gl, const Accumulated& a) {
 }
 
 Status lowerEmbeddingUpdate(GroupLowering& gl, const std::vector<const Op*>& ops) {
-  auto a = prepareUpdate(gl, *ops.back());
-  if (!a) return a.status();
-  KILN_RETURN_IF_ERROR(accumulateAll(gl, {*a}));
-  return updateRows(gl, *a);
+  KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *ops.back()));
+  KILN_RETURN_IF_ERROR(accumulateAll(gl, {a}));
+  return updateRows(gl, a);
 }
 
 Status lowerGradSqnorm(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   auto l = ir::embeddingUpdateLayout(op);
-  auto a = prepareAccumulate(gl, op, *l, -1, nullptr);
-  if (!a) return a.status();
-  KILN_RETURN_IF_ERROR(accumulateAll(gl, {*a}));
-  KernelBuilder kb = KernelBuilder::row("embedding_grad_sqnorm", {1}, {a->bound, a->dim});
+  KILN_ASSIGN_OR_RETURN(auto a, prepareAccumulate(gl, op, *l, -1, nullptr));
+  KILN_RETURN_IF_ERROR(accumulateAll(gl, {a}));
+  KernelBuilder kb = KernelBuilder::row("embedding_grad_sqnorm", {1}, {a.bound, a.dim});
   ExprGraph& g = kb.g();
   // The rows of the distinct ids; the rest of the table is never written.
-  auto [present, slot] = distinctSlot(gl, kb, *a, g.coord(1));
-  int v = g.load(gl.bind(kb, a->accum, false), DType::f32,
-                 rowMajorOffset(g, {slot, g.coord(2)}, {a->capacity, a->dim}));
+  auto [present, slot] = distinctSlot(gl, kb, a, g.coord(1));
+  int v = g.load(gl.bind(kb, a.accum, false), DType::f32,
+                 rowMajorOffset(g, {slot, g.coord(2)}, {a.capacity, a.dim}));
   int sq = g.select(present, g.binary(ExprOp::Mul, v, v), g.constant(0, DType::f32));
   kb.k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, sq, {}});
   kb.k.stores.push_back({gl.bindValue(kb, op.result(), true), g.intConstant(0),
@@ -236,20 +233,18 @@ Status lowerEmbeddingUpdates(GroupLowering& gl, const std::vector<const Op*>& op
     if (!slice || !gl.inGroup(slice) || !slice->is(ir::OpCode::Slice))
       return Status::errorf("{}: its gradient is not a slice of the group", opLabel(*op));
     const Value* src = slice->operand(0);
-    auto ss = gl.shapeOf(src);
-    if (!ss) return ss.status();
+    KILN_ASSIGN_OR_RETURN(auto ss, gl.shapeOf(src));
     int64_t axis = slice->intAttr("axis");
-    if (axis < 0) axis += static_cast<int64_t>(ss->size());
-    if (ss->size() != 2 || axis != 1)
+    if (axis < 0) axis += static_cast<int64_t>(ss.size());
+    if (ss.size() != 2 || axis != 1)
       return Status::errorf(
           "{}: the update reads columns of a [batch, width] gradient; this slices axis {} of {}",
           opLabel(*slice), axis, src->type().str());
     for (const ir::Use& u : slice->result()->uses())
       if (u.user != op) return Status::errorf("{}: the gradient slice has other users", opLabel(*slice));
-    GradSource source{src, (*ss)[1], slice->intAttr("start")};
-    auto a = prepareUpdate(gl, *op, &source);
-    if (!a) return a.status();
-    tables.push_back(*a);
+    GradSource source{src, (ss)[1], slice->intAttr("start")};
+    KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *op, &source));
+    tables.push_back(a);
   }
   KILN_RETURN_IF_ERROR(accumulateAll(gl, tables));
   for (const Accumulated& a : tables) KILN_RETURN_IF_ERROR(updateRows(gl, a));

@@ -25,7 +25,9 @@ void EmitterRegistry::addExpression(ir::OpCode op, ExpressionRule rule, Supports
   expressions_.emplace(op, Expression{std::move(rule), supports});
 }
 
-void EmitterRegistry::addOpEmitter(ir::OpCode op, OpEmitter emitter) { emitters_.emplace(op, std::move(emitter)); }
+void EmitterRegistry::addOpEmitter(ir::OpCode op, OpEmitter emitter) {
+  emitters_.emplace(op, std::move(emitter));
+}
 
 void EmitterRegistry::addFusedEmitter(std::string_view kind, GroupEmitterFn lower) {
   fused_[std::string(kind)] = lower;

@@ -149,24 +149,21 @@ Expected<int> GroupLowering::valueAt(KernelBuilder& kb, const Value* v, const st
 
 Expected<int> GroupLowering::computeValueAt(KernelBuilder& kb, const Value* v,
                                             const std::vector<int>& coords) {
-  auto shape = shapeOf(v);
-  if (!shape) return shape.status();
-  if (!computedInGroup(v)) return load(kb, v, rowMajorOffset(kb.g(), coords, *shape));
+  KILN_ASSIGN_OR_RETURN(auto shape, shapeOf(v));
+  if (!computedInGroup(v)) return load(kb, v, rowMajorOffset(kb.g(), coords, shape));
   const Op& op = *v->definingOp();
   const ExpressionRule* rule = EmitterRegistry::get().expressionFor(op);
   if (!rule) return Status::errorf("{} has no CUDA lowering", opLabel(op));
-  return (*rule)(*this, kb, op, ExprSite{v, coords, *shape});
+  return (*rule)(*this, kb, op, ExprSite{v, coords, shape});
 }
 
 Expected<int> GroupLowering::operandAt(KernelBuilder& kb, const Op& op, unsigned i,
                                        const std::vector<int>& coords) {
   const Value* x = op.operand(i);
-  auto xs = shapeOf(x);
-  if (!xs) return xs.status();
+  KILN_ASSIGN_OR_RETURN(auto xs, shapeOf(x));
   std::vector<int> c;
-  size_t lead = coords.size() - xs->size();
-  for (size_t j = 0; j < xs->size(); ++j)
-    c.push_back((*xs)[j] == 1 ? kb.g().intConstant(0) : coords[lead + j]);
+  size_t lead = coords.size() - xs.size();
+  for (size_t j = 0; j < xs.size(); ++j) c.push_back((xs)[j] == 1 ? kb.g().intConstant(0) : coords[lead + j]);
   return valueAt(kb, x, c);
 }
 
@@ -208,20 +205,18 @@ int GroupLowering::expShiftedRow(Kernel& k, int v) {
 Expected<BagIds> GroupLowering::bagIds(const Op& op, const Value* ids, const Value* lengths) {
   BagIds b;
   b.ids = ids;
-  auto is = shapeOf(ids);
-  if (!is) return is.status();
+  KILN_ASSIGN_OR_RETURN(auto is, shapeOf(ids));
   if (ids->type().rank() == 2) {
-    b.batch = (*is)[0];
-    b.hotness = (*is)[1];
+    b.batch = (is)[0];
+    b.hotness = (is)[1];
     return b;
   }
   if (ids->type().rank() != 1 || !lengths)
     return Status::errorf("{}: ids must be [batch, hotness], or [N] with lengths [batch]", opLabel(op));
-  auto ls = shapeOf(lengths);
-  if (!ls) return ls.status();
+  KILN_ASSIGN_OR_RETURN(auto ls, shapeOf(lengths));
   b.lengths = lengths;
-  b.batch = (*ls)[0];
-  b.num_ids = (*is)[0];
+  b.batch = (ls)[0];
+  b.num_ids = (is)[0];
   return b;
 }
 

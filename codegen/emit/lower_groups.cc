@@ -153,10 +153,9 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
   std::vector<const Op*> loose;
   auto lowerLoose = [&]() -> Status {
     for (const auto& group : groupOps(loose)) {
-      auto g = lowerGroup(group, symbols);
-      if (!g) return g.status();
-      g->stream = streamOf(*group.front());
-      out.push_back(g.take());
+      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
+      g.stream = streamOf(*group.front());
+      out.push_back(std::move(g));
     }
     loose.clear();
     return Status::ok();
@@ -185,13 +184,12 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     }
     // Not one unit on this backend: the greedy grouping over the group's ops, reason kept.
     for (const auto& group : groupOps(ops)) {
-      auto g = lowerGroup(group, symbols);
-      if (!g) return g.status();
-      g->stream = stream;
-      g->fused_kind = kind;
-      g->fused_index = fused_index;
-      g->split_reason = whole.status().message();
-      out.push_back(g.take());
+      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
+      g.stream = stream;
+      g.fused_kind = kind;
+      g.fused_index = fused_index;
+      g.split_reason = whole.status().message();
+      out.push_back(std::move(g));
     }
     ++fused_index;
   }

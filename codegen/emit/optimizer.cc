@@ -74,9 +74,8 @@ Status lowerOptimizerUpdate(GroupLowering& gl, const std::vector<const Op*>& ops
   std::string kind = op.strAttr("kind");
   size_t nstate = ir::denseOptimizerState(kind, op.attrs()).size();
   const Value* p = op.operand(0);
-  auto ps = gl.shapeOf(p);
-  if (!ps) return ps.status();
-  KernelBuilder kb = KernelBuilder::pointwise("optimizer_" + kind, {product(*ps)});
+  KILN_ASSIGN_OR_RETURN(auto ps, gl.shapeOf(p));
+  KernelBuilder kb = KernelBuilder::pointwise("optimizer_" + kind, {product(ps)});
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
   DType ct = computeType(p->type().dtype());

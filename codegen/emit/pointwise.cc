@@ -16,9 +16,8 @@ Expected<std::vector<int>> operandsAt(GroupLowering& gl, KernelBuilder& kb, cons
                                       const std::vector<int>& coords) {
   std::vector<int> xs;
   for (unsigned i = 0; i < n; ++i) {
-    auto x = gl.operandAt(kb, op, i, coords);
-    if (!x) return x.status();
-    xs.push_back(*x);
+    KILN_ASSIGN_OR_RETURN(auto x, gl.operandAt(kb, op, i, coords));
+    xs.push_back(x);
   }
   return xs;
 }
@@ -38,9 +37,8 @@ Expected<int> scalarFnAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, con
 }
 
 Expected<int> selectAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const ExprSite& at) {
-  auto cxy = operandsAt(gl, kb, op, 3, at.coords);
-  if (!cxy) return cxy.status();
-  return kb.g().select((*cxy)[0], (*cxy)[1], (*cxy)[2]);
+  KILN_ASSIGN_OR_RETURN(auto cxy, operandsAt(gl, kb, op, 3, at.coords));
+  return kb.g().select((cxy)[0], (cxy)[1], (cxy)[2]);
 }
 
 Expected<int> broadcastAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const ExprSite& at) {
@@ -72,9 +70,8 @@ Expected<int> castAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const E
 // g (sigmoid(x) - y), divided by the element count for a mean.
 Expected<int> bceWithLogitsGradAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const ExprSite& at) {
   ExprGraph& g = kb.g();
-  auto xy = operandsAt(gl, kb, op, 2, at.coords);
-  if (!xy) return xy.status();
-  const int x = (*xy)[0], y = (*xy)[1];
+  KILN_ASSIGN_OR_RETURN(auto xy, operandsAt(gl, kb, op, 2, at.coords));
+  const int x = (xy)[0], y = (xy)[1];
   DType ct = g.typeOf(x);
   auto gv = gl.valueAt(kb, op.operand(2), {});
   if (!gv) return gv;
@@ -111,14 +108,13 @@ Expected<int> reshapeAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, cons
   ExprGraph& g = kb.g();
   int flat = rowMajorOffset(g, at.coords, at.shape);
   const Value* x = op.operand(0);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
   if (!gl.computedInGroup(x)) return gl.load(kb, x, flat);
-  std::vector<int> c(xs->size());
+  std::vector<int> c(xs.size());
   int rest = flat;
-  for (size_t j = xs->size(); j-- > 0;) {
-    c[j] = g.binary(ExprOp::Rem, rest, g.intConstant((*xs)[j]));
-    rest = g.binary(ExprOp::Div, rest, g.intConstant((*xs)[j]));
+  for (size_t j = xs.size(); j-- > 0;) {
+    c[j] = g.binary(ExprOp::Rem, rest, g.intConstant((xs)[j]));
+    rest = g.binary(ExprOp::Div, rest, g.intConstant((xs)[j]));
   }
   return gl.valueAt(kb, x, c);
 }
@@ -143,10 +139,9 @@ Expected<int> concatAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const
   std::vector<int64_t> starts;
   int64_t end = 0;
   for (const Value* x : op.operands()) {
-    auto xs = gl.shapeOf(x);
-    if (!xs) return xs.status();
+    KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
     starts.push_back(end);
-    end += (*xs)[axis];
+    end += (xs)[axis];
   }
   int ca = at.coords[axis];
   int result = -1;
@@ -166,9 +161,8 @@ Expected<int> gatherAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const
   const std::vector<int>& coords = at.coords;
   const Value* x = op.operand(0);
   const Value* idx = op.operand(1);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
-  const int64_t axis = axisOf(op, xs->size());
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  const int64_t axis = axisOf(op, xs.size());
   const int64_t ri = idx->type().rank();
   auto iv = gl.valueAt(kb, idx, std::vector<int>(coords.begin() + axis, coords.begin() + axis + ri));
   if (!iv) return iv;
@@ -180,7 +174,7 @@ Expected<int> gatherAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const
   if (!loaded) return loaded;
   // Out-of-range indices read zero rather than stray memory.
   int in_range = g.binary(ExprOp::And, g.binary(ExprOp::Ge, i64, g.intConstant(0)),
-                          g.binary(ExprOp::Lt, i64, g.intConstant((*xs)[static_cast<size_t>(axis)])));
+                          g.binary(ExprOp::Lt, i64, g.intConstant((xs)[static_cast<size_t>(axis)])));
   DType t = g.typeOf(*loaded);
   return g.select(in_range, *loaded, ir::isFloat(t) ? g.constant(0, t) : g.intConstant(0, t));
 }
@@ -189,26 +183,24 @@ Expected<int> gatherAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const
 Status lowerPointwiseChain(GroupLowering& gl) {
   std::vector<const Value*> outs = gl.liveOuts();
   if (outs.empty()) return Status::ok();
-  auto space = gl.shapeOf(outs.front());
-  if (!space) return space.status();
+  KILN_ASSIGN_OR_RETURN(auto space, gl.shapeOf(outs.front()));
   for (const Value* v : outs) {
     auto s = gl.shapeOf(v);
-    if (!s || *s != *space)
+    if (!s || *s != space)
       return Status::errorf("a fused group's outputs must share one shape: {} and {}",
                             outs.front()->type().str(), v->type().str());
   }
   std::string stem;
   for (const Op* op : gl.ops()) stem += (stem.empty() ? "" : "_") + shortOpName(*op);
   if (stem.size() > 40) stem = stem.substr(0, 40);
-  KernelBuilder kb = KernelBuilder::pointwise(stem, *space);
+  KernelBuilder kb = KernelBuilder::pointwise(stem, space);
   ExprGraph& g = kb.g();
   std::vector<int> coords = kb.spaceCoords();
-  int flat = rowMajorOffset(g, coords, *space);
+  int flat = rowMajorOffset(g, coords, space);
   for (const Value* v : outs) {
-    auto x = gl.valueAt(kb, v, coords);
-    if (!x) return x.status();
+    KILN_ASSIGN_OR_RETURN(auto x, gl.valueAt(kb, v, coords));
     int buf = gl.bindValue(kb, v, true);
-    kb.k.stores.push_back({buf, flat, g.cast(*x, v->type().dtype()), -1});
+    kb.k.stores.push_back({buf, flat, g.cast(x, v->type().dtype()), -1});
   }
   return gl.finish(kb);
 }
@@ -226,7 +218,8 @@ void registerPointwiseEmitters(EmitterRegistry& r) {
   r.addExpression(ir::OpCode::ActivationGrad, activationGradAt);
   r.addExpression(ir::OpCode::BceWithLogitsGrad, bceWithLogitsGradAt);
   // max's gradient is a Row kernel (reduction.cc).
-  r.addExpression(ir::OpCode::ReduceGrad, reduceGradAt, [](const Op& op) { return op.strAttr("kind") != "max"; });
+  r.addExpression(ir::OpCode::ReduceGrad, reduceGradAt,
+                  [](const Op& op) { return op.strAttr("kind") != "max"; });
   r.addExpression(ir::OpCode::Reshape, reshapeAt);
   r.addExpression(ir::OpCode::Transpose, transposeAt);
   r.addExpression(ir::OpCode::Slice, sliceAt);

@@ -28,28 +28,26 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> splitAxes(const std::vecto
 Status lowerReduce(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
   if (!ir::isFloat(x->type().dtype()))
     return Status::errorf("{} on the CUDA backend needs a float operand", opLabel(op));
-  const std::set<int64_t> axes = axesOf(op, xs->size());
-  auto [outer, row] = splitAxes(*xs, axes);
+  const std::set<int64_t> axes = axesOf(op, xs.size());
+  auto [outer, row] = splitAxes(xs, axes);
   KernelBuilder kb = KernelBuilder::row("reduce_" + op.strAttr("kind"), outer, row);
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
-  std::vector<int> coords(xs->size());
+  std::vector<int> coords(xs.size());
   int outer_i = 0, row_i = static_cast<int>(k.space.size());
-  for (size_t i = 0; i < xs->size(); ++i)
+  for (size_t i = 0; i < xs.size(); ++i)
     coords[i] = axes.count(static_cast<int64_t>(i)) ? g.coord(row_i++) : g.coord(outer_i++);
-  auto v = gl.valueAt(kb, x, coords);
-  if (!v) return v.status();
+  KILN_ASSIGN_OR_RETURN(auto v, gl.valueAt(kb, x, coords));
   std::string kind = op.strAttr("kind");
   Phase p;
   p.kind = Phase::Kind::Reduce;
   p.combiner = kind == "max" ? Combiner::Max : Combiner::Sum;
-  p.value = *v;
+  p.value = v;
   k.phases.push_back(p);
-  DType ct = g.typeOf(*v);
+  DType ct = g.typeOf(v);
   int acc = g.rowValue(0, ct);
   if (kind == "mean")
     acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(k.rowSize()), ct));
@@ -85,12 +83,11 @@ Status lowerSumTo(GroupLowering& gl, const std::vector<const Op*>& ops) {
     coords[i] =
         red ? g.coord(ri++) : ((*xs)[i] == 1 ? g.intConstant(0) : g.coord(static_cast<int>(i - lead)));
   }
-  auto v = gl.valueAt(kb, x, coords);
-  if (!v) return v.status();
-  k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, *v, {}});
+  KILN_ASSIGN_OR_RETURN(auto v, gl.valueAt(kb, x, coords));
+  k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, v, {}});
   std::vector<int> oc = kb.spaceCoords();
   k.stores.push_back({gl.bindValue(kb, op.result(), true), rowMajorOffset(g, oc, k.space),
-                      g.cast(g.rowValue(0, g.typeOf(*v)), op.result()->type().dtype()), -1});
+                      g.cast(g.rowValue(0, g.typeOf(v)), op.result()->type().dtype()), -1});
   return gl.finish(kb);
 }
 
@@ -100,17 +97,16 @@ Status lowerReduceMaxGrad(GroupLowering& gl, const std::vector<const Op*>& ops) 
   const Value* gval = op.operand(0);
   const Value* x = op.operand(1);
   const Value* y = op.operand(2);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
-  const std::set<int64_t> axes = axesOf(op, xs->size());
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  const std::set<int64_t> axes = axesOf(op, xs.size());
   bool keep = op.boolAttr("keepdims");
-  auto [outer, row] = splitAxes(*xs, axes);
+  auto [outer, row] = splitAxes(xs, axes);
   KernelBuilder kb = KernelBuilder::row("reduce_max_grad", outer, row);
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
-  std::vector<int> coords(xs->size()), kept;
+  std::vector<int> coords(xs.size()), kept;
   int oi = 0, ri = static_cast<int>(k.space.size());
-  for (size_t i = 0; i < xs->size(); ++i) {
+  for (size_t i = 0; i < xs.size(); ++i) {
     bool red = axes.count(static_cast<int64_t>(i));
     coords[i] = red ? g.coord(ri++) : g.coord(oi++);
     if (!red)
@@ -128,7 +124,7 @@ Status lowerReduceMaxGrad(GroupLowering& gl, const std::vector<const Op*>& ops) 
       {Phase::Kind::Reduce, Combiner::Sum, g.select(hit, g.constant(1, ct), g.constant(0, ct)), {}});
   Phase map;
   map.stores.push_back(
-      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, coords, *xs),
+      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, coords, xs),
        g.cast(g.select(hit, g.binary(ExprOp::Div, *gv, g.rowValue(0, ct)), g.constant(0, ct)),
               op.result()->type().dtype()),
        -1});
@@ -143,7 +139,7 @@ void registerReductionEmitters(EmitterRegistry& r) {
   r.addOpEmitter(ir::OpCode::SumTo, {"reduction", lowerSumTo, GroupForm::kPointwiseInputs});
   // sum and mean gradients are expressions (pointwise.cc).
   r.addOpEmitter(ir::OpCode::ReduceGrad, {"reduction", lowerReduceMaxGrad, GroupForm::kAlone,
-                                      [](const Op& op) { return op.strAttr("kind") == "max"; }});
+                                          [](const Op& op) { return op.strAttr("kind") == "max"; }});
   // A fused reduction region: a Row kernel computing its pointwise producers inline.
   r.addFusedEmitter("reduction",
                     [](GroupLowering& gl, const std::vector<const Op*>&) { return lowerOps(gl); });

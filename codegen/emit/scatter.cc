@@ -41,19 +41,17 @@ Status lowerScatterAdd(GroupLowering& gl, const std::vector<const Op*>& ops) {
   ExprGraph& g = kb.g();
   std::vector<int> coords = kb.spaceCoords();
   const size_t a = static_cast<size_t>(axis), ri = is->size();
-  auto iv = gl.valueAt(kb, idx,
-                       std::vector<int>(coords.begin() + static_cast<int64_t>(a),
-                                        coords.begin() + static_cast<int64_t>(a + ri)));
-  if (!iv) return iv.status();
-  int id = g.cast(*iv, DType::i64);
+  KILN_ASSIGN_OR_RETURN(auto iv, gl.valueAt(kb, idx,
+                                            std::vector<int>(coords.begin() + static_cast<int64_t>(a),
+                                                             coords.begin() + static_cast<int64_t>(a + ri))));
+  int id = g.cast(iv, DType::i64);
   int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, id, g.intConstant(0)),
                     g.binary(ExprOp::Lt, id, g.intConstant((*bs)[a])));
   std::vector<int> oc(coords.begin(), coords.begin() + static_cast<int64_t>(a));
   oc.push_back(id);
   oc.insert(oc.end(), coords.begin() + static_cast<int64_t>(a + ri), coords.end());
-  auto v = gl.valueAt(kb, upd, coords);
-  if (!v) return v.status();
-  Store st{gl.bind(kb, out, true), rowMajorOffset(g, oc, *bs), g.cast(*v, t), ok};
+  KILN_ASSIGN_OR_RETURN(auto v, gl.valueAt(kb, upd, coords));
+  Store st{gl.bind(kb, out, true), rowMajorOffset(g, oc, *bs), g.cast(v, t), ok};
   st.accumulate = true;
   kb.k.stores.push_back(st);
   return gl.finish(kb);

@@ -19,9 +19,8 @@ Expected<AxisRowKernel> axisRowKernel(GroupLowering& gl, std::string name, const
                                       const std::vector<int64_t>& xs, int64_t axis) {
   AxisRowKernel r{KernelBuilder::ofKind(std::move(name), KernelKind::Row), {}, -1};
   r.row = GroupLowering::axisRow(r.kb.k, xs, axis);
-  auto v = gl.valueAt(r.kb, x, r.row.coords);
-  if (!v) return v.status();
-  r.x = *v;
+  KILN_ASSIGN_OR_RETURN(auto v, gl.valueAt(r.kb, x, r.row.coords));
+  r.x = v;
   return r;
 }
 
@@ -31,49 +30,44 @@ bool isMean(const Op& op) { return op.strAttr("reduction", "mean") == "mean"; }
 Status lowerSoftmax(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
   int64_t axis = op.intAttr("axis", -1);
-  if (axis < 0) axis += static_cast<int64_t>(xs->size());
-  auto rk = axisRowKernel(gl, "softmax", x, *xs, axis);
-  if (!rk) return rk.status();
-  Kernel& k = rk->kb.k;
+  if (axis < 0) axis += static_cast<int64_t>(xs.size());
+  KILN_ASSIGN_OR_RETURN(auto rk, axisRowKernel(gl, "softmax", x, xs, axis));
+  Kernel& k = rk.kb.k;
   ExprGraph& g = k.exprs;
-  DType ct = g.typeOf(rk->x);
-  int shifted = GroupLowering::expShiftedRow(k, rk->x);
+  DType ct = g.typeOf(rk.x);
+  int shifted = GroupLowering::expShiftedRow(k, rk.x);
   Phase map;
-  int out = gl.bindValue(rk->kb, op.result(), true);
+  int out = gl.bindValue(rk.kb, op.result(), true);
   map.stores.push_back(
-      {out, rowMajorOffset(g, rk->row.coords, *xs),
+      {out, rowMajorOffset(g, rk.row.coords, xs),
        g.cast(g.binary(ExprOp::Div, shifted, g.rowValue(1, ct)), op.result()->type().dtype()), -1});
   k.phases.push_back(map);
-  return gl.finish(rk->kb);
+  return gl.finish(rk.kb);
 }
 
 Status lowerBce(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
   const Value* y = op.operand(1);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
-  KernelBuilder kb = KernelBuilder::row("bce_with_logits", {1}, xs->empty() ? std::vector<int64_t>{1} : *xs);
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  KernelBuilder kb = KernelBuilder::row("bce_with_logits", {1}, xs.empty() ? std::vector<int64_t>{1} : xs);
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
   std::vector<int> coords;
-  for (size_t i = 0; i < xs->size(); ++i) coords.push_back(g.coord(static_cast<int>(i) + 1));
-  auto xv = gl.valueAt(kb, x, coords);
-  if (!xv) return xv.status();
-  auto yv = gl.valueAt(kb, y, coords);
-  if (!yv) return yv.status();
-  DType ct = g.typeOf(*xv);
-  int yy = g.cast(*yv, ct);
+  for (size_t i = 0; i < xs.size(); ++i) coords.push_back(g.coord(static_cast<int>(i) + 1));
+  KILN_ASSIGN_OR_RETURN(auto xv, gl.valueAt(kb, x, coords));
+  KILN_ASSIGN_OR_RETURN(auto yv, gl.valueAt(kb, y, coords));
+  DType ct = g.typeOf(xv);
+  int yy = g.cast(yv, ct);
   // max(x, 0) - x*y + log1p(exp(-|x|)): no overflow for large |x|.
   int loss =
-      g.binary(ExprOp::Add, g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, *xv), g.binary(ExprOp::Mul, *xv, yy)),
-               g.unary(ExprOp::Log1p, g.unary(ExprOp::Exp, g.unary(ExprOp::Neg, g.unary(ExprOp::Abs, *xv)))));
+      g.binary(ExprOp::Add, g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, xv), g.binary(ExprOp::Mul, xv, yy)),
+               g.unary(ExprOp::Log1p, g.unary(ExprOp::Exp, g.unary(ExprOp::Neg, g.unary(ExprOp::Abs, xv)))));
   k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, loss, {}});
   int acc = g.rowValue(0, ct);
-  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(product(*xs)), ct));
+  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(product(xs)), ct));
   int out = gl.bindValue(kb, op.result(), true);
   k.stores.push_back({out, g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
   return gl.finish(kb);
@@ -84,18 +78,16 @@ Status lowerSoftmaxCrossEntropy(GroupLowering& gl, const std::vector<const Op*>&
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
   const Value* y = op.operand(1);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
-  int64_t n = (*xs)[0], c = (*xs)[1];
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  int64_t n = (xs)[0], c = (xs)[1];
   int rows = gl.tempBuffer("row_losses", DType::f32, n);
   {
-    auto rk = axisRowKernel(gl, "softmax_xent_rows", x, *xs, 1);
-    if (!rk) return rk.status();
-    KernelBuilder& kb = rk->kb;
+    KILN_ASSIGN_OR_RETURN(auto rk, axisRowKernel(gl, "softmax_xent_rows", x, xs, 1));
+    KernelBuilder& kb = rk.kb;
     Kernel& k = kb.k;
     ExprGraph& g = k.exprs;
-    const AxisRow& ar = rk->row;
-    const int xv = rk->x;
+    const AxisRow& ar = rk.row;
+    const int xv = rk.x;
     DType ct = g.typeOf(xv);
     GroupLowering::expShiftedRow(k, xv);
     int m = g.rowValue(0, ct);
@@ -103,19 +95,16 @@ Status lowerSoftmaxCrossEntropy(GroupLowering& gl, const std::vector<const Op*>&
     int loss;
     if (y->type().rank() == 1) {
       // lse - x[n, label]; an out-of-range label contributes lse (x read as 0 is not used).
-      auto label = gl.valueAt(kb, y, {ar.outer[0]});
-      if (!label) return label.status();
-      int li = g.cast(*label, DType::i64);
-      auto picked = gl.valueAt(kb, x, {ar.outer[0], li});
-      if (!picked) return picked.status();
+      KILN_ASSIGN_OR_RETURN(auto label, gl.valueAt(kb, y, {ar.outer[0]}));
+      int li = g.cast(label, DType::i64);
+      KILN_ASSIGN_OR_RETURN(auto picked, gl.valueAt(kb, x, {ar.outer[0], li}));
       int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, li, g.intConstant(0)),
                         g.binary(ExprOp::Lt, li, g.intConstant(c)));
-      loss = g.binary(ExprOp::Sub, lse, g.select(ok, *picked, g.constant(0, ct)));
+      loss = g.binary(ExprOp::Sub, lse, g.select(ok, picked, g.constant(0, ct)));
     } else {
       // sum_c y_c (lse - x_c) = lse * sum(y) - sum(y * x)
-      auto yv = gl.valueAt(kb, y, ar.coords);
-      if (!yv) return yv.status();
-      int yc = g.cast(*yv, ct);
+      KILN_ASSIGN_OR_RETURN(auto yv, gl.valueAt(kb, y, ar.coords));
+      int yc = g.cast(yv, ct);
       k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, yc, xv), {}});
       k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, yc, {}});
       loss = g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, lse, g.rowValue(3, ct)), g.rowValue(2, ct));
@@ -140,38 +129,33 @@ Status lowerSoftmaxCrossEntropyGrad(GroupLowering& gl, const std::vector<const O
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
   const Value* y = op.operand(1);
-  auto xs = gl.shapeOf(x);
-  if (!xs) return xs.status();
-  auto rk = axisRowKernel(gl, "softmax_xent_grad", x, *xs, 1);
-  if (!rk) return rk.status();
-  KernelBuilder& kb = rk->kb;
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  KILN_ASSIGN_OR_RETURN(auto rk, axisRowKernel(gl, "softmax_xent_grad", x, xs, 1));
+  KernelBuilder& kb = rk.kb;
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
-  const AxisRow& ar = rk->row;
-  DType ct = g.typeOf(rk->x);
-  auto gv = gl.valueAt(kb, op.operand(2), {});
-  if (!gv) return gv.status();
-  int scale = g.cast(*gv, ct);
-  if (isMean(op)) scale = g.binary(ExprOp::Mul, scale, g.constant(1.0 / static_cast<double>((*xs)[0]), ct));
-  int e = GroupLowering::expShiftedRow(k, rk->x);
+  const AxisRow& ar = rk.row;
+  DType ct = g.typeOf(rk.x);
+  KILN_ASSIGN_OR_RETURN(auto gv, gl.valueAt(kb, op.operand(2), {}));
+  int scale = g.cast(gv, ct);
+  if (isMean(op)) scale = g.binary(ExprOp::Mul, scale, g.constant(1.0 / static_cast<double>((xs)[0]), ct));
+  int e = GroupLowering::expShiftedRow(k, rk.x);
   int p = g.binary(ExprOp::Div, e, g.rowValue(1, ct));
   int target, mass;
   if (y->type().rank() == 1) {
-    auto label = gl.valueAt(kb, y, {ar.outer[0]});
-    if (!label) return label.status();
-    target = g.select(g.binary(ExprOp::Eq, g.cast(*label, DType::i64), ar.coords[1]), g.constant(1, ct),
+    KILN_ASSIGN_OR_RETURN(auto label, gl.valueAt(kb, y, {ar.outer[0]}));
+    target = g.select(g.binary(ExprOp::Eq, g.cast(label, DType::i64), ar.coords[1]), g.constant(1, ct),
                       g.constant(0, ct));
     mass = g.constant(1, ct);
   } else {
-    auto yv = gl.valueAt(kb, y, ar.coords);
-    if (!yv) return yv.status();
-    target = g.cast(*yv, ct);
+    KILN_ASSIGN_OR_RETURN(auto yv, gl.valueAt(kb, y, ar.coords));
+    target = g.cast(yv, ct);
     k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, target, {}});
     mass = g.rowValue(2, ct);
   }
   Phase map;
   map.stores.push_back(
-      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, ar.coords, *xs),
+      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, ar.coords, xs),
        g.cast(g.binary(ExprOp::Mul, scale, g.binary(ExprOp::Sub, g.binary(ExprOp::Mul, p, mass), target)),
               op.result()->type().dtype()),
        -1});

@@ -4,6 +4,7 @@
 // rules, gradient rules, the CPU reference loops).
 //   kiln.activation_grad(x, dy) {activation}  dy * f'(x) for an activation of scalar_fn.def (for
 //                                             relu, x may be relu's output: f'(y) = f'(x))
+#include <cctype>
 #include <cmath>
 
 #include "ir/op_def.h"
@@ -394,12 +395,30 @@ OpCost costPerElement(const Op& op, const SymbolBindings& symbols) {
   return elementwiseCost(op, symbols, Flops);
 }
 
-// The one-line summary of a function's op: its body when that is one return statement.
+// The one-line summary of a function's op: its body when that is one return statement, with
+// the T(...) of its constants dropped ("x > 0 ? x : 0").
 std::string formulaOf(const ScalarFnInfo& info) {
   std::string_view b = info.body;
-  if (b.starts_with("return ") && b.ends_with(";") && b.find(';') == b.size() - 1)
-    return std::string(b.substr(7, b.size() - 8));
-  return fmt::format("{} (ir/scalar_fn.def)", info.spelling);
+  if (!b.starts_with("return ") || !b.ends_with(";") || b.find(';') != b.size() - 1)
+    return fmt::format("{} (ir/scalar_fn.def)", info.spelling);
+  b = b.substr(7, b.size() - 8);
+  std::string out;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const bool starts_word =
+        i == 0 || !(std::isalnum(static_cast<unsigned char>(b[i - 1])) || b[i - 1] == '_');
+    if (starts_word && b.substr(i, 2) == "T(") {
+      size_t close = b.find(')', i);
+      std::string_view inner = b.substr(i + 2, close - i - 2);
+      if (close != std::string_view::npos &&
+          inner.find_first_not_of("0123456789.-") == std::string_view::npos) {
+        out += inner;
+        i = close;
+        continue;
+      }
+    }
+    out += b[i];
+  }
+  return out;
 }
 
 void addElementwise(OpRegistry& r, ScalarFn fn, CpuFn cpu, GradFn grad, CostFn cost) {
@@ -409,7 +428,8 @@ void addElementwise(OpRegistry& r, ScalarFn fn, CpuFn cpu, GradFn grad, CostFn c
          .summary = formulaOf(info),
          .min_operands = info.arity,
          .max_operands = info.arity,
-         .traits = kPure | kElementwise | (binary ? kBroadcasting : 0u) | (info.commutative ? kCommutative : 0u),
+         .traits =
+             kPure | kElementwise | (binary ? kBroadcasting : 0u) | (info.commutative ? kCommutative : 0u),
          .infer = binary ? inferBinary : inferUnary,
          .verify = info.domain == ScalarDomain::Float ? verifyFloatOperands : nullptr,
          .cost = cost,
@@ -441,21 +461,29 @@ void registerElementwiseOps(OpRegistry& r) {
   std::vector<std::string> predicates;
   for (const ScalarFnInfo& i : scalarFns())
     if (i.kind == ScalarFnKind::Compare) predicates.emplace_back(i.spelling);
-  r.add({.name = "kiln.compare", .summary = "Elementwise comparison, an i1 result",
-         .min_operands = 2, .max_operands = 2,
+  r.add({.name = "kiln.compare",
+         .summary = "Elementwise comparison, an i1 result",
+         .min_operands = 2,
+         .max_operands = 2,
          .attrs = {{"predicate", Attribute::Kind::String, true, std::nullopt, predicates}},
          .traits = kPure | kElementwise | kBroadcasting | kNonDifferentiable,
-         .infer = inferCompare, .cost = costPerElement<1>, .cpu = cpuCompare});
+         .infer = inferCompare,
+         .cost = costPerElement<1>,
+         .cpu = cpuCompare});
   r.add({.name = "kiln.select", .summary = "cond ? a : b, elementwise with broadcasting",
          .min_operands = 3, .max_operands = 3,
          .traits = kPure | kElementwise | kBroadcasting,
          .infer = inferSelect, .cost = costPerElement<1>, .grad = gradSelect, .cpu = cpuSelect});
   // Backward-only: autodiff emits it; no second-order gradients flow through it.
-  r.add({.name = "kiln.activation_grad", .summary = "dy * f'(x) for an activation f (the backward of an activation)",
-         .min_operands = 2, .max_operands = 2,
+  r.add({.name = "kiln.activation_grad",
+         .summary = "dy * f'(x) for an activation f (the backward of an activation)",
+         .min_operands = 2,
+         .max_operands = 2,
          .attrs = {{"activation", Attribute::Kind::String, true, std::nullopt, activationNames()}},
          .traits = kPure | kElementwise | kNonDifferentiable,
-         .infer = inferActivationGrad, .verify = verifyFloatOperands, .cost = costPerElement<12>,
+         .infer = inferActivationGrad,
+         .verify = verifyFloatOperands,
+         .cost = costPerElement<12>,
          .cpu = cpuActivationGrad});
 }
 

@@ -188,10 +188,11 @@ Status gradReduce(GradContext& ctx, const Op& op) {
   if (!g || !isFloat(x->type().dtype())) return Status::ok();
   std::vector<Value*> operands = {g};
   if (op.strAttr("kind") == "max") operands = {g, x, op.result()};
-  KILN_ASSIGN_OR_RETURN(auto r, ctx.builder.createWithTypes("kiln.reduce_grad", operands, {x->type().withSharding(std::nullopt)},
-                                       {{"kind", Attribute(op.strAttr("kind"))},
-                                        {"axes", Attribute::ints(op.intsAttr("axes"))},
-                                        {"keepdims", Attribute(op.boolAttr("keepdims"))}}));
+  KILN_ASSIGN_OR_RETURN(auto r, ctx.builder.createWithTypes(
+                                    "kiln.reduce_grad", operands, {x->type().withSharding(std::nullopt)},
+                                    {{"kind", Attribute(op.strAttr("kind"))},
+                                     {"axes", Attribute::ints(op.intsAttr("axes"))},
+                                     {"keepdims", Attribute(op.boolAttr("keepdims"))}}));
   ctx.operand_grads[0] = r->result();
   return Status::ok();
 }

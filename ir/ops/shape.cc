@@ -81,7 +81,8 @@ Status inferConcat(const Op& op, std::vector<TensorType>& out) {
       return Status::errorf("'kiln.concat' operands differ: {} and {}", first.str(), t.str());
     for (int64_t i = 0; i < t.rank(); ++i)
       if (i != axis && !(t.dim(i) == first.dim(i)))
-        return Status::errorf("'kiln.concat' operands differ off axis {}: {} and {}", axis, first.str(), t.str());
+        return Status::errorf("'kiln.concat' operands differ off axis {}: {} and {}", axis, first.str(),
+                              t.str());
     const Dim& d = t.dim(axis);
     if (d.isBounded()) dynamic = true;
     if (d.sym().empty()) {

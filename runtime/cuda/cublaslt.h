@@ -37,7 +37,8 @@ class CublasLt {
   ~CublasLt();
 
   // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0.
-  Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias, CUstream stream);
+  Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
+                CUstream stream);
 
   size_t cachedAlgorithms() const { return algos_.size(); }
   size_t version() const { return version_; }

@@ -1,11 +1,11 @@
 #include "runtime/cuda/cuda_executor.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <map>
 #include <set>
-
-#include <fmt/format.h>
 
 #include "codegen/kernel_lowering.h"
 #include "ir/op_def.h"
@@ -48,20 +48,17 @@ Expected<std::shared_ptr<CudaSession>> CudaSession::create(const CudaSessionOpti
   std::shared_ptr<CudaSession> s(new CudaSession());
   s->impl_ = std::make_unique<Impl>();
   Impl& im = *s->impl_;
-  auto ctx = CudaContext::create(options.device);
-  if (!ctx) return ctx.status();
-  im.ctx = ctx.take();
+  KILN_ASSIGN_OR_RETURN(auto ctx, CudaContext::create(options.device));
+  im.ctx = std::move(ctx);
   im.arch = options.arch.empty() ? im.ctx->arch() : options.arch;
   KILN_RETURN_IF_ERROR(checkGpuArch(im.arch));
-  auto stream = Stream::create(im.drv());
-  if (!stream) return stream.status();
-  im.stream = stream.take();
-  auto nvrtc = NvrtcCompiler::create(options.cache_dir.empty() ? defaultCacheDir() : options.cache_dir);
-  if (!nvrtc) return nvrtc.status();
-  im.nvrtc = nvrtc.take();
-  auto blas = CublasLt::create(im.drv());
-  if (!blas) return blas.status();
-  im.blas = blas.take();
+  KILN_ASSIGN_OR_RETURN(auto stream, Stream::create(im.drv()));
+  im.stream = std::move(stream);
+  KILN_ASSIGN_OR_RETURN(
+      auto nvrtc, NvrtcCompiler::create(options.cache_dir.empty() ? defaultCacheDir() : options.cache_dir));
+  im.nvrtc = std::move(nvrtc);
+  KILN_ASSIGN_OR_RETURN(auto blas, CublasLt::create(im.drv()));
+  im.blas = std::move(blas);
   return s;
 }
 
@@ -74,9 +71,9 @@ Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
     size_t bytes = t.storage.size();
     auto it = im.params.find(name);
     if (it == im.params.end() || it->second.bytes() != std::max<size_t>(bytes, 1)) {
-      auto buf = DeviceBuffer::allocate(im.drv(), std::max<size_t>(bytes, 1), "parameter " + name);
-      if (!buf) return buf.status();
-      im.params[name] = buf.take();
+      KILN_ASSIGN_OR_RETURN(
+          auto buf, DeviceBuffer::allocate(im.drv(), std::max<size_t>(bytes, 1), "parameter " + name));
+      im.params[name] = std::move(buf);
       it = im.params.find(name);
     }
     if (bytes) KILN_RETURN_IF_ERROR(it->second.upload(t.storage.data(), bytes));
@@ -213,9 +210,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   CudaDriver* drv = si.drv();
   KILN_RETURN_IF_ERROR(si.ctx->makeCurrent());
 
-  auto lowered = codegen::lowerFunction(f, symbols);
-  if (!lowered) return lowered.status();
-  std::vector<codegen::LoweredGroup>& groups = *lowered;
+  KILN_ASSIGN_OR_RETURN(auto lowered, codegen::lowerFunction(f, symbols));
+  std::vector<codegen::LoweredGroup>& groups = lowered;
   // cuBLASLt shares one workspace per session: GEMMs on two streams could run at once over it.
   std::set<int> gemm_streams;
   for (const codegen::LoweredGroup& g : groups)
@@ -224,9 +220,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     return Status::errorf("cuda executor: @{} puts cuBLASLt calls on streams {}; they share one workspace, so GEMMs "
                           "must stay on one stream",
                           f.name(), fmt::join(gemm_streams, " and "));
-  auto built = codegen::buildCudaProgram(f, groups, symbols, kArenaAlignment);
-  if (!built) return built.status();
-  im.built = built.take();
+  KILN_ASSIGN_OR_RETURN(auto built, codegen::buildCudaProgram(f, groups, symbols, kArenaAlignment));
+  im.built = std::move(built);
   codegen::Program& p = im.program;
   std::set<int> error_flag_buffers(im.built.error_flags.begin(), im.built.error_flags.end());
   std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
@@ -243,19 +238,19 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     im.own_streams.push_back(st.take());
   }
   for (int e = 0; e < p.num_events; ++e) {
-    auto ev = Event::create(drv, fmt::format("event {} of @{}", e, f.name()));
-    if (!ev) return ev.status();
-    im.events.push_back(ev.take());
+    KILN_ASSIGN_OR_RETURN(auto ev, Event::create(drv, fmt::format("event {} of @{}", e, f.name())));
+    im.events.push_back(std::move(ev));
   }
   for (const codegen::Stream& ps : p.streams)
     for (const codegen::Instruction& in : ps.instrs) im.order.push_back({ps.id, &in});
   std::sort(im.order.begin(), im.order.end(), [](const auto& a, const auto& b) { return a.second->seq < b.second->seq; });
 
   // Device memory: the arena, then every buffer outside it.
-  auto arena = DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(p.arena_bytes, kArenaAlignment)),
-                                      fmt::format("the {}-byte arena of @{}", p.arena_bytes, f.name()));
-  if (!arena) return arena.status();
-  im.arena = arena.take();
+  KILN_ASSIGN_OR_RETURN(
+      auto arena,
+      DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(p.arena_bytes, kArenaAlignment)),
+                             fmt::format("the {}-byte arena of @{}", p.arena_bytes, f.name())));
+  im.arena = std::move(arena);
   im.address.assign(p.buffers.size(), 0);
   for (const codegen::Buffer& b : p.buffers) {
     if (b.inArena()) {
@@ -270,11 +265,11 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
                               it->second.bytes(), f.name(), b.bytes);
       im.address[b.id] = it->second.ptr();
     } else {
-      auto buf = DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(b.bytes, 4)),
-                                        fmt::format("{} '{}'", codegen::bufferKindName(b.kind), b.name));
-      if (!buf) return buf.status();
-      im.address[b.id] = buf->ptr();
-      im.owned.push_back(buf.take());
+      KILN_ASSIGN_OR_RETURN(
+          auto buf, DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(b.bytes, 4)),
+                                           fmt::format("{} '{}'", codegen::bufferKindName(b.kind), b.name)));
+      im.address[b.id] = buf.ptr();
+      im.owned.push_back(std::move(buf));
     }
   }
   // Constants: computed by the op's CPU reference, uploaded once.
@@ -296,9 +291,9 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     im.staging_at.push_back(staging_bytes);
     staging_bytes += static_cast<size_t>((p.buffers[id].bytes + 63) / 64 * 64);
   }
-  auto staging = PinnedBuffer::allocate(drv, staging_bytes, fmt::format("the inputs of @{}", f.name()));
-  if (!staging) return staging.status();
-  im.staging = staging.take();
+  KILN_ASSIGN_OR_RETURN(
+      auto staging, PinnedBuffer::allocate(drv, staging_bytes, fmt::format("the inputs of @{}", f.name())));
+  im.staging = std::move(staging);
 
   // One NVRTC module holding every kernel of the function.
   std::vector<const codegen::Kernel*> all;
@@ -310,9 +305,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     auto cubin = si.nvrtc->compile(mod, si.arch);
     if (!cubin) return Status::errorf("compiling the kernels of @{}: {}", f.name(), cubin.status().message());
     im.compiled = si.nvrtc->compilations() - before;
-    auto loaded = LoadedModule::load(drv, cubin->cubin);
-    if (!loaded) return loaded.status();
-    im.module = loaded.take();
+    KILN_ASSIGN_OR_RETURN(auto loaded, LoadedModule::load(drv, cubin->cubin));
+    im.module = std::move(loaded);
   }
 
   // The steps, every argument resolved to a device address.
@@ -325,9 +319,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       ++im.gemms;
       continue;
     }
-    auto fn = im.module->function(cs.name);
-    if (!fn) return fn.status();
-    s.fn = *fn;
+    KILN_ASSIGN_OR_RETURN(auto fn, im.module->function(cs.name));
+    s.fn = fn;
     const codegen::LoweredGroup& g = groups[static_cast<size_t>(cs.group)];
     const size_t ki = static_cast<size_t>(cs.kernel);
     const codegen::Kernel& k = g.kernels[ki];
@@ -436,8 +429,7 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch& batch) {
   Impl& im = *impl_;
   // A normal run first: inputs uploaded, flags checked, cuBLASLt plans chosen.
-  auto first = run(batch);
-  if (!first) return first.status();
+  KILN_ASSIGN_OR_RETURN(auto first, run(batch));
   CudaSession::Impl& si = im.s();
   CudaDriver* drv = si.drv();
   CUstream st = im.streams.at(0);

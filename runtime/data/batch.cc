@@ -136,7 +136,8 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
     } else if (role == "sparse" || role == "lengths" || role == "weights") {
       KILN_ASSIGN_OR_RETURN(auto f, intAttr(attrs, in.name, "feature", true));
       if (f < 0 || f >= kNumSparse)
-        return inputError(in.name, fmt::format("feature {} is outside the {} categorical features", f, kNumSparse));
+        return inputError(in.name,
+                          fmt::format("feature {} is outside the {} categorical features", f, kNumSparse));
       in.feature = static_cast<int>(f);
       if (role == "sparse") {
         in.role = InputRole::Sparse;

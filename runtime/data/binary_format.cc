@@ -72,8 +72,8 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
   uint64_t records = take<uint64_t>(h + 32);
   uint64_t payload = static_cast<uint64_t>(size - kBinaryHeaderBytes);
   if (records > payload / kBinaryRecordBytes || payload != records * kBinaryRecordBytes)
-    return Status::errorf("'{}': {} file: the header says {} records ({} bytes) but the file has {} bytes", path,
-                          payload < records * kBinaryRecordBytes ? "truncated" : "corrupt", records,
+    return Status::errorf("'{}': {} file: the header says {} records ({} bytes) but the file has {} bytes",
+                          path, payload < records * kBinaryRecordBytes ? "truncated" : "corrupt", records,
                           kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
   return static_cast<int64_t>(records);
 }

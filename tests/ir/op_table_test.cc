@@ -1,13 +1,13 @@
 // The op list (ir/ops/ops.def) and the op table agree, and code outside the table compares ops
 // by opcode: no op's name is spelled as a string literal outside ir/ops/, the printer and the
 // parser (issue 11: a misspelled name is then a compile error, not a silent mismatch).
+#include <gtest/gtest.h>
+
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <set>
 #include <sstream>
-
-#include <gtest/gtest.h>
 
 #include "ir/op_def.h"
 

@@ -2,12 +2,12 @@
 // differences of its forward entry, the newest functions against their textbook definitions,
 // and the combiners' identities. The CUDA and interpreter paths are checked against the CPU
 // reference in the nvrtc and simt tests.
-#include <cmath>
-#include <limits>
+#include "ir/scalar_fn.h"
 
 #include <gtest/gtest.h>
 
-#include "ir/scalar_fn.h"
+#include <cmath>
+#include <limits>
 
 namespace kiln::ir {
 namespace {
@@ -28,8 +28,10 @@ TEST(ScalarFns, EveryActivationDerivativeMatchesCentralDifferences) {
     // Points away from every kink of the table's activations (relu at 0, hardswish at +-3).
     for (double x : {-5.5, -3.3, -2.1, -0.7, -0.2, 0.3, 0.9, 1.7, 2.6, 3.4, 6.2}) {
       const double h = 1e-6;
-      const double fd = (scalar::evaluate<double>(f.fn, x + h) - scalar::evaluate<double>(f.fn, x - h)) / (2 * h);
-      EXPECT_NEAR(scalar::evaluate<double>(d.fn, x), fd, 1e-7 * (1 + std::abs(fd))) << f.spelling << "'(" << x << ")";
+      const double fd =
+          (scalar::evaluate<double>(f.fn, x + h) - scalar::evaluate<double>(f.fn, x - h)) / (2 * h);
+      EXPECT_NEAR(scalar::evaluate<double>(d.fn, x), fd, 1e-7 * (1 + std::abs(fd)))
+          << f.spelling << "'(" << x << ")";
     }
     ++checked;
   }
@@ -47,7 +49,8 @@ TEST(ScalarFns, SoftplusIsLogOnePlusExp) {
 
 TEST(ScalarFns, HardswishIsPiecewise) {
   auto ref = [](double x) { return x <= -3 ? 0.0 : x >= 3 ? x : x * (x + 3) / 6; };
-  for (double x : {-7.0, -3.0, -2.5, -1.0, 0.0, 0.5, 2.9, 3.0, 8.0}) EXPECT_DOUBLE_EQ(scalar::Hardswish(x), ref(x)) << x;
+  for (double x : {-7.0, -3.0, -2.5, -1.0, 0.0, 0.5, 2.9, 3.0, 8.0})
+    EXPECT_DOUBLE_EQ(scalar::Hardswish(x), ref(x)) << x;
   // PyTorch's derivative at the corners: 0 below -3, x / 3 + 0.5 on [-3, 3], 1 above.
   EXPECT_DOUBLE_EQ(scalar::HardswishDerivative(-3.0), -0.5);
   EXPECT_DOUBLE_EQ(scalar::HardswishDerivative(3.0), 1.5);

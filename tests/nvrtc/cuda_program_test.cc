@@ -4,6 +4,8 @@
 // two buffers that may be live at once overlap. Happens-before is recomputed here from the
 // instructions alone (stream order plus record -> wait edges), independently of the planner's
 // vector clocks.
+#include "codegen/cuda_program.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,7 +14,6 @@
 #include <set>
 #include <sstream>
 
-#include "codegen/cuda_program.h"
 #include "codegen/kernel_lowering.h"
 #include "frontend/frontend.h"
 #include "ir/op_def.h"

@@ -144,8 +144,8 @@ inline std::vector<OpCase> allOpCases() {
     b.kernels(1);
     add(b);
   }
-  for (const char* u : {"kiln.neg", "kiln.abs", "kiln.exp", "kiln.tanh", "kiln.sigmoid", "kiln.relu", "kiln.gelu",
-                        "kiln.silu", "kiln.softplus", "kiln.hardswish"}) {
+  for (const char* u : {"kiln.neg", "kiln.abs", "kiln.exp", "kiln.tanh", "kiln.sigmoid", "kiln.relu",
+                        "kiln.gelu", "kiln.silu", "kiln.softplus", "kiln.hardswish"}) {
     CaseBuilder b(std::string("unary_") + (u + 5));
     b.op(u, {b.input("x", f32, S({3, 5}))});
     add(b);

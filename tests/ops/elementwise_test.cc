@@ -50,7 +50,8 @@ TEST(ElementwiseCpu, UnaryMath) {
   // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) at -1, 0, 2
   expectTensor(runOk(unary("kiln.gelu", x)), {3}, {-0.15880800939172324, 0, 1.9545976940877752});
   // log(1 + e^x) and x relu6(x + 3) / 6
-  expectTensor(runOk(unary("kiln.softplus", x)), {3}, {0.31326168751822286, 0.6931471805599453, 2.1269280110429727});
+  expectTensor(runOk(unary("kiln.softplus", x)), {3},
+               {0.31326168751822286, 0.6931471805599453, 2.1269280110429727});
   expectTensor(runOk(unary("kiln.hardswish", f64({4}, {-4, -1, 2, 5}))), {4}, {0, -1.0 / 3, 5.0 / 3, 5});
   auto p = f64({3}, {1, 4, 0.25});
   expectTensor(runOk(unary("kiln.log", p)), {3}, {0, 1.3862943611198906, -1.3862943611198906});

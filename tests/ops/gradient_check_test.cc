@@ -92,7 +92,9 @@ std::vector<GradCase> gradCases() {
   c.push_back({"Silu", "kiln.silu", {uniform({2, 3}, -3, 3)}});
   c.push_back({"Softplus", "kiln.softplus", {uniform({2, 3}, -4, 4)}});
   // Away from the corners at -3 and 3.
-  c.push_back({"Hardswish", "kiln.hardswish", {tensor(DType::f64, {2, 4}, {-4.5, -2.5, -1.2, -0.3, 0.4, 1.9, 2.7, 5.1})}});
+  c.push_back({"Hardswish",
+               "kiln.hardswish",
+               {tensor(DType::f64, {2, 4}, {-4.5, -2.5, -1.2, -0.3, 0.4, 1.9, 2.7, 5.1})}});
   c.push_back({"Select",
                "kiln.select",
                {tensor(DType::i1, {2, 3}, {1, 0, 0, 1, 1, 0}), uniform({2, 3}), uniform({3})}});

@@ -1,5 +1,7 @@
 #include "tests/simt/host_program.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -7,8 +9,6 @@
 #include <random>
 #include <set>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "codegen/cuda_emitter.h"
 #include "codegen/cuda_program.h"
@@ -71,7 +71,8 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
         float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         for (; k < g.k; ++k) acc += x[k] * y[k];
         if (hasBias(s.epilogue)) acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
-        if (s.epilogue == codegen::Epilogue::Relu || s.epilogue == codegen::Epilogue::BiasRelu) acc = std::max(acc, 0.0f);
+        if (s.epilogue == codegen::Epilogue::Relu || s.epilogue == codegen::Epilogue::BiasRelu)
+          acc = std::max(acc, 0.0f);
         if (s.epilogue == codegen::Epilogue::Gelu || s.epilogue == codegen::Epilogue::BiasGelu)
           acc = 0.5f * acc * (1.0f + std::tanh(0.7978845608028654f * (acc + 0.044715f * acc * acc * acc)));
         store(c, s.c_type, bt * g.m * g.n + i + j * g.ld_c, acc);

@@ -86,7 +86,8 @@ codegen::CudaModule handWritten(const std::string& kernel, const std::string& bo
 TEST(Simt, BlockReduceAndScanAcrossWarps) {
   // The prelude's block reduction (shuffles + shared scratch) and the jagged-offsets scan, with
   // a block of 96 threads over 200 values: sums known in closed form.
-  auto m = simt::HostModule::compile(handWritten("simt_reduce_scan", R"((const float* x, float* sum, const int* len, long long* off, int* err) {
+  auto m = simt::HostModule::compile(handWritten(
+      "simt_reduce_scan", R"((const float* x, float* sum, const int* len, long long* off, int* err) {
   __shared__ float scratch[32];
   float acc = 0.0f;
   for (int i = threadIdx.x; i < 200; i += blockDim.x) acc += x[i];

@@ -25,7 +25,7 @@ constexpr bool isUnary(ir::ScalarFn f) {
   switch (f) {
 #define KILN_BINARY(Name, ...) case ir::ScalarFn::Name:
 #include "ir/scalar_fn.def"
-      return false;
+    return false;
     default:
       return true;
   }
@@ -50,9 +50,11 @@ void runTyped(const BroadcastIter& it, const std::vector<const ir::TensorView*>&
       const T* pb = b + (isUnary(F) ? offs[0] : offs[1]);
       T* pc = c + r * inner;
       if (sa == 1 && sb == 1) {
-        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j), S::load(pb, j)));
+        for (int64_t j = 0; j < inner; ++j)
+          S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j), S::load(pb, j)));
       } else {
-        for (int64_t j = 0; j < inner; ++j) S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j * sa), S::load(pb, j * sb)));
+        for (int64_t j = 0; j < inner; ++j)
+          S::store(pc, j, ir::scalar::apply<F, float>(S::load(pa, j * sa), S::load(pb, j * sb)));
       }
     }
   });
@@ -84,7 +86,8 @@ bool sameFloatTypes(const ir::Op& op) {
 
 void registerElementwiseKernels(KernelTable& t) {
   // Every op of ir/scalar_fn.def, f32 compute over f32 or bf16 storage.
-#define KILN_EW(Name, spelling) addKernel(t, ir::OpCode::Name, {"ew_" #Name, runElementwise<ir::ScalarFn::Name>, sameFloatTypes});
+#define KILN_EW(Name, spelling) \
+  addKernel(t, ir::OpCode::Name, {"ew_" #Name, runElementwise<ir::ScalarFn::Name>, sameFloatTypes});
 #define KILN_UNARY(Name, spelling, ...) KILN_EW(Name, spelling)
 #define KILN_ACTIVATION(Name, spelling, ...) KILN_EW(Name, spelling)
 #define KILN_BINARY(Name, spelling, ...) KILN_EW(Name, spelling)

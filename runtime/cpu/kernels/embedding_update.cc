@@ -173,7 +173,8 @@ bool supportsEmbeddingUpdate(const ir::Op& op) {
 }  // namespace
 
 void registerEmbeddingUpdateKernels(KernelTable& t) {
-  addKernel(t, ir::OpCode::EmbeddingBagUpdate, {"embedding_bag_update", runEmbeddingUpdate, supportsEmbeddingUpdate});
+  addKernel(t, ir::OpCode::EmbeddingBagUpdate,
+            {"embedding_bag_update", runEmbeddingUpdate, supportsEmbeddingUpdate});
 }
 
 }  // namespace kiln::runtime::cpu

@@ -126,6 +126,8 @@ bool supportsMatmul(const ir::Op& op) {
 
 }  // namespace
 
-void registerMatmulKernels(KernelTable& t) { addKernel(t, ir::OpCode::Matmul, {"blas_matmul", runMatmul, supportsMatmul}); }
+void registerMatmulKernels(KernelTable& t) {
+  addKernel(t, ir::OpCode::Matmul, {"blas_matmul", runMatmul, supportsMatmul});
+}
 
 }  // namespace kiln::runtime::cpu

@@ -44,7 +44,8 @@ Status runOptimizerUpdate(const ir::Op& op, const std::vector<const ir::TensorVi
 }  // namespace
 
 void registerOptimizerKernels(KernelTable& t) {
-  addKernel(t, ir::OpCode::OptimizerUpdate, {"optimizer_update", runOptimizerUpdate, supportsOptimizerUpdate});
+  addKernel(t, ir::OpCode::OptimizerUpdate,
+            {"optimizer_update", runOptimizerUpdate, supportsOptimizerUpdate});
 }
 
 }  // namespace kiln::runtime::cpu

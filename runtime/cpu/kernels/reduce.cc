@@ -125,6 +125,8 @@ bool supportsReduce(const ir::Op& op) {
 
 }  // namespace
 
-void registerReduceKernels(KernelTable& t) { addKernel(t, ir::OpCode::Reduce, {"reduce", runReduce, supportsReduce}); }
+void registerReduceKernels(KernelTable& t) {
+  addKernel(t, ir::OpCode::Reduce, {"reduce", runReduce, supportsReduce});
+}
 
 }  // namespace kiln::runtime::cpu
