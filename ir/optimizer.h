@@ -74,7 +74,8 @@ struct IdSamples {
   std::vector<int64_t> sample;  // per id position
   std::vector<double> coeff;    // per id position
 };
-Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l, const std::vector<const TensorView*>& in);
+Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l,
+                              const std::vector<const TensorView*>& in);
 
 // ---- The dense optimizer step, element by element --------------------------------------------
 // One definition of the math of kiln.optimizer_update, shared by the op table's reference hook

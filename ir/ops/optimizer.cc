@@ -496,7 +496,8 @@ Status cpuGradSqnorm(const Op& op, const std::vector<const TensorView*>& in, con
 
 }  // namespace
 
-Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l, const std::vector<const TensorView*>& in) {
+Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l,
+                              const std::vector<const TensorView*>& in) {
   const TensorView& ids = *in[static_cast<size_t>(l.ids)];
   const int64_t n = ids.numel();
   const bool mean = op.strAttr("mode", "sum") == "mean";
@@ -509,7 +510,8 @@ Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l, cons
     for (int64_t b = 0; b < len.numel(); ++b) {
       int64_t k = readIndex(len, b);
       if (k < 0 || pos + k > n)
-        return Status::errorf("'{}': lengths do not match the {} ids (sample {} has length {})", op.name(), n, b, k);
+        return Status::errorf("'{}': lengths do not match the {} ids (sample {} has length {})", op.name(), n,
+                              b, k);
       for (int64_t j = 0; j < k; ++j, ++pos) {
         s.sample[static_cast<size_t>(pos)] = b;
         if (mean) s.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(k);
