@@ -27,6 +27,7 @@
 #include "ir/attribute.h"
 #include "ir/ir.h"
 #include "ir/status.h"
+#include "ir/tensor_view.h"
 
 namespace kiln::ir {
 
@@ -63,6 +64,18 @@ struct EmbeddingUpdateLayout {
 };
 // nullopt when the op's attributes do not determine a layout (an unknown optimizer).
 std::optional<EmbeddingUpdateLayout> embeddingUpdateLayout(const Op& op);
+
+// The sample (bag) that owns each id position of one of those ops, and each position's pooling
+// factor before weights: 1/(its sample's length) under mode = "mean", else 1. Flat ids: sample b
+// owns the next lengths[b] ids, and the lengths must add up to the ids; [B, H] ids: H each.
+// Shared by the op table's reference hooks (ir/ops/optimizer.cc) and the CPU kernel
+// (runtime/cpu/kernels/embedding_update.cc).
+struct IdSamples {
+  std::vector<int64_t> sample;  // per id position
+  std::vector<double> coeff;    // per id position
+};
+Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l,
+                              const std::vector<const TensorView*>& in);
 
 // ---- The dense optimizer step, element by element --------------------------------------------
 // One definition of the math of kiln.optimizer_update, shared by the op table's reference hook

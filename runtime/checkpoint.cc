@@ -1,14 +1,15 @@
 #include "runtime/checkpoint.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <set>
 
 #include "runtime/json.h"
 
@@ -75,23 +76,25 @@ const ir::HostTensor* Checkpoint::find(const std::string& name) const {
 
 Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
-  json::Value header = json::Value::object();
-  json::Value meta = json::Value::object();
-  for (const auto& [k, v] : metadata) meta.set(k, v);
-  header.set("__metadata__", std::move(meta));
+  json::Json header = json::Json::object();
+  json::Json& meta = header["__metadata__"] = json::Json::object();
+  for (const auto& [k, v] : metadata) meta[k] = v;
+  std::set<std::string_view> names = {"__metadata__"};
   int64_t offset = 0;
   for (const auto& [name, view] : tensors) {
-    if (name == "__metadata__" || header.find(name)) return Status::errorf("checkpoint '{}': duplicate or reserved tensor name '{}'", path, name);
-    json::Value entry = json::Value::object();
-    entry.set("dtype", std::string(safetensorsDType(view.dtype)));
-    json::Value::Array shape;
-    for (int64_t d : view.shape) shape.emplace_back(d);
-    entry.set("shape", std::move(shape));
-    entry.set("data_offsets", json::Value::Array{json::Value(offset), json::Value(offset + view.bytes())});
-    header.set(name, std::move(entry));
+    if (!names.insert(name).second)
+      return Status::errorf("checkpoint '{}': duplicate or reserved tensor name '{}'", path, name);
+    json::Json shape = json::Json::array();
+    for (int64_t d : view.shape) shape.push_back(d);
+    json::appendMember(header, name,
+                       {{"dtype", safetensorsDType(view.dtype)},
+                        {"shape", std::move(shape)},
+                        {"data_offsets", {offset, offset + view.bytes()}}});
     offset += view.bytes();
   }
-  std::string text = header.dump();
+  auto dumped = json::dump(header);
+  if (!dumped) return Status::errorf("checkpoint '{}': {}", path, dumped.status().message());
+  std::string text = dumped.take();
   text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
   uint64_t n = text.size();
 
@@ -154,7 +157,7 @@ Expected<Checkpoint> loadCheckpoint(const std::string& path) {
   KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
   auto header = json::parse(text);
   if (!header) return fail("bad header: " + header.status().message());
-  if (!header->isObject()) return fail("bad header: not a JSON object");
+  if (!header->is_object()) return fail("bad header: not a JSON object");
   const uint64_t data_bytes = size - 8 - n;
 
   Checkpoint ckpt;
@@ -163,43 +166,53 @@ Expected<Checkpoint> loadCheckpoint(const std::string& path) {
     size_t index;
   };
   std::vector<Span> spans;
-  for (const auto& [name, entry] : header->asObject()) {
+  for (const auto& [name, entry] : header->items()) {
     if (name == "__metadata__") {
-      if (!entry.isObject()) return fail("'__metadata__' must be an object of strings");
-      for (const auto& [k, v] : entry.asObject()) {
-        if (!v.isString()) return fail(fmt::format("metadata '{}' must be a string", k));
-        ckpt.metadata[k] = v.asString();
+      if (!entry.is_object()) return fail("'__metadata__' must be an object of strings");
+      for (const auto& [k, v] : entry.items()) {
+        if (!v.is_string()) return fail(fmt::format("metadata '{}' must be a string", k));
+        ckpt.metadata[k] = v.get<std::string>();
       }
       continue;
     }
     auto bad = [&](const std::string& msg) { return fail(fmt::format("tensor '{}': {}", name, msg)); };
-    if (!entry.isObject()) return bad("entry is not an object");
-    const json::Value* dt = entry.find("dtype");
-    const json::Value* shape = entry.find("shape");
-    const json::Value* offs = entry.find("data_offsets");
-    if (!dt || !dt->isString()) return bad("missing string 'dtype'");
-    auto dtype = parseSafetensorsDType(dt->asString());
-    if (!dtype) return bad(fmt::format("unsupported dtype '{}'", dt->asString()));
-    if (!shape || !shape->isArray()) return bad("missing array 'shape'");
+    if (!entry.is_object()) return bad("entry is not an object");
+    auto member = [&](const char* key) -> const json::Json* {
+      auto it = entry.find(key);
+      return it == entry.end() ? nullptr : &*it;
+    };
+    const json::Json* dt = member("dtype");
+    const json::Json* shape = member("shape");
+    const json::Json* offs = member("data_offsets");
+    if (!dt || !dt->is_string()) return bad("missing string 'dtype'");
+    const std::string& dtype_name = dt->get_ref<const std::string&>();
+    auto dtype = parseSafetensorsDType(dtype_name);
+    if (!dtype) return bad(fmt::format("unsupported dtype '{}'", dtype_name));
+    if (!shape || !shape->is_array()) return bad("missing array 'shape'");
     std::vector<int64_t> dims;
-    uint64_t numel = 1;
-    for (const auto& d : shape->asArray()) {
-      if (!d.isInt() || d.asInt() < 0) return bad("shape entries must be non-negative integers");
-      dims.push_back(d.asInt());
-      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d.asInt()), &numel))
-        return bad(fmt::format("shape {} is impossibly large", shape->dump()));
+    for (const json::Json& d : *shape) {
+      std::optional<int64_t> dim = json::asInt64(d);
+      if (!dim || *dim < 0) return bad("shape entries must be non-negative integers");
+      dims.push_back(*dim);
     }
-    if (!offs || !offs->isArray() || offs->asArray().size() != 2 || !offs->asArray()[0].isInt() || !offs->asArray()[1].isInt())
-      return bad("'data_offsets' must be [begin, end]");
-    int64_t b = offs->asArray()[0].asInt(), e = offs->asArray()[1].asInt();
+    auto too_large = [&] { return bad(fmt::format("shape [{}] is impossibly large", fmt::join(dims, ","))); };
+    uint64_t numel = 1;
+    for (int64_t d : dims)
+      if (__builtin_mul_overflow(numel, static_cast<uint64_t>(d), &numel)) return too_large();
+    std::optional<int64_t> begin, end;
+    if (offs && offs->is_array() && offs->size() == 2)
+      begin = json::asInt64((*offs)[0]), end = json::asInt64((*offs)[1]);
+    if (!begin || !end) return bad("'data_offsets' must be [begin, end]");
+    int64_t b = *begin, e = *end;
     if (b < 0 || e < b) return bad(fmt::format("bad data_offsets [{}, {}]", b, e));
     if (static_cast<uint64_t>(e) > data_bytes)
       return bad(fmt::format("data_offsets [{}, {}] run past the {} data bytes (truncated file?)", b, e, data_bytes));
     uint64_t want = 0;
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(ir::dtypeBytes(*dtype)), &want))
-      return bad(fmt::format("shape {} is impossibly large", shape->dump()));
+      return too_large();
     if (static_cast<uint64_t>(e - b) != want)
-      return bad(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", b, e, e - b, dt->asString(), shapeText(dims), want));
+      return bad(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", b, e, e - b,
+                             dtype_name, shapeText(dims), want));
     spans.push_back({static_cast<uint64_t>(b), static_cast<uint64_t>(e), ckpt.tensors.size()});
     ckpt.tensors.emplace_back(name, ir::HostTensor(*dtype, dims));
   }

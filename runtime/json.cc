@@ -1,249 +1,122 @@
 #include "runtime/json.h"
 
-#include <cerrno>
-#include <cmath>
-#include <cstdlib>
+#include <algorithm>
+#include <limits>
+#include <vector>
 
 namespace kiln::json {
 
-const Value* Value::find(std::string_view key) const {
-  for (const auto& [k, v] : o_)
-    if (k == key) return &v;
-  return nullptr;
-}
-
-Value& Value::set(std::string key, Value v) {
-  kind_ = Kind::Object;
-  for (auto& [k, old] : o_)
-    if (k == key) return old = std::move(v);
-  o_.emplace_back(std::move(key), std::move(v));
-  return o_.back().second;
-}
-
-std::string quote(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) out += fmt::format("\\u{:04x}", static_cast<unsigned char>(c));
-        else out += c;
-    }
-  }
-  return out + "\"";
-}
-
-void Value::dumpTo(std::string& out) const {
-  switch (kind_) {
-    case Kind::Null: out += "null"; break;
-    case Kind::Bool: out += b_ ? "true" : "false"; break;
-    case Kind::Int: out += std::to_string(i_); break;
-    case Kind::Double:
-      // fmt prints the shortest text that reads back to the same double.
-      out += std::isfinite(d_) ? fmt::format("{}", d_) : "null";
-      break;
-    case Kind::String: out += quote(s_); break;
-    case Kind::Array:
-      out += '[';
-      for (size_t i = 0; i < a_.size(); ++i) {
-        if (i) out += ',';
-        a_[i].dumpTo(out);
-      }
-      out += ']';
-      break;
-    case Kind::Object:
-      out += '{';
-      for (size_t i = 0; i < o_.size(); ++i) {
-        if (i) out += ',';
-        out += quote(o_[i].first);
-        out += ':';
-        o_[i].second.dumpTo(out);
-      }
-      out += '}';
-      break;
-  }
-}
-
-std::string Value::dump() const {
-  std::string out;
-  dumpTo(out);
-  return out;
-}
-
 namespace {
 
-class Parser {
+// Builds the document from nlohmann's SAX events, as ordered_json::parse does, and stops at the
+// first error: a syntax error, a duplicate key, or nesting past kMaxDepth.
+class DocumentBuilder final : public Json::json_sax_t {
  public:
-  explicit Parser(std::string_view t) : t_(t) {}
+  explicit DocumentBuilder(size_t text_bytes) : text_bytes_(text_bytes) {}
+  Json root;
+  std::string error;  // why parsing stopped
 
-  Expected<Value> document() {
-    auto v = value(0);
-    if (!v) return v;
-    skipSpace();
-    if (p_ != t_.size()) return fail("trailing characters after the JSON value");
-    return v;
-  }
+  bool null() override { return add(nullptr); }
+  bool boolean(bool v) override { return add(v); }
+  bool number_integer(Json::number_integer_t v) override { return add(v); }
+  bool number_unsigned(Json::number_unsigned_t v) override { return add(v); }
+  bool number_float(Json::number_float_t v, const Json::string_t&) override { return add(v); }
+  bool string(Json::string_t& v) override { return add(std::move(v)); }
+  bool binary(Json::binary_t& v) override { return add(Json::binary(std::move(v))); }  // not in JSON text
 
- private:
-  Status fail(std::string_view msg) const { return Status::errorf("invalid JSON at byte {}: {}", p_, msg); }
-  void skipSpace() {
-    while (p_ < t_.size() && (t_[p_] == ' ' || t_[p_] == '\t' || t_[p_] == '\n' || t_[p_] == '\r')) ++p_;
+  bool start_object(std::size_t) override { return open(Json::object()); }
+  bool key(Json::string_t& k) override {
+    key_ = std::move(k);
+    return true;
   }
-  bool eat(char c) {
-    skipSpace();
-    if (p_ < t_.size() && t_[p_] == c) {
-      ++p_;
-      return true;
-    }
-    return false;
+  bool end_object() override {
+    // Readers that keep the first of two equal keys and readers that keep the last would see
+    // two different checkpoints, so a duplicate is an error.
+    std::vector<std::string_view> keys;
+    for (const auto& member : open_.back()->get_ref<const Json::object_t&>()) keys.push_back(member.first);
+    std::sort(keys.begin(), keys.end());
+    auto dup = std::adjacent_find(keys.begin(), keys.end());
+    if (dup != keys.end()) return fail(fmt::format("duplicate key \"{}\"", *dup));
+    open_.pop_back();
+    return true;
   }
-  bool literal(std::string_view w) {
-    if (t_.substr(p_, w.size()) != w) return false;
-    p_ += w.size();
+  bool start_array(std::size_t) override { return open(Json::array()); }
+  bool end_array() override {
+    open_.pop_back();
     return true;
   }
 
-  Expected<Value> value(int depth) {
-    if (depth > 64) return fail("nested too deeply");
-    skipSpace();
-    if (p_ >= t_.size()) return fail("unexpected end of input");
-    char c = t_[p_];
-    if (c == '{') {
-      ++p_;
-      Value obj = Value::object();
-      if (eat('}')) return obj;
-      do {
-        skipSpace();
-        if (p_ >= t_.size() || t_[p_] != '"') return fail("expected a string key");
-        auto key = string();
-        if (!key) return key.status();
-        if (!eat(':')) return fail("expected ':'");
-        auto v = value(depth + 1);
-        if (!v) return v;
-        if (obj.find(*key)) return fail(fmt::format("duplicate key \"{}\"", *key));
-        obj.set(key.take(), v.take());
-      } while (eat(','));
-      if (!eat('}')) return fail("expected ',' or '}'");
-      return obj;
-    }
-    if (c == '[') {
-      ++p_;
-      Value arr{Value::Array{}};
-      if (eat(']')) return arr;
-      do {
-        auto v = value(depth + 1);
-        if (!v) return v;
-        arr.mutableArray().push_back(v.take());
-      } while (eat(','));
-      if (!eat(']')) return fail("expected ',' or ']'");
-      return arr;
-    }
-    if (c == '"') {
-      auto s = string();
-      if (!s) return s.status();
-      return Value(s.take());
-    }
-    if (literal("true")) return Value(true);
-    if (literal("false")) return Value(false);
-    if (literal("null")) return Value(nullptr);
-    return number();
+  bool parse_error(std::size_t bytes_read, const std::string&, const Json::exception& e) override {
+    // The parser stopped on the last byte it read; reading the end of the text counts as a byte.
+    size_t at = bytes_read > text_bytes_ ? text_bytes_ : std::max<size_t>(bytes_read, 1) - 1;
+    // what() is "[json.exception.parse_error.101] parse error at line 1, column 6: syntax error ...".
+    std::string_view why = e.what();
+    if (size_t colon = why.find(": "); colon != std::string_view::npos) why.remove_prefix(colon + 2);
+    return fail(fmt::format("invalid JSON at byte {}: {}", at, why));
   }
 
-  Expected<std::string> string() {
-    ++p_;  // the opening quote
-    std::string out;
-    while (p_ < t_.size()) {
-      char c = t_[p_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) return fail("control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (p_ >= t_.size()) break;
-      char e = t_[p_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          if (p_ + 4 > t_.size()) return fail("short \\u escape");
-          unsigned cp = 0;
-          for (int i = 0; i < 4; ++i) {
-            char h = t_[p_++];
-            cp <<= 4;
-            if (h >= '0' && h <= '9') cp |= static_cast<unsigned>(h - '0');
-            else if (h >= 'a' && h <= 'f') cp |= static_cast<unsigned>(h - 'a' + 10);
-            else if (h >= 'A' && h <= 'F') cp |= static_cast<unsigned>(h - 'A' + 10);
-            else return fail("bad \\u escape");
-          }
-          // UTF-8 encode (surrogate pairs are passed through as separate code units).
-          if (cp < 0x80) out += static_cast<char>(cp);
-          else if (cp < 0x800) {
-            out += static_cast<char>(0xc0 | (cp >> 6));
-            out += static_cast<char>(0x80 | (cp & 0x3f));
-          } else {
-            out += static_cast<char>(0xe0 | (cp >> 12));
-            out += static_cast<char>(0x80 | ((cp >> 6) & 0x3f));
-            out += static_cast<char>(0x80 | (cp & 0x3f));
-          }
-          break;
-        }
-        default: return fail("bad escape");
-      }
+ private:
+  bool fail(std::string why) {
+    error = std::move(why);
+    return false;
+  }
+  bool add(Json v) {
+    place(std::move(v));
+    return true;
+  }
+  bool open(Json container) {
+    if (open_.size() >= kMaxDepth)
+      return fail(fmt::format("invalid JSON: nested deeper than {} levels", kMaxDepth));
+    open_.push_back(place(std::move(container)));
+    return true;
+  }
+  // Puts a value into the innermost open array or object, or makes it the root. Pointers to open
+  // containers stay valid: a container only grows while it is the innermost one.
+  Json* place(Json v) {
+    if (open_.empty()) return &(root = std::move(v));
+    Json& parent = *open_.back();
+    if (parent.is_array()) {
+      parent.get_ref<Json::array_t&>().push_back(std::move(v));
+      return &parent.back();
     }
-    return fail("unterminated string");
+    appendMember(parent, std::move(key_), std::move(v));  // end_object checks for duplicates
+    return &parent.get_ref<Json::object_t&>().back().second;
   }
 
-  Expected<Value> number() {
-    size_t start = p_;
-    if (p_ < t_.size() && t_[p_] == '-') ++p_;
-    bool digits = false, frac = false;
-    while (p_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[p_]))) ++p_, digits = true;
-    if (p_ < t_.size() && t_[p_] == '.') {
-      frac = true;
-      ++p_;
-      while (p_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[p_]))) ++p_;
-    }
-    if (p_ < t_.size() && (t_[p_] == 'e' || t_[p_] == 'E')) {
-      frac = true;
-      ++p_;
-      if (p_ < t_.size() && (t_[p_] == '+' || t_[p_] == '-')) ++p_;
-      while (p_ < t_.size() && std::isdigit(static_cast<unsigned char>(t_[p_]))) ++p_;
-    }
-    if (!digits) {
-      p_ = start;
-      return fail("expected a value");
-    }
-    std::string text(t_.substr(start, p_ - start));
-    errno = 0;
-    if (!frac) {
-      long long v = std::strtoll(text.c_str(), nullptr, 10);
-      if (errno == 0) return Value(static_cast<int64_t>(v));
-    }
-    char* end = nullptr;
-    double d = std::strtod(text.c_str(), &end);
-    if (*end != '\0') return fail("bad number");
-    return Value(d);
-  }
-
-  std::string_view t_;
-  size_t p_ = 0;
+  size_t text_bytes_;
+  std::vector<Json*> open_;  // the open arrays and objects, outermost first
+  std::string key_;          // the key of the next object member
 };
 
 }  // namespace
 
-Expected<Value> parse(std::string_view text) { return Parser(text).document(); }
+Expected<Json> parse(std::string_view text) {
+  DocumentBuilder builder(text.size());
+  if (!Json::sax_parse(text.begin(), text.end(), &builder)) return Status::error(builder.error);
+  return std::move(builder.root);
+}
+
+Expected<std::string> dump(const Json& value) {
+  try {
+    return value.dump();
+  } catch (const Json::exception& e) {  // type_error 316: a string that is not UTF-8
+    return Status::errorf("cannot write JSON: {}", e.what());
+  }
+}
+
+void appendMember(Json& object, std::string key, Json value) {
+  auto& members = object.get_ref<Json::object_t&>();
+  members.Container::emplace_back(std::move(key), std::move(value));
+}
+
+std::optional<int64_t> asInt64(const Json& value) {
+  if (value.is_number_unsigned()) {
+    auto v = value.get<uint64_t>();
+    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
+    return static_cast<int64_t>(v);
+  }
+  if (value.is_number_integer()) return value.get<int64_t>();
+  return std::nullopt;
+}
 
 }  // namespace kiln::json

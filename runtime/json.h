@@ -1,74 +1,38 @@
-// A small JSON reader and writer for the files the runtime writes and reads back: safetensors
-// headers and metrics lines. Objects keep their key order; numbers keep integers exact.
+// JSON for the files the runtime writes and reads back (safetensors headers, metrics lines), by
+// nlohmann-json. `ordered_json` keeps key order, so a header lists its tensors in data order.
 #pragma once
 
 #include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <utility>
-#include <vector>
 
 #include "ir/status.h"
 
 namespace kiln::json {
 
-class Value {
- public:
-  enum class Kind : uint8_t { Null, Bool, Int, Double, String, Array, Object };
-  using Array = std::vector<Value>;
-  using Object = std::vector<std::pair<std::string, Value>>;
+using Json = nlohmann::ordered_json;
 
-  Value() = default;
-  Value(std::nullptr_t) {}
-  Value(bool b) : kind_(Kind::Bool), b_(b) {}
-  Value(int v) : kind_(Kind::Int), i_(v) {}
-  Value(int64_t v) : kind_(Kind::Int), i_(v) {}
-  Value(double v) : kind_(Kind::Double), d_(v) {}
-  Value(const char* s) : kind_(Kind::String), s_(s) {}
-  Value(std::string s) : kind_(Kind::String), s_(std::move(s)) {}
-  Value(Array a) : kind_(Kind::Array), a_(std::move(a)) {}
-  Value(Object o) : kind_(Kind::Object), o_(std::move(o)) {}
-  static Value object() { return Value(Object{}); }
+// The deepest nesting parse() accepts. nlohmann's parser and destructor are iterative, but its
+// dump, copy and comparison recurse: a 100000-deep array from a hostile file would overflow the
+// stack there. A safetensors header nests three levels.
+inline constexpr size_t kMaxDepth = 64;
 
-  Kind kind() const { return kind_; }
-  bool isNull() const { return kind_ == Kind::Null; }
-  bool isBool() const { return kind_ == Kind::Bool; }
-  bool isInt() const { return kind_ == Kind::Int; }
-  bool isNumber() const { return kind_ == Kind::Int || kind_ == Kind::Double; }
-  bool isString() const { return kind_ == Kind::String; }
-  bool isArray() const { return kind_ == Kind::Array; }
-  bool isObject() const { return kind_ == Kind::Object; }
+// Parses one whole document and never throws. Errors: "invalid JSON at byte N: ...", a duplicate
+// key in an object, nesting deeper than kMaxDepth. Building is linear in the number of keys
+// (ordered_json::parse searches every object for each new key: quadratic).
+Expected<Json> parse(std::string_view text);
 
-  bool asBool() const { return b_; }
-  int64_t asInt() const { return i_; }
-  double asDouble() const { return kind_ == Kind::Int ? static_cast<double>(i_) : d_; }
-  const std::string& asString() const { return s_; }
-  const Array& asArray() const { return a_; }
-  const Object& asObject() const { return o_; }
-  Array& mutableArray() { return a_; }
+// Compact text: {"a":1,"b":[true,null]}. Non-finite doubles are written as null; a string that is
+// not UTF-8 is an error, not an exception.
+Expected<std::string> dump(const Json& value);
 
-  // Object member by key, or nullptr.
-  const Value* find(std::string_view key) const;
-  // Appends (or replaces) an object member.
-  Value& set(std::string key, Value v);
+// Appends a member to an object without ordered_json's linear search for an equal key (which makes
+// building an object of n members quadratic). The caller knows `key` is new.
+void appendMember(Json& object, std::string key, Json value);
 
-  // Compact text: {"a":1,"b":[true,null]}. Non-finite doubles are written as null.
-  std::string dump() const;
-
- private:
-  void dumpTo(std::string& out) const;
-  Kind kind_ = Kind::Null;
-  bool b_ = false;
-  int64_t i_ = 0;
-  double d_ = 0;
-  std::string s_;
-  Array a_;
-  Object o_;
-};
-
-// Parses a whole document; errors give the byte offset ("at byte 17: expected ':'").
-Expected<Value> parse(std::string_view text);
-// A JSON string literal with escapes.
-std::string quote(std::string_view s);
+// The value of an integer that fits int64_t, else nullopt (floats, strings, 2^63 and above).
+std::optional<int64_t> asInt64(const Json& value);
 
 }  // namespace kiln::json

@@ -54,17 +54,14 @@ void AucAccumulator::clear() {
   labels_.clear();
 }
 
-json::Value MetricsRecord::toJson() const {
-  json::Value v = json::Value::object();
-  v.set("step", step);
-  v.set("loss", loss);
-  v.set("samples_per_s", samples_per_s);
-  if (auc) v.set("auc", *auc);
-  if (eval_loss) v.set("eval_loss", *eval_loss);
-  if (accuracy) v.set("accuracy", *accuracy);
-  if (lr) v.set("lr", *lr);
-  if (extra.isObject())
-    for (const auto& [k, x] : extra.asObject()) v.set(k, x);
+json::Json MetricsRecord::toJson() const {
+  json::Json v = {{"step", step}, {"loss", loss}, {"samples_per_s", samples_per_s}};
+  if (auc) v["auc"] = *auc;
+  if (eval_loss) v["eval_loss"] = *eval_loss;
+  if (accuracy) v["accuracy"] = *accuracy;
+  if (lr) v["lr"] = *lr;
+  if (extra.is_object())
+    for (const auto& [k, x] : extra.items()) v[k] = x;
   return v;
 }
 
@@ -82,9 +79,10 @@ Expected<std::unique_ptr<MetricsWriter>> MetricsWriter::open(const std::string& 
 
 Status MetricsWriter::write(const MetricsRecord& r) { return write(r.toJson()); }
 
-Status MetricsWriter::write(const json::Value& line) {
-  std::string text = line.dump();
-  text += '\n';
+Status MetricsWriter::write(const json::Json& line) {
+  auto dumped = json::dump(line);
+  if (!dumped) return Status::errorf("metrics file '{}': {}", path_, dumped.status().message());
+  std::string text = dumped.take() + '\n';
   if (std::fwrite(text.data(), 1, text.size(), fp_) != text.size() || std::fflush(fp_) != 0)
     return Status::errorf("cannot write metrics file '{}': {}", path_, std::strerror(errno));
   return Status::ok();

@@ -61,8 +61,8 @@ struct MetricsRecord {
   std::optional<double> eval_loss;
   std::optional<double> accuracy;
   std::optional<double> lr;
-  json::Value extra = json::Value::object();  // any further fields
-  json::Value toJson() const;
+  json::Json extra = json::Json::object();  // any further fields
+  json::Json toJson() const;
 };
 
 // Appends one JSON object per line to a file, flushed per line so a crash loses nothing logged.
@@ -72,7 +72,7 @@ class MetricsWriter {
   // Creates (truncates) the file; with `append` continues an existing one (a resumed run).
   static Expected<std::unique_ptr<MetricsWriter>> open(const std::string& path, bool append = false);
   Status write(const MetricsRecord& r);
-  Status write(const json::Value& line);
+  Status write(const json::Json& line);
 
  private:
   MetricsWriter() = default;

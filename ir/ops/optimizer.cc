@@ -349,30 +349,11 @@ Expected<RowGroups> groupRows(const Op& op, const EmbeddingUpdateLayout& l,
                               const std::vector<const TensorView*>& in, int64_t num_rows) {
   const TensorView& ids = *in[l.ids];
   int64_t n = ids.numel();
-  bool mean = op.strAttr("mode", "sum") == "mean";
   RowGroups g;
-  g.sample.resize(static_cast<size_t>(n));
-  g.coeff.assign(static_cast<size_t>(n), 1.0);
-  if (l.lengths >= 0) {
-    const TensorView& len = *in[l.lengths];
-    int64_t pos = 0;
-    for (int64_t b = 0; b < len.numel(); ++b) {
-      int64_t k = readIndex(len, b);
-      if (k < 0 || pos + k > n)
-        return Status::errorf("'{}': lengths do not match the {} ids (sample {} has length {})", op.name(), n, b, k);
-      for (int64_t j = 0; j < k; ++j, ++pos) {
-        g.sample[static_cast<size_t>(pos)] = b;
-        if (mean) g.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(k);
-      }
-    }
-    if (pos != n) return Status::errorf("'{}': lengths sum to {} but there are {} ids", op.name(), pos, n);
-  } else {
-    int64_t hot = ids.shape.size() == 2 ? ids.shape[1] : 1;
-    for (int64_t pos = 0; pos < n; ++pos) {
-      g.sample[static_cast<size_t>(pos)] = pos / hot;
-      if (mean) g.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(hot);
-    }
-  }
+  auto samples = idSamples(op, l, in);
+  if (!samples) return samples.status();
+  g.sample = std::move(samples->sample);
+  g.coeff = std::move(samples->coeff);
   if (l.weights >= 0)
     for (int64_t pos = 0; pos < n; ++pos) g.coeff[static_cast<size_t>(pos)] *= readFloat(*in[l.weights], pos);
 
@@ -514,6 +495,38 @@ Status cpuGradSqnorm(const Op& op, const std::vector<const TensorView*>& in, con
 }
 
 }  // namespace
+
+Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l,
+                              const std::vector<const TensorView*>& in) {
+  const TensorView& ids = *in[static_cast<size_t>(l.ids)];
+  const int64_t n = ids.numel();
+  const bool mean = op.strAttr("mode", "sum") == "mean";
+  IdSamples s;
+  s.sample.resize(static_cast<size_t>(n));
+  s.coeff.assign(static_cast<size_t>(n), 1.0);
+  if (l.lengths >= 0) {
+    const TensorView& len = *in[static_cast<size_t>(l.lengths)];
+    int64_t pos = 0;
+    for (int64_t b = 0; b < len.numel(); ++b) {
+      int64_t k = readIndex(len, b);
+      if (k < 0 || pos + k > n)
+        return Status::errorf("'{}': lengths do not match the {} ids (sample {} has length {})", op.name(), n,
+                              b, k);
+      for (int64_t j = 0; j < k; ++j, ++pos) {
+        s.sample[static_cast<size_t>(pos)] = b;
+        if (mean) s.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(k);
+      }
+    }
+    if (pos != n) return Status::errorf("'{}': lengths sum to {} but there are {} ids", op.name(), pos, n);
+  } else {
+    const int64_t hot = ids.rank() == 2 ? ids.shape[1] : 1;
+    for (int64_t pos = 0; pos < n; ++pos) {
+      s.sample[static_cast<size_t>(pos)] = pos / hot;
+      if (mean) s.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(hot);
+    }
+  }
+  return s;
+}
 
 void registerOptimizerOps(OpRegistry& r) {
   using K = Attribute::Kind;

@@ -43,12 +43,12 @@ TEST(Checkpoint, RoundTripAndLayout) {
   EXPECT_EQ(n % 8, 0u);
   auto header = json::parse(bytes.substr(8, n));
   ASSERT_TRUE(header.isOk()) << header.status().str();
-  const json::Value* e = header->find("top.0.weight");
-  ASSERT_NE(e, nullptr);
-  EXPECT_EQ(e->dump(), R"({"dtype":"F32","shape":[3,4],"data_offsets":[0,48]})");
-  EXPECT_EQ(header->find("tables.3.adagrad_sum")->dump(), R"({"dtype":"I64","shape":[5],"data_offsets":[48,88]})");
-  EXPECT_EQ(header->find("x")->find("dtype")->asString(), "BF16");
-  EXPECT_EQ(header->find("__metadata__")->find("step")->asString(), "50");
+  ASSERT_TRUE(header->contains("top.0.weight"));
+  EXPECT_EQ((*header)["top.0.weight"].dump(), R"({"dtype":"F32","shape":[3,4],"data_offsets":[0,48]})");
+  EXPECT_EQ((*header)["tables.3.adagrad_sum"].dump(),
+            R"({"dtype":"I64","shape":[5],"data_offsets":[48,88]})");
+  EXPECT_EQ((*header)["x"]["dtype"], "BF16");
+  EXPECT_EQ((*header)["__metadata__"]["step"], "50");
   EXPECT_EQ(bytes.size(), 8 + n + 48 + 40 + 12 + 4);
   EXPECT_EQ(std::memcmp(bytes.data() + 8 + n + 48, ids.storage.data(), 40), 0);
 
@@ -115,26 +115,62 @@ TEST(Checkpoint, EveryCorruptionIsANamedError) {
   };
   std::vector<Case> cases = {
       {good.substr(0, 5), "truncated: 5 bytes, too short for the 8-byte header length"},
-      {good.substr(0, 8 + n / 2), fmt::format("truncated: the header needs {} bytes but the file has {} after the length", n, n / 2)},
-      {good.substr(0, good.size() - 4), "tensor 'b': data_offsets [16, 28] run past the 24 data bytes (truncated file?)"},
-      {std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}", "header length 9223372036854775807 is implausible (corrupt file?)"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},)", data), "bad header: invalid JSON at byte"},
+      {good.substr(0, 8 + n / 2),
+       fmt::format("truncated: the header needs {} bytes but the file has {} after the length", n, n / 2)},
+      {good.substr(0, good.size() - 4),
+       "tensor 'b': data_offsets [16, 28] run past the 24 data bytes (truncated file?)"},
+      {std::string("\xff\xff\xff\xff\xff\xff\xff\x7f", 8) + "{}",
+       "header length 9223372036854775807 is implausible (corrupt file?)"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},)", data),
+       "bad header: invalid JSON at byte"},
       {rawFile(R"([1, 2])", ""), "bad header: not a JSON object"},
-      {rawFile(R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", "abcd"), "tensor 'a': unsupported dtype 'Q7'"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", "abcd"), "tensor 'a': shape entries must be non-negative integers"},
+      {rawFile(R"({"a": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': unsupported dtype 'Q7'"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': shape entries must be non-negative integers"},
       {rawFile(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", "abcd"),
        "tensor 'a': data_offsets [0, 4] hold 4 bytes but F32 [2] needs 8"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}})", "abcd"), "tensor 'a': bad data_offsets [4, 0]"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", "abcd"), "tensor 'a': 'data_offsets' must be [begin, end]"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1]}})", "abcd"), "tensor 'a': 'data_offsets' must be [begin, end]"},
-      {rawFile(R"({"a": {"shape": [1], "data_offsets": [0, 4]}})", "abcd"), "tensor 'a': missing string 'dtype'"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "I32", "shape": [1], "data_offsets": [2, 6]}})",
-               "abcdefgh"),
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}})", "abcd"),
+       "tensor 'a': bad data_offsets [4, 0]"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0]}})", "abcd"),
+       "tensor 'a': 'data_offsets' must be [begin, end]"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1]}})", "abcd"),
+       "tensor 'a': 'data_offsets' must be [begin, end]"},
+      {rawFile(R"({"a": {"shape": [1], "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': missing string 'dtype'"},
+      {rawFile(
+           R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "b": {"dtype": "I32", "shape": [1], "data_offsets": [2, 6]}})",
+           "abcdefgh"),
        "tensor 'b': its data overlaps another tensor's"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", "abcdefgh"), "tensor 'a': a gap of 4 bytes before its data"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", "abcdefgh"), "4 bytes of data follow the last tensor"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", "abcdefgh"),
+       "tensor 'a': a gap of 4 bytes before its data"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", "abcdefgh"),
+       "4 bytes of data follow the last tensor"},
       {rawFile(R"({"__metadata__": {"step": 5}})", ""), "metadata 'step' must be a string"},
-      {rawFile(R"({"a": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 4]}})", "abcd"),
+      // Wrong JSON types are named errors too, never exceptions from the JSON library.
+      {rawFile(R"({"a": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}})", "abcdefgh"),
+       "tensor 'a': shape entries must be non-negative integers"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': shape entries must be non-negative integers"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": {"n": 1}, "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': missing array 'shape'"},
+      {rawFile(R"({"a": {"dtype": 7, "shape": [1], "data_offsets": [0, 4]}})", "abcd"),
+       "tensor 'a': missing string 'dtype'"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, "4"]}})", "abcd"),
+       "tensor 'a': 'data_offsets' must be [begin, end]"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 18446744073709551615]}})", "abcd"),
+       "tensor 'a': 'data_offsets' must be [begin, end]"},
+      {rawFile(R"({"a": 3})", ""), "tensor 'a': entry is not an object"},
+      {rawFile(R"({"__metadata__": []})", ""), "'__metadata__' must be an object of strings"},
+      // Two readers could disagree on which of two equal keys counts.
+      {rawFile(
+           R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]}})",
+           "abcd"),
+       "bad header: duplicate key \"a\""},
+      {rawFile(R"({"a": )" + std::string(100000, '['), ""),
+       "bad header: invalid JSON: nested deeper than 64 levels"},
+      {rawFile(R"({"a": {"dtype": "F32", "shape": [4611686018427387904, 8], "data_offsets": [0, 4]}})",
+               "abcd"),
        "tensor 'a': shape [4611686018427387904,8] is impossibly large"},
   };
   for (const Case& c : cases) {
@@ -145,6 +181,10 @@ TEST(Checkpoint, EveryCorruptionIsANamedError) {
   auto missing = loadCheckpoint(dir.file("none.safetensors"));
   ASSERT_FALSE(missing.isOk());
   EXPECT_NE(missing.status().message().find("none.safetensors"), std::string::npos);
+  // Metadata that is not UTF-8 cannot go into a JSON header: an error, not an exception.
+  Status st = saveCheckpoint(dir.file("c.safetensors"), {{"a", a.view}}, {{"data_position", "file=\xff"}});
+  ASSERT_FALSE(st.isOk());
+  EXPECT_NE(st.message().find("UTF-8"), std::string::npos) << st.message();
   // A save into a folder that does not exist fails cleanly.
   EXPECT_FALSE(saveCheckpoint(dir.file("no/such/dir/c.safetensors"), {{"a", a.view}}, {}).isOk());
 }

@@ -387,6 +387,28 @@ TEST(EmbeddingBagUpdate, RejectsWrongStateShape) {
   EXPECT_NE(s.message().find("expected !kiln.tensor<4xf32>"), std::string::npos) << s.message();
 }
 
+// Lengths that do not tile the ids are an error from ir::idSamples, which the reference hooks and
+// the CPU kernel share.
+TEST(EmbeddingBagGradSqnorm, LengthsMustTileTheIds) {
+  struct Case {
+    Vec lengths;
+    std::string error;
+  };
+  for (const Case& c : {Case{{2, 2}, "lengths do not match the 3 ids (sample 1 has length 2)"},
+                        Case{{1, -1}, "lengths do not match the 3 ids (sample 1 has length -1)"},
+                        Case{{1, 1}, "lengths sum to 2 but there are 3 ids"}}) {
+    UpdateHarness h;
+    Value* ids = h.input("ids", tensor(DType::i64, {3}, {0, 1, 2}));
+    Value* len = h.input("len", tensor(DType::i64, {2}, c.lengths));
+    Value* g = h.input("g", tensor(DType::f64, {2, 2}, Vec(4, 1.0)));
+    ASSERT_TRUE(h.build("kiln.embedding_bag_grad_sqnorm", {ids, len, g}, {{"mode", "mean"}}).isOk());
+    HostTensor out(DType::f64, {});
+    Status s = h.run({&out.view});
+    ASSERT_FALSE(s.isOk());
+    EXPECT_NE(s.message().find(c.error), std::string::npos) << s.message();
+  }
+}
+
 // The squared norm of the (never materialized) table gradient equals that of the naive one.
 TEST(EmbeddingBagGradSqnorm, MatchesDenseGradient) {
   for (const Lookup* l : {&kFixed, &kFixedMeanWeighted, &kFlat}) {

@@ -31,29 +31,10 @@ Status groupOccurrences(const ir::Op& op, const ir::EmbeddingUpdateLayout& l, co
                         int64_t num_rows, Occurrences& occ) {
   const ir::TensorView& ids = *in[static_cast<size_t>(l.ids)];
   const int64_t n = ids.numel();
-  const bool mean = op.strAttr("mode", "sum") == "mean";
-  occ.sample.resize(static_cast<size_t>(n));
-  occ.coeff.assign(static_cast<size_t>(n), 1.0);
-  if (l.lengths >= 0) {
-    const ir::TensorView& len = *in[static_cast<size_t>(l.lengths)];
-    int64_t pos = 0;
-    for (int64_t b = 0; b < len.numel(); ++b) {
-      int64_t k = loadIndex(len, b);
-      if (k < 0 || pos + k > n)
-        return Status::errorf("'{}': lengths do not match the {} ids (sample {} has length {})", op.name(), n, b, k);
-      for (int64_t j = 0; j < k; ++j, ++pos) {
-        occ.sample[static_cast<size_t>(pos)] = b;
-        if (mean) occ.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(k);
-      }
-    }
-    if (pos != n) return Status::errorf("'{}': lengths sum to {} but there are {} ids", op.name(), pos, n);
-  } else {
-    const int64_t hot = ids.rank() == 2 ? ids.shape[1] : 1;
-    for (int64_t pos = 0; pos < n; ++pos) {
-      occ.sample[static_cast<size_t>(pos)] = pos / hot;
-      if (mean) occ.coeff[static_cast<size_t>(pos)] = 1.0 / static_cast<double>(hot);
-    }
-  }
+  auto samples = ir::idSamples(op, l, in);
+  if (!samples) return samples.status();
+  occ.sample = std::move(samples->sample);
+  occ.coeff = std::move(samples->coeff);
   if (l.weights >= 0) {
     const ir::TensorView& w = *in[static_cast<size_t>(l.weights)];
     for (int64_t pos = 0; pos < n; ++pos) occ.coeff[static_cast<size_t>(pos)] *= loadF(w.data, w.dtype, pos);
