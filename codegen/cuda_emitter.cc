@@ -421,6 +421,7 @@ class KernelPrinter {
         return unaryFn("kiln_round_bf16");
       case ExprOp::Select: return fmt::format("({} ? {} : {})", ref(e.a), ref(e.b), ref(e.c));
       case ExprOp::Cast: return fmt::format("(({}){})", cType(e.type), ref(e.a));
+      default: break;  // the scalar functions, above
     }
     return "0";
   }

@@ -39,13 +39,8 @@ using ir::DType;
 // interpreter evaluates and the CUDA emitter prints. Binary functions take two operands of one
 // type; comparisons and logic give i1.
 enum class ExprOp : uint8_t {
-#define KILN_UNARY(Name, ...) Name,
-#define KILN_ACTIVATION(Name, ...) Name, Name##Derivative,
-#define KILN_BINARY(Name, ...) Name,
-#define KILN_COMPARE(Name, ...) Name,
-#define KILN_KERNEL_UNARY(Name, ...) Name,
-#define KILN_KERNEL_BINARY(Name, ...) Name,
-#include "ir/scalar_fn.def"
+#define KILN_EACH(Name, arity) Name,
+#include "ir/scalar_fn_each.def"
   // The kernel IR's own nodes.
   Const,      // ivalue (integer and i1 types) or fvalue (float types)
   Coord,      // coordinate `index` of the iteration space (i64); Row kernels number the outer

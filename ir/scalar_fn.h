@@ -17,13 +17,8 @@ namespace kiln::ir {
 // Every scalar function, in the order of scalar_fn.def. An activation is followed by its
 // derivative (GeluDerivative after Gelu).
 enum class ScalarFn : uint8_t {
-#define KILN_UNARY(Name, ...) Name,
-#define KILN_ACTIVATION(Name, ...) Name, Name##Derivative,
-#define KILN_BINARY(Name, ...) Name,
-#define KILN_COMPARE(Name, ...) Name,
-#define KILN_KERNEL_UNARY(Name, ...) Name,
-#define KILN_KERNEL_BINARY(Name, ...) Name,
-#include "ir/scalar_fn.def"
+#define KILN_EACH(Name, arity) Name,
+#include "ir/scalar_fn_each.def"
 };
 
 // A reduction's combiner, in the order of scalar_fn.def's KILN_COMBINER entries.
@@ -214,41 +209,31 @@ T lowest() {
   }
 #include "ir/scalar_fn.def"
 
+namespace detail {
+template <class T>
+T call(T (*f)(T), T a, T) { return f(a); }
+template <class T>
+T call(T (*f)(T, T), T a, T b) { return f(a, b); }
+template <class T>
+T call(bool (*f)(T, T), T a, T b) { return static_cast<T>(f(a, b)); }
+}  // namespace detail
+
 // F applied to a (and b for a binary function), chosen at compile time: the CPU kernels' loops.
+// A predicate gives 1 or 0.
 template <ScalarFn F, class T>
 T apply(T a, [[maybe_unused]] T b = T()) {
-#define KILN_UNARY(Name, ...) \
-  if constexpr (F == ScalarFn::Name) return Name(a);
-#define KILN_ACTIVATION(Name, ...)                   \
-  if constexpr (F == ScalarFn::Name) return Name(a); \
-  if constexpr (F == ScalarFn::Name##Derivative) return Name##Derivative(a);
-#define KILN_BINARY(Name, ...) \
-  if constexpr (F == ScalarFn::Name) return Name(a, b);
-#define KILN_COMPARE(Name, ...) \
-  if constexpr (F == ScalarFn::Name) return static_cast<T>(Name(a, b));
-#define KILN_KERNEL_UNARY(Name, ...) \
-  if constexpr (F == ScalarFn::Name) return Name(a);
-#define KILN_KERNEL_BINARY(Name, ...) \
-  if constexpr (F == ScalarFn::Name) return Name(a, b);
-#include "ir/scalar_fn.def"
+#define KILN_EACH(Name, arity) \
+  if constexpr (F == ScalarFn::Name) return detail::call<T>(&Name<T>, a, b);
+#include "ir/scalar_fn_each.def"
 }
 
-// f applied at run time: constant folding and the kernel IR's interpreter. A predicate gives 1
-// or 0.
+// f applied at run time: constant folding and the kernel IR's interpreter.
 template <class T>
 T evaluate(ScalarFn f, T a, T b = T()) {
   switch (f) {
-#define KILN_ONE(Name) \
-  case ScalarFn::Name: \
-    return apply<ScalarFn::Name, T>(a, b);
-#define KILN_UNARY(Name, ...) KILN_ONE(Name)
-#define KILN_ACTIVATION(Name, ...) KILN_ONE(Name) KILN_ONE(Name##Derivative)
-#define KILN_BINARY(Name, ...) KILN_ONE(Name)
-#define KILN_COMPARE(Name, ...) KILN_ONE(Name)
-#define KILN_KERNEL_UNARY(Name, ...) KILN_ONE(Name)
-#define KILN_KERNEL_BINARY(Name, ...) KILN_ONE(Name)
-#include "ir/scalar_fn.def"
-#undef KILN_ONE
+#define KILN_EACH(Name, arity) \
+  case ScalarFn::Name: return apply<ScalarFn::Name, T>(a, b);
+#include "ir/scalar_fn_each.def"
   }
   return T();
 }
@@ -259,21 +244,12 @@ using UnaryFnPtr = T (*)(T);
 template <class T>
 UnaryFnPtr<T> unaryFnPtr(ScalarFn f) {
   switch (f) {
-#define KILN_UNARY(Name, ...) \
-  case ScalarFn::Name:        \
-    return &Name<T>;
-#define KILN_ACTIVATION(Name, ...) \
-  case ScalarFn::Name:             \
-    return &Name<T>;               \
-  case ScalarFn::Name##Derivative: \
-    return &Name##Derivative<T>;
-#define KILN_KERNEL_UNARY(Name, ...) \
-  case ScalarFn::Name:               \
-    return &Name<T>;
-#include "ir/scalar_fn.def"
-    default:
-      return nullptr;
+#define KILN_EACH(Name, arity) \
+  case ScalarFn::Name:         \
+    if constexpr (arity == 1) return &Name<T>; else return nullptr;
+#include "ir/scalar_fn_each.def"
   }
+  return nullptr;
 }
 
 // A combiner's fold function, at compile time.

@@ -81,6 +81,13 @@ class [[nodiscard]] Expected {
   std::variant<T, Status> v_;
 };
 
+// The Status of a Status or an Expected (ok when it holds a value).
+inline Status statusOf(Status s) { return s; }
+template <typename T>
+Status statusOf(const Expected<T>& e) {
+  return e ? Status::ok() : e.status();
+}
+
 }  // namespace kiln
 
 // Evaluates `expr`, an Expected<T>: on an error returns its Status from the enclosing function,
@@ -96,9 +103,10 @@ class [[nodiscard]] Expected {
 #define KILN_STATUS_CONCAT(a, b) KILN_STATUS_CONCAT_IMPL(a, b)
 #define KILN_STATUS_CONCAT_IMPL(a, b) a##b
 
-// Propagates a failed Status out of the enclosing function.
-#define KILN_RETURN_IF_ERROR(expr)                \
-  do {                                            \
-    ::kiln::Status kiln_status_ = (expr);         \
-    if (!kiln_status_.isOk()) return kiln_status_; \
+// Propagates a failed Status (or the error of an Expected whose value is not needed) out of the
+// enclosing function.
+#define KILN_RETURN_IF_ERROR(expr)                       \
+  do {                                                   \
+    ::kiln::Status kiln_status_ = ::kiln::statusOf(expr); \
+    if (!kiln_status_.isOk()) return kiln_status_;        \
   } while (0)

@@ -356,7 +356,7 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       (*attrs)["scaled"] = scale != nullptr;
       (*attrs)["table"] = name;
       builder_.setLocation(use.lookup->location());
-      KILN_ASSIGN_OR_RETURN(auto op, builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs));
+      KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs));
       continue;
     }
     KILN_ASSIGN_OR_RETURN(auto attrs, optimizerAttrs(dense_opt, /*sparse=*/false, "kiln.train optimizer"));
@@ -370,7 +370,7 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
     attrs["scaled"] = scale != nullptr;
     attrs["param"] = name;
     builder_.setLocation(param->location());
-    KILN_ASSIGN_OR_RETURN(auto op, builder_.create(ir::OpCode::OptimizerUpdate, operands, attrs));
+    KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::OptimizerUpdate, operands, attrs));
   }
   builder_.setLocation({});
   return Status::ok();
@@ -415,7 +415,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   if (prediction) results.push_back(prediction);
   std::vector<TensorType> types;
   for (Value* v : results) types.push_back(v->type());
-  KILN_ASSIGN_OR_RETURN(auto r, builder_.createWithTypes(ir::OpCode::Return, results, {}));
+  KILN_RETURN_IF_ERROR(builder_.createWithTypes(ir::OpCode::Return, results, {}));
   func_.setResultTypes(types);
 
   // Drop what the backward built but nothing uses (e.g. dense table gradients of a weighted

@@ -143,7 +143,6 @@ Value* foldConstant(Op* op, Rewriter& rw) {
 
 // x op identity -> x, when that does not drop a broadcast.
 Value* foldIdentity(Op* op) {
-  const std::string& n = op->name();
   if (op->numOperands() != 2) return nullptr;
   Value* a = op->operand(0);
   Value* b = op->operand(1);
@@ -171,7 +170,6 @@ bool isIdentityPerm(const std::vector<int64_t>& perm) {
 
 // One rewrite of op, if one applies.
 void canonicalizeOp(Op* op, Rewriter& rw) {
-  const std::string& n = op->name();
   if (op->numResults() != 1 || !op->hasTrait(ir::kPure) || !op->regions().empty()) return;
   Value* result = op->result();
 

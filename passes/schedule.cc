@@ -133,7 +133,7 @@ Expected<int64_t> scheduledPeakBytes(const ir::Function& f, const ir::SymbolBind
                                      const Target& target) {
   ir::Module scratch;
   ir::Function& copy = ir::cloneFunction(f, scratch, f.name());
-  KILN_ASSIGN_OR_RETURN(auto changed, scheduleFunction(copy, symbols, target));
+  KILN_RETURN_IF_ERROR(scheduleFunction(copy, symbols, target));
   return estimatePeakBytes(copy, symbols);
 }
 

@@ -150,7 +150,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   if (&diag != &std::cerr) pm.options().log = &diag;
   KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget)));
   KILN_RETURN_IF_ERROR(pm.build());
-  KILN_ASSIGN_OR_RETURN(auto changed, pm.run(m));
+  KILN_RETURN_IF_ERROR(pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
     const ir::AttrDict& r = it->second.asDict();
     const int64_t budget = r.at("budget_bytes").asInt(), peak = r.at("peak_bytes").asInt();

@@ -41,7 +41,7 @@ Status inferReduce(const Op& op, std::vector<TensorType>& out) {
 
 Status inferSoftmax(const Op& op, std::vector<TensorType>& out) {
   const TensorType& in = op.operand(0)->type();
-  KILN_ASSIGN_OR_RETURN(auto axis, normalizeAxis(op, op.intAttr("axis", -1), in.rank()));
+  if (auto axis = normalizeAxis(op, op.intAttr("axis", -1), in.rank()); !axis) return axis.status();
   if (!isFloat(in.dtype())) return Status::errorf("'kiln.softmax' needs a float operand, got {}", in.str());
   out = {in.withSharding(std::nullopt)};
   return Status::ok();
@@ -86,16 +86,14 @@ Status cpuReduce(const Op& op, const CpuOperands& in, const CpuResults& out, con
     using Acc = typename T::Acc;
     const auto* px = data<T>(x);
     auto* pr = data<T>(r);
-    const Acc init = kind == "max"
-                         ? (std::numeric_limits<Acc>::has_infinity ? -std::numeric_limits<Acc>::infinity()
-                                                                   : std::numeric_limits<Acc>::lowest())
-                         : Acc(0);
-    std::vector<Acc> acc(static_cast<size_t>(r.numel()), init);
+    // sum and mean fold with scalar_fn.def's Sum combiner, max with its Max.
+    const Combiner combiner = kind == "max" ? Combiner::Max : Combiner::Sum;
+    std::vector<Acc> acc(static_cast<size_t>(r.numel()), scalar::identity<Acc>(combiner));
     forEachIndex<1>(x.shape, {broadcastStrides(kept, x.shape)},
                     [&](int64_t i, const std::array<int64_t, 1>& o) {
                       Acc v = T::load(px[i]);
                       Acc& a = acc[static_cast<size_t>(o[0])];
-                      a = kind == "max" ? std::max(a, v) : a + v;
+                      a = scalar::combine(combiner, a, v);
                     });
     for (size_t i = 0; i < acc.size(); ++i)
       pr[i] = T::store(kind == "mean" && count ? acc[i] / static_cast<Acc>(count) : acc[i]);

@@ -249,7 +249,7 @@ Expected<std::unique_ptr<RecordSource>> openBinary(std::vector<std::string> file
   if (files.empty()) return Status::error("no data files given");
   // Check every file up front so a bad one fails before training starts.
   for (const auto& f : files) {
-    KILN_ASSIGN_OR_RETURN(auto n, checkBinaryFile(f));
+    KILN_RETURN_IF_ERROR(checkBinaryFile(f));
   }
   auto src = std::make_unique<BinarySource>(std::move(files));
   KILN_RETURN_IF_ERROR(src->open(0, 0));

@@ -14,8 +14,11 @@ namespace {
 
 enum class Kind { Sum, Mean, Max };
 
-inline float combine(Kind k, float acc, float v) { return k == Kind::Max ? (v > acc ? v : acc) : acc + v; }
-inline float initial(Kind k) { return k == Kind::Max ? -std::numeric_limits<float>::infinity() : 0.0f; }
+// The combiners of ir/scalar_fn.def: sum and mean fold with Sum, max with Max.
+inline float combine(Kind k, float acc, float v) {
+  return k == Kind::Max ? ir::scalar::fold<ir::Combiner::Max>(acc, v) : ir::scalar::fold<ir::Combiner::Sum>(acc, v);
+}
+inline float initial(Kind k) { return ir::scalar::identity<float>(k == Kind::Max ? ir::Combiner::Max : ir::Combiner::Sum); }
 
 Status runReduce(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
                  const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
