@@ -99,26 +99,18 @@ namespace scalar {
 
 // The primitives the bodies are written in. Float arguments use the C library's functions (no
 // fast-math approximations); an integer quotient or remainder by zero is zero, never a trap.
-template <class T>
-T exp(T x) {
-  return std::exp(x);
-}
-template <class T>
-T log(T x) {
-  return std::log(x);
-}
-template <class T>
-T log1p(T x) {
-  return std::log1p(x);
-}
-template <class T>
-T sqrt(T x) {
-  return std::sqrt(x);
-}
-template <class T>
-T tanh(T x) {
-  return std::tanh(x);
-}
+// exp, log, log1p, sqrt, tanh: the C library's, for float and double.
+#define KILN_LIBM_PRIMITIVE(fn) \
+  template <class T>            \
+  T fn(T x) {                   \
+    return std::fn(x);          \
+  }
+KILN_LIBM_PRIMITIVE(exp)
+KILN_LIBM_PRIMITIVE(log)
+KILN_LIBM_PRIMITIVE(log1p)
+KILN_LIBM_PRIMITIVE(sqrt)
+KILN_LIBM_PRIMITIVE(tanh)
+#undef KILN_LIBM_PRIMITIVE
 template <class T>
 T pow(T a, T b) {
   if constexpr (std::is_floating_point_v<T>)
