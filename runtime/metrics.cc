@@ -54,12 +54,24 @@ void AucAccumulator::clear() {
   labels_.clear();
 }
 
+namespace {
+
+// A metric as JSON: a whole number as an integer (2000, not nlohmann's 2000.0, as metrics lines
+// have always been written), anything else as a double (non-finite ones become null).
+json::Json metric(double x) {
+  constexpr double kExactInts = 9007199254740992.0;  // 2^53: every integer below is a double
+  if (std::isfinite(x) && std::trunc(x) == x && std::fabs(x) < kExactInts) return static_cast<int64_t>(x);
+  return x;
+}
+
+}  // namespace
+
 json::Json MetricsRecord::toJson() const {
-  json::Json v = {{"step", step}, {"loss", loss}, {"samples_per_s", samples_per_s}};
-  if (auc) v["auc"] = *auc;
-  if (eval_loss) v["eval_loss"] = *eval_loss;
-  if (accuracy) v["accuracy"] = *accuracy;
-  if (lr) v["lr"] = *lr;
+  json::Json v = {{"step", step}, {"loss", metric(loss)}, {"samples_per_s", metric(samples_per_s)}};
+  if (auc) v["auc"] = metric(*auc);
+  if (eval_loss) v["eval_loss"] = metric(*eval_loss);
+  if (accuracy) v["accuracy"] = metric(*accuracy);
+  if (lr) v["lr"] = metric(*lr);
   if (extra.is_object())
     for (const auto& [k, x] : extra.items()) v[k] = x;
   return v;
