@@ -377,6 +377,21 @@ class Parser {
   }
   Location locOf(const Token& t) const { return lex_.loc(t.line, t.col); }
   Status errorAt(const Token& t, std::string msg) const { return Status::error(std::move(msg), locOf(t)); }
+
+  // Arrays, dictionaries and regions nest through recursion: past kMaxNesting levels the input
+  // is an error at the opening token, not a stack overflow (hostile or generated IR files).
+  static constexpr int kMaxNesting = 256;
+  struct NestingGuard {
+    Parser& p;
+    explicit NestingGuard(Parser& parser) : p(parser) { ++p.nesting_; }
+    ~NestingGuard() { --p.nesting_; }
+    NestingGuard(const NestingGuard&) = delete;
+    NestingGuard& operator=(const NestingGuard&) = delete;
+  };
+  Status checkNesting(const Token& open, const char* what) const {
+    if (nesting_ <= kMaxNesting) return Status::ok();
+    return errorAt(open, fmt::format("{} nested more than {} levels deep", what, kMaxNesting));
+  }
   Status errorHere(std::string msg) const { return errorAt(tok_, std::move(msg)); }
   bool isKeyword(std::string_view k) const { return tok_.kind == Tok::BareId && tok_.text == k; }
   Status expect(Tok k, std::string_view what) {
@@ -447,6 +462,8 @@ class Parser {
       case Tok::Float:
         return parseNumber();
       case Tok::LSquare: {
+        NestingGuard nested(*this);
+        KILN_RETURN_IF_ERROR(checkNesting(t, "an array attribute"));
         KILN_RETURN_IF_ERROR(advance());
         AttrArray items;
         if (tok_.kind != Tok::RSquare) {
@@ -532,6 +549,8 @@ class Parser {
   // `{a = 1, "b c" = [2], unit_flag}`
   Expected<AttrDict> parseDict() {
     Token open = tok_;
+    NestingGuard nested(*this);
+    KILN_RETURN_IF_ERROR(checkNesting(open, "an attribute dictionary"));
     KILN_RETURN_IF_ERROR(expect(Tok::LBrace, "to open an attribute dictionary"));
     AttrDict d;
     if (tok_.kind != Tok::RBrace) {
@@ -687,6 +706,8 @@ class Parser {
   // One region `{ [^bb0(%a: t):] ops }`, parsed into `region`.
   Status parseRegion(Region& region) {
     Token open = tok_;
+    NestingGuard nested(*this);
+    KILN_RETURN_IF_ERROR(checkNesting(open, "a region"));
     KILN_RETURN_IF_ERROR(expect(Tok::LBrace, "to open a region"));
     scopes_.emplace_back();
     Block* block = nullptr;
@@ -858,6 +879,7 @@ class Parser {
   std::string file_;
   Lexer lex_;
   Token tok_;
+  int nesting_ = 0;  // arrays, dictionaries and regions open at tok_ (NestingGuard)
   std::unique_ptr<Module> module_;
   std::vector<Scope> scopes_;
 };

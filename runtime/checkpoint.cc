@@ -74,6 +74,26 @@ const ir::HostTensor* Checkpoint::find(const std::string& name) const {
   return nullptr;
 }
 
+Status prepareCheckpointDir(const std::string& dir) {
+  if (dir.empty()) return Status::ok();  // the working directory
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir, ec))
+    return Status::errorf("cannot use '{}' as a checkpoint directory: {}", dir,
+                          ec ? ec.message() : std::string("it is not a directory"));
+  const std::string probe = (std::filesystem::path(dir) / (".kiln-write-test." + std::to_string(::getpid()))).string();
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(errno));
+  const char byte = 0;
+  const bool wrote = ::write(fd, &byte, 1) == 1;
+  const int write_errno = errno;
+  ::close(fd);
+  ::unlink(probe.c_str());
+  if (!wrote)
+    return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(write_errno));
+  return Status::ok();
+}
+
 Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata) {
   json::Json header = json::Json::object();

@@ -103,7 +103,6 @@ Status Trainer::resume() {
 }
 
 Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
-  std::filesystem::create_directories(f_.checkpoint_dir);
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
   std::map<std::string, std::string> meta{{"model", s_.modelName()},
@@ -145,6 +144,13 @@ void Trainer::progress(bool final_line) {
 }
 
 int Trainer::run() {
+  // An unusable checkpoint directory fails now, not at the first save after hours of training.
+  if (!f_.checkpoint_dir.empty()) {
+    if (Status st = runtime::prepareCheckpointDir(f_.checkpoint_dir); !st) {
+      printError("train", st);
+      return kExitError;
+    }
+  }
   if (!f_.checkpoint_dir.empty() && f_.resume) {
     Status st = resume();
     if (!st) {

@@ -1,6 +1,8 @@
 // The `kiln` driver: dispatches to the subcommands listed in commands.def.
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -33,8 +35,21 @@ int main(int argc, char** argv) {
     return argc < 2 ? kExitUsage : kExitOk;
   }
   std::vector<std::string> args(argv + 2, argv + argc);
-  for (const Command& c : kCommands)
-    if (c.name == std::string(argv[1])) return c.run(args);
+  for (const Command& c : kCommands) {
+    if (c.name != std::string(argv[1])) continue;
+    // Errors are Status values; an exception reaching here is a bug or an exhausted machine. It
+    // gets a message and exit 1, never std::terminate's abort.
+    try {
+      return c.run(args);
+    } catch (const std::bad_alloc&) {
+      std::fprintf(stderr, "kiln %s: error: out of memory\n", c.name);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "kiln %s: internal error: %s\n", c.name, e.what());
+    } catch (...) {
+      std::fprintf(stderr, "kiln %s: internal error: an unknown exception\n", c.name);
+    }
+    return kExitError;
+  }
   std::fprintf(stderr, "kiln: error: unknown command '%s' (see 'kiln --help')\n", argv[1]);
   return kExitUsage;
 }
