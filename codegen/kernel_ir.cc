@@ -25,11 +25,11 @@ const char* exprOpName(ExprOp op) {
 
 bool isUnary(ExprOp op) {
   auto fn = scalarFnOf(op);
-  return op == ExprOp::RoundBf16 || (fn && ir::scalarFnInfo(*fn).arity == 1);
+  return op == ExprOp::RoundBf16 || (fn && ir::arityOf(*fn) == 1);
 }
 bool isBinary(ExprOp op) {
   auto fn = scalarFnOf(op);
-  return fn && ir::scalarFnInfo(*fn).arity == 2;
+  return fn && ir::arityOf(*fn) == 2;
 }
 bool isComparison(ExprOp op) {
   auto fn = scalarFnOf(op);

@@ -39,6 +39,17 @@ enum class ScalarFnKind : uint8_t {
 
 enum class ScalarDomain : uint8_t { Any, Float };
 
+// How many operands f takes (1 or 2), at compile time.
+constexpr int arityOf(ScalarFn f) {
+  switch (f) {
+#define KILN_EACH(Name, arity) \
+  case ScalarFn::Name:         \
+    return arity;
+#include "ir/scalar_fn_each.def"
+  }
+  return 0;
+}
+
 // Whether f takes float operands only (at compile time, for the kernels' type dispatch).
 constexpr bool isFloatOnly(ScalarFn f) {
   switch (f) {

@@ -58,6 +58,20 @@ TEST(EmitterRegistry, SourcesAndTerminatorsAreMarkedToRunWithoutAKernel) {
   EXPECT_EQ(EmitterRegistry::get().noKernel(ir::OpCode::Constant), NoKernel::kRunsWithout);
 }
 
+// Fusion forms pointwise groups by ir::isPointwise (passes cannot include codegen); codegen
+// computes an op inline when it has an expression rule. The two sets must be one.
+TEST(EmitterRegistry, PointwiseOpsAreExactlyTheOpsWithAnExpressionRule) {
+  const ir::TensorType t(ir::DType::f32, {ir::Dim::fixed(4)});
+  for (const OpDef* def : OpRegistry::get().all()) {
+    if (registeredByATest(*def)) continue;
+    for (const char* kind : {"sum", "max"}) {  // reduce_grad is pointwise unless it is max's
+      auto op = ir::Op::create(def->name, {}, {t}, {{"kind", ir::Attribute(kind)}});
+      EXPECT_EQ(ir::isPointwise(*op), EmitterRegistry::get().expressionFor(*op) != nullptr)
+          << def->name << " (kind " << kind << "): fusion and codegen disagree on whether it is pointwise";
+    }
+  }
+}
+
 TEST(EmitterRegistry, EveryFusedKindTheBackendRunsHasAnEmitter) {
   const std::vector<std::string> kinds = EmitterRegistry::get().fusedKinds();
   for (const char* kind : {"pointwise", "reduction", "gemm_epilogue", "embedding", "embedding_update"})

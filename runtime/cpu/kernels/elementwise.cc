@@ -21,15 +21,7 @@ struct BF16 {
   static void store(T* p, int64_t i, float v) { p[i] = ir::floatToBf16(v); }
 };
 
-constexpr bool isUnary(ir::ScalarFn f) {
-  switch (f) {
-#define KILN_BINARY(Name, ...) case ir::ScalarFn::Name:
-#include "ir/scalar_fn.def"
-    return false;
-    default:
-      return true;
-  }
-}
+constexpr bool isUnary(ir::ScalarFn f) { return ir::arityOf(f) == 1; }
 
 template <typename S, ir::ScalarFn F>
 void runTyped(const BroadcastIter& it, const std::vector<const ir::TensorView*>& in, ir::TensorView* out,
