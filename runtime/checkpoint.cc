@@ -74,23 +74,28 @@ const ir::HostTensor* Checkpoint::find(const std::string& name) const {
   return nullptr;
 }
 
-Status prepareCheckpointDir(const std::string& dir) {
-  if (dir.empty()) return Status::ok();  // the working directory
+Status prepareCheckpointDir(const std::string& dir, uint64_t reserve_bytes) {
+  const std::string where = dir.empty() ? "." : dir;
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec || !std::filesystem::is_directory(dir, ec))
-    return Status::errorf("cannot use '{}' as a checkpoint directory: {}", dir,
+  std::filesystem::create_directories(where, ec);
+  if (ec || !std::filesystem::is_directory(where, ec))
+    return Status::errorf("cannot use '{}' as a checkpoint directory: {}", where,
                           ec ? ec.message() : std::string("it is not a directory"));
-  const std::string probe = (std::filesystem::path(dir) / (".kiln-write-test." + std::to_string(::getpid()))).string();
+  const std::string probe =
+      (std::filesystem::path(where) / (".kiln-write-test." + std::to_string(::getpid()))).string();
   int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(errno));
-  const char byte = 0;
-  const bool wrote = ::write(fd, &byte, 1) == 1;
-  const int write_errno = errno;
+  if (fd < 0)
+    return Status::errorf("cannot write into checkpoint directory '{}': {}", where, std::strerror(errno));
+  // posix_fallocate reserves real blocks (glibc writes them where the file system cannot), so a
+  // disk without room for a checkpoint, or a file size limit (ulimit -f) below one, fails here.
+  const off_t reserve =
+      static_cast<off_t>(std::min<uint64_t>(std::max<uint64_t>(reserve_bytes, 1), INT64_MAX));
+  const int err = ::posix_fallocate(fd, 0, reserve);
   ::close(fd);
   ::unlink(probe.c_str());
-  if (!wrote)
-    return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(write_errno));
+  if (err != 0)
+    return Status::errorf("cannot write a checkpoint of {} bytes into '{}': {}", reserve_bytes, where,
+                          std::strerror(err));
   return Status::ok();
 }
 

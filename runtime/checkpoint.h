@@ -27,9 +27,11 @@ struct Checkpoint {
 
 // Writes `tensors` (in the given order) and `metadata` to `path` atomically.
 // Makes `dir` (and its parents) a directory checkpoints can be written to, proving it with a
-// test write: a path that is a file, a directory that cannot be created or written, a full disk
-// are an error naming `dir`, before any work is done (issue 12: a run trained and was then lost).
-Status prepareCheckpointDir(const std::string& dir);
+// test write of `reserve_bytes` (a checkpoint's size: the space one more save needs beside the
+// last one): a path that is a file, a directory that cannot be created or written, a disk too
+// full or a file size limit too low for a checkpoint are an error naming `dir`, before any work
+// is done (issue 12: a run trained and was then lost).
+Status prepareCheckpointDir(const std::string& dir, uint64_t reserve_bytes = 1);
 
 Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata);

@@ -1,20 +1,23 @@
 // `kiln train MODEL.kiln`: compiles the model's training step and trains it, showing progress
 // (step, samples/s, loss, last eval AUC, time left), evaluating, checkpointing and resuming.
+#include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 
-#include <fmt/format.h>
-
 #include "passes/lr_schedule.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/prefetcher.h"
+#include "runtime/dir_lock.h"
 #include "runtime/metrics.h"
+#include "runtime/run_inputs.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
 #include "tools/run_data.h"
@@ -37,6 +40,7 @@ struct TrainFlags {
   std::string checkpoint_dir;
   int64_t checkpoint_every = 0;
   bool resume = false;
+  bool resume_anyway = false;  // resume even where the run's inputs differ from the checkpoint's
   std::string metrics_path;
   bool strict = false;
   bool profile = false;
@@ -48,6 +52,7 @@ class Trainer {
   int run();
 
  private:
+  Status claimCheckpointDir();
   Status resume();
   Status saveCheckpoint(const data::StreamPosition& position);
   Expected<EvalResult> evaluate();
@@ -56,6 +61,8 @@ class Trainer {
   ModelSession& s_;
   const TrainFlags& f_;
   uint64_t seed_;
+  runtime::DirLock lock_;      // held from start to exit: one writer per checkpoint directory
+  runtime::RunInputs inputs_;  // recorded in every checkpoint, checked on resume
   int64_t step_ = 0, start_step_ = 0;
   int64_t samples_ = 0;
   data::StreamPosition resume_position_;
@@ -73,29 +80,69 @@ class Trainer {
 
 std::string checkpointFile(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 
+void warn(const std::string& message) { std::fprintf(stderr, "kiln train: warning: %s\n", message.c_str()); }
+
+// Before any training: the directory exists, holds a checkpoint's worth of free space, and is
+// this run's alone.
+Status Trainer::claimCheckpointDir() {
+  uint64_t bytes = 1 << 20;  // the header and its metadata, generously
+  for (const std::string& name : s_.checkpointNames())
+    bytes += static_cast<uint64_t>(s_.params().find(name)->view.bytes());
+  KILN_RETURN_IF_ERROR(runtime::prepareCheckpointDir(f_.checkpoint_dir, bytes));
+  std::vector<std::string> notes;
+  KILN_ASSIGN_OR_RETURN(lock_, runtime::DirLock::acquire(f_.checkpoint_dir, &notes));
+  for (const std::string& n : notes) warn(n);
+  return Status::ok();
+}
+
 Status Trainer::resume() {
   std::string path = checkpointFile(f_.checkpoint_dir);
   if (!std::filesystem::exists(path))
     return Status::error(fmt::format("--resume: no checkpoint at '{}'", path));
-  auto ckpt = runtime::loadCheckpoint(path);
-  if (!ckpt) return ckpt.status();
+  KILN_ASSIGN_OR_RETURN(runtime::Checkpoint ckpt, runtime::loadCheckpoint(path));
   auto meta = [&](const char* k) -> std::string {
-    auto it = ckpt->metadata.find(k);
-    return it == ckpt->metadata.end() ? "" : it->second;
+    auto it = ckpt.metadata.find(k);
+    return it == ckpt.metadata.end() ? "" : it->second;
   };
   if (!s_.modelName().empty() && meta("model") != s_.modelName())
     return Status::error(fmt::format("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName()));
+
+  // The same run continued, or another one? Another one is an error unless asked for by name.
+  bool files_recorded = false;
+  auto saved = runtime::RunInputs::fromMetadata(ckpt.metadata, &files_recorded);
+  if (!saved) return Status::error(fmt::format("{}: {}", path, saved.status().message()));
+  if (!files_recorded) {
+    warn(fmt::format("{} does not record its data files (an older checkpoint): they are not checked", path));
+    saved->synthetic = inputs_.synthetic;
+    saved->files = inputs_.files;
+  }
+  std::vector<std::string> diffs = runtime::compareRunInputs(*saved, inputs_);
+  if (!diffs.empty() && !f_.resume_anyway) {
+    std::string list;
+    for (const std::string& d : diffs) list += "\n  " + d;
+    return Status::error(
+        fmt::format("{}: this is not the run the checkpoint was saved by:{}\n"
+                    "resuming would not continue it (--resume-anyway resumes regardless)",
+                    path, list));
+  }
+  for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
+
   std::map<std::string, ir::TensorView> dest;
   for (const std::string& name : s_.checkpointNames()) dest[name] = s_.params().find(name)->view;
-  KILN_RETURN_IF_ERROR(runtime::restoreTensors(*ckpt, dest, path));
-  char* end = nullptr;
+  KILN_RETURN_IF_ERROR(runtime::restoreTensors(ckpt, dest, path));
   std::string step = meta("step");
-  step_ = std::strtoll(step.c_str(), &end, 10);
-  if (step.empty() || *end != '\0' || step_ < 0)
-    return Status::error(fmt::format("{}: bad 'step' in the checkpoint metadata: '{}'", path, step));
-  auto pos = data::StreamPosition::parse(meta("data_position"));
-  if (!pos) return Status::error(fmt::format("{}: {}", path, pos.status().message()));
-  resume_position_ = *pos;
+  auto [end, ec] = std::from_chars(step.data(), step.data() + step.size(), step_);
+  if (step.empty() || ec != std::errc() || end != step.data() + step.size() || step_ < 0)
+    return Status::error(fmt::format("{}: bad 'step' in the checkpoint metadata: '{}'{}", path, step,
+                                     ec == std::errc::result_out_of_range ? " (beyond int64)" : ""));
+  if (runtime::sameData(*saved, inputs_)) {
+    auto pos = data::StreamPosition::parse(meta("data_position"));
+    if (!pos) return Status::error(fmt::format("{}: {}", path, pos.status().message()));
+    resume_position_ = *pos;
+  } else {
+    // The saved position is a byte offset into other files: it would land mid-line.
+    warn("--resume-anyway: the data is not the checkpoint's, so it is read from its start");
+  }
   resumed_ = true;
   start_step_ = step_;
   std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
@@ -105,12 +152,9 @@ Status Trainer::resume() {
 Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
-  std::map<std::string, std::string> meta{{"model", s_.modelName()},
-                                          {"step", std::to_string(step_)},
-                                          {"data_position", position.str()},
-                                          {"seed", std::to_string(seed_)},
-                                          {"batch", std::to_string(f_.batch)},
-                                          {"format", "kiln-checkpoint-1"}};
+  std::map<std::string, std::string> meta{
+      {"step", std::to_string(step_)}, {"data_position", position.str()}, {"format", "kiln-checkpoint-2"}};
+  inputs_.toMetadata(meta);
   return runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta);
 }
 
@@ -144,9 +188,16 @@ void Trainer::progress(bool final_line) {
 }
 
 int Trainer::run() {
-  // An unusable checkpoint directory fails now, not at the first save after hours of training.
+  auto inputs = runtime::RunInputs::describe(s_.modelName(), seed_, f_.batch, f_.data);
+  if (!inputs) {
+    printError("train", inputs.status());
+    return kExitError;
+  }
+  inputs_ = inputs.take();
+  // An unusable or busy checkpoint directory fails now, not at the first save after hours of
+  // training.
   if (!f_.checkpoint_dir.empty()) {
-    if (Status st = runtime::prepareCheckpointDir(f_.checkpoint_dir); !st) {
+    if (Status st = claimCheckpointDir(); !st) {
       printError("train", st);
       return kExitError;
     }
@@ -306,7 +357,10 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("log-every", "N", "log every N steps (default: about once a second)");
   p.addOption("checkpoint", "DIR", "save a checkpoint into DIR at the end (and every --checkpoint-every steps)");
   p.addOption("checkpoint-every", "N", "also save every N steps", "0");
-  p.addFlag("resume", "continue from the checkpoint in --checkpoint DIR");
+  p.addFlag("resume", "continue from the checkpoint in --checkpoint DIR (same model, data, seed and batch)");
+  p.addFlag("resume-anyway",
+            "like --resume, but where the model's data files, seed or batch differ from the checkpoint's, "
+            "say so and continue");
   p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
   p.addFlag("profile", "time every op of the training step (CPU) and print where the time went");
@@ -334,8 +388,11 @@ int runTrain(const std::vector<std::string>& args) {
       !intFlag("log-every", f.log_every, 1) || !intFlag("checkpoint-every", f.checkpoint_every, 0))
     return kExitUsage;
   f.checkpoint_dir = p.get("checkpoint");
-  f.resume = p.flag("resume");
-  if (f.resume && f.checkpoint_dir.empty()) return p.usageError("--resume needs --checkpoint DIR");
+  f.resume_anyway = p.flag("resume-anyway");
+  f.resume = p.flag("resume") || f.resume_anyway;
+  if (f.resume && f.checkpoint_dir.empty())
+    return p.usageError(
+        fmt::format("--{} needs --checkpoint DIR", f.resume_anyway ? "resume-anyway" : "resume"));
   if (f.checkpoint_every > 0 && f.checkpoint_dir.empty()) return p.usageError("--checkpoint-every needs --checkpoint DIR");
   f.metrics_path = p.get("metrics");
   f.strict = p.flag("strict");

@@ -1,4 +1,5 @@
 // The `kiln` driver: dispatches to the subcommands listed in commands.def.
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -34,6 +35,9 @@ int main(int argc, char** argv) {
     printHelp();
     return argc < 2 ? kExitUsage : kExitOk;
   }
+  // A write past the file size limit (ulimit -f) then fails with EFBIG, which the checkpoint
+  // code reports and survives, instead of SIGXFSZ killing the process mid-save.
+  std::signal(SIGXFSZ, SIG_IGN);
   std::vector<std::string> args(argv + 2, argv + argc);
   for (const Command& c : kCommands) {
     if (c.name != std::string(argv[1])) continue;
