@@ -81,9 +81,11 @@ Status prepareCheckpointDir(const std::string& dir) {
   if (ec || !std::filesystem::is_directory(dir, ec))
     return Status::errorf("cannot use '{}' as a checkpoint directory: {}", dir,
                           ec ? ec.message() : std::string("it is not a directory"));
-  const std::string probe = (std::filesystem::path(dir) / (".kiln-write-test." + std::to_string(::getpid()))).string();
+  const std::string probe =
+      (std::filesystem::path(dir) / (".kiln-write-test." + std::to_string(::getpid()))).string();
   int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(errno));
+  if (fd < 0)
+    return Status::errorf("cannot write into checkpoint directory '{}': {}", dir, std::strerror(errno));
   const char byte = 0;
   const bool wrote = ::write(fd, &byte, 1) == 1;
   const int write_errno = errno;

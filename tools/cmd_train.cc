@@ -1,5 +1,6 @@
 // `kiln train MODEL.kiln`: compiles the model's training step and trains it, showing progress
 // (step, samples/s, loss, last eval AUC, time left), evaluating, checkpointing and resuming.
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -7,8 +8,6 @@
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-
-#include <fmt/format.h>
 
 #include "passes/lr_schedule.h"
 #include "runtime/checkpoint.h"
@@ -84,7 +83,8 @@ Status Trainer::resume() {
     return it == ckpt->metadata.end() ? "" : it->second;
   };
   if (!s_.modelName().empty() && meta("model") != s_.modelName())
-    return Status::error(fmt::format("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName()));
+    return Status::error(
+        fmt::format("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName()));
   std::map<std::string, ir::TensorView> dest;
   for (const std::string& name : s_.checkpointNames()) dest[name] = s_.params().find(name)->view;
   KILN_RETURN_IF_ERROR(runtime::restoreTensors(*ckpt, dest, path));
@@ -105,12 +105,9 @@ Status Trainer::resume() {
 Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
-  std::map<std::string, std::string> meta{{"model", s_.modelName()},
-                                          {"step", std::to_string(step_)},
-                                          {"data_position", position.str()},
-                                          {"seed", std::to_string(seed_)},
-                                          {"batch", std::to_string(f_.batch)},
-                                          {"format", "kiln-checkpoint-1"}};
+  std::map<std::string, std::string> meta{
+      {"model", s_.modelName()},       {"step", std::to_string(step_)},     {"data_position", position.str()},
+      {"seed", std::to_string(seed_)}, {"batch", std::to_string(f_.batch)}, {"format", "kiln-checkpoint-1"}};
   return runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta);
 }
 
