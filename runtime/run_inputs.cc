@@ -28,6 +28,7 @@ Expected<DataFileId> identify(const std::string& path) {
   struct stat st;
   if (::fstat(fd, &st) != 0)
     return Status::errorf("cannot stat data file '{}': {}", path, std::strerror(errno));
+  if (S_ISDIR(st.st_mode)) return Status::errorf("'{}' is a directory, not a data file", path);
   DataFileId id{path, static_cast<uint64_t>(st.st_size), 0};
   std::vector<char> head(static_cast<size_t>(std::min<uint64_t>(id.size, RunInputs::kHeadBytes)));
   size_t got = 0;

@@ -1,5 +1,5 @@
 // `kiln data`: data-file tools. `kiln data convert IN.tsv... OUT.bin` turns Criteo TSV files
-// into Kiln's binary format; `kiln data info FILE.bin` checks a binary file and prints its size.
+// into Kiln's binary format; `kiln data info FILE...` checks data files as training reads them.
 #include <chrono>
 #include <cstdio>
 
@@ -46,17 +46,59 @@ int runConvert(const std::vector<std::string>& args) {
 }
 
 int runInfo(const std::vector<std::string>& args) {
-  ArgParser p("data info", "kiln data info FILE.bin...", "Checks Kiln binary data files and prints their record counts.");
-  p.setPositionals("FILE.bin...", 1, -1, "binary data files");
+  ArgParser p("data info", "kiln data info FILE... [--strict] [--header-only]",
+              "Checks data files as training reads them and prints their record counts. A binary file's\n"
+              "header and every record are checked (exit 1 at the first corrupt one, which training would\n"
+              "stop at); a TSV file's malformed lines are reported and counted, as training skips them\n"
+              "(exit 1 with --strict, as training with --strict stops at them).");
+  p.setPositionals("FILE...", 1, -1, "Kiln binary or Criteo TSV data files");
+  p.addFlag("strict", "a malformed TSV line is an error (exit 1), as for kiln train --strict");
+  p.addFlag("header-only", "binary files: check the header against the file size, read no record");
+  p.addFlag("quiet", "do not report each skipped TSV line");
   int code;
   if (!p.parse(args, &code)) return code;
   for (const auto& f : p.positionals()) {
-    auto n = data::checkBinaryFile(f);
-    if (!n) {
-      std::fprintf(stderr, "%s\n", n.status().str().c_str());
+    const bool binary = data::isBinaryFile(f);
+    if (binary && p.flag("header-only")) {
+      auto n = data::checkBinaryFile(f);
+      if (!n) {
+        std::fprintf(stderr, "%s\n", n.status().str().c_str());
+        return kExitError;
+      }
+      std::printf("%s: %lld records, version %u (header checked)\n", f.c_str(), static_cast<long long>(*n),
+                  data::kBinaryVersion);
+      continue;
+    }
+    // The reader training opens, so a file passes here exactly when training would read it.
+    data::TsvOptions opts;
+    opts.strict = p.flag("strict");
+    int64_t reported = 0;
+    const bool quiet = p.flag("quiet");
+    opts.on_skip = [&](const Status& s) {
+      if (!quiet && reported++ < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
+    };
+    auto src = data::openRecords({f}, std::move(opts));
+    if (!src) {
+      std::fprintf(stderr, "%s\n", src.status().str().c_str());
       return kExitError;
     }
-    std::printf("%s: %lld records, version %u\n", f.c_str(), static_cast<long long>(*n), data::kBinaryVersion);
+    int64_t records = 0;
+    data::RawSample sample;
+    for (;;) {
+      auto got = (*src)->next(sample);
+      if (!got) {
+        std::fprintf(stderr, "%s\n", got.status().str().c_str());
+        return kExitError;
+      }
+      if (!*got) break;
+      ++records;
+    }
+    if (binary)
+      std::printf("%s: %lld records, version %u\n", f.c_str(), static_cast<long long>(records),
+                  data::kBinaryVersion);
+    else
+      std::printf("%s: %lld records (Criteo TSV), %lld malformed lines skipped\n", f.c_str(),
+                  static_cast<long long>(records), static_cast<long long>((*src)->malformed()));
   }
   return kExitOk;
 }
@@ -68,7 +110,7 @@ int runData(const std::vector<std::string>& args) {
       "usage: kiln data SUBCOMMAND [ARGS...]\n\n"
       "subcommands:\n"
       "  convert    Convert Criteo TSV files into one Kiln binary data file\n"
-      "  info       Check binary data files and print their record counts\n\n"
+      "  info       Check data files as training reads them and print their record counts\n\n"
       "Run 'kiln data SUBCOMMAND --help' for its flags.\n";
   if (args.empty()) {
     std::fputs(usage, stderr);

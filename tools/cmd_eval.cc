@@ -1,5 +1,5 @@
 // `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model.
-// `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per sample.
+// `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per input line.
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -84,7 +84,10 @@ int runEval(const std::vector<std::string>& args) {
 
 int runPredict(const std::vector<std::string>& raw_args) {
   ArgParser p("predict", "kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]",
-              "Writes one score (the predicted probability) per input sample, one per line, in input order.");
+              "Writes one score (the predicted probability) per input sample, one per line, in input order.\n"
+              "A malformed TSV line gets the score 'nan' and a warning naming its file and line (with\n"
+              "--strict it is an error instead), so line k of the output belongs to line k of the input\n"
+              "(the files taken in order) and the two join back by line.");
   p.addOption("output", "OUT", "write the scores to OUT instead of stdout (also -o OUT)");
   std::vector<std::string> args;
   for (size_t i = 0; i < raw_args.size(); ++i) {
@@ -102,11 +105,26 @@ int runPredict(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kiln predict: error: cannot write '%s'\n", tmp_path.c_str());
     return kExitError;
   }
-  auto r = evaluateModel(*setup.session, setup.data, [&](const std::vector<float>& scores) {
-    for (float s : scores)
-      if (std::fprintf(out, "%.9g\n", static_cast<double>(s)) < 0) return Status::error("write failed");
+  // 'nan' rather than an empty line: numpy.loadtxt and pandas.read_csv skip blank lines, which
+  // would shift every later score, but read 'nan' as a missing value in its place.
+  int64_t unscored = 0;
+  setup.data.on_skip = [&](const Status& why) {
+    ++unscored;
+    std::fprintf(stderr, "%s: warning: %s (its score is nan)\n", why.location().str().c_str(),
+                 why.message().c_str());
+  };
+  // Each batch's scores with its malformed lines in their places: one output line per input line.
+  auto write = [&](const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped) {
+    size_t k = 0;
+    for (size_t i = 0; i <= scores.size(); ++i) {
+      for (; k < skipped.size() && skipped[k].before == static_cast<int64_t>(i); ++k)
+        if (std::fputs("nan\n", out) < 0) return Status::error("write failed");
+      if (i < scores.size() && std::fprintf(out, "%.9g\n", static_cast<double>(scores[i])) < 0)
+        return Status::error("write failed");
+    }
     return Status::ok();
-  });
+  };
+  auto r = evaluateModel(*setup.session, setup.data, write);
   if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));
   if (!r) {
     if (!tmp_path.empty()) std::filesystem::remove(tmp_path);
@@ -114,7 +132,11 @@ int runPredict(const std::vector<std::string>& raw_args) {
     return kExitError;
   }
   if (!tmp_path.empty()) std::filesystem::rename(tmp_path, out_path);
-  std::fprintf(stderr, "wrote %lld scores\n", static_cast<long long>(r->samples));
+  if (unscored)
+    std::fprintf(stderr, "wrote %lld scores and %lld nan for malformed lines\n",
+                 static_cast<long long>(r->samples), static_cast<long long>(unscored));
+  else
+    std::fprintf(stderr, "wrote %lld scores\n", static_cast<long long>(r->samples));
   return kExitOk;
 }
 

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -53,6 +54,13 @@ bool readInput(const std::string& path, std::string* out, std::string* error) {
     *out = ss.str();
     return true;
   }
+  // A directory opens as a stream that reads nothing; without this check it would be an empty
+  // module (`module {}`, exit 0).
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    *error = fmt::format("cannot read '{}': it is a directory", path);
+    return false;
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     *error = fmt::format("cannot read '{}': {}", path, std::strerror(errno));
@@ -60,6 +68,10 @@ bool readInput(const std::string& path, std::string* out, std::string* error) {
   }
   std::ostringstream ss;
   ss << in.rdbuf();
+  if (in.bad()) {
+    *error = fmt::format("cannot read '{}': {}", path, std::strerror(errno));
+    return false;
+  }
   *out = ss.str();
   return true;
 }
@@ -160,7 +172,15 @@ int runOpt(const std::vector<std::string>& raw_args) {
 
   const std::string path = p.positionals()[0];
   std::string source, error;
-  if (!readInput(path, &source, &error)) return p.usageError(error);
+  std::error_code ec;
+  if (path != "-" && !std::filesystem::exists(path, ec))
+    return p.usageError(fmt::format("cannot read '{}': {}", path, std::strerror(ENOENT)));
+  if (!readInput(path, &source, &error)) {
+    // A file that is there but cannot be read is bad input, not bad usage: exit 1, as kiln check
+    // and dump do.
+    std::fprintf(stderr, "kiln opt: error: %s\n", error.c_str());
+    return kExitError;
+  }
   std::string filename = path == "-" ? "<stdin>" : path;
 
   std::vector<Chunk> chunks;

@@ -12,13 +12,13 @@
 
 namespace kiln::cli {
 
-Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
-                                   const std::function<Status(const std::vector<float>&)>& on_scores) {
+Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, const ScoreSink& on_scores) {
   data::DataOptions opts;
   opts.paths = o.paths;
   opts.batch_size = o.batch;
   opts.epochs = 1;
   opts.strict = o.strict;
+  opts.on_skip = o.on_skip;
   opts.synthetic.seed = o.seed + 1;  // the same hidden task as training ...
   opts.synthetic.stream = 1;         // ... on the held-out stream
   opts.synthetic_samples = o.synthetic_samples;
@@ -43,9 +43,10 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
       for (int64_t i = 0; i < batch.size; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(batch, spec, i);
       auc.add(scores, labels);
     }
-    if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores));
+    if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores, batch.skipped));
     r.samples += batch.size;
   }
+  if (on_scores) KILN_RETURN_IF_ERROR(on_scores({}, prefetch.skippedAtEnd()));
   r.malformed = prefetch.malformed();
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/data/batch.h"
+#include "runtime/data/record_source.h"
 #include "tools/model_session.h"
 
 namespace kiln::cli {
@@ -17,6 +19,7 @@ struct EvalDataOptions {
   int64_t synthetic_samples = 16384;  // synthetic: samples of the held-out stream
   uint64_t seed = 0;                  // synthetic: the run's seed
   bool strict = false;
+  data::DiagnosticSink on_skip;  // told about each malformed line skipped (default: stderr)
 };
 
 struct EvalResult {
@@ -27,9 +30,15 @@ struct EvalResult {
   int64_t malformed = 0;  // TSV lines skipped
 };
 
-// Runs @forward over the data; `on_scores` (optional) receives each batch's scores in order.
+// Receives each batch's scores in order with the malformed lines skipped among its samples
+// (SkippedLine::before places each), and last, with no scores, the lines skipped after the last
+// sample: together one entry per input line.
+using ScoreSink =
+    std::function<Status(const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped)>;
+
+// Runs @forward over the data; `on_scores` (optional) receives the scores.
 Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
-                                   const std::function<Status(const std::vector<float>&)>& on_scores = {});
+                                   const ScoreSink& on_scores = {});
 
 // Loads `DIR/checkpoint.safetensors` (or a file path) into the session's parameters.
 Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file);

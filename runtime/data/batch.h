@@ -73,6 +73,13 @@ struct StreamPosition {
   bool operator==(const StreamPosition&) const = default;
 };
 
+// A malformed line skipped while a batch was read: why (located), and where it sat among the
+// batch's samples, so that one output per input line can be written (kiln predict).
+struct SkippedLine {
+  int64_t before = 0;  // the batch's samples read before it: 0 .. size
+  Status reason;
+};
+
 // One host tensor per input of the spec, in the spec's order, holding `size` samples. Variable-
 // length ids are shaped [total ids of the batch].
 struct Batch {
@@ -81,6 +88,8 @@ struct Batch {
   std::vector<ir::HostTensor> tensors;
   // The stream's position after this batch: saved with a checkpoint to resume at the next one.
   StreamPosition end;
+  // The malformed lines among this batch's samples, in order (the last may follow its last sample).
+  std::vector<SkippedLine> skipped;
 
   const ir::HostTensor* find(const std::string& name) const;
   ir::HostTensor* find(const std::string& name);

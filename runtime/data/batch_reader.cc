@@ -1,11 +1,16 @@
 #include "runtime/data/batch_reader.h"
 
+#include <cstdio>
 #include <cstring>
 
 namespace kiln::data {
 
-BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records)
-    : spec_(std::move(spec)), opts_(std::move(opts)), records_(std::move(records)) {}
+BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
+                         std::shared_ptr<SkipLog> skips)
+    : spec_(std::move(spec)),
+      opts_(std::move(opts)),
+      records_(std::move(records)),
+      skips_(std::move(skips)) {}
 
 BatchReader::BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic)
     : spec_(std::move(spec)), opts_(std::move(opts)), synthetic_(std::make_unique<SyntheticGenerator>(std::move(synthetic))) {}
@@ -31,8 +36,24 @@ Expected<bool> BatchReader::nextRecord(RawSample& s) {
   }
 }
 
+void BatchReader::takeSkips(int64_t before, std::vector<SkippedLine>& out) {
+  if (!skips_) return;
+  for (Status& reason : *skips_) out.push_back(SkippedLine{before, std::move(reason)});
+  skips_->clear();
+}
+
+void BatchReader::reportSkipped(const std::vector<SkippedLine>& lines) const {
+  for (const SkippedLine& l : lines) {
+    if (opts_.on_skip)
+      opts_.on_skip(l.reason);
+    else
+      std::fprintf(stderr, "%s (line skipped)\n", l.reason.str().c_str());
+  }
+}
+
 Expected<bool> BatchReader::next(Batch& batch) {
   const int64_t b = opts_.batch_size;
+  batch.skipped.clear();
   if (synthetic_) {
     // A batch is one run of consecutive samples, or two or more when it crosses an epoch's end.
     std::vector<Batch> more;
@@ -64,14 +85,27 @@ Expected<bool> BatchReader::next(Batch& batch) {
   }
   samples_.resize(static_cast<size_t>(b));
   int64_t got = 0;
+  std::vector<SkippedLine> skipped;
   while (got < b) {
-    KILN_ASSIGN_OR_RETURN(auto ok, nextRecord(samples_[static_cast<size_t>(got)]));
-    if (!ok) break;
+    auto ok = nextRecord(samples_[static_cast<size_t>(got)]);
+    takeSkips(got, skipped);
+    if (!ok) {
+      if (!defer_reports_) reportSkipped(skipped);  // the lines before the error, as they were read
+      return ok.status();
+    }
+    if (!*ok) break;
     ++got;
   }
-  if (got == 0 || (opts_.drop_last && got < b)) return false;
+  if (got == 0 || (opts_.drop_last && got < b)) {
+    // The end of the data: lines skipped on the way there belong to no batch.
+    skipped_at_end_ = std::move(skipped);
+    if (!defer_reports_) reportSkipped(skipped_at_end_);
+    return false;
+  }
   assembleBatch(spec_, samples_.data(), got, batch);
   batch.end = pos_;
+  batch.skipped = std::move(skipped);
+  if (!defer_reports_) reportSkipped(batch.skipped);
   return true;
 }
 
@@ -93,8 +127,13 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
     SyntheticGenerator gen(spec, opts.synthetic);
     return std::make_unique<BatchReader>(spec, std::move(opts), std::move(gen));
   }
-  KILN_ASSIGN_OR_RETURN(auto records, openRecords(opts.paths, TsvOptions{opts.strict, opts.on_skip}));
-  return std::make_unique<BatchReader>(spec, std::move(opts), std::move(records));
+  // Skipped lines go into the batch they were read for; they are reported when it is handed out.
+  auto skips = std::make_shared<SkipLog>();
+  TsvOptions tsv;
+  tsv.strict = opts.strict;
+  tsv.on_skip = [skips](const Status& s) { skips->push_back(s); };
+  KILN_ASSIGN_OR_RETURN(auto records, openRecords(opts.paths, std::move(tsv)));
+  return std::make_unique<BatchReader>(spec, std::move(opts), std::move(records), std::move(skips));
 }
 
 }  // namespace kiln::data

@@ -19,6 +19,7 @@ struct DataOptions {
   int64_t epochs = 1;  // 0: repeat forever
   bool drop_last = false;
   bool strict = false;  // TSV: a malformed line is fatal
+  // Told about each skipped line as its batch is handed out (default: printed to stderr).
   DiagnosticSink on_skip;
   // Synthetic data: its seed and stream (0 trains, 1 is the held-out evaluation stream) and the
   // size of one epoch.
@@ -26,26 +27,45 @@ struct DataOptions {
   int64_t synthetic_samples = 1 << 20;
 };
 
+// Collects the lines a RecordSource skips, for the batch being read.
+using SkipLog = std::vector<Status>;
+
 class BatchReader {
  public:
-  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records);
+  // `skips` (optional) is the log the records' TsvOptions::on_skip appends to.
+  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
+              std::shared_ptr<SkipLog> skips = nullptr);
   BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic);
 
-  // Fills `batch` with the next batch; false when the last epoch is done.
+  // Fills `batch` with the next batch (its skipped lines in batch.skipped); false when the last
+  // epoch is done.
   Expected<bool> next(Batch& batch);
   // The position of the next sample; seek() continues from a position taken earlier.
   StreamPosition position() const { return pos_; }
   Status seek(const StreamPosition& pos);
-  // Malformed lines skipped so far.
+  // Malformed lines read so far (read, not necessarily handed out: see Prefetcher::malformed).
   int64_t malformed() const { return records_ ? records_->malformed() : 0; }
   const BatchSpec& spec() const { return spec_; }
 
+  // Lines skipped after the last batch's last sample, once next() has returned false.
+  const std::vector<SkippedLine>& skippedAtEnd() const { return skipped_at_end_; }
+  // Skipped lines are reported (opts.on_skip) by next() itself, unless reports are deferred: a
+  // prefetcher reports each batch's lines when it hands the batch out, never those of batches
+  // read ahead and left unused.
+  void deferSkipReports() { defer_reports_ = true; }
+  void reportSkipped(const std::vector<SkippedLine>& lines) const;
+
  private:
   Expected<bool> nextRecord(RawSample& s);
+  // Moves the lines skipped since the last call into `out`, located before sample `before`.
+  void takeSkips(int64_t before, std::vector<SkippedLine>& out);
 
   BatchSpec spec_;
   DataOptions opts_;
   std::unique_ptr<RecordSource> records_;
+  std::shared_ptr<SkipLog> skips_;
+  std::vector<SkippedLine> skipped_at_end_;
+  bool defer_reports_ = false;
   std::unique_ptr<SyntheticGenerator> synthetic_;
   StreamPosition pos_;
   std::vector<RawSample> samples_;

@@ -1,12 +1,13 @@
 #include "runtime/data/binary_format.h"
 
-#include <bit>
-#include <cerrno>
-#include <cmath>
-#include <cstring>
-
 #include <fcntl.h>
 #include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstring>
 
 namespace kiln::data {
 
@@ -69,12 +70,23 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
     return Status::errorf("'{}': unexpected layout (header {} B, record {} B, {} dense, {} categorical, flags {})", path,
                           take<uint32_t>(h + 12), take<uint32_t>(h + 16), take<uint32_t>(h + 20), take<uint32_t>(h + 24),
                           take<uint32_t>(h + 28));
+  // The count is checked against the file's size before anything is sized by it; a count whose
+  // byte size overflows 64 bits is named as the count alone.
   uint64_t records = take<uint64_t>(h + 32);
   uint64_t payload = static_cast<uint64_t>(size - kBinaryHeaderBytes);
-  if (records > payload / kBinaryRecordBytes || payload != records * kBinaryRecordBytes)
-    return Status::errorf("'{}': {} file: the header says {} records ({} bytes) but the file has {} bytes",
-                          path, payload < records * kBinaryRecordBytes ? "truncated" : "corrupt", records,
-                          kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
+  if (records > payload / kBinaryRecordBytes) {
+    if (records > (static_cast<uint64_t>(INT64_MAX) - kBinaryHeaderBytes) / kBinaryRecordBytes)
+      return Status::errorf(
+          "'{}': corrupt header: it says {} records, more than any file holds (the file has {} bytes)", path,
+          records, size);
+    return Status::errorf(
+        "'{}': truncated file: the header says {} records ({} bytes) but the file has {} bytes", path,
+        records, kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
+  }
+  if (payload != records * kBinaryRecordBytes)
+    return Status::errorf(
+        "'{}': corrupt file: the header says {} records ({} bytes) but the file has {} bytes", path, records,
+        kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
   return static_cast<int64_t>(records);
 }
 
@@ -205,7 +217,11 @@ class BinarySource final : public RecordSource {
       next_ += n;
     }
     Status st = decodeRecord(chunk_.data() + chunk_pos_ * kBinaryRecordBytes, s);
-    if (!st) return Status::errorf("'{}': corrupt record {}: {}", files_[file_], chunk_first_ + chunk_pos_, st.message());
+    if (!st) {
+      int64_t record = chunk_first_ + chunk_pos_;
+      return Status::errorf("'{}': corrupt record {}: {} (the record at byte {})", files_[file_], record,
+                            st.message(), kBinaryHeaderBytes + record * kBinaryRecordBytes);
+    }
     ++chunk_pos_;
     return true;
   }
@@ -213,7 +229,7 @@ class BinarySource final : public RecordSource {
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > files_.size())
       return Status::errorf("data position names file {} but the stream has {} files", pos.file, files_.size());
-    if ((pos.offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0 || pos.offset < kBinaryHeaderBytes)
+    if (pos.offset < kBinaryHeaderBytes || (pos.offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0)
       return Status::errorf("data position offset {} is not at a record of a binary file", pos.offset);
     return open(static_cast<size_t>(pos.file), (pos.offset - kBinaryHeaderBytes) / kBinaryRecordBytes);
   }
@@ -275,9 +291,7 @@ Expected<std::unique_ptr<RecordSource>> openRecords(std::vector<std::string> fil
   if (files.empty()) return Status::error("no data files given");
   size_t binary = 0;
   for (const auto& f : files) {
-    std::FILE* fp = std::fopen(f.c_str(), "rb");
-    if (!fp) return Status::errorf("cannot open '{}': {}", f, std::strerror(errno));
-    std::fclose(fp);
+    KILN_RETURN_IF_ERROR(checkDataFile(f));
     binary += isBinaryFile(f);
   }
   if (binary == files.size()) return openBinary(std::move(files));

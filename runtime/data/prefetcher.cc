@@ -1,10 +1,14 @@
 #include "runtime/data/prefetcher.h"
 
+#include <exception>
+#include <new>
+
 namespace kiln::data {
 
 Prefetcher::Prefetcher(std::unique_ptr<BatchReader> reader, int depth)
     : reader_(std::move(reader)), depth_(static_cast<size_t>(std::max(depth, 1))) {
   consumed_ = reader_->position();
+  reader_->deferSkipReports();
   thread_ = std::thread([this] { run(); });
 }
 
@@ -20,11 +24,20 @@ Prefetcher::~Prefetcher() {
 void Prefetcher::run() {
   for (;;) {
     Batch batch;
-    Expected<bool> got = reader_->next(batch);
+    // An exception would escape this thread to std::terminate, past main's handler: a batch too
+    // big for memory becomes the reader's error instead, reported where the batch is awaited.
+    Expected<bool> got = Status::error("no batch");
+    try {
+      got = reader_->next(batch);
+    } catch (const std::bad_alloc&) {
+      got = Status::error("out of memory reading the next batch (lower --batch)");
+    } catch (const std::exception& e) {
+      got = Status::errorf("reading the next batch failed: {}", e.what());
+    }
     std::unique_lock<std::mutex> lock(mu_);
-    malformed_ = reader_->malformed();
     if (!got || !*got) {
       if (!got) error_ = got.status();
+      if (got) skipped_at_end_ = reader_->skippedAtEnd();
       done_ = true;
       not_empty_.notify_all();
       return;
@@ -41,18 +54,23 @@ Expected<bool> Prefetcher::next(Batch& batch) {
   not_empty_.wait(lock, [&] { return !queue_.empty() || done_; });
   if (queue_.empty()) {
     if (!error_.isOk()) return error_;
+    if (!end_reported_) {
+      end_reported_ = true;
+      malformed_ += static_cast<int64_t>(skipped_at_end_.size());
+      lock.unlock();
+      reader_->reportSkipped(skipped_at_end_);
+    }
     return false;
   }
   batch = std::move(queue_.front());
   queue_.pop_front();
   consumed_ = batch.end;
   not_full_.notify_one();
+  lock.unlock();
+  // Reported here, on the consumer's thread, so a batch read ahead and never used reports nothing.
+  malformed_ += static_cast<int64_t>(batch.skipped.size());
+  reader_->reportSkipped(batch.skipped);
   return true;
-}
-
-int64_t Prefetcher::malformed() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return malformed_;
 }
 
 }  // namespace kiln::data

@@ -1,7 +1,8 @@
 // Reads batches on a background thread into a bounded queue, so loading overlaps compute.
 // The consumer sees batches in order, then the end of the data or the reader's error (in its
 // place in the stream, and again on every later call). Destroying the prefetcher stops and
-// joins the thread at once, even when the queue is full.
+// joins the thread at once, even when the queue is full. Malformed lines are reported and counted
+// as their batches are handed out: lines in batches read ahead and never used are neither.
 #pragma once
 
 #include <condition_variable>
@@ -26,8 +27,11 @@ class Prefetcher {
   Expected<bool> next(Batch& batch);
   // The position after the last batch handed out (where a resumed run continues).
   StreamPosition position() const { return consumed_; }
-  // Malformed lines the reader skipped so far.
-  int64_t malformed() const;
+  // Malformed lines among the batches handed out so far, and, once next() has returned false,
+  // those between the last sample and the end of the data.
+  int64_t malformed() const { return malformed_; }
+  // The lines skipped after the last sample, once next() has returned false.
+  const std::vector<SkippedLine>& skippedAtEnd() const { return skipped_at_end_; }
 
  private:
   void run();
@@ -40,7 +44,10 @@ class Prefetcher {
   bool done_ = false;   // the producer has finished (end of data or error)
   bool stop_ = false;   // the consumer is going away
   Status error_;
+  std::vector<SkippedLine> skipped_at_end_;  // set by the producer when done_
+  // The consumer's own (not guarded by mu_).
   int64_t malformed_ = 0;
+  bool end_reported_ = false;
   StreamPosition consumed_;
   std::thread thread_;
 };

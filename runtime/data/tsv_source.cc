@@ -1,5 +1,6 @@
 // Criteo TSV, streamed: a 1 MiB buffer per open file, lines parsed in place, files of any size.
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -55,9 +56,19 @@ std::string printable(std::string_view f) {
   return f.size() > 24 ? s + "..." : s;
 }
 
+// file:line:col as a Location, whose numbers are ints: a line past them (a file of over two
+// billion lines) is named in the message instead of wrapping to a negative number.
+Status locatedError(std::string message, const std::string& file, int64_t line, int64_t col) {
+  if (line <= INT_MAX && col <= INT_MAX)
+    return Status::error(std::move(message), Location{file, static_cast<int>(line), static_cast<int>(col)});
+  return Status::error(fmt::format("line {}, column {}: {}", line, col, message), Location{file});
+}
+
+constexpr std::string_view kUtf8Bom = "\xEF\xBB\xBF";
+
 }  // namespace
 
-Status parseTsvLine(std::string_view line, RawSample& s, int* col) {
+Status parseTsvLine(std::string_view line, RawSample& s, int64_t* col) {
   if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
   constexpr int kFields = 1 + kNumDense + kNumSparse;
   s.missing = 0;
@@ -65,14 +76,14 @@ Status parseTsvLine(std::string_view line, RawSample& s, int* col) {
   for (int field = 0; field < kFields; ++field) {
     size_t tab = line.find('\t', start);
     if ((tab == std::string_view::npos) != (field == kFields - 1)) {
-      *col = static_cast<int>(tab == std::string_view::npos ? line.size() + 1 : tab + 1);
-      int got = 1;
+      *col = static_cast<int64_t>(tab == std::string_view::npos ? line.size() + 1 : tab + 1);
+      int64_t got = 1;
       for (char c : line) got += c == '\t';
       return Status::errorf("expected {} tab-separated fields (label, {} integer, {} categorical), got {}", kFields,
                             kNumDense, kNumSparse, got);
     }
     std::string_view f = line.substr(start, tab == std::string_view::npos ? std::string_view::npos : tab - start);
-    *col = static_cast<int>(start + 1);
+    *col = static_cast<int64_t>(start + 1);
     if (field == 0) {
       if (f != "0" && f != "1") return Status::errorf("label must be 0 or 1, got '{}'", printable(f));
       s.label = f[0] == '1' ? 1.0f : 0.0f;
@@ -112,8 +123,14 @@ class TsvSource final : public RecordSource {
     if (file_ >= files_.size()) return Status::ok();
     fp_ = std::fopen(files_[file_].c_str(), "rb");
     if (!fp_) return Status::errorf("cannot open '{}': {}", files_[file_], std::strerror(errno));
-    if (offset > 0 && fseeko(fp_, offset, SEEK_SET) != 0)
-      return Status::errorf("cannot seek to byte {} of '{}': {}", offset, files_[file_], std::strerror(errno));
+    if (offset < 0) return Status::errorf("cannot seek to byte {} of '{}'", offset, files_[file_]);
+    if (offset > 0) {
+      if (fseeko(fp_, 0, SEEK_END) != 0 || ftello(fp_) < offset)
+        return Status::errorf("cannot seek to byte {} of '{}': the file is shorter", offset, files_[file_]);
+      if (fseeko(fp_, offset, SEEK_SET) != 0)
+        return Status::errorf("cannot seek to byte {} of '{}': {}", offset, files_[file_],
+                              std::strerror(errno));
+    }
     return Status::ok();
   }
 
@@ -127,10 +144,10 @@ class TsvSource final : public RecordSource {
         KILN_RETURN_IF_ERROR(open(file_ + 1, 0, 0));
         continue;
       }
-      int col = 1;
+      int64_t col = 1;
       Status st = parseTsvLine(line, s, &col);
       if (st) return true;
-      Status located = Status::error(st.message(), Location{files_[file_], static_cast<int>(line_), col});
+      Status located = locatedError(st.message(), files_[file_], line_, col);
       if (opts_.strict) return located;
       ++malformed_;
       if (opts_.on_skip)
@@ -170,14 +187,20 @@ class TsvSource final : public RecordSource {
       const void* nl = std::memchr(base + buf_begin_, '\n', buf_end_ - buf_begin_);
       if (nl || (eof_ && buf_begin_ < buf_end_)) {
         size_t end = nl ? static_cast<size_t>(static_cast<const char*>(nl) - base) : buf_end_;
+        if (static_cast<int64_t>(end - buf_begin_) > opts_.max_line_bytes) return tooLong();
         *line = std::string_view(base + buf_begin_, end - buf_begin_);
+        // A byte-order mark (as some editors and exporters write) is no part of the label.
+        if (buf_offset_ + static_cast<int64_t>(buf_begin_) == 0 &&
+            line->substr(0, kUtf8Bom.size()) == kUtf8Bom)
+          line->remove_prefix(kUtf8Bom.size());
         buf_begin_ = nl ? end + 1 : end;
         ++line_;
         return true;
       }
       if (eof_) return false;
-      // Move the partial line to the front, grow for very long lines, and read more.
+      // Move the partial line to the front, grow for long lines (up to the limit), and read more.
       size_t rest = buf_end_ - buf_begin_;
+      if (static_cast<int64_t>(rest) > opts_.max_line_bytes) return tooLong();
       std::memmove(buf_.data(), base + buf_begin_, rest);
       buf_offset_ += static_cast<int64_t>(buf_begin_);
       buf_begin_ = 0;
@@ -190,6 +213,14 @@ class TsvSource final : public RecordSource {
       }
       buf_end_ += n;
     }
+  }
+
+  // The next line has more than max_line_bytes before its newline.
+  Status tooLong() const {
+    return locatedError(
+        fmt::format("line {} is longer than {} bytes: not a Criteo TSV line (is this a TSV file?)", line_ + 1,
+                    opts_.max_line_bytes),
+        files_[file_], line_ + 1, opts_.max_line_bytes + 1);
   }
 
   std::vector<std::string> files_;
@@ -208,6 +239,8 @@ class TsvSource final : public RecordSource {
 
 Expected<std::unique_ptr<RecordSource>> openTsv(std::vector<std::string> files, TsvOptions opts) {
   if (files.empty()) return Status::error("no data files given");
+  // Every file, so that a bad one fails before the first is read.
+  for (const std::string& f : files) KILN_RETURN_IF_ERROR(checkDataFile(f));
   auto src = std::make_unique<TsvSource>(std::move(files), std::move(opts));
   KILN_RETURN_IF_ERROR(src->open(0, 0, 0));
   return std::unique_ptr<RecordSource>(std::move(src));

@@ -41,7 +41,7 @@ TEST(Tsv, ParsesFieldsMissingValuesAndNegatives) {
   l += "\t68fd1e64\t";  // feature 1 empty
   for (int c = 2; c < kNumSparse; ++c) l += "\tFFFFFFFFFFFFFFFF";
   RawSample s;
-  int col = 0;
+  int64_t col = 0;
   Status st = parseTsvLine(l, s, &col);
   ASSERT_TRUE(st.isOk()) << st.str();
   EXPECT_EQ(s.label, 1.0f);
@@ -109,7 +109,7 @@ TEST(Tsv, StreamsManyFilesAcrossBufferBoundaries) {
     std::string l;
     while (std::getline(in, l)) {
       RawSample s;
-      int col;
+      int64_t col;
       ASSERT_TRUE(parseTsvLine(l, s, &col).isOk());
       ASSERT_TRUE(same(s, got[k])) << "sample " << k;
       ++k;
