@@ -29,14 +29,8 @@ class CpuLowering {
   Status located(const ir::Op& op, Status s) { return std::move(s).withLocation(op.location()); }
 
   Expected<int> newBuffer(const ir::Op& op, BufferKind kind, std::string name, const ir::TensorType& type) {
-    auto bytes = type.bytes(symbols_);
-    if (!bytes) {
-      std::string missing;
-      for (const ir::Dim& d : type.shape())
-        if (!d.sym().empty() && !symbols_.count(d.sym())) missing = d.sym();
-      return located(op, Status::errorf("'{}': symbol '{}' of {} is not bound (set it, e.g. --batch)", op.name(),
-                                        missing, type.str()));
-    }
+    auto bytes = type.checkedBytes(symbols_);
+    if (!bytes) return located(op, Status::errorf("'{}': {}", op.name(), bytes.status().message()));
     Buffer b;
     b.id = static_cast<int>(program_.buffers.size());
     b.kind = kind;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <charconv>
 
+#include "ir/checked.h"
+
 namespace kiln::ir {
 namespace {
 
@@ -91,7 +93,7 @@ std::optional<int64_t> Dim::evaluate(const SymbolBindings& bindings) const {
   if (sym_.empty()) return factor_;
   auto it = bindings.find(sym_);
   if (it == bindings.end()) return std::nullopt;
-  return factor_ * it->second;
+  return checkedMul(factor_, it->second);
 }
 
 std::string Dim::str() const {
@@ -123,19 +125,51 @@ bool TensorType::hasBoundedDims() const {
 }
 
 std::optional<int64_t> TensorType::numElements(const SymbolBindings& bindings) const {
+  auto n = checkedNumElements(bindings);
+  return n ? std::optional<int64_t>(*n) : std::nullopt;
+}
+
+std::optional<int64_t> TensorType::bytes(const SymbolBindings& bindings) const {
+  auto n = checkedBytes(bindings);
+  return n ? std::optional<int64_t>(*n) : std::nullopt;
+}
+
+namespace {
+
+// " at B=4096, T=8" for the symbols of `shape` that are bound ("" when there are none).
+std::string boundSymbols(const Shape& shape, const SymbolBindings& bindings) {
+  std::string out;
+  for (const auto& [name, value] : bindings) {
+    bool used = false;
+    for (const Dim& d : shape) used |= d.sym() == name;
+    if (used) out += fmt::format("{}{}={}", out.empty() ? " at " : ", ", name, value);
+  }
+  return out;
+}
+
+}  // namespace
+
+Expected<int64_t> TensorType::checkedNumElements(const SymbolBindings& bindings) const {
   int64_t n = 1;
   for (const Dim& d : shape_) {
+    if (!d.sym().empty() && !bindings.count(d.sym()))
+      return Status::errorf("symbol '{}' of {} is not bound", d.sym(), str());
     auto v = d.evaluate(bindings);
-    if (!v) return std::nullopt;
-    n *= *v;
+    if (!v)
+      return Status::errorf("dim {} of {} overflows int64{}", d.str(), str(), boundSymbols(shape_, bindings));
+    auto product = checkedMul(n, *v);
+    if (!product)
+      return Status::errorf("{} has more than 2^63-1 elements{}", str(), boundSymbols(shape_, bindings));
+    n = *product;
   }
   return n;
 }
 
-std::optional<int64_t> TensorType::bytes(const SymbolBindings& bindings) const {
-  auto n = numElements(bindings);
-  if (!n) return std::nullopt;
-  return *n * dtypeBytes(dtype_);
+Expected<int64_t> TensorType::checkedBytes(const SymbolBindings& bindings) const {
+  KILN_ASSIGN_OR_RETURN(int64_t n, checkedNumElements(bindings));
+  auto b = checkedMul(n, dtypeBytes(dtype_));
+  if (!b) return Status::errorf("{} holds more than 2^63-1 bytes{}", str(), boundSymbols(shape_, bindings));
+  return *b;
 }
 
 std::string TensorType::str() const {
@@ -238,7 +272,10 @@ SymbolicProduct symbolicProduct(const Shape& s) {
   SymbolicProduct p;
   for (const Dim& d : s) {
     if (d.isBounded()) p.known = false;
-    p.factor *= d.factor();
+    if (auto f = checkedMul(p.factor, d.factor()))
+      p.factor = *f;
+    else
+      p.overflow = true;
     if (!d.sym().empty()) p.symbols.push_back(d.sym());
   }
   std::sort(p.symbols.begin(), p.symbols.end());

@@ -61,7 +61,8 @@ class Dim {
   // Scales a static or symbolic dim by k (e.g. B -> 26*B). Bounded dims scale their bound.
   Dim times(int64_t k) const { return Dim(kind_, factor_ * k, sym_); }
 
-  // Size under `bindings` (bounded dims evaluate their bound); nullopt if a symbol is unbound.
+  // Size under `bindings` (bounded dims evaluate their bound); nullopt if a symbol is unbound or
+  // factor * value overflows int64.
   std::optional<int64_t> evaluate(const SymbolBindings& bindings) const;
 
   std::string str() const;
@@ -104,9 +105,14 @@ class TensorType {
 
   bool isStatic() const;  // every dim static
   bool hasBoundedDims() const;
-  // Element count under bindings, bounded dims at their bound.
+  // Element count under bindings, bounded dims at their bound; nullopt if a symbol is unbound or
+  // the count does not fit in int64 (never a wrapped value).
   std::optional<int64_t> numElements(const SymbolBindings& bindings) const;
   std::optional<int64_t> bytes(const SymbolBindings& bindings) const;
+  // The same, with an error that says which: "symbol 'B' of T is not bound" or "T holds more than
+  // 2^63-1 bytes at B=..." (for sizes from user flags, e.g. --batch or --set rows_cap=...).
+  Expected<int64_t> checkedNumElements(const SymbolBindings& bindings) const;
+  Expected<int64_t> checkedBytes(const SymbolBindings& bindings) const;
 
   // "!kiln.tensor<Bx13xf32>"
   std::string str() const;
@@ -130,6 +136,7 @@ struct SymbolicProduct {
   int64_t factor = 1;
   std::vector<std::string> symbols;  // sorted
   bool known = true;
+  bool overflow = false;  // the static factor does not fit in int64 (`factor` is then meaningless)
   bool operator==(const SymbolicProduct& o) const = default;
 };
 SymbolicProduct symbolicProduct(const Shape& s);

@@ -26,10 +26,14 @@ class Flattener {
 
  private:
   Expected<int> newBuffer(const ir::Op& op, const ir::TensorType& t, bool arena) {
-    auto bytes = t.bytes(symbols_);
-    if (!bytes)
-      return Status::error(fmt::format("'{}': a symbol of {} is not bound (set it, e.g. --batch)", op.name(), t.str()),
+    auto bytes = t.checkedBytes(symbols_);
+    if (!bytes) {
+      const std::string name = op.is(ir::OpCode::Input) || op.is(ir::OpCode::Parameter)
+                                   ? fmt::format(" \"{}\"", op.strAttr("name"))
+                                   : "";
+      return Status::error(fmt::format("'{}'{}: {}", op.name(), name, bytes.status().message()),
                            op.location());
+    }
     buffers.push_back({*bytes, t, arena, false});
     return static_cast<int>(buffers.size()) - 1;
   }

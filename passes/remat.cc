@@ -52,7 +52,8 @@ Expected<int64_t> parseMemoryBudget(std::string_view text, int64_t unbudgeted_pe
   if (t.empty() || ec != std::errc() || end != t.data() + t.size() || v < 0)
     return Status::errorf("{}: expected bytes or a percentage such as 60%, got '{}'", what, text);
   if (percent) {
-    if (v > 100) return Status::errorf("{}: {}% is more than the unbudgeted peak", what, text);
+    // `text` already ends in '%' (a second one printed "200%%").
+    if (v > 100) return Status::errorf("{}: {} is more than the unbudgeted peak (100%)", what, text);
     return static_cast<int64_t>(static_cast<double>(unbudgeted_peak) * v / 100.0);
   }
   return static_cast<int64_t>(v);
@@ -410,8 +411,10 @@ class RematPass : public RegisteredPass<RematPass> {
           "e.g. --passes=remat{budget=60%}");
     if (budget_.empty()) return false;
     KILN_ASSIGN_OR_RETURN(auto r, rematerialize(m, budget_, planningSymbols(m), target_));
-    // What was reached, for the tools to report (a budget below what recomputation can reach
-    // is not an error: the step still runs, with the lowest peak found).
+    // What was reached (a budget below what recomputation can reach is not an error: the step
+    // still runs, with the lowest peak found). peak_bytes is remat's estimate before the passes
+    // after it; the tools report the planned peak of the final step (plannedPeakBytes in
+    // tools/model_session.h) against budget_bytes.
     m.mutableAttrs()["kiln.remat"] = ir::Attribute(
         ir::AttrDict{{"budget_bytes", ir::Attribute(r.budget)},
                      {"peak_bytes", ir::Attribute(r.peak_after)},

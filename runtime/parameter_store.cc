@@ -1,9 +1,10 @@
 #include "runtime/parameter_store.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <cmath>
+#include <set>
 
 #include "runtime/cpu/thread_pool.h"
 #include "runtime/random.h"
@@ -108,25 +109,63 @@ int64_t ParameterStore::totalBytes() const {
   return n;
 }
 
+Expected<ParameterSpec> parameterSpec(const ir::Op& op, const ir::SymbolBindings& symbols) {
+  ParameterSpec p;
+  p.name = op.strAttr("name");
+  p.op = &op;
+  p.optimizer_state = op.hasAttr("state_of");
+  const ir::TensorType& type = op.result()->type();
+  p.dtype = type.dtype();
+  for (const ir::Dim& d : type.shape()) {
+    auto v = d.evaluate(symbols);
+    if (!v || d.isBounded())
+      return Status::error(
+          fmt::format("parameter \"{}\" of type {} has no concrete shape", p.name, type.str()),
+          op.location());
+    p.shape.push_back(*v);
+  }
+  // Checked: a --set rows_cap=... beyond 2^63 bytes would otherwise wrap to a small allocation.
+  auto bytes = type.checkedBytes(symbols);
+  if (!bytes)
+    return Status::error(fmt::format("parameter \"{}\": {}", p.name, bytes.status().message()),
+                         op.location());
+  p.bytes = *bytes;
+  return p;
+}
+
+Expected<std::vector<ParameterSpec>> parameterSpecs(const ir::Module& m, const ir::SymbolBindings& symbols) {
+  std::vector<ParameterSpec> out;
+  std::set<std::string, std::less<>> seen;
+  Status status;
+  for (const auto& f : m.functions())
+    const_cast<ir::Function&>(*f).walk([&](ir::Op& op) {
+      if (!status.isOk() || !op.is(ir::OpCode::Parameter) || seen.count(op.strAttr("name"))) return;
+      auto p = parameterSpec(op, symbols);
+      if (!p) {
+        status = p.status();
+        return;
+      }
+      seen.insert(p->name);
+      out.push_back(p.take());
+    });
+  if (!status.isOk()) return status;
+  return out;
+}
+
 Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols,
                                       ThreadPool* pool) {
   Status status;
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
     if (!status.isOk() || !op.is(ir::OpCode::Parameter)) return;
-    const std::string name = op.strAttr("name");
-    const ir::TensorType& type = op.result()->type();
-    std::vector<int64_t> shape;
-    for (const ir::Dim& d : type.shape()) {
-      auto v = d.evaluate(symbols);
-      if (!v || d.isBounded()) {
-        status = Status::error(fmt::format("parameter \"{}\" of type {} has no concrete shape", name, type.str()),
-                               op.location());
-        return;
-      }
-      shape.push_back(*v);
+    auto spec = parameterSpec(op, symbols);
+    if (!spec) {
+      status = spec.status();
+      return;
     }
+    const std::string& name = spec->name;
+    const ir::TensorType& type = op.result()->type();
     if (const ir::HostTensor* have = find(name)) {
-      if (have->view.dtype != type.dtype() || have->view.shape != shape)
+      if (have->view.dtype != type.dtype() || have->view.shape != spec->shape)
         status = Status::error(fmt::format("parameter \"{}\" is declared as {} but the store holds {} [{}]", name,
                                            type.str(), ir::dtypeName(have->view.dtype), fmt::join(have->view.shape, ", ")),
                                op.location());
@@ -137,7 +176,7 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, 
       status = init.status();
       return;
     }
-    ir::HostTensor t(type.dtype(), shape);
+    ir::HostTensor t(type.dtype(), spec->shape);
     Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool);
     if (!s.isOk()) {
       status = Status::error(fmt::format("parameter \"{}\": {}", name, s.message()), op.location());

@@ -29,6 +29,23 @@ struct ParameterInit {
 // layout. Threaded over element ranges when a pool is given; the result does not depend on it.
 Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool = nullptr);
 
+// A kiln.parameter's concrete shape and size, computed from its type before anything is
+// allocated (the memory check adds these up; the store allocates exactly these).
+struct ParameterSpec {
+  std::string name;
+  ir::DType dtype = ir::DType::f32;
+  std::vector<int64_t> shape;
+  int64_t bytes = 0;
+  bool optimizer_state = false;  // the op has `state_of` (an optimizer's accumulator of a weight)
+  const ir::Op* op = nullptr;
+};
+
+// The spec of one kiln.parameter op under `symbols`; an error, located at the op, names an
+// unbound or bounded dim or a size beyond int64 (e.g. a table of more than 2^63 bytes).
+Expected<ParameterSpec> parameterSpec(const ir::Op& op, const ir::SymbolBindings& symbols);
+// Every kiln.parameter of `m`, each name once, in the order the store creates them.
+Expected<std::vector<ParameterSpec>> parameterSpecs(const ir::Module& m, const ir::SymbolBindings& symbols);
+
 class ParameterStore {
  public:
   bool contains(std::string_view name) const { return params_.find(name) != params_.end(); }

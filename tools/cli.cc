@@ -4,7 +4,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
+#include "ir/checked.h"
 #include "ir/status.h"
 #include "ir/target.h"
 
@@ -126,13 +128,17 @@ bool ArgParser::flag(const std::string& name) const { return values_.count(name)
 
 std::optional<long long> ArgParser::getInt(const std::string& name) const {
   std::string s = get(name);
-  char* end = nullptr;
-  long long v = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || *end != '\0') {
+  // strtoll saturates out-of-range text to LLONG_MAX: --batch 99999999999999999999999 became a
+  // batch of 2^63-1 samples.
+  if (auto v = parseInt64(s)) return *v;
+  std::string_view digits = s;
+  if (!digits.empty() && (digits[0] == '-' || digits[0] == '+')) digits.remove_prefix(1);
+  if (!digits.empty() && digits.find_first_not_of("0123456789") == std::string_view::npos)
+    usageError(fmt::format("flag '--{}': {} is out of range (integers lie in [{}, {}])", name, s,
+                           std::numeric_limits<int64_t>::min(), std::numeric_limits<int64_t>::max()));
+  else
     usageError(fmt::format("flag '--{}' needs an integer, got '{}'", name, s));
-    return std::nullopt;
-  }
-  return v;
+  return std::nullopt;
 }
 
 std::optional<double> ArgParser::getDouble(const std::string& name) const {

@@ -52,7 +52,8 @@ int dumpIr(DumpContext& c) {
 std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   OptimizeOptions o;
   std::optional<long long> batch = p.getInt("batch");
-  if (!batch || *batch <= 0) {
+  if (!batch) return std::nullopt;  // getInt printed why
+  if (*batch <= 0) {
     std::cerr << "kiln dump: error: --batch must be a positive integer\n";
     return std::nullopt;
   }

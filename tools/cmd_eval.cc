@@ -48,6 +48,7 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = *batch;
   so.training = false;
+  so.checkpoint_path = p.get("checkpoint");  // loaded whole after create(): the memory check counts it
   if (!readModelFlags(p, so, &code)) return code;
   setup.data.seed = so.seed;
   auto session = ModelSession::create(so, std::cerr);

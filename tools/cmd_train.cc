@@ -237,7 +237,7 @@ int Trainer::run() {
       return kExitError;
     }
   }
-  data::Prefetcher prefetch(reader.take(), 4);
+  data::Prefetcher prefetch(reader.take(), kTrainPrefetchDepth);
 
   const ir::AttrDict& train = s_.trainConfig();
   ir::AttrDict schedule;
@@ -409,6 +409,7 @@ int runTrain(const std::vector<std::string>& args) {
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = f.batch;
   so.profile = f.profile;
+  if (f.resume) so.checkpoint_path = f.checkpoint_dir;  // loaded whole: the memory check counts it
   if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   auto session = ModelSession::create(so, std::cerr);
   if (!session) {

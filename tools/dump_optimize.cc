@@ -1,8 +1,8 @@
 #include "tools/dump_optimize.h"
 
-#include <ostream>
-
 #include <fmt/format.h>
+
+#include <ostream>
 
 #include "codegen/lower_cpu.h"
 #include "passes/cost_model.h"
@@ -11,6 +11,7 @@
 #include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "tools/cli.h"
+#include "tools/model_session.h"
 
 namespace kiln::cli {
 
@@ -37,16 +38,17 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     return kExitError;
   }
   ir::SymbolBindings symbols = {{"B", o.batch}};
-  auto program = codegen::lowerForCpu(*f, symbols);
-  if (!program) {
-    err << program.status().str() << "\n";
+  // The same count as the --memory-budget warning and the memory check of kiln train.
+  auto peak = plannedPeakBytes(*f, o.batch);
+  if (!peak) {
+    err << peak.status().str() << "\n";
     return kExitError;
   }
   passes::CostModel cost(o.target, symbols);
   double flops = 0;
   for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;
   out << fmt::format("kernels: {}\n", passes::countLaunches(*f));
-  out << fmt::format("peak_bytes: {}\n", program->peak_bytes);
+  out << fmt::format("peak_bytes: {}\n", *peak);
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
   return kExitOk;

@@ -1,14 +1,16 @@
 #include "tools/model_session.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
-#include <fmt/format.h>
-
 #include "codegen/lower_cpu.h"
+#include "ir/checked.h"
 #include "ir/verifier.h"
 #include "passes/pipeline.h"
 #include "passes/remat.h"
@@ -23,6 +25,9 @@ void addModelFlags(ArgParser& p) {
   p.addOption("memory-budget", "BYTES|N%",
               "recompute activations in the backward pass until the training step's planned peak fits "
               "(remat{budget=...})");
+  p.addOption("memory-limit", "SIZE",
+              "the most memory the run may use, e.g. 8G, 512M, 1.5GiB (default: what the machine has: "
+              "MemAvailable, the cgroup limit, ulimit -v); a run that needs more stops before it starts");
   addTargetFlag(p, "the device the run uses: cpu, or the GPU's with --device cuda");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
@@ -57,6 +62,14 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
       *exit_code = p.usageError(b.status().message());
       return false;
     }
+  }
+  if (p.has("memory-limit")) {
+    auto limit = runtime::parseByteSize(p.get("memory-limit"));
+    if (!limit) {
+      *exit_code = p.usageError(fmt::format("--memory-limit: {}", limit.status().message()));
+      return false;
+    }
+    o.memory_limit = *limit;
   }
   std::optional<Target> target;
   if (!readTargetFlag(p, &target, exit_code)) return false;
@@ -96,6 +109,62 @@ std::string formatDuration(double seconds) {
   auto s = static_cast<int64_t>(seconds + 0.5);
   if (s >= 3600) return fmt::format("{}:{:02}:{:02}", s / 3600, (s / 60) % 60, s % 60);
   return fmt::format("{}:{:02}", s / 60, s % 60);
+}
+
+Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch) {
+  KILN_ASSIGN_OR_RETURN(auto program, codegen::lowerForCpu(f, {{"B", batch}}));
+  return program.peak_bytes;
+}
+
+Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const SessionOptions& options,
+                                                    const data::BatchSpec& spec) {
+  runtime::MemoryNeed need;
+  const ir::SymbolBindings symbols{{"B", options.batch}};
+  KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
+  for (const runtime::ParameterSpec& p : params)
+    need.add(fmt::format("parameter \"{}\"", p.name), p.optimizer_state ? "optimizer state" : "weights",
+             static_cast<uint64_t>(p.bytes));
+
+  const std::string function = options.training ? "train_step" : "forward";
+  const ir::Function* f = m.lookup(function);
+  if (!f) return Status::error(fmt::format("{}: the model has no @{}", options.model_path, function));
+  // On a GPU the arena lives in device memory; the host holds the parameters and the data.
+  if (options.device != "cuda") {
+    KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*f, options.batch));
+    need.add(fmt::format("@{}'s activations (planned arena at batch {})", function, options.batch),
+             "activations", static_cast<uint64_t>(peak));
+  }
+  // Workspace: the results each step copies out of the arena. (Thread stacks and the kernels'
+  // scratch are reserved address space or small; they are not counted.)
+  uint64_t results = 0;
+  if (const ir::Op* ret = f->returnOp())
+    for (const ir::Value* v : ret->operands()) {
+      KILN_ASSIGN_OR_RETURN(int64_t b, v->type().checkedBytes(symbols));
+      results = checkedAddU(results, static_cast<uint64_t>(b)).value_or(UINT64_MAX);
+    }
+  need.add(fmt::format("@{}'s results", function), "workspace", results);
+
+  // Data: the prefetcher's queue, the batch the reader fills and the batch the step reads.
+  uint64_t batch_bytes = 0;
+  for (const data::InputSpec& in : spec.inputs) {
+    auto b = in.type.checkedBytes({{spec.batch_symbol, options.batch}});
+    if (!b)
+      return Status::error(
+          fmt::format("input \"{}\" at --batch {}: {}", in.name, options.batch, b.status().message()));
+    batch_bytes = checkedAddU(batch_bytes, static_cast<uint64_t>(*b)).value_or(UINT64_MAX);
+  }
+  const int batches = (options.training ? kTrainPrefetchDepth : kEvalPrefetchDepth) + 2;
+  need.add(fmt::format("{} batches of {} samples", batches, options.batch), "data buffers",
+           checkedMulU(batch_bytes, static_cast<uint64_t>(batches)).value_or(UINT64_MAX));
+
+  if (!options.checkpoint_path.empty()) {
+    std::filesystem::path path = options.checkpoint_path;
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) path /= "checkpoint.safetensors";
+    const uintmax_t size = std::filesystem::file_size(path, ec);
+    if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), "checkpoint", size);
+  }
+  return need;
 }
 
 Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOptions& options, std::ostream& diag) {
@@ -152,12 +221,17 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
-    const ir::AttrDict& r = it->second.asDict();
-    const int64_t budget = r.at("budget_bytes").asInt(), peak = r.at("peak_bytes").asInt();
-    if (peak > budget)
-      diag << fmt::format("warning: --memory-budget {}: recomputation gets the training step's planned peak down to "
-                          "{} bytes, not to the budget of {} bytes\n",
-                          options.memory_budget, peak, budget);
+    // The peak of the step as it will run, after the passes that follow remat (fusion and the
+    // schedule change it): the number `kiln dump --stats` prints, not remat's own estimate.
+    const int64_t budget = it->second.asDict().at("budget_bytes").asInt();
+    if (const ir::Function* ts = m.lookup("train_step")) {
+      KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*ts, options.batch));
+      if (peak > budget)
+        diag << fmt::format(
+            "warning: --memory-budget {}: recomputation gets the training step's planned peak down to "
+            "{} bytes, not to the budget of {} bytes\n",
+            options.memory_budget, peak, budget);
+    }
   }
 
   const ir::Function* fwd = m.lookup("forward");
@@ -172,6 +246,13 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   } else {
     s->train_spec_ = s->forward_spec_;
   }
+  // Before the first large allocation: a run that cannot fit stops here, naming what it needs.
+  KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, s->train_spec_));
+  const runtime::MemoryLimit limit = runtime::availableMemory(options.memory_limit);
+  if (Status fits = runtime::checkMemoryFits(need, limit); !fits)
+    return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
+                                     fits.message(),
+                                     limit.source == "--memory-limit" ? ", or raise --memory-limit" : ""));
   ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
   if (s->cuda_) KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));

@@ -6,6 +6,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -17,10 +18,17 @@
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/data/batch.h"
+#include "runtime/memory.h"
 #include "runtime/parameter_store.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
+
+// Batches the data prefetchers hold ready: training (kiln train) and evaluation (eval, predict,
+// --eval-every). The memory check counts these many batches, plus the one being read and the one
+// being used.
+inline constexpr int kTrainPrefetchDepth = 4;
+inline constexpr int kEvalPrefetchDepth = 2;
 
 struct SessionOptions {
   std::string model_path;
@@ -31,6 +39,11 @@ struct SessionOptions {
   bool training = true;  // build @train_step (needs a train block)
   std::string device = "cpu";  // "cpu" or "cuda" (one GPU; parameters stay on it between steps)
   std::string memory_budget;  // "" = none; "60%" or bytes of the training step's planned peak
+  // --memory-limit: the most the run may allocate, besides what the machine has (runtime/memory.h).
+  std::optional<uint64_t> memory_limit;
+  // A checkpoint the caller loads after create() (kiln eval, kiln train --resume): loading reads
+  // it whole, so the memory check counts its size. A directory means DIR/checkpoint.safetensors.
+  std::string checkpoint_path;
   // What the passes plan for (--target): "" = the device the run uses (cpu, or the GPU's target
   // with --device cuda).
   std::string target;
@@ -42,13 +55,26 @@ struct SessionOptions {
 };
 
 // The flags every command that compiles a model shares: --set, --threads, --seed,
-// --memory-budget, --target and the pass manager's flags.
+// --memory-budget, --memory-limit, --target and the pass manager's flags.
 void addModelFlags(ArgParser& p);
 // Reads them back; returns a usage error (already printed) as false.
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
 // --device cpu|cuda; the default is cuda when a GPU is present, else cpu.
 void addDeviceFlag(ArgParser& p);
 bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code);
+
+// The planned arena peak of `f` with the batch symbol at `batch`, from the CPU lowering and
+// memory plan the executor runs: what `kiln dump --stats` prints as peak_bytes, what the
+// --memory-budget warning compares with the budget and what the memory check counts as
+// activations.
+Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch);
+
+// What a session compiled from `m` allocates, by the compiler's own count: each parameter and
+// optimizer state (from its type), the planned arena of the function it runs (@train_step when
+// training, else @forward), the results copied out of it, the data batches in flight (`spec` at
+// options.batch, prefetch depth + 2) and a checkpoint to be loaded.
+Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const SessionOptions& options,
+                                                    const data::BatchSpec& spec);
 
 // A step's inputs as the executors take them: views of a batch's tensors and named f32 scalars
 // (the training step's "lr" and "step"), which this object holds.

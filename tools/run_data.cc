@@ -23,7 +23,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   opts.synthetic.stream = 1;         // ... on the held-out stream
   opts.synthetic_samples = o.synthetic_samples;
   KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(s.forwardSpec(), opts));
-  data::Prefetcher prefetch(std::move(reader), 2);
+  data::Prefetcher prefetch(std::move(reader), kEvalPrefetchDepth);
 
   const data::BatchSpec& spec = s.forwardSpec();
   runtime::AucAccumulator auc;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "ir/checked.h"
 #include "ir/op_def.h"
 #include "ir/ops/grad_util.h"
 #include "ir/ops/kernel_util.h"
@@ -37,6 +38,9 @@ Status verifyReshape(const Op& op) {
   const TensorType& out = op.result()->type();
   if (in.dtype() != out.dtype()) return Status::error("'kiln.reshape' cannot change the element type");
   auto pi = symbolicProduct(in.shape()), po = symbolicProduct(out.shape());
+  if (pi.overflow || po.overflow)
+    return Status::errorf("'kiln.reshape' of {} to {}: the element count overflows int64", in.str(),
+                          out.str());
   if (!pi.known || !po.known) {
     // A bounded dim may only pass through unchanged in the same position count.
     if (in.rank() == out.rank() && in.shape() == out.shape()) return Status::ok();
@@ -85,14 +89,14 @@ Status inferConcat(const Op& op, std::vector<TensorType>& out) {
                               t.str());
     const Dim& d = t.dim(axis);
     if (d.isBounded()) dynamic = true;
-    if (d.sym().empty()) {
-      static_sum += d.factor();
-    } else if (sym.empty() || sym == d.sym()) {
-      sym = d.sym();
-      sym_factor += d.factor();
-    } else {
+    int64_t& sum = d.sym().empty() ? static_sum : sym_factor;
+    if (!d.sym().empty() && !sym.empty() && sym != d.sym())
       return Status::errorf("'kiln.concat' cannot add dims {} and {}", sym, d.sym());
-    }
+    if (!d.sym().empty()) sym = d.sym();
+    auto total = checkedAdd(sum, d.factor());
+    if (!total)
+      return Status::errorf("'kiln.concat' along axis {}: the size overflows int64 at {}", axis, t.str());
+    sum = *total;
   }
   if (!sym.empty() && static_sum != 0)
     return Status::error("'kiln.concat' along an axis mixing static and symbolic sizes is not supported");
@@ -161,7 +165,10 @@ Status inferPad(const Op& op, std::vector<TensorType>& out) {
   if (low < 0 || high < 0)
     return Status::errorf("'kiln.pad' needs low >= 0 and high >= 0, got {} and {}", low, high);
   Shape s = in.shape();
-  s[static_cast<size_t>(axis)] = Dim::fixed(d.size() + low + high);
+  auto padded = checkedAdd(d.size(), low);
+  if (padded) padded = checkedAdd(*padded, high);
+  if (!padded) return Status::errorf("'kiln.pad' of {} by {} and {} overflows int64", in.str(), low, high);
+  s[static_cast<size_t>(axis)] = Dim::fixed(*padded);
   out = {TensorType(in.dtype(), std::move(s))};
   return Status::ok();
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <set>
 #include <sstream>
 
@@ -67,6 +68,84 @@ TEST(ModelSession, MemoryBudgetRecomputesInTheTrainingStep) {
   int recomputed = 0;
   (*s)->module().lookup("train_step")->walk([&](ir::Op& op) { recomputed += op.boolAttr("kiln.recompute"); });
   EXPECT_GT(recomputed, 0);
+}
+
+SessionOptions tiny(int64_t batch) {
+  SessionOptions o;
+  o.model_path = std::string(KILN_SOURCE_DIR) + "/tests/reliability/Inputs/tiny.kiln";
+  o.batch = batch;
+  return o;
+}
+
+uint64_t kindBytes(const runtime::MemoryNeed& need, const std::string& kind) {
+  for (const auto& [k, bytes] : need.byKind())
+    if (k == kind) return bytes;
+  return 0;
+}
+
+// Issue 12, defect 2: what the memory check counts is what the session allocates. The tiny model
+// by hand: 26 tables of 200x4 f32 and an MLP 117 -> 16 -> 1; rowwise adagrad keeps one f32 per
+// table row, adam two copies of each dense weight; a sample is 13 dense f32, 26 i64 ids and an
+// f32 label.
+TEST(ModelSession, MemoryNeedIsWhatTheSessionAllocates) {
+  std::ostringstream diag;
+  SessionOptions o = tiny(256);
+  auto s = ModelSession::create(o, diag);
+  ASSERT_TRUE(s) << s.status().str() << diag.str();
+  auto need = estimateSessionMemory((*s)->module(), o, (*s)->trainSpec());
+  ASSERT_TRUE(need) << need.status().str();
+  const uint64_t dense = 16 * 117 + 16 + 1 * 16 + 1;
+  const uint64_t weights = (26 * 200 * 4 + dense) * 4, state = (26 * 200 + 2 * dense) * 4;
+  EXPECT_EQ(kindBytes(*need, "weights"), weights);
+  EXPECT_EQ(kindBytes(*need, "optimizer state"), state);
+  EXPECT_EQ(static_cast<uint64_t>((*s)->params().totalBytes()), weights + state);
+  EXPECT_EQ(kindBytes(*need, "data buffers"),
+            uint64_t{kTrainPrefetchDepth + 2} * 256 * (13 * 4 + 26 * 8 + 4));
+  EXPECT_EQ(kindBytes(*need, "workspace"), uint64_t{4 + 256 * 4});  // the loss and one prediction per sample
+  auto peak = plannedPeakBytes(*(*s)->module().lookup("train_step"), 256);
+  ASSERT_TRUE(peak) << peak.status().str();
+  EXPECT_EQ(kindBytes(*need, "activations"), static_cast<uint64_t>(*peak));
+  // Evaluation runs @forward with its own prefetch depth and counts the checkpoint it loads.
+  SessionOptions e = tiny(64);
+  e.training = false;
+  e.checkpoint_path =
+      std::string(KILN_SOURCE_DIR) + "/tests/reliability/Inputs/tiny.kiln";  // any file: its size
+  auto es = ModelSession::create(e, diag);
+  ASSERT_TRUE(es) << es.status().str() << diag.str();
+  auto eneed = estimateSessionMemory((*es)->module(), e, (*es)->forwardSpec());
+  ASSERT_TRUE(eneed) << eneed.status().str();
+  EXPECT_EQ(kindBytes(*eneed, "weights"), weights);
+  EXPECT_EQ(kindBytes(*eneed, "optimizer state"), 0u);
+  EXPECT_EQ(kindBytes(*eneed, "data buffers"), uint64_t{kEvalPrefetchDepth + 2} * 64 * (13 * 4 + 26 * 8 + 4));
+  EXPECT_EQ(kindBytes(*eneed, "checkpoint"), std::filesystem::file_size(e.checkpoint_path));
+}
+
+TEST(ModelSession, ARunThatCannotFitStopsBeforeAllocating) {
+  std::ostringstream diag;
+  SessionOptions o = tiny(256);
+  o.memory_limit = 100000;
+  auto s = ModelSession::create(o, diag);
+  ASSERT_FALSE(s);
+  const std::string& m = s.status().message();
+  EXPECT_NE(m.find("not enough memory: the run needs"), std::string::npos) << m;
+  EXPECT_NE(m.find("97.7 KiB (100000 bytes) are available"), std::string::npos) << m;
+  EXPECT_NE(m.find("limit: --memory-limit"), std::string::npos) << m;
+  EXPECT_NE(m.find("6 batches of 256 samples (data buffers)"), std::string::npos) << m;
+  EXPECT_NE(m.find("raise --memory-limit"), std::string::npos) << m;
+}
+
+// Issue 12, defect 11: the --memory-budget warning reports the planned peak of the step as it
+// runs (what `kiln dump --stats` prints), not remat's estimate before fusion and the schedule.
+TEST(ModelSession, MemoryBudgetWarningReportsThePlannedPeak) {
+  std::ostringstream diag;
+  SessionOptions o = tiny(32);
+  o.memory_budget = "10%";
+  auto s = ModelSession::create(o, diag);
+  ASSERT_TRUE(s) << s.status().str() << diag.str();
+  auto peak = plannedPeakBytes(*(*s)->module().lookup("train_step"), 32);
+  ASSERT_TRUE(peak) << peak.status().str();
+  EXPECT_NE(diag.str().find(fmt::format("planned peak down to {} bytes,", *peak)), std::string::npos)
+      << diag.str();
 }
 
 }  // namespace

@@ -119,5 +119,56 @@ func.func @forward() -> (!kiln.tensor<8x2xf32>, !kiln.tensor<3x4xf32>) {
   EXPECT_NE(bad.message().find("parameter \"b\" is declared as"), std::string::npos) << bad.message();
 }
 
+// Issue 12, defect 8: a parameter of more than 2^63 bytes is an error located at its op, found
+// before anything is allocated (its byte count used to wrap: 2^62 x 4 f32 is 2^66 bytes, which
+// wrapped to a 0-byte tensor).
+TEST(ParameterStore, ASizeBeyondInt64IsALocatedErrorNotAWrappedAllocation) {
+  const char* huge = R"(
+func.func @forward() -> (!kiln.tensor<4611686018427387904x4xf32>, !kiln.tensor<3x4xf32>) {
+  %t = "kiln.parameter"() {init = "zeros", name = "table"} : () -> !kiln.tensor<4611686018427387904x4xf32>
+  %a = "kiln.parameter"() {init = "zeros", name = "a", state_of = "table"} : () -> !kiln.tensor<3x4xf32>
+  "func.return"(%t, %a) : (!kiln.tensor<4611686018427387904x4xf32>, !kiln.tensor<3x4xf32>) -> ()
+}
+)";
+  auto m = testing::parseOrDie(huge);
+  ParameterStore store;
+  Status s = store.initializeFrom(*m, 1);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("parameter \"table\""), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("more than 2^63-1 elements"), std::string::npos) << s.message();
+  EXPECT_TRUE(s.location().known()) << s.str();
+  EXPECT_EQ(store.size(), 0u);
+
+  auto specs = parameterSpecs(*m, {});
+  ASSERT_FALSE(specs);
+  EXPECT_EQ(specs.status().message(), s.message());
+}
+
+// The specs the memory check adds up are the tensors the store then allocates, byte for byte.
+TEST(ParameterStore, SpecsAreWhatTheStoreAllocates) {
+  const char* model = R"(
+func.func @forward(%x: !kiln.tensor<Bx3xf32>) -> (!kiln.tensor<3x4xf32>, !kiln.tensor<Bx5xbf16>) {
+  %a = "kiln.parameter"() {init = "normal", name = "a"} : () -> !kiln.tensor<3x4xf32>
+  %b = "kiln.parameter"() {init = "zeros", name = "b", state_of = "a"} : () -> !kiln.tensor<Bx5xbf16>
+  %a2 = "kiln.parameter"() {init = "normal", name = "a"} : () -> !kiln.tensor<3x4xf32>
+  "func.return"(%a, %b) : (!kiln.tensor<3x4xf32>, !kiln.tensor<Bx5xbf16>) -> ()
+}
+)";
+  auto m = testing::parseOrDie(model);
+  auto specs = parameterSpecs(*m, {{"B", 7}});
+  ASSERT_TRUE(specs) << specs.status().str();
+  ASSERT_EQ(specs->size(), 2u);  // "a" once
+  EXPECT_EQ((*specs)[0].name, "a");
+  EXPECT_EQ((*specs)[0].bytes, 3 * 4 * 4);
+  EXPECT_FALSE((*specs)[0].optimizer_state);
+  EXPECT_EQ((*specs)[1].name, "b");
+  EXPECT_EQ((*specs)[1].shape, (std::vector<int64_t>{7, 5}));
+  EXPECT_EQ((*specs)[1].bytes, 7 * 5 * 2);
+  EXPECT_TRUE((*specs)[1].optimizer_state);
+  ParameterStore store;
+  ASSERT_TRUE(store.initializeFrom(*m, 1, {{"B", 7}}).isOk());
+  EXPECT_EQ(store.totalBytes(), (*specs)[0].bytes + (*specs)[1].bytes);
+}
+
 }  // namespace
 }  // namespace kiln::runtime
