@@ -13,6 +13,7 @@ PACKAGES=(
   nlohmann-json3-dev               # JSON: safetensors headers (untrusted input), metrics lines
   clang-14 libclang-rt-14-dev      # libFuzzer for the frontend fuzz tests
   mlir-19-tools                    # mlir-opt-19, to check our IR text parses as MLIR
+  openmpi-bin libopenmpi-dev       # MPI ranks (runtime/comm) and the mpirun tests
 )
 
 missing=()
