@@ -153,7 +153,7 @@ Expected<int64_t> TensorType::checkedNumElements(const SymbolBindings& bindings)
   int64_t n = 1;
   for (const Dim& d : shape_) {
     if (!d.sym().empty() && !bindings.count(d.sym()))
-      return Status::errorf("symbol '{}' of {} is not bound", d.sym(), str());
+      return Status::errorf("symbol '{}' of {} is not bound (set it, e.g. --batch)", d.sym(), str());
     auto v = d.evaluate(bindings);
     if (!v)
       return Status::errorf("dim {} of {} overflows int64{}", d.str(), str(), boundSymbols(shape_, bindings));

@@ -55,6 +55,11 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
     return false;
   }
   o.threads = static_cast<int>(*threads);
+  if (*seed < 0) {
+    // Cast to uint64_t it would silently become another seed.
+    *exit_code = p.usageError(fmt::format("--seed must be at least 0, got {}", *seed));
+    return false;
+  }
   o.seed = static_cast<uint64_t>(*seed);
   if (p.has("memory-budget")) {
     o.memory_budget = p.get("memory-budget");

@@ -73,7 +73,8 @@ TEST(Checked, TensorSizesBeyondInt64AreErrorsNotWrappedCounts) {
   // An unbound symbol is said to be unbound, not an overflow.
   auto u = batch.checkedBytes({});
   ASSERT_FALSE(u);
-  EXPECT_EQ(u.status().message(), "symbol 'B' of !kiln.tensor<26*Bx13xf32> is not bound");
+  EXPECT_EQ(u.status().message(),
+            "symbol 'B' of !kiln.tensor<26*Bx13xf32> is not bound (set it, e.g. --batch)");
   EXPECT_EQ(batch.checkedBytes({{"B", 4}}).isOk() ? *batch.checkedBytes({{"B", 4}}) : -1, 4 * 26 * 13 * 4);
 
   // Reshape checks compare symbolic products: an overflowing one is flagged, not compared wrapped.
