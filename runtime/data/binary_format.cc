@@ -71,10 +71,15 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
                           take<uint32_t>(h + 28));
   uint64_t records = take<uint64_t>(h + 32);
   uint64_t payload = static_cast<uint64_t>(size - kBinaryHeaderBytes);
-  if (records > payload / kBinaryRecordBytes || payload != records * kBinaryRecordBytes)
+  if (records > payload / kBinaryRecordBytes || payload != records * kBinaryRecordBytes) {
+    // A corrupt count can overflow the byte count: computed with overflow checks, never wrapped.
+    uint64_t needed = 0;
+    bool huge = __builtin_mul_overflow(records, uint64_t{kBinaryRecordBytes}, &needed) ||
+                __builtin_add_overflow(needed, uint64_t{kBinaryHeaderBytes}, &needed);
     return Status::errorf("'{}': {} file: the header says {} records ({} bytes) but the file has {} bytes",
-                          path, payload < records * kBinaryRecordBytes ? "truncated" : "corrupt", records,
-                          kBinaryHeaderBytes + static_cast<int64_t>(records) * kBinaryRecordBytes, size);
+                          path, records > payload / kBinaryRecordBytes ? "truncated" : "corrupt", records,
+                          huge ? "more than 2^64" : std::to_string(needed), size);
+  }
   return static_cast<int64_t>(records);
 }
 
@@ -213,9 +218,11 @@ class BinarySource final : public RecordSource {
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > files_.size())
       return Status::errorf("data position names file {} but the stream has {} files", pos.file, files_.size());
-    if ((pos.offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0 || pos.offset < kBinaryHeaderBytes)
+    // Offset 0 is the start of a file, where each epoch begins (BatchReader): its first record.
+    const int64_t offset = pos.offset == 0 ? kBinaryHeaderBytes : pos.offset;
+    if ((offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0 || offset < kBinaryHeaderBytes)
       return Status::errorf("data position offset {} is not at a record of a binary file", pos.offset);
-    return open(static_cast<size_t>(pos.file), (pos.offset - kBinaryHeaderBytes) / kBinaryRecordBytes);
+    return open(static_cast<size_t>(pos.file), (offset - kBinaryHeaderBytes) / kBinaryRecordBytes);
   }
 
   StreamPosition position() const override {
