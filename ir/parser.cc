@@ -518,8 +518,8 @@ class Parser {
       if (ec != std::errc() || p != digits.data() + digits.size() || digits.size() == 2)
         return errorAt(t, fmt::format("bad hexadecimal literal '{}'", t.text));
       if (suffix == 'i') {
-        int64_t v = static_cast<int64_t>(bits);
-        return Attribute(negative ? -v : v);
+        // Negated as bits, modulo 2^64: -0x8000000000000000 is INT64_MIN, not an overflow.
+        return Attribute(static_cast<int64_t>(negative ? 0 - bits : bits));
       }
       double d;
       std::memcpy(&d, &bits, sizeof d);

@@ -150,49 +150,49 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
   return Status::ok();
 }
 
-Expected<Checkpoint> loadCheckpoint(const std::string& path) {
-  auto fail = [&](const std::string& msg) { return Status::errorf("checkpoint '{}': {}", path, msg); };
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
-  struct stat stt;
-  if (::fstat(fd, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
-  const uint64_t size = static_cast<uint64_t>(stt.st_size);
-  auto readAt = [&](void* dst, uint64_t n, uint64_t at) -> Status {
-    char* p = static_cast<char*>(dst);
-    while (n > 0) {
-      ssize_t r = ::pread(fd, p, n, static_cast<off_t>(at));
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) return Status::errorf("cannot read checkpoint '{}': {}", path, r < 0 ? std::strerror(errno) : "unexpected end of file");
-      p += r;
-      n -= static_cast<uint64_t>(r);
-      at += static_cast<uint64_t>(r);
-    }
-    return Status::ok();
-  };
-  if (size < 8) return fail(fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
-  uint64_t n = 0;
-  KILN_RETURN_IF_ERROR(readAt(&n, 8, 0));
-  if (n > kMaxHeaderBytes) return fail(fmt::format("header length {} is implausible (corrupt file?)", n));
-  if (n > size - 8) return fail(fmt::format("truncated: the header needs {} bytes but the file has {} after the length", n, size - 8));
-  std::string text(n, '\0');
-  KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
+namespace {
+
+Status checkpointError(const std::string& name, const std::string& msg) {
+  return Status::errorf("checkpoint '{}': {}", name, msg);
+}
+
+// Checks the header length `n` read from the first 8 bytes of a file of `size` bytes.
+Status checkHeaderLength(uint64_t n, uint64_t size, const std::string& name) {
+  if (n > kMaxHeaderBytes)
+    return checkpointError(name, fmt::format("header length {} is implausible (corrupt file?)", n));
+  if (n > size - 8)
+    return checkpointError(
+        name, fmt::format("truncated: the header needs {} bytes but the file has {} after the length", n,
+                          size - 8));
+  return Status::ok();
+}
+
+// Where a tensor's bytes lie in the data section.
+struct Span {
+  uint64_t begin, end;
+  size_t index;  // into Checkpoint::tensors
+};
+
+// Validates the JSON header `text` of a file with `data_bytes` bytes of data after it. Returns
+// the metadata and the tensors (allocated, zero-filled) and sets `spans` to where their data
+// lies, in file order. No tensor storage is allocated before the spans are known to tile the
+// data, so a header claiming the same bytes for many tensors cannot make us allocate many times
+// the file's size.
+Expected<Checkpoint> parseHeader(std::string_view text, uint64_t data_bytes, const std::string& name,
+                                 std::vector<Span>& spans) {
+  auto fail = [&](const std::string& msg) { return checkpointError(name, msg); };
   auto header = json::parse(text);
   if (!header) return fail("bad header: " + header.status().message());
   if (!header->is_object()) return fail("bad header: not a JSON object");
-  const uint64_t data_bytes = size - 8 - n;
 
   Checkpoint ckpt;
-  struct Span {
-    uint64_t begin, end;
-    size_t index;
-  };
-  std::vector<Span> spans;
-  for (const auto& [name, entry] : header->items()) {
-    if (name == "__metadata__") {
+  std::vector<std::pair<ir::DType, std::vector<int64_t>>> types;  // of each tensor, allocated last
+  spans.clear();
+  for (const auto& item : header->items()) {
+    // Named references, not a structured binding: clang (the fuzz build) cannot capture those.
+    const std::string& tensor_name = item.key();
+    const json::Json& entry = item.value();
+    if (tensor_name == "__metadata__") {
       if (!entry.is_object()) return fail("'__metadata__' must be an object of strings");
       for (const auto& [k, v] : entry.items()) {
         if (!v.is_string()) return fail(fmt::format("metadata '{}' must be a string", k));
@@ -200,7 +200,7 @@ Expected<Checkpoint> loadCheckpoint(const std::string& path) {
       }
       continue;
     }
-    auto bad = [&](const std::string& msg) { return fail(fmt::format("tensor '{}': {}", name, msg)); };
+    auto bad = [&](const std::string& msg) { return fail(fmt::format("tensor '{}': {}", tensor_name, msg)); };
     if (!entry.is_object()) return bad("entry is not an object");
     auto member = [&](const char* key) -> const json::Json* {
       auto it = entry.find(key);
@@ -239,17 +239,83 @@ Expected<Checkpoint> loadCheckpoint(const std::string& path) {
       return bad(fmt::format("data_offsets [{}, {}] hold {} bytes but {} {} needs {}", b, e, e - b,
                              dtype_name, shapeText(dims), want));
     spans.push_back({static_cast<uint64_t>(b), static_cast<uint64_t>(e), ckpt.tensors.size()});
-    ckpt.tensors.emplace_back(name, ir::HostTensor(*dtype, dims));
+    ckpt.tensors.emplace_back(tensor_name, ir::HostTensor());
+    types.emplace_back(*dtype, std::move(dims));
   }
-  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin || (x.begin == y.begin && x.end < y.end); });
+  std::vector<Span> sorted = spans;
+  std::sort(sorted.begin(), sorted.end(), [](const Span& x, const Span& y) {
+    return x.begin < y.begin || (x.begin == y.begin && x.end < y.end);
+  });
   uint64_t at = 0;
-  for (const Span& s : spans) {
-    const std::string& name = ckpt.tensors[s.index].first;
-    if (s.begin < at) return fail(fmt::format("tensor '{}': its data overlaps another tensor's", name));
-    if (s.begin > at) return fail(fmt::format("tensor '{}': a gap of {} bytes before its data", name, s.begin - at));
+  for (const Span& s : sorted) {
+    const std::string& tensor_name = ckpt.tensors[s.index].first;
+    if (s.begin < at)
+      return fail(fmt::format("tensor '{}': its data overlaps another tensor's", tensor_name));
+    if (s.begin > at)
+      return fail(fmt::format("tensor '{}': a gap of {} bytes before its data", tensor_name, s.begin - at));
     at = s.end;
   }
   if (at != data_bytes) return fail(fmt::format("{} bytes of data follow the last tensor", data_bytes - at));
+  for (size_t i = 0; i < types.size(); ++i)
+    ckpt.tensors[i].second.reset(types[i].first, std::move(types[i].second));
+  return ckpt;
+}
+
+}  // namespace
+
+Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& name) {
+  const uint64_t size = bytes.size();
+  if (size < 8)
+    return checkpointError(name,
+                           fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, name));
+  std::vector<Span> spans;
+  KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(bytes.substr(8, n), size - 8 - n, name, spans));
+  for (const Span& s : spans)
+    if (s.end > s.begin)  // an empty tensor's storage may have no address
+      std::memcpy(ckpt.tensors[s.index].second.storage.data(), bytes.data() + 8 + n + s.begin,
+                  s.end - s.begin);
+  return ckpt;
+}
+
+Expected<Checkpoint> loadCheckpoint(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
+  struct FdCloser {
+    int fd;
+    ~FdCloser() { ::close(fd); }
+  } closer{fd};
+  struct stat stt;
+  if (::fstat(fd, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
+  const uint64_t size = static_cast<uint64_t>(stt.st_size);
+  auto readAt = [&](void* dst, uint64_t n, uint64_t at) -> Status {
+    char* p = static_cast<char*>(dst);
+    while (n > 0) {
+      ssize_t r = ::pread(fd, p, n, static_cast<off_t>(at));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0)
+        return Status::errorf("cannot read checkpoint '{}': {}", path,
+                              r < 0 ? std::strerror(errno) : "unexpected end of file");
+      p += r;
+      n -= static_cast<uint64_t>(r);
+      at += static_cast<uint64_t>(r);
+    }
+    return Status::ok();
+  };
+  // The header is read and checked first, then the data straight into the tensors: a
+  // checkpoint is never held in memory twice.
+  if (size < 8)
+    return checkpointError(path,
+                           fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
+  uint64_t n = 0;
+  KILN_RETURN_IF_ERROR(readAt(&n, 8, 0));
+  KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, path));
+  std::string text(n, '\0');
+  KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
+  std::vector<Span> spans;
+  KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(text, size - 8 - n, path, spans));
   for (const Span& s : spans)
     KILN_RETURN_IF_ERROR(readAt(ckpt.tensors[s.index].second.storage.data(), s.end - s.begin, 8 + n + s.begin));
   return ckpt;

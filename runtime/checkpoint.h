@@ -10,6 +10,7 @@
 
 #include <map>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,8 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
 // matching the tensor's size, non-overlapping, covering the data). Errors name the file and,
 // where it applies, the tensor.
 Expected<Checkpoint> loadCheckpoint(const std::string& path);
+// The same checks on the bytes of a whole checkpoint file in memory; `name` is for messages.
+Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& name);
 
 // Copies a loaded checkpoint into the model's tensors: every destination must be present with
 // the same dtype and shape, and the checkpoint may hold nothing else. `path` is for messages.

@@ -11,7 +11,7 @@ PACKAGES=(
   llvm-14-tools python3            # FileCheck and lit, for the IR tests
   libopenblas-dev                  # CPU GEMMs
   nlohmann-json3-dev               # JSON: safetensors headers (untrusted input), metrics lines
-  clang-14 libclang-rt-14-dev      # libFuzzer for the frontend fuzz tests
+  clang-14 libclang-rt-14-dev      # libFuzzer for the fuzz tests (tests/fuzz)
   mlir-19-tools                    # mlir-opt-19, to check our IR text parses as MLIR
   openmpi-bin libopenmpi-dev       # MPI ranks (runtime/comm) and the mpirun tests
 )

@@ -229,9 +229,11 @@ class BinarySource final : public RecordSource {
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > files_.size())
       return Status::errorf("data position names file {} but the stream has {} files", pos.file, files_.size());
-    if (pos.offset < kBinaryHeaderBytes || (pos.offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0)
+    // Offset 0 is the start of a file, where each epoch begins (BatchReader): its first record.
+    const int64_t offset = pos.offset == 0 ? kBinaryHeaderBytes : pos.offset;
+    if ((offset - kBinaryHeaderBytes) % kBinaryRecordBytes != 0 || offset < kBinaryHeaderBytes)
       return Status::errorf("data position offset {} is not at a record of a binary file", pos.offset);
-    return open(static_cast<size_t>(pos.file), (pos.offset - kBinaryHeaderBytes) / kBinaryRecordBytes);
+    return open(static_cast<size_t>(pos.file), (offset - kBinaryHeaderBytes) / kBinaryRecordBytes);
   }
 
   StreamPosition position() const override {

@@ -96,6 +96,34 @@ TEST(Binary, SeekResumes) {
   }
 }
 
+// Issue 12, found by binary_fuzzer (tests/fuzz/regressions/binary_fuzzer/second_epoch.bin): each
+// epoch restarts at offset 0 of the first file, which the binary reader rejected as "not at a
+// record", so no second epoch over binary data ever started. Every epoch reads every record.
+TEST(Binary, EveryEpochRereadsTheFile) {
+  TempDir dir;
+  std::string bin = dir.file("x.bin");
+  ASSERT_TRUE(convertToBinary({dir.write("x.tsv", tsv(10, 5))}, bin).isOk());
+  auto reader = openBatchReader(testing::criteoSpec(), {.paths = {bin}, .batch_size = 4, .epochs = 3});
+  ASSERT_TRUE(reader.isOk()) << reader.status().str();
+  std::vector<float> dense;  // every sample's 13 dense features, in reading order
+  int64_t batches = 0;
+  for (;;) {
+    Batch b;
+    auto more = (*reader)->next(b);
+    ASSERT_TRUE(more.isOk()) << more.status().str();
+    if (!*more) break;
+    ++batches;
+    const float* d = b.find("dense")->as<float>();
+    dense.insert(dense.end(), d, d + b.size * kNumDense);
+  }
+  EXPECT_EQ(batches, 8);  // 30 samples in batches of 4
+  ASSERT_EQ(dense.size(), static_cast<size_t>(30 * kNumDense));
+  for (size_t i = 0; i < static_cast<size_t>(10 * kNumDense); ++i) {
+    EXPECT_EQ(dense[i + 10 * kNumDense], dense[i]) << i;
+    EXPECT_EQ(dense[i + 20 * kNumDense], dense[i]) << i;
+  }
+}
+
 class CorruptBinary : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -143,6 +171,35 @@ TEST_F(CorruptBinary, DamagedHeaderAndRecords) {
   std::memcpy(&b[kBinaryHeaderBytes + 9 * kBinaryRecordBytes + 8 + 4 * 2], &nan, 4);
   EXPECT_NE(errorOf(b).find("corrupt record 9: dense feature 3 is nan"), std::string::npos) << errorOf(b);
   EXPECT_EQ(errorOf(bytes_), "");
+}
+
+// Issue 12, found by binary_fuzzer (tests/fuzz/regressions/binary_fuzzer/record_count_overflow.bin):
+// a header whose record count times the record size overflows 64 bits made the size check's
+// message overflow a signed multiply (undefined behaviour; a negative byte count in practice) and
+// could call a truncated file corrupt. The count is a named error with the right word.
+TEST_F(CorruptBinary, RecordCountBeyondAnyFileSize) {
+  auto withCount = [&](uint64_t records) {
+    std::string b = bytes_;
+    std::memcpy(&b[32], &records, 8);
+    uint64_t h = 0xcbf29ce484222325ull;  // the header's FNV-1a checksum, made right again
+    for (int i = 0; i < 40; ++i)
+      h = (h ^ static_cast<unsigned char>(b[static_cast<size_t>(i)])) * 0x100000001b3ull;
+    std::memcpy(&b[40], &h, 8);
+    return errorOf(b);
+  };
+  std::string e = withCount(0xE400000000000003ull);
+  EXPECT_NE(e.find("corrupt header: it says 16429131440647569411 records, more than any file holds (the file has "
+                   "2784 bytes)"),
+            std::string::npos)
+      << e;
+  // 2^62 records: 2^62 * 272 wraps to 0 in 64 bits; the count is named, not compared as a wrapped size.
+  e = withCount(uint64_t{1} << 62);
+  EXPECT_NE(e.find("corrupt header: it says 4611686018427387904 records, more than any file holds"), std::string::npos)
+      << e;
+  e = withCount(11);
+  EXPECT_NE(e.find("truncated file: the header says 11 records (3056 bytes) but the file has 2784 bytes"),
+            std::string::npos)
+      << e;
 }
 
 }  // namespace

@@ -1,7 +1,13 @@
+#include "runtime/checkpoint.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 
-#include "runtime/checkpoint.h"
 #include "runtime/json.h"
 #include "test_util.h"
 
@@ -176,8 +182,16 @@ TEST(Checkpoint, EveryCorruptionIsANamedError) {
   for (const Case& c : cases) {
     std::string e = errorOf(c.content);
     EXPECT_EQ(e.rfind(pre + c.error, 0), 0u) << "want: " << c.error << "\n got: " << e;
+    // The same bytes in memory (what the safetensors fuzzer runs) give the same error.
+    auto in_memory = parseCheckpoint(c.content, dir.file("bad.safetensors"));
+    EXPECT_EQ(in_memory.isOk() ? std::string("ok") : in_memory.status().message(), e);
   }
   EXPECT_EQ(errorOf(good), "ok");
+  auto in_memory = parseCheckpoint(good, "good");
+  ASSERT_TRUE(in_memory.isOk()) << in_memory.status().str();
+  EXPECT_EQ(in_memory->find("a")->storage, a.storage);
+  EXPECT_EQ(in_memory->find("b")->storage, b.storage);
+  EXPECT_EQ(in_memory->metadata.at("step"), "1");
   auto missing = loadCheckpoint(dir.file("none.safetensors"));
   ASSERT_FALSE(missing.isOk());
   EXPECT_NE(missing.status().message().find("none.safetensors"), std::string::npos);
@@ -187,6 +201,44 @@ TEST(Checkpoint, EveryCorruptionIsANamedError) {
   EXPECT_NE(st.message().find("UTF-8"), std::string::npos) << st.message();
   // A save into a folder that does not exist fails cleanly.
   EXPECT_FALSE(saveCheckpoint(dir.file("no/such/dir/c.safetensors"), {{"a", a.view}}, {}).isOk());
+}
+
+// The address space this process has mapped, in bytes.
+size_t mappedBytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t pages = 0;
+  statm >> pages;
+  return pages * static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// Issue 12, found while fuzzing the safetensors header: the loader allocated each tensor as it
+// read its entry, before checking that the tensors' data does not overlap, so a header naming
+// the same bytes for many tensors made it allocate many times the file's size (and end in an
+// uncaught std::bad_alloc). Under a memory limit far below that, the load must still end in the
+// overlap error.
+TEST(Checkpoint, OverlappingTensorsAreRejectedBeforeAllocating) {
+  TempDir dir;
+  constexpr int kTensors = 256;
+  constexpr int64_t kFloats = 1 << 20;  // 4 MiB of data, claimed by every tensor: 1 GiB in all
+  std::string header = "{";
+  for (int i = 0; i < kTensors; ++i)
+    header += fmt::format(R"({}"t{}": {{"dtype": "F32", "shape": [{}], "data_offsets": [0, {}]}})",
+                          i ? ", " : "", i, kFloats, kFloats * 4);
+  header += "}";
+  const std::string path = dir.write("overlap.safetensors", rawFile(header, std::string(kFloats * 4, '\0')));
+  EXPECT_EXIT(
+      {
+        // Room for the file's 4 MiB and the loader's own needs, not for 1 GiB of tensors.
+        struct rlimit limit;
+        ::getrlimit(RLIMIT_AS, &limit);
+        limit.rlim_cur = mappedBytes() + (256u << 20);
+        ::setrlimit(RLIMIT_AS, &limit);
+        auto c = loadCheckpoint(path);
+        bool overlap =
+            !c.isOk() && c.status().message().find("its data overlaps another tensor's") != std::string::npos;
+        std::_Exit(overlap ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

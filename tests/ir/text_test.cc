@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "ir/builder.h"
 #include "ir/diagnostic.h"
@@ -181,6 +182,17 @@ TEST(Parser, DeepNestingIsALocatedErrorNotACrash) {
   // Within the limit: parsed and printed back.
   auto m = parseOk("module attributes {a = " + nested(250, "[", "]") + "} {}");
   EXPECT_EQ(printModule(*m).find(nested(250, "[", "]")) != std::string::npos, true);
+}
+
+// Issue 12, found while fuzzing the IR parser (tests/fuzz/regressions/ir_text_fuzzer/
+// hex_int64_min_negated.ir): `-0x8000000000000000 : i64` negated INT64_MIN as a signed integer,
+// undefined behaviour that UBSan reports. A hex integer is bits, negated modulo 2^64.
+TEST(Parser, NegatedHexIntegersWrapAsBits) {
+  auto m = parseOk(
+      "module attributes {a = -0x8000000000000000 : i64, b = -0x1 : i64, c = 0xFFFFFFFFFFFFFFFF : i64} {}");
+  EXPECT_EQ(m->attrs().at("a").asInt(), std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(m->attrs().at("b").asInt(), -1);
+  EXPECT_EQ(m->attrs().at("c").asInt(), -1);
 }
 
 TEST(Parser, KeepsNameHintsButNotNumbers) {
