@@ -414,6 +414,10 @@ class Parser {
     auto type = parseTensorTypeBody(
         std::string_view(t.text).substr(kPrefix.size(), t.text.size() - kPrefix.size() - 1));
     if (!type) return errorAt(t, fmt::format("bad type '{}': {}", t.text, type.status().message()));
+    // A static type's size is known now: one past int64 would wrap in every later count.
+    if (type->isStatic())
+      if (auto bytes = type->checkedBytes({}); !bytes)
+        return errorAt(t, fmt::format("bad type '{}': {}", t.text, bytes.status().message()));
     KILN_RETURN_IF_ERROR(advance());
     return type.take();
   }

@@ -187,6 +187,20 @@ TEST(Parser, DeepNestingIsALocatedErrorNotACrash) {
 // Issue 12, found while fuzzing the IR parser (tests/fuzz/regressions/ir_text_fuzzer/
 // hex_int64_min_negated.ir): `-0x8000000000000000 : i64` negated INT64_MIN as a signed integer,
 // undefined behaviour that UBSan reports. A hex integer is bits, negated modulo 2^64.
+// Issue 12 (checked sizes; found by the IR text fuzzer's helper): a static type of more than 2^63
+// elements or bytes parsed, and every count made from it later wrapped.
+TEST(Parser, AStaticTypeBeyondInt64IsALocatedError) {
+  std::string e = parseError(
+      "module {\n  func.func @f(%x: !kiln.tensor<4611686018427387904x4xf32>) -> !kiln.tensor<4xf32> {\n"
+      "    kiln.return %x : !kiln.tensor<4xf32>\n  }\n}\n");
+  EXPECT_NE(e.find("t.mlir:2:"), std::string::npos) << e;
+  EXPECT_NE(e.find("bad type '!kiln.tensor<4611686018427387904x4xf32>'"), std::string::npos) << e;
+  EXPECT_NE(e.find("2^63-1"), std::string::npos) << e;
+  // Just below the limit in elements but past it in bytes.
+  e = parseError("module {\n  func.func @f(%x: !kiln.tensor<2305843009213693952x2xf32>) -> () {\n  }\n}\n");
+  EXPECT_NE(e.find("bytes"), std::string::npos) << e;
+}
+
 TEST(Parser, NegatedHexIntegersWrapAsBits) {
   auto m = parseOk(
       "module attributes {a = -0x8000000000000000 : i64, b = -0x1 : i64, c = 0xFFFFFFFFFFFFFFFF : i64} {}");
