@@ -2,12 +2,26 @@
 // into Kiln's binary format; `kiln data info FILE...` checks data files as training reads them.
 #include <chrono>
 #include <cstdio>
+#include <memory>
 
 #include "runtime/data/binary_format.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
 namespace {
+
+// --strict and --quiet as reader options: skipped lines reported, the first 20 of them (enough to
+// find the problem without flooding the terminal).
+data::TsvOptions tsvOptions(const ArgParser& p) {
+  data::TsvOptions opts;
+  opts.strict = p.flag("strict");
+  // One count however often the readers copy the sink.
+  auto reported = std::make_shared<int64_t>(0);
+  opts.on_skip = [quiet = p.flag("quiet"), reported](const Status& s) {
+    if (!quiet && (*reported)++ < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
+  };
+  return opts;
+}
 
 int runConvert(const std::vector<std::string>& args) {
   ArgParser p("data convert", "kiln data convert IN.tsv... OUT.bin [--strict]",
@@ -23,14 +37,7 @@ int runConvert(const std::vector<std::string>& args) {
   const std::string& output = p.positionals().back();
   for (const auto& in : inputs)
     if (in == output) return p.usageError(fmt::format("the output '{}' is also an input", output));
-  data::TsvOptions opts;
-  opts.strict = p.flag("strict");
-  int64_t reported = 0;
-  const bool quiet = p.flag("quiet");
-  opts.on_skip = [&](const Status& s) {
-    // Enough lines to find the problem without flooding the terminal.
-    if (!quiet && reported++ < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
-  };
+  data::TsvOptions opts = tsvOptions(p);
   auto start = std::chrono::steady_clock::now();
   auto stats = data::convertToBinary(inputs, output, std::move(opts));
   if (!stats) {
@@ -70,13 +77,7 @@ int runInfo(const std::vector<std::string>& args) {
       continue;
     }
     // The reader training opens, so a file passes here exactly when training would read it.
-    data::TsvOptions opts;
-    opts.strict = p.flag("strict");
-    int64_t reported = 0;
-    const bool quiet = p.flag("quiet");
-    opts.on_skip = [&](const Status& s) {
-      if (!quiet && reported++ < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
-    };
+    data::TsvOptions opts = tsvOptions(p);
     auto src = data::openRecords({f}, std::move(opts));
     if (!src) {
       std::fprintf(stderr, "%s\n", src.status().str().c_str());
