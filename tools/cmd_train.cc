@@ -18,6 +18,7 @@
 #include "runtime/dir_lock.h"
 #include "runtime/metrics.h"
 #include "runtime/run_inputs.h"
+#include "runtime/trace.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
 #include "tools/run_data.h"
@@ -44,6 +45,11 @@ struct TrainFlags {
   std::string metrics_path;
   bool strict = false;
   bool profile = false;
+  // --trace FILE: the timeline of this run's steps trace_first..trace_last (1 = the first step
+  // this process runs: it compiles and warms up, so the default 2:4 leaves it out).
+  std::string trace_path;
+  int64_t trace_first = 2, trace_last = 4;
+  runtime::Tracer* tracer = nullptr;
 };
 
 class Trainer {
@@ -243,9 +249,12 @@ int Trainer::run() {
   ir::AttrDict schedule;
   if (const ir::Attribute* a = trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
 
+  runtime::Tracer* tracer = f_.tracer;
+  // What the run did up to a failure is worth seeing too.
   auto fail = [&](const Status& st) {
     if (tty_) std::fprintf(stderr, "\n");
     printError("train", st);
+    if (tracer) (void)tracer->write(f_.trace_path);
     return kExitError;
   };
 
@@ -256,14 +265,22 @@ int Trainer::run() {
   double log_interval = 1.0;
   Clock::time_point last_log = start_;
   while (f_.steps == 0 || step_ < f_.steps) {
+    const int64_t run_step = step_ - start_step_ + 1;
+    if (tracer) tracer->setRecording(run_step >= f_.trace_first && run_step <= f_.trace_last);
+    runtime::Tracer::Scope data_wait(tracer, "data wait", runtime::TraceCategory::Data, 0,
+                                     runtime::kHostTrack, {{"step", step_ + 1}});
     auto more = prefetch.next(batch);
+    data_wait.end();
     if (!more) return fail(more.status());
     if (!*more) {
       data_done = true;
       break;
     }
     double lr = passes::learningRateFactor(schedule, step_ + 1);
+    runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
+                                      0, runtime::kHostTrack, {{"step", step_ + 1}});
     auto out = s_.trainStep(batch, lr, step_ + 1);
+    step_scope.end();
     if (!out) return fail(out.status());
     ++step_;
     position = batch.end;
@@ -276,6 +293,8 @@ int Trainer::run() {
 
     bool evaluated = false;
     if (f_.eval_every > 0 && step_ % f_.eval_every == 0) {
+      runtime::Tracer::Scope eval_scope(tracer, "evaluate", runtime::TraceCategory::Host, 0,
+                                        runtime::kHostTrack, {{"step", step_}});
       auto ev = evaluate();
       if (!ev) return fail(ev.status());
       last_auc_ = ev->auc;
@@ -306,10 +325,13 @@ int Trainer::run() {
       window_start_ = last_log = Clock::now();
     }
     if (!f_.checkpoint_dir.empty() && f_.checkpoint_every > 0 && step_ % f_.checkpoint_every == 0) {
+      runtime::Tracer::Scope save_scope(tracer, "checkpoint save", runtime::TraceCategory::Host, 0,
+                                        runtime::kHostTrack, {{"step", step_}});
       Status st = saveCheckpoint(position);
       if (!st) return fail(st);
     }
   }
+  if (tracer) tracer->setRecording(false);
   if (prefetch.malformed() > 0)
     std::fprintf(stderr, "%sskipped %lld malformed lines\n", tty_ ? "\n" : "", static_cast<long long>(prefetch.malformed()));
 
@@ -336,6 +358,15 @@ int Trainer::run() {
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
   if (!f_.checkpoint_dir.empty()) std::printf("checkpoint: %s\n", checkpointFile(f_.checkpoint_dir).c_str());
   if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
+  if (tracer) {
+    if (step_ - start_step_ < f_.trace_first)
+      warn(fmt::format("--trace-steps {}:{}: this run ran only {} step(s), so the trace holds none",
+                       f_.trace_first, f_.trace_last, step_ - start_step_));
+    if (Status st = tracer->write(f_.trace_path); !st) return fail(st);
+    std::printf("trace: %s (steps %lld to %lld of this run)\n", f_.trace_path.c_str(),
+                static_cast<long long>(f_.trace_first),
+                static_cast<long long>(std::min(f_.trace_last, step_ - start_step_)));
+  }
   return kExitOk;
 }
 
@@ -364,6 +395,10 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
   p.addFlag("profile", "time every op of the training step (CPU) and print where the time went");
+  p.addOption("trace", "FILE",
+              "write a Chrome trace-event timeline (Perfetto, chrome://tracing) of --trace-steps to FILE");
+  p.addOption("trace-steps", "A:B",
+              "the steps of this run --trace records (default 2:4; 1 is its first step, which warms up)");
   addModelFlags(p);
   addDeviceFlag(p);
   int code;
@@ -397,6 +432,25 @@ int runTrain(const std::vector<std::string>& args) {
   f.metrics_path = p.get("metrics");
   f.strict = p.flag("strict");
   f.profile = p.flag("profile");
+  f.trace_path = p.get("trace");
+  if (p.has("trace-steps")) {
+    if (f.trace_path.empty()) return p.usageError("--trace-steps needs --trace FILE");
+    std::string v = p.get("trace-steps");
+    size_t colon = v.find(':');
+    auto number = [](std::string_view text, int64_t& out) {
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), out);
+      return !text.empty() && ec == std::errc() && end == text.data() + text.size();
+    };
+    if (colon == std::string::npos || !number(std::string_view(v).substr(0, colon), f.trace_first) ||
+        !number(std::string_view(v).substr(colon + 1), f.trace_last) || f.trace_first < 1 ||
+        f.trace_last < f.trace_first)
+      return p.usageError(fmt::format("--trace-steps must be A:B with 1 <= A <= B, got '{}'", v));
+  }
+  if (!f.trace_path.empty()) {
+    std::filesystem::path dir = std::filesystem::path(f.trace_path).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir))
+      return p.usageError(fmt::format("--trace: no such directory '{}'", dir.string()));
+  }
   for (const std::string& d : f.data)
     if (d != "synthetic" && !std::filesystem::exists(d)) return p.usageError(fmt::format("no such data file '{}'", d));
   if (f.data.size() > 1 && std::find(f.data.begin(), f.data.end(), "synthetic") != f.data.end())
@@ -409,6 +463,13 @@ int runTrain(const std::vector<std::string>& args) {
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = f.batch;
   so.profile = f.profile;
+  // Made before the session, which keeps a pointer for its executors; off until the window.
+  std::unique_ptr<runtime::Tracer> tracer;
+  if (!f.trace_path.empty()) {
+    tracer = std::make_unique<runtime::Tracer>();
+    tracer->setRecording(false);
+    f.tracer = so.tracer = tracer.get();
+  }
   if (f.resume) so.checkpoint_path = f.checkpoint_dir;  // loaded whole: the memory check counts it
   if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   auto session = ModelSession::create(so, std::cerr);

@@ -274,6 +274,7 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   runtime::cpu::ExecutorOptions eo;
   eo.threads = options_.threads;
   eo.profile = options_.profile;
+  eo.tracer = options_.tracer;
   KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
   runtime::cpu::CpuExecutor* raw = exec.get();
   executors_[key] = std::move(exec);
@@ -315,7 +316,9 @@ Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& f
   if (it != cuda_executors_.end()) return it->second.get();
   const ir::Function* f = module_->lookup(function);
   if (!f) return Status::error(fmt::format("the model has no @{}", function));
-  KILN_ASSIGN_OR_RETURN(auto exec, cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_));
+  cuda::CudaExecutorOptions co;
+  co.tracer = options_.tracer;
+  KILN_ASSIGN_OR_RETURN(auto exec, cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_, co));
   cuda::CudaExecutor* raw = exec.get();
   cuda_executors_[key] = std::move(exec);
   return raw;

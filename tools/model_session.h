@@ -51,6 +51,9 @@ struct SessionOptions {
   // e.g. {"optimizer": {kind = "sgd", lr = 0.01}} for a benchmark that fixes the optimizer.
   ir::AttrDict train_overrides;
   bool profile = false;  // time every launch of the CPU executors (kiln train --profile)
+  // kiln train --trace: every executor puts its kernels and GEMMs on this timeline while it
+  // records (owned by the caller, outliving the session).
+  runtime::Tracer* tracer = nullptr;
   passes::PassManagerOptions pass_options;
 };
 

@@ -53,6 +53,10 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
 
   ex->program_ = std::move(program);
   ex->order_ = static_cast<const codegen::Program&>(ex->program_).ordered();
+  std::map<const codegen::Instruction*, int> stream_ids;
+  for (const codegen::Stream& st : ex->program_.streams)
+    for (const codegen::Instruction& in : st.instrs) stream_ids[&in] = st.id;
+  for (const codegen::Instruction* in : ex->order_) ex->stream_of_.push_back(stream_ids.at(in));
   for (const codegen::Instruction* in : ex->order_) {
     Launch l;
     if (in->kind == codegen::InstrKind::HostStep)
@@ -143,14 +147,23 @@ Expected<std::vector<ir::HostTensor>> CpuExecutor::run(const Batch& batch, Param
       v.shape = bound_[static_cast<size_t>(id)];  // full capacity; the kernel sets the actual shape
       results.push_back(&v);
     }
-    auto start = options_.profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
+    const bool timed = options_.profile || tracer;
+    auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     Status s = l.fast ? l.fast->run(*l.op, operands, results, fast_ctx) : l.reference(*l.op, operands, results, ref_ctx);
     (l.fast ? fast_launches_ : reference_launches_)++;
-    if (options_.profile) {
-      OpTime& p = profile_[in.op];
-      p.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      p.launches += 1;
-      p.reference = !l.fast;
+    if (timed) {
+      auto end = std::chrono::steady_clock::now();
+      if (options_.profile) {
+        OpTime& p = profile_[in.op];
+        p.seconds += std::chrono::duration<double>(end - start).count();
+        p.launches += 1;
+        p.reference = !l.fast;
+      }
+      if (tracer)
+        tracer->complete(in.op, l.op->is(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel,
+                         options_.rank, streamTrack(stream_of_[t]), start, end,
+                         {{"seq", in.seq}, {"reference", l.fast ? 0 : 1}});
     }
     if (!s.isOk())
       return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,

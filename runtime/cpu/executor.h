@@ -16,6 +16,7 @@
 #include "ir/tensor_view.h"
 #include "runtime/cpu/thread_pool.h"
 #include "runtime/parameter_store.h"
+#include "runtime/trace.h"
 
 namespace kiln::runtime::cpu {
 
@@ -27,6 +28,11 @@ struct ExecutorOptions {
   bool use_fast_kernels = true;   // false: every op through its reference hook
   bool poison_arena = false;      // fill the arena with kPoison first (tests, debugging)
   bool profile = false;           // time every launch (kiln train --profile)
+  // Also with a tracer: while it records, every launch becomes a "kernel" event ("gemm" for
+  // kiln.matmul) named by its op, on the track of its Program stream, from the same clock
+  // readings --profile sums.
+  Tracer* tracer = nullptr;
+  int rank = 0;  // the trace's pid
 };
 
 // Time spent in one op over all runs of a program (ExecutorOptions::profile).
@@ -74,6 +80,7 @@ class CpuExecutor {
   std::unique_ptr<ir::Module> shadow_;
   std::vector<Launch> launches_;  // by position in the global order
   std::vector<const codegen::Instruction*> order_;
+  std::vector<int> stream_of_;  // by position in order_: the instruction's Program stream
   uint8_t* arena_ = nullptr;
   std::vector<ir::TensorView> views_;          // per buffer, during a run
   std::vector<std::vector<int64_t>> bound_;    // per buffer: shape at the bound symbols

@@ -141,13 +141,61 @@ struct CudaExecutor::Impl {
   std::unique_ptr<LoadedModule> module;
   std::unique_ptr<CudaGraph> graph;
   int kernels = 0, gemms = 0, compiled = 0, runs = 0;
+  // Tracing: an origin event, then a begin and an end event per step (made at the first traced
+  // run), and the Program stream each step ran on in the last traced run.
+  std::vector<CUevent> trace_events;
+  std::vector<int> trace_stream;
 
+  ~Impl();
   CudaSession::Impl& s() { return session->impl(); }
   Status runStep(const Step& step, CUstream st);
-  Status enqueue();
+  Status enqueue(bool traced = false);
   Status synchronize();
+  Status beginTrace(double* origin_us, const runtime::Tracer& tracer);
+  Status finishTrace(runtime::Tracer& tracer, double origin_us);
 };
 
+CudaExecutor::Impl::~Impl() {
+  for (CUevent e : trace_events)
+    if (e) s().drv()->cuEventDestroy(e);
+}
+
+// Records the origin on stream 0 and waits for it, so that the host clock read just after is
+// the device's time zero of this run (within the wake-up latency).
+Status CudaExecutor::Impl::beginTrace(double* origin_us, const runtime::Tracer& tracer) {
+  CudaDriver* drv = s().drv();
+  if (trace_events.empty()) {
+    trace_events.assign(1 + 2 * steps.size(), nullptr);
+    for (CUevent& e : trace_events)
+      KILN_CU(drv, cuEventCreate(&e, CU_EVENT_DEFAULT), "creating a trace event");
+  }
+  trace_stream.assign(steps.size(), -1);
+  KILN_CU(drv, cuEventRecord(trace_events[0], streams.at(0)), "tracing");
+  KILN_CU(drv, cuEventSynchronize(trace_events[0]), "tracing");
+  *origin_us = tracer.nowUs();
+  return Status::ok();
+}
+
+// After the run synchronized: one event per step that ran, from the device's timings.
+Status CudaExecutor::Impl::finishTrace(runtime::Tracer& tracer, double origin_us) {
+  CudaDriver* drv = s().drv();
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (trace_stream[i] < 0) continue;
+    float begin_ms = 0, dur_ms = 0;
+    KILN_CU(drv, cuEventElapsedTime(&begin_ms, trace_events[0], trace_events[1 + 2 * i]), "tracing");
+    KILN_CU(drv, cuEventElapsedTime(&dur_ms, trace_events[1 + 2 * i], trace_events[2 + 2 * i]), "tracing");
+    const codegen::CudaStep& plan = *steps[i].plan;
+    tracer.complete(
+        runtime::TraceEvent{plan.name,
+                            plan.isGemm() ? runtime::TraceCategory::Gemm : runtime::TraceCategory::Kernel,
+                            options.rank,
+                            runtime::streamTrack(trace_stream[i]),
+                            origin_us + 1e3 * begin_ms,
+                            1e3 * dur_ms,
+                            {{"group", plan.group}}});
+  }
+  return Status::ok();
+}
 
 Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
   const codegen::CudaStep& plan = *step.plan;
@@ -161,7 +209,7 @@ Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
 
 // The Program's instructions in global order, each on its stream's CUstream (records precede
 // the waits on them in that order, so one host thread can enqueue them all).
-Status CudaExecutor::Impl::enqueue() {
+Status CudaExecutor::Impl::enqueue(bool traced) {
   CudaDriver* drv = s().drv();
   CUstream st0 = streams.at(0);
   for (const ErrorFlag& f : flags) KILN_CU(drv, cuMemsetD32Async(f.ptr, 0, 2, st0), "clearing " + f.kernel + "'s error flag");
@@ -170,7 +218,14 @@ Status CudaExecutor::Impl::enqueue() {
     switch (in->kind) {
       case codegen::InstrKind::Launch: {
         auto [begin, end] = built.group_steps[static_cast<size_t>(in->attrs.find("group")->second.asInt())];
-        for (size_t i = begin; i < end; ++i) KILN_RETURN_IF_ERROR(runStep(steps[i], cs));
+        for (size_t i = begin; i < end; ++i) {
+          if (traced) KILN_CU(drv, cuEventRecord(trace_events[1 + 2 * i], cs), "tracing");
+          KILN_RETURN_IF_ERROR(runStep(steps[i], cs));
+          if (traced) {
+            KILN_CU(drv, cuEventRecord(trace_events[2 + 2 * i], cs), "tracing");
+            trace_stream[i] = stream;
+          }
+        }
         break;
       }
       case codegen::InstrKind::RecordEvent:
@@ -376,7 +431,12 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
   if (im.options.poison_arena)
     KILN_CU(drv, cuMemsetD8Async(im.arena.ptr(), 0xFF, im.arena.bytes(), st), "poisoning the arena");
 
-  if (im.graph) {
+  runtime::Tracer* tracer = im.options.tracer && im.options.tracer->recording() ? im.options.tracer : nullptr;
+  double origin_us = 0;
+  if (tracer) {
+    KILN_RETURN_IF_ERROR(im.beginTrace(&origin_us, *tracer));
+    KILN_RETURN_IF_ERROR(im.enqueue(/*traced=*/true));
+  } else if (im.graph) {
     KILN_RETURN_IF_ERROR(im.graph->launch(st));
   } else if (im.options.use_graph && im.runs >= 1) {
     // The first run went eagerly (cuBLASLt chose its algorithms); now capture and replay. The
@@ -396,9 +456,15 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batc
   } else {
     KILN_RETURN_IF_ERROR(im.enqueue());
   }
+  auto wait_begin = runtime::Tracer::Clock::now();
   Status done = im.synchronize();
   if (!done) return Status::errorf("@{} on the GPU: {}", im.program.function, done.message());
   ++im.runs;
+  if (tracer) {
+    tracer->complete("synchronize @" + im.program.function, runtime::TraceCategory::Wait, im.options.rank,
+                     runtime::kHostTrack, wait_begin, runtime::Tracer::Clock::now());
+    KILN_RETURN_IF_ERROR(im.finishTrace(*tracer, origin_us));
+  }
 
   for (const ErrorFlag& f : im.flags) {
     int32_t flag[2] = {0, 0};

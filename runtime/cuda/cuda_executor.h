@@ -34,6 +34,7 @@
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cublaslt.h"
 #include "runtime/parameter_store.h"
+#include "runtime/trace.h"
 
 namespace kiln::cuda {
 
@@ -71,6 +72,12 @@ class CudaSession {
 struct CudaExecutorOptions {
   bool use_graph = true;      // capture the step as a CUDA graph on the second run
   bool poison_arena = false;  // fill the arena with 0xFF bytes (NaN) before each run (tests)
+  // While this tracer records, run() goes eagerly (not through the graph) with a timing event
+  // before and after every kernel and GEMM on its own stream: each becomes an event on the
+  // stream's track, placed on the host clock by an event the host waits for at the start; the
+  // host's final wait is a "wait" event on the host track.
+  runtime::Tracer* tracer = nullptr;
+  int rank = 0;  // the trace's pid
 };
 
 class CudaExecutor {

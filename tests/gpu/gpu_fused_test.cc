@@ -7,14 +7,15 @@
 
 #include <cmath>
 #include <limits>
+#include <set>
 
 #include "ir/builder.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/parameter_store.h"
+#include "tests/gpu/gpu_test_util.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
-#include "tests/gpu/gpu_test_util.h"
 
 namespace kiln::testing {
 namespace {
@@ -154,13 +155,15 @@ struct GpuFusedCase {
   }
   // The function on the GPU: a session holding the case's parameters (`session`), and an
   // executor of f.
-  Expected<std::unique_ptr<cuda::CudaExecutor>> executor(bool poison_arena) {
+  Expected<std::unique_ptr<cuda::CudaExecutor>> executor(bool poison_arena,
+                                                         runtime::Tracer* tracer = nullptr) {
     auto s = cuda::CudaSession::create();
     if (!s) return s.status();
     session = s.take();
     KILN_RETURN_IF_ERROR(session->uploadParameters(store));
     cuda::CudaExecutorOptions options;
     options.poison_arena = poison_arena;
+    options.tracer = tracer;
     return cuda::CudaExecutor::create(*f, {}, session, options);
   }
   std::shared_ptr<cuda::CudaSession> session;
@@ -302,6 +305,62 @@ TEST(GpuStreams, TwoStreamStepMatchesCpuReferenceEagerCapturedAndReplayed) {
     ASSERT_TRUE(c.session->downloadParameters(start).isOk());
     expectClose(start.find("tables.0")->view, c.values.at(table).view, 1e-5, "table run " + std::to_string(run));
   }
+  EXPECT_TRUE((*ex)->graphCaptured());
+}
+
+// A traced run: every kernel and GEMM once, on its stream's track, inside the host's view of
+// the run, results unchanged; runs while the tracer is off still capture the graph.
+TEST(GpuStreams, TracedRunTimesEveryKernelAndGemmOnItsStream) {
+  SKIP_WITHOUT_GPU();
+  GpuFusedCase c;
+  const int64_t batch = 40, ids = 97;
+  Value* dense = c.input("dense", DType::f32, S({batch, 16}));
+  Value* table = c.param("tables.0", DType::f32, S({30, 16}));
+  Value* w = c.param("w", DType::f32, S({16, 16}));
+  Value* cats = c.input("cats.0", DType::i64, S({ids}), Fill::Ids, 30);
+  Value* lengths = c.input("cats.0.lengths", DType::i32, S({batch}), Fill::Lengths, ids);
+  c.bindInputs();
+  ir::Op* bag = c.op("kiln.embedding_bag", {table, cats, lengths}, {{"mode", Attribute("sum")}});
+  bag->setAttr("kiln.stream", Attribute(int64_t{1}));
+  Value* h = c.op("kiln.matmul", {dense, w})->result();
+  Value* sum = c.op("kiln.add", {h, bag->result()})->result();
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {sum}, {}));
+  c.f->setResultTypes({sum->type()});
+  ASSERT_TRUE(referenceRun(c.ops, {}, c.values).isOk());
+
+  runtime::Tracer tracer;
+  tracer.setRecording(false);
+  auto ex = c.executor(/*poison_arena=*/false, &tracer);
+  ASSERT_TRUE(ex) << ex.status().message();
+  ASSERT_TRUE((*ex)->run(c.batch));  // eager, untraced
+  EXPECT_TRUE(tracer.events().empty());
+  tracer.setRecording(true);
+  double before = tracer.nowUs();
+  auto got = (*ex)->run(c.batch);
+  double after = tracer.nowUs();
+  ASSERT_TRUE(got) << got.status().message();
+  expectClose((*got)[0].view, c.values.at(sum).view, 1e-4, "traced run");
+  tracer.setRecording(false);
+
+  int kernels = 0, gemms = 0, waits = 0;
+  std::set<int> tracks;
+  for (const runtime::TraceEvent& e : tracer.events()) {
+    EXPECT_GE(e.ts_us, before - 50) << e.name;  // the origin is read on the host after the device
+    EXPECT_LE(e.ts_us + e.dur_us, after + 50) << e.name;
+    EXPECT_GE(e.dur_us, 0) << e.name;
+    if (e.category == runtime::TraceCategory::Wait) {
+      ++waits;
+      EXPECT_EQ(e.track, runtime::kHostTrack);
+      continue;
+    }
+    tracks.insert(e.track);
+    (e.category == runtime::TraceCategory::Gemm ? gemms : kernels)++;
+  }
+  EXPECT_EQ(kernels, (*ex)->numKernels());
+  EXPECT_EQ(gemms, (*ex)->numGemms());
+  EXPECT_EQ(waits, 1);
+  EXPECT_EQ(tracks, (std::set<int>{runtime::streamTrack(0), runtime::streamTrack(1)}));
+  ASSERT_TRUE((*ex)->run(c.batch));
   EXPECT_TRUE((*ex)->graphCaptured());
 }
 

@@ -1,11 +1,14 @@
 // The CPU executor against the reference interpreter (ir/interpreter.h) and against naive loops
 // written here, on an MLP and an embedding model; memory plans against what the executor
 // actually touches.
+#include "runtime/cpu/executor.h"
+
 #include <gtest/gtest.h>
+
+#include <set>
 
 #include "codegen/lower_cpu.h"
 #include "ir/interpreter.h"
-#include "runtime/cpu/executor.h"
 #include "runtime_test_util.h"
 
 namespace kiln::runtime::cpu {
@@ -127,6 +130,46 @@ TEST(CpuExecutor, MlpEqualsNaiveLoopsAndInterpreter) {
     expectClose((*got)[0], (*ref)[0], 1e-5, 1e-6, "vs interpreter");
     EXPECT_EQ(ex->referenceLaunches(), 0) << "every MLP op has a fast kernel";
   }
+}
+
+// With a recording tracer, every launch of the program becomes one event, named by its op, on
+// its stream's track, and --profile counts the same launches.
+TEST(CpuExecutor, TracesEveryLaunchOnItsStream) {
+  const int64_t B = 8;
+  Compiled c = compile(kMlp, B);
+  ParameterStore params;
+  ASSERT_TRUE(params.initializeFrom(*c.module, 1).isOk());
+  std::map<std::string, HostTensor> batch = {{"dense", randomTensor(DType::f32, {B, 13}, 3)}};
+  Tracer tracer;
+  tracer.setRecording(false);
+  auto ex = makeExecutor(c.program, {.profile = true, .tracer = &tracer, .rank = 3});
+  ASSERT_TRUE(ex->run(viewsOf(batch), params).isOk());
+  EXPECT_TRUE(tracer.events().empty()) << "nothing while not recording";
+  tracer.setRecording(true);
+  ASSERT_TRUE(ex->run(viewsOf(batch), params).isOk());
+
+  // What the program says should run, in its global order.
+  std::vector<std::pair<std::string, int>> want;  // (op, track)
+  for (const codegen::Stream& st : c.program.streams)
+    for (const codegen::Instruction& in : st.instrs)
+      if (in.kind == codegen::InstrKind::Launch) want.push_back({in.op, streamTrack(st.id)});
+  std::vector<TraceEvent> events = tracer.events();
+  ASSERT_EQ(events.size(), want.size());
+  std::multiset<std::pair<std::string, int>> got_set, want_set(want.begin(), want.end());
+  for (const TraceEvent& e : events) {
+    got_set.insert({e.name, e.track});
+    EXPECT_EQ(e.rank, 3);
+    EXPECT_EQ(e.category, e.name == "kiln.matmul" ? TraceCategory::Gemm : TraceCategory::Kernel) << e.name;
+    EXPECT_GE(e.dur_us, 0);
+  }
+  EXPECT_EQ(got_set, want_set);
+  for (size_t i = 1; i < events.size(); ++i)
+    if (events[i].track == events[i - 1].track)
+      EXPECT_GE(events[i].ts_us, events[i - 1].ts_us + events[i - 1].dur_us)
+          << "one thread: launches do not overlap";
+  int64_t profiled = 0;
+  for (const auto& [name, t] : ex->profile()) profiled += t.launches;
+  EXPECT_EQ(profiled, static_cast<int64_t>(2 * want.size()));
 }
 
 std::map<std::string, HostTensor> embeddingBatch(int64_t B, uint32_t seed) {
