@@ -359,13 +359,17 @@ int Trainer::run() {
   if (!f_.checkpoint_dir.empty()) std::printf("checkpoint: %s\n", checkpointFile(f_.checkpoint_dir).c_str());
   if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
   if (tracer) {
-    if (step_ - start_step_ < f_.trace_first)
+    const int64_t ran = step_ - start_step_;
+    if (ran < f_.trace_first)
       warn(fmt::format("--trace-steps {}:{}: this run ran only {} step(s), so the trace holds none",
-                       f_.trace_first, f_.trace_last, step_ - start_step_));
+                       f_.trace_first, f_.trace_last, ran));
     if (Status st = tracer->write(f_.trace_path); !st) return fail(st);
-    std::printf("trace: %s (steps %lld to %lld of this run)\n", f_.trace_path.c_str(),
-                static_cast<long long>(f_.trace_first),
-                static_cast<long long>(std::min(f_.trace_last, step_ - start_step_)));
+    if (ran >= f_.trace_first)
+      std::printf("trace: %s (steps %lld to %lld of this run)\n", f_.trace_path.c_str(),
+                  static_cast<long long>(f_.trace_first),
+                  static_cast<long long>(std::min(f_.trace_last, ran)));
+    else
+      std::printf("trace: %s (no step)\n", f_.trace_path.c_str());
   }
   return kExitOk;
 }

@@ -159,7 +159,9 @@ TEST(CpuExecutor, TracesEveryLaunchOnItsStream) {
   for (const TraceEvent& e : events) {
     got_set.insert({e.name, e.track});
     EXPECT_EQ(e.rank, 3);
-    EXPECT_EQ(e.category, e.name == "kiln.matmul" ? TraceCategory::Gemm : TraceCategory::Kernel) << e.name;
+    EXPECT_EQ(e.category,
+              e.name == ir::opName(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel)
+        << e.name;
     EXPECT_GE(e.dur_us, 0);
   }
   EXPECT_EQ(got_set, want_set);
