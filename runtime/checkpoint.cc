@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <set>
 
 #include "runtime/json.h"
@@ -30,12 +31,6 @@ constexpr DTypeName kDTypes[] = {
     {ir::DType::f64, "F64"},         {ir::DType::i32, "I32"},         {ir::DType::i64, "I64"},
     {ir::DType::i1, "BOOL"},         {ir::DType::f8e4m3, "F8_E4M3"},  {ir::DType::f8e5m2, "F8_E5M2"},
 };
-
-std::optional<ir::DType> parseSafetensorsDType(std::string_view s) {
-  for (const auto& d : kDTypes)
-    if (d.name == s) return d.dtype;
-  return std::nullopt;
-}
 
 std::string shapeText(const std::vector<int64_t>& s) {
   std::string out = "[";
@@ -60,12 +55,51 @@ Status writeAll(int fd, const void* data, size_t n, const std::string& path) {
   return Status::ok();
 }
 
+// Writes a file through `write` into a temporary file next to `path` (so the rename stays within
+// one file system), fsyncs it, renames it into place and fsyncs the folder.
+Status writeAtomically(const std::string& path,
+                       const std::function<Status(int fd, const std::string& tmp)>& write) {
+  std::filesystem::path target(path);
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Status::errorf("cannot create '{}': {}", tmp, std::strerror(errno));
+  Status st = write(fd, tmp);
+  if (st && ::fsync(fd) != 0) st = Status::errorf("cannot fsync '{}': {}", tmp, std::strerror(errno));
+  if (::close(fd) != 0 && st) st = Status::errorf("cannot close '{}': {}", tmp, std::strerror(errno));
+  if (st && std::rename(tmp.c_str(), path.c_str()) != 0)
+    st = Status::errorf("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno));
+  if (!st) {
+    ::unlink(tmp.c_str());
+    return st;
+  }
+  // Make the rename itself durable.
+  std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 std::string_view safetensorsDType(ir::DType t) {
   for (const auto& d : kDTypes)
     if (d.dtype == t) return d.name;
   return "?";
+}
+
+std::optional<ir::DType> parseSafetensorsDType(std::string_view name) {
+  for (const auto& d : kDTypes)
+    if (d.name == name) return d.dtype;
+  return std::nullopt;
+}
+
+const CheckpointEntry* CheckpointHeader::find(const std::string& name) const {
+  for (const auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
 }
 
 const ir::HostTensor* Checkpoint::find(const std::string& name) const {
@@ -123,31 +157,18 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
   text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
   uint64_t n = text.size();
 
-  // A temporary file next to the target, so the rename stays within one file system.
-  std::filesystem::path target(path);
-  std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Status::errorf("cannot create '{}': {}", tmp, std::strerror(errno));
-  Status st = writeAll(fd, &n, 8, tmp);
-  if (st) st = writeAll(fd, text.data(), text.size(), tmp);
-  for (size_t i = 0; st && i < tensors.size(); ++i)
-    st = writeAll(fd, tensors[i].second.data, static_cast<size_t>(tensors[i].second.bytes()), tmp);
-  if (st && ::fsync(fd) != 0) st = Status::errorf("cannot fsync '{}': {}", tmp, std::strerror(errno));
-  if (::close(fd) != 0 && st) st = Status::errorf("cannot close '{}': {}", tmp, std::strerror(errno));
-  if (st && std::rename(tmp.c_str(), path.c_str()) != 0)
-    st = Status::errorf("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno));
-  if (!st) {
-    ::unlink(tmp.c_str());
+  return writeAtomically(path, [&](int fd, const std::string& tmp) {
+    Status st = writeAll(fd, &n, 8, tmp);
+    if (st) st = writeAll(fd, text.data(), text.size(), tmp);
+    for (size_t i = 0; st && i < tensors.size(); ++i)
+      st = writeAll(fd, tensors[i].second.data, static_cast<size_t>(tensors[i].second.bytes()), tmp);
     return st;
-  }
-  // Make the rename itself durable.
-  std::string dir = target.has_parent_path() ? target.parent_path().string() : ".";
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
-  return Status::ok();
+  });
+}
+
+Status writeFileAtomically(const std::string& path, std::string_view bytes) {
+  return writeAtomically(
+      path, [&](int fd, const std::string& tmp) { return writeAll(fd, bytes.data(), bytes.size(), tmp); });
 }
 
 namespace {
@@ -178,8 +199,9 @@ struct Span {
 // lies, in file order. No tensor storage is allocated before the spans are known to tile the
 // data, so a header claiming the same bytes for many tensors cannot make us allocate many times
 // the file's size.
+// With `allocate` false the tensors get their dtype and shape but no storage (a header read).
 Expected<Checkpoint> parseHeader(std::string_view text, uint64_t data_bytes, const std::string& name,
-                                 std::vector<Span>& spans) {
+                                 std::vector<Span>& spans, bool allocate = true) {
   auto fail = [&](const std::string& msg) { return checkpointError(name, msg); };
   auto header = json::parse(text);
   if (!header) return fail("bad header: " + header.status().message());
@@ -256,8 +278,15 @@ Expected<Checkpoint> parseHeader(std::string_view text, uint64_t data_bytes, con
     at = s.end;
   }
   if (at != data_bytes) return fail(fmt::format("{} bytes of data follow the last tensor", data_bytes - at));
-  for (size_t i = 0; i < types.size(); ++i)
-    ckpt.tensors[i].second.reset(types[i].first, std::move(types[i].second));
+  for (size_t i = 0; i < types.size(); ++i) {
+    ir::HostTensor& t = ckpt.tensors[i].second;
+    if (allocate) {
+      t.reset(types[i].first, std::move(types[i].second));
+    } else {
+      t.view.dtype = types[i].first;
+      t.view.shape = std::move(types[i].second);
+    }
+  }
   return ckpt;
 }
 
@@ -280,45 +309,101 @@ Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& 
   return ckpt;
 }
 
-Expected<Checkpoint> loadCheckpoint(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
-  struct FdCloser {
-    int fd;
-    ~FdCloser() { ::close(fd); }
-  } closer{fd};
-  struct stat stt;
-  if (::fstat(fd, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
-  const uint64_t size = static_cast<uint64_t>(stt.st_size);
-  auto readAt = [&](void* dst, uint64_t n, uint64_t at) -> Status {
+namespace {
+
+// An open checkpoint file whose header has been read and validated.
+class CheckpointFile {
+ public:
+  ~CheckpointFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Status open(const std::string& path, bool allocate) {
+    path_ = path;
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
+    struct stat stt;
+    if (::fstat(fd_, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
+    const uint64_t size = static_cast<uint64_t>(stt.st_size);
+    if (size < 8)
+      return checkpointError(
+          path, fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
+    uint64_t n = 0;
+    KILN_RETURN_IF_ERROR(readAt(&n, 8, 0));
+    KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, path));
+    std::string text(n, '\0');
+    KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
+    data_start_ = 8 + n;
+    KILN_ASSIGN_OR_RETURN(ckpt_, parseHeader(text, size - 8 - n, path, spans_, allocate));
+    return Status::ok();
+  }
+  Status readAt(void* dst, uint64_t n, uint64_t at) const {
     char* p = static_cast<char*>(dst);
     while (n > 0) {
-      ssize_t r = ::pread(fd, p, n, static_cast<off_t>(at));
+      ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(at));
       if (r < 0 && errno == EINTR) continue;
       if (r <= 0)
-        return Status::errorf("cannot read checkpoint '{}': {}", path,
+        return Status::errorf("cannot read checkpoint '{}': {}", path_,
                               r < 0 ? std::strerror(errno) : "unexpected end of file");
       p += r;
       n -= static_cast<uint64_t>(r);
       at += static_cast<uint64_t>(r);
     }
     return Status::ok();
-  };
+  }
+
+  std::string path_;
+  int fd_ = -1;
+  uint64_t data_start_ = 0;
+  Checkpoint ckpt_;
+  std::vector<Span> spans_;
+};
+
+}  // namespace
+
+Expected<Checkpoint> loadCheckpoint(const std::string& path) {
   // The header is read and checked first, then the data straight into the tensors: a
   // checkpoint is never held in memory twice.
-  if (size < 8)
-    return checkpointError(path,
-                           fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
-  uint64_t n = 0;
-  KILN_RETURN_IF_ERROR(readAt(&n, 8, 0));
-  KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, path));
-  std::string text(n, '\0');
-  KILN_RETURN_IF_ERROR(readAt(text.data(), n, 8));
-  std::vector<Span> spans;
-  KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(text, size - 8 - n, path, spans));
-  for (const Span& s : spans)
-    KILN_RETURN_IF_ERROR(readAt(ckpt.tensors[s.index].second.storage.data(), s.end - s.begin, 8 + n + s.begin));
-  return ckpt;
+  CheckpointFile f;
+  KILN_RETURN_IF_ERROR(f.open(path, /*allocate=*/true));
+  for (const Span& s : f.spans_)
+    KILN_RETURN_IF_ERROR(
+        f.readAt(f.ckpt_.tensors[s.index].second.storage.data(), s.end - s.begin, f.data_start_ + s.begin));
+  return std::move(f.ckpt_);
+}
+
+Expected<CheckpointHeader> readCheckpointHeader(const std::string& path) {
+  CheckpointFile f;
+  KILN_RETURN_IF_ERROR(f.open(path, /*allocate=*/false));
+  CheckpointHeader h;
+  h.metadata = std::move(f.ckpt_.metadata);
+  for (const Span& s : f.spans_) {
+    auto& [name, t] = f.ckpt_.tensors[s.index];
+    h.tensors.push_back({name, t.view.dtype, t.view.shape, f.data_start_ + s.begin, s.end - s.begin});
+  }
+  return h;
+}
+
+Status readCheckpointBytes(const std::string& path, uint64_t file_offset, uint64_t n, void* dst,
+                           const std::string& what) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    return Status::errorf("cannot open checkpoint '{}' (tensor '{}'): {}", path, what, std::strerror(errno));
+  char* p = static_cast<char*>(dst);
+  Status st;
+  while (n > 0) {
+    ssize_t r = ::pread(fd, p, n, static_cast<off_t>(file_offset));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      st = Status::errorf("cannot read checkpoint '{}' (tensor '{}'): {}", path, what,
+                          r < 0 ? std::strerror(errno) : "unexpected end of file");
+      break;
+    }
+    p += r;
+    n -= static_cast<uint64_t>(r);
+    file_offset += static_cast<uint64_t>(r);
+  }
+  ::close(fd);
+  return st;
 }
 
 Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::TensorView>& dest, const std::string& path) {

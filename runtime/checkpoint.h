@@ -9,6 +9,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -50,5 +51,29 @@ Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::Te
 
 // safetensors dtype names: "F32", "BF16", "I64", "BOOL", ...
 std::string_view safetensorsDType(ir::DType t);
+std::optional<ir::DType> parseSafetensorsDType(std::string_view name);
+
+// Writes `bytes` to `path` as saveCheckpoint writes a checkpoint: a temporary file beside it,
+// fsync, rename, fsync of the folder (the index of a sharded checkpoint).
+Status writeFileAtomically(const std::string& path, std::string_view bytes);
+
+// A checkpoint file's header alone, validated as loadCheckpoint validates it, so that a reader
+// of a few slices (runtime/sharded_checkpoint.h) need not hold whole files in memory.
+struct CheckpointEntry {
+  std::string name;
+  ir::DType dtype = ir::DType::f32;
+  std::vector<int64_t> shape;
+  uint64_t file_offset = 0;  // of the tensor's first byte, from the start of the file
+  uint64_t bytes = 0;
+};
+struct CheckpointHeader {
+  std::vector<CheckpointEntry> tensors;  // in header order
+  std::map<std::string, std::string> metadata;
+  const CheckpointEntry* find(const std::string& name) const;
+};
+Expected<CheckpointHeader> readCheckpointHeader(const std::string& path);
+// Reads `n` bytes at `file_offset` of `path` into `dst`; `what` names the tensor in messages.
+Status readCheckpointBytes(const std::string& path, uint64_t file_offset, uint64_t n, void* dst,
+                           const std::string& what);
 
 }  // namespace kiln::runtime
