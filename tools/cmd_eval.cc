@@ -21,7 +21,9 @@ struct EvalSetup {
 // Parses the flags both commands share, compiles the model and loads the checkpoint.
 int setUp(const char* command, ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) {
   p.setPositionals("MODEL.kiln", 1, 1, "the model");
-  p.addOption("checkpoint", "DIR", "the checkpoint to load (a directory written by kiln train, or a .safetensors file)");
+  p.addOption("checkpoint", "DIR",
+              "the checkpoint to load (a directory written by kiln train, a sharded checkpoint directory, or "
+              "a .safetensors file)");
   p.addOption("data", "synthetic|PATH", "the data: Criteo TSV or Kiln binary files, or 'synthetic' (its held-out stream)",
               std::nullopt, true);
   p.addOption("batch", "B", "samples per step", "1024");

@@ -15,6 +15,7 @@
 #include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "runtime/cuda/cuda_driver.h"
+#include "runtime/sharded_checkpoint.h"
 
 namespace kiln::cli {
 
@@ -165,9 +166,21 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   if (!options.checkpoint_path.empty()) {
     std::filesystem::path path = options.checkpoint_path;
     std::error_code ec;
-    if (std::filesystem::is_directory(path, ec)) path /= "checkpoint.safetensors";
-    const uintmax_t size = std::filesystem::file_size(path, ec);
-    if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), "checkpoint", size);
+    if (runtime::ShardedCheckpoint::isShardedDir(path.string())) {
+      // Merged in memory: about the size of its shard files together.
+      uintmax_t size = 0;
+      for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {
+        const std::string name = entry.path().filename().string();
+        if (name.rfind("shard-", 0) != 0 || entry.path().extension() != ".safetensors") continue;
+        const uintmax_t bytes = std::filesystem::file_size(entry.path(), ec);
+        if (!ec) size += bytes;
+      }
+      need.add(fmt::format("sharded checkpoint {} being loaded", path.string()), "checkpoint", size);
+    } else {
+      if (std::filesystem::is_directory(path, ec)) path /= "checkpoint.safetensors";
+      const uintmax_t size = std::filesystem::file_size(path, ec);
+      if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), "checkpoint", size);
+    }
   }
   return need;
 }

@@ -1,14 +1,15 @@
 #include "tools/run_data.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <filesystem>
-
-#include <fmt/format.h>
 
 #include "runtime/checkpoint.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/prefetcher.h"
 #include "runtime/metrics.h"
+#include "runtime/sharded_checkpoint.h"
 
 namespace kiln::cli {
 
@@ -55,11 +56,28 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   return r;
 }
 
-Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
-  std::string path = dir_or_file;
-  if (std::filesystem::is_directory(path)) path = (std::filesystem::path(path) / "checkpoint.safetensors").string();
+namespace {
+
+// A sharded checkpoint (a directory with an index) is merged in memory, as `kiln checkpoint
+// merge` would write it; otherwise the directory's checkpoint.safetensors, or the file given.
+Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std::string& path) {
+  path = dir_or_file;
+  if (std::filesystem::is_directory(path)) {
+    if (runtime::ShardedCheckpoint::isShardedDir(path)) {
+      KILN_ASSIGN_OR_RETURN(auto sharded, runtime::ShardedCheckpoint::open(path));
+      return sharded.merge();
+    }
+    path = (std::filesystem::path(path) / "checkpoint.safetensors").string();
+  }
   if (!std::filesystem::exists(path)) return Status::error(fmt::format("no checkpoint at '{}'", path));
-  KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::loadCheckpoint(path));
+  return runtime::loadCheckpoint(path);
+}
+
+}  // namespace
+
+Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
+  std::string path;
+  KILN_ASSIGN_OR_RETURN(auto ckpt, readCheckpoint(dir_or_file, path));
   // Evaluation reads the model's parameters; the optimizer state a training checkpoint also
   // holds is left out. Every parameter of the model must be there.
   std::map<std::string, ir::TensorView> dest;

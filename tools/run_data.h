@@ -40,7 +40,8 @@ using ScoreSink =
 Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
                                    const ScoreSink& on_scores = {});
 
-// Loads `DIR/checkpoint.safetensors` (or a file path) into the session's parameters.
+// Loads `DIR/checkpoint.safetensors` (or a file path, or a sharded checkpoint directory, merged in
+// memory) into the session's parameters.
 Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file);
 
 }  // namespace kiln::cli
