@@ -276,7 +276,8 @@ Status writeIndex(const std::string& dir, int64_t step, int ranks, const std::ve
   return writeFileAtomically(indexPath(dir), text.take() + "\n");
 }
 
-// Removes the shard files (and temporary files of interrupted writes) that `keep` does not name.
+// Removes the shard files that `keep` does not name, and the temporary files of interrupted
+// writes (of shards and of the index).
 // Failing to remove one leaves a stray file, not a broken checkpoint, so it is not an error.
 void removeOrphans(const std::string& dir, const std::set<std::string>& keep) {
   std::error_code ec;
@@ -285,7 +286,8 @@ void removeOrphans(const std::string& dir, const std::set<std::string>& keep) {
     const bool shard = name.rfind("shard-", 0) == 0 &&
                        (name.size() > 12 && (name.compare(name.size() - 12, 12, ".safetensors") == 0 ||
                                              name.find(".safetensors.tmp.") != std::string::npos));
-    if (shard && !keep.count(name)) std::filesystem::remove(entry.path(), ec);
+    const bool index_temp = name.rfind(std::string(kShardedIndexFile) + ".tmp.", 0) == 0;
+    if ((shard && !keep.count(name)) || index_temp) std::filesystem::remove(entry.path(), ec);
   }
 }
 

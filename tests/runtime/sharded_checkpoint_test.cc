@@ -286,6 +286,7 @@ TEST_F(ShardedCheckpointTest, CrashBeforeTheIndexKeepsThePreviousStepAndTheNextS
     ASSERT_TRUE(
         saveCheckpoint((fs::path(dir_) / shardFileName(2, r)).string(), {{"emb.weight", junk.view}}, {}));
   std::ofstream(fs::path(dir_) / (shardFileName(2, 1) + ".tmp.999")) << "partial";
+  std::ofstream(fs::path(dir_) / (std::string(kShardedIndexFile) + ".tmp.999")) << "{\"partial";
 
   auto ck = ShardedCheckpoint::open(dir_);
   ASSERT_TRUE(ck) << ck.status().message();
