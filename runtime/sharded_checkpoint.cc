@@ -62,15 +62,28 @@ Status checkTiling(const std::string& what, const std::vector<int64_t>& shape,
           b.extent[d] > shape[d] - b.offset[d])
         return Status::errorf("{}: the piece {} at offset {} of extent {} lies outside the shape {}", what,
                               b.where, dimsText(b.offset), dimsText(b.extent), dimsText(shape));
-    covered += *volume(b.extent);  // inside the shape, so no overflow
+    // Each piece is inside the shape; only overlapping ones can make the sum overflow.
+    if (__builtin_add_overflow(covered, *volume(b.extent), &covered)) covered = UINT64_MAX;
   }
-  // Pairwise: a tensor has at most a few pieces per rank.
+  // Pairs of non-empty pieces, swept along dim 0: only pieces whose row ranges meet are
+  // compared, so the many pieces of a row-wise table cost little.
+  std::vector<size_t> order;
   for (size_t i = 0; i < boxes.size(); ++i)
-    for (size_t j = i + 1; j < boxes.size(); ++j)
-      if (overlaps(boxes[i], boxes[j]))
-        return Status::errorf("{}: the pieces {} (offset {}) and {} (offset {}) overlap", what,
-                              boxes[i].where, dimsText(boxes[i].offset), boxes[j].where,
-                              dimsText(boxes[j].offset));
+    if (*volume(boxes[i].extent) > 0) order.push_back(i);
+  if (!shape.empty())
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return boxes[a].offset[0] < boxes[b].offset[0]; });
+  for (size_t x = 0; x < order.size(); ++x)
+    for (size_t y = x + 1; y < order.size(); ++y) {
+      const Box& first = boxes[order[x]];
+      if (!shape.empty() && boxes[order[y]].offset[0] >= first.offset[0] + first.extent[0]) break;
+      // Named in their listed order.
+      const Box& a = boxes[std::min(order[x], order[y])];
+      const Box& b = boxes[std::max(order[x], order[y])];
+      if (overlaps(a, b))
+        return Status::errorf("{}: the pieces {} (offset {}) and {} (offset {}) overlap", what, a.where,
+                              dimsText(a.offset), b.where, dimsText(b.offset));
+    }
   if (covered != *total)
     return Status::errorf("{}: the pieces cover {} of its {} elements (a gap)", what, covered, *total);
   return Status::ok();

@@ -166,7 +166,7 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   if (!options.checkpoint_path.empty()) {
     std::filesystem::path path = options.checkpoint_path;
     std::error_code ec;
-    if (runtime::ShardedCheckpoint::isShardedDir(path.string())) {
+    if (std::filesystem::is_regular_file(path / runtime::kShardedIndexFile, ec)) {
       // Merged in memory: about the size of its shard files together.
       uintmax_t size = 0;
       for (const auto& entry : std::filesystem::directory_iterator(path, ec)) {

@@ -276,6 +276,44 @@ TEST_F(ShardedCheckpointTest, RankWithSeveralPiecesOfOneTensor) {
   EXPECT_TRUE(sameBytes(*part, extract(emb, {2, 2}, {6, 3})));
 }
 
+TEST_F(ShardedCheckpointTest, LargeRunsAndManyPieces) {
+  // Rows of 16.8 MB, read straight into place rather than through the batching buffer.
+  const int64_t cols = 4200000;
+  ir::HostTensor big(ir::DType::f32, {2, cols});
+  for (int64_t i = 0; i < big.numel(); ++i) big.as<float>()[i] = static_cast<float>(i % 1000003);
+  ir::HostTensor row0 = extract(big, {0, 0}, {1, cols}), row1 = extract(big, {1, 0}, {1, cols});
+  // And a table of 1000 one-row pieces, all on one rank (the tiling check must stay cheap).
+  ir::HostTensor rows(ir::DType::i32, {1000, 3});
+  for (int64_t i = 0; i < rows.numel(); ++i) rows.as<int32_t>()[i] = static_cast<int32_t>(i * 7);
+  std::vector<ir::HostTensor> row_pieces;
+  for (int64_t r = 0; r < 1000; ++r) row_pieces.push_back(extract(rows, {r, 0}, {1, 3}));
+  std::vector<std::vector<LocalPiece>> pieces = {{{"big", {2, cols}, {0, 0}, row0.view}},
+                                                 {{"big", {2, cols}, {1, 0}, row1.view}}};
+  for (int64_t r = 0; r < 1000; ++r)
+    pieces[1].push_back({"rows", {1000, 3}, {r, 0}, row_pieces[static_cast<size_t>(r)].view});
+  comm::LocalGroup group(2);
+  ASSERT_TRUE(group.run([&](comm::Communicator& c) {
+    return saveShardedCheckpoint(c, dir_, 1, pieces[static_cast<size_t>(c.rank())], {});
+  }));
+  auto ck = ShardedCheckpoint::open(dir_);
+  ASSERT_TRUE(ck) << ck.status().message();
+  auto whole = ck->loadSlice("big", {0, 0}, {2, cols});
+  ASSERT_TRUE(whole);
+  EXPECT_TRUE(sameBytes(*whole, big));
+  auto cut = ck->loadSlice("big", {0, 1000}, {2, cols - 1000});
+  ASSERT_TRUE(cut);
+  for (int64_t r = 0; r < 2; ++r)
+    EXPECT_EQ(std::memcmp(cut->as<float>() + r * (cols - 1000), big.as<float>() + r * cols + 1000,
+                          static_cast<size_t>(cols - 1000) * 4),
+              0);
+  auto all_rows = ck->loadSlice("rows", {0, 0}, {1000, 3});
+  ASSERT_TRUE(all_rows);
+  EXPECT_TRUE(sameBytes(*all_rows, rows));
+  auto column = ck->loadSlice("rows", {100, 2}, {500, 1});
+  ASSERT_TRUE(column);
+  EXPECT_TRUE(sameBytes(*column, extract(rows, {100, 2}, {500, 1})));
+}
+
 TEST_F(ShardedCheckpointTest, CrashBeforeTheIndexKeepsThePreviousStepAndTheNextSaveCleansUp) {
   const auto globals = makeGlobals();
   ASSERT_TRUE(save(globals, Layout::row_wise, 2, dir_, 1));
