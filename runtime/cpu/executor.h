@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "codegen/program.h"
+#include "ir/collective.h"
 #include "ir/ir.h"
 #include "ir/tensor_view.h"
 #include "runtime/cpu/thread_pool.h"
@@ -27,6 +28,9 @@ struct ExecutorOptions {
   bool use_fast_kernels = true;   // false: every op through its reference hook
   bool poison_arena = false;      // fill the arena with kPoison first (tests, debugging)
   bool profile = false;           // time every launch (kiln train --profile)
+  // This rank's group for the collective ops (ir/collective.h; comm::CommunicatorRankGroup);
+  // null runs one rank. Not owned; it must outlive the executor's runs.
+  ir::RankGroup* ranks = nullptr;
 };
 
 // Time spent in one op over all runs of a program (ExecutorOptions::profile).
