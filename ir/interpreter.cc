@@ -12,8 +12,9 @@ namespace {
 
 class Interpreter {
  public:
-  Interpreter(const Function& f, std::map<std::string, HostTensor>& tensors, const SymbolBindings& symbols)
-      : f_(f), tensors_(tensors), symbols_(symbols) {}
+  Interpreter(const Function& f, std::map<std::string, HostTensor>& tensors, const SymbolBindings& symbols,
+              const InterpretOptions& options)
+      : f_(f), tensors_(tensors), symbols_(symbols), options_(options) {}
 
   Expected<std::vector<HostTensor>> run() {
     std::vector<const TensorView*> returned;
@@ -117,6 +118,7 @@ class Interpreter {
       if (def->cpu) {
         CpuContext ctx;
         ctx.symbols = &symbols_;
+        ctx.ranks = options_.ranks;
         Status s = def->cpu(op, operands, results, ctx);
         if (!s) return located(op, s);
       } else if (!op.regions().empty() && !op.regions().front()->empty()) {
@@ -155,6 +157,7 @@ class Interpreter {
   const Function& f_;
   std::map<std::string, HostTensor>& tensors_;
   const SymbolBindings& symbols_;
+  InterpretOptions options_;
   std::unordered_map<const Value*, const TensorView*> env_;
   std::vector<std::unique_ptr<HostTensor>> owned_;
   std::unordered_map<const Value*, size_t> owner_;  // value -> its buffer in owned_
@@ -165,15 +168,16 @@ class Interpreter {
 
 Expected<std::vector<HostTensor>> interpretInPlace(const Function& f,
                                                    std::map<std::string, HostTensor>& tensors,
-                                                   const SymbolBindings& symbols) {
-  return Interpreter(f, tensors, symbols).run();
+                                                   const SymbolBindings& symbols,
+                                                   const InterpretOptions& options) {
+  return Interpreter(f, tensors, symbols, options).run();
 }
 
 Expected<std::vector<HostTensor>> interpret(
     const Function& f, const std::map<std::string, HostTensor>& inputs_and_params_by_name,
-    const SymbolBindings& symbols) {
+    const SymbolBindings& symbols, const InterpretOptions& options) {
   std::map<std::string, HostTensor> copies = inputs_and_params_by_name;
-  return interpretInPlace(f, copies, symbols);
+  return interpretInPlace(f, copies, symbols, options);
 }
 
 }  // namespace kiln::ir

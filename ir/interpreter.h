@@ -20,15 +20,24 @@
 
 namespace kiln::ir {
 
+class RankGroup;
+
+struct InterpretOptions {
+  // This rank's group, for the collective ops (ir/collective.h): running one function on N
+  // threads, each with its rank's group, computes the collectives for real. Null: one rank.
+  RankGroup* ranks = nullptr;
+};
+
 // Runs `f` on copies of the given tensors and returns the operands of its func.return.
 Expected<std::vector<HostTensor>> interpret(
     const Function& f, const std::map<std::string, HostTensor>& inputs_and_params_by_name,
-    const SymbolBindings& symbols);
+    const SymbolBindings& symbols, const InterpretOptions& options = {});
 
 // Same, but sources see the caller's tensors themselves, so side-effecting ops (optimizer
 // updates, trait kSideEffect) update parameters and optimizer state in `tensors` in place.
 Expected<std::vector<HostTensor>> interpretInPlace(const Function& f,
                                                    std::map<std::string, HostTensor>& tensors,
-                                                   const SymbolBindings& symbols);
+                                                   const SymbolBindings& symbols,
+                                                   const InterpretOptions& options = {});
 
 }  // namespace kiln::ir

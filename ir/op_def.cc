@@ -19,6 +19,7 @@ OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerEmbeddingOps(*this);
   registerLossOps(*this);
   registerOptimizerOps(*this);
+  registerCollectiveOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {

@@ -21,6 +21,7 @@
 namespace kiln::ir {
 
 class Builder;
+class RankGroup;
 
 // Op traits, a bit set.
 enum OpTrait : uint32_t {
@@ -48,6 +49,8 @@ struct AttrSpec {
 struct OpCost {
   double flops = 0;
   double bytes = 0;  // bytes read plus bytes written
+  // Collectives: bytes this rank sends over its links (ring algorithms); 0 for local ops.
+  double comm_bytes = 0;
 };
 
 // Autodiff: given gradients of an op's results (nullptr where a result has no gradient), the
@@ -63,6 +66,9 @@ struct GradContext {
 struct CpuContext {
   const SymbolBindings* symbols = nullptr;
   int num_threads = 1;
+  // The ranks a collective op runs over (ir/collective.h); null: a single rank, on which a
+  // collective of ranks = 1 is the identity.
+  RankGroup* ranks = nullptr;
 };
 
 using InferFn = Status (*)(const Op& op, std::vector<TensorType>& result_types);
@@ -124,6 +130,8 @@ void registerReduceOps(OpRegistry& r);       // ops/reduce.cc: reduce, softmax, 
 void registerEmbeddingOps(OpRegistry& r);    // ops/embedding.cc
 void registerLossOps(OpRegistry& r);         // ops/loss.cc
 void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_update, embedding_bag_update
+void registerCollectiveOps(
+    OpRegistry& r);  // ops/collective.cc: all_reduce, reduce_scatter, all_gather, all_to_all, all_to_all_v
 
 // The operands `op` writes in place: none for ops without kSideEffect; the op's `written` hook
 // (an optimizer update writes its parameter and state, not its gradient or lr); else all.

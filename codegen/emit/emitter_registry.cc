@@ -100,6 +100,13 @@ void registerNoKernelOps(EmitterRegistry& r) {
   r.addNoKernel(ir::OpCode::Return, runs_without, "a terminator: its operands are the Program's results");
   r.addNoKernel(ir::OpCode::Yield, runs_without, "a terminator: its operands are the fused op's results");
   r.addNoKernel(ir::OpCode::Fused, runs_without, "its region is lowered by the fused emitter of its kind");
+  // Collectives move data between ranks through the communicator (NCCL on GPUs), issued by the
+  // runtime on a communication stream; there is no kernel to generate.
+  for (ir::OpCode op : {ir::OpCode::AllReduce, ir::OpCode::ReduceScatter, ir::OpCode::AllGather,
+                        ir::OpCode::AllToAll, ir::OpCode::AllToAllV})
+    r.addNoKernel(op, NoKernel::kNotLowered,
+                  "a collective: it runs through the communicator (NCCL), not a generated kernel; the "
+                  "CUDA backend does not issue collectives yet");
   r.addNoKernel(ir::OpCode::Pad, NoKernel::kNotLowered,
                 "slice's adjoint has no CUDA lowering yet: a step that pads fails to lower (the CPU "
                 "backend runs it)");

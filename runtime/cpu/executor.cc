@@ -131,7 +131,7 @@ Expected<std::vector<ir::HostTensor>> CpuExecutor::run(const Batch& batch, Param
   KILN_RETURN_IF_ERROR(bindSources(batch, params));
   fast_launches_ = reference_launches_ = 0;
   ++runs_;
-  ir::CpuContext ref_ctx{&program_.symbols, pool_->numThreads()};
+  ir::CpuContext ref_ctx{&program_.symbols, pool_->numThreads(), options_.ranks};
   KernelContext fast_ctx{pool_.get(), &program_.symbols};
   std::vector<const ir::TensorView*> operands;
   std::vector<ir::TensorView*> results;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "codegen/program.h"
+#include "ir/collective.h"
 #include "ir/ir.h"
 #include "ir/tensor_view.h"
 #include "runtime/cpu/thread_pool.h"
@@ -33,6 +34,9 @@ struct ExecutorOptions {
   // readings --profile sums.
   Tracer* tracer = nullptr;
   int rank = 0;  // the trace's pid
+  // This rank's group for the collective ops (ir/collective.h; comm::CommunicatorRankGroup);
+  // null runs one rank. Not owned; it must outlive the executor's runs.
+  ir::RankGroup* ranks = nullptr;
 };
 
 // Time spent in one op over all runs of a program (ExecutorOptions::profile).

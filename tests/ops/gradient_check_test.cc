@@ -192,6 +192,18 @@ std::vector<GradCase> gradCases() {
                attrs({{"reduction", A("sum")}}),
                {},
                {1}});
+  // Collectives on one rank (the identity); tests/collectives/ checks them on 1 to 4 ranks.
+  const AttrDict one_rank = attrs({{"ranks", A(int64_t{1})}});
+  c.push_back({"AllReduceOneRank", "kiln.all_reduce", {uniform({2, 3})}, one_rank});
+  c.push_back({"ReduceScatterOneRank", "kiln.reduce_scatter", {uniform({2, 3})}, one_rank});
+  c.push_back({"AllGatherOneRank", "kiln.all_gather", {uniform({2, 3})}, one_rank});
+  c.push_back({"AllToAllOneRank", "kiln.all_to_all", {uniform({2, 3})}, one_rank});
+  c.push_back({"AllToAllVOneRank",
+               "kiln.all_to_all_v",
+               {uniform({3, 2}), i64({1}, {3})},
+               one_rank,
+               {TensorType(DType::f64, {Dim::bounded(Dim::fixed(3)), Dim::fixed(2)}),
+                TensorType(DType::i64, {Dim::fixed(1)})}});
   return c;
 }
 

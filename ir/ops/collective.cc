@@ -1,0 +1,431 @@
+// Collectives over a group of `ranks` ranks: the communication the shard pass inserts.
+//
+//   kiln.all_reduce(x)             {ranks, group}        every rank gets the sum of every rank's x
+//   kiln.reduce_scatter(x)         {ranks, group, axis}  x's `axis` splits into `ranks` equal
+//                                                        segments; rank r gets the sum of every
+//                                                        rank's r-th segment
+//   kiln.all_gather(x)             {ranks, group, axis}  every rank's x, concatenated in rank
+//                                                        order along `axis`
+//   kiln.all_to_all(x)             {ranks, group}        dim 0 splits into `ranks` equal
+//                                                        segments; segment p goes to rank p, and
+//                                                        result segment p comes from rank p
+//   kiln.all_to_all_v(x, send_counts: i64[N]) -> (rows, recv_counts: i64[N])   {ranks, group}
+//                                  variable splits: the first send_counts[p] rows of x go to
+//                                  rank p, the next to p + 1, ...; `rows` holds what arrives,
+//                                  packed in peer order, recv_counts[p] of them from p. The
+//                                  counts are known only at run time, so `rows` has a stated
+//                                  type whose dim 0 is bounded (`?(cap)`: more arriving is a
+//                                  run-time error) or exact.
+// `group` names the ranks; only "world" (all of them) runs today, sub-groups (a node's GPUs for
+// table_row_wise) come with the plans that need them.
+//
+// Gradients, under the convention of data-parallel training: the loss is every rank's loss
+// summed, L = sum_r L_r, and each rank holds the gradient of L with respect to its own values.
+// Then all_reduce(sum) -> all_reduce(sum) of the gradient; all_gather <-> reduce_scatter (same
+// axis); all_to_all -> all_to_all; all_to_all_v -> all_to_all_v of the rows' gradient with the
+// send and receive counts swapped (the rows go back where they came from).
+//
+// Costs: bytes on the wire per rank for the ring algorithms NCCL and MPI use on large messages,
+// with B the bytes of the full (unsplit) tensor: all_reduce 2(N-1)/N * B; reduce_scatter and
+// all_gather (N-1)/N * B; all_to_all (N-1)/N * B. all_to_all_v counts its operand at its bound
+// and assumes rows spread evenly over the peers.
+#include "ir/collective.h"
+
+#include <cstring>
+#include <numeric>
+
+#include "ir/builder.h"
+#include "ir/op_def.h"
+#include "ir/ops/grad_util.h"
+#include "ir/ops/kernel_util.h"
+
+namespace kiln::ir {
+namespace {
+
+using namespace kernels;
+using CpuOperands = std::vector<const TensorView*>;
+using CpuResults = std::vector<TensorView*>;
+
+int64_t ranksOf(const Op& op) { return op.intAttr("ranks", 1); }
+
+bool hasAxis(const Op& op) { return op.isAnyOf(OpCode::ReduceScatter, OpCode::AllGather); }
+
+// Sums need an arithmetic type the communicators add (comm::fromIrDType): not i1 or fp8.
+bool summable(DType t) {
+  return t == DType::f32 || t == DType::f16 || t == DType::bf16 || t == DType::f64 || isInteger(t);
+}
+bool movable(DType t) { return summable(t) || t == DType::i1; }
+
+Status checkGroup(const Op& op) {
+  if (ranksOf(op) < 1) return Status::errorf("'{}' needs ranks >= 1, got {}", op.name(), ranksOf(op));
+  if (op.strAttr("group", "world").empty()) return Status::errorf("'{}' has an empty group name", op.name());
+  return Status::ok();
+}
+
+// Equal splits need a size every rank agrees on at compile time.
+Status checkNoBoundedDims(const Op& op, const TensorType& t) {
+  if (t.hasBoundedDims())
+    return Status::errorf(
+        "'{}' splits or sums {} evenly across ranks, so it cannot have a data-dependent "
+        "dimension (kiln.all_to_all_v takes one)",
+        op.name(), t.str());
+  return Status::ok();
+}
+
+// The dim `d` (axis `axis` of t) split into n equal parts.
+Expected<Dim> dividedDim(const Op& op, const TensorType& t, int64_t axis, int64_t n) {
+  const Dim& d = t.dim(axis);
+  if (d.factor() % n != 0)
+    return Status::errorf("'{}' splits dim {} of {} ({}) into {} equal parts, but {} does not divide by {}",
+                          op.name(), axis, t.str(), d.str(), n, d.str(), n);
+  return d.isStatic() ? Dim::fixed(d.size() / n) : Dim::symbol(d.sym(), d.factor() / n);
+}
+
+Expected<int64_t> axisOf(const Op& op, const TensorType& t) {
+  if (t.rank() == 0) return Status::errorf("'{}' needs an operand of rank >= 1, got {}", op.name(), t.str());
+  return normalizeAxis(op, hasAxis(op) ? op.intAttr("axis", 0) : 0, t.rank());
+}
+
+Status inferCollective(const Op& op, std::vector<TensorType>& out) {
+  KILN_RETURN_IF_ERROR(checkGroup(op));
+  const TensorType& x = op.operand(0)->type();
+  const int64_t n = ranksOf(op);
+  const bool sums = op.isAnyOf(OpCode::AllReduce, OpCode::ReduceScatter);
+  if (sums ? !summable(x.dtype()) : !movable(x.dtype()))
+    return Status::errorf("'{}' has no {} for element type {}", op.name(), sums ? "sum" : "transfer",
+                          dtypeName(x.dtype()));
+  KILN_RETURN_IF_ERROR(checkNoBoundedDims(op, x));
+  if (op.is(OpCode::AllReduce)) {
+    out = {x.withSharding(std::nullopt)};
+    return Status::ok();
+  }
+  KILN_ASSIGN_OR_RETURN(int64_t axis, axisOf(op, x));
+  Shape shape = x.shape();
+  if (op.is(OpCode::AllGather)) {
+    shape[static_cast<size_t>(axis)] = x.dim(axis).times(n);
+  } else {
+    // reduce_scatter gets one segment; all_to_all swaps equal segments and keeps the shape.
+    KILN_ASSIGN_OR_RETURN(Dim part, dividedDim(op, x, axis, n));
+    if (op.is(OpCode::ReduceScatter)) shape[static_cast<size_t>(axis)] = part;
+  }
+  out = {TensorType(x.dtype(), std::move(shape))};
+  return Status::ok();
+}
+
+// all_to_all_v states its result types: the rows (dim 0 bounded or exact, the rest as the
+// operand's) and the counts received, i64[ranks].
+Status verifyAllToAllV(const Op& op) {
+  KILN_RETURN_IF_ERROR(checkGroup(op));
+  const int64_t n = ranksOf(op);
+  const TensorType& x = op.operand(0)->type();
+  const TensorType& counts = op.operand(1)->type();
+  if (x.rank() == 0) return Status::errorf("'{}' needs rows of rank >= 1, got {}", op.name(), x.str());
+  if (!movable(x.dtype()))
+    return Status::errorf("'{}' has no transfer for element type {}", op.name(), dtypeName(x.dtype()));
+  if (counts.rank() != 1 || !isInteger(counts.dtype()) || !counts.dim(0).isStatic() ||
+      counts.dim(0).size() != n)
+    return Status::errorf("'{}' send counts must be an integer tensor of {} elements (one per rank), got {}",
+                          op.name(), n, counts.str());
+  const TensorType& rows = op.result(0)->type();
+  const TensorType& recv = op.result(1)->type();
+  bool same_row_shape = rows.dtype() == x.dtype() && rows.rank() == x.rank();
+  for (int64_t i = 1; same_row_shape && i < x.rank(); ++i) same_row_shape = rows.dim(i) == x.dim(i);
+  if (!same_row_shape)
+    return Status::errorf("'{}' result rows {} must have the element type and row shape of the operand {}",
+                          op.name(), rows.str(), x.str());
+  for (int64_t i = 1; i < x.rank(); ++i)
+    if (x.dim(i).isBounded())
+      return Status::errorf("'{}' rows {} may have a data-dependent size in dim 0 only", op.name(), x.str());
+  const TensorType want_recv(DType::i64, {Dim::fixed(n)});
+  if (!(recv.withSharding(std::nullopt) == want_recv))
+    return Status::errorf("'{}' receive counts must be {}, got {}", op.name(), want_recv.str(), recv.str());
+  return Status::ok();
+}
+
+// ---- Costs ------------------------------------------------------------------------------------
+
+OpCost costCollective(const Op& op, const SymbolBindings& symbols) {
+  OpCost c;
+  c.bytes = operandAndResultBytes(op, symbols);
+  const double n = static_cast<double>(ranksOf(op));
+  const double share = (n - 1) / n;
+  // The full tensor: the operand, except for all_gather whose result is the full one.
+  const double full =
+      typeBytes(op.is(OpCode::AllGather) ? op.result()->type() : op.operand(0)->type(), symbols);
+  c.comm_bytes = (op.is(OpCode::AllReduce) ? 2 * share : share) * full;
+  // A ring's reduce-scatter phase adds (N-1)/N of the elements on each rank.
+  if (op.isAnyOf(OpCode::AllReduce, OpCode::ReduceScatter))
+    c.flops = share * typeElements(op.operand(0)->type(), symbols);
+  return c;
+}
+
+// ---- Gradients --------------------------------------------------------------------------------
+
+AttrDict groupAttrs(const Op& op) {
+  AttrDict a{{"ranks", Attribute(ranksOf(op))}, {"group", Attribute(op.strAttr("group", "world"))}};
+  if (hasAxis(op)) a["axis"] = Attribute(op.intAttr("axis", 0));
+  return a;
+}
+
+Status gradCollective(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* dy = ctx.result_grads.empty() ? nullptr : ctx.result_grads[0];
+  if (!dy || !isFloat(op.operand(0)->type().dtype())) return Status::ok();
+  OpCode adjoint = op.opcode();
+  if (op.is(OpCode::AllGather)) adjoint = OpCode::ReduceScatter;
+  if (op.is(OpCode::ReduceScatter)) adjoint = OpCode::AllGather;
+  KILN_GRAD_VALUE(dx, ctx.builder.createValue(adjoint, {dy}, groupAttrs(op)));
+  ctx.operand_grads[0] = dx;
+  return Status::ok();
+}
+
+// The rows go back to the ranks they came from: each rank sends what it received from each peer
+// (the forward's receive counts) and gets back what it sent (its send counts).
+Status gradAllToAllV(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* dy = ctx.result_grads.empty() ? nullptr : ctx.result_grads[0];
+  if (!dy || !isFloat(op.operand(0)->type().dtype())) return Status::ok();
+  const TensorType counts(DType::i64, {Dim::fixed(ranksOf(op))});
+  auto back =
+      ctx.builder.createWithTypes(OpCode::AllToAllV, {dy, op.result(1)},
+                                  {op.operand(0)->type().withSharding(std::nullopt), counts}, groupAttrs(op));
+  if (!back) return back.status();
+  ctx.operand_grads[0] = (*back)->result(0);
+  return Status::ok();
+}
+
+// ---- CPU reference ----------------------------------------------------------------------------
+
+// The group the op runs over; null for a single rank without one (the identity).
+Expected<RankGroup*> groupOf(const Op& op, const CpuContext& ctx) {
+  const std::string group = op.strAttr("group", "world");
+  if (group != "world")
+    return Status::errorf("'{}' runs over rank group '{}', but only \"world\" runs yet", op.name(), group);
+  const int64_t n = ranksOf(op);
+  if (!ctx.ranks) {
+    if (n == 1) return static_cast<RankGroup*>(nullptr);
+    return Status::errorf("'{}' runs over {} ranks, but it was run without a rank group (a single rank)",
+                          op.name(), n);
+  }
+  if (ctx.ranks->size() != n)
+    return Status::errorf("'{}' runs over {} ranks, but its rank group has {}", op.name(), n,
+                          ctx.ranks->size());
+  return ctx.ranks;
+}
+
+// A tensor as [outer, d, inner] around `axis`, in elements.
+struct AxisSplit {
+  int64_t outer = 1, d = 1, inner = 1;
+};
+AxisSplit splitAt(const std::vector<int64_t>& shape, int64_t axis) {
+  AxisSplit s;
+  for (int64_t i = 0; i < static_cast<int64_t>(shape.size()); ++i) {
+    const int64_t e = shape[static_cast<size_t>(i)];
+    if (i < axis)
+      s.outer *= e;
+    else if (i == axis)
+      s.d = e;
+    else
+      s.inner *= e;
+  }
+  return s;
+}
+
+Status cpuAllReduce(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext& ctx) {
+  KILN_ASSIGN_OR_RETURN(RankGroup * g, groupOf(op, ctx));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], in[0]->shape));
+  if (!g) {
+    std::memcpy(out[0]->data, in[0]->data, static_cast<size_t>(in[0]->bytes()));
+    return Status::ok();
+  }
+  return g->allReduceSum(in[0]->data, out[0]->data, in[0]->numel(), in[0]->dtype);
+}
+
+Status cpuAllToAll(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext& ctx) {
+  KILN_ASSIGN_OR_RETURN(RankGroup * g, groupOf(op, ctx));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], in[0]->shape));
+  if (!g) {
+    std::memcpy(out[0]->data, in[0]->data, static_cast<size_t>(in[0]->bytes()));
+    return Status::ok();
+  }
+  // Dim 0 is outermost, so the segments are contiguous.
+  return g->allToAll(in[0]->data, out[0]->data, in[0]->numel() / g->size(), in[0]->dtype);
+}
+
+Status cpuReduceScatter(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext& ctx) {
+  KILN_ASSIGN_OR_RETURN(RankGroup * g, groupOf(op, ctx));
+  const TensorView& x = *in[0];
+  const int64_t axis = op.intAttr("axis", 0) < 0 ? op.intAttr("axis", 0) + x.rank() : op.intAttr("axis", 0);
+  const int64_t n = ranksOf(op);
+  const AxisSplit s = splitAt(x.shape, axis);
+  std::vector<int64_t> shape = x.shape;
+  shape[static_cast<size_t>(axis)] = s.d / n;
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], shape));
+  if (!g) {
+    std::memcpy(out[0]->data, x.data, static_cast<size_t>(x.bytes()));
+    return Status::ok();
+  }
+  if (s.outer == 1) return g->reduceScatterSum(x.data, out[0]->data, out[0]->numel(), x.dtype);
+  // Pack rank p's segment of every outer slice together: [n][outer][d / n][inner].
+  const size_t chunk = static_cast<size_t>(s.d / n * s.inner * dtypeBytes(x.dtype));
+  std::vector<unsigned char> packed(static_cast<size_t>(x.bytes()));
+  const auto* src = static_cast<const unsigned char*>(x.data);
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t o = 0; o < s.outer; ++o)
+      std::memcpy(packed.data() + static_cast<size_t>(p * s.outer + o) * chunk,
+                  src + static_cast<size_t>(o * n + p) * chunk, chunk);
+  return g->reduceScatterSum(packed.data(), out[0]->data, out[0]->numel(), x.dtype);
+}
+
+Status cpuAllGather(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext& ctx) {
+  KILN_ASSIGN_OR_RETURN(RankGroup * g, groupOf(op, ctx));
+  const TensorView& x = *in[0];
+  const int64_t axis = op.intAttr("axis", 0) < 0 ? op.intAttr("axis", 0) + x.rank() : op.intAttr("axis", 0);
+  const int64_t n = ranksOf(op);
+  const AxisSplit s = splitAt(x.shape, axis);
+  std::vector<int64_t> shape = x.shape;
+  shape[static_cast<size_t>(axis)] = s.d * n;
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], shape));
+  if (!g) {
+    std::memcpy(out[0]->data, x.data, static_cast<size_t>(x.bytes()));
+    return Status::ok();
+  }
+  if (s.outer == 1) return g->allGather(x.data, out[0]->data, x.numel(), x.dtype);
+  // Received as [n][outer][d][inner]; the result is [outer][n * d][inner].
+  std::vector<unsigned char> recv(static_cast<size_t>(x.bytes() * n));
+  KILN_RETURN_IF_ERROR(g->allGather(x.data, recv.data(), x.numel(), x.dtype));
+  const size_t chunk = static_cast<size_t>(s.d * s.inner * dtypeBytes(x.dtype));
+  auto* dst = static_cast<unsigned char*>(out[0]->data);
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t o = 0; o < s.outer; ++o)
+      std::memcpy(dst + static_cast<size_t>(o * n + p) * chunk,
+                  recv.data() + static_cast<size_t>(p * s.outer + o) * chunk, chunk);
+  return Status::ok();
+}
+
+Status cpuAllToAllV(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext& ctx) {
+  KILN_ASSIGN_OR_RETURN(RankGroup * g, groupOf(op, ctx));
+  const TensorView& x = *in[0];
+  const int64_t n = ranksOf(op);
+  const int64_t row_elems = splitAt(x.shape, 0).inner;
+  std::vector<int64_t> send_rows;
+  int64_t total_send = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t c = loadIndex(*in[1], p);
+    if (c < 0) return Status::errorf("'{}' send count {} for rank {} is negative", op.name(), c, p);
+    send_rows.push_back(c);
+    total_send += c;
+  }
+  if (total_send != x.shape[0])
+    return Status::errorf("'{}' send counts add up to {} rows but the operand has {}", op.name(), total_send,
+                          x.shape[0]);
+  std::vector<int64_t> recv_rows = send_rows;
+  if (g) {
+    KILN_ASSIGN_OR_RETURN(recv_rows, g->exchangeCounts(send_rows));
+  }
+  const int64_t total_recv = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+  TensorView& rows = *out[0];
+  const Dim& rows_dim = op.result(0)->type().dim(0);
+  const int64_t capacity = rows.shape[0];
+  if (rows_dim.isBounded() ? total_recv > capacity : total_recv != capacity) {
+    const int me = g ? g->rank() : 0;
+    return Status::errorf(
+        "'{}' on rank {} receives {} rows ({} from each rank in order) but its result {} holds {}{}",
+        op.name(), me, total_recv, shapeString(recv_rows), op.result(0)->type().str(),
+        rows_dim.isBounded() ? "at most " : "exactly ", capacity);
+  }
+  std::vector<int64_t> shape = x.shape;
+  shape[0] = total_recv;
+  KILN_RETURN_IF_ERROR(setResultShape(op, rows, shape));
+  auto* recv_counts = static_cast<int64_t*>(out[1]->data);
+  for (int64_t p = 0; p < n; ++p) recv_counts[p] = recv_rows[static_cast<size_t>(p)];
+  if (!g) {
+    std::memcpy(rows.data, x.data, static_cast<size_t>(x.bytes()));
+    return Status::ok();
+  }
+  std::vector<int64_t> send_elems, recv_elems;
+  for (int64_t p = 0; p < n; ++p) {
+    send_elems.push_back(send_rows[static_cast<size_t>(p)] * row_elems);
+    recv_elems.push_back(recv_rows[static_cast<size_t>(p)] * row_elems);
+  }
+  return g->allToAllV(x.data, send_elems, rows.data, recv_elems, capacity * row_elems, x.dtype);
+}
+
+}  // namespace
+
+bool isCollective(const Op& op) {
+  return op.isAnyOf(OpCode::AllReduce, OpCode::ReduceScatter, OpCode::AllGather, OpCode::AllToAll,
+                    OpCode::AllToAllV);
+}
+
+double collectiveSeconds(const Op& op, const SymbolBindings& symbols, const Target& target, LinkScope scope) {
+  if (!isCollective(op) || !op.def() || !op.def()->cost) return 0;
+  const int64_t n = ranksOf(op);
+  if (n <= 1) return 0;
+  const LinkRates& link = scope == LinkScope::intra_node ? target.intra_node : target.inter_node;
+  const double steps = static_cast<double>(op.is(OpCode::AllReduce) ? 2 * (n - 1) : n - 1);
+  const double wire = op.def()->cost(op, symbols).comm_bytes;
+  return steps * link.latency_s + (link.bytes_per_s > 0 ? wire / link.bytes_per_s : 0);
+}
+
+void registerCollectiveOps(OpRegistry& r) {
+  using K = Attribute::Kind;
+  const AttrSpec ranks{"ranks", K::Int, true};
+  const AttrSpec group{"group", K::String, false, Attribute("world")};
+  const AttrSpec axis{"axis", K::Int, false, Attribute(int64_t{0})};
+
+  r.add({.name = "kiln.all_reduce",
+         .summary = "Sum over the ranks of a group; every rank gets the sum",
+         .min_operands = 1,
+         .max_operands = 1,
+         .attrs = {ranks, group},
+         .infer = inferCollective,
+         .cost = costCollective,
+         .grad = gradCollective,
+         .cpu = cpuAllReduce});
+
+  r.add({.name = "kiln.reduce_scatter",
+         .summary = "Sum over the ranks, each rank keeping its equal segment along `axis`",
+         .min_operands = 1,
+         .max_operands = 1,
+         .attrs = {ranks, group, axis},
+         .infer = inferCollective,
+         .cost = costCollective,
+         .grad = gradCollective,
+         .cpu = cpuReduceScatter});
+
+  r.add({.name = "kiln.all_gather",
+         .summary = "Every rank's tensor, concatenated in rank order along `axis`",
+         .min_operands = 1,
+         .max_operands = 1,
+         .attrs = {ranks, group, axis},
+         .infer = inferCollective,
+         .cost = costCollective,
+         .grad = gradCollective,
+         .cpu = cpuAllGather});
+
+  r.add({.name = "kiln.all_to_all",
+         .summary = "Equal splits of dim 0 exchanged: segment p goes to rank p",
+         .min_operands = 1,
+         .max_operands = 1,
+         .attrs = {ranks, group},
+         .infer = inferCollective,
+         .cost = costCollective,
+         .grad = gradCollective,
+         .cpu = cpuAllToAll});
+
+  r.add({.name = "kiln.all_to_all_v",
+         .summary =
+             "Rows exchanged by per-peer counts known at run time; gives the rows and the counts received",
+         .min_operands = 2,
+         .max_operands = 2,
+         .num_results = 2,
+         .attrs = {ranks, group},
+         .traits = kTypeGiven,
+         .verify = verifyAllToAllV,
+         .cost = costCollective,
+         .grad = gradAllToAllV,
+         .cpu = cpuAllToAllV});
+}
+
+}  // namespace kiln::ir
