@@ -165,10 +165,12 @@ TEST(CpuExecutor, TracesEveryLaunchOnItsStream) {
     EXPECT_GE(e.dur_us, 0);
   }
   EXPECT_EQ(got_set, want_set);
-  for (size_t i = 1; i < events.size(); ++i)
-    if (events[i].track == events[i - 1].track)
+  for (size_t i = 1; i < events.size(); ++i) {
+    if (events[i].track == events[i - 1].track) {
       EXPECT_GE(events[i].ts_us, events[i - 1].ts_us + events[i - 1].dur_us)
           << "one thread: launches do not overlap";
+    }
+  }
   int64_t profiled = 0;
   for (const auto& [name, t] : ex->profile()) profiled += t.launches;
   EXPECT_EQ(profiled, static_cast<int64_t>(2 * want.size()));
