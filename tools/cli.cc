@@ -192,4 +192,35 @@ void printError(const std::string& command, const Status& status) {
     std::fprintf(stderr, "kiln %s: error: %s\n", command.c_str(), status.message().c_str());
 }
 
+int runSubcommands(const std::string& group, const std::vector<Command>& subcommands,
+                   const std::vector<std::string>& args) {
+  std::string usage = fmt::format("usage: kiln {} SUBCOMMAND [ARGS...]\n\nsubcommands:\n", group);
+  for (const Command& c : subcommands) usage += fmt::format("  {:<10} {}\n", c.name, c.summary);
+  usage += fmt::format("\nRun 'kiln {} SUBCOMMAND --help' for its flags.\n", group);
+  if (args.empty()) {
+    std::fputs(usage.c_str(), stderr);
+    return kExitUsage;
+  }
+  if (args[0] == "--help" || args[0] == "-h") {
+    std::fputs(usage.c_str(), stdout);
+    return kExitOk;
+  }
+  for (const Command& c : subcommands)
+    if (args[0] == c.name) return c.run(std::vector<std::string>(args.begin() + 1, args.end()));
+  std::fprintf(stderr, "kiln %s: error: unknown subcommand '%s' (see 'kiln %s --help')\n", group.c_str(),
+               args[0].c_str(), group.c_str());
+  return kExitUsage;
+}
+
+std::vector<std::string> expandOutputShorthand(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "-o" && i + 1 < args.size())
+      out.push_back("--output=" + args[++i]);
+    else
+      out.push_back(args[i]);
+  }
+  return out;
+}
+
 }  // namespace kiln::cli

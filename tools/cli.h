@@ -86,4 +86,12 @@ struct Command {
   int (*run)(const std::vector<std::string>& args);
 };
 
+// `kiln GROUP SUBCOMMAND ...` (kiln data convert, kiln checkpoint merge): help, usage errors and
+// the dispatch to `subcommands`, listed with their summaries in the help.
+int runSubcommands(const std::string& group, const std::vector<Command>& subcommands,
+                   const std::vector<std::string>& args);
+
+// `-o X` as `--output=X`, for the commands that write one output file.
+std::vector<std::string> expandOutputShorthand(const std::vector<std::string>& args);
+
 }  // namespace kiln::cli

@@ -16,13 +16,7 @@ int runMerge(const std::vector<std::string>& raw_args) {
               "atomically: a temporary file, then a rename).");
   p.setPositionals("DIR", 1, 1, "a sharded checkpoint directory (with checkpoint.index.json)");
   p.addOption("output", "OUT", "the safetensors file to write (also -o OUT)");
-  std::vector<std::string> args;
-  for (size_t i = 0; i < raw_args.size(); ++i) {
-    if (raw_args[i] == "-o" && i + 1 < raw_args.size())
-      args.push_back("--output=" + raw_args[++i]);
-    else
-      args.push_back(raw_args[i]);
-  }
+  std::vector<std::string> args = expandOutputShorthand(raw_args);
   int code;
   if (!p.parse(args, &code)) return code;
   if (!p.has("output")) return p.usageError("-o OUT.safetensors is required");
@@ -55,24 +49,8 @@ int runMerge(const std::vector<std::string>& raw_args) {
 }  // namespace
 
 int runCheckpoint(const std::vector<std::string>& args) {
-  const char* usage =
-      "usage: kiln checkpoint SUBCOMMAND [ARGS...]\n\n"
-      "subcommands:\n"
-      "  merge      Join a sharded checkpoint into one safetensors file\n\n"
-      "Run 'kiln checkpoint SUBCOMMAND --help' for its flags.\n";
-  if (args.empty()) {
-    std::fputs(usage, stderr);
-    return kExitUsage;
-  }
-  if (args[0] == "--help" || args[0] == "-h") {
-    std::fputs(usage, stdout);
-    return kExitOk;
-  }
-  std::vector<std::string> rest(args.begin() + 1, args.end());
-  if (args[0] == "merge") return runMerge(rest);
-  std::fprintf(stderr, "kiln checkpoint: error: unknown subcommand '%s' (see 'kiln checkpoint --help')\n",
-               args[0].c_str());
-  return kExitUsage;
+  return runSubcommands("checkpoint",
+                        {{"merge", "Join a sharded checkpoint into one safetensors file", runMerge}}, args);
 }
 
 }  // namespace kiln::cli

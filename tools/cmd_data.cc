@@ -107,25 +107,11 @@ int runInfo(const std::vector<std::string>& args) {
 }  // namespace
 
 int runData(const std::vector<std::string>& args) {
-  const char* usage =
-      "usage: kiln data SUBCOMMAND [ARGS...]\n\n"
-      "subcommands:\n"
-      "  convert    Convert Criteo TSV files into one Kiln binary data file\n"
-      "  info       Check data files as training reads them and print their record counts\n\n"
-      "Run 'kiln data SUBCOMMAND --help' for its flags.\n";
-  if (args.empty()) {
-    std::fputs(usage, stderr);
-    return kExitUsage;
-  }
-  if (args[0] == "--help" || args[0] == "-h") {
-    std::fputs(usage, stdout);
-    return kExitOk;
-  }
-  std::vector<std::string> rest(args.begin() + 1, args.end());
-  if (args[0] == "convert") return runConvert(rest);
-  if (args[0] == "info") return runInfo(rest);
-  std::fprintf(stderr, "kiln data: error: unknown subcommand '%s' (see 'kiln data --help')\n", args[0].c_str());
-  return kExitUsage;
+  return runSubcommands(
+      "data",
+      {{"convert", "Convert Criteo TSV files into one Kiln binary data file", runConvert},
+       {"info", "Check data files as training reads them and print their record counts", runInfo}},
+      args);
 }
 
 }  // namespace kiln::cli

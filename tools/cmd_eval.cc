@@ -92,13 +92,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
               "--strict it is an error instead), so line k of the output belongs to line k of the input\n"
               "(the files taken in order) and the two join back by line.");
   p.addOption("output", "OUT", "write the scores to OUT instead of stdout (also -o OUT)");
-  std::vector<std::string> args;
-  for (size_t i = 0; i < raw_args.size(); ++i) {
-    if (raw_args[i] == "-o" && i + 1 < raw_args.size())
-      args.push_back("--output=" + raw_args[++i]);
-    else
-      args.push_back(raw_args[i]);
-  }
+  std::vector<std::string> args = expandOutputShorthand(raw_args);
   EvalSetup setup;
   if (int code = setUp("predict", p, args, setup); code >= 0) return code;
   std::string out_path = p.get("output");
