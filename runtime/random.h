@@ -4,10 +4,19 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
 namespace kiln::runtime {
+
+// FNV-1a, 64 bits: parameter names here, the binary data header's checksum, the first block of a
+// data file that resume compares (runtime/run_inputs.h).
+inline uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull) {
+  const unsigned char* p = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
+  return h;
+}
 
 inline uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -18,9 +27,7 @@ inline uint64_t splitmix64(uint64_t x) {
 
 // FNV-1a of the name, mixed with the run's seed.
 inline uint64_t parameterSeed(uint64_t run_seed, std::string_view name) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
-  return splitmix64(splitmix64(run_seed) ^ h);
+  return splitmix64(splitmix64(run_seed) ^ fnv1a64(name.data(), name.size()));
 }
 
 class CounterRng {

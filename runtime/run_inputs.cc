@@ -63,15 +63,6 @@ std::string fileText(const DataFileId& f) {
 
 }  // namespace
 
-uint64_t fnv1a64(const void* data, size_t n, uint64_t h) {
-  const unsigned char* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
 Expected<RunInputs> RunInputs::describe(const std::string& model, uint64_t seed, int64_t batch,
                                         const std::vector<std::string>& data) {
   RunInputs r;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ir/status.h"
+#include "runtime/random.h"  // fnv1a64
 
 namespace kiln::runtime {
 
@@ -50,8 +51,5 @@ std::vector<std::string> compareRunInputs(const RunInputs& saved, const RunInput
 // Whether both read the same data: the synthetic stream, or files equal in size and first block,
 // in the same order. A saved data position is valid only then.
 bool sameData(const RunInputs& a, const RunInputs& b);
-
-// FNV-1a, 64 bits.
-uint64_t fnv1a64(const void* data, size_t n, uint64_t h = 0xcbf29ce484222325ull);
 
 }  // namespace kiln::runtime

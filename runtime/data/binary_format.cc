@@ -9,17 +9,13 @@
 #include <cmath>
 #include <cstring>
 
+#include "runtime/random.h"
+
 namespace kiln::data {
 
 static_assert(std::endian::native == std::endian::little, "the binary format is little-endian; add byte swaps");
 
 namespace {
-
-uint64_t fnv1a(const unsigned char* p, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 0x100000001b3ull;
-  return h;
-}
 
 template <typename T>
 void put(unsigned char* p, T v) {
@@ -42,7 +38,7 @@ void encodeHeader(int64_t records, unsigned char* h) {
   put<uint32_t>(h + 24, kNumSparse);
   put<uint32_t>(h + 28, 0);
   put<uint64_t>(h + 32, static_cast<uint64_t>(records));
-  put<uint64_t>(h + 40, fnv1a(h, 40));
+  put<uint64_t>(h + 40, runtime::fnv1a64(h, 40));
 }
 
 Expected<int64_t> fileSize(std::FILE* fp, const std::string& path) {
@@ -62,7 +58,8 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
   if (std::fread(h, 1, kBinaryHeaderBytes, fp) != static_cast<size_t>(kBinaryHeaderBytes))
     return Status::errorf("cannot read '{}': {}", path, std::strerror(errno));
   if (std::memcmp(h, kBinaryMagic, 8) != 0) return Status::errorf("'{}': not a Kiln binary data file (bad magic)", path);
-  if (take<uint64_t>(h + 40) != fnv1a(h, 40)) return Status::errorf("'{}': corrupt header (checksum mismatch)", path);
+  if (take<uint64_t>(h + 40) != runtime::fnv1a64(h, 40))
+    return Status::errorf("'{}': corrupt header (checksum mismatch)", path);
   if (uint32_t v = take<uint32_t>(h + 8); v != kBinaryVersion)
     return Status::errorf("'{}': binary data version {} is not supported (this build reads version {})", path, v, kBinaryVersion);
   if (take<uint32_t>(h + 12) != kBinaryHeaderBytes || take<uint32_t>(h + 16) != kBinaryRecordBytes ||
