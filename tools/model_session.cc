@@ -271,6 +271,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),
                                      limit.source == "--memory-limit" ? ", or raise --memory-limit" : ""));
+  if (options.comm) s->rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
   ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
   if (s->cuda_) KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));
@@ -288,6 +289,7 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   eo.threads = options_.threads;
   eo.profile = options_.profile;
   eo.tracer = options_.tracer;
+  eo.ranks = rank_group_.get();
   KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
   runtime::cpu::CpuExecutor* raw = exec.get();
   executors_[key] = std::move(exec);
@@ -345,6 +347,65 @@ runtime::ParameterStore& ModelSession::params() {
   }
   if (cuda_) host_touched_ = true;
   return params_;
+}
+
+int ModelSession::rank() const { return options_.comm ? options_.comm->rank() : 0; }
+int ModelSession::ranks() const { return options_.comm ? options_.comm->size() : 1; }
+
+namespace {
+
+// The kiln.parameter op that declares `name` (the training step's, else the forward pass's).
+const ir::Op* parameterOp(const ir::Module& m, std::string_view name) {
+  for (const char* fn : {"train_step", "forward"}) {
+    const ir::Function* f = m.lookup(fn);
+    if (!f) continue;
+    for (const auto& op : f->entry().ops())
+      if (op->is(ir::OpCode::Parameter) && op->strAttr("name") == name) return op.get();
+  }
+  return nullptr;
+}
+
+std::vector<int64_t> intsAttr(const ir::Op& op, const char* key) {
+  std::vector<int64_t> v;
+  if (const ir::Attribute* a = op.attr(key); a && a->isArray())
+    for (const ir::Attribute& e : a->asArray()) v.push_back(e.asInt());
+  return v;
+}
+
+}  // namespace
+
+std::vector<runtime::LocalPiece> ModelSession::localPieces() {
+  runtime::ParameterStore& store = params();
+  std::vector<runtime::LocalPiece> pieces;
+  for (const std::string& name : store.names()) {
+    ir::HostTensor* t = store.find(name);
+    runtime::LocalPiece p;
+    p.name = name;
+    p.view = t->view;
+    const ir::Op* op = parameterOp(*module_, name);
+    // A shard of a global tensor (the shard pass's `global_shape` and `offset`), else the whole
+    // tensor: replicated when several ranks hold it.
+    p.global_shape = op ? intsAttr(*op, "global_shape") : std::vector<int64_t>{};
+    p.offset = op ? intsAttr(*op, "offset") : std::vector<int64_t>{};
+    if (p.global_shape.empty()) {
+      p.global_shape = t->view.shape;
+      p.offset.assign(t->view.shape.size(), 0);
+      p.replicated = ranks() > 1;
+    }
+    pieces.push_back(std::move(p));
+  }
+  return pieces;
+}
+
+Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
+  for (runtime::LocalPiece& p : localPieces()) {
+    if (!ckpt.find(p.name))
+      return Status::errorf("checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
+                            ckpt.dir(), p.name);
+    KILN_RETURN_IF_ERROR(ckpt.readSlice(p.name, p.offset, p.view));
+  }
+  host_touched_ = cuda_ != nullptr;
+  return Status::ok();
 }
 
 StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std::string, float>>& scalars) {

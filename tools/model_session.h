@@ -15,11 +15,13 @@
 #include "ir/ir.h"
 #include "ir/target.h"
 #include "passes/pass_manager.h"
+#include "runtime/comm/rank_group.h"
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/data/batch.h"
 #include "runtime/memory.h"
 #include "runtime/parameter_store.h"
+#include "runtime/sharded_checkpoint.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
@@ -55,6 +57,13 @@ struct SessionOptions {
   // records (owned by the caller, outliving the session).
   runtime::Tracer* tracer = nullptr;
   passes::PassManagerOptions pass_options;
+
+  // Many ranks (kiln train --ranks N, mpirun -np N kiln train): this rank's communicator, owned by
+  // the caller; nullptr = one rank. `batch` is then this rank's share of the global batch.
+  comm::Communicator* comm = nullptr;
+  // The sharding plan (kiln train --plan plan.json); "" = the automatic plan.
+  std::string plan_path;
+  int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
 };
 
 // The flags every command that compiles a model shares: --set, --threads, --seed,
@@ -127,6 +136,16 @@ class ModelSession {
   // Names of the tensors a checkpoint holds: every parameter and optimizer state.
   std::vector<std::string> checkpointNames() const { return params_.names(); }
 
+  // This rank and the group size (0 and 1 without SessionOptions::comm).
+  int rank() const;
+  int ranks() const;
+  // What this rank holds of every global tensor (parameters and optimizer states), as the
+  // sharded checkpoint writer takes them: a shard's global name, shape and offset, or a
+  // replicated whole tensor. The views point into params().
+  std::vector<runtime::LocalPiece> localPieces();
+  // Loads this rank's pieces from a sharded checkpoint written under any rank count or plan.
+  Status loadPieces(const runtime::ShardedCheckpoint& ckpt);
+
   // With SessionOptions::profile: where the CPU time of `function`'s runs went, one line per op
   // (launches and ms per run, share of the total, fast kernel or reference), slowest first.
   std::string profileTable(const std::string& function) const;
@@ -145,6 +164,7 @@ class ModelSession {
   const ir::AttrDict* train_ = nullptr;
   std::vector<std::string> outputs_;  // names of @forward's results
   runtime::ParameterStore params_;
+  std::unique_ptr<comm::CommunicatorRankGroup> rank_group_;  // with SessionOptions::comm
   data::BatchSpec train_spec_, forward_spec_;
   std::map<std::pair<std::string, int64_t>, std::unique_ptr<runtime::cpu::CpuExecutor>> executors_;
   // --device cuda: the GPU, its executors, and which copy of the parameters is newer.

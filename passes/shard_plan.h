@@ -1,0 +1,89 @@
+// Sharding plans: where each embedding table of a model lives on N ranks, and how its lookups
+// travel. The shard pass (passes/shard.cc) rewrites the training step from one; `kiln plan`
+// prints one and writes it as plan.json; `kiln train --plan plan.json` reads it back. Without a
+// plan file the greedy planner (autoPlan) chooses one over the shared cost model.
+//
+// The sharding types (TorchRec's names):
+//   data_parallel   every rank holds the whole table; the row gradients of the global batch
+//                   reach every rank (all_gather) and every replica applies the same update.
+//   table_wise      one rank holds the whole table; the others send it their ids.
+//   row_wise        the rows split in contiguous blocks over `ranks` (block = ceil(rows / k));
+//                   ids go to the owner of their row, partial pools come back summed.
+//   column_wise     the dim splits into equal shards, shard j on ranks[j] (ascending); every
+//                   shard holder gets every id and returns its columns.
+//   table_row_wise  row_wise over the ranks of one node (`ranks` lie in one node group of
+//                   ranks_per_node): the rows stay on fast intra-node links.
+// Dense parameters are always data-parallel (gradients all-reduced in buckets).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "ir/ir.h"
+#include "ir/status.h"
+#include "ir/target.h"
+
+namespace kiln::passes {
+
+enum class ShardingType { data_parallel, table_wise, row_wise, column_wise, table_row_wise };
+
+std::string_view shardingName(ShardingType t);
+// "data_parallel" ... "table_row_wise"; nullopt for anything else.
+std::optional<ShardingType> parseShardingType(std::string_view name);
+// "data_parallel, table_wise, row_wise, column_wise, table_row_wise", for error messages.
+std::string_view shardingNames();
+
+// One piece of a table on one rank: rows [row_begin, row_end) and columns [col_begin, col_end)
+// of the global [rows, dim] table. A data_parallel table has one full piece per rank.
+struct TableShard {
+  int rank = 0;
+  int64_t row_begin = 0, row_end = 0;
+  int64_t col_begin = 0, col_end = 0;
+  int64_t rows() const { return row_end - row_begin; }
+  int64_t cols() const { return col_end - col_begin; }
+};
+
+// What the planner and the shard pass know of one embedding table of a module.
+struct TableInfo {
+  std::string name;                     // the kiln.parameter's name, e.g. "tables.3"
+  int64_t rows = 0, dim = 0;
+  ir::DType dtype = ir::DType::f32;
+  int64_t state_bytes_per_row = 0;      // its sparse optimizer's state (rowwise_adagrad: 4)
+  double lookups_per_sample = 1;        // ids per sample (the hotness, or max_hotness)
+  std::optional<ShardingType> pinned;   // embeddings(..., shard = row_wise) in the model
+  int64_t bytesPerRow() const;          // weights plus optimizer state
+};
+
+// The embedding tables of a module (the embedding parameters of @train_step, else @forward), in
+// parameter order.
+Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m);
+
+struct TablePlan {
+  std::string table;
+  ShardingType type = ShardingType::data_parallel;
+  std::vector<int> ranks;           // ascending; data_parallel: all ranks
+  std::vector<TableShard> shards;   // filled by layoutShards
+  std::string reason;               // why the planner chose this ("" for a plan file's entry)
+};
+
+struct ShardPlan {
+  int ranks = 1;
+  int ranks_per_node = 0;           // 0: all ranks on one node
+  std::vector<TablePlan> tables;    // one per table of the module, in module order
+  const TablePlan* find(std::string_view table) const;
+};
+
+// The pieces of `t` over its ranks for a table of `info`'s size: row_wise and table_row_wise
+// in contiguous blocks of ceil(rows / k) rows (the last may be shorter, or empty), column_wise
+// in k equal column shards, table_wise one piece, data_parallel one full piece per rank.
+std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info);
+
+// Checks `plan` against the module's tables and fills in every TablePlan's shards: each table
+// planned once, ranks in [0, plan.ranks), the right number of ranks for the type, a column split
+// that divides the dim, table_row_wise ranks inside one node group. Errors name the table.
+Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables);
+
+}  // namespace kiln::passes
