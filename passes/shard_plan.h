@@ -67,12 +67,14 @@ struct TablePlan {
   std::vector<int> ranks;           // ascending; data_parallel: all ranks
   std::vector<TableShard> shards;   // filled by layoutShards
   std::string reason;               // why the planner chose this ("" for a plan file's entry)
+  Location loc;                     // the plan file's entry, for completePlan's errors
 };
 
 struct ShardPlan {
   int ranks = 1;
   int ranks_per_node = 0;           // 0: all ranks on one node
   std::vector<TablePlan> tables;    // one per table of the module, in module order
+  Location loc;                     // the plan file (its "tables" list), for a missing table
   const TablePlan* find(std::string_view table) const;
 };
 
@@ -84,6 +86,12 @@ std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info);
 // Checks `plan` against the module's tables and fills in every TablePlan's shards: each table
 // planned once, ranks in [0, plan.ranks), the right number of ranks for the type, a column split
 // that divides the dim, table_row_wise ranks inside one node group. Errors name the table.
+// Errors carry the entry's `loc` when it has one (a plan file's), the plan's for a missing table.
+// Reorders plan.tables into module order.
 Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables);
+
+// One entry's checks of completePlan (rank count for the type, ranks in range, column split),
+// normalizing its ranks (sorted; data_parallel with none: all ranks). Unlocated.
+Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_per_node);
 
 }  // namespace kiln::passes

@@ -1,0 +1,231 @@
+#include "passes/shard_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+namespace kiln::passes {
+namespace {
+
+constexpr std::string_view kNames[] = {"data_parallel", "table_wise", "row_wise", "column_wise",
+                                       "table_row_wise"};
+
+// The sparse input feeding `op`'s ids, looking through the single-operand ops (casts, reshapes)
+// that may stand between them.
+const ir::Op* idsInput(const ir::Op& bag) {
+  if (bag.numOperands() < 2) return nullptr;
+  const ir::Op* d = bag.operand(1)->definingOp();
+  for (int depth = 0; d && depth < 8; ++depth) {
+    if (d->is(ir::OpCode::Input)) return d;
+    if (d->numOperands() != 1) return nullptr;
+    d = d->operand(0)->definingOp();
+  }
+  return nullptr;
+}
+
+Status errAt(std::string msg, const Location& loc) { return Status::error(std::move(msg), loc); }
+
+}  // namespace
+
+std::string_view shardingName(ShardingType t) { return kNames[static_cast<int>(t)]; }
+
+std::optional<ShardingType> parseShardingType(std::string_view name) {
+  for (size_t i = 0; i < std::size(kNames); ++i)
+    if (kNames[i] == name) return static_cast<ShardingType>(i);
+  return std::nullopt;
+}
+
+std::string_view shardingNames() {
+  return "data_parallel, table_wise, row_wise, column_wise, table_row_wise";
+}
+
+int64_t TableInfo::bytesPerRow() const { return dim * ir::dtypeBytes(dtype) + state_bytes_per_row; }
+
+const TablePlan* ShardPlan::find(std::string_view table) const {
+  for (const auto& t : tables)
+    if (t.table == table) return &t;
+  return nullptr;
+}
+
+Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
+  const ir::Function* f = m.lookup("train_step");
+  if (!f) f = m.lookup("forward");
+  if (!f) return Status::error("the module has neither @train_step nor @forward");
+  std::vector<TableInfo> out;
+  std::map<std::string, size_t, std::less<>> index;
+  std::vector<const ir::Op*> states, bags;
+  for (const auto& up : f->entry().ops()) {
+    const ir::Op& op = *up;
+    if (op.is(ir::OpCode::EmbeddingBag)) bags.push_back(&op);
+    if (!op.is(ir::OpCode::Parameter)) continue;
+    if (op.hasAttr("state_of")) {
+      states.push_back(&op);
+      continue;
+    }
+    if (!op.boolAttr("embedding")) continue;
+    const ir::TensorType& t = op.result()->type();
+    TableInfo info;
+    info.name = op.strAttr("name");
+    if (t.rank() != 2 || !t.isStatic())
+      return Status::error(
+          fmt::format("embedding table '{}' must be a static [rows, dim] tensor, got {}", info.name, t.str()),
+          op.location());
+    info.rows = t.dim(0).size();
+    info.dim = t.dim(1).size();
+    info.dtype = t.dtype();
+    if (op.hasAttr("shard")) {
+      std::string s = op.strAttr("shard");
+      info.pinned = parseShardingType(s);
+      if (!info.pinned)
+        return Status::error(fmt::format("embedding table '{}': unknown sharding '{}' (use {})", info.name, s,
+                                         shardingNames()),
+                             op.location());
+    }
+    index[info.name] = out.size();
+    out.push_back(std::move(info));
+  }
+  for (const ir::Op* s : states) {
+    auto it = index.find(s->strAttr("state_of"));
+    if (it == index.end()) continue;  // a dense parameter's state
+    TableInfo& info = out[it->second];
+    auto bytes = s->result()->type().bytes({});
+    if (!bytes)
+      return Status::error(
+          fmt::format("the state '{}' of '{}' is not static", s->strAttr("name"), info.name));
+    info.state_bytes_per_row += *bytes / info.rows;
+  }
+  for (const ir::Op* bag : bags) {
+    auto it = index.find(bag->strAttr("table"));
+    if (it == index.end()) continue;
+    TableInfo& info = out[it->second];
+    if (const ir::Op* in = idsInput(*bag)) {
+      if (in->hasAttr("hotness"))
+        info.lookups_per_sample = static_cast<double>(in->intAttr("hotness"));
+      else if (in->hasAttr("max_hotness"))
+        info.lookups_per_sample = static_cast<double>(in->intAttr("max_hotness"));
+    } else {
+      const ir::TensorType& ids = bag->operand(1)->type();
+      if (ids.rank() == 2 && ids.dim(1).isStatic())
+        info.lookups_per_sample = static_cast<double>(ids.dim(1).size());
+    }
+  }
+  return out;
+}
+
+std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info) {
+  std::vector<TableShard> out;
+  const int64_t k = static_cast<int64_t>(t.ranks.size());
+  if (k == 0) return out;
+  switch (t.type) {
+    case ShardingType::data_parallel:
+      for (int r : t.ranks) out.push_back({r, 0, info.rows, 0, info.dim});
+      break;
+    case ShardingType::table_wise:
+      out.push_back({t.ranks[0], 0, info.rows, 0, info.dim});
+      break;
+    case ShardingType::row_wise:
+    case ShardingType::table_row_wise: {
+      const int64_t block = (info.rows + k - 1) / k;
+      for (int64_t j = 0; j < k; ++j) {
+        int64_t b = std::min(j * block, info.rows), e = std::min((j + 1) * block, info.rows);
+        out.push_back({t.ranks[static_cast<size_t>(j)], b, e, 0, info.dim});
+      }
+      break;
+    }
+    case ShardingType::column_wise: {
+      const int64_t w = info.dim / k;
+      for (int64_t j = 0; j < k; ++j)
+        out.push_back({t.ranks[static_cast<size_t>(j)], 0, info.rows, j * w, (j + 1) * w});
+      break;
+    }
+  }
+  return out;
+}
+
+Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_per_node) {
+  for (int r : t.ranks)
+    if (r < 0 || r >= ranks)
+      return Status::error(fmt::format("table '{}': rank {} is out of range [0, {})", t.table, r, ranks));
+  std::sort(t.ranks.begin(), t.ranks.end());
+  if (std::adjacent_find(t.ranks.begin(), t.ranks.end()) != t.ranks.end())
+    return Status::error(fmt::format("table '{}': rank {} is listed twice", t.table,
+                                     *std::adjacent_find(t.ranks.begin(), t.ranks.end())));
+  const int k = static_cast<int>(t.ranks.size());
+  switch (t.type) {
+    case ShardingType::data_parallel:
+      if (k != 0 && k != ranks)
+        return Status::error(
+            fmt::format("table '{}': data_parallel runs on all {} ranks, got {}", t.table, ranks, k));
+      t.ranks.clear();
+      for (int r = 0; r < ranks; ++r) t.ranks.push_back(r);
+      break;
+    case ShardingType::table_wise:
+      if (k != 1)
+        return Status::error(fmt::format("table '{}': table_wise needs exactly 1 rank, got {}", t.table, k));
+      break;
+    case ShardingType::row_wise:
+      if (k < 1) return Status::error(fmt::format("table '{}': row_wise needs at least 1 rank", t.table));
+      break;
+    case ShardingType::column_wise:
+      if (k < 1) return Status::error(fmt::format("table '{}': column_wise needs at least 1 rank", t.table));
+      if (info.dim % k != 0)
+        return Status::error(fmt::format("table '{}': column_wise over {} ranks does not divide its dim {}",
+                                         t.table, k, info.dim));
+      break;
+    case ShardingType::table_row_wise: {
+      if (k < 1)
+        return Status::error(fmt::format("table '{}': table_row_wise needs at least 1 rank", t.table));
+      if (ranks_per_node > 0) {
+        int node = t.ranks.front() / ranks_per_node;
+        for (int r : t.ranks)
+          if (r / ranks_per_node != node)
+            return Status::error(
+                fmt::format("table '{}': table_row_wise ranks must lie in one node of {} ranks; "
+                            "rank {} is on node {}, rank {} on node {}",
+                            t.table, ranks_per_node, t.ranks.front(), node, r, r / ranks_per_node));
+      }
+      break;
+    }
+  }
+  return Status::ok();
+}
+
+Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables) {
+  if (plan.ranks < 1) return errAt(fmt::format("a plan needs at least 1 rank, got {}", plan.ranks), plan.loc);
+  if (plan.ranks_per_node < 0)
+    return errAt(fmt::format("ranks_per_node must be 0 or positive, got {}", plan.ranks_per_node), plan.loc);
+  std::map<std::string, size_t, std::less<>> index;
+  for (size_t i = 0; i < tables.size(); ++i) index[tables[i].name] = i;
+  std::vector<int> entry_of(tables.size(), -1);
+  for (size_t e = 0; e < plan.tables.size(); ++e) {
+    TablePlan& t = plan.tables[e];
+    auto it = index.find(t.table);
+    if (it == index.end()) {
+      std::string known;
+      for (size_t i = 0; i < tables.size() && i < 8; ++i) known += (i ? ", " : "") + tables[i].name;
+      if (tables.size() > 8) known += ", ...";
+      return errAt(fmt::format("unknown table '{}' (the model's tables: {})", t.table, known), t.loc);
+    }
+    if (entry_of[it->second] >= 0) {
+      const Location& first = plan.tables[static_cast<size_t>(entry_of[it->second])].loc;
+      return errAt(fmt::format("table '{}' is planned twice{}", t.table,
+                               first.known() ? fmt::format(" (first at {})", first.str()) : ""),
+                   t.loc);
+    }
+    entry_of[it->second] = static_cast<int>(e);
+    Status s = checkTablePlan(t, tables[it->second], plan.ranks, plan.ranks_per_node);
+    if (!s) return errAt(s.message(), t.loc);
+    t.shards = layoutShards(t, tables[it->second]);
+  }
+  std::vector<TablePlan> ordered;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    if (entry_of[i] < 0) return errAt(fmt::format("the plan misses table '{}'", tables[i].name), plan.loc);
+    ordered.push_back(std::move(plan.tables[static_cast<size_t>(entry_of[i])]));
+  }
+  plan.tables = std::move(ordered);
+  return Status::ok();
+}
+
+}  // namespace kiln::passes
