@@ -3,14 +3,15 @@
 // norms), losses, and the settings records (optimizers, schedules, initializers). Each lowers to
 // existing IR ops; parameters follow docs/model-ir.md: linear weights [out, in] multiplied with
 // transpose_b, biases [out], dotted names.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
 
-#include <fmt/format.h>
-
 #include "frontend/model_lowering.h"
+#include "passes/shard_plan.h"
 
 namespace kiln::frontend {
 namespace {
@@ -492,7 +493,7 @@ Val fnDropout(ModelLowering& L, CallArgs& a) {
 }
 
 Val fnEmbeddings(ModelLowering& L, CallArgs& a) {
-  auto b = L.bindArgs(a, {"rows", "dim", "pool", "dtype", "init", "optimizer", "count", "name"}, 2);
+  auto b = L.bindArgs(a, {"rows", "dim", "pool", "dtype", "init", "optimizer", "count", "name", "shard"}, 2);
   size_t n = 1;
   L.checkNotError(*b.get(0));
   if (b.get(0)->kind == Val::Kind::List) n = b.get(0)->items.size();
@@ -510,6 +511,14 @@ Val fnEmbeddings(ModelLowering& L, CallArgs& a) {
   }
   ir::AttrDict extra{{"embedding", true}};
   if (b.get(5)) extra["optimizer"] = embeddingOptimizerAttr(L, *b.get(5), b.locs[5]);
+  // A sharding pin: the planner (passes/auto_plan.h) keeps this type for every table of the
+  // collection when the model trains on many ranks.
+  if (b.get(8)) {
+    std::string shard = L.wordArg(*b.get(8), b.locs[8], "shard");
+    if (!passes::parseShardingType(shard))
+      L.fail(b.locs[8], fmt::format("unknown sharding '{}' (use {})", shard, passes::shardingNames()));
+    extra["shard"] = shard;
+  }
   std::string name = L.layerName(a, "tables", b.get(7));
   Val out = Val::none();
   out.kind = Val::Kind::Tables;

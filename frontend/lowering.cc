@@ -621,7 +621,11 @@ Val ModelLowering::evalCall(const ast::Expr& e, const std::string& target) {
   args.target = target;
   std::set<std::string> seen;
   for (const ast::Arg& a : e.args) {
-    Val v = eval(*a.value);
+    // `shard = NAME` names a sharding type, not a value: a name the model does not define goes to
+    // the callee as a word, whose check lists the known types.
+    bool shard_word =
+        a.name == "shard" && a.value->kind == ast::Expr::Kind::Name && !frame().vars.count(a.value->text);
+    Val v = shard_word ? Val::word(a.value->text) : eval(*a.value);
     checkNotError(v);
     if (a.name.empty()) {
       args.positional.push_back(std::move(v));

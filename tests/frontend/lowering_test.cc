@@ -104,6 +104,20 @@ TEST(Lowering, SparseInputsAndEmbeddings) {
   EXPECT_NE(text.find("embedding = true"), std::string::npos);
 }
 
+TEST(Lowering, EmbeddingShardPin) {
+  // Every table of the collection carries the pin; a quoted name is the same pin.
+  auto r = lower(
+      "model m {\n dim B\n input c: ids[B, 2]\n input v: ids[B]\n"
+      " t = embeddings(rows = 10, dim = 4, count = 2, shard = column_wise)\n"
+      " u = embeddings(rows = 7, dim = 4, shard = \"table_wise\")\n"
+      " y = concat(t(c), u(v))\n output y\n}\n");
+  ASSERT_TRUE(r.m) << r.diags;
+  std::string text = ir::printModule(*r.m);
+  EXPECT_NE(text.find("name = \"t.0\", shard = \"column_wise\""), std::string::npos) << text;
+  EXPECT_NE(text.find("name = \"t.1\", shard = \"column_wise\""), std::string::npos) << text;
+  EXPECT_NE(text.find("name = \"u.0\", shard = \"table_wise\""), std::string::npos) << text;
+}
+
 TEST(Lowering, DotInteractionShape) {
   // 1 dense + 3 embeddings = 4 features: 4*3/2 = 6 pairs after the 4-wide dense vector.
   auto r = lower("model m {\n dim B\n input d: f32[B, 4]\n input c: ids[B, 3]\n"
