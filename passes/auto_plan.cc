@@ -41,10 +41,13 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   const double ids = 8 * h + 8;  // one sample's ids and its length
   const int k = static_cast<int>(t.ranks.size());
   std::vector<bool> holds(static_cast<size_t>(n), false);
-  for (int r : t.ranks) holds[static_cast<size_t>(r)] = true;
+  // Ranks outside [0, n) (a plan completePlan has not checked) hold nothing here.
+  for (int r : t.ranks)
+    if (r >= 0 && r < n) holds[static_cast<size_t>(r)] = true;
   for (const TableShard& sh : t.shards)
-    out.ranks[static_cast<size_t>(sh.rank)].memory_bytes +=
-        sh.rows() * (sh.cols() * ir::dtypeBytes(info.dtype) + info.state_bytes_per_row);
+    if (sh.rank >= 0 && sh.rank < n)
+      out.ranks[static_cast<size_t>(sh.rank)].memory_bytes +=
+          sh.rows() * (sh.cols() * ir::dtypeBytes(info.dtype) + info.state_bytes_per_row);
   // Lookup bytes on a rank: the forward reads `fwd` rows of `cols` columns, the update reads and
   // writes `upd` rows and their state.
   auto lookups = [&](int r, double fwd, double upd, double cols) {

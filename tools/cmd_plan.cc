@@ -85,7 +85,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
       "as plan.json only with -o / --output. Nothing is allocated: full-size models plan anywhere.");
   p.setPositionals("MODEL.kiln", 1, 1, "the model (it needs a train block)");
   p.addOption("ranks", "N", "the number of ranks");
-  p.addOption("ranks-per-node", "G", "ranks per node (0: all on one node)", "0");
+  p.addOption("ranks-per-node", "G", "ranks per node (default 0: all on one node)");
   p.addOption("memory-per-rank", "BYTES",
               "memory for tables and their state on each rank (80G, 512M, ...; default: unlimited)");
   p.addOption("batch", "B", "the global batch (each rank reads B / N samples)", "4096");
@@ -103,11 +103,13 @@ int runPlan(const std::vector<std::string>& raw_args) {
   if (*ranks < 1 || *ranks > 65536)
     return p.usageError(fmt::format("--ranks must lie in [1, 65536], got {}", *ranks));
   req.ranks = static_cast<int>(*ranks);
-  auto rpn = p.getInt("ranks-per-node");
-  if (!rpn) return kExitUsage;
-  if (*rpn < 0 || *rpn > 65536)
-    return p.usageError(fmt::format("--ranks-per-node must lie in [0, 65536], got {}", *rpn));
-  req.ranks_per_node = static_cast<int>(*rpn);
+  if (p.has("ranks-per-node")) {
+    auto rpn = p.getInt("ranks-per-node");
+    if (!rpn) return kExitUsage;
+    if (*rpn < 0 || *rpn > 65536)
+      return p.usageError(fmt::format("--ranks-per-node must lie in [0, 65536], got {}", *rpn));
+    req.ranks_per_node = static_cast<int>(*rpn);
+  }
   auto batch = p.getInt("batch");
   if (!batch) return kExitUsage;
   if (*batch < req.ranks)
