@@ -280,6 +280,14 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
       return located(update, Status::errorf("table '{}': its update has no lookup of the same ids before it", t.table));
     r = it->second;
   }
+  // A column shard under rowwise_adagrad needs its rows' whole gradient: the row's statistic
+  // spans every column.
+  const bool whole_rows = t.type == ShardingType::column_wise && holders(t) > 1 &&
+                          update.strAttr("optimizer") == "rowwise_adagrad";
+  if (whole_rows && update.floatAttr("weight_decay") != 0)
+    return located(update, Status::errorf("table '{}': column_wise with rowwise_adagrad and weight_decay needs the "
+                                          "other shards' weights; use row_wise or no weight decay",
+                                          t.table));
   KILN_ASSIGN_OR_RETURN(Value * grad, scaled(update.operand(static_cast<unsigned>(l.grad_out))));
   const TensorType& gt = grad->type();
   const Dim batch = gt.dim(0);
@@ -288,11 +296,13 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   if (t.type == ShardingType::data_parallel || returnsByReduceScatter(t)) {
     KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::AllGather, {grad}, groupAxis0()));
   } else {
-    // Back the way the pools came: B rows to each owner (each its columns for column_wise).
+    // Back the way the pools came: B rows to each owner (each its columns for column_wise, or
+    // whole rows where rowwise_adagrad's statistic needs them).
     Value* send = grad;
     const int64_t dim = gt.dim(1).size();
-    const int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
-    if (k > 1 && t.type == ShardingType::column_wise) {
+    int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
+    if (t.type == ShardingType::column_wise && k > 1 && whole_rows) cols = dim;
+    if (k > 1 && t.type == ShardingType::column_wise && !whole_rows) {
       KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {grad},
                                                            {TensorType(gt.dtype(), {batch, Dim::fixed(k), Dim::fixed(cols)})}));
       KILN_ASSIGN_OR_RETURN(Value * across, b_.createValue(OpCode::Transpose, {split->result()},
@@ -327,7 +337,9 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
         operands.push_back(update.operand(i));
       }
     }
-    auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, update.attrs());
+    AttrDict attrs = update.attrs();
+    if (whole_rows) attrs["column_offset"] = Attribute(mine(t)->col_begin);
+    auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, attrs);
     if (!applied) return applied.status();
   }
   update.parentBlock()->erase(&update);
