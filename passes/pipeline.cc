@@ -44,8 +44,9 @@ std::string defaultPipeline(bool training, std::string_view memory_budget, const
   return join(defaultEntries(training, memory_budget, shard), "");
 }
 
-std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget) {
-  return join(defaultEntries(training, memory_budget), pass);
+std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget,
+                         const PassOptions& shard) {
+  return join(defaultEntries(training, memory_budget, shard), pass);
 }
 
 }  // namespace kiln::passes

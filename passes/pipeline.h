@@ -17,6 +17,7 @@ std::string defaultPipeline(bool training, std::string_view memory_budget = "", 
 
 // The default pipeline up to, not including, the first run of `pass` (all of it when the
 // pipeline does not run `pass`): what `kiln dump --explain=fusion` runs before explaining.
-std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget = "");
+std::string pipelineUpTo(bool training, std::string_view pass, std::string_view memory_budget = "",
+                         const PassOptions& shard = {});
 
 }  // namespace kiln::passes

@@ -12,7 +12,7 @@
 
 namespace kiln::passes {
 
-// The pass's options (shard{ranks=4,rank=1,plan=plan.json}).
+// The pass's options (shard{ranks=4 rank=1 plan=plan.json}).
 struct ShardOptions {
   int ranks = 1;
   int rank = 0;
