@@ -1,151 +1,60 @@
 // N ranks train what one rank trains: every sharding type, on in-process ranks (threads of a
-// LocalGroup), against the single-rank run of the same model on the same global batches. Each
-// rank compiles its own program through the shard pass and trains on its slice of every global
-// batch; after the steps every piece a rank holds (parameters and optimizer state) must equal
-// the same region of the single-rank run's tensors, and the mean of the ranks' losses the
-// single-rank loss, within f32 rounding (the sums run in another order).
-#include <gtest/gtest.h>
-
-#include <cmath>
-#include <cstring>
+// LocalGroup), against the single-rank run of the same model on the same global batches
+// (tests/cli/sharded_check.h). One step of every model at N = 2 and 4 compares every parameter
+// and optimizer state; 20 steps compare the loss trajectory.
 #include <mutex>
-#include <sstream>
 
 #include "runtime/comm/local_group.h"
-#include "runtime/data/synthetic.h"
-#include "tools/model_session.h"
+#include "tests/cli/sharded_check.h"
 
-namespace kiln::cli {
+namespace kiln::cli::testing {
 namespace {
 
-struct Model {
-  const char* name;
-  const char* path;
-  frontend::ParamOverrides overrides;
-};
-
-// Every model of models/ at a size one core trains in well under a second per step.
-std::vector<Model> models() {
-  return {
-      {"tiny", "tests/reliability/Inputs/tiny.kiln", {}},
-      {"dlrm", "models/dlrm.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}, {"top", "[16, 1]"}}},
-      {"dlrm_dcnv2", "models/dlrm_dcnv2.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}, {"cross_rank", "8"}, {"top", "[16, 1]"}}},
-      {"dcn", "models/dcn.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}}},
-      {"deepfm", "models/deepfm.kiln", {{"rows_cap", "97"}}},
-      {"wide_deep", "models/wide_deep.kiln", {{"rows_cap", "97"}}},
-  };
-}
-
-SessionOptions options(const Model& m, int64_t batch) {
-  SessionOptions o;
-  o.model_path = std::string(KILN_SOURCE_DIR) + "/" + m.path;
-  o.overrides = m.overrides;
-  o.batch = batch;
-  o.seed = 3;
-  return o;
-}
-
-// Samples [first, first + n) of the training stream.
-data::Batch batchOf(const ModelSession& s, int64_t first, int64_t n) {
-  data::SyntheticGenerator gen(s.trainSpec(), {.seed = 3});
-  data::Batch b;
-  gen.generate(first, n, b);
-  return b;
-}
-
-struct Trajectory {
-  std::vector<double> losses;      // per step: the global batch's loss
-  std::map<std::string, ir::HostTensor> tensors;  // the single-rank run's final tensors
-};
-
-constexpr int64_t kGlobalBatch = 48;
-
-Trajectory singleRank(const Model& m, int steps) {
-  std::ostringstream diag;
-  auto s = ModelSession::create(options(m, kGlobalBatch), diag);
-  EXPECT_TRUE(s) << s.status().str() << diag.str();
-  Trajectory r;
-  if (!s) return r;
-  for (int step = 1; step <= steps; ++step) {
-    auto out = (*s)->trainStep(batchOf(**s, (step - 1) * kGlobalBatch, kGlobalBatch), 1.0, step);
-    EXPECT_TRUE(out) << out.status().str();
-    r.losses.push_back(out ? out->loss : NAN);
-  }
-  for (const std::string& name : (*s)->checkpointNames()) {
-    const ir::HostTensor* t = (*s)->params().find(name);
-    ir::HostTensor copy(t->view.dtype, t->view.shape);
-    std::memcpy(copy.view.data, t->view.data, static_cast<size_t>(t->view.bytes()));
-    r.tensors.emplace(name, std::move(copy));
-  }
-  return r;
-}
-
-// The element of `t` at global position (row, col) of a [rows, cols] or [rows] tensor.
-double at(const ir::HostTensor& t, int64_t row, int64_t col) {
-  const int64_t cols = t.view.shape.size() > 1 ? t.view.shape[1] : 1;
-  return t.as<float>()[row * cols + col];
-}
-
-void expectShardedRunMatches(const Model& m, const std::string& sharding, int ranks, int steps, const Trajectory& want) {
-  SCOPED_TRACE(fmt::format("{} on {} ranks, every table {}", m.name, ranks, sharding));
+// Every rank's losses, averaged per step: the global batch's loss.
+std::vector<double> runRanks(const Model& m, const std::string& sharding, int ranks, int steps,
+                             const Trajectory& want) {
   std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
   std::mutex mu;
   comm::LocalGroup group(ranks);
   Status st = group.run([&](comm::Communicator& c) -> Status {
-    std::ostringstream diag;
-    SessionOptions o = options(m, kGlobalBatch / ranks);
-    o.comm = &c;
-    o.sharding = sharding;
-    KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
-    const int64_t b = kGlobalBatch / ranks;
-    for (int step = 1; step <= steps; ++step) {
-      KILN_ASSIGN_OR_RETURN(auto out, s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
-      losses[static_cast<size_t>(c.rank())].push_back(out.loss);
-    }
+    std::vector<double> mine;
+    Status s = checkRank(c, m, sharding, steps, want, mine);
     std::lock_guard<std::mutex> lock(mu);
-    for (const runtime::LocalPiece& p : s->localPieces()) {
-      auto it = want.tensors.find(p.name);
-      EXPECT_NE(it, want.tensors.end()) << p.name;
-      if (it == want.tensors.end()) continue;
-      const ir::HostTensor& full = it->second;
-      EXPECT_EQ(p.global_shape, full.view.shape) << p.name;
-      const int64_t rows = p.view.shape[0], cols = p.view.shape.size() > 1 ? p.view.shape[1] : 1;
-      int bad = 0;
-      for (int64_t r = 0; r < rows && bad < 3; ++r)
-        for (int64_t col = 0; col < cols && bad < 3; ++col) {
-          const double got = static_cast<const float*>(p.view.data)[r * cols + col];
-          const double ref = at(full, p.offset[0] + r, (p.offset.size() > 1 ? p.offset[1] : 0) + col);
-          if (std::fabs(got - ref) > 2e-5 + 2e-4 * std::fabs(ref)) {
-            ADD_FAILURE() << p.name << " on rank " << c.rank() << " at [" << p.offset[0] + r << ", " << col
-                          << "]: " << got << " vs single-rank " << ref;
-            ++bad;
-          }
-        }
-    }
-    return Status::ok();
+    losses[static_cast<size_t>(c.rank())] = std::move(mine);
+    return s;
   });
-  ASSERT_TRUE(st) << st.str();
-  for (int step = 0; step < steps; ++step) {
-    double mean = 0;
-    for (const auto& l : losses) mean += l[static_cast<size_t>(step)] / ranks;
-    EXPECT_NEAR(mean, want.losses[static_cast<size_t>(step)], 1e-5 + 1e-4 * std::fabs(want.losses[step]))
-        << "step " << step + 1;
-  }
+  EXPECT_TRUE(st) << st.str();
+  std::vector<double> mean(static_cast<size_t>(steps), 0.0);
+  for (const auto& l : losses)
+    for (size_t i = 0; i < l.size() && i < mean.size(); ++i) mean[i] += l[i] / ranks;
+  return mean;
 }
+
+constexpr const char* kShardings[] = {"data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"};
 
 class ShardedStep : public ::testing::TestWithParam<size_t> {};
 
-TEST_P(ShardedStep, EverySharding) {
+TEST_P(ShardedStep, EveryShardingEqualsOneRank) {
   const Model m = models()[GetParam()];
-  const int steps = 3;
-  const Trajectory want = singleRank(m, steps);
-  ASSERT_EQ(want.losses.size(), static_cast<size_t>(steps));
-  for (const char* sharding : {"data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"})
-    for (int ranks : {2, 4}) expectShardedRunMatches(m, sharding, ranks, steps, want);
+  const Trajectory want = singleRank(m, 1);
+  for (const char* sharding : kShardings)
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks, every table {}", m.name, ranks, sharding));
+      expectLossesMatch(runRanks(m, sharding, ranks, 1, want), want);
+    }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, ShardedStep, ::testing::Range<size_t>(0, 6),
+INSTANTIATE_TEST_SUITE_P(Models, ShardedStep, ::testing::Range<size_t>(0, models().size()),
                          [](const auto& info) { return std::string(models()[info.param].name); });
 
+TEST(ShardedTrajectory, TwentyStepsAgree) {
+  const Model m = models()[1];  // dlrm
+  const Trajectory want = singleRank(m, 20);
+  for (const char* sharding : kShardings) {
+    SCOPED_TRACE(fmt::format("{} on 4 ranks, every table {}", m.name, sharding));
+    expectLossesMatch(runRanks(m, sharding, 4, 20, want), want);
+  }
+}
+
 }  // namespace
-}  // namespace kiln::cli
+}  // namespace kiln::cli::testing
