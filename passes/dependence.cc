@@ -4,6 +4,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "ir/collective.h"
 #include "ir/op_def.h"
 
 namespace kiln::passes {
@@ -52,8 +53,15 @@ BlockDependences::BlockDependences(const ir::Block& block) : ops_(block.opList()
       };
   // Per written value: its last writer and the readers since, as positions.
   std::unordered_map<const ir::Value*, int> last_writer;
+  // Every rank issues its collectives in the same order (the n-th of one rank meets the n-th of
+  // the others), and ranks' programs differ: no reordering may swap two of them.
+  int last_collective = -1;
   for (int i = 0; i < n; ++i) {
     ir::Op* op = ops_[static_cast<size_t>(i)];
+    if (ir::isCollective(*op)) {
+      if (last_collective >= 0) addEdge(last_collective, i);
+      last_collective = i;
+    }
     std::vector<ir::Value*> read, written;
     collect(*op, read, written);
     for (ir::Value* v : read) {

@@ -2,6 +2,7 @@
 
 #include <unordered_map>
 
+#include "ir/collective.h"
 #include "ir/op_def.h"
 #include "passes/cost_model.h"
 #include "passes/dependence.h"
@@ -13,6 +14,8 @@ namespace {
 
 using ir::Op;
 using ir::Value;
+
+constexpr int64_t kCommStream = 2;
 
 bool onEmbeddingStream(const Op& op) {
   if (op.is(ir::OpCode::EmbeddingBagUpdate)) return true;
@@ -121,11 +124,17 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
   CostModel cost(target, bound);
   KILN_ASSIGN_OR_RETURN(auto changed, reorderChecked(f, cost, bound));
   bool streams = false;
-  for (const auto& op : f.entry().ops())
-    if (onEmbeddingStream(*op) && op->intAttr("kiln.stream", 0) != 1) {
-      op->setAttr("kiln.stream", ir::Attribute(int64_t{1}));
-      streams = true;
-    }
+  auto place = [&](Op& op, int64_t stream) {
+    if (op.intAttr("kiln.stream", 0) == stream) return;
+    op.setAttr("kiln.stream", ir::Attribute(stream));
+    streams = true;
+  };
+  for (const auto& op : f.entry().ops()) {
+    // Collectives on their own stream (2), in program order, so that a GPU overlaps them with
+    // compute; their operands and users wait on events like any other cross-stream value.
+    if (ir::isCollective(*op)) place(*op, kCommStream);
+    else if (onEmbeddingStream(*op)) place(*op, 1);
+  }
   return changed || streams;
 }
 

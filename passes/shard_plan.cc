@@ -52,7 +52,7 @@ const TablePlan* ShardPlan::find(std::string_view table) const {
 Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
   const ir::Function* f = m.lookup("train_step");
   if (!f) f = m.lookup("forward");
-  if (!f) return Status::error("the module has neither @train_step nor @forward");
+  if (!f || f->body().empty()) return std::vector<TableInfo>{};
   std::vector<TableInfo> out;
   std::map<std::string, size_t, std::less<>> index;
   std::vector<const ir::Op*> states, bags;
@@ -72,8 +72,10 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
       return Status::error(
           fmt::format("embedding table '{}' must be a static [rows, dim] tensor, got {}", info.name, t.str()),
           op.location());
-    info.rows = t.dim(0).size();
-    info.dim = t.dim(1).size();
+    // A shard already (the shard pass ran): its global size.
+    std::vector<int64_t> global = op.intsAttr("global_shape");
+    info.rows = global.size() == 2 ? global[0] : t.dim(0).size();
+    info.dim = global.size() == 2 ? global[1] : t.dim(1).size();
     info.dtype = t.dtype();
     if (op.hasAttr("shard")) {
       std::string s = op.strAttr("shard");
@@ -90,11 +92,11 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
     auto it = index.find(s->strAttr("state_of"));
     if (it == index.end()) continue;  // a dense parameter's state
     TableInfo& info = out[it->second];
-    auto bytes = s->result()->type().bytes({});
-    if (!bytes)
-      return Status::error(
-          fmt::format("the state '{}' of '{}' is not static", s->strAttr("name"), info.name));
-    info.state_bytes_per_row += *bytes / info.rows;
+    // Per row of the state's own first dim (a shard's state has the shard's rows).
+    const ir::TensorType& type = s->result()->type();
+    auto bytes = type.bytes({});
+    if (!bytes || type.rank() < 1 || !type.dim(0).isStatic() || type.dim(0).size() == 0) continue;
+    info.state_bytes_per_row += *bytes / type.dim(0).size();
   }
   for (const ir::Op* bag : bags) {
     auto it = index.find(bag->strAttr("table"));
@@ -194,8 +196,9 @@ Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_
 
 Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables) {
   if (plan.ranks < 1) return errAt(fmt::format("a plan needs at least 1 rank, got {}", plan.ranks), plan.loc);
-  if (plan.ranks_per_node < 0)
-    return errAt(fmt::format("ranks_per_node must be 0 or positive, got {}", plan.ranks_per_node), plan.loc);
+  if (plan.ranks_per_node < 0 || (plan.ranks_per_node > 0 && plan.ranks % plan.ranks_per_node != 0))
+    return errAt(fmt::format("{} ranks do not divide into nodes of {}", plan.ranks, plan.ranks_per_node),
+                 plan.loc);
   std::map<std::string, size_t, std::less<>> index;
   for (size_t i = 0; i < tables.size(); ++i) index[tables[i].name] = i;
   std::vector<int> entry_of(tables.size(), -1);

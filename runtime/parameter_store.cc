@@ -35,7 +35,8 @@ Expected<ParameterInit> ParameterInit::fromOp(const ir::Op& op) {
   return p;
 }
 
-Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool) {
+Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool,
+                        const GlobalPlace* place) {
   ir::DType dt = t.view.dtype;
   if (dt != ir::DType::f32 && dt != ir::DType::f64 && dt != ir::DType::bf16) {
     if (init.kind == "zeros") {
@@ -44,7 +45,10 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
     }
     return Status::errorf("cannot initialize a {} tensor with '{}'", ir::dtypeName(dt), init.kind);
   }
-  const auto& shape = t.view.shape;
+  const auto& local = t.view.shape;
+  if (place && (place->shape.size() != local.size() || place->offset.size() != local.size()))
+    return Status::errorf("a shard of rank {} cannot lie in a tensor of rank {}", local.size(), place->shape.size());
+  const auto& shape = place ? place->shape : local;
   // [out, in, receptive...], as PyTorch computes fans.
   double receptive = 1;
   for (size_t i = 2; i < shape.size(); ++i) receptive *= static_cast<double>(shape[i]);
@@ -68,10 +72,20 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
   }
 
   CounterRng rng(seed);
+  // The global element number of local element i: its draws are the whole tensor's.
+  auto global = [&](int64_t i) -> uint64_t {
+    if (!place) return static_cast<uint64_t>(i);
+    int64_t g = 0, stride = 1;
+    for (size_t d = local.size(); d-- > 0;) {
+      g += (place->offset[d] + i % local[d]) * stride;
+      i /= local[d];
+      stride *= shape[d];
+    }
+    return static_cast<uint64_t>(g);
+  };
   auto fill = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      double v = how == Const ? a : how == Normal ? a + b * rng.normal(static_cast<uint64_t>(i))
-                                                  : a + (b - a) * rng.uniform(static_cast<uint64_t>(i));
+      double v = how == Const ? a : how == Normal ? a + b * rng.normal(global(i)) : a + (b - a) * rng.uniform(global(i));
       if (dt == ir::DType::f32) t.as<float>()[i] = static_cast<float>(v);
       else if (dt == ir::DType::f64) t.as<double>()[i] = v;
       else t.as<uint16_t>()[i] = ir::floatToBf16(static_cast<float>(v));
@@ -177,7 +191,9 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, 
       return;
     }
     ir::HostTensor t(type.dtype(), spec->shape);
-    Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool);
+    GlobalPlace place{op.intsAttr("global_shape"), op.intsAttr("offset")};
+    Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool,
+                                place.shape.empty() ? nullptr : &place);
     if (!s.isOk()) {
       status = Status::error(fmt::format("parameter \"{}\": {}", name, s.message()), op.location());
       return;

@@ -25,9 +25,18 @@ struct ParameterInit {
   static Expected<ParameterInit> fromOp(const ir::Op& op);
 };
 
+// Where a shard lies in its global tensor (the shard pass's global_shape and offset attributes).
+struct GlobalPlace {
+  std::vector<int64_t> shape, offset;
+};
+
 // Fills `t` (f32, f64 or bf16) by `init`; xavier uses fan_in/fan_out of the [out, in, ...]
 // layout. Threaded over element ranges when a pool is given; the result does not depend on it.
-Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool = nullptr);
+// With `place`, `t` is that region of the global tensor and gets exactly the values the whole
+// tensor's initialization gives there (draws and fans are the global tensor's), so N ranks start
+// from the single-rank model.
+Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool = nullptr,
+                        const GlobalPlace* place = nullptr);
 
 // A kiln.parameter's concrete shape and size, computed from its type before anything is
 // allocated (the memory check adds these up; the store allocates exactly these).

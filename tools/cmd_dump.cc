@@ -66,6 +66,19 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
     }
   }
   for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
+  // One rank's program of a sharded run: the shard pass with these options.
+  std::optional<long long> ranks = p.getInt("ranks"), rank = p.getInt("rank");
+  if (!ranks || !rank) return std::nullopt;
+  if (*ranks < 1 || *rank < 0 || *rank >= *ranks) {
+    p.usageError(fmt::format("--rank must lie in [0, --ranks), got --rank {} --ranks {}", *rank, *ranks));
+    return std::nullopt;
+  }
+  if (*ranks > 1) {
+    o.shard.set("ranks", std::to_string(*ranks));
+    o.shard.set("rank", std::to_string(*rank));
+    if (p.has("plan")) o.shard.set("plan", p.get("plan"));
+    if (p.has("sharding")) o.shard.set("sharding", p.get("sharding"));
+  }
   std::optional<Target> target;
   int code = kExitOk;
   if (!readTargetFlag(p, &target, &code)) return std::nullopt;
@@ -157,6 +170,10 @@ int runDump(const std::vector<std::string>& args) {
               "training step: recompute activations until the peak fits (remat{budget=...})");
   addTargetFlag(p, "cpu; h200 with --stage=cuda");
   p.addOption("disable-pass", "NAME", "training step: leave this pass out of the pipeline", std::nullopt, true);
+  p.addOption("ranks", "N", "show one rank's program of a run on N ranks (the shard pass)", "1");
+  p.addOption("rank", "R", "with --ranks: which rank's program", "0");
+  p.addOption("plan", "FILE", "with --ranks: the plan.json to shard by (default: the automatic plan)");
+  p.addOption("sharding", "TYPE", "with --ranks: shard every table this way instead of a plan");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");

@@ -4,6 +4,8 @@
 
 #include <iosfwd>
 #include <set>
+
+#include "passes/pass.h"
 #include <string>
 #include <string_view>
 
@@ -18,6 +20,7 @@ struct OptimizeOptions {
   std::string memory_budget;                           // "" = none; "60%" or bytes: remat's budget
   std::set<std::string, std::less<>> disabled_passes;  // --disable-pass
   Target target = cpuTarget();                         // --target: what the passes plan for
+  passes::PassOptions shard;                           // --ranks N --rank R ...: the shard pass's options
 };
 
 // Sets the symbols (B = batch) on the module and runs the default training pipeline for the

@@ -235,7 +235,15 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   passes::PassManager pm({.target = s->target_});
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;
-  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget)));
+  passes::PassOptions shard;
+  if (options.comm && options.comm->size() > 1) {
+    shard.set("ranks", std::to_string(options.comm->size()));
+    shard.set("rank", std::to_string(options.comm->rank()));
+    if (!options.plan_path.empty()) shard.set("plan", options.plan_path);
+    if (!options.sharding.empty()) shard.set("sharding", options.sharding);
+    if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
+  }
+  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {

@@ -64,6 +64,8 @@ struct SessionOptions {
   // The sharding plan (kiln train --plan plan.json); "" = the automatic plan.
   std::string plan_path;
   int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
+  // Every table one way (data_parallel, table_wise, ...) instead of a plan (tests, --sharding).
+  std::string sharding;
 };
 
 // The flags every command that compiles a model shares: --set, --threads, --seed,

@@ -107,6 +107,9 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "a collective: it runs through the communicator (NCCL), not a generated kernel; the "
                   "CUDA backend does not issue collectives yet");
+  r.addNoKernel(ir::OpCode::BucketizeIds, NoKernel::kNotLowered,
+                "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
+                "does not run sharded steps yet");
   r.addNoKernel(ir::OpCode::Pad, NoKernel::kNotLowered,
                 "slice's adjoint has no CUDA lowering yet: a step that pads fails to lower (the CPU "
                 "backend runs it)");

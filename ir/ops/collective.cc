@@ -16,6 +16,23 @@
 //                                  counts are known only at run time, so `rows` has a stated
 //                                  type whose dim 0 is bounded (`?(cap)`: more arriving is a
 //                                  run-time error) or exact.
+//   kiln.bucketize_ids(ids[B, H]) or (ids[M], lengths[B])
+//       -> (ids_out[M'], lengths_out[N*B], send_counts: i64[N], return_counts: i64[N])
+//       {ranks, rank, table, rows, mode, owners, row_starts}
+//                                  routes a rank's ids to the ranks that hold their rows, for
+//                                  the all_to_all_v of a sharded table. mode "partition": shard
+//                                  j on rank owners[j] holds rows [row_starts[j],
+//                                  row_starts[j + 1]); each id goes to its shard's rank, made
+//                                  local (minus row_starts[j]). mode "replicate": each id goes to
+//                                  every rank of `owners` unchanged (column shards, replicas).
+//                                  ids_out is packed by destination rank, in sample order within
+//                                  each; lengths_out holds, per destination p, how many ids of
+//                                  each local sample go to p (zeros for a rank that holds
+//                                  nothing); send_counts[p] is ids_out's segment for p. The pools
+//                                  come back by a second all_to_all_v: return_counts[p] is B for
+//                                  every p on a rank in `owners` (it returns one pooled row per
+//                                  sample of every peer), 0 elsewhere. An id outside [0, rows)
+//                                  is a run-time error naming the table.
 // `group` names the ranks; only "world" (all of them) runs today, sub-groups (a node's GPUs for
 // table_row_wise) come with the plans that need them.
 //
@@ -31,6 +48,7 @@
 // and assumes rows spread evenly over the peers.
 #include "ir/collective.h"
 
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -140,6 +158,113 @@ Status verifyAllToAllV(const Op& op) {
   if (!(recv.withSharding(std::nullopt) == want_recv))
     return Status::errorf("'{}' receive counts must be {}, got {}", op.name(), want_recv.str(), recv.str());
   return Status::ok();
+}
+
+// ---- bucketize_ids ---------------------------------------------------------------------------
+
+bool replicates(const Op& op) { return op.strAttr("mode", "partition") == "replicate"; }
+
+Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
+  const int64_t n = ranksOf(op);
+  const std::vector<int64_t> owners = op.intsAttr("owners");
+  const std::vector<int64_t> starts = op.intsAttr("row_starts");
+  if (n < 1 || owners.empty())
+    return Status::errorf("'{}' needs ranks >= 1 and at least one owner", op.name());
+  for (int64_t o : owners)
+    if (o < 0 || o >= n) return Status::errorf("'{}' owner {} is not a rank of {}", op.name(), o, n);
+  if (!replicates(op)) {
+    if (starts.size() != owners.size() + 1)
+      return Status::errorf("'{}' has {} owners but {} row_starts (want one more than owners)", op.name(),
+                            owners.size(), starts.size());
+    for (size_t j = 0; j + 1 < starts.size(); ++j)
+      if (starts[j] > starts[j + 1] || starts[j] < 0)
+        return Status::errorf("'{}' row_starts {} must rise from 0", op.name(), shapeString(starts));
+  }
+  const TensorType& ids = op.operand(0)->type();
+  if (!isInteger(ids.dtype())) return Status::errorf("'{}' ids must be integers, got {}", op.name(), ids.str());
+  Dim batch, count;
+  if (ids.rank() == 2 && op.numOperands() == 1) {
+    if (!ids.dim(1).isStatic()) return Status::errorf("'{}' ids {} need a static hotness", op.name(), ids.str());
+    batch = ids.dim(0);
+    count = ids.dim(0).times(ids.dim(1).size());
+  } else if (ids.rank() == 1 && op.numOperands() == 2) {
+    const TensorType& lengths = op.operand(1)->type();
+    if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
+      return Status::errorf("'{}' lengths must be a 1-d integer tensor, got {}", op.name(), lengths.str());
+    batch = lengths.dim(0);
+    count = ids.dim(0);
+  } else {
+    return Status::errorf("'{}' takes ids[B, H], or ids[M] with lengths[B]", op.name());
+  }
+  if (batch.isBounded()) return Status::errorf("'{}' needs a batch dim that is not data-dependent", op.name());
+  if (replicates(op)) count = count.times(static_cast<int64_t>(owners.size()));
+  // Partitioned ids arrive in full (each goes to exactly one rank); the types say how many.
+  const TensorType counts(DType::i64, {Dim::fixed(n)});
+  out = {TensorType(DType::i64, {count}), TensorType(DType::i64, {batch.times(n)}), counts, counts};
+  return Status::ok();
+}
+
+Status cpuBucketizeIds(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const int64_t n = ranksOf(op);
+  const std::vector<int64_t> owners = op.intsAttr("owners");
+  const std::vector<int64_t> starts = op.intsAttr("row_starts");
+  const int64_t rows = op.intAttr("rows", 0);
+  const bool replicate = replicates(op);
+  const TensorView& ids = *in[0];
+  // Bag b holds ids [begin[b], begin[b + 1]).
+  std::vector<int64_t> begin;
+  if (in.size() == 1) {
+    const int64_t h = ids.shape[1];
+    for (int64_t b = 0; b <= ids.shape[0]; ++b) begin.push_back(b * h);
+  } else {
+    begin.push_back(0);
+    for (int64_t b = 0; b < in[1]->shape[0]; ++b) {
+      const int64_t len = loadIndex(*in[1], b);
+      if (len < 0) return Status::errorf("'{}' of table '{}': sample {} has negative length {}", op.name(),
+                                         op.strAttr("table"), b, len);
+      begin.push_back(begin.back() + len);
+    }
+    if (begin.back() > ids.numel())
+      return Status::errorf("'{}' of table '{}': lengths add up to {} ids but the batch has {}", op.name(),
+                            op.strAttr("table"), begin.back(), ids.numel());
+  }
+  const int64_t batch = static_cast<int64_t>(begin.size()) - 1;
+  // The shard of each id, checked once: the owner's position j in `owners`.
+  const int64_t total = begin.back();
+  std::vector<int32_t> shard(static_cast<size_t>(total), 0);
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t id = loadIndex(ids, i);
+    if (id < 0 || id >= rows)
+      return Status::errorf("'{}': id {} at position {} is out of range for table '{}' of {} rows", op.name(), id,
+                            i, op.strAttr("table"), rows);
+    if (!replicate)
+      shard[static_cast<size_t>(i)] = static_cast<int32_t>(
+          std::upper_bound(starts.begin(), starts.end() - 1, id) - starts.begin() - 1);
+  }
+  auto* out_ids = static_cast<int64_t*>(out[0]->data);
+  auto* out_len = static_cast<int64_t*>(out[1]->data);
+  auto* send = static_cast<int64_t*>(out[2]->data);
+  auto* ret = static_cast<int64_t*>(out[3]->data);
+  std::fill(out_len, out_len + n * batch, int64_t{0});
+  int64_t w = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t start = w;
+    for (size_t j = 0; j < owners.size(); ++j) {
+      if (owners[j] != p) continue;
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = begin[static_cast<size_t>(b)]; i < begin[static_cast<size_t>(b) + 1]; ++i) {
+          if (!replicate && shard[static_cast<size_t>(i)] != static_cast<int32_t>(j)) continue;
+          out_ids[w++] = loadIndex(ids, i) - (replicate ? 0 : starts[j]);
+          ++out_len[p * batch + b];
+        }
+    }
+    send[p] = w - start;
+  }
+  const bool owner = std::find(owners.begin(), owners.end(), op.intAttr("rank", 0)) != owners.end();
+  for (int64_t p = 0; p < n; ++p) ret[p] = owner ? batch : 0;
+  std::vector<int64_t> shape = out[0]->shape;
+  shape[0] = w;
+  return setResultShape(op, *out[0], shape);
 }
 
 // ---- Costs ------------------------------------------------------------------------------------
@@ -413,6 +538,27 @@ void registerCollectiveOps(OpRegistry& r) {
          .cost = costCollective,
          .grad = gradCollective,
          .cpu = cpuAllToAll});
+
+  r.add({.name = "kiln.bucketize_ids",
+         .summary = "Routes ids to the ranks holding their rows (or to every holder), for all_to_all_v",
+         .min_operands = 1,
+         .max_operands = 2,
+         .num_results = 4,
+         .attrs = {ranks,
+                   {"rank", K::Int, false, Attribute(int64_t{0})},
+                   {"table", K::String, false, Attribute("")},
+                   {"rows", K::Int, true},
+                   {"mode", K::String, false, Attribute("partition"), {"partition", "replicate"}},
+                   {"owners", K::Array, true},
+                   {"row_starts", K::Array, false, Attribute(std::vector<Attribute>{})}},
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferBucketizeIds,
+         .cost = [](const Op& op, const SymbolBindings& symbols) {
+           OpCost c;
+           c.bytes = operandAndResultBytes(op, symbols);
+           return c;
+         },
+         .cpu = cpuBucketizeIds});
 
   r.add({.name = "kiln.all_to_all_v",
          .summary =

@@ -193,7 +193,18 @@ Status inferEmbeddingUpdate(const Op& op, std::vector<TensorType>& out) {
   const TensorType& table = op.operand(l.table)->type();
   if (table.rank() != 2 || !isFloat(table.dtype()))
     return Status::errorf("'kiln.embedding_bag_update' table must be float [rows, dim], got {}", table.str());
-  KILN_RETURN_IF_ERROR(checkSparseGradOperands(op, l, table.dim(1)));
+  // A column shard (the shard pass's column_wise) may get whole rows of gradient: it updates its
+  // columns [column_offset, column_offset + dim), and rowwise_adagrad's statistic spans the row.
+  Dim grad_dim = table.dim(1);
+  if (const Attribute* off = op.attr("column_offset")) {
+    const TensorType& g = op.operand(l.grad_out)->type();
+    if (g.rank() != 2 || !g.dim(1).isStatic() || !table.dim(1).isStatic() || off->asInt() < 0 ||
+        off->asInt() + table.dim(1).size() > g.dim(1).size())
+      return Status::errorf("'kiln.embedding_bag_update' columns [{}, +{}) of the table do not lie in grad_out {}",
+                            off->asInt(), table.dim(1).str(), g.str());
+    grad_dim = g.dim(1);
+  }
+  KILN_RETURN_IF_ERROR(checkSparseGradOperands(op, l, grad_dim));
   if (op.operand(l.grad_out)->type().dtype() != table.dtype())
     return Status::errorf("'kiln.embedding_bag_update' grad_out {} and table {} differ in element type",
                           op.operand(l.grad_out)->type().str(), table.str());
@@ -396,14 +407,20 @@ struct SparseHyper {
   double bias1 = 1, bias2 = 1;  // Adam's 1 - beta^t
 };
 
+// grad_out rows are `width` wide; the table's `dim` columns are [offset, offset + dim) of them.
 template <typename T>
 void sparseUpdate(const SparseHyper& h, const RowGroups& groups, const TensorView& grad_out, int64_t dim,
-                  T* table, T* s0, T* s1) {
-  std::vector<double> g(static_cast<size_t>(dim));
+                  int64_t offset, T* table, T* s0, T* s1) {
+  const int64_t width = grad_out.shape[1];
+  std::vector<double> whole(static_cast<size_t>(width));
   for (size_t k = 0; k < groups.rows.size(); ++k) {
-    rowGradient(groups, k, grad_out, dim, h.scale, g);
+    rowGradient(groups, k, grad_out, width, h.scale, whole);
     int64_t r = groups.rows[k];
     T* w = table + r * dim;
+    // rowwise_adagrad's statistic: the mean square over the whole row.
+    double whole_sq = 0;
+    for (double gd : whole) whole_sq += gd * gd;
+    std::vector<double> g(whole.begin() + offset, whole.begin() + offset + dim);
     for (int64_t d = 0; d < dim; ++d) g[static_cast<size_t>(d)] += h.weight_decay * static_cast<double>(w[d]);
     if (h.kind == "sgd") {
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<T>(w[d] - h.lr * g[static_cast<size_t>(d)]);
@@ -418,7 +435,8 @@ void sparseUpdate(const SparseHyper& h, const RowGroups& groups, const TensorVie
     } else if (h.kind == "rowwise_adagrad") {
       double sq = 0;
       for (double gd : g) sq += gd * gd;
-      double s = static_cast<double>(s0[r]) + sq / static_cast<double>(dim);
+      if (width != dim) sq = whole_sq;  // a column shard (no weight decay: the shard pass checks)
+      double s = static_cast<double>(s0[r]) + sq / static_cast<double>(width);
       s0[r] = static_cast<T>(s);
       double step = h.lr / (std::sqrt(s) + h.eps);
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<T>(w[d] - step * g[static_cast<size_t>(d)]);
@@ -462,10 +480,10 @@ Status cpuEmbeddingUpdate(const Op& op, const std::vector<const TensorView*>& in
   void* s1 = l->num_state > 1 ? in[l->state_begin + 1]->data : nullptr;
   const TensorView& grad_out = *in[l->grad_out];
   if (table.dtype == DType::f64) {
-    sparseUpdate<double>(h, *groups, grad_out, dim, table.as<double>(), static_cast<double*>(s0),
+    sparseUpdate<double>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<double>(), static_cast<double*>(s0),
                          static_cast<double*>(s1));
   } else if (table.dtype == DType::f32) {
-    sparseUpdate<float>(h, *groups, grad_out, dim, table.as<float>(), static_cast<float*>(s0),
+    sparseUpdate<float>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<float>(), static_cast<float*>(s0),
                         static_cast<float*>(s1));
   } else {
     return Status::errorf("'kiln.embedding_bag_update' has no CPU kernel for {} tables", dtypeName(table.dtype));
@@ -564,7 +582,8 @@ void registerOptimizerOps(OpRegistry& r) {
                    {"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
                    {"weighted", K::Bool, false, Attribute(false)},
                    {"scaled", K::Bool, false, Attribute(false)},
-                   {"table", K::String}},
+                   {"table", K::String},
+                   {"column_offset", K::Int}},
          .traits = kSideEffect,
          .infer = inferEmbeddingUpdate,
          .verify = verifyEmbeddingUpdate,

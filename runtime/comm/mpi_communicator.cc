@@ -335,9 +335,19 @@ class MpiCommunicator final : public Communicator {
     auto rd = displacements(recv_counts, "all_to_all_v");
     for (const Expected<std::vector<int>>* e : {&sc, &sd, &rc, &rd})
       if (!*e) return fail(op, e->status());
+    // OpenMPI's non-blocking collectives take send == recv for MPI_IN_PLACE (and then expect
+    // symmetric counts): a memory plan can give an empty buffer the address of a live one, so an
+    // empty side gets an address of its own.
+    size_t sent = 0;
+    for (size_t c : send_counts) sent += c;
+    static unsigned char empty_send, empty_recv;
+    const void* sb = send;
+    void* rb = recv;
+    if (send == recv && total == 0) rb = &empty_recv;
+    else if (send == recv && sent == 0) sb = &empty_send;
+    else if (send == recv) return fail(op, Status::error("all_to_all_v's send and receive buffers are the same"));
     op->start = [=, this, sc = sc.take(), sd = sd.take(), rc = rc.take(), rd = rd.take()](MPI_Request* r) {
-      return MPI_Ialltoallv(send, sc.data(), sd.data(), mpiType(t), recv, rc.data(), rd.data(), mpiType(t),
-                            comm_, r);
+      return MPI_Ialltoallv(sb, sc.data(), sd.data(), mpiType(t), rb, rc.data(), rd.data(), mpiType(t), comm_, r);
     };
     return enqueue(op);
   }

@@ -637,3 +637,73 @@ TEST(CollectiveText, PrintParseRoundTrip) {
 
 }  // namespace
 }  // namespace kiln::ir
+
+// ---- bucketize_ids ------------------------------------------------------------------------------
+
+namespace kiln::ir {
+namespace {
+
+// bucketize_ids on one rank, its four results.
+std::vector<HostTensor> bucketize(const std::vector<TensorType>& types, const Tensors& in, AttrDict attrs) {
+  auto b = buildReturning(OpCode::BucketizeIds, types, std::move(attrs));
+  EXPECT_TRUE(b) << b.status().str();
+  if (!b) return {};
+  auto r = interpret(*b->module->functions().front(), in, {});
+  EXPECT_TRUE(r) << r.status().str();
+  return r ? r.take() : std::vector<HostTensor>{};
+}
+std::vector<int64_t> ints(const HostTensor& t) {
+  std::vector<int64_t> v;
+  for (int64_t i = 0; i < t.view.numel(); ++i) v.push_back(t.as<int64_t>()[i]);
+  return v;
+}
+AttrDict routing(const char* mode, std::vector<int64_t> owners, std::vector<int64_t> starts, int64_t rank = 0) {
+  AttrDict a{{"ranks", Attribute(int64_t{3})}, {"rank", Attribute(rank)},     {"table", Attribute("t")},
+             {"rows", Attribute(int64_t{9})},  {"mode", Attribute(mode)},     {"owners", Attribute::ints(owners)}};
+  if (!starts.empty()) a["row_starts"] = Attribute::ints(starts);
+  return a;
+}
+
+TEST(BucketizeIds, PartitionsRowBlocksByOwnerInSampleOrder) {
+  // 3 samples of 2 ids over rows [0, 4) on rank 2, [4, 8) on rank 0, [8, 9) on rank 1.
+  HostTensor ids = hostTensor(DType::i64, {3, 2}, [](int64_t i) { return std::vector<double>{5, 0, 8, 3, 4, 7}[i]; });
+  auto out = bucketize({i64({3, 2})}, {{"x0", ids}}, routing("partition", {2, 0, 1}, {0, 4, 8, 9}, 1));
+  ASSERT_EQ(out.size(), 4u);
+  // To rank 0 (rows 4..7, local = id - 4): 5 (sample 0), 4, 7 (sample 2); to rank 1: 8 (sample
+  // 1) as row 0; to rank 2: 0 (sample 0), 3 (sample 1).
+  EXPECT_EQ(ints(out[0]), (std::vector<int64_t>{1, 0, 3, 0, 0, 3}));
+  EXPECT_EQ(ints(out[1]), (std::vector<int64_t>{1, 0, 2, /*rank 1*/ 0, 1, 0, /*rank 2*/ 1, 1, 0}));
+  EXPECT_EQ(ints(out[2]), (std::vector<int64_t>{3, 1, 2}));
+  EXPECT_EQ(ints(out[3]), (std::vector<int64_t>{3, 3, 3}));  // rank 1 owns a block: 3 rows back to each
+}
+
+TEST(BucketizeIds, ReplicatesToEveryHolderAndTakesFlatIds) {
+  HostTensor ids = hostTensor(DType::i64, {3}, [](int64_t i) { return std::vector<double>{2, 6, 1}[i]; });
+  HostTensor lengths = hostTensor(DType::i64, {2}, [](int64_t i) { return std::vector<double>{2, 1}[i]; });
+  auto out = bucketize({type(DType::i64, {Dim::bounded(Dim::fixed(4))}), i64({2})},
+                       {{"x0", ids}, {"x1", lengths}}, routing("replicate", {0, 2}, {}));
+  ASSERT_EQ(out.size(), 4u);
+  EXPECT_EQ(ints(out[0]), (std::vector<int64_t>{2, 6, 1, 2, 6, 1}));
+  EXPECT_EQ(ints(out[1]), (std::vector<int64_t>{2, 1, 0, 0, 2, 1}));
+  EXPECT_EQ(ints(out[2]), (std::vector<int64_t>{3, 0, 3}));
+  EXPECT_EQ(ints(out[3]), (std::vector<int64_t>{2, 2, 2}));  // rank 0 holds the table
+}
+
+TEST(BucketizeIds, AnIdOutOfRangeNamesTheTable) {
+  auto b = buildReturning(OpCode::BucketizeIds, {i64({1, 1})}, routing("partition", {0}, {0, 9}));
+  ASSERT_TRUE(b) << b.status().str();
+  auto r = interpret(*b->module->functions().front(),
+                     {{"x0", hostTensor(DType::i64, {1, 1}, [](int64_t) { return 9.0; })}}, {});
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("out of range for table 't' of 9 rows"), std::string::npos) << r.status().str();
+}
+
+TEST(BucketizeIds, BadRoutingIsAVerifierError) {
+  EXPECT_NE(errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {0, 1}, {0, 9})).find("row_starts"),
+            std::string::npos);
+  EXPECT_NE(errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {5}, {0, 9})).find("not a rank"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kiln::ir

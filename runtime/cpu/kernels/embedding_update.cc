@@ -66,16 +66,32 @@ struct Hyper {
   double lr = 0, eps = 1e-8, beta1 = 0.9, beta2 = 0.999, weight_decay = 0, scale = 1, bias1 = 1, bias2 = 1;
 };
 
+// grad_out rows are `width` wide; the table's `dim` columns are [offset, offset + dim) of them (a
+// column shard), and rowwise_adagrad's statistic spans the whole row.
 void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1, const ir::TensorView& grad_out,
-                int64_t dim, float* table, float* s0, float* s1) {
+                int64_t dim, int64_t offset, float* table, float* s0, float* s1) {
+  const int64_t width = grad_out.shape[1];
   std::vector<double> g(static_cast<size_t>(dim));
   for (int64_t k = k0; k < k1; ++k) {
     std::fill(g.begin(), g.end(), 0.0);
+    double whole_sq = 0;
     for (int64_t i = occ.begin[static_cast<size_t>(k)]; i < occ.begin[static_cast<size_t>(k) + 1]; ++i) {
       int64_t pos = occ.order[static_cast<size_t>(i)];
       double c = occ.coeff[static_cast<size_t>(pos)] * h.scale;
-      int64_t base = occ.sample[static_cast<size_t>(pos)] * dim;
+      int64_t base = occ.sample[static_cast<size_t>(pos)] * width + offset;
       for (int64_t d = 0; d < dim; ++d) g[static_cast<size_t>(d)] += c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
+    }
+    if (width != dim && h.kind == "rowwise_adagrad") {
+      // The row's other columns, summed in the same order as the reference's.
+      std::vector<double> row(static_cast<size_t>(width), 0.0);
+      for (int64_t i = occ.begin[static_cast<size_t>(k)]; i < occ.begin[static_cast<size_t>(k) + 1]; ++i) {
+        int64_t pos = occ.order[static_cast<size_t>(i)];
+        double c = occ.coeff[static_cast<size_t>(pos)] * h.scale;
+        int64_t base = occ.sample[static_cast<size_t>(pos)] * width;
+        for (int64_t d = 0; d < width; ++d)
+          row[static_cast<size_t>(d)] += c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
+      }
+      for (double gd : row) whole_sq += gd * gd;
     }
     const int64_t r = occ.rows[static_cast<size_t>(k)];
     float* w = table + r * dim;
@@ -92,7 +108,8 @@ void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1, 
     } else if (h.kind == "rowwise_adagrad") {
       double sq = 0;
       for (double gd : g) sq += gd * gd;
-      double s = static_cast<double>(s0[r]) + sq / static_cast<double>(dim);
+      if (width != dim) sq = whole_sq;
+      double s = static_cast<double>(s0[r]) + sq / static_cast<double>(width);
       s0[r] = static_cast<float>(s);
       double step = h.lr / (std::sqrt(s) + h.eps);
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d] - step * g[static_cast<size_t>(d)]);
@@ -138,7 +155,9 @@ Status runEmbeddingUpdate(const ir::Op& op, const std::vector<const ir::TensorVi
   float* s1 = l->num_state > 1 ? in[static_cast<size_t>(l->state_begin) + 1]->as<float>() : nullptr;
   const ir::TensorView& grad_out = *in[static_cast<size_t>(l->grad_out)];
   ctx.pool->parallelFor(static_cast<int64_t>(occ.rows.size()), std::max<int64_t>(1, 2048 / std::max<int64_t>(dim, 1)),
-                        [&](int64_t k0, int64_t k1) { updateRows(h, occ, k0, k1, grad_out, dim, t, s0, s1); });
+                        [&](int64_t k0, int64_t k1) {
+                          updateRows(h, occ, k0, k1, grad_out, dim, op.intAttr("column_offset", 0), t, s0, s1);
+                        });
   return Status::ok();
 }
 

@@ -1,0 +1,36 @@
+// The shard pass (passes/shard.cc): one rank's training step and forward pass for N ranks.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ir/ir.h"
+#include "ir/status.h"
+#include "ir/target.h"
+#include "passes/shard_plan.h"
+
+namespace kiln::passes {
+
+// The pass's options (shard{ranks=4 rank=1 plan=plan.json}).
+struct ShardOptions {
+  int ranks = 1;
+  int rank = 0;
+  int ranks_per_node = 0;
+  std::string plan_path;  // a plan.json; "" = the automatic plan
+  std::string sharding;   // every table this way (tests, kiln opt); overrides plan_path
+  int64_t bucket_bytes = 25 << 20;  // dense gradients per all_reduce, as DDP's bucket_cap_mb
+  int64_t memory_per_rank = 0;      // for the automatic plan; 0 = unlimited
+  int64_t global_batch = 0;         // for the automatic plan; 0 = N times the module's B
+  Target target = cpuTarget();
+};
+
+// The plan a run with `o` uses: o.sharding for every table, the plan file, or the automatic plan;
+// checked and laid out (completePlan).
+Expected<ShardPlan> planFor(const ir::Module& m, const std::vector<TableInfo>& tables, const ShardOptions& o);
+
+// Rewrites @forward and @train_step of `m` for rank o.rank under `plan`.
+Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,
+                   const ShardOptions& o);
+
+}  // namespace kiln::passes

@@ -1,0 +1,54 @@
+// The sharded-step check (tests/cli/sharded_check.h) through MPI processes: run under
+// `mpirun -np N` (ctest does, for N = 2 and 4). Each process is one rank and computes the
+// single-rank reference itself; only rank 0 prints gtest's report.
+#include <cstdio>
+
+#include "runtime/comm/mpi_communicator.h"
+#include "tests/cli/sharded_check.h"
+
+namespace kiln::cli::testing {
+namespace {
+
+comm::Communicator* world = nullptr;
+
+class ShardedStepMpi : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(ShardedStepMpi, EqualsOneRank) {
+  for (const Model& m : {models()[0], models()[2]}) {  // tiny, dlrm_dcnv2
+    SCOPED_TRACE(fmt::format("{} on {} MPI ranks, every table {}", m.name, world->size(), GetParam()));
+    const int steps = 3;
+    const Trajectory want = singleRank(m, steps);
+    std::vector<double> mine;
+    Status s = checkRank(*world, m, GetParam(), steps, want, mine);
+    ASSERT_TRUE(s) << s.str();
+    // The global batch's loss: the mean of the ranks' losses.
+    std::vector<double> sum(mine.size());
+    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
+    for (double& v : sum) v /= world->size();
+    expectLossesMatch(sum, want);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shardings, ShardedStepMpi,
+                         ::testing::Values("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"));
+
+}  // namespace
+}  // namespace kiln::cli::testing
+
+int main(int argc, char** argv) {
+  auto comm = kiln::comm::createMpiCommunicator(&argc, &argv);
+  if (!comm) {
+    std::fprintf(stderr, "error: %s\n", comm.status().message().c_str());
+    return 1;
+  }
+  kiln::cli::testing::world = comm->get();
+  kiln::cli::testing::world->setTimeout(std::chrono::seconds(120));
+  ::testing::InitGoogleTest(&argc, argv);
+  if (kiln::cli::testing::world->rank() != 0) {
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  int rc = RUN_ALL_TESTS();
+  comm->reset();
+  return rc;
+}

@@ -1,0 +1,76 @@
+// RUN: %kiln opt %s --passes='shard{ranks=2 rank=0 sharding=row_wise}' | FileCheck %s --check-prefix=ROW
+// RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 sharding=table_wise}' | FileCheck %s --check-prefix=AWAY
+// RUN: %kiln opt %s --passes='shard{ranks=2 rank=0 sharding=data_parallel}' | FileCheck %s --check-prefix=DP
+// RUN: not %kiln opt %s --passes='shard{ranks=2 rank=2}' 2>&1 | FileCheck %s --check-prefix=BAD
+// RUN: not %kiln opt %s --passes='shard{ranks=2 sharding=diagonal}' 2>&1 | FileCheck %s --check-prefix=BADTYPE
+
+// row_wise over 2 ranks: rank 0 holds rows [0, 5) and their state, and says where they lie.
+// ROW:       %tables.0 = "kiln.parameter"() {{{.*}}global_shape = [10, 2]{{.*}}offset = [0, 0]{{.*}} -> !kiln.tensor<5x2xf32>
+// ROW:       "kiln.parameter"() {{{.*}}global_shape = [10]{{.*}}offset = [0]{{.*}} -> !kiln.tensor<5xf32>
+// The ids go to their owners, the partial pools come back summed.
+// ROW:       "kiln.bucketize_ids"(%cats.0) {{{.*}}mode = "partition", owners = [0, 1]{{.*}}row_starts = [0, 5, 10]
+// ROW:       "kiln.all_to_all"
+// ROW:       "kiln.all_to_all_v"
+// ROW:       "kiln.embedding_bag"(%tables.0, {{.*}} : (!kiln.tensor<5x2xf32>, !kiln.tensor<?(2*B)xi64>, !kiln.tensor<2*Bxi64>) -> !kiln.tensor<2*Bx2xf32>
+// ROW:       "kiln.reduce_scatter"({{.*}}) {axis = 0, group = "world", ranks = 2} : (!kiln.tensor<2*Bx2xf32>) -> !kiln.tensor<Bx2xf32>
+// The dense gradients: one bucket (5 floats) once both are computed, all-reduced and halved
+// (the global loss is the mean of the 2 ranks' mean losses), then split back.
+// ROW:       %grad_bucket.0 = "kiln.concat"
+// ROW-SAME:  -> !kiln.tensor<5xf32>
+// ROW:       "kiln.all_reduce"(%grad_bucket.0) {group = "world", ranks = 2} : (!kiln.tensor<5xf32>) -> !kiln.tensor<5xf32>
+// ROW:       "kiln.constant"() {value = 0.5}
+// The pools' gradient, halved too, of the global batch comes back for the update of the rows
+// this rank owns.
+// ROW:       "kiln.constant"() {value = 0.5}
+// ROW:       "kiln.all_gather"({{.*}}) {axis = 0, group = "world", ranks = 2} : (!kiln.tensor<Bx2xf32>) -> !kiln.tensor<2*Bx2xf32>
+// ROW:       "kiln.embedding_bag_update"(%tables.0, {{.*}}) {{.*}} : (!kiln.tensor<5x2xf32>, !kiln.tensor<?(2*B)xi64>, !kiln.tensor<2*Bxi64>, !kiln.tensor<2*Bx2xf32>, !kiln.tensor<5xf32>
+// ROW:       "kiln.optimizer_update"(%logit.0.weight
+// ROW:       "kiln.optimizer_update"(%logit.0.bias
+
+// table_wise round robin puts the one table on rank 0: rank 1 holds no table, sends its ids,
+// gets its pools back and sends their gradients; it runs no lookup and no update.
+// AWAY-NOT:  "kiln.parameter"() {{{.*}}name = "tables.0"
+// AWAY:      "kiln.all_to_all_v"
+// AWAY:      "kiln.all_to_all_v"({{.*}}) {{.*}} : (!kiln.tensor<0x2xf32>, !kiln.tensor<2xi64>) -> (!kiln.tensor<Bx2xf32>, !kiln.tensor<2xi64>)
+// AWAY-NOT:  "kiln.embedding_bag"
+// AWAY:      "kiln.all_to_all_v"({{.*}}) {{.*}} : (!kiln.tensor<Bx2xf32>, !kiln.tensor<2xi64>) -> (!kiln.tensor<0x2xf32>, !kiln.tensor<2xi64>)
+// AWAY-NOT:  "kiln.embedding_bag_update"
+
+// data_parallel: the lookup stays; every replica applies the global batch's update.
+// DP:        "kiln.embedding_bag"(%tables.0, %cats.0)
+// DP:        "kiln.bucketize_ids"(%cats.0) {{{.*}}mode = "replicate", owners = [0, 1]
+// DP:        "kiln.all_gather"
+// DP:        "kiln.embedding_bag_update"(%tables.0, {{.*}}) {{.*}} : (!kiln.tensor<10x2xf32>, !kiln.tensor<?(2*B)xi64>, !kiln.tensor<2*Bxi64>, !kiln.tensor<2*Bx2xf32>
+
+// BAD: shard: rank 2 is not below ranks = 2
+// BADTYPE: shard: unknown sharding 'diagonal' (use data_parallel, table_wise, row_wise, column_wise, table_row_wise)
+module {
+  func.func @train_step() -> (!kiln.tensor<f32>, !kiln.tensor<Bx1xf32>) {
+    %lr = "kiln.input"() {name = "lr", role = "lr"} : () -> !kiln.tensor<f32>
+    %step = "kiln.input"() {name = "step", role = "step"} : () -> !kiln.tensor<f32>
+    %dense = "kiln.input"() {name = "dense", role = "dense"} : () -> !kiln.tensor<Bx2xf32>
+    %cats.0 = "kiln.input"() {feature = 0, hotness = 1, id_map = "modulo", name = "cats.0", role = "sparse", rows = 10} : () -> !kiln.tensor<Bx1xi64>
+    %label = "kiln.input"() {name = "label", role = "label"} : () -> !kiln.tensor<Bxf32>
+    %tables.0 = "kiln.parameter"() {embedding = true, high = 0.31622776601683794, init = "uniform", low = -0.31622776601683794, name = "tables.0", trainable = true} : () -> !kiln.tensor<10x2xf32>
+    %tables.0.rowwise_adagrad_sum = "kiln.parameter"() {init = "zeros", name = "tables.0.rowwise_adagrad_sum", state_of = "tables.0", trainable = false} : () -> !kiln.tensor<10xf32>
+    %logit.0.weight = "kiln.parameter"() {init = "xavier_uniform", name = "logit.0.weight", trainable = true} : () -> !kiln.tensor<1x4xf32>
+    %logit.0.bias = "kiln.parameter"() {init = "zeros", name = "logit.0.bias", trainable = true} : () -> !kiln.tensor<1xf32>
+    %tables.0.pooled = "kiln.embedding_bag"(%tables.0, %cats.0) {mode = "sum", table = "tables.0"} : (!kiln.tensor<10x2xf32>, !kiln.tensor<Bx1xi64>) -> !kiln.tensor<Bx2xf32>
+    %0 = "kiln.concat"(%dense, %tables.0.pooled) {axis = 1} : (!kiln.tensor<Bx2xf32>, !kiln.tensor<Bx2xf32>) -> !kiln.tensor<Bx4xf32>
+    %1 = "kiln.matmul"(%0, %logit.0.weight) {transpose_a = false, transpose_b = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<1x4xf32>) -> !kiln.tensor<Bx1xf32>
+    %logit = "kiln.add"(%1, %logit.0.bias) : (!kiln.tensor<Bx1xf32>, !kiln.tensor<1xf32>) -> !kiln.tensor<Bx1xf32>
+    %2 = "kiln.reshape"(%logit) : (!kiln.tensor<Bx1xf32>) -> !kiln.tensor<Bxf32>
+    %loss = "kiln.bce_with_logits"(%2, %label) {reduction = "mean"} : (!kiln.tensor<Bxf32>, !kiln.tensor<Bxf32>) -> !kiln.tensor<f32>
+    %3 = "kiln.constant"() {value = 1.0} : () -> !kiln.tensor<f32>
+    %4 = "kiln.bce_with_logits_grad"(%2, %label, %3) {reduction = "mean"} : (!kiln.tensor<Bxf32>, !kiln.tensor<Bxf32>, !kiln.tensor<f32>) -> !kiln.tensor<Bxf32>
+    %5 = "kiln.reshape"(%4) : (!kiln.tensor<Bxf32>) -> !kiln.tensor<Bx1xf32>
+    %6 = "kiln.sum_to"(%5) : (!kiln.tensor<Bx1xf32>) -> !kiln.tensor<1xf32>
+    %7 = "kiln.matmul"(%5, %logit.0.weight) {transpose_a = false, transpose_b = false} : (!kiln.tensor<Bx1xf32>, !kiln.tensor<1x4xf32>) -> !kiln.tensor<Bx4xf32>
+    %8 = "kiln.matmul"(%5, %0) {transpose_a = true, transpose_b = false} : (!kiln.tensor<Bx1xf32>, !kiln.tensor<Bx4xf32>) -> !kiln.tensor<1x4xf32>
+    %9 = "kiln.slice"(%7) {axis = 1, limit = 4, start = 2} : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx2xf32>
+    "kiln.embedding_bag_update"(%tables.0, %cats.0, %9, %tables.0.rowwise_adagrad_sum, %lr, %step) {beta1 = 0.9, beta2 = 0.999, eps = 1.0e-08, initial_accumulator = 0.0, lr = 0.05, mode = "sum", optimizer = "rowwise_adagrad", scaled = false, table = "tables.0", weight_decay = 0.0, weighted = false} : (!kiln.tensor<10x2xf32>, !kiln.tensor<Bx1xi64>, !kiln.tensor<Bx2xf32>, !kiln.tensor<10xf32>, !kiln.tensor<f32>, !kiln.tensor<f32>) -> ()
+    "kiln.optimizer_update"(%logit.0.weight, %8, %lr, %step) {beta1 = 0.9, beta2 = 0.999, eps = 1.0e-08, kind = "sgd", lr = 0.1, momentum = 0.0, nesterov = false, param = "logit.0.weight", scaled = false, weight_decay = 0.0} : (!kiln.tensor<1x4xf32>, !kiln.tensor<1x4xf32>, !kiln.tensor<f32>, !kiln.tensor<f32>) -> ()
+    "kiln.optimizer_update"(%logit.0.bias, %6, %lr, %step) {beta1 = 0.9, beta2 = 0.999, eps = 1.0e-08, kind = "sgd", lr = 0.1, momentum = 0.0, nesterov = false, param = "logit.0.bias", scaled = false, weight_decay = 0.0} : (!kiln.tensor<1xf32>, !kiln.tensor<1xf32>, !kiln.tensor<f32>, !kiln.tensor<f32>) -> ()
+    return %loss, %logit : !kiln.tensor<f32>, !kiln.tensor<Bx1xf32>
+  }
+}
