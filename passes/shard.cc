@@ -455,7 +455,7 @@ Status Sharder::run(ir::Function& f) {
 
 }  // namespace
 
-Expected<ShardPlan> planFor(const ir::Module& m, const std::vector<TableInfo>& tables, const ShardOptions& o) {
+Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOptions& o) {
   ShardPlan plan;
   plan.ranks = o.ranks;
   plan.ranks_per_node = o.ranks_per_node;
@@ -482,12 +482,24 @@ Expected<ShardPlan> planFor(const ir::Module& m, const std::vector<TableInfo>& t
       }
       plan.tables.push_back(std::move(t));
     }
-  } else {
-    return Status::error("shard: PLANFOR_PENDING");
+    KILN_RETURN_IF_ERROR(completePlan(plan, tables));
+    return plan;
   }
-  (void)m;
-  KILN_RETURN_IF_ERROR(completePlan(plan, tables));
-  return plan;
+  if (!o.plan_path.empty()) {
+    std::ifstream in(o.plan_path, std::ios::binary);
+    if (!in) return Status::errorf("cannot read plan file {}", o.plan_path);
+    std::stringstream text;
+    text << in.rdbuf();
+    // Checked and laid out, its errors located in the file.
+    return loadPlanJson(text.str(), o.plan_path, tables, o.ranks);
+  }
+  PlanRequest req;
+  req.ranks = o.ranks;
+  req.ranks_per_node = o.ranks_per_node;
+  req.memory_per_rank = o.memory_per_rank;
+  req.global_batch = o.global_batch;
+  req.target = o.target;
+  return autoPlan(tables, req);
 }
 
 Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,
@@ -514,7 +526,7 @@ class ShardPass : public RegisteredPass<ShardPass> {
       if (const Attribute* sym = m.attrs().count("kiln.symbols") ? &m.attrs().at("kiln.symbols") : nullptr;
           sym && sym->isDict() && sym->asDict().count("B"))
         o.global_batch = sym->asDict().at("B").asInt() * o.ranks;
-    KILN_ASSIGN_OR_RETURN(ShardPlan plan, planFor(m, tables, o));
+    KILN_ASSIGN_OR_RETURN(ShardPlan plan, planFor(tables, o));
     KILN_RETURN_IF_ERROR(shardModule(m, plan, tables, o));
     AttrDict summary{{"ranks", Attribute(int64_t{o.ranks})}, {"rank", Attribute(int64_t{o.rank})}};
     for (const TablePlan& t : plan.tables) {

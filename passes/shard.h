@@ -8,6 +8,8 @@
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/target.h"
+#include "passes/auto_plan.h"
+#include "passes/plan_json.h"
 #include "passes/shard_plan.h"
 
 namespace kiln::passes {
@@ -27,7 +29,7 @@ struct ShardOptions {
 
 // The plan a run with `o` uses: o.sharding for every table, the plan file, or the automatic plan;
 // checked and laid out (completePlan).
-Expected<ShardPlan> planFor(const ir::Module& m, const std::vector<TableInfo>& tables, const ShardOptions& o);
+Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOptions& o);
 
 // Rewrites @forward and @train_step of `m` for rank o.rank under `plan`.
 Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,

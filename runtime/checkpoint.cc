@@ -12,6 +12,8 @@
 #include <functional>
 #include <set>
 
+#include <fmt/ranges.h>
+
 #include "runtime/json.h"
 
 namespace kiln::runtime {
@@ -418,6 +420,33 @@ Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::Te
   for (const auto& [name, t] : ckpt.tensors)
     if (!dest.count(name)) return Status::errorf("checkpoint '{}': tensor '{}' is not a parameter of the model", path, name);
   for (const auto& [name, view] : dest) std::memcpy(view.data, ckpt.find(name)->storage.data(), static_cast<size_t>(view.bytes()));
+  return Status::ok();
+}
+
+Status copyRegion(const ir::TensorView& whole, const std::vector<int64_t>& offset, const ir::TensorView& dst) {
+  const size_t rank = whole.shape.size();
+  if (dst.shape.size() != rank || offset.size() != rank || dst.dtype != whole.dtype)
+    return Status::errorf("a {}-d region cannot be taken from a {}-d tensor", dst.shape.size(), rank);
+  for (size_t d = 0; d < rank; ++d)
+    if (offset[d] < 0 || offset[d] + dst.shape[d] > whole.shape[d])
+      return Status::errorf("region at offset {} of extent {} leaves the tensor's shape {}", fmt::join(offset, "x"),
+                            fmt::join(dst.shape, "x"), fmt::join(whole.shape, "x"));
+  if (dst.numel() == 0) return Status::ok();
+  const size_t elem = ir::dtypeBytes(whole.dtype);
+  // Row by row along the last dim: `index` walks dst's outer dims.
+  const int64_t inner = rank ? dst.shape[rank - 1] : 1;
+  const int64_t rows = dst.numel() / inner;
+  std::vector<int64_t> index(rank ? rank - 1 : 0, 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t src = 0;
+    for (size_t d = 0; d < rank; ++d) src = src * whole.shape[d] + offset[d] + (d + 1 < rank ? index[d] : 0);
+    std::memcpy(static_cast<char*>(dst.data) + static_cast<size_t>(r * inner) * elem,
+                static_cast<const char*>(whole.data) + static_cast<size_t>(src) * elem, static_cast<size_t>(inner) * elem);
+    for (size_t d = index.size(); d-- > 0;) {
+      if (++index[d] < dst.shape[d]) break;
+      index[d] = 0;
+    }
+  }
   return Status::ok();
 }
 

@@ -47,6 +47,10 @@ Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& 
 
 // Copies a loaded checkpoint into the model's tensors: every destination must be present with
 // the same dtype and shape, and the checkpoint may hold nothing else. `path` is for messages.
+// Copies the region of `whole` that starts at `offset` and has dst's shape into dst (a shard of
+// a tensor saved whole, e.g. a single-file checkpoint resumed on several ranks).
+Status copyRegion(const ir::TensorView& whole, const std::vector<int64_t>& offset, const ir::TensorView& dst);
+
 Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::TensorView>& dest, const std::string& path);
 
 // safetensors dtype names: "F32", "BF16", "I64", "BOOL", ...

@@ -13,11 +13,14 @@
 
 #include "passes/lr_schedule.h"
 #include "runtime/checkpoint.h"
+#include "runtime/comm/local_group.h"
+#include "runtime/comm/mpi_communicator.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/prefetcher.h"
 #include "runtime/dir_lock.h"
 #include "runtime/metrics.h"
 #include "runtime/run_inputs.h"
+#include "runtime/sharded_checkpoint.h"
 #include "runtime/trace.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
@@ -49,15 +52,26 @@ struct TrainFlags {
   // this process runs: it compiles and warms up, so the default 2:4 leaves it out).
   std::string trace_path;
   int64_t trace_first = 2, trace_last = 4;
-  runtime::Tracer* tracer = nullptr;
 };
 
+// One rank's training loop (the only one on one rank). On N ranks every rank runs it in step:
+// rank r trains on samples [r*b, (r+1)*b) of every global batch of --batch = N*b samples, the
+// losses and evaluations are the global batch's, and only rank 0 prints (a failing rank says
+// why, naming itself).
 class Trainer {
  public:
-  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed) : s_(session), f_(flags), seed_(seed) {}
+  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed, runtime::Tracer* tracer)
+      : s_(session), f_(flags), seed_(seed), tracer_(tracer), comm_(session.communicator()),
+        rank_(session.rank()), ranks_(session.ranks()) {}
   int run();
 
  private:
+  bool loud() const { return rank_ == 0; }
+  void warn(const std::string& message) const;
+  void error(const Status& st) const;
+  Status resumeSharded();
+  // The data a step trains on: this rank's share of the global batch.
+  Expected<const data::Batch*> share(const data::Batch& global);
   Status claimCheckpointDir();
   Status resume();
   Status saveCheckpoint(const data::StreamPosition& position);
@@ -67,6 +81,12 @@ class Trainer {
   ModelSession& s_;
   const TrainFlags& f_;
   uint64_t seed_;
+  runtime::Tracer* tracer_;
+  comm::Communicator* comm_;  // nullptr on one rank
+  int rank_, ranks_;
+  data::Batch share_;
+  comm::CommStats window_comm_;
+  double comm_bytes_per_step_ = 0, comm_fraction_ = 0;
   runtime::DirLock lock_;      // held from start to exit: one writer per checkpoint directory
   runtime::RunInputs inputs_;  // recorded in every checkpoint, checked on resume
   int64_t step_ = 0, start_step_ = 0;
@@ -86,11 +106,30 @@ class Trainer {
 
 std::string checkpointFile(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 
-void warn(const std::string& message) { std::fprintf(stderr, "kiln train: warning: %s\n", message.c_str()); }
+void Trainer::warn(const std::string& message) const {
+  if (loud()) std::fprintf(stderr, "kiln train: warning: %s\n", message.c_str());
+}
+
+void Trainer::error(const Status& st) const {
+  if (ranks_ == 1) {
+    printError("train", st);
+    return;
+  }
+  printError(fmt::format("train: rank {}", rank_), st);
+}
+
+Expected<const data::Batch*> Trainer::share(const data::Batch& global) {
+  if (ranks_ == 1) return &global;
+  const int64_t b = global.size / ranks_;
+  KILN_ASSIGN_OR_RETURN(share_, data::sliceBatch(global, s_.trainSpec(), rank_ * b, b));
+  return &share_;
+}
 
 // Before any training: the directory exists, holds a checkpoint's worth of free space, and is
 // this run's alone.
 Status Trainer::claimCheckpointDir() {
+  // On N ranks rank 0 holds the directory for the run; every rank writes its own shard file.
+  if (rank_ != 0) return Status::ok();
   uint64_t bytes = 1 << 20;  // the header and its metadata, generously
   for (const std::string& name : s_.checkpointNames())
     bytes += static_cast<uint64_t>(s_.params().find(name)->view.bytes());
@@ -102,6 +141,7 @@ Status Trainer::claimCheckpointDir() {
 }
 
 Status Trainer::resume() {
+  if (runtime::ShardedCheckpoint::isShardedDir(f_.checkpoint_dir)) return resumeSharded();
   std::string path = checkpointFile(f_.checkpoint_dir);
   if (!std::filesystem::exists(path))
     return Status::error(fmt::format("--resume: no checkpoint at '{}'", path));
@@ -133,9 +173,19 @@ Status Trainer::resume() {
   }
   for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
 
-  std::map<std::string, ir::TensorView> dest;
-  for (const std::string& name : s_.checkpointNames()) dest[name] = s_.params().find(name)->view;
-  KILN_RETURN_IF_ERROR(runtime::restoreTensors(ckpt, dest, path));
+  if (ranks_ == 1) {
+    std::map<std::string, ir::TensorView> dest;
+    for (const std::string& name : s_.checkpointNames()) dest[name] = s_.params().find(name)->view;
+    KILN_RETURN_IF_ERROR(runtime::restoreTensors(ckpt, dest, path));
+  } else {
+    // A single-file checkpoint resumed on N ranks: each takes its pieces' regions.
+    for (runtime::LocalPiece& p : s_.localPieces()) {
+      const ir::HostTensor* whole = ckpt.find(p.name);
+      if (!whole || whole->view.shape != p.global_shape || whole->view.dtype != p.view.dtype)
+        return Status::errorf("{}: no tensor '{}' of the model's shape", path, p.name);
+      KILN_RETURN_IF_ERROR(runtime::copyRegion(whole->view, p.offset, p.view));
+    }
+  }
   std::string step = meta("step");
   auto [end, ec] = std::from_chars(step.data(), step.data() + step.size(), step_);
   if (step.empty() || ec != std::errc() || end != step.data() + step.size() || step_ < 0)
@@ -151,17 +201,69 @@ Status Trainer::resume() {
   }
   resumed_ = true;
   start_step_ = step_;
-  std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
+  if (loud()) std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
   return Status::ok();
 }
 
+// A sharded directory (its index) resumed on any rank count and plan: every rank reads its
+// own pieces' regions from whichever shards cover them.
+Status Trainer::resumeSharded() {
+  KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::ShardedCheckpoint::open(f_.checkpoint_dir));
+  const std::string path = (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).string();
+  auto meta = [&](const char* k) -> std::string {
+    auto it = ckpt.metadata().find(k);
+    return it == ckpt.metadata().end() ? "" : it->second;
+  };
+  if (!s_.modelName().empty() && meta("model") != s_.modelName())
+    return Status::errorf("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName());
+  bool files_recorded = false;
+  auto saved = runtime::RunInputs::fromMetadata(ckpt.metadata(), &files_recorded);
+  if (!saved) return Status::errorf("{}: {}", path, saved.status().message());
+  std::vector<std::string> diffs = runtime::compareRunInputs(*saved, inputs_);
+  if (!diffs.empty() && !f_.resume_anyway) {
+    std::string list;
+    for (const std::string& d : diffs) list += "\n  " + d;
+    return Status::errorf("{}: this is not the run the checkpoint was saved by:{}\n"
+                          "resuming would not continue it (--resume-anyway resumes regardless)",
+                          path, list);
+  }
+  for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
+  KILN_RETURN_IF_ERROR(s_.loadPieces(ckpt));
+  step_ = ckpt.step();
+  if (runtime::sameData(*saved, inputs_)) {
+    auto pos = data::StreamPosition::parse(meta("data_position"));
+    if (!pos) return Status::errorf("{}: {}", path, pos.status().message());
+    resume_position_ = *pos;
+  } else {
+    warn("--resume-anyway: the data is not the checkpoint's, so it is read from its start");
+  }
+  resumed_ = true;
+  start_step_ = step_;
+  if (loud())
+    std::fprintf(stderr, "resumed from %s at step %lld (saved by %d rank%s, resumed on %d)\n", path.c_str(),
+                 static_cast<long long>(step_), ckpt.ranks(), ckpt.ranks() == 1 ? "" : "s", ranks_);
+  return Status::ok();
+}
+
+// One rank: DIR/checkpoint.safetensors. N ranks: each its shard file, rank 0 the index (a
+// sharded checkpoint, runtime/sharded_checkpoint.h). Either form replaces the other once the new
+// one is in place, so that --resume finds the latest.
 Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
-  std::vector<std::pair<std::string, ir::TensorView>> tensors;
-  for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
   std::map<std::string, std::string> meta{
       {"step", std::to_string(step_)}, {"data_position", position.str()}, {"format", "kiln-checkpoint-2"}};
   inputs_.toMetadata(meta);
-  return runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta);
+  const std::filesystem::path dir(f_.checkpoint_dir);
+  std::error_code ec;
+  if (ranks_ > 1) {
+    KILN_RETURN_IF_ERROR(runtime::saveShardedCheckpoint(*comm_, f_.checkpoint_dir, step_, s_.localPieces(), meta));
+    if (rank_ == 0) std::filesystem::remove(dir / "checkpoint.safetensors", ec);
+    return Status::ok();
+  }
+  std::vector<std::pair<std::string, ir::TensorView>> tensors;
+  for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
+  KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta));
+  std::filesystem::remove(dir / runtime::kShardedIndexFile, ec);
+  return Status::ok();
 }
 
 Expected<EvalResult> Trainer::evaluate() {
@@ -178,14 +280,21 @@ Expected<EvalResult> Trainer::evaluate() {
 }
 
 void Trainer::progress(bool final_line) {
+  if (!loud()) return;
   double elapsed = secondsSince(start_);
   int64_t done = step_ - start_step_;
   std::string total = f_.steps > 0 ? fmt::format("/{}", f_.steps) : "";
   std::string left = "?";
   if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
   std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
-  std::string line = fmt::format("step {}{} | {:.0f} samples/s | loss {:.5f}{} | elapsed {} | left {}", step_, total,
-                                 window_rate_, last_loss_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
+  // On N ranks: the global rate, each rank's share, what a step sends and the time in collectives.
+  std::string ranks = ranks_ == 1 ? ""
+                                   : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives",
+                                                 window_rate_ / ranks_, runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
+                                                 100 * comm_fraction_);
+  std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{} | elapsed {} | left {}", step_,
+                                 total, window_rate_, ranks, last_loss_, auc, formatDuration(elapsed),
+                                 final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else
@@ -196,7 +305,7 @@ void Trainer::progress(bool final_line) {
 int Trainer::run() {
   auto inputs = runtime::RunInputs::describe(s_.modelName(), seed_, f_.batch, f_.data);
   if (!inputs) {
-    printError("train", inputs.status());
+    error(inputs.status());
     return kExitError;
   }
   inputs_ = inputs.take();
@@ -204,21 +313,21 @@ int Trainer::run() {
   // training.
   if (!f_.checkpoint_dir.empty()) {
     if (Status st = claimCheckpointDir(); !st) {
-      printError("train", st);
+      error(st);
       return kExitError;
     }
   }
   if (!f_.checkpoint_dir.empty() && f_.resume) {
     Status st = resume();
     if (!st) {
-      printError("train", st);
+      error(st);
       return kExitError;
     }
   }
-  if (!f_.metrics_path.empty()) {
+  if (!f_.metrics_path.empty() && loud()) {
     auto w = runtime::MetricsWriter::open(f_.metrics_path, /*append=*/resumed_);
     if (!w) {
-      printError("train", w.status());
+      error(w.status());
       return kExitError;
     }
     metrics_ = w.take();
@@ -233,13 +342,13 @@ int Trainer::run() {
   opts.synthetic.stream = 0;
   auto reader = data::openBatchReader(s_.trainSpec(), opts);
   if (!reader) {
-    printError("train", reader.status());
+    error(reader.status());
     return kExitError;
   }
   if (resumed_) {
     Status st = (*reader)->seek(resume_position_);
     if (!st) {
-      printError("train", st);
+      error(st);
       return kExitError;
     }
   }
@@ -249,11 +358,11 @@ int Trainer::run() {
   ir::AttrDict schedule;
   if (const ir::Attribute* a = trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
 
-  runtime::Tracer* tracer = f_.tracer;
+  runtime::Tracer* tracer = tracer_;
   // What the run did up to a failure is worth seeing too.
   auto fail = [&](const Status& st) {
-    if (tty_) std::fprintf(stderr, "\n");
-    printError("train", st);
+    if (tty_ && loud()) std::fprintf(stderr, "\n");
+    error(st);
     if (tracer) (void)tracer->write(f_.trace_path);
     return kExitError;
   };
@@ -276,12 +385,27 @@ int Trainer::run() {
       data_done = true;
       break;
     }
+    if (ranks_ > 1 && batch.size % ranks_ != 0) {
+      // Every rank runs the same program size: the short last batch of the data is left out.
+      warn(fmt::format("the last batch holds {} samples, which do not split over {} ranks: left out", batch.size,
+                       ranks_));
+      data_done = true;
+      break;
+    }
+    auto mine = share(batch);
+    if (!mine) return fail(mine.status());
     double lr = passes::learningRateFactor(schedule, step_ + 1);
     runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
                                       0, runtime::kHostTrack, {{"step", step_ + 1}});
-    auto out = s_.trainStep(batch, lr, step_ + 1);
+    auto out = s_.trainStep(**mine, lr, step_ + 1);
     step_scope.end();
     if (!out) return fail(out.status());
+    if (ranks_ > 1) {
+      // The global batch's loss: the mean of the ranks' means over equal shares.
+      double sum = 0;
+      if (Status st = comm_->allReduceSync(&out->loss, &sum, 1, comm::DataType::f64); !st) return fail(st);
+      out->loss = sum / ranks_;
+    }
     ++step_;
     position = batch.end;
     samples_ += batch.size;
@@ -305,6 +429,13 @@ int Trainer::run() {
     if (log_due || evaluated || step_ == f_.steps) {
       double window = secondsSince(window_start_);
       window_rate_ = window > 0 ? static_cast<double>(window_samples_) / window : 0;
+      if (ranks_ > 1) {
+        const comm::CommStats now = s_.commStats();
+        const int64_t steps = std::max<int64_t>(1, step_ - std::max(logged_step_, start_step_));
+        comm_bytes_per_step_ = static_cast<double>(now.bytes_sent - window_comm_.bytes_sent) / steps;
+        comm_fraction_ = window > 0 ? (now.seconds - window_comm_.seconds) / window : 0;
+        window_comm_ = now;
+      }
       progress(false);
       logged_step_ = step_;
       if (metrics_) {
@@ -313,6 +444,12 @@ int Trainer::run() {
         r.loss = window_loss_.mean();
         r.samples_per_s = window_rate_;
         r.lr = lr;
+        if (ranks_ > 1) {
+          r.extra["ranks"] = ranks_;
+          r.extra["samples_per_s_per_rank"] = window_rate_ / ranks_;
+          r.extra["comm_bytes_per_step"] = comm_bytes_per_step_;
+          r.extra["comm_wait_fraction"] = comm_fraction_;
+        }
         if (evaluated) {
           r.auc = last_auc_;
           r.eval_loss = last_eval_loss_;
@@ -332,7 +469,7 @@ int Trainer::run() {
     }
   }
   if (tracer) tracer->setRecording(false);
-  if (prefetch.malformed() > 0)
+  if (prefetch.malformed() > 0 && loud())
     std::fprintf(stderr, "%sskipped %lld malformed lines\n", tty_ ? "\n" : "", static_cast<long long>(prefetch.malformed()));
 
   // Final evaluation when evaluation was asked for and the last step did not just do it.
@@ -349,6 +486,7 @@ int Trainer::run() {
   }
 
   double elapsed = secondsSince(start_);
+  if (!loud()) return kExitOk;
   std::printf("trained %s: %lld steps (%lld this run), %lld samples in %.1f s, %.0f samples/s%s\n",
               s_.modelName().c_str(), static_cast<long long>(step_), static_cast<long long>(step_ - start_step_),
               static_cast<long long>(samples_), elapsed, elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0,
@@ -356,7 +494,9 @@ int Trainer::run() {
   std::printf("final train loss: %.6f\n", last_loss_);
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
-  if (!f_.checkpoint_dir.empty()) std::printf("checkpoint: %s\n", checkpointFile(f_.checkpoint_dir).c_str());
+  if (!f_.checkpoint_dir.empty())
+    std::printf("checkpoint: %s\n", ranks_ > 1 ? (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).c_str()
+                                                : checkpointFile(f_.checkpoint_dir).c_str());
   if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
   if (tracer) {
     const int64_t ran = step_ - start_step_;
@@ -403,6 +543,15 @@ int runTrain(const std::vector<std::string>& args) {
               "write a Chrome trace-event timeline (Perfetto, chrome://tracing) of --trace-steps to FILE");
   p.addOption("trace-steps", "A:B",
               "the steps of this run --trace records (default 2:4; 1 is its first step, which warms up)");
+  p.addOption("ranks", "N",
+              "train on N in-process ranks (one thread each; --batch is the global batch); under mpirun the "
+              "ranks are MPI's processes (default: 1)");
+  p.addOption("comm-timeout", "SECONDS", "a rank that waits this long for a peer fails, naming it", "300");
+  p.addOption("plan", "FILE", "the sharding plan on several ranks (kiln plan -o; default: the automatic plan)");
+  p.addOption("sharding", "TYPE",
+              "on several ranks, shard every table this way (data_parallel, table_wise, row_wise, column_wise, "
+              "table_row_wise) instead of a plan");
+  p.addOption("ranks-per-node", "G", "ranks per node (table_row_wise keeps a table's rows inside one)", "0");
   addModelFlags(p);
   addDeviceFlag(p);
   int code;
@@ -422,6 +571,10 @@ int runTrain(const std::vector<std::string>& args) {
     out = *v;
     return true;
   };
+  int64_t ranks = 1, comm_timeout = 300, ranks_per_node = 0;
+  if (!intFlag("ranks", ranks, 1) || !intFlag("comm-timeout", comm_timeout, 1) ||
+      !intFlag("ranks-per-node", ranks_per_node, 0))
+    return kExitUsage;
   if (!intFlag("steps", f.steps, 1) || !intFlag("epochs", f.epochs, 1) || !intFlag("batch", f.batch, 1) ||
       !intFlag("eval-every", f.eval_every, 0) || !intFlag("eval-samples", f.eval_samples, 1) ||
       !intFlag("log-every", f.log_every, 1) || !intFlag("checkpoint-every", f.checkpoint_every, 0))
@@ -472,17 +625,72 @@ int runTrain(const std::vector<std::string>& args) {
   if (!f.trace_path.empty()) {
     tracer = std::make_unique<runtime::Tracer>();
     tracer->setRecording(false);
-    f.tracer = so.tracer = tracer.get();
   }
   if (f.resume) so.checkpoint_path = f.checkpoint_dir;  // loaded whole: the memory check counts it
   if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
-  auto session = ModelSession::create(so, std::cerr);
-  if (!session) {
-    printError("train", session.status());
-    return kExitError;
+  so.plan_path = p.get("plan");
+  so.sharding = p.get("sharding");
+  so.ranks_per_node = static_cast<int>(ranks_per_node);
+  if (!so.plan_path.empty() && !std::filesystem::exists(so.plan_path))
+    return p.usageError(fmt::format("no such plan file '{}'", so.plan_path));
+
+  // mpirun started this process: one rank of MPI's processes.
+  std::unique_ptr<comm::Communicator> mpi;
+  if (comm::launchedByMpi()) {
+    int argc = 0;
+    char** argv = nullptr;
+    auto c = comm::createMpiCommunicator(&argc, &argv);
+    if (!c) {
+      printError("train", c.status());
+      return kExitError;
+    }
+    mpi = c.take();
+    if (p.has("ranks") && ranks != mpi->size())
+      return p.usageError(fmt::format("--ranks {} disagrees with mpirun's {} processes", ranks, mpi->size()));
+    ranks = mpi->size();
   }
-  Trainer t(**session, f, so.seed);
-  return t.run();
+  if (ranks > 1 && so.device != "cpu")
+    return p.usageError("several ranks train on the CPU for now (the CUDA backend does not issue collectives yet)");
+  if (f.batch % ranks != 0)
+    return p.usageError(fmt::format("--batch {} does not split over {} ranks (it is the global batch)", f.batch, ranks));
+
+  // One rank's run: its session (its own sharded program) and training loop. Only rank 0 traces.
+  auto trainRank = [&](comm::Communicator* c) -> int {
+    SessionOptions mine = so;
+    mine.comm = c;
+    mine.batch = f.batch / ranks;
+    const int rank = c ? c->rank() : 0;
+    mine.tracer = rank == 0 ? tracer.get() : nullptr;
+    auto session = ModelSession::create(mine, std::cerr);
+    if (!session) {
+      printError(ranks > 1 ? fmt::format("train: rank {}", rank) : "train", session.status());
+      return kExitError;
+    }
+    Trainer t(**session, f, so.seed, mine.tracer);
+    return t.run();
+  };
+  const auto timeout = std::chrono::seconds(comm_timeout);
+  if (mpi) {
+    mpi->setTimeout(timeout);
+    const int rc = trainRank(mpi.get());
+    // The others must not wait for this rank's next collective until their timeout.
+    if (rc != kExitOk) mpi->abort(fmt::format("rank {} failed", mpi->rank()));
+    return rc;
+  }
+  if (ranks == 1) return trainRank(nullptr);
+  comm::LocalGroup group(static_cast<int>(ranks));
+  group.setTimeout(timeout);
+  std::vector<int> codes(static_cast<size_t>(ranks), kExitOk);
+  // A rank that fails aborts the group, so the others stop at their next collective.
+  Status st = group.run([&](comm::Communicator& c) -> Status {
+    const int rc = trainRank(&c);
+    codes[static_cast<size_t>(c.rank())] = rc;
+    return rc == kExitOk ? Status::ok() : Status::errorf("rank {} failed", c.rank());
+  });
+  int rc = kExitOk;
+  for (int c : codes) rc = std::max(rc, c);
+  if (!st && rc == kExitOk) rc = kExitError;
+  return rc;
 }
 
 }  // namespace kiln::cli

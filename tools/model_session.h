@@ -141,6 +141,10 @@ class ModelSession {
   // This rank and the group size (0 and 1 without SessionOptions::comm).
   int rank() const;
   int ranks() const;
+  // The communicator of a run on several ranks; nullptr on one.
+  comm::Communicator* communicator() const { return options_.comm; }
+  // This rank's collectives so far (zeros on one rank).
+  comm::CommStats commStats() const { return rank_group_ ? rank_group_->stats() : comm::CommStats{}; }
   // What this rank holds of every global tensor (parameters and optimizer states), as the
   // sharded checkpoint writer takes them: a shard's global name, shape and offset, or a
   // replicated whole tensor. The views point into params().

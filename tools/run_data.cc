@@ -29,24 +29,54 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   const data::BatchSpec& spec = s.forwardSpec();
   runtime::AucAccumulator auc;
   runtime::RunningMean loss;
-  data::Batch batch;
+  data::Batch batch, share;
   EvalResult r;
   std::vector<float> scores, labels;
+  // On N ranks each evaluates its 1/N of every global batch; the scores and labels of all of
+  // them meet on every rank, in global order, for one AUC (o.batch is the global batch).
+  const int ranks = s.ranks();
+  comm::Communicator* c = s.communicator();
+  int64_t left_out = 0;
   while (true) {
     KILN_ASSIGN_OR_RETURN(auto more, prefetch.next(batch));
     if (!more) break;
-    KILN_ASSIGN_OR_RETURN(auto out, s.forward(batch));
-    loss.add(out.loss, static_cast<double>(batch.size));
+    const data::Batch* mine = &batch;
+    int64_t local = batch.size;
+    if (ranks > 1) {
+      // Every rank runs the same program size: an indivisible last batch leaves its remainder out.
+      local = batch.size / ranks;
+      left_out += batch.size - local * ranks;
+      if (local == 0) continue;
+      KILN_ASSIGN_OR_RETURN(share, data::sliceBatch(batch, spec, s.rank() * local, local));
+      mine = &share;
+    }
+    KILN_ASSIGN_OR_RETURN(auto out, s.forward(*mine));
+    double batch_loss = out.loss;
     scores.resize(out.logits.size());
     for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
     if (spec.labelIndex() >= 0) {
-      labels.resize(static_cast<size_t>(batch.size));
-      for (int64_t i = 0; i < batch.size; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(batch, spec, i);
-      auc.add(scores, labels);
+      labels.resize(static_cast<size_t>(local));
+      for (int64_t i = 0; i < local; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(*mine, spec, i);
     }
+    if (ranks > 1) {
+      std::vector<float> all(static_cast<size_t>(local * ranks));
+      KILN_RETURN_IF_ERROR(c->allGatherSync(scores.data(), all.data(), scores.size(), comm::DataType::f32));
+      scores.swap(all);
+      if (spec.labelIndex() >= 0) {
+        all.assign(static_cast<size_t>(local * ranks), 0.0f);
+        KILN_RETURN_IF_ERROR(c->allGatherSync(labels.data(), all.data(), labels.size(), comm::DataType::f32));
+        labels.swap(all);
+      }
+      double sum = 0;
+      KILN_RETURN_IF_ERROR(c->allReduceSync(&batch_loss, &sum, 1, comm::DataType::f64));
+      batch_loss = sum / ranks;  // equal shares: the mean of the ranks' means
+    }
+    loss.add(batch_loss, static_cast<double>(local * ranks));
+    if (spec.labelIndex() >= 0) auc.add(scores, labels);
     if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores, batch.skipped));
-    r.samples += batch.size;
+    r.samples += local * ranks;
   }
+  r.left_out = left_out;
   if (on_scores) KILN_RETURN_IF_ERROR(on_scores({}, prefetch.skippedAtEnd()));
   r.malformed = prefetch.malformed();
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");

@@ -28,6 +28,8 @@ struct EvalResult {
   double accuracy = 0;  // at threshold 0.5
   int64_t samples = 0;
   int64_t malformed = 0;  // TSV lines skipped
+  // On N ranks: the samples of an indivisible last batch that no rank evaluated.
+  int64_t left_out = 0;
 };
 
 // Receives each batch's scores in order with the malformed lines skipped among its samples

@@ -8,9 +8,19 @@
 
 namespace kiln::comm {
 
+// What this rank's collectives cost so far: what they sent to other ranks (a ring's share for
+// the reductions and gathers, the rows to other peers for all_to_all), and the time spent in
+// them (waiting for the slowest rank included).
+struct CommStats {
+  int64_t bytes_sent = 0;
+  double seconds = 0;
+  int64_t collectives = 0;
+};
+
 class CommunicatorRankGroup final : public ir::RankGroup {
  public:
   explicit CommunicatorRankGroup(Communicator& comm) : comm_(comm) {}
+  const CommStats& stats() const { return stats_; }
 
   int rank() const override { return comm_.rank(); }
   int size() const override { return comm_.size(); }
@@ -23,7 +33,11 @@ class CommunicatorRankGroup final : public ir::RankGroup {
   Expected<std::vector<int64_t>> exchangeCounts(const std::vector<int64_t>& send_counts) override;
 
  private:
+  class Counted;
+  double share() const;  // (N - 1) / N
+
   Communicator& comm_;
+  CommStats stats_;
 };
 
 }  // namespace kiln::comm

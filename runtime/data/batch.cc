@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 namespace kiln::data {
@@ -220,6 +221,51 @@ Expected<BatchSpec> fromFunction(const ir::Function& fn) {
   auto spec = fromInputs(decls);
   if (!spec) return Status::error(fmt::format("function @{}: {}", fn.name(), spec.status().message()), fn.loc);
   return spec;
+}
+
+Expected<Batch> sliceBatch(const Batch& b, const BatchSpec& spec, int64_t first, int64_t n) {
+  if (first < 0 || n < 0 || first + n > b.size)
+    return Status::errorf("samples [{}, {}) are not in a batch of {}", first, first + n, b.size);
+  Batch out;
+  out.size = n;
+  out.names = b.names;
+  out.end = b.end;
+  for (size_t i = 0; i < b.tensors.size(); ++i) {
+    const ir::HostTensor& t = b.tensors[i];
+    const InputSpec* in = spec.find(b.names[i]);
+    // Flat ids (and their weights) of variable-length features: the positions of the samples'
+    // ids, from the feature's lengths.
+    const InputSpec* flat = nullptr;
+    if (in && in->variableLength()) flat = in;
+    if (in && in->role == InputRole::Weights)
+      for (const InputSpec& s : spec.inputs)
+        if (s.variableLength() && s.weights_input >= 0 && spec.inputs[static_cast<size_t>(s.weights_input)].name == in->name)
+          flat = &s;
+    int64_t begin = first, end = first + n;
+    if (flat) {
+      const ir::HostTensor* lengths = b.find(spec.inputs[static_cast<size_t>(flat->lengths_input)].name);
+      if (!lengths) return Status::errorf("batch has no lengths for '{}'", flat->name);
+      begin = end = 0;
+      for (int64_t s = 0; s < first + n; ++s) {
+        const int64_t len = lengths->view.dtype == ir::DType::i32 ? lengths->as<int32_t>()[s] : lengths->as<int64_t>()[s];
+        if (s < first) begin += len;
+        end += len;
+      }
+    }
+    std::vector<int64_t> shape = t.view.shape;
+    const int64_t row = shape.empty() || shape[0] == 0 ? 0 : t.view.bytes() / shape[0];
+    if (shape.empty()) {
+      out.tensors.push_back(t);
+      continue;
+    }
+    shape[0] = end - begin;
+    ir::HostTensor piece(t.view.dtype, shape);
+    if (row > 0 && end > begin)
+      std::memcpy(piece.view.data, static_cast<const char*>(t.view.data) + begin * row,
+                  static_cast<size_t>((end - begin) * row));
+    out.tensors.push_back(std::move(piece));
+  }
+  return out;
 }
 
 }  // namespace kiln::data

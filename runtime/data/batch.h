@@ -95,6 +95,10 @@ struct Batch {
   ir::HostTensor* find(const std::string& name);
 };
 
+// Samples [first, first + n) of `b` (which `spec` describes): a rank's share of a global batch.
+// Variable-length ids and their weights go with their samples' lengths.
+Expected<Batch> sliceBatch(const Batch& b, const BatchSpec& spec, int64_t first, int64_t n);
+
 // The label of sample i when the spec has a label input (f32 [B] or [B, 1]).
 float batchLabel(const Batch& b, const BatchSpec& spec, int64_t i);
 
