@@ -154,6 +154,9 @@ Status Sharder::retypeParameters(ir::Function& f) {
     op->result()->setType(TensorType(old.dtype(), std::move(shape)));
     op->setAttr("global_shape", intsOf(global));
     op->setAttr("offset", intsOf(offset));
+    // A per-row state of column shards: every holder keeps the same copy of its rows'.
+    if (old.rank() == 1 && t->type == ShardingType::column_wise && t->shards.size() > 1)
+      op->setAttr("replicated", Attribute(true));
   }
   return Status::ok();
 }

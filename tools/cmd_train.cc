@@ -262,7 +262,12 @@ Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
   KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta));
-  std::filesystem::remove(dir / runtime::kShardedIndexFile, ec);
+  // The index first: without it the shard files are no checkpoint.
+  if (std::filesystem::remove(dir / runtime::kShardedIndexFile, ec))
+    for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("shard-", 0) == 0 && e.path().extension() == ".safetensors") std::filesystem::remove(e.path(), ec);
+    }
   return Status::ok();
 }
 

@@ -395,6 +395,7 @@ std::vector<runtime::LocalPiece> ModelSession::localPieces() {
     // tensor: replicated when several ranks hold it.
     p.global_shape = op ? intsAttr(*op, "global_shape") : std::vector<int64_t>{};
     p.offset = op ? intsAttr(*op, "offset") : std::vector<int64_t>{};
+    p.replicated = op && op->boolAttr("replicated");
     if (p.global_shape.empty()) {
       p.global_shape = t->view.shape;
       p.offset.assign(t->view.shape.size(), 0);

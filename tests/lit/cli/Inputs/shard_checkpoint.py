@@ -126,10 +126,35 @@ def compare(a, b):
     return 0
 
 
+def close(a, b, tol):
+    """The same f32 tensors within tol (relative, with an absolute floor of tol / 10): runs whose sums
+    went in another order (several ranks against one)."""
+    da = {t[0]: t[1:] for t in read(a)[0]}
+    db = {t[0]: t[1:] for t in read(b)[0]}
+    if da.keys() != db.keys():
+        print("tensor names differ: %s" % sorted(set(da) ^ set(db)))
+        return 1
+    for name in sorted(da):
+        (ta, sa, xa), (tb, sb, xb) = da[name], db[name]
+        if ta != tb or sa != sb:
+            print("tensor %s: %s %s vs %s %s" % (name, ta, sa, tb, sb))
+            return 1
+        va = struct.unpack("<%df" % (len(xa) // 4), xa)
+        vb = struct.unpack("<%df" % (len(xb) // 4), xb)
+        for i, (x, y) in enumerate(zip(va, vb)):
+            if abs(x - y) > tol / 10 + tol * abs(y):
+                print("tensor %s element %d: %r vs %r" % (name, i, x, y))
+                return 1
+    print("close %d tensors" % len(da))
+    return 0
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "split":
         split(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "compare":
         sys.exit(compare(sys.argv[2], sys.argv[3]))
+    elif sys.argv[1] == "close":
+        sys.exit(close(sys.argv[2], sys.argv[3], float(sys.argv[4])))
     else:
         sys.exit("unknown mode " + sys.argv[1])
