@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 
@@ -678,8 +679,15 @@ int runTrain(const std::vector<std::string>& args) {
   if (mpi) {
     mpi->setTimeout(timeout);
     const int rc = trainRank(mpi.get());
-    // The others must not wait for this rank's next collective until their timeout.
-    if (rc != kExitOk) mpi->abort(fmt::format("rank {} failed", mpi->rank()));
+    if (rc != kExitOk) {
+      // The others must not wait for this rank's next collective until their timeout. MPI cannot
+      // cancel the collectives a broken group left started, and MPI_Finalize could wait on them:
+      // exit without it (mpirun then ends the job).
+      mpi->abort(fmt::format("rank {} failed", mpi->rank()));
+      std::fflush(stdout);
+      std::fflush(stderr);
+      std::_Exit(rc);
+    }
     return rc;
   }
   if (ranks == 1) return trainRank(nullptr);
