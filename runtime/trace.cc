@@ -51,6 +51,23 @@ void Tracer::collective(std::string name, int rank, int track, Clock::time_point
   complete(std::move(name), TraceCategory::Collective, rank, track, begin, end, {{"bytes", bytes}});
 }
 
+void Tracer::absorb(const Tracer& other) {
+  if (&other == this) return;
+  const double shift = std::chrono::duration<double, std::micro>(other.origin_ - origin_).count();
+  std::vector<TraceEvent> events;
+  std::map<std::pair<int, int>, std::string> names;
+  {
+    std::lock_guard<std::mutex> lock(other.mu_);
+    events = other.events_;
+    names = other.track_names_;
+  }
+  for (TraceEvent& e : events) e.ts_us += shift;
+  std::lock_guard<std::mutex> lock(mu_);
+  events_.insert(events_.end(), std::make_move_iterator(events.begin()),
+                 std::make_move_iterator(events.end()));
+  track_names_.insert(names.begin(), names.end());
+}
+
 void Tracer::nameTrack(int rank, int track, std::string name) {
   std::lock_guard<std::mutex> lock(mu_);
   track_names_[{rank, track}] = std::move(name);

@@ -74,6 +74,11 @@ class Tracer {
   void collective(std::string name, int rank, int track, Clock::time_point begin, Clock::time_point end,
                   int64_t bytes);
 
+  // Adds every event and track name of `other`, whatever this one's recording state, its times
+  // moved onto this tracer's clock: in-process ranks each record into their own tracer (each
+  // opens its own --trace-steps window) and rank 0 writes them as one file.
+  void absorb(const Tracer& other);
+
   // Names a track ("stream 1 (embeddings)"); unnamed tracks are "host" and "stream N".
   void nameTrack(int rank, int track, std::string name);
 

@@ -61,12 +61,24 @@ struct TrainFlags {
 // why, naming itself).
 class Trainer {
  public:
-  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed, runtime::Tracer* tracer)
-      : s_(session), f_(flags), seed_(seed), tracer_(tracer), comm_(session.communicator()),
-        rank_(session.rank()), ranks_(session.ranks()) {}
+  // `peer_tracers`: on rank 0 of in-process ranks, every rank's tracer, written with its own.
+  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed, runtime::Tracer* tracer,
+          const std::vector<std::unique_ptr<runtime::Tracer>>* peer_tracers = nullptr)
+      : s_(session),
+        f_(flags),
+        seed_(seed),
+        tracer_(tracer),
+        peer_tracers_(peer_tracers),
+        comm_(session.communicator()),
+        rank_(session.rank()),
+        ranks_(session.ranks()) {}
   int run();
 
  private:
+  void absorbPeers() {
+    if (peer_tracers_)
+      for (const auto& t : *peer_tracers_) tracer_->absorb(*t);
+  }
   bool loud() const { return rank_ == 0; }
   void warn(const std::string& message) const;
   void error(const Status& st) const;
@@ -83,6 +95,7 @@ class Trainer {
   const TrainFlags& f_;
   uint64_t seed_;
   runtime::Tracer* tracer_;
+  const std::vector<std::unique_ptr<runtime::Tracer>>* peer_tracers_;
   comm::Communicator* comm_;  // nullptr on one rank
   int rank_, ranks_;
   data::Batch share_;
@@ -369,7 +382,10 @@ int Trainer::run() {
   auto fail = [&](const Status& st) {
     if (tty_ && loud()) std::fprintf(stderr, "\n");
     error(st);
-    if (tracer) (void)tracer->write(f_.trace_path);
+    if (tracer && loud()) {
+      absorbPeers();
+      (void)tracer->write(f_.trace_path);
+    }
     return kExitError;
   };
 
@@ -382,7 +398,7 @@ int Trainer::run() {
   while (f_.steps == 0 || step_ < f_.steps) {
     const int64_t run_step = step_ - start_step_ + 1;
     if (tracer) tracer->setRecording(run_step >= f_.trace_first && run_step <= f_.trace_last);
-    runtime::Tracer::Scope data_wait(tracer, "data wait", runtime::TraceCategory::Data, 0,
+    runtime::Tracer::Scope data_wait(tracer, "data wait", runtime::TraceCategory::Data, rank_,
                                      runtime::kHostTrack, {{"step", step_ + 1}});
     auto more = prefetch.next(batch);
     data_wait.end();
@@ -402,7 +418,7 @@ int Trainer::run() {
     if (!mine) return fail(mine.status());
     double lr = passes::learningRateFactor(schedule, step_ + 1);
     runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
-                                      0, runtime::kHostTrack, {{"step", step_ + 1}});
+                                      rank_, runtime::kHostTrack, {{"step", step_ + 1}});
     auto out = s_.trainStep(**mine, lr, step_ + 1);
     step_scope.end();
     if (!out) return fail(out.status());
@@ -423,7 +439,7 @@ int Trainer::run() {
 
     bool evaluated = false;
     if (f_.eval_every > 0 && step_ % f_.eval_every == 0) {
-      runtime::Tracer::Scope eval_scope(tracer, "evaluate", runtime::TraceCategory::Host, 0,
+      runtime::Tracer::Scope eval_scope(tracer, "evaluate", runtime::TraceCategory::Host, rank_,
                                         runtime::kHostTrack, {{"step", step_}});
       auto ev = evaluate();
       if (!ev) return fail(ev.status());
@@ -468,7 +484,7 @@ int Trainer::run() {
       window_start_ = last_log = Clock::now();
     }
     if (!f_.checkpoint_dir.empty() && f_.checkpoint_every > 0 && step_ % f_.checkpoint_every == 0) {
-      runtime::Tracer::Scope save_scope(tracer, "checkpoint save", runtime::TraceCategory::Host, 0,
+      runtime::Tracer::Scope save_scope(tracer, "checkpoint save", runtime::TraceCategory::Host, rank_,
                                         runtime::kHostTrack, {{"step", step_}});
       Status st = saveCheckpoint(position);
       if (!st) return fail(st);
@@ -492,6 +508,11 @@ int Trainer::run() {
   }
 
   double elapsed = secondsSince(start_);
+  // Rank 0 writes the other in-process ranks' tracers with its own once every rank is past its
+  // last event. (Every rank knows the flag, so all of them, MPI ranks too, meet at the barrier.)
+  if (!f_.trace_path.empty() && ranks_ > 1) {
+    if (Status st = comm_->barrier(); !st) return fail(st);
+  }
   if (!loud()) return kExitOk;
   std::printf("trained %s: %lld steps (%lld this run), %lld samples in %.1f s, %.0f samples/s%s\n",
               s_.modelName().c_str(), static_cast<long long>(step_), static_cast<long long>(step_ - start_step_),
@@ -509,6 +530,7 @@ int Trainer::run() {
     if (ran < f_.trace_first)
       warn(fmt::format("--trace-steps {}:{}: this run ran only {} step(s), so the trace holds none",
                        f_.trace_first, f_.trace_last, ran));
+    absorbPeers();
     if (Status st = tracer->write(f_.trace_path); !st) return fail(st);
     if (ran >= f_.trace_first)
       std::printf("trace: %s (steps %lld to %lld of this run)\n", f_.trace_path.c_str(),
@@ -660,19 +682,30 @@ int runTrain(const std::vector<std::string>& args) {
   if (f.batch % ranks != 0)
     return p.usageError(fmt::format("--batch {} does not split over {} ranks (it is the global batch)", f.batch, ranks));
 
-  // One rank's run: its session (its own sharded program) and training loop. Only rank 0 traces.
+  // One rank's run: its session (its own sharded program) and training loop. In-process ranks
+  // trace each into its own tracer, on its own tracks (pid = rank), and rank 0 writes them all;
+  // of MPI processes only rank 0 traces (the others' events would have to cross processes).
+  std::vector<std::unique_ptr<runtime::Tracer>> peer_tracers;
+  if (tracer && !mpi)
+    for (int64_t r = 1; r < ranks; ++r) {
+      peer_tracers.push_back(std::make_unique<runtime::Tracer>());
+      peer_tracers.back()->setRecording(false);
+    }
   auto trainRank = [&](comm::Communicator* c) -> int {
     SessionOptions mine = so;
     mine.comm = c;
     mine.batch = f.batch / ranks;
     const int rank = c ? c->rank() : 0;
-    mine.tracer = rank == 0 ? tracer.get() : nullptr;
+    mine.tracer = rank == 0 || !tracer ? tracer.get()
+                  : mpi                ? nullptr
+                                       : peer_tracers[static_cast<size_t>(rank - 1)].get();
     auto session = ModelSession::create(mine, std::cerr);
     if (!session) {
       printError(ranks > 1 ? fmt::format("train: rank {}", rank) : "train", session.status());
       return kExitError;
     }
-    Trainer t(**session, f, so.seed, mine.tracer);
+    Trainer t(**session, f, so.seed, mine.tracer,
+              rank == 0 && !peer_tracers.empty() ? &peer_tracers : nullptr);
     return t.run();
   };
   const auto timeout = std::chrono::seconds(comm_timeout);

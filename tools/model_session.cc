@@ -297,6 +297,7 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   eo.threads = options_.threads;
   eo.profile = options_.profile;
   eo.tracer = options_.tracer;
+  eo.rank = rank();  // the trace's pid: each rank's kernels on its own tracks
   eo.ranks = rank_group_.get();
   KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
   runtime::cpu::CpuExecutor* raw = exec.get();

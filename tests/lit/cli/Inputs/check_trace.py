@@ -1,10 +1,12 @@
 """Checks a `kiln train --trace` file against the run's `--profile` table (standard library only).
 
-usage: check_trace.py TRACE.json PROFILE_OUTPUT FIRST LAST
+usage: check_trace.py TRACE.json PROFILE_OUTPUT FIRST LAST [RANKS]
 
 The file must parse as a Chrome trace ({"traceEvents": [...]}); every track with events must be
 named by an "M" event; the host's step events must be exactly steps FIRST..LAST; every other event
 must fall inside those steps; and the kernel/GEMM event names must be the op names --profile printed.
+With RANKS (kiln train --ranks N), all of that holds for every rank's own tracks (pid = rank): rank 0
+prints the profile, and every rank of a symmetric plan runs the same op kinds.
 """
 import json
 import re
@@ -18,9 +20,18 @@ def fail(message):
 
 def main():
     trace_path, profile_path, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    ranks = int(sys.argv[5]) if len(sys.argv) > 5 else 1
     with open(trace_path) as f:
         doc = json.load(f)
-    events = doc["traceEvents"]
+    all_events = doc["traceEvents"]
+    pids = sorted({e["pid"] for e in all_events if e["ph"] == "X"})
+    if pids != list(range(ranks)):
+        fail("events of ranks %r, want ranks 0 to %d" % (pids, ranks - 1))
+    for rank in range(ranks):
+        check_rank([e for e in all_events if e["pid"] == rank], profile_path, first, last)
+
+
+def check_rank(events, profile_path, first, last):
     complete = [e for e in events if e["ph"] == "X"]
     named_threads = {(e["pid"], e["tid"]) for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     named_processes = {e["pid"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
