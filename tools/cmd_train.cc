@@ -154,8 +154,25 @@ Status Trainer::claimCheckpointDir() {
   return Status::ok();
 }
 
+// Whether --resume should read DIR's sharded form. A directory holds both forms only where a save
+// was cut short between the new form's rename and the old form's removal: the newer step wins
+// (an unreadable side loses, and its error comes from the side that is read).
+bool resumeFromShards(const std::string& dir) {
+  if (!runtime::ShardedCheckpoint::isShardedDir(dir)) return false;
+  const std::string file = checkpointFile(dir);
+  if (!std::filesystem::exists(file)) return true;
+  auto header = runtime::readCheckpointHeader(file);
+  if (!header) return true;
+  auto it = header->metadata.find("step");
+  int64_t file_step = -1;
+  if (it != header->metadata.end())
+    std::from_chars(it->second.data(), it->second.data() + it->second.size(), file_step);
+  auto shards = runtime::ShardedCheckpoint::open(dir);
+  return !shards || shards->step() >= file_step;
+}
+
 Status Trainer::resume() {
-  if (runtime::ShardedCheckpoint::isShardedDir(f_.checkpoint_dir)) return resumeSharded();
+  if (resumeFromShards(f_.checkpoint_dir)) return resumeSharded();
   std::string path = checkpointFile(f_.checkpoint_dir);
   if (!std::filesystem::exists(path))
     return Status::error(fmt::format("--resume: no checkpoint at '{}'", path));
