@@ -235,6 +235,13 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   passes::PassManager pm({.target = s->target_});
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;
+  if (options.comm && options.comm->rank() != 0) {
+    // Rank 0 shows its program (kiln dump --ranks N --rank R shows any rank's).
+    pm.options().print_ir_after.clear();
+    pm.options().print_ir_after_all = false;
+    pm.options().dump_dir.clear();
+    pm.options().timing = false;
+  }
   passes::PassOptions shard;
   if (options.comm && options.comm->size() > 1) {
     shard.set("ranks", std::to_string(options.comm->size()));
