@@ -250,7 +250,8 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
     if (!options.sharding.empty()) shard.set("sharding", options.sharding);
     if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
   }
-  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
+  KILN_RETURN_IF_ERROR(
+      pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
@@ -416,8 +417,9 @@ std::vector<runtime::LocalPiece> ModelSession::localPieces() {
 Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
   for (runtime::LocalPiece& p : localPieces()) {
     if (!ckpt.find(p.name))
-      return Status::errorf("checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
-                            ckpt.dir(), p.name);
+      return Status::errorf(
+          "checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
+          ckpt.dir(), p.name);
     KILN_RETURN_IF_ERROR(ckpt.readSlice(p.name, p.offset, p.view));
   }
   host_touched_ = cuda_ != nullptr;
