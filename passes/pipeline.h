@@ -13,7 +13,8 @@ namespace kiln::passes {
 // cleanup passes run before it and again on the training step, and remat gets
 // `memory_budget` ("60%" or bytes; "" = none) as its `budget` option.
 // With `shard` options (ranks > 1: shard{ranks=N,rank=R,...}) the shard pass follows autodiff.
-std::string defaultPipeline(bool training, std::string_view memory_budget = "", const PassOptions& shard = {});
+std::string defaultPipeline(bool training, std::string_view memory_budget = "",
+                            const PassOptions& shard = {});
 
 // The default pipeline up to, not including, the first run of `pass` (all of it when the
 // pipeline does not run `pass`): what `kiln dump --explain=fusion` runs before explaining.

@@ -132,8 +132,10 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
   for (const auto& op : f.entry().ops()) {
     // Collectives on their own stream (2), in program order, so that a GPU overlaps them with
     // compute; their operands and users wait on events like any other cross-stream value.
-    if (ir::isCollective(*op)) place(*op, kCommStream);
-    else if (onEmbeddingStream(*op)) place(*op, 1);
+    if (ir::isCollective(*op))
+      place(*op, kCommStream);
+    else if (onEmbeddingStream(*op))
+      place(*op, 1);
   }
   return changed || streams;
 }

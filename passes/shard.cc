@@ -31,6 +31,8 @@
 // The loss each rank computes is its local batch's. Under a mean reduction the global loss is
 // the mean of the N local losses, so every gradient sent (pooled gradients, dense buckets) is
 // scaled by 1/N first.
+#include "passes/shard.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -43,13 +45,12 @@
 #include "ir/op_def.h"
 #include "ir/optimizer.h"
 #include "passes/pass_registry.h"
-#include "passes/shard.h"
 
 namespace kiln::passes {
 namespace {
 
-using ir::Attribute;
 using ir::AttrDict;
+using ir::Attribute;
 using ir::Dim;
 using ir::DType;
 using ir::Op;
@@ -116,14 +117,16 @@ class Sharder {
 };
 
 Expected<Value*> Sharder::zeros(TensorType t) {
-  KILN_ASSIGN_OR_RETURN(Op * c, b_.createWithTypes(OpCode::Constant, {}, {std::move(t)}, {{"value", Attribute(0.0)}}));
+  KILN_ASSIGN_OR_RETURN(
+      Op * c, b_.createWithTypes(OpCode::Constant, {}, {std::move(t)}, {{"value", Attribute(0.0)}}));
   return c->result();
 }
 
 Expected<Value*> Sharder::scaled(Value* grad) {
   if (grad_scale_ == 1) return grad;
-  KILN_ASSIGN_OR_RETURN(Op * c, b_.createWithTypes(OpCode::Constant, {}, {TensorType(grad->type().dtype(), {})},
-                                                    {{"value", Attribute(grad_scale_)}}));
+  KILN_ASSIGN_OR_RETURN(Op * c,
+                        b_.createWithTypes(OpCode::Constant, {}, {TensorType(grad->type().dtype(), {})},
+                                           {{"value", Attribute(grad_scale_)}}));
   return b_.createValue(OpCode::Mul, {grad, c->result()});
 }
 
@@ -143,7 +146,8 @@ Status Sharder::retypeParameters(ir::Function& f) {
       continue;
     }
     const TensorType& old = op->result()->type();
-    if (!old.isStatic()) return located(*op, Status::errorf("sharded parameter {} needs a static shape", old.str()));
+    if (!old.isStatic())
+      return located(*op, Status::errorf("sharded parameter {} needs a static shape", old.str()));
     std::vector<int64_t> global, offset{s->row_begin};
     ir::Shape shape{Dim::fixed(s->rows())};
     for (int64_t i = 0; i < old.rank(); ++i) global.push_back(old.dim(i).size());
@@ -184,11 +188,12 @@ Expected<Route> Sharder::route(const Op& at, const TablePlan& t, Value* ids, Val
   KILN_ASSIGN_OR_RETURN(r.lengths, b_.createValue(OpCode::AllToAll, {bucket->result(1)}, group()));
   // Each peer sends at most all its ids (once to each holder): N times a rank's ids in all.
   const Dim per_rank = ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
-                                                : ids->type().dim(0).upperBound();
+                                               : ids->type().dim(0).upperBound();
   const TensorType rows(DType::i64, {Dim::bounded(per_rank.times(o_.ranks))});
   const TensorType counts(DType::i64, {Dim::fixed(o_.ranks)});
-  KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)},
-                                                       {rows, counts}, group()));
+  KILN_ASSIGN_OR_RETURN(
+      Op * moved,
+      b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)}, {rows, counts}, group()));
   r.ids = moved->result(0);
   r.return_counts = bucket->result(3);
   (void)at;
@@ -197,19 +202,22 @@ Expected<Route> Sharder::route(const Op& at, const TablePlan& t, Value* ids, Val
 
 Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   if (bag.strAttr("mode", "sum") != "sum")
-    return located(bag, Status::errorf("table '{}' is {}: sharding needs pool = sum (partial pools are summed across "
-                                       "ranks), got pool = {}",
-                                       t.table, shardingName(t.type), bag.strAttr("mode")));
+    return located(
+        bag, Status::errorf("table '{}' is {}: sharding needs pool = sum (partial pools are summed across "
+                            "ranks), got pool = {}",
+                            t.table, shardingName(t.type), bag.strAttr("mode")));
   Value* ids = bag.operand(1);
   Value* lengths = nullptr;
   if (ids->type().rank() == 1) {
     if (bag.numOperands() != 3)
-      return located(bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
-                                         t.table));
+      return located(
+          bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
+                              t.table));
     lengths = bag.operand(2);
   } else if (bag.numOperands() != 2) {
-    return located(bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
-                                       t.table));
+    return located(
+        bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
+                            t.table));
   }
   b_.setInsertionPoint(&bag);
   b_.setLocation(bag.location());
@@ -224,11 +232,13 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   Value* partial = nullptr;
   if (mine(t)) {
     AttrDict a{{"mode", Attribute("sum")}, {"table", Attribute(t.table)}};
-    KILN_ASSIGN_OR_RETURN(partial, b_.createValue(OpCode::EmbeddingBag, {bag.operand(0), r.ids, r.lengths}, a));
+    KILN_ASSIGN_OR_RETURN(partial,
+                          b_.createValue(OpCode::EmbeddingBag, {bag.operand(0), r.ids, r.lengths}, a));
   } else {
     // Nothing to look up: an empty contribution (or zeros to the sum of a reduce_scatter).
-    KILN_ASSIGN_OR_RETURN(partial, zeros(reduce_scatter ? partial_type
-                                                        : TensorType(pooled_type.dtype(), {Dim::fixed(0), Dim::fixed(cols)})));
+    KILN_ASSIGN_OR_RETURN(
+        partial, zeros(reduce_scatter ? partial_type
+                                      : TensorType(pooled_type.dtype(), {Dim::fixed(0), Dim::fixed(cols)})));
   }
   Value* pooled = nullptr;
   if (reduce_scatter) {
@@ -269,7 +279,8 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   if (l.weights >= 0)
     return located(update, Status::errorf("table '{}': weighted lookups cannot be sharded yet", t.table));
   if (l.grad_scale >= 0)
-    return located(update, Status::errorf("table '{}': grad_clip is not supported on several ranks yet", t.table));
+    return located(update,
+                   Status::errorf("table '{}': grad_clip is not supported on several ranks yet", t.table));
   Value* ids = update.operand(static_cast<unsigned>(l.ids));
   Value* lengths = l.lengths >= 0 ? update.operand(static_cast<unsigned>(l.lengths)) : nullptr;
   b_.setInsertionPoint(&update);
@@ -280,7 +291,8 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   } else {
     auto it = routes_.find({t.table, ids});
     if (it == routes_.end())
-      return located(update, Status::errorf("table '{}': its update has no lookup of the same ids before it", t.table));
+      return located(
+          update, Status::errorf("table '{}': its update has no lookup of the same ids before it", t.table));
     r = it->second;
   }
   // A column shard under rowwise_adagrad needs its rows' whole gradient: the row's statistic
@@ -288,9 +300,10 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   const bool whole_rows = t.type == ShardingType::column_wise && holders(t) > 1 &&
                           update.strAttr("optimizer") == "rowwise_adagrad";
   if (whole_rows && update.floatAttr("weight_decay") != 0)
-    return located(update, Status::errorf("table '{}': column_wise with rowwise_adagrad and weight_decay needs the "
-                                          "other shards' weights; use row_wise or no weight decay",
-                                          t.table));
+    return located(update,
+                   Status::errorf("table '{}': column_wise with rowwise_adagrad and weight_decay needs the "
+                                  "other shards' weights; use row_wise or no weight decay",
+                                  t.table));
   KILN_ASSIGN_OR_RETURN(Value * grad, scaled(update.operand(static_cast<unsigned>(l.grad_out))));
   const TensorType& gt = grad->type();
   const Dim batch = gt.dim(0);
@@ -306,12 +319,14 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
     if (t.type == ShardingType::column_wise && k > 1 && whole_rows) cols = dim;
     if (k > 1 && t.type == ShardingType::column_wise && !whole_rows) {
-      KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {grad},
-                                                           {TensorType(gt.dtype(), {batch, Dim::fixed(k), Dim::fixed(cols)})}));
+      KILN_ASSIGN_OR_RETURN(
+          Op * split, b_.createWithTypes(OpCode::Reshape, {grad},
+                                         {TensorType(gt.dtype(), {batch, Dim::fixed(k), Dim::fixed(cols)})}));
       KILN_ASSIGN_OR_RETURN(Value * across, b_.createValue(OpCode::Transpose, {split->result()},
                                                            {{"perm", intsOf({1, 0, 2})}}));
-      KILN_ASSIGN_OR_RETURN(Op * flat, b_.createWithTypes(OpCode::Reshape, {across},
-                                                          {TensorType(gt.dtype(), {batch.times(k), Dim::fixed(cols)})}));
+      KILN_ASSIGN_OR_RETURN(Op * flat,
+                            b_.createWithTypes(OpCode::Reshape, {across},
+                                               {TensorType(gt.dtype(), {batch.times(k), Dim::fixed(cols)})}));
       send = flat->result();
     } else if (k > 1) {
       std::vector<Value*> copies(static_cast<size_t>(k), grad);
@@ -368,7 +383,8 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
     const Op* def = g->definingOp();
     grads.push_back({op, g, def && pos.count(def) ? pos[def] : 0});
   }
-  std::stable_sort(grads.begin(), grads.end(), [](const Grad& a, const Grad& b) { return a.ready < b.ready; });
+  std::stable_sort(grads.begin(), grads.end(),
+                   [](const Grad& a, const Grad& b) { return a.ready < b.ready; });
   size_t i = 0;
   while (i < grads.size()) {
     // One bucket: gradients of one element type until it holds bucket_bytes.
@@ -377,7 +393,9 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
     const DType dt = grads[i].grad->type().dtype();
     while (j < grads.size() && grads[j].grad->type().dtype() == dt && (j == i || bytes < o_.bucket_bytes)) {
       auto n = grads[j].grad->type().numElements({});
-      if (!n) return located(*grads[j].update, Status::error("a dense gradient needs a static shape on several ranks"));
+      if (!n)
+        return located(*grads[j].update,
+                       Status::error("a dense gradient needs a static shape on several ranks"));
       bytes += *n * static_cast<int64_t>(ir::dtypeBytes(dt));
       ++j;
     }
@@ -401,7 +419,8 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
                                                          {TensorType(t.dtype(), {Dim::fixed(n)})}));
         flat.push_back(r->result());
       }
-      KILN_ASSIGN_OR_RETURN(Value * bucket, b_.createValue(OpCode::Concat, flat, {{"axis", Attribute(int64_t{0})}}));
+      KILN_ASSIGN_OR_RETURN(Value * bucket,
+                            b_.createValue(OpCode::Concat, flat, {{"axis", Attribute(int64_t{0})}}));
       bucket->setNameHint(fmt::format("grad_bucket.{}", buckets_++));
       KILN_ASSIGN_OR_RETURN(Value * sum, b_.createValue(OpCode::AllReduce, {bucket}, group()));
       KILN_ASSIGN_OR_RETURN(Value * mean, scaled(sum));
@@ -412,8 +431,9 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
                                                             {{"axis", Attribute(int64_t{0})},
                                                              {"start", Attribute(at)},
                                                              {"limit", Attribute(at + n)}}));
-        KILN_ASSIGN_OR_RETURN(Op * shaped, b_.createWithTypes(OpCode::Reshape, {piece},
-                                                              {grads[g].grad->type().withSharding(std::nullopt)}));
+        KILN_ASSIGN_OR_RETURN(
+            Op * shaped,
+            b_.createWithTypes(OpCode::Reshape, {piece}, {grads[g].grad->type().withSharding(std::nullopt)}));
         grads[g].update->setOperand(1, shaped->result());
         at += n;
       }
@@ -429,7 +449,8 @@ Status Sharder::run(ir::Function& f) {
   // A mean loss: the global batch's is the mean of the ranks' (a sum loss: their sum).
   grad_scale_ = 1;
   for (Op* op : f.entry().opList())
-    if (op->isAnyOf(OpCode::BceWithLogits, OpCode::SoftmaxCrossEntropy) && op->strAttr("reduction", "mean") == "mean")
+    if (op->isAnyOf(OpCode::BceWithLogits, OpCode::SoftmaxCrossEntropy) &&
+        op->strAttr("reduction", "mean") == "mean")
       grad_scale_ = 1.0 / o_.ranks;
   KILN_RETURN_IF_ERROR(retypeParameters(f));
   for (Op* op : f.entry().opList()) {
@@ -442,8 +463,8 @@ Status Sharder::run(ir::Function& f) {
     if (op->is(OpCode::EmbeddingBagUpdate) && t) {
       KILN_RETURN_IF_ERROR(lowerUpdate(*op, *t));
     } else if (op->isAnyOf(OpCode::EmbeddingBagWeightGrad, OpCode::EmbeddingBagGradSqnorm) && t) {
-      return located(*op, Status::errorf("table '{}': weighted lookups and grad_clip cannot be sharded yet",
-                                         t->table));
+      return located(
+          *op, Status::errorf("table '{}': weighted lookups and grad_clip cannot be sharded yet", t->table));
     }
   }
   if (f.name() == "train_step") KILN_RETURN_IF_ERROR(reduceDenseGradients(f));
@@ -552,7 +573,8 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
     if (v.empty()) return lo;
     char* end = nullptr;
     const long long x = std::strtoll(v.c_str(), &end, 10);
-    if (!end || *end || x < lo) return Status::errorf("shard: option {} must be an integer >= {}, got '{}'", name, lo, v);
+    if (!end || *end || x < lo)
+      return Status::errorf("shard: option {} must be an integer >= {}, got '{}'", name, lo, v);
     return static_cast<int64_t>(x);
   };
   KILN_ASSIGN_OR_RETURN(int64_t ranks, integer("ranks", 1));
@@ -562,7 +584,8 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
   KILN_ASSIGN_OR_RETURN(int64_t memory, integer("memory_per_rank", 0));
   if (rank >= ranks) return Status::errorf("shard: rank {} is not below ranks = {}", rank, ranks);
   if (per_node > 0 && ranks % per_node != 0)
-    return Status::errorf("shard: ranks = {} does not divide into nodes of ranks_per_node = {}", ranks, per_node);
+    return Status::errorf("shard: ranks = {} does not divide into nodes of ranks_per_node = {}", ranks,
+                          per_node);
   o.ranks = static_cast<int>(ranks);
   o.rank = static_cast<int>(rank);
   o.ranks_per_node = static_cast<int>(per_node);
@@ -574,4 +597,3 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
 }
 
 }  // namespace kiln::passes
-

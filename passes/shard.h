@@ -19,8 +19,8 @@ struct ShardOptions {
   int ranks = 1;
   int rank = 0;
   int ranks_per_node = 0;
-  std::string plan_path;  // a plan.json; "" = the automatic plan
-  std::string sharding;   // every table this way (tests, kiln opt); overrides plan_path
+  std::string plan_path;            // a plan.json; "" = the automatic plan
+  std::string sharding;             // every table this way (tests, kiln opt); overrides plan_path
   int64_t bucket_bytes = 25 << 20;  // dense gradients per all_reduce, as DDP's bucket_cap_mb
   int64_t memory_per_rank = 0;      // for the automatic plan; 0 = unlimited
   int64_t global_batch = 0;         // for the automatic plan; 0 = N times the module's B

@@ -48,13 +48,13 @@ struct TableShard {
 
 // What the planner and the shard pass know of one embedding table of a module.
 struct TableInfo {
-  std::string name;                     // the kiln.parameter's name, e.g. "tables.3"
+  std::string name;  // the kiln.parameter's name, e.g. "tables.3"
   int64_t rows = 0, dim = 0;
   ir::DType dtype = ir::DType::f32;
-  int64_t state_bytes_per_row = 0;      // its sparse optimizer's state (rowwise_adagrad: 4)
-  double lookups_per_sample = 1;        // ids per sample (the hotness, or max_hotness)
-  std::optional<ShardingType> pinned;   // embeddings(..., shard = row_wise) in the model
-  int64_t bytesPerRow() const;          // weights plus optimizer state
+  int64_t state_bytes_per_row = 0;     // its sparse optimizer's state (rowwise_adagrad: 4)
+  double lookups_per_sample = 1;       // ids per sample (the hotness, or max_hotness)
+  std::optional<ShardingType> pinned;  // embeddings(..., shard = row_wise) in the model
+  int64_t bytesPerRow() const;         // weights plus optimizer state
 };
 
 // The embedding tables of a module (the embedding parameters of @train_step, else @forward), in
@@ -64,17 +64,17 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m);
 struct TablePlan {
   std::string table;
   ShardingType type = ShardingType::data_parallel;
-  std::vector<int> ranks;           // ascending; data_parallel: all ranks
-  std::vector<TableShard> shards;   // filled by layoutShards
-  std::string reason;               // why the planner chose this ("" for a plan file's entry)
-  Location loc;                     // the plan file's entry, for completePlan's errors
+  std::vector<int> ranks;          // ascending; data_parallel: all ranks
+  std::vector<TableShard> shards;  // filled by layoutShards
+  std::string reason;              // why the planner chose this ("" for a plan file's entry)
+  Location loc;                    // the plan file's entry, for completePlan's errors
 };
 
 struct ShardPlan {
   int ranks = 1;
-  int ranks_per_node = 0;           // 0: all ranks on one node
-  std::vector<TablePlan> tables;    // one per table of the module, in module order
-  Location loc;                     // the plan file (its "tables" list), for a missing table
+  int ranks_per_node = 0;         // 0: all ranks on one node
+  std::vector<TablePlan> tables;  // one per table of the module, in module order
+  Location loc;                   // the plan file (its "tables" list), for a missing table
   const TablePlan* find(std::string_view table) const;
 };
 

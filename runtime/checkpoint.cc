@@ -1,6 +1,7 @@
 #include "runtime/checkpoint.h"
 
 #include <fcntl.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,8 +12,6 @@
 #include <filesystem>
 #include <functional>
 #include <set>
-
-#include <fmt/ranges.h>
 
 #include "runtime/json.h"
 
@@ -423,14 +422,15 @@ Status restoreTensors(const Checkpoint& ckpt, const std::map<std::string, ir::Te
   return Status::ok();
 }
 
-Status copyRegion(const ir::TensorView& whole, const std::vector<int64_t>& offset, const ir::TensorView& dst) {
+Status copyRegion(const ir::TensorView& whole, const std::vector<int64_t>& offset,
+                  const ir::TensorView& dst) {
   const size_t rank = whole.shape.size();
   if (dst.shape.size() != rank || offset.size() != rank || dst.dtype != whole.dtype)
     return Status::errorf("a {}-d region cannot be taken from a {}-d tensor", dst.shape.size(), rank);
   for (size_t d = 0; d < rank; ++d)
     if (offset[d] < 0 || offset[d] + dst.shape[d] > whole.shape[d])
-      return Status::errorf("region at offset {} of extent {} leaves the tensor's shape {}", fmt::join(offset, "x"),
-                            fmt::join(dst.shape, "x"), fmt::join(whole.shape, "x"));
+      return Status::errorf("region at offset {} of extent {} leaves the tensor's shape {}",
+                            fmt::join(offset, "x"), fmt::join(dst.shape, "x"), fmt::join(whole.shape, "x"));
   if (dst.numel() == 0) return Status::ok();
   const size_t elem = ir::dtypeBytes(whole.dtype);
   // Row by row along the last dim: `index` walks dst's outer dims.
@@ -441,7 +441,8 @@ Status copyRegion(const ir::TensorView& whole, const std::vector<int64_t>& offse
     int64_t src = 0;
     for (size_t d = 0; d < rank; ++d) src = src * whole.shape[d] + offset[d] + (d + 1 < rank ? index[d] : 0);
     std::memcpy(static_cast<char*>(dst.data) + static_cast<size_t>(r * inner) * elem,
-                static_cast<const char*>(whole.data) + static_cast<size_t>(src) * elem, static_cast<size_t>(inner) * elem);
+                static_cast<const char*>(whole.data) + static_cast<size_t>(src) * elem,
+                static_cast<size_t>(inner) * elem);
     for (size_t d = index.size(); d-- > 0;) {
       if (++index[d] < dst.shape[d]) break;
       index[d] = 0;

@@ -47,7 +47,8 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
   }
   const auto& local = t.view.shape;
   if (place && (place->shape.size() != local.size() || place->offset.size() != local.size()))
-    return Status::errorf("a shard of rank {} cannot lie in a tensor of rank {}", local.size(), place->shape.size());
+    return Status::errorf("a shard of rank {} cannot lie in a tensor of rank {}", local.size(),
+                          place->shape.size());
   const auto& shape = place ? place->shape : local;
   // [out, in, receptive...], as PyTorch computes fans.
   double receptive = 1;
@@ -85,7 +86,9 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
   };
   auto fill = [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      double v = how == Const ? a : how == Normal ? a + b * rng.normal(global(i)) : a + (b - a) * rng.uniform(global(i));
+      double v = how == Const    ? a
+                 : how == Normal ? a + b * rng.normal(global(i))
+                                 : a + (b - a) * rng.uniform(global(i));
       if (dt == ir::DType::f32) t.as<float>()[i] = static_cast<float>(v);
       else if (dt == ir::DType::f64) t.as<double>()[i] = v;
       else t.as<uint16_t>()[i] = ir::floatToBf16(static_cast<float>(v));

@@ -35,8 +35,8 @@ struct GlobalPlace {
 // With `place`, `t` is that region of the global tensor and gets exactly the values the whole
 // tensor's initialization gives there (draws and fans are the global tensor's), so N ranks start
 // from the single-rank model.
-Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed, ThreadPool* pool = nullptr,
-                        const GlobalPlace* place = nullptr);
+Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t seed,
+                        ThreadPool* pool = nullptr, const GlobalPlace* place = nullptr);
 
 // A kiln.parameter's concrete shape and size, computed from its type before anything is
 // allocated (the memory check adds these up; the store allocates exactly these).

@@ -232,7 +232,8 @@ Status Trainer::resume() {
   }
   resumed_ = true;
   start_step_ = step_;
-  if (loud()) std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
+  if (loud())
+    std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
   return Status::ok();
 }
 
@@ -246,7 +247,8 @@ Status Trainer::resumeSharded() {
     return it == ckpt.metadata().end() ? "" : it->second;
   };
   if (!s_.modelName().empty() && meta("model") != s_.modelName())
-    return Status::errorf("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName());
+    return Status::errorf("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"),
+                          s_.modelName());
   bool files_recorded = false;
   auto saved = runtime::RunInputs::fromMetadata(ckpt.metadata(), &files_recorded);
   if (!saved) return Status::errorf("{}: {}", path, saved.status().message());
@@ -254,9 +256,10 @@ Status Trainer::resumeSharded() {
   if (!diffs.empty() && !f_.resume_anyway) {
     std::string list;
     for (const std::string& d : diffs) list += "\n  " + d;
-    return Status::errorf("{}: this is not the run the checkpoint was saved by:{}\n"
-                          "resuming would not continue it (--resume-anyway resumes regardless)",
-                          path, list);
+    return Status::errorf(
+        "{}: this is not the run the checkpoint was saved by:{}\n"
+        "resuming would not continue it (--resume-anyway resumes regardless)",
+        path, list);
   }
   for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
   KILN_RETURN_IF_ERROR(s_.loadPieces(ckpt));
@@ -286,18 +289,21 @@ Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
   const std::filesystem::path dir(f_.checkpoint_dir);
   std::error_code ec;
   if (ranks_ > 1) {
-    KILN_RETURN_IF_ERROR(runtime::saveShardedCheckpoint(*comm_, f_.checkpoint_dir, step_, s_.localPieces(), meta));
+    KILN_RETURN_IF_ERROR(
+        runtime::saveShardedCheckpoint(*comm_, f_.checkpoint_dir, step_, s_.localPieces(), meta));
     if (rank_ == 0) std::filesystem::remove(dir / "checkpoint.safetensors", ec);
     return Status::ok();
   }
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
-  for (const std::string& name : s_.checkpointNames()) tensors.emplace_back(name, s_.params().find(name)->view);
+  for (const std::string& name : s_.checkpointNames())
+    tensors.emplace_back(name, s_.params().find(name)->view);
   KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta));
   // The index first: without it the shard files are no checkpoint.
   if (std::filesystem::remove(dir / runtime::kShardedIndexFile, ec))
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
       const std::string name = e.path().filename().string();
-      if (name.rfind("shard-", 0) == 0 && e.path().extension() == ".safetensors") std::filesystem::remove(e.path(), ec);
+      if (name.rfind("shard-", 0) == 0 && e.path().extension() == ".safetensors")
+        std::filesystem::remove(e.path(), ec);
     }
   return Status::ok();
 }
@@ -324,13 +330,15 @@ void Trainer::progress(bool final_line) {
   if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
   std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
   // On N ranks: the global rate, each rank's share, what a step sends and the time in collectives.
-  std::string ranks = ranks_ == 1 ? ""
-                                   : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives",
-                                                 window_rate_ / ranks_, runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
-                                                 100 * comm_fraction_);
-  std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{} | elapsed {} | left {}", step_,
-                                 total, window_rate_, ranks, last_loss_, auc, formatDuration(elapsed),
-                                 final_line ? "0:00" : left);
+  std::string ranks =
+      ranks_ == 1
+          ? ""
+          : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives", window_rate_ / ranks_,
+                        runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
+                        100 * comm_fraction_);
+  std::string line =
+      fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{} | elapsed {} | left {}", step_, total,
+                  window_rate_, ranks, last_loss_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else
@@ -426,8 +434,8 @@ int Trainer::run() {
     }
     if (ranks_ > 1 && batch.size % ranks_ != 0) {
       // Every rank runs the same program size: the short last batch of the data is left out.
-      warn(fmt::format("the last batch holds {} samples, which do not split over {} ranks: left out", batch.size,
-                       ranks_));
+      warn(fmt::format("the last batch holds {} samples, which do not split over {} ranks: left out",
+                       batch.size, ranks_));
       data_done = true;
       break;
     }
@@ -539,8 +547,9 @@ int Trainer::run() {
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
   if (!f_.checkpoint_dir.empty())
-    std::printf("checkpoint: %s\n", ranks_ > 1 ? (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).c_str()
-                                                : checkpointFile(f_.checkpoint_dir).c_str());
+    std::printf("checkpoint: %s\n",
+                ranks_ > 1 ? (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).c_str()
+                           : checkpointFile(f_.checkpoint_dir).c_str());
   if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
   if (tracer) {
     const int64_t ran = step_ - start_step_;
@@ -592,10 +601,12 @@ int runTrain(const std::vector<std::string>& args) {
               "train on N in-process ranks (one thread each; --batch is the global batch); under mpirun the "
               "ranks are MPI's processes (default: 1)");
   p.addOption("comm-timeout", "SECONDS", "a rank that waits this long for a peer fails, naming it", "300");
-  p.addOption("plan", "FILE", "the sharding plan on several ranks (kiln plan -o; default: the automatic plan)");
-  p.addOption("sharding", "TYPE",
-              "on several ranks, shard every table this way (data_parallel, table_wise, row_wise, column_wise, "
-              "table_row_wise) instead of a plan");
+  p.addOption("plan", "FILE",
+              "the sharding plan on several ranks (kiln plan -o; default: the automatic plan)");
+  p.addOption(
+      "sharding", "TYPE",
+      "on several ranks, shard every table this way (data_parallel, table_wise, row_wise, column_wise, "
+      "table_row_wise) instead of a plan");
   p.addOption("ranks-per-node", "G", "ranks per node (table_row_wise keeps a table's rows inside one)", "0");
   addModelFlags(p);
   addDeviceFlag(p);
@@ -695,9 +706,11 @@ int runTrain(const std::vector<std::string>& args) {
     ranks = mpi->size();
   }
   if (ranks > 1 && so.device != "cpu")
-    return p.usageError("several ranks train on the CPU for now (the CUDA backend does not issue collectives yet)");
+    return p.usageError(
+        "several ranks train on the CPU for now (the CUDA backend does not issue collectives yet)");
   if (f.batch % ranks != 0)
-    return p.usageError(fmt::format("--batch {} does not split over {} ranks (it is the global batch)", f.batch, ranks));
+    return p.usageError(
+        fmt::format("--batch {} does not split over {} ranks (it is the global batch)", f.batch, ranks));
 
   // One rank's run: its session (its own sharded program) and training loop. In-process ranks
   // trace each into its own tracer, on its own tracks (pid = rank), and rank 0 writes them all;

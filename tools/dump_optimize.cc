@@ -21,8 +21,9 @@ Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& o, std::string_
   m.mutableAttrs()["kiln.symbols"] = ir::Attribute(symbols);
   passes::PassManager pm({.target = o.target});
   pm.options().disabled = o.disabled_passes;
-  KILN_RETURN_IF_ERROR(pm.addPipeline(stop.empty() ? passes::defaultPipeline(true, o.memory_budget, o.shard)
-                                                   : passes::pipelineUpTo(true, stop, o.memory_budget, o.shard)));
+  KILN_RETURN_IF_ERROR(pm.addPipeline(stop.empty()
+                                          ? passes::defaultPipeline(true, o.memory_budget, o.shard)
+                                          : passes::pipelineUpTo(true, stop, o.memory_budget, o.shard)));
   auto r = pm.run(m);
   return r ? Status::ok() : r.status();
 }

@@ -4,14 +4,13 @@
 
 #include <iosfwd>
 #include <set>
-
-#include "passes/pass.h"
 #include <string>
 #include <string_view>
 
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/target.h"
+#include "passes/pass.h"
 
 namespace kiln::cli {
 

@@ -235,6 +235,13 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   passes::PassManager pm({.target = s->target_});
   pm.options() = options.pass_options;
   if (&diag != &std::cerr) pm.options().log = &diag;
+  if (options.comm && options.comm->rank() != 0) {
+    // Rank 0 shows its program (kiln dump --ranks N --rank R shows any rank's).
+    pm.options().print_ir_after.clear();
+    pm.options().print_ir_after_all = false;
+    pm.options().dump_dir.clear();
+    pm.options().timing = false;
+  }
   passes::PassOptions shard;
   if (options.comm && options.comm->size() > 1) {
     shard.set("ranks", std::to_string(options.comm->size()));
@@ -243,7 +250,8 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
     if (!options.sharding.empty()) shard.set("sharding", options.sharding);
     if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
   }
-  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
+  KILN_RETURN_IF_ERROR(
+      pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
@@ -410,8 +418,9 @@ std::vector<runtime::LocalPiece> ModelSession::localPieces() {
 Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
   for (runtime::LocalPiece& p : localPieces()) {
     if (!ckpt.find(p.name))
-      return Status::errorf("checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
-                            ckpt.dir(), p.name);
+      return Status::errorf(
+          "checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
+          ckpt.dir(), p.name);
     KILN_RETURN_IF_ERROR(ckpt.readSlice(p.name, p.offset, p.view));
   }
   host_touched_ = cuda_ != nullptr;

@@ -46,8 +46,9 @@ Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const i
   const Value* ids = op.operand(static_cast<unsigned>(l.ids));
   const Value* grad = op.operand(static_cast<unsigned>(l.grad_out));
   if (op.hasAttr("column_offset"))
-    return Status::errorf("'{}' of a column shard (column_offset) has no CUDA lowering yet: the CPU backend runs it",
-                          op.name());
+    return Status::errorf(
+        "'{}' of a column shard (column_offset) has no CUDA lowering yet: the CPU backend runs it",
+        op.name());
   KILN_ASSIGN_OR_RETURN(
       auto bag, gl.bagIds(op, ids, l.lengths >= 0 ? op.operand(static_cast<unsigned>(l.lengths)) : nullptr));
   auto is = gl.shapeOf(ids);

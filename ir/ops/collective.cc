@@ -181,10 +181,12 @@ Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
         return Status::errorf("'{}' row_starts {} must rise from 0", op.name(), shapeString(starts));
   }
   const TensorType& ids = op.operand(0)->type();
-  if (!isInteger(ids.dtype())) return Status::errorf("'{}' ids must be integers, got {}", op.name(), ids.str());
+  if (!isInteger(ids.dtype()))
+    return Status::errorf("'{}' ids must be integers, got {}", op.name(), ids.str());
   Dim batch, count;
   if (ids.rank() == 2 && op.numOperands() == 1) {
-    if (!ids.dim(1).isStatic()) return Status::errorf("'{}' ids {} need a static hotness", op.name(), ids.str());
+    if (!ids.dim(1).isStatic())
+      return Status::errorf("'{}' ids {} need a static hotness", op.name(), ids.str());
     batch = ids.dim(0);
     count = ids.dim(0).times(ids.dim(1).size());
   } else if (ids.rank() == 1 && op.numOperands() == 2) {
@@ -196,7 +198,8 @@ Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
   } else {
     return Status::errorf("'{}' takes ids[B, H], or ids[M] with lengths[B]", op.name());
   }
-  if (batch.isBounded()) return Status::errorf("'{}' needs a batch dim that is not data-dependent", op.name());
+  if (batch.isBounded())
+    return Status::errorf("'{}' needs a batch dim that is not data-dependent", op.name());
   if (replicates(op)) count = count.times(static_cast<int64_t>(owners.size()));
   // Partitioned ids arrive in full (each goes to exactly one rank); the types say how many.
   const TensorType counts(DType::i64, {Dim::fixed(n)});
@@ -220,8 +223,9 @@ Status cpuBucketizeIds(const Op& op, const CpuOperands& in, const CpuResults& ou
     begin.push_back(0);
     for (int64_t b = 0; b < in[1]->shape[0]; ++b) {
       const int64_t len = loadIndex(*in[1], b);
-      if (len < 0) return Status::errorf("'{}' of table '{}': sample {} has negative length {}", op.name(),
-                                         op.strAttr("table"), b, len);
+      if (len < 0)
+        return Status::errorf("'{}' of table '{}': sample {} has negative length {}", op.name(),
+                              op.strAttr("table"), b, len);
       begin.push_back(begin.back() + len);
     }
     if (begin.back() > ids.numel())
@@ -235,11 +239,11 @@ Status cpuBucketizeIds(const Op& op, const CpuOperands& in, const CpuResults& ou
   for (int64_t i = 0; i < total; ++i) {
     const int64_t id = loadIndex(ids, i);
     if (id < 0 || id >= rows)
-      return Status::errorf("'{}': id {} at position {} is out of range for table '{}' of {} rows", op.name(), id,
-                            i, op.strAttr("table"), rows);
+      return Status::errorf("'{}': id {} at position {} is out of range for table '{}' of {} rows", op.name(),
+                            id, i, op.strAttr("table"), rows);
     if (!replicate)
-      shard[static_cast<size_t>(i)] = static_cast<int32_t>(
-          std::upper_bound(starts.begin(), starts.end() - 1, id) - starts.begin() - 1);
+      shard[static_cast<size_t>(i)] =
+          static_cast<int32_t>(std::upper_bound(starts.begin(), starts.end() - 1, id) - starts.begin() - 1);
   }
   auto* out_ids = static_cast<int64_t*>(out[0]->data);
   auto* out_len = static_cast<int64_t*>(out[1]->data);
@@ -553,11 +557,12 @@ void registerCollectiveOps(OpRegistry& r) {
                    {"row_starts", K::Array, false, Attribute(std::vector<Attribute>{})}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferBucketizeIds,
-         .cost = [](const Op& op, const SymbolBindings& symbols) {
-           OpCost c;
-           c.bytes = operandAndResultBytes(op, symbols);
-           return c;
-         },
+         .cost =
+             [](const Op& op, const SymbolBindings& symbols) {
+               OpCost c;
+               c.bytes = operandAndResultBytes(op, symbols);
+               return c;
+             },
          .cpu = cpuBucketizeIds});
 
   r.add({.name = "kiln.all_to_all_v",

@@ -200,8 +200,9 @@ Status inferEmbeddingUpdate(const Op& op, std::vector<TensorType>& out) {
     const TensorType& g = op.operand(l.grad_out)->type();
     if (g.rank() != 2 || !g.dim(1).isStatic() || !table.dim(1).isStatic() || off->asInt() < 0 ||
         off->asInt() + table.dim(1).size() > g.dim(1).size())
-      return Status::errorf("'kiln.embedding_bag_update' columns [{}, +{}) of the table do not lie in grad_out {}",
-                            off->asInt(), table.dim(1).str(), g.str());
+      return Status::errorf(
+          "'kiln.embedding_bag_update' columns [{}, +{}) of the table do not lie in grad_out {}",
+          off->asInt(), table.dim(1).str(), g.str());
     grad_dim = g.dim(1);
   }
   KILN_RETURN_IF_ERROR(checkSparseGradOperands(op, l, grad_dim));
@@ -480,11 +481,11 @@ Status cpuEmbeddingUpdate(const Op& op, const std::vector<const TensorView*>& in
   void* s1 = l->num_state > 1 ? in[l->state_begin + 1]->data : nullptr;
   const TensorView& grad_out = *in[l->grad_out];
   if (table.dtype == DType::f64) {
-    sparseUpdate<double>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<double>(), static_cast<double*>(s0),
-                         static_cast<double*>(s1));
+    sparseUpdate<double>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<double>(),
+                         static_cast<double*>(s0), static_cast<double*>(s1));
   } else if (table.dtype == DType::f32) {
-    sparseUpdate<float>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<float>(), static_cast<float*>(s0),
-                        static_cast<float*>(s1));
+    sparseUpdate<float>(h, *groups, grad_out, dim, op.intAttr("column_offset", 0), table.as<float>(),
+                        static_cast<float*>(s0), static_cast<float*>(s1));
   } else {
     return Status::errorf("'kiln.embedding_bag_update' has no CPU kernel for {} tables", dtypeName(table.dtype));
   }
@@ -569,27 +570,30 @@ void registerOptimizerOps(OpRegistry& r) {
          .cpu = cpuOptimizerUpdate,
          .written = writtenByOptimizerUpdate});
 
-  r.add({.name = "kiln.embedding_bag_update",
-         .summary = "Sparse optimizer step on the embedding rows a kiln.embedding_bag looked up",
-         .min_operands = 5, .max_operands = -1, .num_results = 0,
-         .attrs = {{"optimizer", K::String, true, std::nullopt, {"sgd", "adagrad", "rowwise_adagrad", "adam"}},
-                   {"lr", K::Float, true},
-                   {"eps", K::Float, false, Attribute(1e-8)},
-                   {"beta1", K::Float, false, Attribute(0.9)},
-                   {"beta2", K::Float, false, Attribute(0.999)},
-                   {"weight_decay", K::Float, false, Attribute(0.0)},
-                   {"initial_accumulator", K::Float},
-                   {"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
-                   {"weighted", K::Bool, false, Attribute(false)},
-                   {"scaled", K::Bool, false, Attribute(false)},
-                   {"table", K::String},
-                   {"column_offset", K::Int}},
-         .traits = kSideEffect,
-         .infer = inferEmbeddingUpdate,
-         .verify = verifyEmbeddingUpdate,
-         .cost = costEmbeddingUpdate,
-         .cpu = cpuEmbeddingUpdate,
-         .written = writtenByEmbeddingUpdate});
+  r.add(
+      {.name = "kiln.embedding_bag_update",
+       .summary = "Sparse optimizer step on the embedding rows a kiln.embedding_bag looked up",
+       .min_operands = 5,
+       .max_operands = -1,
+       .num_results = 0,
+       .attrs = {{"optimizer", K::String, true, std::nullopt, {"sgd", "adagrad", "rowwise_adagrad", "adam"}},
+                 {"lr", K::Float, true},
+                 {"eps", K::Float, false, Attribute(1e-8)},
+                 {"beta1", K::Float, false, Attribute(0.9)},
+                 {"beta2", K::Float, false, Attribute(0.999)},
+                 {"weight_decay", K::Float, false, Attribute(0.0)},
+                 {"initial_accumulator", K::Float},
+                 {"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
+                 {"weighted", K::Bool, false, Attribute(false)},
+                 {"scaled", K::Bool, false, Attribute(false)},
+                 {"table", K::String},
+                 {"column_offset", K::Int}},
+       .traits = kSideEffect,
+       .infer = inferEmbeddingUpdate,
+       .verify = verifyEmbeddingUpdate,
+       .cost = costEmbeddingUpdate,
+       .cpu = cpuEmbeddingUpdate,
+       .written = writtenByEmbeddingUpdate});
 
   r.add({.name = "kiln.embedding_bag_grad_sqnorm",
          .summary = "Squared L2 norm of an embedding table's gradient, duplicates combined, never materialized",

@@ -343,11 +343,15 @@ class MpiCommunicator final : public Communicator {
     static unsigned char empty_send, empty_recv;
     const void* sb = send;
     void* rb = recv;
-    if (send == recv && total == 0) rb = &empty_recv;
-    else if (send == recv && sent == 0) sb = &empty_send;
-    else if (send == recv) return fail(op, Status::error("all_to_all_v's send and receive buffers are the same"));
+    if (send == recv && total == 0)
+      rb = &empty_recv;
+    else if (send == recv && sent == 0)
+      sb = &empty_send;
+    else if (send == recv)
+      return fail(op, Status::error("all_to_all_v's send and receive buffers are the same"));
     op->start = [=, this, sc = sc.take(), sd = sd.take(), rc = rc.take(), rd = rd.take()](MPI_Request* r) {
-      return MPI_Ialltoallv(sb, sc.data(), sd.data(), mpiType(t), rb, rc.data(), rd.data(), mpiType(t), comm_, r);
+      return MPI_Ialltoallv(sb, sc.data(), sd.data(), mpiType(t), rb, rc.data(), rd.data(), mpiType(t), comm_,
+                            r);
     };
     return enqueue(op);
   }

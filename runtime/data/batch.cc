@@ -239,7 +239,8 @@ Expected<Batch> sliceBatch(const Batch& b, const BatchSpec& spec, int64_t first,
     if (in && in->variableLength()) flat = in;
     if (in && in->role == InputRole::Weights)
       for (const InputSpec& s : spec.inputs)
-        if (s.variableLength() && s.weights_input >= 0 && spec.inputs[static_cast<size_t>(s.weights_input)].name == in->name)
+        if (s.variableLength() && s.weights_input >= 0 &&
+            spec.inputs[static_cast<size_t>(s.weights_input)].name == in->name)
           flat = &s;
     int64_t begin = first, end = first + n;
     if (flat) {
@@ -247,7 +248,8 @@ Expected<Batch> sliceBatch(const Batch& b, const BatchSpec& spec, int64_t first,
       if (!lengths) return Status::errorf("batch has no lengths for '{}'", flat->name);
       begin = end = 0;
       for (int64_t s = 0; s < first + n; ++s) {
-        const int64_t len = lengths->view.dtype == ir::DType::i32 ? lengths->as<int32_t>()[s] : lengths->as<int64_t>()[s];
+        const int64_t len =
+            lengths->view.dtype == ir::DType::i32 ? lengths->as<int32_t>()[s] : lengths->as<int64_t>()[s];
         if (s < first) begin += len;
         end += len;
       }

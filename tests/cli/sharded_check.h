@@ -30,7 +30,9 @@ inline std::vector<Model> models() {
   return {
       {"tiny", "tests/reliability/Inputs/tiny.kiln", {}},
       {"dlrm", "models/dlrm.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}, {"top", "[16, 1]"}}},
-      {"dlrm_dcnv2", "models/dlrm_dcnv2.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}, {"cross_rank", "8"}, {"top", "[16, 1]"}}},
+      {"dlrm_dcnv2",
+       "models/dlrm_dcnv2.kiln",
+       {{"rows_cap", "97"}, {"emb_dim", "8"}, {"cross_rank", "8"}, {"top", "[16, 1]"}}},
       {"dcn", "models/dcn.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}}},
       {"deepfm", "models/deepfm.kiln", {{"rows_cap", "97"}}},
       {"wide_deep", "models/wide_deep.kiln", {{"rows_cap", "97"}}},
@@ -55,7 +57,7 @@ inline data::Batch batchOf(const ModelSession& s, int64_t first, int64_t n) {
 }
 
 struct Trajectory {
-  std::vector<double> losses;      // per step: the global batch's loss
+  std::vector<double> losses;                     // per step: the global batch's loss
   std::map<std::string, ir::HostTensor> tensors;  // the single-rank run's final tensors
 };
 
@@ -100,7 +102,8 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
   KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
   const int64_t b = kGlobalBatch / ranks;
   for (int step = 1; step <= steps; ++step) {
-    KILN_ASSIGN_OR_RETURN(auto out, s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
+    KILN_ASSIGN_OR_RETURN(auto out,
+                          s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
     losses.push_back(out.loss);
   }
   for (const runtime::LocalPiece& p : s->localPieces()) {
@@ -129,7 +132,8 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
 inline void expectLossesMatch(const std::vector<double>& mean, const Trajectory& want) {
   ASSERT_EQ(mean.size(), want.losses.size());
   for (size_t step = 0; step < mean.size(); ++step)
-    EXPECT_NEAR(mean[step], want.losses[step], 1e-5 + 1e-4 * std::fabs(want.losses[step])) << "step " << step + 1;
+    EXPECT_NEAR(mean[step], want.losses[step], 1e-5 + 1e-4 * std::fabs(want.losses[step]))
+        << "step " << step + 1;
 }
 
 }  // namespace kiln::cli::testing

@@ -30,7 +30,8 @@ TEST_P(ShardedStepMpi, EqualsOneRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shardings, ShardedStepMpi,
-                         ::testing::Values("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"));
+                         ::testing::Values("data_parallel", "table_wise", "row_wise", "column_wise",
+                                           "table_row_wise"));
 
 }  // namespace
 }  // namespace kiln::cli::testing

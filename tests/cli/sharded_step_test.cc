@@ -30,7 +30,8 @@ std::vector<double> runRanks(const Model& m, const std::string& sharding, int ra
   return mean;
 }
 
-constexpr const char* kShardings[] = {"data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise"};
+constexpr const char* kShardings[] = {"data_parallel", "table_wise", "row_wise", "column_wise",
+                                      "table_row_wise"};
 
 class ShardedStep : public ::testing::TestWithParam<size_t> {};
 

@@ -657,16 +657,19 @@ std::vector<int64_t> ints(const HostTensor& t) {
   for (int64_t i = 0; i < t.view.numel(); ++i) v.push_back(t.as<int64_t>()[i]);
   return v;
 }
-AttrDict routing(const char* mode, std::vector<int64_t> owners, std::vector<int64_t> starts, int64_t rank = 0) {
-  AttrDict a{{"ranks", Attribute(int64_t{3})}, {"rank", Attribute(rank)},     {"table", Attribute("t")},
-             {"rows", Attribute(int64_t{9})},  {"mode", Attribute(mode)},     {"owners", Attribute::ints(owners)}};
+AttrDict routing(const char* mode, std::vector<int64_t> owners, std::vector<int64_t> starts,
+                 int64_t rank = 0) {
+  AttrDict a{{"ranks", Attribute(int64_t{3})}, {"rank", Attribute(rank)},
+             {"table", Attribute("t")},        {"rows", Attribute(int64_t{9})},
+             {"mode", Attribute(mode)},        {"owners", Attribute::ints(owners)}};
   if (!starts.empty()) a["row_starts"] = Attribute::ints(starts);
   return a;
 }
 
 TEST(BucketizeIds, PartitionsRowBlocksByOwnerInSampleOrder) {
   // 3 samples of 2 ids over rows [0, 4) on rank 2, [4, 8) on rank 0, [8, 9) on rank 1.
-  HostTensor ids = hostTensor(DType::i64, {3, 2}, [](int64_t i) { return std::vector<double>{5, 0, 8, 3, 4, 7}[i]; });
+  HostTensor ids =
+      hostTensor(DType::i64, {3, 2}, [](int64_t i) { return std::vector<double>{5, 0, 8, 3, 4, 7}[i]; });
   auto out = bucketize({i64({3, 2})}, {{"x0", ids}}, routing("partition", {2, 0, 1}, {0, 4, 8, 9}, 1));
   ASSERT_EQ(out.size(), 4u);
   // To rank 0 (rows 4..7, local = id - 4): 5 (sample 0), 4, 7 (sample 2); to rank 1: 8 (sample
@@ -695,14 +698,17 @@ TEST(BucketizeIds, AnIdOutOfRangeNamesTheTable) {
   auto r = interpret(*b->module->functions().front(),
                      {{"x0", hostTensor(DType::i64, {1, 1}, [](int64_t) { return 9.0; })}}, {});
   ASSERT_FALSE(r);
-  EXPECT_NE(r.status().message().find("out of range for table 't' of 9 rows"), std::string::npos) << r.status().str();
+  EXPECT_NE(r.status().message().find("out of range for table 't' of 9 rows"), std::string::npos)
+      << r.status().str();
 }
 
 TEST(BucketizeIds, BadRoutingIsAVerifierError) {
-  EXPECT_NE(errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {0, 1}, {0, 9})).find("row_starts"),
-            std::string::npos);
-  EXPECT_NE(errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {5}, {0, 9})).find("not a rank"),
-            std::string::npos);
+  EXPECT_NE(
+      errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {0, 1}, {0, 9})).find("row_starts"),
+      std::string::npos);
+  EXPECT_NE(
+      errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {5}, {0, 9})).find("not a rank"),
+      std::string::npos);
 }
 
 }  // namespace

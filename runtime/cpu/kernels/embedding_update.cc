@@ -68,8 +68,9 @@ struct Hyper {
 
 // grad_out rows are `width` wide; the table's `dim` columns are [offset, offset + dim) of them (a
 // column shard), and rowwise_adagrad's statistic spans the whole row.
-void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1, const ir::TensorView& grad_out,
-                int64_t dim, int64_t offset, float* table, float* s0, float* s1) {
+void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1,
+                const ir::TensorView& grad_out, int64_t dim, int64_t offset, float* table, float* s0,
+                float* s1) {
   const int64_t width = grad_out.shape[1];
   std::vector<double> g(static_cast<size_t>(dim));
   for (int64_t k = k0; k < k1; ++k) {
@@ -89,7 +90,8 @@ void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1, 
         double c = occ.coeff[static_cast<size_t>(pos)] * h.scale;
         int64_t base = occ.sample[static_cast<size_t>(pos)] * width;
         for (int64_t d = 0; d < width; ++d)
-          row[static_cast<size_t>(d)] += c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
+          row[static_cast<size_t>(d)] +=
+              c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
       }
       for (double gd : row) whole_sq += gd * gd;
     }
@@ -154,9 +156,10 @@ Status runEmbeddingUpdate(const ir::Op& op, const std::vector<const ir::TensorVi
   float* s0 = l->num_state > 0 ? in[static_cast<size_t>(l->state_begin)]->as<float>() : nullptr;
   float* s1 = l->num_state > 1 ? in[static_cast<size_t>(l->state_begin) + 1]->as<float>() : nullptr;
   const ir::TensorView& grad_out = *in[static_cast<size_t>(l->grad_out)];
-  ctx.pool->parallelFor(static_cast<int64_t>(occ.rows.size()), std::max<int64_t>(1, 2048 / std::max<int64_t>(dim, 1)),
-                        [&](int64_t k0, int64_t k1) {
-                          updateRows(h, occ, k0, k1, grad_out, dim, op.intAttr("column_offset", 0), t, s0, s1);
+  ctx.pool->parallelFor(static_cast<int64_t>(occ.rows.size()),
+                        std::max<int64_t>(1, 2048 / std::max<int64_t>(dim, 1)), [&](int64_t k0, int64_t k1) {
+                          updateRows(h, occ, k0, k1, grad_out, dim, op.intAttr("column_offset", 0), t, s0,
+                                     s1);
                         });
   return Status::ok();
 }
