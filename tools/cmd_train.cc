@@ -83,6 +83,9 @@ class Trainer {
   void warn(const std::string& message) const;
   void error(const Status& st) const;
   Status resumeSharded();
+  Expected<runtime::RunInputs> sameRun(const std::string& path, const std::map<std::string, std::string>& meta);
+  Status resumePosition(const std::string& path, const runtime::RunInputs& saved,
+                        const std::map<std::string, std::string>& meta);
   // The data a step trains on: this rank's share of the global batch.
   Expected<const data::Batch*> share(const data::Batch& global);
   Status claimCheckpointDir();
@@ -171,6 +174,49 @@ bool resumeFromShards(const std::string& dir) {
   return !shards || shards->step() >= file_step;
 }
 
+// The checks both checkpoint forms make before their tensors load: the same model, and the same
+// run continued (another one is an error unless asked for by name). Returns the saved inputs.
+Expected<runtime::RunInputs> Trainer::sameRun(const std::string& path, const std::map<std::string, std::string>& meta) {
+  auto model = meta.find("model");
+  const std::string saved_model = model == meta.end() ? "" : model->second;
+  if (!s_.modelName().empty() && saved_model != s_.modelName())
+    return Status::errorf("{}: the checkpoint is of model '{}', not '{}'", path, saved_model, s_.modelName());
+  bool files_recorded = false;
+  auto saved = runtime::RunInputs::fromMetadata(meta, &files_recorded);
+  if (!saved) return Status::errorf("{}: {}", path, saved.status().message());
+  if (!files_recorded) {
+    warn(fmt::format("{} does not record its data files (an older checkpoint): they are not checked", path));
+    saved->synthetic = inputs_.synthetic;
+    saved->files = inputs_.files;
+  }
+  std::vector<std::string> diffs = runtime::compareRunInputs(*saved, inputs_);
+  if (!diffs.empty() && !f_.resume_anyway) {
+    std::string list;
+    for (const std::string& d : diffs) list += "\n  " + d;
+    return Status::errorf(
+        "{}: this is not the run the checkpoint was saved by:{}\n"
+        "resuming would not continue it (--resume-anyway resumes regardless)",
+        path, list);
+  }
+  for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
+  return saved.take();
+}
+
+// Where the data resumes: the saved position, unless the data is another (a byte offset into
+// other files would land mid-line).
+Status Trainer::resumePosition(const std::string& path, const runtime::RunInputs& saved,
+                               const std::map<std::string, std::string>& meta) {
+  if (!runtime::sameData(saved, inputs_)) {
+    warn("--resume-anyway: the data is not the checkpoint's, so it is read from its start");
+    return Status::ok();
+  }
+  auto it = meta.find("data_position");
+  auto pos = data::StreamPosition::parse(it == meta.end() ? "" : it->second);
+  if (!pos) return Status::errorf("{}: {}", path, pos.status().message());
+  resume_position_ = *pos;
+  return Status::ok();
+}
+
 Status Trainer::resume() {
   if (resumeFromShards(f_.checkpoint_dir)) return resumeSharded();
   std::string path = checkpointFile(f_.checkpoint_dir);
@@ -181,28 +227,7 @@ Status Trainer::resume() {
     auto it = ckpt.metadata.find(k);
     return it == ckpt.metadata.end() ? "" : it->second;
   };
-  if (!s_.modelName().empty() && meta("model") != s_.modelName())
-    return Status::error(fmt::format("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"), s_.modelName()));
-
-  // The same run continued, or another one? Another one is an error unless asked for by name.
-  bool files_recorded = false;
-  auto saved = runtime::RunInputs::fromMetadata(ckpt.metadata, &files_recorded);
-  if (!saved) return Status::error(fmt::format("{}: {}", path, saved.status().message()));
-  if (!files_recorded) {
-    warn(fmt::format("{} does not record its data files (an older checkpoint): they are not checked", path));
-    saved->synthetic = inputs_.synthetic;
-    saved->files = inputs_.files;
-  }
-  std::vector<std::string> diffs = runtime::compareRunInputs(*saved, inputs_);
-  if (!diffs.empty() && !f_.resume_anyway) {
-    std::string list;
-    for (const std::string& d : diffs) list += "\n  " + d;
-    return Status::error(
-        fmt::format("{}: this is not the run the checkpoint was saved by:{}\n"
-                    "resuming would not continue it (--resume-anyway resumes regardless)",
-                    path, list));
-  }
-  for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
+  KILN_ASSIGN_OR_RETURN(runtime::RunInputs saved, sameRun(path, ckpt.metadata));
 
   if (ranks_ == 1) {
     std::map<std::string, ir::TensorView> dest;
@@ -222,14 +247,7 @@ Status Trainer::resume() {
   if (step.empty() || ec != std::errc() || end != step.data() + step.size() || step_ < 0)
     return Status::error(fmt::format("{}: bad 'step' in the checkpoint metadata: '{}'{}", path, step,
                                      ec == std::errc::result_out_of_range ? " (beyond int64)" : ""));
-  if (runtime::sameData(*saved, inputs_)) {
-    auto pos = data::StreamPosition::parse(meta("data_position"));
-    if (!pos) return Status::error(fmt::format("{}: {}", path, pos.status().message()));
-    resume_position_ = *pos;
-  } else {
-    // The saved position is a byte offset into other files: it would land mid-line.
-    warn("--resume-anyway: the data is not the checkpoint's, so it is read from its start");
-  }
+  KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata));
   resumed_ = true;
   start_step_ = step_;
   if (loud())
@@ -242,35 +260,10 @@ Status Trainer::resume() {
 Status Trainer::resumeSharded() {
   KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::ShardedCheckpoint::open(f_.checkpoint_dir));
   const std::string path = (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).string();
-  auto meta = [&](const char* k) -> std::string {
-    auto it = ckpt.metadata().find(k);
-    return it == ckpt.metadata().end() ? "" : it->second;
-  };
-  if (!s_.modelName().empty() && meta("model") != s_.modelName())
-    return Status::errorf("{}: the checkpoint is of model '{}', not '{}'", path, meta("model"),
-                          s_.modelName());
-  bool files_recorded = false;
-  auto saved = runtime::RunInputs::fromMetadata(ckpt.metadata(), &files_recorded);
-  if (!saved) return Status::errorf("{}: {}", path, saved.status().message());
-  std::vector<std::string> diffs = runtime::compareRunInputs(*saved, inputs_);
-  if (!diffs.empty() && !f_.resume_anyway) {
-    std::string list;
-    for (const std::string& d : diffs) list += "\n  " + d;
-    return Status::errorf(
-        "{}: this is not the run the checkpoint was saved by:{}\n"
-        "resuming would not continue it (--resume-anyway resumes regardless)",
-        path, list);
-  }
-  for (const std::string& d : diffs) warn(fmt::format("--resume-anyway: ignoring that {}", d));
+  KILN_ASSIGN_OR_RETURN(runtime::RunInputs saved, sameRun(path, ckpt.metadata()));
   KILN_RETURN_IF_ERROR(s_.loadPieces(ckpt));
   step_ = ckpt.step();
-  if (runtime::sameData(*saved, inputs_)) {
-    auto pos = data::StreamPosition::parse(meta("data_position"));
-    if (!pos) return Status::errorf("{}: {}", path, pos.status().message());
-    resume_position_ = *pos;
-  } else {
-    warn("--resume-anyway: the data is not the checkpoint's, so it is read from its start");
-  }
+  KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata()));
   resumed_ = true;
   start_step_ = step_;
   if (loud())
