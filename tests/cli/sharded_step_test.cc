@@ -40,7 +40,8 @@ TEST_P(ShardedStep, EveryShardingEqualsOneRank) {
   const Trajectory want = singleRank(m, 1);
   for (const char* sharding : kShardings)
     for (int ranks : {2, 4}) {
-      SCOPED_TRACE(fmt::format("{} on {} ranks, every table {}", m.name, ranks, sharding));
+      SCOPED_TRACE(fmt::format("{} on {} ranks, {}", m.name, ranks,
+                               *sharding ? fmt::format("every table {}", sharding) : "the automatic plan"));
       expectLossesMatch(runRanks(m, sharding, ranks, 1, want), want);
     }
 }
@@ -52,7 +53,8 @@ TEST(ShardedTrajectory, TwentyStepsAgree) {
   const Model m = models()[1];  // dlrm
   const Trajectory want = singleRank(m, 20);
   for (const char* sharding : kShardings) {
-    SCOPED_TRACE(fmt::format("{} on 4 ranks, every table {}", m.name, sharding));
+    SCOPED_TRACE(fmt::format("{} on 4 ranks, {}", m.name,
+                             *sharding ? fmt::format("every table {}", sharding) : "the automatic plan"));
     expectLossesMatch(runRanks(m, sharding, 4, 20, want), want);
   }
 }
