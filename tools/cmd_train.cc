@@ -718,6 +718,7 @@ int runTrain(const std::vector<std::string>& args) {
     SessionOptions mine = so;
     mine.comm = c;
     mine.batch = f.batch / ranks;
+    if (!mpi) mine.memory_shares = static_cast<int>(ranks);
     const int rank = c ? c->rank() : 0;
     mine.tracer = rank == 0 || !tracer ? tracer.get()
                   : mpi                ? nullptr

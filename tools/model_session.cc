@@ -282,11 +282,16 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
   }
   // Before the first large allocation: a run that cannot fit stops here, naming what it needs.
   KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, s->train_spec_));
-  const runtime::MemoryLimit limit = runtime::availableMemory(options.memory_limit);
+  runtime::MemoryLimit limit = runtime::availableMemory(options.memory_limit);
+  if (options.memory_shares > 1 && limit.bytes) {
+    // In-process ranks share one process's memory: each may use its share.
+    *limit.bytes /= static_cast<uint64_t>(options.memory_shares);
+    limit.source += fmt::format(", shared by {} in-process ranks", options.memory_shares);
+  }
   if (Status fits = runtime::checkMemoryFits(need, limit); !fits)
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),
-                                     limit.source == "--memory-limit" ? ", or raise --memory-limit" : ""));
+                                     limit.source.rfind("--memory-limit", 0) == 0 ? ", or raise --memory-limit" : ""));
   if (options.comm) s->rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
   ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));

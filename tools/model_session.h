@@ -66,6 +66,9 @@ struct SessionOptions {
   int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
   // Every table one way (data_parallel, table_wise, ...) instead of a plan (tests, --sharding).
   std::string sharding;
+  // How many sessions of one process split its memory (kiln train --ranks N): the memory check
+  // gives this one 1/N of what the machine (or --memory-limit) allows.
+  int memory_shares = 1;
 };
 
 // The flags every command that compiles a model shares: --set, --threads, --seed,
