@@ -41,9 +41,11 @@
 #include <sstream>
 
 #include "ir/builder.h"
+#include "ir/checked.h"
 #include "ir/collective.h"
 #include "ir/op_def.h"
 #include "ir/optimizer.h"
+#include "passes/cost_model.h"
 #include "passes/pass_registry.h"
 
 namespace kiln::passes {
@@ -57,8 +59,6 @@ using ir::Op;
 using ir::OpCode;
 using ir::TensorType;
 using ir::Value;
-
-Attribute intsOf(const std::vector<int64_t>& v) { return Attribute::ints(v); }
 
 // What the lookup side of a table leaves for its update: where this rank's ids went and what
 // came back.
@@ -91,6 +91,7 @@ class Sharder {
 
   Status located(const Op& op, Status s) const { return std::move(s).withLocation(op.location()); }
   AttrDict group() const { return {{"ranks", Attribute(int64_t{o_.ranks})}, {"group", Attribute("world")}}; }
+  TensorType countsType() const { return TensorType(DType::i64, {Dim::fixed(o_.ranks)}); }
   AttrDict groupAxis0() const {
     AttrDict a = group();
     a["axis"] = Attribute(int64_t{0});
@@ -98,12 +99,15 @@ class Sharder {
   }
 
   Status retypeParameters(ir::Function& f);
-  Expected<Route> route(const Op& at, const TablePlan& t, Value* ids, Value* lengths);
+  Expected<Route> route(const TablePlan& t, Value* ids, Value* lengths);
   Status lowerLookup(Op& bag, const TablePlan& t);
   Status lowerUpdate(Op& update, const TablePlan& t);
   Status reduceDenseGradients(ir::Function& f);
   Expected<Value*> scaled(Value* grad);
   Expected<Value*> zeros(TensorType t);
+  // x viewed as `blocks` [a, b, c], its first two axes swapped, viewed as `result`: samples'
+  // column pieces into holder order and back.
+  Expected<Value*> swapBlocks(Value* x, const TensorType& blocks, const TensorType& result);
 
   const ShardOptions& o_;
   const ShardPlan& plan_;
@@ -120,6 +124,14 @@ Expected<Value*> Sharder::zeros(TensorType t) {
   KILN_ASSIGN_OR_RETURN(
       Op * c, b_.createWithTypes(OpCode::Constant, {}, {std::move(t)}, {{"value", Attribute(0.0)}}));
   return c->result();
+}
+
+Expected<Value*> Sharder::swapBlocks(Value* x, const TensorType& blocks, const TensorType& result) {
+  KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {x}, {blocks}));
+  KILN_ASSIGN_OR_RETURN(Value * swapped,
+                        b_.createValue(OpCode::Transpose, {split->result()}, {{"perm", Attribute::ints({1, 0, 2})}}));
+  KILN_ASSIGN_OR_RETURN(Op * joined, b_.createWithTypes(OpCode::Reshape, {swapped}, {result}));
+  return joined->result();
 }
 
 Expected<Value*> Sharder::scaled(Value* grad) {
@@ -156,8 +168,8 @@ Status Sharder::retypeParameters(ir::Function& f) {
       offset.push_back(s->col_begin);
     }
     op->result()->setType(TensorType(old.dtype(), std::move(shape)));
-    op->setAttr("global_shape", intsOf(global));
-    op->setAttr("offset", intsOf(offset));
+    op->setAttr("global_shape", Attribute::ints(global));
+    op->setAttr("offset", Attribute::ints(offset));
     // A per-row state of column shards: every holder keeps the same copy of its rows'.
     if (old.rank() == 1 && t->type == ShardingType::column_wise && t->shards.size() > 1)
       op->setAttr("replicated", Attribute(true));
@@ -165,7 +177,7 @@ Status Sharder::retypeParameters(ir::Function& f) {
   return Status::ok();
 }
 
-Expected<Route> Sharder::route(const Op& at, const TablePlan& t, Value* ids, Value* lengths) {
+Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
   const TableInfo& info = *info_.at(t.table);
   const bool replicate = t.type == ShardingType::column_wise || t.type == ShardingType::data_parallel;
   std::vector<int64_t> owners, starts;
@@ -179,8 +191,8 @@ Expected<Route> Sharder::route(const Op& at, const TablePlan& t, Value* ids, Val
   a["table"] = Attribute(t.table);
   a["rows"] = Attribute(info.rows);
   a["mode"] = Attribute(replicate ? "replicate" : "partition");
-  a["owners"] = intsOf(owners);
-  if (!replicate) a["row_starts"] = intsOf(starts);
+  a["owners"] = Attribute::ints(owners);
+  if (!replicate) a["row_starts"] = Attribute::ints(starts);
   std::vector<Value*> in{ids};
   if (lengths) in.push_back(lengths);
   KILN_ASSIGN_OR_RETURN(Op * bucket, b_.create(OpCode::BucketizeIds, in, a));
@@ -190,13 +202,10 @@ Expected<Route> Sharder::route(const Op& at, const TablePlan& t, Value* ids, Val
   const Dim per_rank = ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
                                                : ids->type().dim(0).upperBound();
   const TensorType rows(DType::i64, {Dim::bounded(per_rank.times(o_.ranks))});
-  const TensorType counts(DType::i64, {Dim::fixed(o_.ranks)});
-  KILN_ASSIGN_OR_RETURN(
-      Op * moved,
-      b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)}, {rows, counts}, group()));
+  KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)},
+                                                       {rows, countsType()}, group()));
   r.ids = moved->result(0);
   r.return_counts = bucket->result(3);
-  (void)at;
   return r;
 }
 
@@ -207,21 +216,14 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
                             "ranks), got pool = {}",
                             t.table, shardingName(t.type), bag.strAttr("mode")));
   Value* ids = bag.operand(1);
-  Value* lengths = nullptr;
-  if (ids->type().rank() == 1) {
-    if (bag.numOperands() != 3)
-      return located(
-          bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
-                              t.table));
-    lengths = bag.operand(2);
-  } else if (bag.numOperands() != 2) {
+  const bool flat = ids->type().rank() == 1;  // (ids, lengths) rather than ids[B, H]
+  if (bag.numOperands() != (flat ? 3u : 2u))
     return located(
-        bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)",
-                            t.table));
-  }
+        bag, Status::errorf("table '{}': weighted lookups cannot be sharded yet (make it data_parallel)", t.table));
+  Value* lengths = flat ? bag.operand(2) : nullptr;
   b_.setInsertionPoint(&bag);
   b_.setLocation(bag.location());
-  KILN_ASSIGN_OR_RETURN(Route r, route(bag, t, ids, lengths));
+  KILN_ASSIGN_OR_RETURN(Route r, route(t, ids, lengths));
   const TensorType& pooled_type = bag.result()->type();
   const Dim batch = pooled_type.dim(0);
   const int64_t dim = info_.at(t.table)->dim;
@@ -245,25 +247,19 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
     KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ReduceScatter, {partial}, groupAxis0()));
   } else {
     const TensorType back_type(pooled_type.dtype(), {batch.times(k), Dim::fixed(cols)});
-    const TensorType counts(DType::i64, {Dim::fixed(o_.ranks)});
     KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {partial, r.return_counts},
-                                                        {back_type, counts}, group()));
+                                                        {back_type, countsType()}, group()));
     r.back_counts = back->result(1);
     pooled = back->result(0);
-    if (k > 1) {
-      const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
+    const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
+    if (k > 1 && t.type == ShardingType::column_wise) {
+      // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
+      KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));
+    } else if (k > 1) {
+      // Row blocks on k owners: each sample's pool is the sum of their partials, in rank order.
       KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {pooled}, {pieces}));
-      if (t.type == ShardingType::column_wise) {
-        // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
-        KILN_ASSIGN_OR_RETURN(Value * side, b_.createValue(OpCode::Transpose, {split->result()},
-                                                           {{"perm", intsOf({1, 0, 2})}}));
-        KILN_ASSIGN_OR_RETURN(Op * joined, b_.createWithTypes(OpCode::Reshape, {side}, {pooled_type}));
-        pooled = joined->result();
-      } else {
-        // Row blocks on k owners: each sample's pool is the sum of their partials, in rank order.
-        KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
-                                                     {{"kind", Attribute("sum")}, {"axes", intsOf({0})}}));
-      }
+      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
+                                                   {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
     }
   }
   bag.result()->replaceAllUsesWith(pooled);
@@ -287,7 +283,7 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   b_.setLocation(update.location());
   Route r;
   if (t.type == ShardingType::data_parallel) {
-    KILN_ASSIGN_OR_RETURN(r, route(update, t, ids, lengths));
+    KILN_ASSIGN_OR_RETURN(r, route(t, ids, lengths));
   } else {
     auto it = routes_.find({t.table, ids});
     if (it == routes_.end())
@@ -316,26 +312,19 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     // whole rows where rowwise_adagrad's statistic needs them).
     Value* send = grad;
     const int64_t dim = gt.dim(1).size();
-    int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
-    if (t.type == ShardingType::column_wise && k > 1 && whole_rows) cols = dim;
-    if (k > 1 && t.type == ShardingType::column_wise && !whole_rows) {
-      KILN_ASSIGN_OR_RETURN(
-          Op * split, b_.createWithTypes(OpCode::Reshape, {grad},
-                                         {TensorType(gt.dtype(), {batch, Dim::fixed(k), Dim::fixed(cols)})}));
-      KILN_ASSIGN_OR_RETURN(Value * across, b_.createValue(OpCode::Transpose, {split->result()},
-                                                           {{"perm", intsOf({1, 0, 2})}}));
-      KILN_ASSIGN_OR_RETURN(Op * flat,
-                            b_.createWithTypes(OpCode::Reshape, {across},
-                                               {TensorType(gt.dtype(), {batch.times(k), Dim::fixed(cols)})}));
-      send = flat->result();
+    const bool own_columns = t.type == ShardingType::column_wise && !whole_rows;
+    const int64_t cols = own_columns ? dim / k : dim;
+    if (own_columns && k > 1) {
+      // Each holder's columns of every sample, one holder after the other.
+      KILN_ASSIGN_OR_RETURN(send, swapBlocks(grad, TensorType(gt.dtype(), {batch, Dim::fixed(k), Dim::fixed(cols)}),
+                                             TensorType(gt.dtype(), {batch.times(k), Dim::fixed(cols)})));
     } else if (k > 1) {
       std::vector<Value*> copies(static_cast<size_t>(k), grad);
       KILN_ASSIGN_OR_RETURN(send, b_.createValue(OpCode::Concat, copies, {{"axis", Attribute(int64_t{0})}}));
     }
     const Dim arrive = mine(t) ? batch.times(o_.ranks) : Dim::fixed(0);
     KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {send, r.back_counts},
-                                                        {TensorType(gt.dtype(), {arrive, Dim::fixed(cols)}),
-                                                         TensorType(DType::i64, {Dim::fixed(o_.ranks)})},
+                                                        {TensorType(gt.dtype(), {arrive, Dim::fixed(cols)}), countsType()},
                                                         group()));
     grads = back->result(0);
   }
@@ -491,19 +480,22 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
       TablePlan t;
       t.table = tables[i].name;
       t.type = *type;
-      if (*type == ShardingType::table_wise) {
-        t.ranks = {static_cast<int>(i % static_cast<size_t>(o.ranks))};
-      } else {
-        // Column shards: as many ranks as divide the dim.
-        int k = o.ranks;
-        while (*type == ShardingType::column_wise && k > 1 && tables[i].dim % k != 0) --k;
-        const int per_node = o.ranks_per_node > 0 ? o.ranks_per_node : o.ranks;
-        if (*type == ShardingType::table_row_wise) k = per_node;
-        const int first = *type == ShardingType::table_row_wise
-                              ? static_cast<int>(i % static_cast<size_t>(o.ranks / per_node)) * per_node
-                              : 0;
-        for (int r = 0; r < k; ++r) t.ranks.push_back(first + r);
+      const int per_node = o.ranks_per_node > 0 ? o.ranks_per_node : o.ranks;
+      int first = 0, k = o.ranks;
+      switch (*type) {
+        case ShardingType::table_wise:
+          first = static_cast<int>(i % static_cast<size_t>(o.ranks)), k = 1;
+          break;
+        case ShardingType::table_row_wise:  // the nodes in turn
+          first = static_cast<int>(i % static_cast<size_t>(o.ranks / per_node)) * per_node, k = per_node;
+          break;
+        case ShardingType::column_wise:  // as many ranks as divide the dim
+          while (k > 1 && tables[i].dim % k != 0) --k;
+          break;
+        default:
+          break;
       }
+      for (int r = 0; r < k; ++r) t.ranks.push_back(first + r);
       plan.tables.push_back(std::move(t));
     }
     KILN_RETURN_IF_ERROR(completePlan(plan, tables));
@@ -547,9 +539,7 @@ class ShardPass : public RegisteredPass<ShardPass> {
     KILN_ASSIGN_OR_RETURN(auto tables, tablesOf(m));
     ShardOptions o = o_;
     if (o.global_batch == 0)
-      if (const Attribute* sym = m.attrs().count("kiln.symbols") ? &m.attrs().at("kiln.symbols") : nullptr;
-          sym && sym->isDict() && sym->asDict().count("B"))
-        o.global_batch = sym->asDict().at("B").asInt() * o.ranks;
+      if (auto symbols = planningSymbols(m); symbols.count("B")) o.global_batch = symbols.at("B") * o.ranks;
     KILN_ASSIGN_OR_RETURN(ShardPlan plan, planFor(tables, o));
     KILN_RETURN_IF_ERROR(shardModule(m, plan, tables, o));
     AttrDict summary{{"ranks", Attribute(int64_t{o.ranks})}, {"rank", Attribute(int64_t{o.rank})}};
@@ -571,11 +561,9 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
   auto integer = [&](const char* name, int64_t lo) -> Expected<int64_t> {
     const std::string& v = options.get(name);
     if (v.empty()) return lo;
-    char* end = nullptr;
-    const long long x = std::strtoll(v.c_str(), &end, 10);
-    if (!end || *end || x < lo)
-      return Status::errorf("shard: option {} must be an integer >= {}, got '{}'", name, lo, v);
-    return static_cast<int64_t>(x);
+    const std::optional<int64_t> x = parseInt64(v);
+    if (!x || *x < lo) return Status::errorf("shard: option {} must be an integer >= {}, got '{}'", name, lo, v);
+    return *x;
   };
   KILN_ASSIGN_OR_RETURN(int64_t ranks, integer("ranks", 1));
   KILN_ASSIGN_OR_RETURN(int64_t rank, integer("rank", 0));

@@ -376,39 +376,34 @@ int ModelSession::ranks() const { return options_.comm ? options_.comm->size() :
 
 namespace {
 
-// The kiln.parameter op that declares `name` (the training step's, else the forward pass's).
-const ir::Op* parameterOp(const ir::Module& m, std::string_view name) {
-  for (const char* fn : {"train_step", "forward"}) {
-    const ir::Function* f = m.lookup(fn);
-    if (!f) continue;
-    for (const auto& op : f->entry().ops())
-      if (op->is(ir::OpCode::Parameter) && op->strAttr("name") == name) return op.get();
-  }
-  return nullptr;
-}
-
-std::vector<int64_t> intsAttr(const ir::Op& op, const char* key) {
-  std::vector<int64_t> v;
-  if (const ir::Attribute* a = op.attr(key); a && a->isArray())
-    for (const ir::Attribute& e : a->asArray()) v.push_back(e.asInt());
-  return v;
+// The kiln.parameter op that declares each parameter (the training step's, else the forward
+// pass's).
+std::map<std::string, const ir::Op*, std::less<>> parameterOps(const ir::Module& m) {
+  std::map<std::string, const ir::Op*, std::less<>> ops;
+  for (const char* fn : {"train_step", "forward"})
+    if (const ir::Function* f = m.lookup(fn))
+      for (const auto& op : f->entry().ops())
+        if (op->is(ir::OpCode::Parameter)) ops.emplace(op->strAttr("name"), op.get());
+  return ops;
 }
 
 }  // namespace
 
 std::vector<runtime::LocalPiece> ModelSession::localPieces() {
   runtime::ParameterStore& store = params();
+  const auto ops = parameterOps(*module_);
   std::vector<runtime::LocalPiece> pieces;
   for (const std::string& name : store.names()) {
     ir::HostTensor* t = store.find(name);
     runtime::LocalPiece p;
     p.name = name;
     p.view = t->view;
-    const ir::Op* op = parameterOp(*module_, name);
+    auto it = ops.find(name);
+    const ir::Op* op = it == ops.end() ? nullptr : it->second;
     // A shard of a global tensor (the shard pass's `global_shape` and `offset`), else the whole
     // tensor: replicated when several ranks hold it.
-    p.global_shape = op ? intsAttr(*op, "global_shape") : std::vector<int64_t>{};
-    p.offset = op ? intsAttr(*op, "offset") : std::vector<int64_t>{};
+    p.global_shape = op ? op->intsAttr("global_shape") : std::vector<int64_t>{};
+    p.offset = op ? op->intsAttr("offset") : std::vector<int64_t>{};
     p.replicated = op && op->boolAttr("replicated");
     if (p.global_shape.empty()) {
       p.global_shape = t->view.shape;
@@ -428,7 +423,6 @@ Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
           ckpt.dir(), p.name);
     KILN_RETURN_IF_ERROR(ckpt.readSlice(p.name, p.offset, p.view));
   }
-  host_touched_ = cuda_ != nullptr;
   return Status::ok();
 }
 
