@@ -20,6 +20,8 @@ OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerLossOps(*this);
   registerOptimizerOps(*this);
   registerCollectiveOps(*this);
+  registerRoutingOps(*this);
+  registerExpertOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {
