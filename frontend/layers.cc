@@ -651,6 +651,7 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"bce_with_logits", {fnBce, "binary cross entropy on logits"}},
         {"softmax_cross_entropy", {fnSoftmaxCE, "cross entropy of a softmax"}},
         {"mse", {fnMse, "mean squared error"}},
+        {"moe", {lowerMoe, "Mixture-of-Experts feed-forward layer (docs/moe.md)"}},
     };
     // The unary functions of ir/scalar_fn.def (negation is the `-` operator).
 #define KILN_BUILTIN(Name)                                                                        \
@@ -675,7 +676,8 @@ const BuiltinInfo* findBuiltin(const std::string& name) {
 }
 
 bool isWord(const std::string& name) {
-  static const std::set<std::string> k = {"f32", "bf16", "f16", "i32", "i64", "auc", "accuracy", "hash", "modulo"};
+  static const std::set<std::string> k = {"f32", "bf16", "f16", "i32", "i64", "auc", "accuracy", "hash", "modulo",
+                                            "none", "probs", "position"};
   return k.count(name) > 0;
 }
 

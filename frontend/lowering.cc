@@ -174,6 +174,13 @@ ir::Value* ModelLowering::makeParam(const std::string& name, const ir::TensorTyp
   return (*op)->result();
 }
 
+void ModelLowering::addAuxLoss(const std::string& name, ir::Value* loss) {
+  aux_losses_.push_back({name, loss});
+  addStat(name, loss);
+}
+
+void ModelLowering::addStat(const std::string& name, ir::Value* v) { stats_.push_back({name, v}); }
+
 std::string ModelLowering::layerName(const CallArgs& args, const std::string& kind, const Val* explicit_name) {
   Frame& f = frame();
   std::string name;
@@ -766,7 +773,31 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
         diags_.error(train_.loc, "an output is named 'loss', the name the train block's loss takes");
         return nullptr;
       }
+    // The layers' balancing losses join the loss here, each once (their coefficients are
+    // applied inside their ops).
+    ir::Value* loss = train_.loss;
+    builder_.setLocation(train_.loc);
+    for (const auto& [name, aux] : aux_losses_) {
+      ir::Value* term = aux;
+      if (term->type().dtype() != loss->type().dtype())
+        term = emit(ir::OpCode::Cast, {term}, {{"to", std::string(ir::dtypeName(loss->type().dtype()))}});
+      loss = emit(ir::OpCode::Add, {loss, term});
+    }
+    loss->setNameHint("loss");
+    train_.loss = loss;
     outputs_.push_back({"loss", train_.loss});
+  }
+  // Step statistics come last, so that output 0 stays the prediction of a model without a
+  // train block.
+  ir::AttrArray stat_names;
+  for (const auto& [name, v] : stats_) {
+    for (const auto& o : outputs_)
+      if (o.first == name) {
+        diags_.error(model.loc, fmt::format("an output is named '{}', the name of a layer's statistic", name));
+        return nullptr;
+      }
+    outputs_.push_back({name, v});
+    stat_names.push_back(name);
   }
   if (outputs_.empty()) {
     diags_.error(model.loc, fmt::format("model '{}' has no outputs: add 'output NAME' or a train block", model.name));
@@ -788,6 +819,8 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
     t["loss"] = std::string("loss");
     t["prediction"] = train_.prediction;
     t["label"] = train_.label;
+    if (!stat_names.empty()) t["stats"] = stat_names;
+    if (!moe_layers_.empty()) t["moe"] = moe_layers_;
     module_->mutableAttrs()["kiln.train"] = t;
   }
   builder_.setLocation(model.loc);

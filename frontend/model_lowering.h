@@ -143,6 +143,15 @@ class ModelLowering {
     ir::AttrDict attrs;  // optimizer, embedding_optimizer, lr_schedule, grad_clip, precision, metrics
   };
   TrainConfig& train() { return train_; }
+  // A loss a layer adds to the training loss (a MoE balancing loss), once, by name; it is also
+  // a step statistic.
+  void addAuxLoss(const std::string& name, ir::Value* loss);
+  // A value @forward and @train_step also return, for the progress line and the metrics file
+  // (kiln.train's `stats`): MoE per-expert counts, balancing losses.
+  void addStat(const std::string& name, ir::Value* v);
+  // A MoE layer's shape for its load statistics (kiln.train's `moe`: name, experts, topk,
+  // tokens per sample).
+  void addMoeLayer(ir::AttrDict info) { moe_layers_.push_back(std::move(info)); }
 
  private:
   DiagnosticEngine& diags_;
@@ -161,6 +170,8 @@ class ModelLowering {
   std::string label_name_ = "label";
   std::vector<std::pair<std::string, ir::Value*>> outputs_;
   std::vector<Location> output_locs_;
+  std::vector<std::pair<std::string, ir::Value*>> aux_losses_, stats_;
+  ir::AttrArray moe_layers_;
   int64_t next_feature_ = 0;
   int64_t fuel_ = 2'000'000;
   bool out_of_fuel_ = false;
@@ -181,6 +192,8 @@ bool isWord(const std::string& name);
 // (train_config.cc).
 ir::Attribute denseOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc);
 ir::Attribute embeddingOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc);
+// The Mixture-of-Experts layer `moe(x, experts = E, ...)` (moe.cc).
+Val lowerMoe(ModelLowering& L, ModelLowering::CallArgs& args);
 // Applies an embedding collection to sparse features (inputs.cc).
 Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs& args);
 

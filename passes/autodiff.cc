@@ -103,7 +103,9 @@ class TrainStepBuilder {
  public:
   explicit TrainStepBuilder(ir::Function& f) : func_(f), builder_(f.entry()) {}
 
-  Status run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index);
+  // stats: the @forward outputs (name, index) the step also returns, after loss and prediction.
+  Status run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index,
+             const std::vector<std::pair<std::string, size_t>>& stats);
 
  private:
   Expected<Value*> constant(ir::DType dtype, double v) {
@@ -118,6 +120,7 @@ class TrainStepBuilder {
   Expected<Value*> clipScale(double max_norm);
   Expected<std::vector<Value*>> stateFor(Op* param, const std::vector<ir::OptimizerStateSlot>& slots);
   Status emitUpdates(const AttrDict& train, Value* scale);
+  Status emitExpertBiasUpdates(const std::map<std::string, Value*>& stats);
 
   struct SparseUse {
     Op* lookup;       // the kiln.embedding_bag
@@ -376,7 +379,28 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
   return Status::ok();
 }
 
-Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index) {
+// Aux-loss-free balancing (docs/moe.md): a parameter with `expert_bias_counts` is a MoE
+// router's expert bias, moved outside the gradient by the counts that statistic names.
+Status TrainStepBuilder::emitExpertBiasUpdates(const std::map<std::string, Value*>& stats) {
+  for (Op* param : forward_ops_) {
+    if (!param->is(ir::OpCode::Parameter) || !param->attr("expert_bias_counts")) continue;
+    std::string counts_name = param->strAttr("expert_bias_counts");
+    auto it = stats.find(counts_name);
+    if (it == stats.end())
+      return Status::error(fmt::format("expert bias '{}' names the counts '{}', which is no statistic of kiln.train",
+                                       param->strAttr("name"), counts_name),
+                           param->location());
+    const Attribute* rate = param->attr("expert_bias_rate");
+    builder_.setLocation(param->location());
+    KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::MoeExpertBiasUpdate, {param->result(), it->second},
+                                         {{"rate", rate && rate->isNumber() ? rate->asDouble() : 0.0}}));
+  }
+  builder_.setLocation({});
+  return Status::ok();
+}
+
+Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::optional<size_t> prediction_index,
+                             const std::vector<std::pair<std::string, size_t>>& stats) {
   ir::Block& body = func_.entry();
   Op* ret = func_.returnOp();
   if (!ret) return Status::error("@forward has no return", func_.loc);
@@ -387,6 +411,15 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   if (loss->type().rank() != 0 || !ir::isFloat(loss->type().dtype()))
     return Status::error(fmt::format("the loss must be a float scalar, got {}", loss->type().str()), ret->location());
   Value* prediction = prediction_index ? ret->operand(static_cast<unsigned>(*prediction_index)) : nullptr;
+  std::map<std::string, Value*> stat_values;
+  std::vector<Value*> stat_results;
+  for (const auto& [name, index] : stats) {
+    if (index >= ret->numOperands())
+      return Status::error(fmt::format("the statistic '{}' is output #{} of {}", name, index, ret->numOperands()),
+                           ret->location());
+    stat_values[name] = ret->operand(static_cast<unsigned>(index));
+    stat_results.push_back(stat_values[name]);
+  }
   body.erase(ret);
   forward_ops_ = body.opList();
 
@@ -410,9 +443,11 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
     scale = s;
   }
   KILN_RETURN_IF_ERROR(emitUpdates(train, scale));
+  KILN_RETURN_IF_ERROR(emitExpertBiasUpdates(stat_values));
 
   std::vector<Value*> results{loss};
   if (prediction) results.push_back(prediction);
+  results.insert(results.end(), stat_results.begin(), stat_results.end());
   std::vector<TensorType> types;
   for (Value* v : results) types.push_back(v->type());
   KILN_RETURN_IF_ERROR(builder_.createWithTypes(ir::OpCode::Return, results, {}));
@@ -458,13 +493,22 @@ Status buildTrainStep(ir::Module& module) {
     KILN_ASSIGN_OR_RETURN(auto p, outputIndex(module, stringField(train, "prediction", ""), "prediction"));
     prediction_index = p;
   }
+  std::vector<std::pair<std::string, size_t>> stats;
+  if (auto it = train.find("stats"); it != train.end()) {
+    if (!it->second.isArray()) return Status::error("kiln.train: 'stats' must be an array of output names");
+    for (const Attribute& a : it->second.asArray()) {
+      if (!a.isString()) return Status::errorf("kiln.train: 'stats' holds {}, not an output name", a.str());
+      KILN_ASSIGN_OR_RETURN(auto index, outputIndex(module, a.asString(), "statistic"));
+      stats.push_back({a.asString(), index});
+    }
+  }
   KILN_ASSIGN_OR_RETURN(auto schedule, dictField(train, "lr_schedule", "kiln.train"));
   KILN_RETURN_IF_ERROR(checkLrSchedule(schedule));
 
   module.eraseFunction("train_step");
   ir::Function& step = ir::cloneFunction(*forward, module, "train_step");
   TrainStepBuilder builder(step);
-  Status s = builder.run(train, loss_index, prediction_index);
+  Status s = builder.run(train, loss_index, prediction_index, stats);
   if (s) s = ir::verify(step);
   if (!s) {
     module.eraseFunction("train_step");  // never leave a half-built function behind

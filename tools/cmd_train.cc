@@ -20,6 +20,7 @@
 #include "runtime/data/prefetcher.h"
 #include "runtime/dir_lock.h"
 #include "runtime/metrics.h"
+#include "tools/moe_stats.h"
 #include "runtime/run_inputs.h"
 #include "runtime/sharded_checkpoint.h"
 #include "runtime/trace.h"
@@ -71,7 +72,8 @@ class Trainer {
         peer_tracers_(peer_tracers),
         comm_(session.communicator()),
         rank_(session.rank()),
-        ranks_(session.ranks()) {}
+        ranks_(session.ranks()),
+        moe_window_(session.hasTrainBlock() ? session.trainConfig() : ir::AttrDict{}) {}
   int run();
 
  private:
@@ -111,6 +113,8 @@ class Trainer {
   data::StreamPosition resume_position_;
   bool resumed_ = false;
   runtime::RunningMean window_loss_;
+  MoeStatsWindow moe_window_;  // this rank's MoE load over the logging window
+  std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_;
   Clock::time_point start_, window_start_;
@@ -330,8 +334,8 @@ void Trainer::progress(bool final_line) {
                         runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
                         100 * comm_fraction_);
   std::string line =
-      fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{} | elapsed {} | left {}", step_, total,
-                  window_rate_, ranks, last_loss_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
+      fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{} | elapsed {} | left {}", step_, total,
+                  window_rate_, ranks, last_loss_, moe_text_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else
@@ -452,6 +456,7 @@ int Trainer::run() {
     window_samples_ += batch.size;
     last_loss_ = out->loss;
     window_loss_.add(out->loss);
+    moe_window_.add(out->stats, batch.size / ranks_);
     if (!std::isfinite(out->loss))
       return fail(Status::error(fmt::format("the loss is {} at step {}; lower the learning rate", out->loss, step_)));
 
@@ -476,6 +481,8 @@ int Trainer::run() {
         comm_fraction_ = window > 0 ? (now.seconds - window_comm_.seconds) / window : 0;
         window_comm_ = now;
       }
+      const std::vector<MoeLayerStats> moe = moe_window_.take();
+      moe_text_ = MoeStatsWindow::progressText(moe);
       progress(false);
       logged_step_ = step_;
       if (metrics_) {
@@ -490,6 +497,7 @@ int Trainer::run() {
           r.extra["comm_bytes_per_step"] = comm_bytes_per_step_;
           r.extra["comm_wait_fraction"] = comm_fraction_;
         }
+        MoeStatsWindow::addToMetrics(moe, r.extra);
         if (evaluated) {
           r.auc = last_auc_;
           r.eval_loss = last_eval_loss_;

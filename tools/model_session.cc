@@ -11,6 +11,7 @@
 
 #include "codegen/lower_cpu.h"
 #include "ir/checked.h"
+#include "ir/ops/kernel_util.h"
 #include "ir/verifier.h"
 #include "passes/pipeline.h"
 #include "passes/remat.h"
@@ -473,6 +474,25 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
   if (prediction_index < 0 && !train_ && !results->empty()) prediction_index = 0;
 
   StepOutputs out;
+  // Statistics: after loss and prediction in @train_step, by name among @forward's outputs.
+  if (const ir::Attribute* names = train_ ? trainValue(*train_, "stats") : nullptr; names && names->isArray()) {
+    const auto& list = names->asArray();
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string& name = list[i].asString();
+      size_t index = results->size();
+      if (function == "train_step") {
+        index = results->size() - list.size() + i;
+      } else {
+        for (size_t j = 0; j < outputs_.size(); ++j)
+          if (outputs_[j] == name) index = j;
+      }
+      if (index >= results->size()) return Status::errorf("@{} does not return the statistic '{}'", function, name);
+      const ir::HostTensor& t = (*results)[index];
+      std::vector<double> values(static_cast<size_t>(t.numel()));
+      for (size_t k = 0; k < values.size(); ++k) values[k] = ir::kernels::loadAsDouble(t.view, static_cast<int64_t>(k));
+      out.stats.push_back({name, std::move(values)});
+    }
+  }
   if (loss_index >= 0) {
     const ir::HostTensor& l = (*results)[static_cast<size_t>(loss_index)];
     out.loss = l.view.dtype == ir::DType::f64 ? *l.as<double>() : *l.as<float>();

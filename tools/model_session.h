@@ -110,6 +110,9 @@ class StepInputs {
 struct StepOutputs {
   double loss = 0;
   std::vector<float> logits;  // the prediction output, one per sample
+  // The step statistics kiln.train's `stats` names (a MoE layer's per-expert counts and
+  // balancing losses), in that order, as doubles.
+  std::vector<std::pair<std::string, std::vector<double>>> stats;
 };
 
 class ModelSession {
