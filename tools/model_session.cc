@@ -499,10 +499,12 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
   }
   if (prediction_index >= 0) {
     const ir::HostTensor& p = (*results)[static_cast<size_t>(prediction_index)];
-    if (p.view.dtype != ir::DType::f32 || p.numel() != batch.size)
-      return Status::error(fmt::format("the prediction output must be f32 with one value per sample, got {} values",
-                                       p.numel()));
-    out.logits.assign(p.as<float>(), p.as<float>() + p.numel());
+    if (p.view.dtype != ir::DType::f32)
+      return Status::errorf("the prediction output must be f32, got {}", ir::dtypeName(p.view.dtype));
+    // One score per sample (a click model's logit) or a whole tensor (a layer's output, a
+    // language model's logits).
+    std::vector<float>& dst = p.numel() == batch.size ? out.logits : out.prediction;
+    dst.assign(p.as<float>(), p.as<float>() + p.numel());
   }
   return out;
 }
