@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The H200 session, for the `run` tool (at most 600 s a call): build, then the `gpu` tests, then
-# R1 against the PyTorch peer (its table last).
+# R1 against the PyTorch peer, then M1 and M2 (one MoE layer) against ../shared/bench/moe_torch.py
+# (loop over experts and torch._grouped_mm; copy it into .device/ too), tables last.
 #   bench/device_run.sh [all|tests|bench]     (default all)
 # With little device time, split it: `tests` first (builds), then `bench` in a second call while
 # the machine is warm (it keeps build-gpu). Carry .devdeps and .device
@@ -27,4 +28,12 @@ if [ "$PHASE" != bench ]; then
 fi
 if [ "$PHASE" != tests ]; then
   OUT=$OUT bench/r1_gpu.sh build-gpu 2>&1 | tee "$OUT/r1_table.txt"
+  for w in m1 m2; do
+    timeout 240 build-gpu/bench/moe_bench --workload "$w" --device cuda >"$OUT/moe_$w.log" 2>&1
+    echo "moe_bench $w: exit $?"; grep -E "^\|" "$OUT/moe_$w.log"
+  done
+  if [ -f .device/moe_torch.py ]; then
+    timeout 240 python3 .device/moe_torch.py >"$OUT/moe_torch.log" 2>&1
+    echo "moe_torch.py: exit $?"; tail -8 "$OUT/moe_torch.log"
+  fi
 fi
