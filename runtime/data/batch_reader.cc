@@ -122,6 +122,12 @@ Status BatchReader::seek(const StreamPosition& pos) {
 Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts) {
   if (opts.batch_size <= 0) return Status::errorf("batch size must be positive, got {}", opts.batch_size);
   if (opts.epochs < 0) return Status::errorf("epochs must be >= 0, got {}", opts.epochs);
+  for (const InputSpec& in : spec.inputs)
+    if (in.role == InputRole::Dense && in.dense_count > kNumDense)
+      return Status::errorf(
+          "input '{}' has {} dense features, but Criteo-layout and synthetic data have {}: feed such an input "
+          "from your own program (as bench/moe_bench does), or declare at most {}",
+          in.name, in.dense_count, kNumDense, kNumDense);
   if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
     if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
     SyntheticGenerator gen(spec, opts.synthetic);
