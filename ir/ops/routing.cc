@@ -230,10 +230,10 @@ Status inferZLoss(const Op& op, std::vector<TensorType>& out) {
 
 // ---- Dispatch: shapes -------------------------------------------------------------------------
 
-// Megatron's get_capacity: ceil(N*k / E * cf).
+// Each expert's capacity, ceil(N*k*cf / E) (Megatron's get_capacity of the N*k slots).
 int64_t expertCapacity(int64_t tokens, int64_t k, int64_t experts, double capacity_factor) {
-  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * static_cast<double>(k) /
-                                        static_cast<double>(experts) * capacity_factor));
+  return static_cast<int64_t>(std::ceil(static_cast<double>(tokens) * static_cast<double>(k) *
+                                        capacity_factor / static_cast<double>(experts)));
 }
 
 // The bound of the rows: every slot without padding; with padding E*C, which is at most
@@ -250,8 +250,7 @@ Dim dispatchRowsBound(const Op& op, const Dim& tokens, int64_t k) {
 Status inferDispatch(const Op& op, std::vector<TensorType>& out) {
   const TensorType& experts = op.operand(0)->type();
   const TensorType& probs = op.operand(1)->type();
-  if (experts.dtype() != DType::i32 || experts.rank() != 2 || !experts.dim(1).isStatic() ||
-      experts.dim(0).isBounded())
+  if (experts.dtype() != DType::i32 || experts.rank() != 2 || !experts.dim(1).isStatic())
     return Status::errorf("'{}' experts must be i32 [N, k] with a static k, got {}", op.name(),
                           experts.str());
   if (!isRoutingFloat(probs.dtype()) || probs.shape() != experts.shape())

@@ -337,7 +337,7 @@ TEST(MoeDispatchCpu, RandomRoutingsKeepTheHighestProbsInTokenOrder) {
       probs[s] = static_cast<double>(rng() % 4) / 4;  // coarse: many ties
     }
     const double cf = 0.25 * (1 + trial % 4);
-    const int capacity = static_cast<int>(std::ceil(static_cast<double>(n * k) / e * cf));
+    const int capacity = static_cast<int>(std::ceil(n * k * cf / e));
     Dispatched d =
         dispatch(i32({n, k}, experts), f32({n, k}, probs),
                  {{"experts", i(e)}, {"capacity_factor", A(cf)}, {"pad_to_capacity", A(trial % 2 == 0)}});
