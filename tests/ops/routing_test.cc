@@ -327,6 +327,19 @@ TEST(MoeDispatchCpu, BoundedRowTypes) {
             "!kiln.tensor<?(24*B)xi32>");
 }
 
+TEST(MoeDispatchCpu, SymbolicTokensRunWithinTheBound) {
+  // N = 4*B with B = 1: the rows' buffer holds the bound 24 and the run-time rows are E*C = 12.
+  const Shape slots = {Dim::symbol("B", 4), Dim::fixed(2)};
+  OpCall call{"kiln.moe_dispatch",
+              {slotExperts(), slotProbs()},
+              {{"experts", i(3)}, {"capacity_factor", A(1.5)}, {"pad_to_capacity", A(true)}},
+              {TensorType(DType::i32, slots), TensorType(DType::f32, slots)}};
+  call.symbols = {{"B", 1}};
+  auto r = runAll(call);
+  ASSERT_EQ(r.size(), 3u);
+  expectTensor(r[0], {12}, {0, 4, 7, -1, 3, 6, -1, -1, 1, 2, 5, -1}, 0);
+}
+
 TEST(MoeDispatchCpu, RandomRoutingsKeepTheHighestProbsInTokenOrder) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 20; ++trial) {
