@@ -219,6 +219,243 @@ OpCost costGroupedMatmul(const Op& op, const SymbolBindings& symbols) {
   return {2 * rows * k * m, operandAndResultBytes(op, symbols)};
 }
 
+// ---- CPU reference ----------------------------------------------------------------------------
+
+// Checks each row's slot against the N*k slots and that no slot is held twice; the permutes and
+// their gradients rest on rows being a (partial) permutation.
+Status checkRows(const Op& op, const TensorView& rows, int64_t slots) {
+  std::vector<int64_t> holder(static_cast<size_t>(slots), -1);
+  for (int64_t r = 0; r < rows.shape[0]; ++r) {
+    const int64_t s = loadIndex(rows, r);
+    if (s < 0) continue;  // a padding row
+    if (s >= slots)
+      return Status::errorf("'{}': rows[{}] = {} lies outside the {} slots [0, N*k)", op.name(), r, s, slots);
+    int64_t& h = holder[static_cast<size_t>(s)];
+    if (h >= 0) return Status::errorf("'{}': slot {} is held by rows {} and {}", op.name(), s, h, r);
+    h = r;
+  }
+  return Status::ok();
+}
+
+// probs[N, k] at run time: N must be the tokens' count.
+Status checkTokens(const Op& op, const TensorView& probs, int64_t tokens) {
+  if (probs.shape[0] != tokens)
+    return Status::errorf("'{}': probs {} for {} tokens", op.name(), shapeString(probs.shape), tokens);
+  return Status::ok();
+}
+
+// Expert e's rows are [offsets[e], offsets[e + 1]): they must rise from 0 to the row count.
+Status checkOffsets(const Op& op, const TensorView& offsets, int64_t rows) {
+  const int64_t experts = offsets.shape[0] - 1;
+  if (loadIndex(offsets, 0) != 0)
+    return Status::errorf("'{}': offsets[0] = {}, want 0", op.name(), loadIndex(offsets, 0));
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t lo = loadIndex(offsets, e), hi = loadIndex(offsets, e + 1);
+    if (hi < lo) return Status::errorf("'{}': offsets decrease at expert {} ({} > {})", op.name(), e, lo, hi);
+    if (hi > rows)
+      return Status::errorf("'{}': offsets[{}] = {} lies beyond the {} rows", op.name(), e + 1, hi, rows);
+  }
+  if (loadIndex(offsets, experts) != rows)
+    return Status::errorf("'{}': offsets[{}] = {} but there are {} rows", op.name(), experts,
+                          loadIndex(offsets, experts), rows);
+  return Status::ok();
+}
+
+Status cpuPermute(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  const TensorView& rows = *in[1];
+  const TensorView& probs = *in[2];
+  const int64_t tokens = x.shape[0], width = x.shape[1], k = probs.shape[1];
+  KILN_RETURN_IF_ERROR(checkTokens(op, probs, tokens));
+  KILN_RETURN_IF_ERROR(checkRows(op, rows, tokens * k));
+  const int64_t count = rows.shape[0];
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {count, width}));
+  const bool apply = op.boolAttr("apply_probs");
+  return visitFloat(op, x.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* px = data<T>(x);
+    auto* py = data<T>(*out[0]);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t s = loadIndex(rows, r);
+      const double scale = s < 0 ? 0.0 : apply ? loadAsDouble(probs, s) : 1.0;
+      const int64_t n = s < 0 ? 0 : s / k;
+      for (int64_t h = 0; h < width; ++h)
+        py[r * width + h] = T::store(s < 0 ? 0.0 : scale * static_cast<double>(T::load(px[n * width + h])));
+    }
+    return Status::ok();
+  });
+}
+
+Status cpuUnpermute(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& y = *in[0];
+  const TensorView& rows = *in[1];
+  const TensorView& probs = *in[2];
+  const int64_t count = y.shape[0], width = y.shape[1], tokens = probs.shape[0], k = probs.shape[1];
+  if (rows.shape[0] != count)
+    return Status::errorf("'{}': {} rows of y but {} row slots", op.name(), count, rows.shape[0]);
+  KILN_RETURN_IF_ERROR(checkRows(op, rows, tokens * k));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {tokens, width}));
+  const bool apply = op.boolAttr("apply_probs");
+  return visitFloat(op, y.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* py = data<T>(y);
+    std::vector<double> sum(static_cast<size_t>(tokens * width), 0.0);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t s = loadIndex(rows, r);
+      if (s < 0) continue;
+      const double scale = apply ? loadAsDouble(probs, s) : 1.0;
+      double* acc = sum.data() + (s / k) * width;
+      for (int64_t h = 0; h < width; ++h) acc[h] += scale * static_cast<double>(T::load(py[r * width + h]));
+    }
+    auto* po = data<T>(*out[0]);
+    for (size_t i = 0; i < sum.size(); ++i) po[i] = T::store(sum[i]);
+    return Status::ok();
+  });
+}
+
+Status cpuRowDot(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& a = *in[0];
+  const TensorView& rows = *in[1];
+  const TensorView& b = *in[2];
+  const int64_t count = a.shape[0], width = a.shape[1], tokens = b.shape[0], k = in[3]->shape[1];
+  if (rows.shape[0] != count)
+    return Status::errorf("'{}': {} rows of a but {} row slots", op.name(), count, rows.shape[0]);
+  KILN_RETURN_IF_ERROR(checkTokens(op, *in[3], tokens));
+  KILN_RETURN_IF_ERROR(checkRows(op, rows, tokens * k));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {tokens, k}));
+  std::vector<double> dots(static_cast<size_t>(tokens * k), 0.0);
+  KILN_RETURN_IF_ERROR(visitFloat(op, a.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* pa = data<T>(a);
+    const auto* pb = data<T>(b);
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t s = loadIndex(rows, r);
+      if (s < 0) continue;
+      double dot = 0;
+      for (int64_t h = 0; h < width; ++h)
+        dot += static_cast<double>(T::load(pa[r * width + h])) * T::load(pb[(s / k) * width + h]);
+      dots[static_cast<size_t>(s)] = dot;
+    }
+    return Status::ok();
+  }));
+  return visitFloat(op, out[0]->dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    auto* po = data<T>(*out[0]);
+    for (size_t i = 0; i < dots.size(); ++i) po[i] = T::store(dots[i]);
+    return Status::ok();
+  });
+}
+
+// Element (e, p, j) of the expert matrices [E, P, J], stored as [E, J, P] when transposed.
+int64_t expertIndex(bool transposed, int64_t e, int64_t p, int64_t j, int64_t np, int64_t nj) {
+  return transposed ? (e * nj + j) * np + p : (e * np + p) * nj + j;
+}
+
+Status cpuGroupedMatmul(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  const TensorView& w = *in[1];
+  const bool tb = op.boolAttr("transpose_b");
+  const int64_t count = x.shape[0], k = x.shape[1], m = w.shape[tb ? 1 : 2];
+  if (w.shape[tb ? 2 : 1] != k || w.shape[0] != in[2]->shape[0] - 1)
+    return Status::errorf("'{}': run-time shapes x {}, w {} and offsets {} disagree", op.name(),
+                          shapeString(x.shape), shapeString(w.shape), shapeString(in[2]->shape));
+  KILN_RETURN_IF_ERROR(checkOffsets(op, *in[2], count));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {count, m}));
+  return visitFloat(op, x.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* px = data<T>(x);
+    const auto* pw = data<T>(w);
+    auto* py = data<T>(*out[0]);
+    std::vector<double> row(static_cast<size_t>(m));
+    for (int64_t e = 0; e + 1 < in[2]->shape[0]; ++e) {
+      for (int64_t r = loadIndex(*in[2], e); r < loadIndex(*in[2], e + 1); ++r) {
+        std::fill(row.begin(), row.end(), 0.0);
+        for (int64_t p = 0; p < k; ++p) {
+          const double xv = T::load(px[r * k + p]);
+          for (int64_t j = 0; j < m; ++j)
+            row[static_cast<size_t>(j)] += xv * T::load(pw[expertIndex(tb, e, p, j, k, m)]);
+        }
+        for (int64_t j = 0; j < m; ++j) py[r * m + j] = T::store(row[static_cast<size_t>(j)]);
+      }
+    }
+    return Status::ok();
+  });
+}
+
+Status cpuGroupedMatmulWgrad(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  const TensorView& dy = *in[1];
+  const bool t = op.boolAttr("transpose");
+  const int64_t count = x.shape[0], k = x.shape[1], m = dy.shape[1], experts = in[2]->shape[0] - 1;
+  if (dy.shape[0] != count)
+    return Status::errorf("'{}': x has {} rows but dy has {}", op.name(), count, dy.shape[0]);
+  KILN_RETURN_IF_ERROR(checkOffsets(op, *in[2], count));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {experts, t ? m : k, t ? k : m}));
+  return visitFloat(op, x.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* px = data<T>(x);
+    const auto* pd = data<T>(dy);
+    auto* pw = data<T>(*out[0]);
+    std::vector<double> acc(static_cast<size_t>(k * m));
+    for (int64_t e = 0; e < experts; ++e) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t r = loadIndex(*in[2], e); r < loadIndex(*in[2], e + 1); ++r)
+        for (int64_t p = 0; p < k; ++p) {
+          const double xv = T::load(px[r * k + p]);
+          for (int64_t j = 0; j < m; ++j) acc[static_cast<size_t>(p * m + j)] += xv * T::load(pd[r * m + j]);
+        }
+      for (int64_t p = 0; p < k; ++p)
+        for (int64_t j = 0; j < m; ++j)
+          pw[expertIndex(t, e, p, j, k, m)] = T::store(acc[static_cast<size_t>(p * m + j)]);
+    }
+    return Status::ok();
+  });
+}
+
+// ---- Gradient rules ---------------------------------------------------------------------------
+
+AttrDict applyProbs(const Op& op) { return {{"apply_probs", Attribute(op.boolAttr("apply_probs"))}}; }
+
+// permute:   dx = unpermute(dy)            dprobs = row_dot(dy, rows, x)
+// unpermute: dy = permute(dout)            dprobs = row_dot(y, rows, dout)
+// each with the forward's apply_probs; probs get a gradient only when they were applied.
+Status gradPermute(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g) return Status::ok();
+  Builder& b = ctx.builder;
+  Value* rows = op.operand(1);
+  Value* probs = op.operand(2);
+  const bool forward = op.is(OpCode::MoePermute);
+  const OpCode adjoint = forward ? OpCode::MoeUnpermute : OpCode::MoePermute;
+  KILN_GRAD_VALUE(dmoved, b.createValue(adjoint, {g, rows, probs}, applyProbs(op)));
+  ctx.operand_grads[0] = dmoved;
+  if (op.boolAttr("apply_probs")) {
+    Value* permuted = forward ? g : op.operand(0);
+    Value* tokens = forward ? op.operand(0) : g;
+    KILN_GRAD_VALUE(dprobs, b.createValue(OpCode::MoeRowDot, {permuted, rows, tokens, probs}));
+    ctx.operand_grads[2] = dprobs;
+  }
+  return Status::ok();
+}
+
+// y = x w_e:   dx = grouped_matmul(dy, w, !transpose_b)   dw = wgrad(x, dy){transpose = transpose_b}
+Status gradGroupedMatmul(GradContext& ctx, const Op& op) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g) return Status::ok();
+  Builder& b = ctx.builder;
+  Value* offsets = op.operand(2);
+  const bool tb = op.boolAttr("transpose_b");
+  KILN_GRAD_VALUE(dx, b.createValue(OpCode::GroupedMatmul, {g, op.operand(1), offsets},
+                                    {{"transpose_b", Attribute(!tb)}}));
+  KILN_GRAD_VALUE(dw, b.createValue(OpCode::GroupedMatmulWgrad, {op.operand(0), g, offsets},
+                                    {{"transpose", Attribute(tb)}}));
+  ctx.operand_grads[0] = dx;
+  ctx.operand_grads[1] = dw;
+  return Status::ok();
+}
+
 }  // namespace
 
 void registerExpertOps(OpRegistry& r) {
@@ -231,7 +468,9 @@ void registerExpertOps(OpRegistry& r) {
          .traits = kPure,
          .infer = inferPermute,
          .verify = verifyPermute,
-         .cost = costPermute});
+         .cost = costPermute,
+         .grad = gradPermute,
+         .cpu = cpuPermute});
   r.add({.name = "kiln.moe_unpermute",
          .summary = "Expert-major rows summed back into their tokens, optionally weighted by their probs",
          .min_operands = 3,
@@ -240,7 +479,9 @@ void registerExpertOps(OpRegistry& r) {
          .traits = kPure,
          .infer = inferUnpermute,
          .verify = verifyPermute,
-         .cost = costPermute});
+         .cost = costPermute,
+         .grad = gradPermute,
+         .cpu = cpuUnpermute});
   // Backward-only: the probs' gradient of the permutes; no gradient flows through it.
   r.add({.name = "kiln.moe_row_dot",
          .summary = "Per slot, the dot product of its permuted row with its token's row",
@@ -249,7 +490,8 @@ void registerExpertOps(OpRegistry& r) {
          .traits = kPure | kNonDifferentiable,
          .infer = inferRowDot,
          .verify = verifyRowDot,
-         .cost = costRowDot});
+         .cost = costRowDot,
+         .cpu = cpuRowDot});
   r.add({.name = "kiln.grouped_matmul",
          .summary = "Each expert's rows [offsets[e], offsets[e+1]) times its weight matrix",
          .min_operands = 3,
@@ -258,7 +500,9 @@ void registerExpertOps(OpRegistry& r) {
          .traits = kPure,
          .infer = inferGroupedMatmul,
          .verify = verifyGroupedMatmul,
-         .cost = costGroupedMatmul});
+         .cost = costGroupedMatmul,
+         .grad = gradGroupedMatmul,
+         .cpu = cpuGroupedMatmul});
   // Backward-only: the weights' gradient of grouped_matmul.
   r.add({.name = "kiln.grouped_matmul_wgrad",
          .summary = "Per expert, x_e^T dy_e over its rows (the weight gradient of grouped_matmul)",
@@ -268,7 +512,8 @@ void registerExpertOps(OpRegistry& r) {
          .traits = kPure | kNonDifferentiable,
          .infer = inferGroupedMatmulWgrad,
          .verify = verifyGroupedMatmul,
-         .cost = costGroupedMatmul});
+         .cost = costGroupedMatmul,
+         .cpu = cpuGroupedMatmulWgrad});
 }
 
 }  // namespace kiln::ir

@@ -204,6 +204,31 @@ std::vector<GradCase> gradCases() {
                one_rank,
                {TensorType(DType::f64, {Dim::bounded(Dim::fixed(3)), Dim::fixed(2)}),
                 TensorType(DType::i64, {Dim::fixed(1)})}});
+  // Experts (docs/moe.md): 4 tokens, top-2, 3 experts; expert 1 has no rows, slots 2 and 5 are
+  // dropped, and experts 0 and 2 end in a padding row.
+  const HostTensor rows = i32({8}, {0, 3, 6, -1, 1, 4, 7, -1});
+  const HostTensor offsets = i32({4}, {0, 4, 4, 8});
+  for (bool apply : {false, true}) {
+    const std::string suffix = apply ? "ApplyProbs" : "";
+    const std::set<unsigned> probs_grad = apply ? std::set<unsigned>{} : std::set<unsigned>{2};
+    c.push_back({"MoePermute" + suffix,
+                 "kiln.moe_permute",
+                 {uniform({4, 3}), rows, uniform({4, 2}, 0.1, 1)},
+                 attrs({{"apply_probs", A(apply)}}),
+                 {},
+                 probs_grad});
+    c.push_back({"MoeUnpermute" + suffix,
+                 "kiln.moe_unpermute",
+                 {uniform({8, 3}), rows, uniform({4, 2}, 0.1, 1)},
+                 attrs({{"apply_probs", A(apply)}}),
+                 {},
+                 probs_grad});
+  }
+  c.push_back({"GroupedMatmul", "kiln.grouped_matmul", {uniform({8, 3}), uniform({3, 3, 2}), offsets}});
+  c.push_back({"GroupedMatmulTransposeB",
+               "kiln.grouped_matmul",
+               {uniform({8, 3}), uniform({3, 2, 3}), offsets},
+               attrs({{"transpose_b", A(true)}})});
   return c;
 }
 
