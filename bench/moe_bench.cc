@@ -2,7 +2,7 @@
 // SwiGLU experts) forward + backward, the training step of models/moe_layer.kiln with plain SGD.
 //
 //   moe_bench [--workload m1|m2] [--tokens N] [--hidden H] [--device cpu|cuda] [--threads T]
-//             [--rounds R] [--iters I]
+//             [--rounds R] [--iters I] [--profile 1]
 //
 // On the CPU the workloads are scaled down (--tokens 1024 --hidden 512 by default; FFN size and
 // expert count keep the workload's ratios) and Kiln runs interleaved with a baseline written
@@ -231,6 +231,7 @@ int main(int argc, char** argv) {
   std::string workload = "m1", device = "cpu";
   int64_t tokens = 0, hidden = 0, rounds = 5, iters = 2;
   int threads = 2;
+  bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
     if (k == "--workload" && (v == "m1" || v == "m2")) workload = v;
@@ -240,6 +241,7 @@ int main(int argc, char** argv) {
     else if (k == "--threads") threads = std::stoi(v);
     else if (k == "--rounds") rounds = std::stoll(v);
     else if (k == "--iters") iters = std::stoll(v);
+    else if (k == "--profile") profile = v == "1";
     else {
       std::fprintf(stderr, "moe_bench: unknown flag or value: %s %s\n", k.c_str(), v.c_str());
       return 2;
@@ -269,6 +271,7 @@ int main(int argc, char** argv) {
   o.batch = s.tokens;
   o.threads = threads;
   o.device = device;
+  o.profile = profile;
   const ir::AttrDict sgd = {{"kind", ir::Attribute(std::string("sgd"))}, {"lr", ir::Attribute(0.01)}};
   o.train_overrides = {{"optimizer", ir::Attribute(sgd)}};
   if (gpu) o.train_overrides["precision"] = ir::Attribute(std::string("bf16"));
@@ -327,6 +330,7 @@ int main(int argc, char** argv) {
     std::printf("Kiln / loop: %.2fx faster (median of %lld interleaved rounds of %lld steps, %d threads)\n", bm / km,
                 static_cast<long long>(rounds), static_cast<long long>(iters), threads);
   }
+  if (profile) std::printf("%s\n", (*session)->profileTable("train_step").c_str());
   std::printf("KILN {\"workload\": \"%s\", \"device\": \"%s\", \"ms\": %.3f, \"baseline_ms\": %.3f, \"gflops\": %.2f, "
               "\"sgemm_gflops\": %.2f}\n",
               workload.c_str(), device.c_str(), km, bm, kiln_g, rate);
