@@ -28,9 +28,9 @@
 //   about `bucket_bytes` (DDP's 25 MB), each placed right after the last gradient it carries,
 //   in the order the backward produces them.
 //
-// The loss each rank computes is its local batch's. Under a mean reduction the global loss is
-// the mean of the N local losses, so every gradient sent (pooled gradients, dense buckets) is
-// scaled by 1/N first.
+// The loss each rank computes is its local batch's. The global loss is the mean of the N local
+// losses (unless a loss op sums over samples), so every gradient sent (pooled gradients, dense
+// buckets) is scaled by 1/N first.
 #include "passes/shard.h"
 
 #include <fmt/format.h>
@@ -435,12 +435,14 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
 Status Sharder::run(ir::Function& f) {
   routes_.clear();
   dropped_params_.clear();
-  // A mean loss: the global batch's is the mean of the ranks' (a sum loss: their sum).
-  grad_scale_ = 1;
+  // The global batch's loss is the mean of the ranks' (a mean over samples, a reduce(mean) as
+  // in mse, and whatever is added to it, such as MoE balancing losses); only a loss op that
+  // sums over samples makes it their sum.
+  grad_scale_ = 1.0 / o_.ranks;
   for (Op* op : f.entry().opList())
     if (op->isAnyOf(OpCode::BceWithLogits, OpCode::SoftmaxCrossEntropy) &&
-        op->strAttr("reduction", "mean") == "mean")
-      grad_scale_ = 1.0 / o_.ranks;
+        op->strAttr("reduction", "mean") == "sum")
+      grad_scale_ = 1;
   KILN_RETURN_IF_ERROR(retypeParameters(f));
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;

@@ -9,12 +9,14 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <numeric>
 #include <random>
 #include <sstream>
 
 #include <fmt/format.h>
 
+#include "runtime/comm/local_group.h"
 #include "tools/model_session.h"
 
 namespace kiln::cli {
@@ -227,30 +229,36 @@ std::string modelSource(const Case& c) {
       per_sample * kWidth, body);
 }
 
-class MoeLayer : public ::testing::TestWithParam<Case> {};
+// A compiled case with its weights set to seeded values of decisive routing (router entries of
+// order 1), and a batch of `batch` samples; on every rank the same.
+struct Prepared {
+  std::unique_ptr<ModelSession> session;
+  Weights w;
+  data::Batch batch;
+  std::vector<double> x, target;  // the batch, as doubles
+};
 
-TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
-  const Case& c = GetParam();
-  const int64_t per_sample = c.seq ? c.seq : 1;
-  const int64_t batch = c.seq ? 4 : kTokensPerBatch;
-  const int64_t n = batch * per_sample;
+std::string writeModel(const Case& c) {
   const auto dir = std::filesystem::temp_directory_path() / fmt::format("kiln_moe_{}_{}", c.name, ::getpid());
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "m.kiln").string();
   std::ofstream(path) << modelSource(c);
+  return path;
+}
 
+void prepare(const Case& c, const std::string& path, int64_t batch, comm::Communicator* comm, Prepared& p) {
+  const int64_t per_sample = c.seq ? c.seq : 1;
   SessionOptions o;
   o.model_path = path;
   o.batch = batch;
+  o.comm = comm;
   std::ostringstream diag;
   auto made = ModelSession::create(o, diag);
   ASSERT_TRUE(made) << made.status().str() << diag.str() << modelSource(c);
-  ModelSession& s = **made;
-
-  // Weights with decisive routing (router entries of order 1) and a batch.
+  p.session = made.take();
+  ModelSession& s = *p.session;
   std::mt19937 rng(7);
   std::normal_distribution<double> normal(0, 1);
-  Weights w;
   auto fill = [&](const std::string& name, std::vector<double>& dst, double scale) {
     ir::HostTensor* t = s.params().find(name);
     ASSERT_NE(t, nullptr) << name;
@@ -261,27 +269,60 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
       dst[i] = v;
     }
   };
-  fill("y.router.weight", w.router, 1.0);
-  fill("y.experts.fc1", w.fc1, 0.5);
-  fill("y.experts.fc2", w.fc2, 0.5);
+  fill("y.router.weight", p.w.router, 1.0);
+  fill("y.experts.fc1", p.w.fc1, 0.5);
+  fill("y.experts.fc2", p.w.fc2, 0.5);
   if (c.shared) {
-    fill("y.shared.fc1.weight", w.s1, 0.5);
-    fill("y.shared.fc2.weight", w.s2, 0.5);
+    fill("y.shared.fc1.weight", p.w.s1, 0.5);
+    fill("y.shared.fc2.weight", p.w.s2, 0.5);
   }
-  if (HasFailure()) return;
-  data::Batch b;
-  b.size = batch;
-  std::vector<double> x(static_cast<size_t>(n * kWidth)), target(x.size());
+  p.batch = {};
+  p.batch.size = batch;
+  p.x.assign(static_cast<size_t>(batch * per_sample * kWidth), 0);
+  p.target.assign(p.x.size(), 0);
   for (const char* name : {"x", "target"}) {
     ir::HostTensor t(ir::DType::f32, {batch, per_sample * kWidth});
     for (int64_t i = 0; i < t.numel(); ++i) {
       const float v = static_cast<float>(normal(rng));
       t.as<float>()[i] = v;
-      (std::string(name) == "x" ? x : target)[static_cast<size_t>(i)] = v;
+      (std::string(name) == "x" ? p.x : p.target)[static_cast<size_t>(i)] = v;
     }
-    b.names.push_back(name);
-    b.tensors.push_back(std::move(t));
+    p.batch.names.push_back(name);
+    p.batch.tensors.push_back(std::move(t));
   }
+}
+
+// d loss / d w[i] of the plain loop, by central differences.
+double finiteDifference(const Case& c, Weights& w, std::vector<double>& wv, size_t i, const std::vector<double>& x,
+                        const std::vector<double>& target, int64_t n) {
+  const double keep = wv[i], eps = 1e-5;
+  wv[i] = keep + eps;
+  const double up = reference(c, w, x, target, n).loss;
+  wv[i] = keep - eps;
+  const double down = reference(c, w, x, target, n).loss;
+  wv[i] = keep;
+  return (up - down) / (2 * eps);
+}
+
+std::vector<double>& weightsNamed(Weights& w, const std::string& name) {
+  return name == "y.router.weight" ? w.router : name == "y.experts.fc1" ? w.fc1 : w.fc2;
+}
+
+class MoeLayer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
+  const Case& c = GetParam();
+  const int64_t per_sample = c.seq ? c.seq : 1;
+  const int64_t batch = c.seq ? 4 : kTokensPerBatch;
+  const int64_t n = batch * per_sample;
+  const std::string path = writeModel(c);
+  Prepared p;
+  prepare(c, path, batch, nullptr, p);
+  if (HasFatalFailure()) return;
+  ModelSession& s = *p.session;
+  Weights& w = p.w;
+  const data::Batch& b = p.batch;
+  const std::vector<double>&x = p.x, &target = p.target;
 
   const Reference want = reference(c, w, x, target, n);
   auto fwd = s.forward(b);
@@ -306,22 +347,67 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
   EXPECT_NEAR(step->loss, want.loss, 1e-4 * (1 + want.loss));
   std::mt19937 pick(3);
   for (auto& [name, old] : before) {
-    std::vector<double>& wv = name == "y.router.weight" ? w.router : name == "y.experts.fc1" ? w.fc1 : w.fc2;
+    std::vector<double>& wv = weightsNamed(w, name);
     const ir::HostTensor* t = s.params().find(name);
     for (int trial = 0; trial < 12; ++trial) {
       const size_t i = pick() % wv.size();
       const double got = old[i] - t->as<float>()[i];
-      const double keep = wv[i], eps = 1e-5;
-      wv[i] = keep + eps;
-      const double up = reference(c, w, x, target, n).loss;
-      wv[i] = keep - eps;
-      const double down = reference(c, w, x, target, n).loss;
-      wv[i] = keep;
-      const double fd = (up - down) / (2 * eps);
+      const double fd = finiteDifference(c, w, wv, i, x, target, n);
       EXPECT_NEAR(got, fd, 2e-4 + 2e-3 * std::fabs(fd)) << name << "[" << i << "]";
     }
   }
-  std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path());
+}
+
+// The balancing losses' coefficients apply once per step whatever the batch is split into: on
+// two ranks (two micro-batches of one global batch) each rank's loss is its own half's
+// `mse + aux_coeff * aux + z_coeff * z`, the global loss their mean, and the weights move by the
+// mean of the halves' gradients, neither doubled nor halved.
+TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
+  Case c;
+  c.name = "accounting";
+  c.aux = 0.5;
+  c.z = 0.05;
+  const std::string path = writeModel(c);
+  constexpr int kRanks = 2;
+  // The global batch: both halves, from one rank-independent draw.
+  Prepared whole;
+  prepare(c, path, kTokensPerBatch * kRanks, nullptr, whole);
+  if (HasFatalFailure()) return;
+  std::vector<std::vector<double>> after(kRanks);
+  std::vector<double> losses(kRanks);
+  comm::LocalGroup group(kRanks);
+  std::mutex mu;
+  Status st = group.run([&](comm::Communicator& comm) -> Status {
+    Prepared p;
+    prepare(c, path, kTokensPerBatch, &comm, p);
+    if (!p.session) return Status::error("no session");
+    auto half = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
+    if (!half) return half.status();
+    KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
+    const ir::HostTensor* t = p.session->params().find("y.router.weight");
+    std::lock_guard<std::mutex> lock(mu);
+    losses[static_cast<size_t>(comm.rank())] = out.loss;
+    after[static_cast<size_t>(comm.rank())].assign(t->as<float>(), t->as<float>() + t->numel());
+    return Status::ok();
+  });
+  ASSERT_TRUE(st) << st.str();
+
+  const size_t half_size = whole.x.size() / kRanks;
+  std::vector<double> grad(whole.w.router.size(), 0.0);
+  for (int r = 0; r < kRanks; ++r) {
+    const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
+    const std::vector<double> t(whole.target.begin() + r * half_size, whole.target.begin() + (r + 1) * half_size);
+    const double want = reference(c, whole.w, x, t, kTokensPerBatch).loss;
+    EXPECT_NEAR(losses[static_cast<size_t>(r)], want, 1e-4 * (1 + want)) << "rank " << r;
+    for (size_t i = 0; i < grad.size(); ++i)
+      grad[i] += finiteDifference(c, whole.w, whole.w.router, i, x, t, kTokensPerBatch) / kRanks;
+  }
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t i = 0; i < grad.size(); ++i)
+      EXPECT_NEAR(whole.w.router[i] - after[static_cast<size_t>(r)][i], grad[i], 2e-4 + 2e-3 * std::fabs(grad[i]))
+          << "rank " << r << " router[" << i << "]";
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path());
 }
 
 Case make(const char* name, std::function<void(Case&)> f) {
