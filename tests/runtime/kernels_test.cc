@@ -103,6 +103,24 @@ TEST(FastKernels, UnaryElementwise) {
     checkAgainstReference(op, {randomTensor(DType::f32, {1000}, seed++, 0.01, 10)}, {}, 1e-5, 1e-6);
 }
 
+TEST(FastKernels, ActivationGradSliceAndPad) {
+  uint32_t seed = 300;
+  for (const char* act : {"relu", "silu", "gelu", "softplus", "hardswish"}) {
+    auto x = randomTensor(DType::f32, {257, 33}, seed++, -4, 4), dy = randomTensor(DType::f32, {257, 33}, seed++);
+    checkAgainstReference("kiln.activation_grad", {x, dy}, {{"activation", ir::Attribute(act)}}, 1e-5, 1e-6);
+  }
+  auto x = randomTensor(DType::f32, {37, 10, 6}, seed++);
+  for (int64_t axis : {0, 1, 2, -1}) {
+    checkAgainstReference("kiln.slice", {x}, {{"axis", ir::Attribute(axis)}, {"start", ir::Attribute(int64_t{1})},
+                                              {"limit", ir::Attribute(int64_t{5})}}, 0, 0);
+    checkAgainstReference("kiln.pad", {x}, {{"axis", ir::Attribute(axis)}, {"low", ir::Attribute(int64_t{2})},
+                                            {"high", ir::Attribute(int64_t{3})}}, 0, 0);
+  }
+  checkAgainstReference("kiln.slice", {randomTensor(DType::bf16, {64, 12}, seed++)},
+                        {{"axis", ir::Attribute(int64_t{1})}, {"start", ir::Attribute(int64_t{0})},
+                         {"limit", ir::Attribute(int64_t{6})}}, 0, 0);
+}
+
 TEST(FastKernels, Bf16StorageComputesInF32) {
   auto x = randomTensor(DType::bf16, {64, 32}, 5), y = randomTensor(DType::bf16, {32}, 6);
   // Both round the f32 result once to bf16; allow one bf16 ulp for double vs float compute.

@@ -1,5 +1,6 @@
 // Data kernels: constants, reshapes (free when the planner put the result over its operand)
 // and casts between the float storage types.
+#include <algorithm>
 #include <cstring>
 
 #include "runtime/cpu/kernels/kernels.h"
@@ -109,12 +110,62 @@ bool supportsCast(const ir::Op& op) {
   return floatStorage(op.operand(0)->type().dtype()) && floatStorage(op.result()->type().dtype());
 }
 
+// kiln.slice and kiln.pad: one contiguous block per outer index, threaded over outer indices
+// (the same copies as the references, which run them one after another).
+int64_t product(const std::vector<int64_t>& s, size_t b, size_t e) {
+  int64_t p = 1;
+  for (size_t i = b; i < e; ++i) p *= s[i];
+  return p;
+}
+
+Status runSliceOrPad(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
+                     const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
+  const ir::TensorView& x = *in[0];
+  ir::TensorView& r = *out[0];
+  int64_t axis = op.intAttr("axis");
+  if (axis < 0) axis += static_cast<int64_t>(x.shape.size());
+  if (axis < 0 || axis >= static_cast<int64_t>(x.shape.size())) return Status::errorf("'{}': axis out of range", op.name());
+  const auto a = static_cast<size_t>(axis);
+  const bool slice = op.is(ir::OpCode::Slice);
+  // Per outer index: `n` rows of `inner_bytes` copied from x at `from` to r at `to`.
+  int64_t n, from = 0, to = 0;
+  r.shape = x.shape;
+  if (slice) {
+    const int64_t start = op.intAttr("start"), limit = op.intAttr("limit");
+    if (start < 0 || limit > x.shape[a] || start > limit) return Status::errorf("'{}': bounds out of range", op.name());
+    n = limit - start;
+    from = start;
+    r.shape[a] = n;
+  } else {
+    const int64_t low = op.intAttr("low"), high = op.intAttr("high");
+    n = x.shape[a];
+    to = low;
+    r.shape[a] = n + low + high;
+  }
+  const int64_t outer = product(x.shape, 0, a);
+  const int64_t inner_bytes = product(x.shape, a + 1, x.shape.size()) * ir::dtypeBytes(x.dtype);
+  const int64_t x_rows = x.shape[a], r_rows = r.shape[a];
+  const auto* px = static_cast<const unsigned char*>(x.data);
+  auto* pr = static_cast<unsigned char*>(r.data);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, r_rows * inner_bytes));
+  ctx.pool->parallelFor(outer, grain, [&](int64_t b, int64_t e) {
+    for (int64_t o = b; o < e; ++o) {
+      unsigned char* dst = pr + o * r_rows * inner_bytes;
+      if (!slice) std::memset(dst, 0, static_cast<size_t>(r_rows * inner_bytes));  // all-zero bits are 0
+      std::memcpy(dst + to * inner_bytes, px + (o * x_rows + from) * inner_bytes, static_cast<size_t>(n * inner_bytes));
+    }
+  });
+  return Status::ok();
+}
+
 }  // namespace
 
 void registerDataKernels(KernelTable& t) {
   addKernel(t, ir::OpCode::Constant, {"constant", runConstant, supportsConstant});
   addKernel(t, ir::OpCode::Reshape, {"reshape", runReshape, [](const ir::Op&) { return true; }});
   addKernel(t, ir::OpCode::Cast, {"cast", runCast, supportsCast});
+  addKernel(t, ir::OpCode::Slice, {"slice", runSliceOrPad, [](const ir::Op&) { return true; }});
+  addKernel(t, ir::OpCode::Pad, {"pad", runSliceOrPad, [](const ir::Op&) { return true; }});
 }
 
 }  // namespace kiln::runtime::cpu

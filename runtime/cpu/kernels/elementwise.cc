@@ -74,9 +74,38 @@ bool sameFloatTypes(const ir::Op& op) {
   return true;
 }
 
+// dy * f'(x) for the activation the op names, f32 compute over f32 or bf16 storage, threaded.
+// The derivative is chosen once per launch, as the reference does.
+template <typename S>
+void runActivationGradTyped(ir::ScalarFn derivative, const ir::TensorView& x, const ir::TensorView& dy,
+                            ir::TensorView& r, ThreadPool& pool) {
+  using T = typename S::T;
+  const ir::scalar::UnaryFnPtr<float> d = ir::scalar::unaryFnPtr<float>(derivative);
+  const T* px = x.as<T>();
+  const T* pd = dy.as<T>();
+  T* pr = r.as<T>();
+  pool.parallelFor(x.numel(), 32768, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) S::store(pr, i, S::load(pd, i) * d(S::load(px, i)));
+  });
+}
+
+Status runActivationGrad(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
+                         const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
+  const ir::TensorView& x = *in[0];
+  const ir::TensorView& dy = *in[1];
+  if (x.shape != dy.shape) return Status::errorf("'{}': x and dy differ in run-time shape", op.name());
+  const std::optional<ir::ScalarFn> fn = ir::findScalarFn(ir::ScalarFnKind::Activation, op.strAttr("activation"));
+  if (!fn || !ir::scalarFnInfo(*fn).partner) return Status::errorf("'{}': unknown activation", op.name());
+  out[0]->shape = x.shape;
+  if (x.dtype == ir::DType::bf16) runActivationGradTyped<BF16>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
+  else runActivationGradTyped<F32>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
+  return Status::ok();
+}
+
 }  // namespace
 
 void registerElementwiseKernels(KernelTable& t) {
+  addKernel(t, ir::OpCode::ActivationGrad, {"activation_grad", runActivationGrad, sameFloatTypes});
   // Every op of ir/scalar_fn.def, f32 compute over f32 or bf16 storage.
 #define KILN_EW(Name, spelling) \
   addKernel(t, ir::OpCode::Name, {"ew_" #Name, runElementwise<ir::ScalarFn::Name>, sameFloatTypes});
