@@ -454,8 +454,10 @@ Val ModelLowering::evalBinary(const ast::Expr& e) {
   checkNotError(b);
   builder_.setLocation(e.loc);
 
-  // comparisons: compile-time values only
+  // comparisons: a tensor on either side gives an i1 tensor; otherwise a compile-time bool
   if (op == "==" || op == "!=" || op == "<" || op == "<=" || op == ">" || op == ">=") {
+    if (a.kind == Val::Kind::Tensor || b.kind == Val::Kind::Tensor)
+      return Val::ofTensor(compareTensors(e, a, b));
     int cmp = 0;
     if (a.isNumber() && b.isNumber()) {
       if (a.kind == Val::Kind::Int && b.kind == Val::Kind::Int)
@@ -540,6 +542,27 @@ Val ModelLowering::evalBinary(const ast::Expr& e) {
   }
   if (a.kind == Val::Kind::Str && b.kind == Val::Kind::Str && op == "+") return Val::string(a.s + b.s);
   fail(e.loc, fmt::format("cannot apply '{}' to {} and {}", op, describe(a), describe(b)));
+}
+
+ir::Value* ModelLowering::compareTensors(const ast::Expr& e, const Val& a, const Val& b) {
+  static const std::map<std::string, const char*> kPredicates = {{"==", "eq"}, {"!=", "ne"}, {"<", "lt"},
+                                                                 {"<=", "le"}, {">", "gt"},  {">=", "ge"}};
+  ir::DType dt = (a.kind == Val::Kind::Tensor ? a : b).tensor->type().dtype();
+  auto asTensor = [&](const Val& v, const ast::Expr& src) -> ir::Value* {
+    if (v.kind == Val::Kind::Tensor) return v.tensor;
+    // An integer tensor against 0.5 would compare with a truncated 0: say so instead.
+    bool fits = v.kind == Val::Kind::Int || (v.kind == Val::Kind::Float && ir::isFloat(dt));
+    if (!fits) fail(e.loc, fmt::format("cannot compare {} and {}", describe(a), describe(b)));
+    builder_.setLocation(src.loc);
+    return scalarConstant(v.asDouble(), dt);
+  };
+  ir::Value* ta = asTensor(a, *e.items[0]);
+  ir::Value* tb = asTensor(b, *e.items[1]);
+  if (ta->type().dtype() != tb->type().dtype() ||
+      !ir::broadcastShapes(ta->type().shape(), tb->type().shape()))
+    fail(e.loc, fmt::format("cannot compare {} and {}", typeStr(ta->type()), typeStr(tb->type())));
+  builder_.setLocation(e.loc);
+  return emit(ir::OpCode::Compare, {ta, tb}, {{"predicate", kPredicates.at(e.text)}});
 }
 
 Val ModelLowering::evalIndex(const ast::Expr& e) {
