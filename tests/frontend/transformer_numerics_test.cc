@@ -5,6 +5,7 @@
 // step of @train_step applies equal central finite differences of the loops' loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -303,6 +304,113 @@ INSTANTIATE_TEST_SUITE_P(Layouts, AttentionForward,
                                            AttentionConfig{2, 1, 4, false, true},  // no mask
                                            AttentionConfig{2, 2, 3, true, false}   // no rope, odd head_dim
                                            ));
+
+// ---- a tiny decoder, backward --------------------------------------------------------------
+
+constexpr int64_t kVocab = 7, kDim = 8, kHidden = 12;
+const AttentionConfig kDecoderAttention{2, 1, 4, true, true};
+
+const char* kDecoder = R"(model m {
+  dim B
+  param T = 5
+  input tokens: i32[B, T]
+  input label: i32[B, T]
+  h = embedding(tokens, 7, 8)
+  h = h + attention(h, heads = 2, kv_heads = 1, rope_base = 100)
+  logits = linear(swiglu(linear(h, 12, bias = false)), 7, bias = false)
+  output logits
+  train {
+    loss = softmax_cross_entropy(logits, label)
+    optimizer = sgd(lr = 1)
+  }
+})";
+
+using Weights = std::map<std::string, std::vector<double>>;
+
+// The decoder's mean token cross entropy, in double.
+double naiveDecoderLoss(const Weights& w, const std::vector<int>& tokens, const std::vector<int>& labels,
+                        int64_t B, int64_t T) {
+  std::vector<double> h(static_cast<size_t>(B * T * kDim));
+  for (int64_t n = 0; n < B * T; ++n)
+    for (int64_t d = 0; d < kDim; ++d) h[n * kDim + d] = w.at("h.weight")[tokens[n] * kDim + d];
+  std::vector<double> a = naiveAttention(h, B, T, kDim, kDecoderAttention, w.at("attention.0.q.weight"),
+                                         w.at("attention.0.k.weight"), w.at("attention.0.v.weight"),
+                                         w.at("attention.0.o.weight"));
+  double loss = 0;
+  for (int64_t n = 0; n < B * T; ++n) {
+    std::vector<double> up(kHidden, 0.0), logits(kVocab, 0.0);
+    for (int64_t j = 0; j < kHidden; ++j)
+      for (int64_t d = 0; d < kDim; ++d)
+        up[j] += (h[n * kDim + d] + a[n * kDim + d]) * w.at("linear.0.weight")[j * kDim + d];
+    const int64_t half = kHidden / 2;
+    for (int64_t v = 0; v < kVocab; ++v)
+      for (int64_t j = 0; j < half; ++j) {
+        double gate = up[j] / (1 + std::exp(-up[j]));  // silu
+        logits[v] += gate * up[j + half] * w.at("logits.weight")[v * half + j];
+      }
+    double mx = *std::max_element(logits.begin(), logits.end()), z = 0;
+    for (double l : logits) z += std::exp(l - mx);
+    loss += std::log(z) + mx - logits[labels[n]];
+  }
+  return loss / static_cast<double>(B * T);
+}
+
+TEST(TransformerNumerics, DecoderGradientsMatchFiniteDifferences) {
+  constexpr int64_t B = 2, T = 5;
+  auto m = compile(kDecoder);
+  ASSERT_TRUE(m);
+  Status built = passes::buildTrainStep(*m);
+  ASSERT_TRUE(built.isOk()) << built.str();
+  const std::map<std::string, std::vector<int64_t>> shapes = {{"h.weight", {kVocab, kDim}},
+                                                              {"attention.0.q.weight", {8, kDim}},
+                                                              {"attention.0.k.weight", {4, kDim}},
+                                                              {"attention.0.v.weight", {4, kDim}},
+                                                              {"attention.0.o.weight", {kDim, 8}},
+                                                              {"linear.0.weight", {kHidden, kDim}},
+                                                              {"logits.weight", {kVocab, kHidden / 2}}};
+  std::mt19937 rng(12);
+  Tensors in;
+  Weights w;
+  for (const auto& [name, shape] : shapes) in[name] = randomF32(shape, rng, 0.5, w[name]);
+  // Token 6 never occurs: its embedding row must get no gradient; tokens 1 and 3 repeat.
+  const std::vector<int> tokens = {1, 3, 0, 1, 5, 3, 3, 2, 4, 1};
+  const std::vector<int> labels = {3, 0, 1, 5, 2, 6, 4, 1, 0, 2};
+  in["tokens"] = i32Tensor({B, T}, tokens);
+  in["label"] = i32Tensor({B, T}, labels);
+  in["lr"] = ir::HostTensor(ir::DType::f32, {});
+  in["lr"].as<float>()[0] = 1;
+  in["step"] = ir::HostTensor(ir::DType::f32, {});
+  in["step"].as<float>()[0] = 1;
+
+  // One SGD step with lr = 1 moves each parameter by -grad.
+  Tensors after = in;
+  auto step = ir::interpretInPlace(*m->lookup("train_step"), after, {{"B", B}});
+  ASSERT_TRUE(step) << step.status().str();
+  const double loss = naiveDecoderLoss(w, tokens, labels, B, T);
+  EXPECT_NEAR((*step)[0].as<float>()[0], loss, 1e-5 * (1 + loss));
+
+  std::uniform_int_distribution<int64_t> pick(0, 1 << 20);
+  for (const auto& [name, shape] : shapes) {
+    SCOPED_TRACE(name);
+    const int64_t n = shape[0] * shape[1];
+    std::vector<int64_t> entries = {pick(rng) % n, pick(rng) % n, pick(rng) % n, n - 1};
+    if (name == "h.weight") entries = {1 * kDim + 2, 3 * kDim + 5, 0, 6 * kDim + 1};
+    for (int64_t e : entries) {
+      const double grad = in.at(name).as<float>()[e] - after.at(name).as<float>()[e];
+      constexpr double kStep = 1e-6;
+      Weights plus = w, minus = w;
+      plus[name][static_cast<size_t>(e)] += kStep;
+      minus[name][static_cast<size_t>(e)] -= kStep;
+      const double fd =
+          (naiveDecoderLoss(plus, tokens, labels, B, T) - naiveDecoderLoss(minus, tokens, labels, B, T)) /
+          (2 * kStep);
+      EXPECT_NEAR(grad, fd, 1e-6 + 1e-4 * std::abs(fd)) << "entry " << e;
+    }
+  }
+  // The unused token's row: no gradient at all.
+  for (int64_t d = 0; d < kDim; ++d)
+    EXPECT_EQ(in.at("h.weight").as<float>()[6 * kDim + d], after.at("h.weight").as<float>()[6 * kDim + d]);
+}
 
 }  // namespace
 }  // namespace kiln::frontend
