@@ -204,6 +204,57 @@ std::vector<GradCase> gradCases() {
                one_rank,
                {TensorType(DType::f64, {Dim::bounded(Dim::fixed(3)), Dim::fixed(2)}),
                 TensorType(DType::i64, {Dim::fixed(1)})}});
+  // MoE routing (ir/ops/routing.cc): distinct logits, so that no selection flips within eps.
+  c.push_back({"TopKMiddleAxis",
+               "kiln.topk",
+               {distinct({2, 4, 3})},
+               attrs({{"k", A(int64_t{2})}, {"axis", A(int64_t{1})}})});
+  c.push_back({"TakeAlongMiddleAxis",
+               "kiln.take_along_axis",
+               {uniform({2, 3, 2}), i32({2, 4, 2}, {0, 2, 2, 1, 1, 1, 0, 0, 2, 0, 1, 2, 0, 0, 2, 1})},
+               attrs({{"axis", A(int64_t{1})}})});
+  c.push_back({"ScatterAlongMiddleAxis",
+               "kiln.scatter_along_axis",
+               {uniform({2, 4, 2}), i32({2, 4, 2}, {0, 2, 2, 1, 1, 1, 0, 0, 2, 0, 1, 2, 0, 0, 2, 1})},
+               attrs({{"axis", A(int64_t{1})}, {"size", A(int64_t{3})}})});
+  const auto router = [&](std::string label, AttrDict a, bool bias) {
+    std::vector<HostTensor> ops = {distinct({3, 8})};
+    if (bias) ops.push_back(uniform({8}, -0.1, 0.1));
+    c.push_back({std::move(label), "kiln.moe_router", ops, std::move(a), {}, {1}});
+  };
+  router("RouterSoftmax", attrs({{"topk", A(int64_t{2})}}), false);
+  router("RouterSoftmaxBiasScaled", attrs({{"topk", A(int64_t{3})}, {"scale", A(2.5)}}), true);
+  router("RouterPreSoftmax", attrs({{"topk", A(int64_t{2})}, {"pre_softmax", A(true)}}), true);
+  router("RouterSigmoid", attrs({{"topk", A(int64_t{2})}, {"score", A("sigmoid")}}), false);
+  router("RouterSigmoidTop1", attrs({{"topk", A(int64_t{1})}, {"score", A("sigmoid")}}), true);
+  router("RouterSigmoidGroupsBias",
+         attrs({{"topk", A(int64_t{4})},
+                {"score", A("sigmoid")},
+                {"groups", A(int64_t{4})},
+                {"group_topk", A(int64_t{2})}}),
+         true);
+  router("RouterSoftmaxGroups",
+         attrs({{"topk", A(int64_t{2})}, {"groups", A(int64_t{2})}, {"group_topk", A(int64_t{1})}}), false);
+  const HostTensor experts = i32({4, 2}, {0, 3, 1, 3, 3, 2, 0, 1});
+  c.push_back({"AuxLossSoftmax",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", A(int64_t{2})}})});
+  c.push_back({"AuxLossSigmoidPerSequence",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.3)},
+                      {"score", A("sigmoid")},
+                      {"topk", A(int64_t{2})},
+                      {"seq_len", A(int64_t{2})}})});
+  c.push_back({"AuxLossSoftmaxPerSequence",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.3)},
+                      {"score", A("softmax")},
+                      {"topk", A(int64_t{2})},
+                      {"seq_len", A(int64_t{2})}})});
+  c.push_back({"ZLoss", "kiln.moe_z_loss", {uniform({3, 5}, -2, 2)}, attrs({{"coeff", A(0.01)}})});
   return c;
 }
 
