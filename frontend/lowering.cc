@@ -118,6 +118,15 @@ ir::Value* ModelLowering::emitTyped(ir::OpCode op, const std::vector<ir::Value*>
   return (*o)->result();
 }
 
+std::vector<ir::Value*> ModelLowering::emitResults(ir::OpCode op, const std::vector<ir::Value*>& operands,
+                                                   ir::AttrDict attrs) {
+  auto o = builder_.create(op, operands, std::move(attrs));
+  if (!o) fail(builder_.location(), o.status().message());
+  std::vector<ir::Value*> results;
+  for (unsigned i = 0; i < (*o)->numResults(); ++i) results.push_back((*o)->result(i));
+  return results;
+}
+
 ir::Value* ModelLowering::scalarConstant(double v, ir::DType dtype) {
   ir::Attribute value = ir::isInteger(dtype) ? ir::Attribute(static_cast<int64_t>(v)) : ir::Attribute(v);
   return emitTyped(ir::OpCode::Constant, {}, ir::TensorType(dtype, {}), {{"value", value}});
@@ -258,6 +267,7 @@ void ModelLowering::exec(const ast::Stmt& s) {
   try {
     switch (s.kind) {
       case ast::Stmt::Kind::Assign: {
+        if (s.names.size() > 1) return execUnpack(s);
         current_target_ = s.names[0];
         Val v = eval(*s.value, s.names[0]);
         current_target_.clear();
@@ -328,11 +338,23 @@ void ModelLowering::exec(const ast::Stmt& s) {
     // The names this statement would have bound become poison, so later uses stay quiet.
     if (s.kind == ast::Stmt::Kind::Assign || s.kind == ast::Stmt::Kind::Param || s.kind == ast::Stmt::Kind::Input) {
       Frame& fr = frame();
-      fr.vars[s.names[0]] = Binding{Val::error(), s.loc, true, "value"};
+      for (const std::string& name : s.names) fr.vars[name] = Binding{Val::error(), s.loc, true, "value"};
     }
     // Inside a function an error aborts the call; the caller's statement reports nothing more.
     if (frame().is_function) throw;
   }
+}
+
+// `values, indices = topk(x, 2)`: a list of exactly as many entries as names.
+void ModelLowering::execUnpack(const ast::Stmt& s) {
+  Val v = eval(*s.value);
+  checkNotError(v);
+  if (v.kind != Val::Kind::List)
+    fail(s.value->loc, fmt::format("cannot unpack {} into {} names", describe(v), s.names.size()));
+  if (v.items.size() != s.names.size())
+    fail(s.value->loc,
+         fmt::format("cannot unpack a list of {} into {} names", v.items.size(), s.names.size()));
+  for (size_t i = 0; i < s.names.size(); ++i) bind(s.names[i], v.items[i], s.name_locs[i]);
 }
 
 void ModelLowering::execParam(const ast::Stmt& s) {

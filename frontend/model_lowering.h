@@ -73,6 +73,7 @@ class ModelLowering {
   void exec(const ast::Stmt& s);
   void execInput(const ast::Stmt& s);
   void execParam(const ast::Stmt& s);
+  void execUnpack(const ast::Stmt& s);
   void execTrain(const ast::Stmt& s);
   void bind(const std::string& name, Val v, const Location& loc, const char* what = "value");
   void warnUnused(const Binding& b, const std::string& name);
@@ -116,6 +117,9 @@ class ModelLowering {
   ir::Value* emit(ir::OpCode op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs = {});
   ir::Value* emitTyped(ir::OpCode op, const std::vector<ir::Value*>& operands, const ir::TensorType& type,
                        ir::AttrDict attrs = {});
+  // An op of several results (kiln.topk), its types inferred.
+  std::vector<ir::Value*> emitResults(ir::OpCode op, const std::vector<ir::Value*>& operands,
+                                      ir::AttrDict attrs = {});
   ir::Value* scalarConstant(double v, ir::DType dtype);
   ir::Value* reshape(ir::Value* x, ir::Shape shape);
   ir::Value* binaryOp(const char* op, ir::Value* a, ir::Value* b, const Location& loc);

@@ -1,5 +1,6 @@
-// Tensor builtins beyond elementwise math: selection (where), batched products (matmul, einsum)
-// lowered to one kiln.matmul each, with numpy's semantics.
+// Tensor builtins beyond elementwise math, with numpy's semantics: where, batched products
+// (matmul, einsum) lowered to one kiln.matmul each, and selection along an axis (topk, argmax,
+// take_along_axis) lowered to the ops of docs/moe.md.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -288,12 +289,81 @@ Val fnEinsum(ModelLowering& L, CallArgs& a) {
   return Val::ofTensor(einsumTwo(L, ts[0], ts[1], spec.output, a.loc));
 }
 
+// ---- selection ------------------------------------------------------------------------------
+
+int64_t axisArg(ModelLowering& L, const Val* v, const Location& loc, int64_t rank) {
+  int64_t axis = v ? L.intArg(*v, loc, "axis") : -1;
+  if (axis < -rank || axis >= rank)
+    L.fail(loc, fmt::format("axis {} is out of range for rank {}", axis, rank));
+  return axis < 0 ? axis + rank : axis;
+}
+
+// kiln.topk of x along axis: [values, indices], the k largest in descending order (ties to the
+// lower index); indices are i32.
+std::vector<ir::Value*> topk(ModelLowering& L, CallArgs& a, ir::Value* x, int64_t k, int64_t axis,
+                             const Location& k_loc) {
+  const ir::Dim& n = x->type().dim(axis);
+  if (n.isStatic() && k > n.size())
+    L.fail(k_loc, fmt::format("{} cannot take {} of the {} entries along axis {} of {}", a.callee, k,
+                              n.size(), axis, typeStr(x->type())));
+  L.builder().setLocation(a.loc);
+  return L.emitResults(ir::OpCode::TopK, {x}, {{"k", k}, {"axis", axis}});
+}
+
+Val fnTopk(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "k", "axis"}, 2);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "topk's input");
+  if (x->type().rank() == 0) L.fail(b.locs[0], "topk needs a tensor of rank 1 or more, got a scalar");
+  int64_t k = positiveInt(L, *b.get(1), b.locs[1], "k");
+  auto r = topk(L, a, x, k, axisArg(L, b.get(2), b.locs[2], x->type().rank()), b.locs[1]);
+  return Val::list({Val::ofTensor(r[0]), Val::ofTensor(r[1])});
+}
+
+// argmax: topk's index for k = 1, the axis dropped unless keepdims.
+Val fnArgmax(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "axis", "keepdims"}, 1);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "argmax's input");
+  if (x->type().rank() == 0) L.fail(b.locs[0], "argmax needs a tensor of rank 1 or more, got a scalar");
+  int64_t axis = axisArg(L, b.get(1), b.locs[1], x->type().rank());
+  bool keep = b.get(2) ? L.boolArg(*b.get(2), b.locs[2], "keepdims") : false;
+  ir::Value* idx = topk(L, a, x, 1, axis, a.loc)[1];
+  if (keep) return Val::ofTensor(idx);
+  ir::Shape s = idx->type().shape();
+  s.erase(s.begin() + axis);
+  return Val::ofTensor(L.reshape(idx, s));
+}
+
+// numpy's take_along_axis: idx has x's rank and x's dims except along axis.
+Val fnTakeAlongAxis(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "indices", "axis"}, 3);
+  ir::Value* x = L.tensorArg(*b.get(0), b.locs[0], fmt::format("{}'s input", a.callee).c_str());
+  ir::Value* idx = L.tensorArg(*b.get(1), b.locs[1], fmt::format("{}'s indices", a.callee).c_str());
+  if (!ir::isInteger(idx->type().dtype()))
+    L.fail(b.locs[1],
+           fmt::format("{}'s indices must be an integer tensor, got {}", a.callee, typeStr(idx->type())));
+  const auto &tx = x->type(), &ti = idx->type();
+  if (tx.rank() == 0)
+    L.fail(b.locs[0], fmt::format("{} needs a tensor of rank 1 or more, got a scalar", a.callee));
+  int64_t axis = axisArg(L, b.get(2), b.locs[2], tx.rank());
+  bool fits = ti.rank() == tx.rank();
+  for (int64_t i = 0; fits && i < tx.rank(); ++i) fits = i == axis || tx.dim(i) == ti.dim(i);
+  if (!fits)
+    L.fail(a.loc, fmt::format("{} needs indices with the dims of {} except along axis {}, got {}", a.callee,
+                              typeStr(tx), axis, typeStr(ti)));
+  L.builder().setLocation(a.loc);
+  return Val::ofTensor(L.emit(ir::OpCode::TakeAlongAxis, {x, idx}, {{"axis", axis}}));
+}
+
 }  // namespace
 
 void addTensorBuiltins(std::map<std::string, BuiltinInfo>& m) {
   m["where"] = {fnWhere, "a where cond holds, else b (broadcasting)"};
   m["matmul"] = {fnMatmul, "batched matrix product with numpy broadcasting"};
   m["einsum"] = {fnEinsum, "a two-operand contraction named by labels"};
+  m["topk"] = {fnTopk, "[values, indices] of the k largest along an axis"};
+  m["argmax"] = {fnArgmax, "the index of the largest entry along an axis"};
+  m["take_along_axis"] = {fnTakeAlongAxis, "entries of x at integer indices along an axis (numpy)"};
+  m["gather"] = {fnTakeAlongAxis, "take_along_axis"};
 }
 
 }  // namespace kiln::frontend

@@ -233,5 +233,35 @@ TEST(TransformerLowering, SequenceCrossEntropyFlattensTokensAndTrains) {
       << bad.diags;
 }
 
+TEST(TransformerLowering, TopkArgmaxAndTakeAlongAxis) {
+  auto r = lower(
+      model(" vals, idx = topk(x, 3)\n top = topk(x, 2, axis = 1)\n a = argmax(x, axis = 1)\n"
+            " k = argmax(x, keepdims = true)\n g = take_along_axis(x, idx, -1)\n h = gather(x, top[1], 1)\n"
+            " output vals, idx, a, k, g, h"));
+  ASSERT_TRUE(r.m) << r.diags;
+  EXPECT_EQ(r.counts["kiln.topk"], 4);
+  EXPECT_EQ(r.counts["kiln.take_along_axis"], 2);
+  EXPECT_EQ(r.results, (std::vector<std::string>{"!kiln.tensor<Bx4x3xf32>", "!kiln.tensor<Bx4x3xi32>",
+                                                 "!kiln.tensor<Bx8xi32>", "!kiln.tensor<Bx4x1xi32>",
+                                                 "!kiln.tensor<Bx4x3xf32>", "!kiln.tensor<Bx2x8xf32>"}));
+}
+
+TEST(TransformerLowering, SelectionErrors) {
+  EXPECT_PRED2(contains, errorOf(" t = topk(x, 9)\n output t"),
+               "6:14: error: topk cannot take 9 of the 8 entries along axis 2 of f32[B,4,8]");
+  EXPECT_PRED2(contains, errorOf(" t = topk(n, 1)\n output t"), "topk's input must be a float tensor");
+  EXPECT_PRED2(contains, errorOf(" t = topk(x, 1, axis = 3)\n output t"),
+               "axis 3 is out of range for rank 3");
+  EXPECT_PRED2(contains, errorOf(" t = take_along_axis(x, x, 1)\n output t"),
+               "take_along_axis's indices must be an integer tensor, got f32[B,4,8]");
+  EXPECT_PRED2(
+      contains, errorOf(" t = gather(x, n, 1)\n output t"),
+      "6:12: error: gather needs indices with the dims of f32[B,4,8] except along axis 1, got i32[B,4]");
+  EXPECT_PRED2(contains, errorOf(" a, b = x\n output a"),
+               "6:9: error: cannot unpack a tensor f32[B,4,8] into 2 names");
+  EXPECT_PRED2(contains, errorOf(" a, b, c = topk(x, 2)\n output a"),
+               "cannot unpack a list of 2 into 3 names");
+}
+
 }  // namespace
 }  // namespace kiln::frontend

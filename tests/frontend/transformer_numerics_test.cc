@@ -203,6 +203,33 @@ TEST(TransformerNumerics, ComparisonsSelectElementwise) {
   expectClose((*r)[2], {2, 3}, c, 1e-6);
 }
 
+TEST(TransformerNumerics, TopkArgmaxAndTakeAlongAxisMatchLoops) {
+  // Rows with ties: the lower index wins, in descending order.
+  const std::vector<double> x = {0.5, -1, 2, 0.5, 2, 3, 1, 1, 1, -2};
+  ir::HostTensor t(ir::DType::f32, {2, 5});
+  for (size_t i = 0; i < x.size(); ++i) t.as<float>()[i] = static_cast<float>(x[i]);
+  auto m = compile(
+      "model m {\n input x: f32[2, 5]\n vals, idx = topk(x, 3)\n a = argmax(x, axis = 0)\n"
+      " picked = take_along_axis(x, idx, axis = 1)\n output vals, idx, a, picked\n}\n");
+  ASSERT_TRUE(m);
+  auto r = ir::interpret(*m->lookup("forward"), {{"x", t}}, {});
+  ASSERT_TRUE(r) << r.status().str();
+  std::vector<double> vals, idx, arg;
+  for (int row = 0; row < 2; ++row) {
+    std::vector<int> order = {0, 1, 2, 3, 4};
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int p, int q) { return x[row * 5 + p] > x[row * 5 + q]; });
+    for (int j = 0; j < 3; ++j) vals.push_back(x[row * 5 + order[j]]), idx.push_back(order[j]);
+  }
+  for (int c = 0; c < 5; ++c) arg.push_back(x[5 + c] > x[c] ? 1 : 0);
+  expectClose((*r)[0], {2, 3}, vals, 0);
+  ASSERT_EQ((*r)[1].view.dtype, ir::DType::i32);
+  for (size_t i = 0; i < idx.size(); ++i) EXPECT_EQ((*r)[1].as<int32_t>()[i], idx[i]) << i;
+  ASSERT_EQ((*r)[2].view.shape, (std::vector<int64_t>{5}));
+  for (size_t i = 0; i < arg.size(); ++i) EXPECT_EQ((*r)[2].as<int32_t>()[i], arg[i]) << i;
+  expectClose((*r)[3], {2, 3}, vals, 0);
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 struct AttentionConfig {
