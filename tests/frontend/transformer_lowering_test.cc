@@ -263,5 +263,45 @@ TEST(TransformerLowering, SelectionErrors) {
                "cannot unpack a list of 2 into 3 names");
 }
 
+// The decoder of docs/language.md, as printed there.
+TEST(TransformerLowering, TheDocumentedDecoderLowersAndTrains) {
+  auto r = lower(R"(
+fn block(h, d, heads) {
+  h = h + attention(rmsnorm(h), heads, kv_heads = heads / 2)
+  up = linear(rmsnorm(h), 8 * d, bias = false)
+  return h + linear(swiglu(up), d, bias = false)
+}
+
+model gpt {
+  dim B
+  param T = 128
+  param vocab = 1000
+  param d = 256
+  input tokens: i32[B, T]
+  input label: i32[B, T]
+
+  h = embedding(tokens, vocab, d)
+  for i in 0..4 { h = block(h, d, 8) }
+  logits = linear(rmsnorm(h), vocab, bias = false)
+
+  output logits
+  train {
+    loss = softmax_cross_entropy(logits, label)
+    optimizer = adamw(lr = 3e-4, weight_decay = 0.1)
+    grad_clip = 1.0
+  }
+}
+)");
+  ASSERT_TRUE(r.m) << r.diags;
+  EXPECT_EQ(r.params["h.weight"], "!kiln.tensor<1000x256xf32>");
+  EXPECT_EQ(r.params["block.3.attention.0.k.weight"], "!kiln.tensor<128x256xf32>");  // 4 kv heads of 32
+  EXPECT_EQ(r.params["block.0.up.weight"], "!kiln.tensor<2048x256xf32>");
+  EXPECT_EQ(r.params["logits.weight"], "!kiln.tensor<1000x256xf32>");
+  EXPECT_EQ(r.counts["kiln.softmax"], 4);
+  EXPECT_EQ(r.results, (std::vector<std::string>{"!kiln.tensor<Bx128x1000xf32>", "!kiln.tensor<f32>"}));
+  Status s = passes::buildTrainStep(*r.m);
+  EXPECT_TRUE(s.isOk()) << s.str();
+}
+
 }  // namespace
 }  // namespace kiln::frontend
