@@ -230,6 +230,67 @@ TEST(TransformerNumerics, TopkArgmaxAndTakeAlongAxisMatchLoops) {
   expectClose((*r)[3], {2, 3}, vals, 0);
 }
 
+// Gradients flow through topk's values and take_along_axis back to where they were read.
+TEST(TransformerNumerics, SelectionGradientsMatchFiniteDifferences) {
+  constexpr int64_t B = 3, In = 4, Out = 5;
+  auto m = compile(R"(model m {
+  dim B
+  input x: f32[B, 4]
+  input label: f32[B, 2]
+  h = linear(x, 5, bias = false)
+  vals, idx = topk(h, 2)
+  best = take_along_axis(h, argmax(h, keepdims = true), 1)
+  y = vals * best
+  output y
+  train {
+    loss = mse(y, label)
+    optimizer = sgd(lr = 1)
+  }
+})");
+  ASSERT_TRUE(m);
+  Status built = passes::buildTrainStep(*m);
+  ASSERT_TRUE(built.isOk()) << built.str();
+  std::mt19937 rng(13);
+  Tensors in;
+  std::vector<double> x, w, label;
+  in["x"] = randomF32({B, In}, rng, 1.0, x);
+  in["label"] = randomF32({B, 2}, rng, 1.0, label);
+  in["h.weight"] = randomF32({Out, In}, rng, 0.5, w);
+  for (const char* name : {"lr", "step"}) {
+    in[name] = ir::HostTensor(ir::DType::f32, {});
+    in[name].as<float>()[0] = 1;
+  }
+  auto loss = [&](const std::vector<double>& wt) {
+    double sum = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<double> h(Out, 0.0);
+      for (int64_t o = 0; o < Out; ++o)
+        for (int64_t i = 0; i < In; ++i) h[o] += x[b * In + i] * wt[o * In + i];
+      std::vector<double> sorted = h;
+      std::sort(sorted.rbegin(), sorted.rend());
+      for (int j = 0; j < 2; ++j) {
+        double d = sorted[j] * sorted[0] - label[b * 2 + j];
+        sum += d * d;
+      }
+    }
+    return sum / (B * 2);
+  };
+  Tensors after = in;
+  auto step = ir::interpretInPlace(*m->lookup("train_step"), after, {{"B", B}});
+  ASSERT_TRUE(step) << step.status().str();
+  EXPECT_NEAR((*step)[0].as<float>()[0], loss(w), 1e-5);
+  for (int64_t e = 0; e < Out * In; ++e) {
+    constexpr double kStep = 1e-6;
+    std::vector<double> plus = w, minus = w;
+    plus[e] += kStep;
+    minus[e] -= kStep;
+    const double fd = (loss(plus) - loss(minus)) / (2 * kStep);
+    EXPECT_NEAR(in.at("h.weight").as<float>()[e] - after.at("h.weight").as<float>()[e], fd,
+                1e-6 + 1e-4 * std::abs(fd))
+        << "entry " << e;
+  }
+}
+
 // ---- attention ------------------------------------------------------------------------------
 
 struct AttentionConfig {
