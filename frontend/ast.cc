@@ -1,6 +1,7 @@
 #include "frontend/ast.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "ir/attribute.h"
 
@@ -28,7 +29,7 @@ void printStmt(const Stmt& s, int indent, std::string& out) {
   };
   switch (s.kind) {
     case Stmt::Kind::Assign:
-      out += fmt::format("{}(assign {} {})\n", pad, s.names[0], printExpr(*s.value));
+      out += fmt::format("{}(assign {} {})\n", pad, fmt::join(s.names, ","), printExpr(*s.value));
       return;
     case Stmt::Kind::Dim:
       out += fmt::format("{}(dim{})\n", pad, join(s.names));

@@ -66,7 +66,8 @@ struct Stmt {
   enum class Kind { Assign, Dim, Param, Input, Output, For, If, Return, Train, Expr };
   Kind kind;
   Location loc;
-  std::vector<std::string> names;  // Assign/Param/Input/For: one; Dim/Output: several
+  std::vector<std::string>
+      names;  // Param/Input/For: one; Assign: one, or several to unpack a list; Dim/Output: several
   std::vector<Location> name_locs;
   ExprPtr value;                   // Assign/Param/Return/Expr value; For iterable; If condition
   TypeExpr type;                   // Input

@@ -14,11 +14,10 @@
 #include "passes/shard_plan.h"
 
 namespace kiln::frontend {
-namespace {
 
 using CallArgs = ModelLowering::CallArgs;
 
-// ---- helpers -------------------------------------------------------------------------------
+// ---- helpers shared with the other builtin files (model_lowering.h) ------------------------
 
 int64_t staticLastDim(ModelLowering& L, ir::Value* x, const Location& loc, const char* what) {
   const auto& t = x->type();
@@ -71,6 +70,32 @@ std::vector<int64_t> axesArg(ModelLowering& L, const Val* v, const Location& loc
   return axes;
 }
 
+ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep) {
+  return L.emit(ir::OpCode::Reduce, {x},
+                {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
+}
+
+ir::Value* linearLayer(ModelLowering& L, ir::Value* x, int64_t out, bool bias, const Val& init,
+                       const std::string& name, const Location& loc) {
+  int64_t in = staticLastDim(L, x, loc, "linear");
+  if (x->type().rank() < 2)
+    L.fail(loc, fmt::format("linear needs an input of rank 2 or more, got {}", typeStr(x->type())));
+  ir::DType dt = x->type().dtype();
+  ir::Value* w =
+      L.makeParam(name + ".weight", ir::TensorType(dt, {ir::Dim::fixed(out), ir::Dim::fixed(in)}), init, loc);
+  L.builder().setLocation(loc);
+  ir::Value* y = L.emit(ir::OpCode::Matmul, {x, w}, {{"transpose_b", true}});
+  if (bias) {
+    ir::Value* bv =
+        L.makeParam(name + ".bias", ir::TensorType(dt, {ir::Dim::fixed(out)}), Val::builtin("zeros"), loc);
+    L.builder().setLocation(loc);
+    y = L.emit(ir::OpCode::Add, {y, bv});
+  }
+  return y;
+}
+
+namespace {
+
 // [B, D] tensors stacked to [B, F, D].
 ir::Value* stackFeatures(ModelLowering& L, const std::vector<ir::Value*>& xs, const Location& loc, const char* what) {
   if (xs.empty()) L.fail(loc, fmt::format("{} needs at least one tensor", what));
@@ -85,11 +110,6 @@ ir::Value* stackFeatures(ModelLowering& L, const std::vector<ir::Value*>& xs, co
   const auto& t = xs[0]->type();
   ir::Value* wide = xs.size() == 1 ? xs[0] : L.emit(ir::OpCode::Concat, xs, {{"axis", int64_t{1}}});
   return L.reshape(wide, {t.dim(0), ir::Dim::fixed(static_cast<int64_t>(xs.size())), t.dim(1)});
-}
-
-ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep) {
-  return L.emit(ir::OpCode::Reduce, {x},
-                {{"kind", kind}, {"axes", ir::Attribute::ints(axes)}, {"keepdims", keep}});
 }
 
 // ---- compile-time helpers ------------------------------------------------------------------
@@ -334,22 +354,6 @@ Val fnParameter(ModelLowering& L, CallArgs& a) {
   return Val::ofTensor(L.makeParam(name, ir::TensorType(dt, shape), initRecord(L, b.get(1), b.locs[1], "zeros"), a.loc));
 }
 
-ir::Value* linearLayer(ModelLowering& L, ir::Value* x, int64_t out, bool bias, const Val& init, const std::string& name,
-                       const Location& loc) {
-  int64_t in = staticLastDim(L, x, loc, "linear");
-  if (x->type().rank() < 2) L.fail(loc, fmt::format("linear needs an input of rank 2 or more, got {}", typeStr(x->type())));
-  ir::DType dt = x->type().dtype();
-  ir::Value* w = L.makeParam(name + ".weight", ir::TensorType(dt, {ir::Dim::fixed(out), ir::Dim::fixed(in)}), init, loc);
-  L.builder().setLocation(loc);
-  ir::Value* y = L.emit(ir::OpCode::Matmul, {x, w}, {{"transpose_b", true}});
-  if (bias) {
-    ir::Value* bv = L.makeParam(name + ".bias", ir::TensorType(dt, {ir::Dim::fixed(out)}), Val::builtin("zeros"), loc);
-    L.builder().setLocation(loc);
-    y = L.emit(ir::OpCode::Add, {y, bv});
-  }
-  return y;
-}
-
 Val fnLinear(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"x", "out", "bias", "init", "name"}, 2);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "linear's input");
@@ -565,6 +569,34 @@ Val fnBce(ModelLowering& L, CallArgs& a) {
   return Val::ofTensor(L.emit(ir::OpCode::BceWithLogits, {x, y}, {{"reduction", red}}));
 }
 
+// Sequence logits [B, T, V] with labels [B, T] (class ids) or [B, T, V] (probabilities): every
+// token is one row, [B*T, V] (the dim T*B), so the mean runs over all B*T tokens like PyTorch's.
+void flattenTokens(ModelLowering& L, ir::Value*& x, ir::Value*& y, const Location& loc) {
+  const ir::Shape& xs = x->type().shape();
+  ir::Shape lead(xs.begin(), xs.end() - 1);
+  const ir::Shape& ys = y->type().shape();
+  bool ids = ir::isInteger(y->type().dtype()) && ys == lead;
+  bool probs = ir::isFloat(y->type().dtype()) && ys == xs;
+  if (!ids && !probs)
+    L.fail(
+        loc,
+        fmt::format(
+            "softmax_cross_entropy needs labels {} (class ids) or {} (probabilities) for logits {}, got {}",
+            typeStr(ir::TensorType(ir::DType::i32, lead)), typeStr(x->type()), typeStr(x->type()),
+            typeStr(y->type())));
+  ir::Dim tokens = ir::Dim::fixed(1);
+  for (const ir::Dim& d : lead) {
+    auto p = dimProduct(tokens, d);
+    if (!p)
+      L.fail(loc, fmt::format(
+                      "softmax_cross_entropy cannot flatten the tokens of {}: a dim holds at most one symbol",
+                      typeStr(x->type())));
+    tokens = *p;
+  }
+  x = L.reshape(x, {tokens, xs.back()});
+  y = L.reshape(y, ids ? ir::Shape{tokens} : ir::Shape{tokens, xs.back()});
+}
+
 Val fnSoftmaxCE(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"logits", "labels", "reduction"}, 2);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "the logits");
@@ -572,6 +604,7 @@ Val fnSoftmaxCE(ModelLowering& L, CallArgs& a) {
   std::string red = b.get(2) ? L.wordArg(*b.get(2), b.locs[2], "reduction") : "mean";
   if (red != "mean" && red != "sum") L.fail(b.locs[2], "reduction must be mean or sum");
   L.builder().setLocation(a.loc);
+  if (x->type().rank() > 2) flattenTokens(L, x, y, a.loc);
   return Val::ofTensor(L.emit(ir::OpCode::SoftmaxCrossEntropy, {x, y}, {{"reduction", red}}));
 }
 
@@ -663,6 +696,8 @@ const std::map<std::string, BuiltinInfo>& builtins() {
 #include "ir/scalar_fn.def"
 #undef KILN_BUILTIN
     for (const auto& [name, fields] : recordFields()) m[name] = {fnRecord, "a setting"};
+    addTensorBuiltins(m);
+    addTransformerBuiltins(m);
     return m;
   }();
   return k;

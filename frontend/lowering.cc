@@ -118,6 +118,15 @@ ir::Value* ModelLowering::emitTyped(ir::OpCode op, const std::vector<ir::Value*>
   return (*o)->result();
 }
 
+std::vector<ir::Value*> ModelLowering::emitResults(ir::OpCode op, const std::vector<ir::Value*>& operands,
+                                                   ir::AttrDict attrs) {
+  auto o = builder_.create(op, operands, std::move(attrs));
+  if (!o) fail(builder_.location(), o.status().message());
+  std::vector<ir::Value*> results;
+  for (unsigned i = 0; i < (*o)->numResults(); ++i) results.push_back((*o)->result(i));
+  return results;
+}
+
 ir::Value* ModelLowering::scalarConstant(double v, ir::DType dtype) {
   ir::Attribute value = ir::isInteger(dtype) ? ir::Attribute(static_cast<int64_t>(v)) : ir::Attribute(v);
   return emitTyped(ir::OpCode::Constant, {}, ir::TensorType(dtype, {}), {{"value", value}});
@@ -265,6 +274,7 @@ void ModelLowering::exec(const ast::Stmt& s) {
   try {
     switch (s.kind) {
       case ast::Stmt::Kind::Assign: {
+        if (s.names.size() > 1) return execUnpack(s);
         current_target_ = s.names[0];
         Val v = eval(*s.value, s.names[0]);
         current_target_.clear();
@@ -335,11 +345,23 @@ void ModelLowering::exec(const ast::Stmt& s) {
     // The names this statement would have bound become poison, so later uses stay quiet.
     if (s.kind == ast::Stmt::Kind::Assign || s.kind == ast::Stmt::Kind::Param || s.kind == ast::Stmt::Kind::Input) {
       Frame& fr = frame();
-      fr.vars[s.names[0]] = Binding{Val::error(), s.loc, true, "value"};
+      for (const std::string& name : s.names) fr.vars[name] = Binding{Val::error(), s.loc, true, "value"};
     }
     // Inside a function an error aborts the call; the caller's statement reports nothing more.
     if (frame().is_function) throw;
   }
+}
+
+// `values, indices = topk(x, 2)`: a list of exactly as many entries as names.
+void ModelLowering::execUnpack(const ast::Stmt& s) {
+  Val v = eval(*s.value);
+  checkNotError(v);
+  if (v.kind != Val::Kind::List)
+    fail(s.value->loc, fmt::format("cannot unpack {} into {} names", describe(v), s.names.size()));
+  if (v.items.size() != s.names.size())
+    fail(s.value->loc,
+         fmt::format("cannot unpack a list of {} into {} names", v.items.size(), s.names.size()));
+  for (size_t i = 0; i < s.names.size(); ++i) bind(s.names[i], v.items[i], s.name_locs[i]);
 }
 
 void ModelLowering::execParam(const ast::Stmt& s) {
@@ -461,8 +483,10 @@ Val ModelLowering::evalBinary(const ast::Expr& e) {
   checkNotError(b);
   builder_.setLocation(e.loc);
 
-  // comparisons: compile-time values only
+  // comparisons: a tensor on either side gives an i1 tensor; otherwise a compile-time bool
   if (op == "==" || op == "!=" || op == "<" || op == "<=" || op == ">" || op == ">=") {
+    if (a.kind == Val::Kind::Tensor || b.kind == Val::Kind::Tensor)
+      return Val::ofTensor(compareTensors(e, a, b));
     int cmp = 0;
     if (a.isNumber() && b.isNumber()) {
       if (a.kind == Val::Kind::Int && b.kind == Val::Kind::Int)
@@ -547,6 +571,27 @@ Val ModelLowering::evalBinary(const ast::Expr& e) {
   }
   if (a.kind == Val::Kind::Str && b.kind == Val::Kind::Str && op == "+") return Val::string(a.s + b.s);
   fail(e.loc, fmt::format("cannot apply '{}' to {} and {}", op, describe(a), describe(b)));
+}
+
+ir::Value* ModelLowering::compareTensors(const ast::Expr& e, const Val& a, const Val& b) {
+  static const std::map<std::string, const char*> kPredicates = {{"==", "eq"}, {"!=", "ne"}, {"<", "lt"},
+                                                                 {"<=", "le"}, {">", "gt"},  {">=", "ge"}};
+  ir::DType dt = (a.kind == Val::Kind::Tensor ? a : b).tensor->type().dtype();
+  auto asTensor = [&](const Val& v, const ast::Expr& src) -> ir::Value* {
+    if (v.kind == Val::Kind::Tensor) return v.tensor;
+    // An integer tensor against 0.5 would compare with a truncated 0: say so instead.
+    bool fits = v.kind == Val::Kind::Int || (v.kind == Val::Kind::Float && ir::isFloat(dt));
+    if (!fits) fail(e.loc, fmt::format("cannot compare {} and {}", describe(a), describe(b)));
+    builder_.setLocation(src.loc);
+    return scalarConstant(v.asDouble(), dt);
+  };
+  ir::Value* ta = asTensor(a, *e.items[0]);
+  ir::Value* tb = asTensor(b, *e.items[1]);
+  if (ta->type().dtype() != tb->type().dtype() ||
+      !ir::broadcastShapes(ta->type().shape(), tb->type().shape()))
+    fail(e.loc, fmt::format("cannot compare {} and {}", typeStr(ta->type()), typeStr(tb->type())));
+  builder_.setLocation(e.loc);
+  return emit(ir::OpCode::Compare, {ta, tb}, {{"predicate", kPredicates.at(e.text)}});
 }
 
 Val ModelLowering::evalIndex(const ast::Expr& e) {

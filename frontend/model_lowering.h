@@ -73,6 +73,7 @@ class ModelLowering {
   void exec(const ast::Stmt& s);
   void execInput(const ast::Stmt& s);
   void execParam(const ast::Stmt& s);
+  void execUnpack(const ast::Stmt& s);
   void execTrain(const ast::Stmt& s);
   void bind(const std::string& name, Val v, const Location& loc, const char* what = "value");
   void warnUnused(const Binding& b, const std::string& name);
@@ -82,6 +83,8 @@ class ModelLowering {
   Val eval(const ast::Expr& e, const std::string& target = "");
   Val evalName(const ast::Expr& e);
   Val evalBinary(const ast::Expr& e);
+  // `x < y` with a tensor on either side: kiln.compare, an i1 tensor.
+  ir::Value* compareTensors(const ast::Expr& e, const Val& a, const Val& b);
   Val evalIndex(const ast::Expr& e);
   Val evalCall(const ast::Expr& e, const std::string& target);
 
@@ -114,6 +117,9 @@ class ModelLowering {
   ir::Value* emit(ir::OpCode op, const std::vector<ir::Value*>& operands, ir::AttrDict attrs = {});
   ir::Value* emitTyped(ir::OpCode op, const std::vector<ir::Value*>& operands, const ir::TensorType& type,
                        ir::AttrDict attrs = {});
+  // An op of several results (kiln.topk), its types inferred.
+  std::vector<ir::Value*> emitResults(ir::OpCode op, const std::vector<ir::Value*>& operands,
+                                      ir::AttrDict attrs = {});
   ir::Value* scalarConstant(double v, ir::DType dtype);
   ir::Value* reshape(ir::Value* x, ir::Shape shape);
   ir::Value* binaryOp(const char* op, ir::Value* a, ir::Value* b, const Location& loc);
@@ -186,6 +192,27 @@ struct BuiltinInfo {
   const char* summary;
 };
 const BuiltinInfo* findBuiltin(const std::string& name);
+// The builtins of tensor_builtins.cc (where, matmul, einsum, topk, ...) and transformer.cc
+// (embedding, swiglu, attention), added to the table of layers.cc.
+void addTensorBuiltins(std::map<std::string, BuiltinInfo>& table);
+void addTransformerBuiltins(std::map<std::string, BuiltinInfo>& table);
+
+// Helpers shared by the builtin files (layers.cc): each reports a located error on bad input.
+int64_t staticLastDim(ModelLowering& L, ir::Value* x, const Location& loc, const char* what);
+int64_t positiveInt(ModelLowering& L, const Val& v, const Location& loc, const char* what);
+ir::Value* floatTensor(ModelLowering& L, const Val& v, const Location& loc, const char* what);
+// An initializer record with its defaults filled in; `dflt` names the initializer when v is null.
+Val initRecord(ModelLowering& L, const Val* v, const Location& loc, const char* dflt);
+// Axes of a reduction: an int, a list of ints, or (absent) every axis; negatives count from the end.
+std::vector<int64_t> axesArg(ModelLowering& L, const Val* v, const Location& loc, int64_t rank);
+ir::Value* reduce(ModelLowering& L, ir::Value* x, const char* kind, std::vector<int64_t> axes, bool keep);
+// x W^T (+ b) with W: [out, in] named `name.weight` (and `name.bias`).
+ir::Value* linearLayer(ModelLowering& L, ir::Value* x, int64_t out, bool bias, const Val& init,
+                       const std::string& name, const Location& loc);
+// a * b when the product is a dim (a factor times at most one symbol); nullopt otherwise.
+std::optional<ir::Dim> dimProduct(const ir::Dim& a, const ir::Dim& b);
+// kiln.transpose by perm, or x itself for the identity.
+ir::Value* transposeTo(ModelLowering& L, ir::Value* x, const std::vector<int64_t>& perm);
 // Bare words that name settings rather than functions: dtypes, metrics, id maps.
 bool isWord(const std::string& name);
 // Optimizer settings as the attribute dictionaries of docs/model-ir.md, every field filled in

@@ -245,12 +245,14 @@ class Parser {
         return s;
       }
       case Tok::Ident:
-        if (peek(1).kind == Tok::Assign) {
+        if (size_t n = assignedNames(); n > 0) {
           auto s = std::make_unique<Stmt>(Stmt::Kind::Assign, t.loc);
-          s->names = {t.text};
-          s->name_locs = {t.loc};
-          next();
-          next();
+          for (size_t i = 0; i < n; ++i) {
+            const Token& name = next();
+            s->names.push_back(name.text);
+            s->name_locs.push_back(name.loc);
+            next();  // ',' or '='
+          }
           try {
             s->value = expr();
             endStatement();
@@ -270,6 +272,16 @@ class Parser {
     if (at(Tok::Assign)) fail(peek(), "only a plain name can be assigned to");
     endStatement();
     return s;
+  }
+
+  // How many names `a = ...` or `a, b = ...` (unpacking a list) assigns: 0 when the tokens
+  // ahead are not an assignment.
+  size_t assignedNames() {
+    for (size_t i = 0; peek(2 * i).kind == Tok::Ident; ++i) {
+      if (peek(2 * i + 1).kind == Tok::Assign) return i + 1;
+      if (peek(2 * i + 1).kind != Tok::Comma) return 0;
+    }
+    return 0;
   }
 
   StmtPtr ifStatement() {

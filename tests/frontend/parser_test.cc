@@ -85,5 +85,16 @@ TEST(Parser, DeepNestingIsAnErrorNotACrash) {
   EXPECT_GE(errors, 1);
 }
 
+TEST(Parser, UnpackingAssignments) {
+  int errors = 0;
+  std::string ast = parseAll("model m {\n vals, idx = topk(x, 2)\n a, b, c = l\n}\n", &errors);
+  EXPECT_EQ(errors, 0) << ast;
+  EXPECT_NE(ast.find("(assign vals,idx (call topk x 2))"), std::string::npos) << ast;
+  EXPECT_NE(ast.find("(assign a,b,c l)"), std::string::npos) << ast;
+  // A list of names that is not followed by '=' is no assignment.
+  parseAll("model m {\n a, b\n}\n", &errors);
+  EXPECT_EQ(errors, 1);
+}
+
 }  // namespace
 }  // namespace kiln::frontend
