@@ -42,8 +42,10 @@ std::string_view roleName(InputRole r) {
     case InputRole::Sparse: return "sparse";
     case InputRole::Lengths: return "lengths";
     case InputRole::Weights: return "weights";
-    case InputRole::Tokens: return "tokens";
-    case InputRole::Targets: return "targets";
+    case InputRole::Tokens:
+      return "tokens";
+    case InputRole::Targets:
+      return "targets";
   }
   return "?";
 }
@@ -122,15 +124,18 @@ Expected<int64_t> intAttr(const ir::AttrDict& a, const std::string& name, std::s
 Status checkTokenInputs(const BatchSpec& spec) {
   const int tokens = spec.tokensIndex(), targets = spec.targetsIndex();
   if (targets >= 0 && tokens < 0)
-    return inputError(spec.inputs[static_cast<size_t>(targets)].name, "next-token targets need a token input (role = \"tokens\")");
+    return inputError(spec.inputs[static_cast<size_t>(targets)].name,
+                      "next-token targets need a token input (role = \"tokens\")");
   if (tokens < 0) return Status::ok();
   const InputSpec& tok = spec.inputs[static_cast<size_t>(tokens)];
   for (const InputSpec& in : spec.inputs) {
     if (in.role == InputRole::Targets && in.seq_len != tok.seq_len)
-      return inputError(in.name, fmt::format("targets {} must be shaped like the tokens {}", in.type.str(), tok.type.str()));
+      return inputError(in.name, fmt::format("targets {} must be shaped like the tokens {}", in.type.str(),
+                                             tok.type.str()));
     if (in.role != InputRole::Tokens && in.role != InputRole::Targets)
-      return inputError(in.name, fmt::format("a model reading the token stream '{}' reads no {} input beside it", tok.name,
-                                             roleName(in.role)));
+      return inputError(
+          in.name, fmt::format("a model reading the token stream '{}' reads no {} input beside it", tok.name,
+                               roleName(in.role)));
   }
   return Status::ok();
 }
@@ -216,21 +221,28 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
       }
     } else if (role == "tokens" || role == "targets") {
       in.role = role == "tokens" ? InputRole::Tokens : InputRole::Targets;
-      KILN_RETURN_IF_ERROR(need(ir::isInteger(type.dtype()) && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
-                                    s[1].isStatic() && s[1].size() >= 1,
-                                fmt::format("{} must be integer [BxT] with a static T, got {}", role, type.str())));
+      KILN_RETURN_IF_ERROR(
+          need(ir::isInteger(type.dtype()) && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
+                   s[1].isStatic() && s[1].size() >= 1,
+               fmt::format("{} must be integer [BxT] with a static T, got {}", role, type.str())));
       in.seq_len = s[1].size();
       if (in.role == InputRole::Tokens) {
-        if (spec.tokensIndex() >= 0) return inputError(in.name, "a second token input (a model reads one token stream)");
+        if (spec.tokensIndex() >= 0)
+          return inputError(in.name, "a second token input (a model reads one token stream)");
         KILN_ASSIGN_OR_RETURN(in.vocab, intAttr(attrs, in.name, "vocab", true));
-        if (in.vocab <= 0) return inputError(in.name, fmt::format("vocab must be positive, got {}", in.vocab));
-        if (in.vocab > kMaxVocab) return inputError(in.name, fmt::format("vocab {} is above {}", in.vocab, kMaxVocab));
+        if (in.vocab <= 0)
+          return inputError(in.name, fmt::format("vocab must be positive, got {}", in.vocab));
+        if (in.vocab > kMaxVocab)
+          return inputError(in.name, fmt::format("vocab {} is above {}", in.vocab, kMaxVocab));
       } else if (spec.targetsIndex() >= 0) {
         return inputError(in.name, "a second targets input");
       }
     } else {
-      return inputError(in.name, fmt::format(
-                                     "unknown role '{}' (expected dense, label, sparse, lengths, weights, tokens or targets)", role));
+      return inputError(
+          in.name,
+          fmt::format(
+              "unknown role '{}' (expected dense, label, sparse, lengths, weights, tokens or targets)",
+              role));
     }
     spec.inputs.push_back(std::move(in));
   }

@@ -19,7 +19,10 @@ BatchReader::BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator sy
 
 BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<TokenSource> tokens,
                          std::optional<double> entropy_floor)
-    : spec_(std::move(spec)), opts_(std::move(opts)), tokens_(std::move(tokens)), entropy_floor_(entropy_floor) {}
+    : spec_(std::move(spec)),
+      opts_(std::move(opts)),
+      tokens_(std::move(tokens)),
+      entropy_floor_(entropy_floor) {}
 
 static bool epochsDone(const StreamPosition& p, int64_t epochs) { return epochs > 0 && p.epoch >= epochs; }
 
@@ -169,8 +172,8 @@ Expected<std::unique_ptr<BatchReader>> openTokenReader(const BatchSpec& spec, Da
     if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
     auto chain = std::make_shared<const MarkovChain>(tokens.vocab, opts.synthetic.seed);
     const double floor = chain->entropyRate();
-    auto source = openMarkovTokens(std::move(chain), opts.synthetic.seed, opts.synthetic.stream, tokens.seq_len,
-                                   opts.synthetic_samples);
+    auto source = openMarkovTokens(std::move(chain), opts.synthetic.seed, opts.synthetic.stream,
+                                   tokens.seq_len, opts.synthetic_samples);
     return std::make_unique<BatchReader>(spec, std::move(opts), std::move(source), floor);
   }
   if (opts.paths.empty()) return Status::error("no token files given");

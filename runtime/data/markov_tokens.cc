@@ -10,7 +10,9 @@ namespace kiln::data {
 namespace {
 
 // Uniform in (0, 1) from the top 53 bits.
-double unitInterval(uint64_t bits) { return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0); }
+double unitInterval(uint64_t bits) {
+  return (static_cast<double>(bits >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
 
 // Power iteration stops once an iteration moves pi by less than this (L1), or after the cap: the
 // chain contracts by 1 - mix per iteration, so mix = 0.05 gets there in about 650.
@@ -33,8 +35,9 @@ MarkovChain::MarkovChain(int64_t vocab, uint64_t seed, MarkovOptions opts)
       int32_t t;
       for (;;) {
         t = static_cast<int32_t>(h % static_cast<uint64_t>(vocab_));
-        if (std::find(succ_.begin() + static_cast<ptrdiff_t>(s * k), succ_.begin() + static_cast<ptrdiff_t>(s * k + j), t) ==
-            succ_.begin() + static_cast<ptrdiff_t>(s * k + j))
+        if (std::find(succ_.begin() + static_cast<ptrdiff_t>(s * k),
+                      succ_.begin() + static_cast<ptrdiff_t>(s * k + j),
+                      t) == succ_.begin() + static_cast<ptrdiff_t>(s * k + j))
           break;
         h = mix64(h);
       }
@@ -51,7 +54,8 @@ MarkovChain::MarkovChain(int64_t vocab, uint64_t seed, MarkovOptions opts)
   for (int it = 0; it < kMaxPowerIterations; ++it) {
     std::fill(next.begin(), next.end(), mix_ / static_cast<double>(vocab_));
     for (size_t s = 0; s < v; ++s)
-      for (size_t j = 0; j < k; ++j) next[static_cast<size_t>(succ_[s * k + j])] += (1 - mix_) * pi_[s] * weight_[s * k + j];
+      for (size_t j = 0; j < k; ++j)
+        next[static_cast<size_t>(succ_[s * k + j])] += (1 - mix_) * pi_[s] * weight_[s * k + j];
     double moved = 0;
     for (size_t s = 0; s < v; ++s) moved += std::abs(next[s] - pi_[s]);
     pi_.swap(next);
@@ -69,7 +73,8 @@ MarkovChain::MarkovChain(int64_t vocab, uint64_t seed, MarkovOptions opts)
 double MarkovChain::probability(int64_t from, int64_t to) const {
   double p = mix_ / static_cast<double>(vocab_);
   for (int j = 0; j < k_; ++j)
-    if (succ_[static_cast<size_t>(from * k_ + j)] == to) p += (1 - mix_) * weight_[static_cast<size_t>(from * k_ + j)];
+    if (succ_[static_cast<size_t>(from * k_ + j)] == to)
+      p += (1 - mix_) * weight_[static_cast<size_t>(from * k_ + j)];
   return p;
 }
 
@@ -93,7 +98,9 @@ int32_t MarkovChain::start(uint64_t bits) const {
 
 int32_t MarkovChain::next(int32_t from, uint64_t bits) const {
   double u = unitInterval(bits);
-  if (u < mix_) return static_cast<int32_t>(std::min<int64_t>(static_cast<int64_t>(u / mix_ * static_cast<double>(vocab_)), vocab_ - 1));
+  if (u < mix_)
+    return static_cast<int32_t>(
+        std::min<int64_t>(static_cast<int64_t>(u / mix_ * static_cast<double>(vocab_)), vocab_ - 1));
   u = (u - mix_) / (1 - mix_);
   const size_t base = static_cast<size_t>(from) * static_cast<size_t>(k_);
   for (int j = 0; j + 1 < k_; ++j) {
@@ -129,7 +136,8 @@ class MarkovTokenSource final : public TokenSource {
 
   Status seek(const StreamPosition& pos) override {
     if (pos.sample > samples_)
-      return Status::errorf("data position sample {} is beyond the synthetic epoch of {}", pos.sample, samples_);
+      return Status::errorf("data position sample {} is beyond the synthetic epoch of {}", pos.sample,
+                            samples_);
     sample_ = pos.sample;
     return Status::ok();
   }
@@ -150,7 +158,8 @@ std::unique_ptr<TokenSource> openMarkovTokens(std::shared_ptr<const MarkovChain>
   return std::make_unique<MarkovTokenSource>(std::move(chain), seed, stream, seq_len, samples);
 }
 
-MarkovWalk::MarkovWalk(const MarkovChain& chain, uint64_t seed) : chain_(chain), state_(mix64(seed ^ 0x77616c6bull)) {}
+MarkovWalk::MarkovWalk(const MarkovChain& chain, uint64_t seed)
+    : chain_(chain), state_(mix64(seed ^ 0x77616c6bull)) {}
 
 int32_t MarkovWalk::next() {
   const uint64_t bits = mix64(state_ += 0x9e3779b97f4a7c15ull);

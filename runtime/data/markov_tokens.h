@@ -45,8 +45,8 @@ class MarkovChain {
   int64_t vocab_;
   int k_;
   double mix_;
-  std::vector<int32_t> succ_;    // [V, K] successor tokens
-  std::vector<double> weight_;   // [V, K] normalized w_s, summing to 1 per state
+  std::vector<int32_t> succ_;   // [V, K] successor tokens
+  std::vector<double> weight_;  // [V, K] normalized w_s, summing to 1 per state
   std::vector<double> pi_, pi_cdf_;
   double entropy_rate_ = 0;
 };

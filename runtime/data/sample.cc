@@ -16,7 +16,8 @@ std::vector<int64_t> concreteShape(const InputSpec& in, int64_t n) {
       if (in.type.rank() == 1) return {n * in.type.dim(0).upperBound().factor()};
       return {n, in.type.dim(1).size()};
     case InputRole::Tokens:
-    case InputRole::Targets: return {n, in.seq_len};
+    case InputRole::Targets:
+      return {n, in.seq_len};
   }
   return {};
 }
@@ -91,7 +92,8 @@ void assembleBatch(const BatchSpec& spec, const RawSample* s, int64_t n, Batch& 
       case InputRole::Lengths: break;  // written with the ids
       case InputRole::Weights: break;  // below, once the ids are sized
       case InputRole::Tokens:
-      case InputRole::Targets: break;  // token streams fill these (token_source.h), not Criteo samples
+      case InputRole::Targets:
+        break;  // token streams fill these (token_source.h), not Criteo samples
     }
   }
   for (size_t i = 0; i < spec.inputs.size(); ++i) {

@@ -26,8 +26,9 @@ Expected<TokenDType> tokenDTypeFor(const std::string& path, const std::string& f
   if (!flag.empty()) return Status::errorf("token dtype must be u16 or u32, got '{}'", flag);
   if (endsWith(path, ".u32") || endsWith(path, ".u32.bin")) return TokenDType::U32;
   if (endsWith(path, ".u16") || endsWith(path, ".bin")) return TokenDType::U16;
-  return Status::errorf("'{}': cannot tell the token dtype from the name (.bin, .u16 or .u32): give --token-dtype u16|u32",
-                        path);
+  return Status::errorf(
+      "'{}': cannot tell the token dtype from the name (.bin, .u16 or .u32): give --token-dtype u16|u32",
+      path);
 }
 
 namespace {
@@ -36,8 +37,8 @@ constexpr size_t kTokenBufferBytes = size_t{1} << 20;
 
 class TokenFileSource final : public TokenSource {
  public:
-  TokenFileSource(std::vector<std::string> files, std::vector<int64_t> sizes, TokenDType dtype, int64_t seq_len,
-                  int64_t vocab)
+  TokenFileSource(std::vector<std::string> files, std::vector<int64_t> sizes, TokenDType dtype,
+                  int64_t seq_len, int64_t vocab)
       : files_(std::move(files)),
         sizes_(std::move(sizes)),
         bytes_(tokenBytes(dtype)),
@@ -65,14 +66,17 @@ class TokenFileSource final : public TokenSource {
     if (pos.file < 0 || pos.file > static_cast<int64_t>(files_.size()) ||
         (pos.file < static_cast<int64_t>(files_.size()) &&
          (pos.offset > sizes_[static_cast<size_t>(pos.file)] || pos.offset % bytes_ != 0)))
-      return Status::errorf("bad token data position {}: not a token of these {} file(s)", pos.str(), files_.size());
+      return Status::errorf("bad token data position {}: not a token of these {} file(s)", pos.str(),
+                            files_.size());
     start_file_ = pos.file;
     start_offset_ = pos.offset;
     close();
     return Status::ok();
   }
 
-  StreamPosition position() const override { return StreamPosition{.file = start_file_, .offset = start_offset_}; }
+  StreamPosition position() const override {
+    return StreamPosition{.file = start_file_, .offset = start_offset_};
+  }
 
  private:
   void close() {
@@ -111,7 +115,8 @@ class TokenFileSource final : public TokenSource {
       const std::string& path = files_[static_cast<size_t>(file_)];
       if (fp_ && std::ferror(fp_)) return Status::errorf("cannot read '{}': {}", path, std::strerror(errno));
       // Opening checked that each file holds whole tokens.
-      if (kept > 0) return Status::errorf("'{}': the file changed while read (a token is cut at byte {})", path, offset_);
+      if (kept > 0)
+        return Status::errorf("'{}': the file changed while read (a token is cut at byte {})", path, offset_);
       KILN_RETURN_IF_ERROR(openAt(file_ + 1, 0));
     }
     const unsigned char* p = buffer_.data() + begin_;
@@ -154,9 +159,10 @@ Expected<std::unique_ptr<TokenSource>> openTokenFiles(std::vector<std::string> f
     const auto size = static_cast<int64_t>(std::filesystem::file_size(f, ec));
     if (ec) return Status::errorf("cannot read the size of '{}': {}", f, ec.message());
     if (size % bytes != 0)
-      return Status::errorf("'{}': truncated token file: {} bytes is no whole number of {} tokens ({} bytes each); "
-                            "the last token, at byte {}, is cut short",
-                            f, size, tokenDTypeName(dtype), bytes, size - size % bytes);
+      return Status::errorf(
+          "'{}': truncated token file: {} bytes is no whole number of {} tokens ({} bytes each); "
+          "the last token, at byte {}, is cut short",
+          f, size, tokenDTypeName(dtype), bytes, size - size % bytes);
     sizes.push_back(size);
   }
   return std::unique_ptr<TokenSource>(
