@@ -165,10 +165,12 @@ int runTokens(const std::vector<std::string>& args) {
   const std::string out = p.get("out");
   auto dtype = data::tokenDTypeFor(out, p.get("token-dtype"));
   if (!dtype) return p.usageError(dtype.status().message());
-  const int64_t max_vocab = *dtype == data::TokenDType::U16 ? int64_t{1} << 16 : data::kMaxVocab;
-  if (*vocab > max_vocab)
-    return p.usageError(fmt::format("--vocab {} does not fit {} ids (at most {})", *vocab,
-                                    data::tokenDTypeName(*dtype), max_vocab));
+  if (*dtype == data::TokenDType::U16 && *vocab > (int64_t{1} << 16))
+    return p.usageError(fmt::format(
+        "--vocab {} does not fit u16 ids (at most 65536): write u32 (--token-dtype u32)", *vocab));
+  if (*vocab > data::kMaxSyntheticVocab)
+    return p.usageError(fmt::format("--vocab {}: the synthetic chain takes at most {} tokens", *vocab,
+                                    data::kMaxSyntheticVocab));
   // The training stream's chain: kiln train seeds its synthetic data with --seed + 1.
   data::MarkovChain chain(*vocab, static_cast<uint64_t>(*seed) + 1);
   data::MarkovWalk walk(chain, static_cast<uint64_t>(*seed));

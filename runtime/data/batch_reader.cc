@@ -170,6 +170,9 @@ Expected<std::unique_ptr<BatchReader>> openTokenReader(const BatchSpec& spec, Da
   const InputSpec& tokens = spec.inputs[static_cast<size_t>(spec.tokensIndex())];
   if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
     if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
+    if (tokens.vocab > kMaxSyntheticVocab)
+      return Status::errorf("input '{}': synthetic tokens take a vocab of at most {}, got {}", tokens.name,
+                            kMaxSyntheticVocab, tokens.vocab);
     auto chain = std::make_shared<const MarkovChain>(tokens.vocab, opts.synthetic.seed);
     const double floor = chain->entropyRate();
     auto source = openMarkovTokens(std::move(chain), opts.synthetic.seed, opts.synthetic.stream,

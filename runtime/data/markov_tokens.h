@@ -18,6 +18,10 @@
 
 namespace kiln::data {
 
+// The chain keeps K successors, their weights and pi per token (about 56 bytes each): a larger
+// vocabulary than this is refused rather than allocated.
+inline constexpr int64_t kMaxSyntheticVocab = int64_t{1} << 24;
+
 struct MarkovOptions {
   int successors = 4;  // K: the peaked part of each state's next-token distribution
   double mix = 0.05;   // the weight of the uniform part
