@@ -161,6 +161,24 @@ TEST(TokenBatch, TargetsAreTheTokensShiftedByOne) {
   EXPECT_EQ(batch.end.sample, 3);
 }
 
+TEST(TokenBatch, RanksSliceTokenBatchesBySamples) {
+  BatchSpec spec = tokenSpec(6, 30);
+  auto reader = openBatchReader(spec, DataOptions{.paths = {"synthetic"}, .batch_size = 8});
+  ASSERT_TRUE(reader.isOk());
+  Batch batch;
+  ASSERT_TRUE(*(*reader)->next(batch));
+  auto share = sliceBatch(batch, spec, 4, 4);  // rank 1 of 2
+  ASSERT_TRUE(share.isOk()) << share.status().str();
+  EXPECT_EQ(share->size, 4);
+  for (const char* name : {"tokens", "targets"}) {
+    const ir::HostTensor* whole = batch.find(name);
+    const ir::HostTensor* mine = share->find(name);
+    ASSERT_TRUE(whole && mine);
+    EXPECT_EQ(mine->view.shape, (std::vector<int64_t>{4, 6}));
+    for (int64_t i = 0; i < 4 * 6; ++i) EXPECT_EQ(mine->as<int32_t>()[i], whole->as<int32_t>()[4 * 6 + i]);
+  }
+}
+
 TEST(TokenSpec, BadTokenInputsAreNamedErrors) {
   auto no_tokens = fromInputs({tokenInputs(4, 10)[1]});
   ASSERT_FALSE(no_tokens.isOk());
