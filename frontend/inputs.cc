@@ -1,13 +1,31 @@
 // Inputs and embedding collections: `input ...` declarations become kiln.input ops with the
 // roles of docs/model-ir.md, and applying a collection to sparse features becomes one
 // kiln.embedding_bag per table.
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
+#include <optional>
 
 #include "frontend/model_lowering.h"
 
 namespace kiln::frontend {
+
+namespace {
+
+// An integer [B, T] with B a 'dim' and T static: the shape of token windows.
+bool isTokenShape(const ir::Shape& shape) {
+  return shape.size() == 2 && shape[0].isSymbolic() && shape[1].isStatic();
+}
+
+// Whether `v` is a token input (a kiln.input of role "tokens").
+bool isTokenInput(const Val& v) {
+  if (v.kind != Val::Kind::Tensor || !v.tensor) return false;
+  const ir::Op* op = v.tensor->definingOp();
+  const ir::Attribute* role = op && op->is(ir::OpCode::Input) ? op->attr("role") : nullptr;
+  return role && role->isString() && role->asString() == "tokens";
+}
+
+}  // namespace
 
 void ModelLowering::execInput(const ast::Stmt& s) {
   Frame& f = frame();
@@ -31,14 +49,47 @@ void ModelLowering::execInput(const ast::Stmt& s) {
   builder_.setLocation(s.loc);
 
   if (s.type.dtype != "ids") {
-    auto dt = ir::parseDType(s.type.dtype);
-    if (!dt || *dt == ir::DType::f64)
+    auto dt_parsed = ir::parseDType(s.type.dtype);
+    if (!dt_parsed || *dt_parsed == ir::DType::f64)
       fail(s.type.loc, fmt::format("unknown element type '{}' (use f32, bf16, f16, i32, i64 or ids)", s.type.dtype));
-    if (!s.modifiers.empty())
-      fail(s.modifiers[0].loc, fmt::format("'{}' applies only to sparse inputs (ids[...])", s.modifiers[0].name));
-    std::string role = name == label_name_ ? "label" : "dense";
-    ir::Value* v =
-        emitTyped(ir::OpCode::Input, {}, ir::TensorType(*dt, shape), {{"name", name}, {"role", role}});
+    // A dense input: Criteo dense features or a label; with `vocab(n)` a language model's tokens,
+    // and then an integer [B, T] label holds the next-token targets (docs/model-ir.md).
+    const ir::DType dt = *dt_parsed;
+    bool declares_tokens = false;
+    for (const auto& [other, b] : f.vars) declares_tokens |= isTokenInput(b.value);
+    std::optional<int64_t> vocab;
+    for (const auto& m : s.modifiers) {
+      if (m.name != "vocab")
+        fail(m.loc, fmt::format("'{}' applies only to sparse inputs (ids[...]); a dense input takes vocab(n)",
+                                m.name));
+      if (vocab) fail(m.loc, "'vocab' is given twice");
+      if (m.args.size() != 1 || !m.args[0].name.empty()) fail(m.loc, "'vocab' takes 1 argument(s)");
+      if (!ir::isInteger(dt))
+        fail(m.loc,
+             fmt::format("vocab(n) marks integer token ids, not {} values (declare the input i32[B, T])",
+                         s.type.dtype));
+      int64_t n = intArg(eval(*m.args[0].value), m.args[0].value->loc, "vocab");
+      if (n <= 0) fail(m.args[0].value->loc, fmt::format("vocab must be positive, got {}", n));
+      if (!isTokenShape(shape))
+        fail(s.type.loc, fmt::format("a token input is shaped [B, T] with B a 'dim' and T static, got {}",
+                                     typeStr(ir::TensorType(dt, shape))));
+      vocab = n;
+    }
+    ir::AttrDict attrs{{"name", name}, {"role", std::string("dense")}};
+    if (vocab) {
+      attrs["role"] = std::string("tokens");
+      attrs["vocab"] = *vocab;
+    } else if (name == label_name_) {
+      attrs["role"] = std::string("label");
+      if (ir::isInteger(dt) && isTokenShape(shape)) {
+        if (!declares_tokens)
+          fail(s.type.loc,
+               "an integer [B, T] label holds next-token targets: declare the token input (with vocab(n)) "
+               "before it");
+        attrs["role"] = std::string("targets");
+      }
+    }
+    ir::Value* v = emitTyped(ir::OpCode::Input, {}, ir::TensorType(dt, shape), attrs);
     v->setNameHint(name);
     bind(name, Val::ofTensor(v), s.name_locs[0], "input");
     return;

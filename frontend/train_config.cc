@@ -151,7 +151,9 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         std::vector<Val> items = v.kind == Val::Kind::List ? v.items : std::vector<Val>{v};
         for (const Val& x : items) {
           std::string name = wordArg(x, vloc, "a metric");
-          if (name != "auc" && name != "accuracy") fail(vloc, fmt::format("unknown metric '{}' (use auc, accuracy)", name));
+          // loss and perplexity: the held-out cross entropy of a language model (and its exp).
+          if (name != "auc" && name != "accuracy" && name != "loss" && name != "perplexity")
+            fail(vloc, fmt::format("unknown metric '{}' (use auc, accuracy, loss, perplexity)", name));
           m.push_back(name);
         }
         t["metrics"] = m;

@@ -1,10 +1,17 @@
 // `kiln data`: data-file tools. `kiln data convert IN.tsv... OUT.bin` turns Criteo TSV files
-// into Kiln's binary format; `kiln data info FILE...` checks data files as training reads them.
+// into Kiln's binary format; `kiln data info FILE...` checks data files as training reads them;
+// `kiln data tokens --vocab V --tokens N --out FILE` writes a token file of the synthetic chain.
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <memory>
 
 #include "runtime/data/binary_format.h"
+#include "runtime/data/markov_tokens.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
@@ -104,13 +111,87 @@ int runInfo(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+// Writes `n` tokens of `walk` to `path` as little-endian ids of `dtype`: PATH.tmp, fsync, rename.
+Status writeTokenFile(data::MarkovWalk& walk, int64_t n, data::TokenDType dtype, const std::string& path) {
+  const std::string tmp = path + ".tmp";
+  std::FILE* fp = std::fopen(tmp.c_str(), "wb");
+  if (!fp) return Status::errorf("cannot write '{}': {}", tmp, std::strerror(errno));
+  const int bytes = data::tokenBytes(dtype);
+  std::vector<unsigned char> chunk;
+  bool ok = true;
+  for (int64_t done = 0; done < n && ok;) {
+    const int64_t count = std::min<int64_t>(n - done, int64_t{1} << 18);
+    chunk.resize(static_cast<size_t>(count * bytes));
+    for (int64_t i = 0; i < count; ++i) {
+      const auto id = static_cast<uint32_t>(walk.next());
+      for (int b = 0; b < bytes; ++b)
+        chunk[static_cast<size_t>(i * bytes + b)] = static_cast<unsigned char>(id >> (8 * b));
+    }
+    ok = std::fwrite(chunk.data(), 1, chunk.size(), fp) == chunk.size();
+    done += count;
+  }
+  ok = ok && std::fflush(fp) == 0 && ::fsync(fileno(fp)) == 0;
+  const int saved_errno = errno;
+  ok = std::fclose(fp) == 0 && ok;
+  std::error_code ec;
+  if (!ok) {
+    std::filesystem::remove(tmp, ec);
+    return Status::errorf("cannot write '{}': {}", tmp, std::strerror(saved_errno));
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return Status::errorf("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+  return Status::ok();
+}
+
+int runTokens(const std::vector<std::string>& args) {
+  ArgParser p(
+      "data tokens", "kiln data tokens --vocab V --tokens N --out FILE [--seed S] [--token-dtype u16|u32]",
+      "Writes a token file for language models: N tokens of the synthetic Markov chain over V tokens\n"
+      "(the chain `kiln train --data synthetic --seed S` trains on), as flat little-endian ids\n"
+      "(nanoGPT's train.bin layout), and prints the chain's entropy rate.");
+  p.addOption("vocab", "V", "the vocabulary size");
+  p.addOption("tokens", "N", "how many tokens to write");
+  p.addOption("out", "FILE", "the token file to write");
+  p.addOption("seed", "S", "the chain's seed (as kiln train --seed)", "0");
+  p.addOption("token-dtype", "u16|u32",
+              "the id type (default: by the name, .bin and .u16 are u16, .u32 u32)");
+  int code;
+  if (!p.parse(args, &code)) return code;
+  if (!p.has("vocab") || !p.has("tokens") || !p.has("out"))
+    return p.usageError("--vocab, --tokens and --out are required");
+  auto vocab = p.getInt("vocab"), tokens = p.getInt("tokens"), seed = p.getInt("seed");
+  if (!vocab || !tokens || !seed) return kExitUsage;
+  if (*vocab < 1 || *tokens < 1) return p.usageError("--vocab and --tokens must be positive");
+  const std::string out = p.get("out");
+  auto dtype = data::tokenDTypeFor(out, p.get("token-dtype"));
+  if (!dtype) return p.usageError(dtype.status().message());
+  if (*dtype == data::TokenDType::U16 && *vocab > (int64_t{1} << 16))
+    return p.usageError(fmt::format(
+        "--vocab {} does not fit u16 ids (at most 65536): write u32 (--token-dtype u32)", *vocab));
+  if (*vocab > data::kMaxSyntheticVocab)
+    return p.usageError(fmt::format("--vocab {}: the synthetic chain takes at most {} tokens", *vocab,
+                                    data::kMaxSyntheticVocab));
+  // The training stream's chain: kiln train seeds its synthetic data with --seed + 1.
+  data::MarkovChain chain(*vocab, static_cast<uint64_t>(*seed) + 1);
+  data::MarkovWalk walk(chain, static_cast<uint64_t>(*seed));
+  if (Status st = writeTokenFile(walk, *tokens, *dtype, out); !st) {
+    printError("data tokens", st);
+    return kExitError;
+  }
+  std::printf("wrote %s: %lld %s tokens over a vocab of %lld, entropy floor %.4f nats\n", out.c_str(),
+              static_cast<long long>(*tokens), std::string(data::tokenDTypeName(*dtype)).c_str(),
+              static_cast<long long>(*vocab), chain.entropyRate());
+  return kExitOk;
+}
+
 }  // namespace
 
 int runData(const std::vector<std::string>& args) {
   return runSubcommands(
       "data",
       {{"convert", "Convert Criteo TSV files into one Kiln binary data file", runConvert},
-       {"info", "Check data files as training reads them and print their record counts", runInfo}},
+       {"info", "Check data files as training reads them and print their record counts", runInfo},
+       {"tokens", "Write a token file of the synthetic Markov chain (for language models)", runTokens}},
       args);
 }
 

@@ -1,4 +1,5 @@
-// `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model.
+// `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model (of a
+// language model: its held-out cross entropy and perplexity).
 // `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per input line.
 #include <cstdio>
 #include <filesystem>
@@ -29,6 +30,8 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   p.addOption("batch", "B", "samples per step", "1024");
   p.addOption("samples", "N", "samples of the held-out synthetic stream", "16384");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
+  p.addOption("token-dtype", "u16|u32",
+              "token files (language models): the id type (default: by name, .bin is u16)");
   addModelFlags(p);
   int code;
   if (!p.parse(args, &code)) return code;
@@ -44,6 +47,7 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   setup.data.batch = *batch;
   setup.data.synthetic_samples = *samples;
   setup.data.strict = p.flag("strict");
+  setup.data.token_dtype = p.get("token-dtype");
 
   SessionOptions so;
   so.model_path = p.positionals()[0];
@@ -79,6 +83,12 @@ int runEval(const std::vector<std::string>& args) {
     printError("eval", r.status());
     return kExitError;
   }
+  if (setup.session->forwardSpec().readsTokens()) {
+    std::printf("loss: %.17g\nperplexity: %.17g\n", r->loss, r->perplexity);
+    if (r->entropy_floor) std::printf("entropy floor: %.17g\n", *r->entropy_floor);
+    std::printf("samples: %lld\n", static_cast<long long>(r->samples));
+    return kExitOk;
+  }
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\nsamples: %lld\n", r->loss, r->auc, r->accuracy,
               static_cast<long long>(r->samples));
   if (r->malformed) std::fprintf(stderr, "skipped %lld malformed lines\n", static_cast<long long>(r->malformed));
@@ -95,6 +105,12 @@ int runPredict(const std::vector<std::string>& raw_args) {
   std::vector<std::string> args = expandOutputShorthand(raw_args);
   EvalSetup setup;
   if (int code = setUp("predict", p, args, setup); code >= 0) return code;
+  if (setup.session->forwardSpec().readsTokens()) {
+    printError("predict",
+               Status::error("a language model (a token input) has no per-sample score: use kiln eval for "
+                             "its loss and perplexity"));
+    return kExitError;
+  }
   std::string out_path = p.get("output");
   std::string tmp_path = out_path.empty() ? "" : out_path + ".tmp";
   std::FILE* out = out_path.empty() ? stdout : std::fopen(tmp_path.c_str(), "w");

@@ -49,6 +49,7 @@ struct TrainFlags {
   bool resume_anyway = false;  // resume even where the run's inputs differ from the checkpoint's
   std::string metrics_path;
   bool strict = false;
+  std::string token_dtype;  // token files: "u16", "u32" or "" (by name)
   bool profile = false;
   // --trace FILE: the timeline of this run's steps trace_first..trace_last (1 = the first step
   // this process runs: it compiles and warms up, so the default 2:4 leaves it out).
@@ -94,6 +95,7 @@ class Trainer {
   Status resume();
   Status saveCheckpoint(const data::StreamPosition& position);
   Expected<EvalResult> evaluate();
+  void noteEvaluation(const EvalResult& ev);
   void progress(bool final_line);
 
   ModelSession& s_;
@@ -116,7 +118,8 @@ class Trainer {
   MoeStatsWindow moe_window_;  // this rank's MoE load over the logging window
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
-  std::optional<double> last_auc_, last_eval_loss_;
+  std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
+  std::optional<double> entropy_floor_;  // synthetic tokens: the loss no model can beat
   Clock::time_point start_, window_start_;
   int64_t window_samples_ = 0;
   int64_t logged_step_ = -1;
@@ -313,9 +316,19 @@ Expected<EvalResult> Trainer::evaluate() {
     o.synthetic_samples = f_.eval_samples;
     o.seed = seed_;
     o.strict = f_.strict;
+    o.token_dtype = f_.token_dtype;
     return evaluateModel(s_, o);
   }
   return Status::error("--eval-every needs --eval-data when training on files");
+}
+
+// A language model's evaluation is its loss and perplexity; other models' their loss and AUC.
+void Trainer::noteEvaluation(const EvalResult& ev) {
+  last_eval_loss_ = ev.loss;
+  if (s_.trainSpec().readsTokens())
+    last_perplexity_ = ev.perplexity;
+  else
+    last_auc_ = ev.auc;
 }
 
 void Trainer::progress(bool final_line) {
@@ -326,6 +339,7 @@ void Trainer::progress(bool final_line) {
   std::string left = "?";
   if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
   std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
+  if (last_perplexity_) auc = fmt::format(" | eval ppl {:.4f}", *last_perplexity_);
   // On N ranks: the global rate, each rank's share, what a step sends and the time in collectives.
   std::string ranks =
       ranks_ == 1
@@ -381,11 +395,16 @@ int Trainer::run() {
   opts.strict = f_.strict;
   opts.synthetic.seed = seed_ + 1;
   opts.synthetic.stream = 0;
+  opts.token_dtype = f_.token_dtype;
   auto reader = data::openBatchReader(s_.trainSpec(), opts);
   if (!reader) {
     error(reader.status());
     return kExitError;
   }
+  entropy_floor_ = (*reader)->entropyFloor();
+  if (entropy_floor_ && loud())
+    std::fprintf(stderr, "synthetic tokens: entropy floor %.4f nats (the per-token loss no model can beat)\n",
+                 *entropy_floor_);
   if (resumed_) {
     Status st = (*reader)->seek(resume_position_);
     if (!st) {
@@ -466,8 +485,7 @@ int Trainer::run() {
                                         runtime::kHostTrack, {{"step", step_}});
       auto ev = evaluate();
       if (!ev) return fail(ev.status());
-      last_auc_ = ev->auc;
-      last_eval_loss_ = ev->loss;
+      noteEvaluation(*ev);
       evaluated = true;
     }
     bool log_due = f_.log_every > 0 ? step_ % f_.log_every == 0 : secondsSince(last_log) >= log_interval;
@@ -491,6 +509,7 @@ int Trainer::run() {
         r.loss = window_loss_.mean();
         r.samples_per_s = window_rate_;
         r.lr = lr;
+        if (entropy_floor_) r.extra["entropy_floor"] = *entropy_floor_;
         if (ranks_ > 1) {
           r.extra["ranks"] = ranks_;
           r.extra["samples_per_s_per_rank"] = window_rate_ / ranks_;
@@ -501,6 +520,7 @@ int Trainer::run() {
         if (evaluated) {
           r.auc = last_auc_;
           r.eval_loss = last_eval_loss_;
+          if (last_perplexity_) r.extra["perplexity"] = *last_perplexity_;
         }
         Status st = metrics_->write(r);
         if (!st) return fail(st);
@@ -524,8 +544,7 @@ int Trainer::run() {
   if (f_.eval_every > 0 && step_ % f_.eval_every != 0) {
     auto ev = evaluate();
     if (!ev) return fail(ev.status());
-    last_auc_ = ev->auc;
-    last_eval_loss_ = ev->loss;
+    noteEvaluation(*ev);
   }
   if (tty_ || logged_step_ != step_) progress(true);
   if (!f_.checkpoint_dir.empty()) {
@@ -547,6 +566,8 @@ int Trainer::run() {
   std::printf("final train loss: %.6f\n", last_loss_);
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
+  if (last_perplexity_) std::printf("eval perplexity: %.6f\n", *last_perplexity_);
+  if (entropy_floor_) std::printf("entropy floor: %.6f nats\n", *entropy_floor_);
   if (!f_.checkpoint_dir.empty())
     std::printf("checkpoint: %s\n",
                 ranks_ > 1 ? (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).c_str()
@@ -576,7 +597,10 @@ int runTrain(const std::vector<std::string>& args) {
               "Compiles the model's training step and trains it on the CPU, showing step, samples/s, loss,\n"
               "the last eval AUC and the time left.");
   p.setPositionals("MODEL.kiln", 1, 1, "the model to train");
-  p.addOption("data", "synthetic|PATH", "training data: 'synthetic' or Criteo TSV / Kiln binary files", "synthetic", true);
+  p.addOption("data", "synthetic|PATH",
+              "training data: 'synthetic' or Criteo TSV / Kiln binary files (a language model: token files, "
+              "e.g. train.bin)",
+              "synthetic", true);
   p.addOption("eval-data", "PATH", "held-out data to evaluate on (default with synthetic data: a held-out stream)",
               std::nullopt, true);
   p.addOption("steps", "N", "train until step N (counted from the start of training, also when resuming)");
@@ -593,6 +617,9 @@ int runTrain(const std::vector<std::string>& args) {
             "say so and continue");
   p.addOption("metrics", "FILE", "append one JSON object per logged step to FILE");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
+  p.addOption(
+      "token-dtype", "u16|u32",
+      "token files (language models): the id type (default: by name, .bin and .u16 are u16, .u32 u32)");
   p.addFlag("profile", "time every op of the training step (CPU) and print where the time went");
   p.addOption("trace", "FILE",
               "write a Chrome trace-event timeline (Perfetto, chrome://tracing) of --trace-steps to FILE");
@@ -645,6 +672,9 @@ int runTrain(const std::vector<std::string>& args) {
   if (f.checkpoint_every > 0 && f.checkpoint_dir.empty()) return p.usageError("--checkpoint-every needs --checkpoint DIR");
   f.metrics_path = p.get("metrics");
   f.strict = p.flag("strict");
+  f.token_dtype = p.get("token-dtype");
+  if (!f.token_dtype.empty() && f.token_dtype != "u16" && f.token_dtype != "u32")
+    return p.usageError(fmt::format("--token-dtype must be u16 or u32, got '{}'", f.token_dtype));
   f.profile = p.flag("profile");
   f.trace_path = p.get("trace");
   if (p.has("trace-steps")) {

@@ -497,6 +497,8 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
     const ir::HostTensor& l = (*results)[static_cast<size_t>(loss_index)];
     out.loss = l.view.dtype == ir::DType::f64 ? *l.as<double>() : *l.as<float>();
   }
+  // A language model's prediction is [B*T, vocab] logits, which no per-sample metric reads.
+  if (prediction_index >= 0 && forwardSpec().readsTokens()) prediction_index = -1;
   if (prediction_index >= 0) {
     const ir::HostTensor& p = (*results)[static_cast<size_t>(prediction_index)];
     if (p.view.dtype != ir::DType::f32)

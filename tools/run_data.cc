@@ -23,10 +23,14 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   opts.synthetic.seed = o.seed + 1;  // the same hidden task as training ...
   opts.synthetic.stream = 1;         // ... on the held-out stream
   opts.synthetic_samples = o.synthetic_samples;
+  opts.token_dtype = o.token_dtype;
   KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(s.forwardSpec(), opts));
+  const std::optional<double> entropy_floor = reader->entropyFloor();
   data::Prefetcher prefetch(std::move(reader), kEvalPrefetchDepth);
 
   const data::BatchSpec& spec = s.forwardSpec();
+  // A language model is scored by its loss alone: it has no per-sample score.
+  const bool scored = !spec.readsTokens();
   runtime::AucAccumulator auc;
   runtime::RunningMean loss;
   data::Batch batch, share;
@@ -52,6 +56,16 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
     }
     KILN_ASSIGN_OR_RETURN(auto out, s.forward(*mine));
     double batch_loss = out.loss;
+    if (!scored) {
+      if (ranks > 1) {
+        double sum = 0;
+        KILN_RETURN_IF_ERROR(c->allReduceSync(&batch_loss, &sum, 1, comm::DataType::f64));
+        batch_loss = sum / ranks;
+      }
+      loss.add(batch_loss, static_cast<double>(local * ranks));
+      r.samples += local * ranks;
+      continue;
+    }
     scores.resize(out.logits.size());
     for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
     if (spec.labelIndex() >= 0) {
@@ -83,6 +97,10 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;
   r.auc = auc.size() ? auc.auc() : NAN;
   r.accuracy = auc.size() ? auc.accuracy() : NAN;
+  if (!scored) {
+    r.perplexity = std::exp(r.loss);
+    r.entropy_floor = entropy_floor;
+  }
   return r;
 }
 

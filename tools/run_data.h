@@ -1,9 +1,12 @@
-// Running a model over a whole data set: evaluation (loss, AUC, accuracy) and prediction
-// (one score per sample), shared by `kiln train --eval-every`, `kiln eval` and `kiln predict`.
+// Running a model over a whole data set: evaluation (loss, AUC, accuracy; a language model's
+// held-out cross entropy and perplexity) and prediction (one score per sample), shared by `kiln train
+// --eval-every`, `kiln eval` and `kiln predict`.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,6 +22,7 @@ struct EvalDataOptions {
   int64_t synthetic_samples = 16384;  // synthetic: samples of the held-out stream
   uint64_t seed = 0;                  // synthetic: the run's seed
   bool strict = false;
+  std::string token_dtype;       // token files: "u16", "u32" or "" (by name)
   data::DiagnosticSink on_skip;  // told about each malformed line skipped (default: stderr)
 };
 
@@ -26,6 +30,10 @@ struct EvalResult {
   double loss = 0;      // mean over samples (NaN when the model has no loss)
   double auc = 0;       // ROC AUC of sigmoid(prediction) against the labels
   double accuracy = 0;  // at threshold 0.5
+  // A model that reads tokens: exp(loss), the loss being the mean per-token cross entropy (and
+  // AUC and accuracy NaN).
+  double perplexity = NAN;
+  std::optional<double> entropy_floor;  // synthetic tokens: the loss no model can beat
   int64_t samples = 0;
   int64_t malformed = 0;  // TSV lines skipped
   // On N ranks: the samples of an indivisible last batch that no rank evaluated.

@@ -42,6 +42,10 @@ std::string_view roleName(InputRole r) {
     case InputRole::Sparse: return "sparse";
     case InputRole::Lengths: return "lengths";
     case InputRole::Weights: return "weights";
+    case InputRole::Tokens:
+      return "tokens";
+    case InputRole::Targets:
+      return "targets";
   }
   return "?";
 }
@@ -60,6 +64,18 @@ int BatchSpec::indexOf(const std::string& name) const {
 int BatchSpec::labelIndex() const {
   for (size_t i = 0; i < inputs.size(); ++i)
     if (inputs[i].role == InputRole::Label) return static_cast<int>(i);
+  return -1;
+}
+
+int BatchSpec::tokensIndex() const {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].role == InputRole::Tokens) return static_cast<int>(i);
+  return -1;
+}
+
+int BatchSpec::targetsIndex() const {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (inputs[i].role == InputRole::Targets) return static_cast<int>(i);
   return -1;
 }
 
@@ -101,6 +117,27 @@ Expected<int64_t> intAttr(const ir::AttrDict& a, const std::string& name, std::s
   }
   if (!v->isInt()) return inputError(name, fmt::format("attribute '{}' must be an integer, got {}", key, v->str()));
   return v->asInt();
+}
+
+// A token stream is the model's only data: the loaders fill tokens and targets from windows of
+// one stream and know no Criteo features beside them.
+Status checkTokenInputs(const BatchSpec& spec) {
+  const int tokens = spec.tokensIndex(), targets = spec.targetsIndex();
+  if (targets >= 0 && tokens < 0)
+    return inputError(spec.inputs[static_cast<size_t>(targets)].name,
+                      "next-token targets need a token input (role = \"tokens\")");
+  if (tokens < 0) return Status::ok();
+  const InputSpec& tok = spec.inputs[static_cast<size_t>(tokens)];
+  for (const InputSpec& in : spec.inputs) {
+    if (in.role == InputRole::Targets && in.seq_len != tok.seq_len)
+      return inputError(in.name, fmt::format("targets {} must be shaped like the tokens {}", in.type.str(),
+                                             tok.type.str()));
+    if (in.role != InputRole::Tokens && in.role != InputRole::Targets)
+      return inputError(
+          in.name, fmt::format("a model reading the token stream '{}' reads no {} input beside it", tok.name,
+                               roleName(in.role)));
+  }
+  return Status::ok();
 }
 
 }  // namespace
@@ -184,8 +221,30 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
         in.role = InputRole::Weights;
         KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32, fmt::format("weights must be f32, got {}", type.str())));
       }
+    } else if (role == "tokens" || role == "targets") {
+      in.role = role == "tokens" ? InputRole::Tokens : InputRole::Targets;
+      KILN_RETURN_IF_ERROR(
+          need(ir::isInteger(type.dtype()) && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
+                   s[1].isStatic() && s[1].size() >= 1,
+               fmt::format("{} must be integer [BxT] with a static T, got {}", role, type.str())));
+      in.seq_len = s[1].size();
+      if (in.role == InputRole::Tokens) {
+        if (spec.tokensIndex() >= 0)
+          return inputError(in.name, "a second token input (a model reads one token stream)");
+        KILN_ASSIGN_OR_RETURN(in.vocab, intAttr(attrs, in.name, "vocab", true));
+        if (in.vocab <= 0)
+          return inputError(in.name, fmt::format("vocab must be positive, got {}", in.vocab));
+        if (in.vocab > kMaxVocab)
+          return inputError(in.name, fmt::format("vocab {} is above {}", in.vocab, kMaxVocab));
+      } else if (spec.targetsIndex() >= 0) {
+        return inputError(in.name, "a second targets input");
+      }
     } else {
-      return inputError(in.name, fmt::format("unknown role '{}' (expected dense, label, sparse, lengths or weights)", role));
+      return inputError(
+          in.name,
+          fmt::format(
+              "unknown role '{}' (expected dense, label, sparse, lengths, weights, tokens or targets)",
+              role));
     }
     spec.inputs.push_back(std::move(in));
   }
@@ -212,6 +271,7 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
   for (const InputSpec& in : spec.inputs)
     if (in.role == InputRole::Sparse && in.variableLength() && in.lengths_input < 0)
       return inputError(in.name, fmt::format("variable-length ids need a lengths input (role = \"lengths\", feature = {})", in.feature));
+  KILN_RETURN_IF_ERROR(checkTokenInputs(spec));
   return spec;
 }
 

@@ -1,7 +1,8 @@
 // What a model reads each step: the BatchSpec (the model's declared data inputs, taken from its
 // `kiln.input` ops) and a Batch (one host tensor per declared input, filled by a loader).
 // Loaders know the Criteo layout (13 dense, 26 categorical features); models only name which
-// features they read and how (docs/model-ir.md), so every model reads every data source.
+// features they read and how (docs/model-ir.md), so every model reads every data source. A
+// language model instead reads windows of a token stream: tokens [B, T] and next-token targets.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +20,11 @@ namespace kiln::data {
 inline constexpr int kNumDense = 13;
 inline constexpr int kNumSparse = 26;
 
-enum class InputRole : uint8_t { Dense, Label, Sparse, Lengths, Weights };
+// The largest vocabulary of a token input: token ids travel as int32 (a u32 file's ids above it
+// are out of range for any model).
+inline constexpr int64_t kMaxVocab = int64_t{1} << 31;
+
+enum class InputRole : uint8_t { Dense, Label, Sparse, Lengths, Weights, Tokens, Targets };
 enum class IdMap : uint8_t { Modulo, Hash };
 
 struct InputSpec {
@@ -36,6 +41,9 @@ struct InputSpec {
   // weights inputs (-1 when absent). Fixed hotness may have weights too.
   int lengths_input = -1;
   int weights_input = -1;
+  // Tokens and targets: the sequence length T of [B, T]; tokens: ids lie in [0, vocab).
+  int64_t seq_len = 0;
+  int64_t vocab = 0;
 
   bool variableLength() const { return max_hotness > 0; }
   // Ids per sample at most.
@@ -49,6 +57,9 @@ struct BatchSpec {
   const InputSpec* find(const std::string& name) const;
   int indexOf(const std::string& name) const;  // -1 when absent
   int labelIndex() const;                      // -1 when the model has no label input
+  int tokensIndex() const;                     // -1 when the model reads no token stream
+  int targetsIndex() const;                    // -1 when the model has no next-token targets
+  bool readsTokens() const { return tokensIndex() >= 0; }
 };
 
 // Builds the spec from a function's `kiln.input` ops (the trainer-fed scalars `lr` and `step`
@@ -59,7 +70,9 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
 
 // Where a stream stands: the next sample to read. `offset` is a byte offset within file `file`
 // and `line` the number of lines consumed there, so a reader seeks without rescanning.
-// `sample` counts samples delivered in the current epoch.
+// `sample` counts samples delivered in the current epoch. A token stream uses the same fields:
+// `offset` is the byte offset of the next window's first token (`line` stays 0), `sample` the
+// windows delivered; synthetic streams need only `sample`.
 struct StreamPosition {
   int64_t epoch = 0;
   int64_t file = 0;

@@ -3,6 +3,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/data/markov_tokens.h"
+
 namespace kiln::data {
 
 BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
@@ -14,6 +16,13 @@ BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<Recor
 
 BatchReader::BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic)
     : spec_(std::move(spec)), opts_(std::move(opts)), synthetic_(std::make_unique<SyntheticGenerator>(std::move(synthetic))) {}
+
+BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<TokenSource> tokens,
+                         std::optional<double> entropy_floor)
+    : spec_(std::move(spec)),
+      opts_(std::move(opts)),
+      tokens_(std::move(tokens)),
+      entropy_floor_(entropy_floor) {}
 
 static bool epochsDone(const StreamPosition& p, int64_t epochs) { return epochs > 0 && p.epoch >= epochs; }
 
@@ -36,6 +45,40 @@ Expected<bool> BatchReader::nextRecord(RawSample& s) {
   }
 }
 
+// As nextRecord, for windows of a token stream.
+Expected<bool> BatchReader::nextWindow(int32_t* window) {
+  for (;;) {
+    if (epochsDone(pos_, opts_.epochs)) return false;
+    KILN_ASSIGN_OR_RETURN(auto got, tokens_->next(window));
+    if (got) {
+      StreamPosition at = tokens_->position();
+      pos_.file = at.file;
+      pos_.offset = at.offset;
+      ++pos_.sample;
+      return true;
+    }
+    if (pos_.sample == 0)
+      return Status::errorf("the token data holds no window of {} tokens (T + 1)", tokens_->windowLength());
+    pos_ = StreamPosition{.epoch = pos_.epoch + 1};
+    if (!epochsDone(pos_, opts_.epochs)) KILN_RETURN_IF_ERROR(tokens_->seek(pos_));
+  }
+}
+
+Expected<bool> BatchReader::nextTokens(Batch& batch) {
+  const int64_t b = opts_.batch_size, w = tokens_->windowLength();
+  windows_.resize(static_cast<size_t>(b * w));
+  int64_t got = 0;
+  while (got < b) {
+    KILN_ASSIGN_OR_RETURN(auto more, nextWindow(windows_.data() + got * w));
+    if (!more) break;
+    ++got;
+  }
+  if (got == 0 || (opts_.drop_last && got < b)) return false;
+  assembleTokenBatch(spec_, windows_.data(), got, batch);
+  batch.end = pos_;
+  return true;
+}
+
 void BatchReader::takeSkips(int64_t before, std::vector<SkippedLine>& out) {
   if (!skips_) return;
   for (Status& reason : *skips_) out.push_back(SkippedLine{before, std::move(reason)});
@@ -54,6 +97,7 @@ void BatchReader::reportSkipped(const std::vector<SkippedLine>& lines) const {
 Expected<bool> BatchReader::next(Batch& batch) {
   const int64_t b = opts_.batch_size;
   batch.skipped.clear();
+  if (tokens_) return nextTokens(batch);
   if (synthetic_) {
     // A batch is one run of consecutive samples, or two or more when it crosses an epoch's end.
     std::vector<Batch> more;
@@ -111,6 +155,7 @@ Expected<bool> BatchReader::next(Batch& batch) {
 
 Status BatchReader::seek(const StreamPosition& pos) {
   pos_ = pos;
+  if (tokens_) return tokens_->seek(pos);
   if (synthetic_) {
     if (pos.sample > opts_.synthetic_samples)
       return Status::errorf("data position sample {} is beyond the synthetic epoch of {}", pos.sample, opts_.synthetic_samples);
@@ -118,6 +163,35 @@ Status BatchReader::seek(const StreamPosition& pos) {
   }
   return records_->seek(pos);
 }
+
+namespace {
+
+Expected<std::unique_ptr<BatchReader>> openTokenReader(const BatchSpec& spec, DataOptions opts) {
+  const InputSpec& tokens = spec.inputs[static_cast<size_t>(spec.tokensIndex())];
+  if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
+    if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
+    if (tokens.vocab > kMaxSyntheticVocab)
+      return Status::errorf("input '{}': synthetic tokens take a vocab of at most {}, got {}", tokens.name,
+                            kMaxSyntheticVocab, tokens.vocab);
+    auto chain = std::make_shared<const MarkovChain>(tokens.vocab, opts.synthetic.seed);
+    const double floor = chain->entropyRate();
+    auto source = openMarkovTokens(std::move(chain), opts.synthetic.seed, opts.synthetic.stream,
+                                   tokens.seq_len, opts.synthetic_samples);
+    return std::make_unique<BatchReader>(spec, std::move(opts), std::move(source), floor);
+  }
+  if (opts.paths.empty()) return Status::error("no token files given");
+  KILN_ASSIGN_OR_RETURN(TokenDType dtype, tokenDTypeFor(opts.paths[0], opts.token_dtype));
+  for (const std::string& p : opts.paths) {
+    KILN_ASSIGN_OR_RETURN(TokenDType other, tokenDTypeFor(p, opts.token_dtype));
+    if (other != dtype)
+      return Status::errorf("'{}' holds {} tokens by its name but '{}' {}: give --token-dtype", p,
+                            tokenDTypeName(other), opts.paths[0], tokenDTypeName(dtype));
+  }
+  KILN_ASSIGN_OR_RETURN(auto source, openTokenFiles(opts.paths, dtype, tokens.seq_len, tokens.vocab));
+  return std::make_unique<BatchReader>(spec, std::move(opts), std::move(source));
+}
+
+}  // namespace
 
 Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts) {
   if (opts.batch_size <= 0) return Status::errorf("batch size must be positive, got {}", opts.batch_size);
@@ -128,6 +202,7 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
           "input '{}' has {} dense features, but Criteo-layout and synthetic data have {}: feed such an input "
           "from your own program (as bench/moe_bench does), or declare at most {}",
           in.name, in.dense_count, kNumDense, kNumDense);
+  if (spec.readsTokens()) return openTokenReader(spec, std::move(opts));
   if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
     if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
     SyntheticGenerator gen(spec, opts.synthetic);

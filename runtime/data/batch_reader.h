@@ -1,14 +1,17 @@
-// Batches for a model from any data source: synthetic, Criteo TSV files or Kiln binary files.
+// Batches for a model from any data source: synthetic, Criteo TSV files or Kiln binary files, or
+// for a model that reads tokens, token files or a synthetic Markov chain.
 // Epochs re-read the data from the start; batches run on across an epoch's end, so only the
 // last batch of the last epoch may be short (or dropped with drop_last).
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "runtime/data/record_source.h"
 #include "runtime/data/synthetic.h"
+#include "runtime/data/token_source.h"
 
 namespace kiln::data {
 
@@ -25,6 +28,8 @@ struct DataOptions {
   // size of one epoch.
   SyntheticOptions synthetic;
   int64_t synthetic_samples = 1 << 20;
+  // Token files: "u16" or "u32", or empty to tell by the file names (tokenDTypeFor).
+  std::string token_dtype;
 };
 
 // Collects the lines a RecordSource skips, for the batch being read.
@@ -36,6 +41,10 @@ class BatchReader {
   BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
               std::shared_ptr<SkipLog> skips = nullptr);
   BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic);
+  // A model that reads tokens: each sample is one window of the source. `entropy_floor` is the
+  // per-token cross entropy no model can beat on it, when known (synthetic data).
+  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<TokenSource> tokens,
+              std::optional<double> entropy_floor = std::nullopt);
 
   // Fills `batch` with the next batch (its skipped lines in batch.skipped); false when the last
   // epoch is done.
@@ -46,6 +55,7 @@ class BatchReader {
   // Malformed lines read so far (read, not necessarily handed out: see Prefetcher::malformed).
   int64_t malformed() const { return records_ ? records_->malformed() : 0; }
   const BatchSpec& spec() const { return spec_; }
+  std::optional<double> entropyFloor() const { return entropy_floor_; }
 
   // Lines skipped after the last batch's last sample, once next() has returned false.
   const std::vector<SkippedLine>& skippedAtEnd() const { return skipped_at_end_; }
@@ -57,6 +67,8 @@ class BatchReader {
 
  private:
   Expected<bool> nextRecord(RawSample& s);
+  Expected<bool> nextWindow(int32_t* window);
+  Expected<bool> nextTokens(Batch& batch);
   // Moves the lines skipped since the last call into `out`, located before sample `before`.
   void takeSkips(int64_t before, std::vector<SkippedLine>& out);
 
@@ -67,11 +79,15 @@ class BatchReader {
   std::vector<SkippedLine> skipped_at_end_;
   bool defer_reports_ = false;
   std::unique_ptr<SyntheticGenerator> synthetic_;
+  std::unique_ptr<TokenSource> tokens_;
+  std::optional<double> entropy_floor_;
   StreamPosition pos_;
   std::vector<RawSample> samples_;
+  std::vector<int32_t> windows_;
 };
 
-// Opens `opts.paths` for `spec`.
+// Opens `opts.paths` for `spec`: a model that reads tokens reads `{"synthetic"}` as windows of a
+// Markov chain (markov_tokens.h) and files as token files.
 Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts);
 
 }  // namespace kiln::data

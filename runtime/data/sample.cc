@@ -15,6 +15,9 @@ std::vector<int64_t> concreteShape(const InputSpec& in, int64_t n) {
       // Shaped like the ids: rank 1 for variable length, [n, H] otherwise.
       if (in.type.rank() == 1) return {n * in.type.dim(0).upperBound().factor()};
       return {n, in.type.dim(1).size()};
+    case InputRole::Tokens:
+    case InputRole::Targets:
+      return {n, in.seq_len};
   }
   return {};
 }
@@ -88,6 +91,9 @@ void assembleBatch(const BatchSpec& spec, const RawSample* s, int64_t n, Batch& 
       }
       case InputRole::Lengths: break;  // written with the ids
       case InputRole::Weights: break;  // below, once the ids are sized
+      case InputRole::Tokens:
+      case InputRole::Targets:
+        break;  // token streams fill these (token_source.h), not Criteo samples
     }
   }
   for (size_t i = 0; i < spec.inputs.size(); ++i) {
