@@ -213,7 +213,7 @@ TEST(TransformerLowering, AttentionErrors) {
 
 TEST(TransformerLowering, SequenceCrossEntropyFlattensTokensAndTrains) {
   std::string src =
-      "model m {\n dim B\n param T = 4\n input tokens: i32[B, T]\n input label: i32[B, T]\n"
+      "model m {\n dim B\n param T = 4\n input tokens: i32[B, T] vocab(10)\n input label: i32[B, T]\n"
       " h = embedding(tokens, 10, 8)\n h = h + attention(h, 2, kv_heads = 1)\n"
       " logits = linear(swiglu(linear(h, 12, bias = false)), 10, bias = false)\n output logits\n"
       " train {\n  loss = softmax_cross_entropy(logits, label)\n  optimizer = adamw(lr = 0.001)\n }\n}\n";
@@ -277,7 +277,7 @@ model gpt {
   param T = 128
   param vocab = 1000
   param d = 256
-  input tokens: i32[B, T]
+  input tokens: i32[B, T] vocab(vocab)
   input label: i32[B, T]
 
   h = embedding(tokens, vocab, d)

@@ -401,7 +401,7 @@ const AttentionConfig kDecoderAttention{2, 1, 4, true, true};
 const char* kDecoder = R"(model m {
   dim B
   param T = 5
-  input tokens: i32[B, T]
+  input tokens: i32[B, T] vocab(7)
   input label: i32[B, T]
   h = embedding(tokens, 7, 8)
   h = h + attention(h, heads = 2, kv_heads = 1, rope_base = 100)
