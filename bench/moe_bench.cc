@@ -14,6 +14,7 @@
 // alone in bf16 (the PyTorch peer, ../shared/bench/moe_torch.py, runs next to it in
 // bench/device_run.sh).
 #include <cblas.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <chrono>
@@ -24,8 +25,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "tools/model_session.h"
 
@@ -39,7 +38,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-double msSince(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+double msSince(Clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t).count();
+}
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -58,9 +59,10 @@ struct Shape {
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c,
           bool accumulate = false) {
   if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, static_cast<int>(m),
-              static_cast<int>(n), static_cast<int>(k), 1.0f, a, static_cast<int>(ta ? m : k), b,
-              static_cast<int>(tb ? k : n), accumulate ? 1.0f : 0.0f, c, static_cast<int>(n));
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, a,
+              static_cast<int>(ta ? m : k), b, static_cast<int>(tb ? k : n), accumulate ? 1.0f : 0.0f, c,
+              static_cast<int>(n));
 }
 
 float silu(float v) { return v / (1.0f + std::exp(-v)); }
@@ -75,7 +77,8 @@ class LoopBaseline {
       v.resize(size);
       for (float& x : v) x = scale * n(rng);
     };
-    const auto h = static_cast<size_t>(s.hidden), f = static_cast<size_t>(s.ffn), e = static_cast<size_t>(s.experts);
+    const auto h = static_cast<size_t>(s.hidden), f = static_cast<size_t>(s.ffn),
+               e = static_cast<size_t>(s.experts);
     fill(wr_, e * h, 0.02f);
     fill(w1_, e * h * 2 * f, 0.02f);
     fill(w2_, e * f * h, 0.02f);
@@ -94,7 +97,8 @@ class LoopBaseline {
     for (int64_t t = 0; t < n; ++t) {
       const float* l = &logits_[static_cast<size_t>(t * e_count)];
       for (int i = 0; i < static_cast<int>(e_count); ++i) order[static_cast<size_t>(i)] = i;
-      std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) { return l[a] > l[b]; });
+      std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                        [&](int a, int b) { return l[a] > l[b]; });
       float m = l[order[0]], z = 0;
       for (int64_t j = 0; j < k; ++j) z += std::exp(l[order[static_cast<size_t>(j)]] - m);
       for (int64_t j = 0; j < k; ++j) {
@@ -104,20 +108,24 @@ class LoopBaseline {
     }
     // Tokens of each expert, in token order.
     std::vector<std::vector<int64_t>> slots(static_cast<size_t>(e_count));
-    for (int64_t sl = 0; sl < n * k; ++sl) slots[static_cast<size_t>(chosen_[static_cast<size_t>(sl)])].push_back(sl);
+    for (int64_t sl = 0; sl < n * k; ++sl)
+      slots[static_cast<size_t>(chosen_[static_cast<size_t>(sl)])].push_back(sl);
 
     y_.assign(static_cast<size_t>(n * h), 0);
-    std::vector<std::vector<float>> xs(static_cast<size_t>(e_count)), hid(xs.size()), act(xs.size()), out(xs.size());
+    std::vector<std::vector<float>> xs(static_cast<size_t>(e_count)), hid(xs.size()), act(xs.size()),
+        out(xs.size());
     for (int64_t e = 0; e < e_count; ++e) {
       const auto& sl = slots[static_cast<size_t>(e)];
       const auto c = static_cast<int64_t>(sl.size());
       auto& xe = xs[static_cast<size_t>(e)];
       xe.resize(static_cast<size_t>(c * h));
       for (int64_t r = 0; r < c; ++r)
-        std::memcpy(&xe[static_cast<size_t>(r * h)], &x_[static_cast<size_t>(sl[static_cast<size_t>(r)] / k * h)],
+        std::memcpy(&xe[static_cast<size_t>(r * h)],
+                    &x_[static_cast<size_t>(sl[static_cast<size_t>(r)] / k * h)],
                     sizeof(float) * static_cast<size_t>(h));
       hid[static_cast<size_t>(e)].resize(static_cast<size_t>(c * 2 * f));
-      gemm(false, false, c, 2 * f, h, xe.data(), &w1_[static_cast<size_t>(e * h * 2 * f)], hid[static_cast<size_t>(e)].data());
+      gemm(false, false, c, 2 * f, h, xe.data(), &w1_[static_cast<size_t>(e * h * 2 * f)],
+           hid[static_cast<size_t>(e)].data());
       auto& a = act[static_cast<size_t>(e)];
       a.resize(static_cast<size_t>(c * f));
       for (int64_t r = 0; r < c; ++r)
@@ -126,7 +134,8 @@ class LoopBaseline {
           a[static_cast<size_t>(r * f + j)] = silu(hr[j]) * hr[f + j];
         }
       out[static_cast<size_t>(e)].resize(static_cast<size_t>(c * h));
-      gemm(false, false, c, h, f, a.data(), &w2_[static_cast<size_t>(e * f * h)], out[static_cast<size_t>(e)].data());
+      gemm(false, false, c, h, f, a.data(), &w2_[static_cast<size_t>(e * f * h)],
+           out[static_cast<size_t>(e)].data());
       for (int64_t r = 0; r < c; ++r) {
         const int64_t sl_r = sl[static_cast<size_t>(r)];
         const float p = probs_[static_cast<size_t>(sl_r)];
@@ -147,8 +156,8 @@ class LoopBaseline {
     for (int64_t e = 0; e < e_count; ++e) {
       const auto& sl = slots[static_cast<size_t>(e)];
       const auto c = static_cast<int64_t>(sl.size());
-      std::vector<float> dye(static_cast<size_t>(c * h)), da(static_cast<size_t>(c * f)), dh(static_cast<size_t>(c * 2 * f)),
-          dxe(static_cast<size_t>(c * h));
+      std::vector<float> dye(static_cast<size_t>(c * h)), da(static_cast<size_t>(c * f)),
+          dh(static_cast<size_t>(c * 2 * f)), dxe(static_cast<size_t>(c * h));
       for (int64_t r = 0; r < c; ++r) {
         const int64_t sl_r = sl[static_cast<size_t>(r)];
         const float* g = &dy_[static_cast<size_t>(sl_r / k * h)];
@@ -161,7 +170,8 @@ class LoopBaseline {
         }
         dprobs_[static_cast<size_t>(sl_r)] = dot;
       }
-      gemm(true, false, f, h, c, act[static_cast<size_t>(e)].data(), dye.data(), &dw2_[static_cast<size_t>(e * f * h)]);
+      gemm(true, false, f, h, c, act[static_cast<size_t>(e)].data(), dye.data(),
+           &dw2_[static_cast<size_t>(e * f * h)]);
       gemm(false, true, c, f, h, dye.data(), &w2_[static_cast<size_t>(e * f * h)], da.data());
       for (int64_t r = 0; r < c; ++r)
         for (int64_t j = 0; j < f; ++j) {
@@ -171,7 +181,8 @@ class LoopBaseline {
           dh[static_cast<size_t>(r * 2 * f + j)] = d * u * sg * (1 + g * (1 - sg));
           dh[static_cast<size_t>(r * 2 * f + f + j)] = d * g * sg;
         }
-      gemm(true, false, h, 2 * f, c, xs[static_cast<size_t>(e)].data(), dh.data(), &dw1_[static_cast<size_t>(e * h * 2 * f)]);
+      gemm(true, false, h, 2 * f, c, xs[static_cast<size_t>(e)].data(), dh.data(),
+           &dw1_[static_cast<size_t>(e * h * 2 * f)]);
       gemm(false, true, c, h, 2 * f, dh.data(), &w1_[static_cast<size_t>(e * h * 2 * f)], dxe.data());
       for (int64_t r = 0; r < c; ++r) {
         float* dxt = &dx_[static_cast<size_t>(sl[static_cast<size_t>(r)] / k * h)];
@@ -182,7 +193,8 @@ class LoopBaseline {
     std::vector<float> dlogits(logits_.size(), 0);
     for (int64_t t = 0; t < n; ++t) {
       float sum = 0;
-      for (int64_t j = 0; j < k; ++j) sum += probs_[static_cast<size_t>(t * k + j)] * dprobs_[static_cast<size_t>(t * k + j)];
+      for (int64_t j = 0; j < k; ++j)
+        sum += probs_[static_cast<size_t>(t * k + j)] * dprobs_[static_cast<size_t>(t * k + j)];
       for (int64_t j = 0; j < k; ++j) {
         const size_t sl = static_cast<size_t>(t * k + j);
         dlogits[static_cast<size_t>(t * e_count + chosen_[sl])] = probs_[sl] * (dprobs_[sl] - sum);
@@ -209,7 +221,8 @@ class LoopBaseline {
 // The BLAS SGEMM rate on this machine at the experts' GEMM shape, GFLOP/s (best of 5).
 double sgemmRate(const Shape& s) {
   const int64_t m = std::max<int64_t>(64, s.tokens * s.topk / s.experts), n = 2 * s.ffn, k = s.hidden;
-  std::vector<float> a(static_cast<size_t>(m * k), 0.5f), b(static_cast<size_t>(k * n), 0.25f), c(static_cast<size_t>(m * n));
+  std::vector<float> a(static_cast<size_t>(m * k), 0.5f), b(static_cast<size_t>(k * n), 0.25f),
+      c(static_cast<size_t>(m * n));
   double best = 1e30;
   gemm(false, false, m, n, k, a.data(), b.data(), c.data());
   for (int i = 0; i < 5; ++i) {
@@ -234,14 +247,22 @@ int main(int argc, char** argv) {
   bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string k = argv[i], v = argv[i + 1];
-    if (k == "--workload" && (v == "m1" || v == "m2")) workload = v;
-    else if (k == "--tokens") tokens = std::stoll(v);
-    else if (k == "--hidden") hidden = std::stoll(v);
-    else if (k == "--device" && (v == "cpu" || v == "cuda")) device = v;
-    else if (k == "--threads") threads = std::stoi(v);
-    else if (k == "--rounds") rounds = std::stoll(v);
-    else if (k == "--iters") iters = std::stoll(v);
-    else if (k == "--profile") profile = v == "1";
+    if (k == "--workload" && (v == "m1" || v == "m2"))
+      workload = v;
+    else if (k == "--tokens")
+      tokens = std::stoll(v);
+    else if (k == "--hidden")
+      hidden = std::stoll(v);
+    else if (k == "--device" && (v == "cpu" || v == "cuda"))
+      device = v;
+    else if (k == "--threads")
+      threads = std::stoi(v);
+    else if (k == "--rounds")
+      rounds = std::stoll(v);
+    else if (k == "--iters")
+      iters = std::stoll(v);
+    else if (k == "--profile")
+      profile = v == "1";
     else {
       std::fprintf(stderr, "moe_bench: unknown flag or value: %s %s\n", k.c_str(), v.c_str());
       return 2;
@@ -318,21 +339,26 @@ int main(int argc, char** argv) {
   const double km = median(kiln_ms), bm = median(base_ms);
   const double rate = gpu ? 0 : sgemmRate(s);
   const double kiln_g = flops / (km * 1e-3) / 1e9;
-  std::printf("| %s (%s) tokens %lld hidden %lld ffn %lld experts %lld top-%lld | ms fwd+bwd | GFLOP/s | of SGEMM |\n",
-              workload.c_str(), device.c_str(), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
-              static_cast<long long>(s.ffn), static_cast<long long>(s.experts), static_cast<long long>(s.topk));
+  std::printf(
+      "| %s (%s) tokens %lld hidden %lld ffn %lld experts %lld top-%lld | ms fwd+bwd | GFLOP/s | of SGEMM "
+      "|\n",
+      workload.c_str(), device.c_str(), static_cast<long long>(s.tokens), static_cast<long long>(s.hidden),
+      static_cast<long long>(s.ffn), static_cast<long long>(s.experts), static_cast<long long>(s.topk));
   std::printf("| --- | --- | --- | --- |\n");
-  std::printf("| Kiln | %.1f | %.1f | %s |\n", km, kiln_g, gpu ? "-" : fmt::format("{:.0f}%", 100 * kiln_g / rate).c_str());
+  std::printf("| Kiln | %.1f | %.1f | %s |\n", km, kiln_g,
+              gpu ? "-" : fmt::format("{:.0f}%", 100 * kiln_g / rate).c_str());
   if (!gpu) {
     const double base_g = flops / (bm * 1e-3) / 1e9;
     std::printf("| loop over experts (BLAS) | %.1f | %.1f | %.0f%% |\n", bm, base_g, 100 * base_g / rate);
     std::printf("| BLAS SGEMM, expert shape | - | %.1f | 100%% |\n", rate);
-    std::printf("Kiln / loop: %.2fx faster (median of %lld interleaved rounds of %lld steps, %d threads)\n", bm / km,
-                static_cast<long long>(rounds), static_cast<long long>(iters), threads);
+    std::printf("Kiln / loop: %.2fx faster (median of %lld interleaved rounds of %lld steps, %d threads)\n",
+                bm / km, static_cast<long long>(rounds), static_cast<long long>(iters), threads);
   }
   if (profile) std::printf("%s\n", (*session)->profileTable("train_step").c_str());
-  std::printf("KILN {\"workload\": \"%s\", \"device\": \"%s\", \"ms\": %.3f, \"baseline_ms\": %.3f, \"gflops\": %.2f, "
-              "\"sgemm_gflops\": %.2f}\n",
-              workload.c_str(), device.c_str(), km, bm, kiln_g, rate);
+  std::printf(
+      "KILN {\"workload\": \"%s\", \"device\": \"%s\", \"ms\": %.3f, \"baseline_ms\": %.3f, \"gflops\": "
+      "%.2f, "
+      "\"sgemm_gflops\": %.2f}\n",
+      workload.c_str(), device.c_str(), km, bm, kiln_g, rate);
   return 0;
 }

@@ -711,8 +711,9 @@ const BuiltinInfo* findBuiltin(const std::string& name) {
 }
 
 bool isWord(const std::string& name) {
-  static const std::set<std::string> k = {"f32",  "bf16",   "f16",  "i32",        "i64",  "auc",  "accuracy",
-                                          "loss", "perplexity", "hash", "modulo", "none", "probs", "position"};
+  static const std::set<std::string> k = {"f32",    "bf16",     "f16",   "i32",        "i64",
+                                          "auc",    "accuracy", "loss",  "perplexity", "hash",
+                                          "modulo", "none",     "probs", "position"};
   return k.count(name) > 0;
 }
 

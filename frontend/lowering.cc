@@ -838,7 +838,8 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
   for (const auto& [name, v] : stats_) {
     for (const auto& o : outputs_)
       if (o.first == name) {
-        diags_.error(model.loc, fmt::format("an output is named '{}', the name of a layer's statistic", name));
+        diags_.error(model.loc,
+                     fmt::format("an output is named '{}', the name of a layer's statistic", name));
         return nullptr;
       }
     outputs_.push_back({name, v});

@@ -36,18 +36,35 @@ struct MoeOptions {
 };
 
 const std::vector<std::string>& moeParams() {
-  static const std::vector<std::string> k = {
-      "x",           "experts",         "topk",         "hidden",          "act",        "router",
-      "pre_softmax", "groups",          "group_topk",   "capacity_factor", "drop_policy", "pad_to_capacity",
-      "shared_experts", "shared_hidden", "aux_loss",    "seq_aux_loss",    "z_loss",     "expert_bias",
-      "router_dtype", "topk_scale",     "name"};
+  static const std::vector<std::string> k = {"x",
+                                             "experts",
+                                             "topk",
+                                             "hidden",
+                                             "act",
+                                             "router",
+                                             "pre_softmax",
+                                             "groups",
+                                             "group_topk",
+                                             "capacity_factor",
+                                             "drop_policy",
+                                             "pad_to_capacity",
+                                             "shared_experts",
+                                             "shared_hidden",
+                                             "aux_loss",
+                                             "seq_aux_loss",
+                                             "z_loss",
+                                             "expert_bias",
+                                             "router_dtype",
+                                             "topk_scale",
+                                             "name"};
   return k;
 }
 
 int64_t sizeArg(ModelLowering& L, const ModelLowering::Bound& b, size_t i, const char* what, int64_t dflt) {
   if (!b.get(i)) return dflt;
   int64_t n = L.intArg(*b.get(i), b.locs[i], what);
-  if (n <= 0 || n > (int64_t{1} << 30)) L.fail(b.locs[i], fmt::format("{} must be a positive size, got {}", what, n));
+  if (n <= 0 || n > (int64_t{1} << 30))
+    L.fail(b.locs[i], fmt::format("{} must be a positive size, got {}", what, n));
   return n;
 }
 
@@ -73,11 +90,13 @@ MoeOptions parseOptions(ModelLowering& L, const ModelLowering::Bound& b, const L
       L.fail(b.locs[5], fmt::format("router must be softmax or sigmoid, got '{}'", o.router));
   }
   if (b.get(6)) o.pre_softmax = L.boolArg(*b.get(6), b.locs[6], "pre_softmax");
-  if (o.pre_softmax && o.router != "softmax") L.fail(b.locs[6], "pre_softmax applies to the softmax router only");
+  if (o.pre_softmax && o.router != "softmax")
+    L.fail(b.locs[6], "pre_softmax applies to the softmax router only");
   o.groups = sizeArg(L, b, 7, "groups", 1);
   o.group_topk = sizeArg(L, b, 8, "group_topk", 1);
   if (o.groups > 1 && !b.get(8)) L.fail(b.locs[7], "group-limited routing (groups > 1) needs group_topk");
-  if (o.experts % o.groups) L.fail(b.locs[7], fmt::format("{} groups do not divide the {} experts", o.groups, o.experts));
+  if (o.experts % o.groups)
+    L.fail(b.locs[7], fmt::format("{} groups do not divide the {} experts", o.groups, o.experts));
   if (o.group_topk > o.groups)
     L.fail(b.locs[8], fmt::format("group_topk {} exceeds the {} groups", o.group_topk, o.groups));
   if (o.groups > 1 && o.topk % o.group_topk)
@@ -111,7 +130,8 @@ MoeOptions parseOptions(ModelLowering& L, const ModelLowering::Bound& b, const L
   o.expert_bias = coeffArg(L, b, 17, "expert_bias");
   if (b.get(18)) {
     std::string dt = L.wordArg(*b.get(18), b.locs[18], "router_dtype");
-    if (dt != "f32") L.fail(b.locs[18], fmt::format("router_dtype must be f32 (routing is computed in f32), got '{}'", dt));
+    if (dt != "f32")
+      L.fail(b.locs[18], fmt::format("router_dtype must be f32 (routing is computed in f32), got '{}'", dt));
   }
   if (b.get(19)) {
     o.scale = L.numberArg(*b.get(19), b.locs[19], "topk_scale");
@@ -130,8 +150,8 @@ ir::Value* swigluHalves(ModelLowering& L, ir::Value* h, int64_t f) {
   return L.emit(ir::OpCode::Mul, {L.emit(ir::OpCode::Silu, {a}), g});
 }
 
-ir::Value* param(ModelLowering& L, const std::string& name, ir::DType dt, std::vector<int64_t> dims, const Val& init,
-                 const Location& loc, ir::AttrDict extra = {}) {
+ir::Value* param(ModelLowering& L, const std::string& name, ir::DType dt, std::vector<int64_t> dims,
+                 const Val& init, const Location& loc, ir::AttrDict extra = {}) {
   ir::Shape s;
   for (int64_t d : dims) s.push_back(ir::Dim::fixed(d));
   ir::Value* p = L.makeParam(name, ir::TensorType(dt, std::move(s)), init, loc, std::move(extra));
@@ -152,7 +172,8 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   ir::Value* x = L.tensorArg(*b.get(0), b.locs[0], "moe's input");
   const ir::TensorType& xt = x->type();
   if (!ir::isFloat(xt.dtype()) || xt.rank() < 2 || xt.rank() > 3 || !xt.dim(xt.rank() - 1).isStatic())
-    L.fail(b.locs[0], fmt::format("moe needs a float [N, H] or [B, T, H] input with a static H, got {}", typeStr(xt)));
+    L.fail(b.locs[0],
+           fmt::format("moe needs a float [N, H] or [B, T, H] input with a static H, got {}", typeStr(xt)));
   MoeOptions o = parseOptions(L, b, a.loc);
   const std::string name = L.layerName(a, "moe", b.get(20));
   const ir::DType dt = xt.dtype();
@@ -182,13 +203,15 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   if (o.expert_bias > 0) {
     // Aux-loss-free balancing: the bias moves selection, is no trainable weight, and is
     // updated by the train step from this layer's counts (docs/moe.md).
-    router_in.push_back(param(L, name + ".router.expert_bias", ir::DType::f32, {o.experts}, Val::builtin("zeros"), a.loc,
+    router_in.push_back(param(L, name + ".router.expert_bias", ir::DType::f32, {o.experts},
+                              Val::builtin("zeros"), a.loc,
                               {{"trainable", false},
                                {"expert_bias_rate", o.expert_bias},
                                {"expert_bias_counts", name + ".counts"}}));
   }
-  ir::AttrDict router_attrs{{"topk", o.topk},        {"score", o.router},          {"pre_softmax", o.pre_softmax},
-                            {"groups", o.groups},    {"group_topk", o.group_topk}, {"scale", o.scale}};
+  ir::AttrDict router_attrs{
+      {"topk", o.topk},     {"score", o.router},          {"pre_softmax", o.pre_softmax},
+      {"groups", o.groups}, {"group_topk", o.group_topk}, {"scale", o.scale}};
   auto router = L.builder().create(ir::OpCode::MoeRouter, router_in, router_attrs);
   if (!router) L.fail(a.loc, router.status().message());
   ir::Value* probs = (*router)->result(0);
@@ -207,8 +230,10 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   // The experts: fc1 [E, H, F or 2F], fc2 [E, F, H], one grouped GEMM each.
   const bool gated = isSwiglu(o.act);
   const double std_out = 0.02;
-  ir::Value* w1 = param(L, name + ".experts.fc1", dt, {o.experts, h, gated ? 2 * o.hidden : o.hidden}, init, a.loc);
-  ir::Value* w2 = param(L, name + ".experts.fc2", dt, {o.experts, o.hidden, h}, normalInit(L, std_out, a.loc), a.loc);
+  ir::Value* w1 =
+      param(L, name + ".experts.fc1", dt, {o.experts, h, gated ? 2 * o.hidden : o.hidden}, init, a.loc);
+  ir::Value* w2 =
+      param(L, name + ".experts.fc2", dt, {o.experts, o.hidden, h}, normalInit(L, std_out, a.loc), a.loc);
   ir::Value* xp = L.emit(ir::OpCode::MoePermute, {x2, rows, probs}, {{"apply_probs", false}});
   xp->setNameHint(name + ".permuted");
   ir::Value* hid = L.emit(ir::OpCode::GroupedMatmul, {xp, w1, offsets});
@@ -238,7 +263,8 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   };
   if (o.aux_loss > 0) aux("aux_loss", o.aux_loss, 0);
   if (o.seq_aux_loss > 0) aux("seq_aux_loss", o.seq_aux_loss, seq_len);
-  if (o.z_loss > 0) L.addAuxLoss(name + ".z_loss", L.emit(ir::OpCode::MoeZLoss, {logits}, {{"coeff", o.z_loss}}));
+  if (o.z_loss > 0)
+    L.addAuxLoss(name + ".z_loss", L.emit(ir::OpCode::MoeZLoss, {logits}, {{"coeff", o.z_loss}}));
   L.addStat(name + ".counts", counts);
   L.addMoeLayer({{"name", name},
                  {"experts", o.experts},

@@ -132,8 +132,10 @@ void registerLossOps(OpRegistry& r);         // ops/loss.cc
 void registerOptimizerOps(OpRegistry& r);    // ops/optimizer.cc: optimizer_update, embedding_bag_update
 void registerCollectiveOps(
     OpRegistry& r);  // ops/collective.cc: all_reduce, reduce_scatter, all_gather, all_to_all, all_to_all_v
-void registerRoutingOps(OpRegistry& r);      // ops/routing.cc: topk, take/scatter_along_axis, moe_router, losses, dispatch
-void registerExpertOps(OpRegistry& r);       // ops/experts.cc: moe_permute, moe_unpermute, moe_row_dot, grouped_matmul
+void registerRoutingOps(
+    OpRegistry& r);  // ops/routing.cc: topk, take/scatter_along_axis, moe_router, losses, dispatch
+void registerExpertOps(
+    OpRegistry& r);  // ops/experts.cc: moe_permute, moe_unpermute, moe_row_dot, grouped_matmul
 
 // The operands `op` writes in place: none for ops without kSideEffect; the op's `written` hook
 // (an optimizer update writes its parameter and state, not its gradient or lr); else all.

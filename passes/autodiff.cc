@@ -387,9 +387,10 @@ Status TrainStepBuilder::emitExpertBiasUpdates(const std::map<std::string, Value
     std::string counts_name = param->strAttr("expert_bias_counts");
     auto it = stats.find(counts_name);
     if (it == stats.end())
-      return Status::error(fmt::format("expert bias '{}' names the counts '{}', which is no statistic of kiln.train",
-                                       param->strAttr("name"), counts_name),
-                           param->location());
+      return Status::error(
+          fmt::format("expert bias '{}' names the counts '{}', which is no statistic of kiln.train",
+                      param->strAttr("name"), counts_name),
+          param->location());
     const Attribute* rate = param->attr("expert_bias_rate");
     builder_.setLocation(param->location());
     KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::MoeExpertBiasUpdate, {param->result(), it->second},
@@ -415,8 +416,9 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   std::vector<Value*> stat_results;
   for (const auto& [name, index] : stats) {
     if (index >= ret->numOperands())
-      return Status::error(fmt::format("the statistic '{}' is output #{} of {}", name, index, ret->numOperands()),
-                           ret->location());
+      return Status::error(
+          fmt::format("the statistic '{}' is output #{} of {}", name, index, ret->numOperands()),
+          ret->location());
     stat_values[name] = ret->operand(static_cast<unsigned>(index));
     stat_results.push_back(stat_values[name]);
   }

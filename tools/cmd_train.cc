@@ -20,12 +20,12 @@
 #include "runtime/data/prefetcher.h"
 #include "runtime/dir_lock.h"
 #include "runtime/metrics.h"
-#include "tools/moe_stats.h"
 #include "runtime/run_inputs.h"
 #include "runtime/sharded_checkpoint.h"
 #include "runtime/trace.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
+#include "tools/moe_stats.h"
 #include "tools/run_data.h"
 
 namespace kiln::cli {
@@ -347,9 +347,9 @@ void Trainer::progress(bool final_line) {
           : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives", window_rate_ / ranks_,
                         runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
                         100 * comm_fraction_);
-  std::string line =
-      fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{} | elapsed {} | left {}", step_, total,
-                  window_rate_, ranks, last_loss_, moe_text_, auc, formatDuration(elapsed), final_line ? "0:00" : left);
+  std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{} | elapsed {} | left {}",
+                                 step_, total, window_rate_, ranks, last_loss_, moe_text_, auc,
+                                 formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else

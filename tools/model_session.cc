@@ -475,7 +475,8 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
 
   StepOutputs out;
   // Statistics: after loss and prediction in @train_step, by name among @forward's outputs.
-  if (const ir::Attribute* names = train_ ? trainValue(*train_, "stats") : nullptr; names && names->isArray()) {
+  if (const ir::Attribute* names = train_ ? trainValue(*train_, "stats") : nullptr;
+      names && names->isArray()) {
     const auto& list = names->asArray();
     for (size_t i = 0; i < list.size(); ++i) {
       const std::string& name = list[i].asString();
@@ -486,10 +487,12 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
         for (size_t j = 0; j < outputs_.size(); ++j)
           if (outputs_[j] == name) index = j;
       }
-      if (index >= results->size()) return Status::errorf("@{} does not return the statistic '{}'", function, name);
+      if (index >= results->size())
+        return Status::errorf("@{} does not return the statistic '{}'", function, name);
       const ir::HostTensor& t = (*results)[index];
       std::vector<double> values(static_cast<size_t>(t.numel()));
-      for (size_t k = 0; k < values.size(); ++k) values[k] = ir::kernels::loadAsDouble(t.view, static_cast<int64_t>(k));
+      for (size_t k = 0; k < values.size(); ++k)
+        values[k] = ir::kernels::loadAsDouble(t.view, static_cast<int64_t>(k));
       out.stats.push_back({name, std::move(values)});
     }
   }

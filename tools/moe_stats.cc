@@ -34,7 +34,8 @@ MoeStatsWindow::MoeStatsWindow(const ir::AttrDict& train) {
   }
 }
 
-void MoeStatsWindow::add(const std::vector<std::pair<std::string, std::vector<double>>>& stats, int64_t samples) {
+void MoeStatsWindow::add(const std::vector<std::pair<std::string, std::vector<double>>>& stats,
+                         int64_t samples) {
   for (Layer& l : layers_) {
     const std::string prefix = l.name + ".";
     bool seen = false;

@@ -16,9 +16,9 @@ namespace kiln::cli {
 
 struct MoeLayerStats {
   std::string name;
-  double min = 0, max = 0, mean = 0;  // tokens per expert per step
-  double cv = 0;                      // std / mean of tokens per expert
-  double dropped = 0;                 // dropped slots / routed slots
+  double min = 0, max = 0, mean = 0;     // tokens per expert per step
+  double cv = 0;                         // std / mean of tokens per expert
+  double dropped = 0;                    // dropped slots / routed slots
   std::map<std::string, double> losses;  // "aux_loss", "seq_aux_loss", "z_loss": window means
 };
 

@@ -162,9 +162,10 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
       in.role = InputRole::Dense;
       // Wider than the Criteo layout's 13 is a tensor the caller fills (a benchmark feeding a
       // layer); the data loaders refuse it (openBatchReader).
-      KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32 && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
-                                    s[1].isStatic() && s[1].size() >= 1 && s[1].size() <= (int64_t{1} << 24),
-                                fmt::format("dense features must be f32[Bxn] with n >= 1, got {}", type.str())));
+      KILN_RETURN_IF_ERROR(
+          need(type.dtype() == ir::DType::f32 && s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) &&
+                   s[1].isStatic() && s[1].size() >= 1 && s[1].size() <= (int64_t{1} << 24),
+               fmt::format("dense features must be f32[Bxn] with n >= 1, got {}", type.str())));
       in.dense_count = static_cast<int>(s[1].size());
     } else if (role == "label") {
       in.role = InputRole::Label;

@@ -199,7 +199,8 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
   for (const InputSpec& in : spec.inputs)
     if (in.role == InputRole::Dense && in.dense_count > kNumDense)
       return Status::errorf(
-          "input '{}' has {} dense features, but Criteo-layout and synthetic data have {}: feed such an input "
+          "input '{}' has {} dense features, but Criteo-layout and synthetic data have {}: feed such an "
+          "input "
           "from your own program (as bench/moe_bench does), or declare at most {}",
           in.name, in.dense_count, kNumDense, kNumDense);
   if (spec.readsTokens()) return openTokenReader(spec, std::move(opts));

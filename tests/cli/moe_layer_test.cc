@@ -3,6 +3,7 @@
 // losses written out here from Megatron-Core's definitions), forward and backward. The
 // gradient Kiln's training step applies (SGD with lr = 1: the change of each weight) is checked
 // against central finite differences of the plain loop's loss.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,8 +14,6 @@
 #include <numeric>
 #include <random>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "runtime/comm/local_group.h"
 #include "tools/model_session.h"
@@ -56,7 +55,8 @@ std::vector<int> topIndices(const std::vector<double>& v, int64_t k, const std::
   std::vector<int> idx;
   for (int i = 0; i < static_cast<int>(v.size()); ++i)
     if (allowed[static_cast<size_t>(i)]) idx.push_back(i);
-  std::stable_sort(idx.begin(), idx.end(), [&](int a, int b) { return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)]; });
+  std::stable_sort(idx.begin(), idx.end(),
+                   [&](int a, int b) { return v[static_cast<size_t>(a)] > v[static_cast<size_t>(b)]; });
   idx.resize(static_cast<size_t>(k));
   return idx;
 }
@@ -67,18 +67,21 @@ struct Reference {
   std::vector<int64_t> counts;
 };
 
-Reference reference(const Case& c, const Weights& w, const std::vector<double>& x, const std::vector<double>& target,
-                    int64_t n) {
+Reference reference(const Case& c, const Weights& w, const std::vector<double>& x,
+                    const std::vector<double>& target, int64_t n) {
   const int64_t e_count = c.experts, k = c.topk, f = c.hidden, h = kWidth, f2 = c.shared * c.hidden;
   Reference r;
   r.y.assign(static_cast<size_t>(n * h), 0.0);
-  std::vector<std::vector<double>> logits(static_cast<size_t>(n), std::vector<double>(static_cast<size_t>(e_count)));
+  std::vector<std::vector<double>> logits(static_cast<size_t>(n),
+                                          std::vector<double>(static_cast<size_t>(e_count)));
   std::vector<std::vector<int>> chosen(static_cast<size_t>(n));
   std::vector<std::vector<double>> probs(static_cast<size_t>(n));
   for (int64_t t = 0; t < n; ++t) {
     auto& l = logits[static_cast<size_t>(t)];
     for (int64_t e = 0; e < e_count; ++e)
-      for (int64_t j = 0; j < h; ++j) l[static_cast<size_t>(e)] += w.router[static_cast<size_t>(e * h + j)] * x[static_cast<size_t>(t * h + j)];
+      for (int64_t j = 0; j < h; ++j)
+        l[static_cast<size_t>(e)] +=
+            w.router[static_cast<size_t>(e * h + j)] * x[static_cast<size_t>(t * h + j)];
     std::vector<double> sel = l, score = l;
     if (c.router == "sigmoid") {
       for (auto& v : score) v = 1 / (1 + std::exp(-v));
@@ -96,9 +99,11 @@ Reference reference(const Case& c, const Weights& w, const std::vector<double>& 
       for (int64_t g = 0; g < c.groups; ++g) {
         std::vector<double> members(sel.begin() + g * per, sel.begin() + (g + 1) * per);
         std::sort(members.rbegin(), members.rend());
-        for (int64_t i = 0; i < k / c.group_topk; ++i) gscore[static_cast<size_t>(g)] += members[static_cast<size_t>(i)];
+        for (int64_t i = 0; i < k / c.group_topk; ++i)
+          gscore[static_cast<size_t>(g)] += members[static_cast<size_t>(i)];
       }
-      std::vector<int> best = topIndices(gscore, c.group_topk, std::vector<bool>(static_cast<size_t>(c.groups), true));
+      std::vector<int> best =
+          topIndices(gscore, c.group_topk, std::vector<bool>(static_cast<size_t>(c.groups), true));
       std::fill(allowed.begin(), allowed.end(), false);
       for (int g : best)
         for (int64_t i = 0; i < per; ++i) allowed[static_cast<size_t>(g * per + i)] = true;
@@ -120,16 +125,19 @@ Reference reference(const Case& c, const Weights& w, const std::vector<double>& 
   // Capacity: which slots each expert keeps.
   std::vector<bool> kept(static_cast<size_t>(n * k), true);
   if (c.capacity > 0) {
-    const int64_t cap = static_cast<int64_t>(std::ceil(static_cast<double>(n * k) * c.capacity / static_cast<double>(e_count)));
+    const int64_t cap = static_cast<int64_t>(
+        std::ceil(static_cast<double>(n * k) * c.capacity / static_cast<double>(e_count)));
     for (int64_t e = 0; e < e_count; ++e) {
       std::vector<int64_t> slots;
       for (int64_t s = 0; s < n * k; ++s)
         if (chosen[static_cast<size_t>(s / k)][static_cast<size_t>(s % k)] == e) slots.push_back(s);
       if (c.drop_policy == "probs")
         std::stable_sort(slots.begin(), slots.end(), [&](int64_t a, int64_t b) {
-          return probs[static_cast<size_t>(a / k)][static_cast<size_t>(a % k)] > probs[static_cast<size_t>(b / k)][static_cast<size_t>(b % k)];
+          return probs[static_cast<size_t>(a / k)][static_cast<size_t>(a % k)] >
+                 probs[static_cast<size_t>(b / k)][static_cast<size_t>(b % k)];
         });
-      for (size_t i = static_cast<size_t>(cap); i < slots.size(); ++i) kept[static_cast<size_t>(slots[i])] = false;
+      for (size_t i = static_cast<size_t>(cap); i < slots.size(); ++i)
+        kept[static_cast<size_t>(slots[i])] = false;
     }
   }
   r.counts.assign(static_cast<size_t>(e_count), 0);
@@ -180,7 +188,8 @@ Reference reference(const Case& c, const Weights& w, const std::vector<double>& 
         for (size_t e = 0; e < l.size(); ++e) s[e] = std::exp(l[e] - m) / z;
       }
       for (size_t e = 0; e < s.size(); ++e) psum[e] += s[e] / static_cast<double>(len);
-      for (int e : chosen[static_cast<size_t>(t)]) fsum[static_cast<size_t>(e)] += 1.0 / static_cast<double>(len * k);
+      for (int e : chosen[static_cast<size_t>(t)])
+        fsum[static_cast<size_t>(e)] += 1.0 / static_cast<double>(len * k);
     }
     double v = 0;
     for (int64_t e = 0; e < e_count; ++e) v += fsum[static_cast<size_t>(e)] * psum[static_cast<size_t>(e)];
@@ -207,12 +216,13 @@ Reference reference(const Case& c, const Weights& w, const std::vector<double>& 
 // ---- the model under test ------------------------------------------------------------------
 
 std::string modelSource(const Case& c) {
-  std::string opts = fmt::format("experts = {}, topk = {}, hidden = {}, router = {}, pre_softmax = {}, name = \"y\"", c.experts,
-                                 c.topk, c.hidden, c.router, c.pre_softmax ? "true" : "false");
+  std::string opts =
+      fmt::format("experts = {}, topk = {}, hidden = {}, router = {}, pre_softmax = {}, name = \"y\"",
+                  c.experts, c.topk, c.hidden, c.router, c.pre_softmax ? "true" : "false");
   if (c.groups > 1) opts += fmt::format(", groups = {}, group_topk = {}", c.groups, c.group_topk);
   if (c.capacity > 0)
-    opts += fmt::format(", capacity_factor = {}, drop_policy = {}, pad_to_capacity = {}", c.capacity, c.drop_policy,
-                        c.pad ? "true" : "false");
+    opts += fmt::format(", capacity_factor = {}, drop_policy = {}, pad_to_capacity = {}", c.capacity,
+                        c.drop_policy, c.pad ? "true" : "false");
   if (c.shared) opts += fmt::format(", shared_experts = {}, shared_hidden = {}", c.shared, c.hidden);
   if (c.aux > 0) opts += fmt::format(", aux_loss = {}", c.aux);
   if (c.seq_aux > 0) opts += fmt::format(", seq_aux_loss = {}", c.seq_aux);
@@ -220,8 +230,8 @@ std::string modelSource(const Case& c) {
   // With a sequence, each sample holds `seq` tokens of width kWidth.
   const int64_t per_sample = c.seq ? c.seq : 1;
   std::string body =
-      c.seq ? fmt::format("  xs = reshape(x, [B, {}, {}])\n  y = reshape(moe(xs, {}), [B, {}])\n", c.seq, kWidth, opts,
-                          c.seq * kWidth)
+      c.seq ? fmt::format("  xs = reshape(x, [B, {}, {}])\n  y = reshape(moe(xs, {}), [B, {}])\n", c.seq,
+                          kWidth, opts, c.seq * kWidth)
             : fmt::format("  y = moe(x, {})\n", opts);
   return fmt::format(
       "model moe_case {{\n  dim B\n  input x: f32[B, {0}]\n  input target: f32[B, {0}]\n{1}  output y\n"
@@ -293,8 +303,8 @@ void prepare(const Case& c, const std::string& path, int64_t batch, comm::Commun
 }
 
 // d loss / d w[i] of the plain loop, by central differences.
-double finiteDifference(const Case& c, Weights& w, std::vector<double>& wv, size_t i, const std::vector<double>& x,
-                        const std::vector<double>& target, int64_t n) {
+double finiteDifference(const Case& c, Weights& w, std::vector<double>& wv, size_t i,
+                        const std::vector<double>& x, const std::vector<double>& target, int64_t n) {
   const double keep = wv[i], eps = 1e-5;
   wv[i] = keep + eps;
   const double up = reference(c, w, x, target, n).loss;
@@ -329,7 +339,8 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
   ASSERT_TRUE(fwd) << fwd.status().str();
   EXPECT_NEAR(fwd->loss, want.loss, 1e-4 * (1 + want.loss));
   ASSERT_EQ(fwd->prediction.size(), want.y.size());
-  for (size_t i = 0; i < want.y.size(); ++i) EXPECT_NEAR(fwd->prediction[i], want.y[i], 1e-4 * (1 + std::fabs(want.y[i]))) << i;
+  for (size_t i = 0; i < want.y.size(); ++i)
+    EXPECT_NEAR(fwd->prediction[i], want.y[i], 1e-4 * (1 + std::fabs(want.y[i]))) << i;
   // Per-expert counts: kept tokens only (dropped slots and padding rows do not count).
   std::vector<int64_t> counts;
   for (const auto& [name, values] : fwd->stats)
@@ -382,7 +393,8 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
     Prepared p;
     prepare(c, path, kTokensPerBatch, &comm, p);
     if (!p.session) return Status::error("no session");
-    auto half = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
+    auto half =
+        data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
     if (!half) return half.status();
     KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
     const ir::HostTensor* t = p.session->params().find("y.router.weight");
@@ -397,7 +409,8 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   std::vector<double> grad(whole.w.router.size(), 0.0);
   for (int r = 0; r < kRanks; ++r) {
     const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
-    const std::vector<double> t(whole.target.begin() + r * half_size, whole.target.begin() + (r + 1) * half_size);
+    const std::vector<double> t(whole.target.begin() + r * half_size,
+                                whole.target.begin() + (r + 1) * half_size);
     const double want = reference(c, whole.w, x, t, kTokensPerBatch).loss;
     EXPECT_NEAR(losses[static_cast<size_t>(r)], want, 1e-4 * (1 + want)) << "rank " << r;
     for (size_t i = 0; i < grad.size(); ++i)
@@ -405,7 +418,8 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   }
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < grad.size(); ++i)
-      EXPECT_NEAR(whole.w.router[i] - after[static_cast<size_t>(r)][i], grad[i], 2e-4 + 2e-3 * std::fabs(grad[i]))
+      EXPECT_NEAR(whole.w.router[i] - after[static_cast<size_t>(r)][i], grad[i],
+                  2e-4 + 2e-3 * std::fabs(grad[i]))
           << "rank " << r << " router[" << i << "]";
   std::filesystem::remove_all(std::filesystem::path(path).parent_path());
 }
@@ -417,20 +431,40 @@ Case make(const char* name, std::function<void(Case&)> f) {
   return c;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Routing, MoeLayer,
-    ::testing::Values(make("dropless_softmax", [](Case&) {}),
-                      make("pre_softmax", [](Case& c) { c.pre_softmax = true; }),
-                      make("sigmoid", [](Case& c) { c.router = "sigmoid"; }),
-                      make("top1", [](Case& c) { c.topk = 1; }),
-                      make("groups", [](Case& c) { c.experts = 8; c.groups = 4; c.group_topk = 2; }),
-                      make("capacity_probs", [](Case& c) { c.capacity = 0.5; }),
-                      make("capacity_position", [](Case& c) { c.capacity = 0.5; c.drop_policy = "position"; }),
-                      make("capacity_padded", [](Case& c) { c.capacity = 1.0; c.pad = true; }),
-                      make("shared_expert", [](Case& c) { c.shared = 2; }),
-                      make("aux_and_z", [](Case& c) { c.aux = 0.1; c.z = 0.01; }),
-                      make("seq_aux", [](Case& c) { c.seq = 2; c.seq_aux = 0.1; })),
-    [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+INSTANTIATE_TEST_SUITE_P(Routing, MoeLayer,
+                         ::testing::Values(make("dropless_softmax", [](Case&) {}),
+                                           make("pre_softmax", [](Case& c) { c.pre_softmax = true; }),
+                                           make("sigmoid", [](Case& c) { c.router = "sigmoid"; }),
+                                           make("top1", [](Case& c) { c.topk = 1; }),
+                                           make("groups",
+                                                [](Case& c) {
+                                                  c.experts = 8;
+                                                  c.groups = 4;
+                                                  c.group_topk = 2;
+                                                }),
+                                           make("capacity_probs", [](Case& c) { c.capacity = 0.5; }),
+                                           make("capacity_position",
+                                                [](Case& c) {
+                                                  c.capacity = 0.5;
+                                                  c.drop_policy = "position";
+                                                }),
+                                           make("capacity_padded",
+                                                [](Case& c) {
+                                                  c.capacity = 1.0;
+                                                  c.pad = true;
+                                                }),
+                                           make("shared_expert", [](Case& c) { c.shared = 2; }),
+                                           make("aux_and_z",
+                                                [](Case& c) {
+                                                  c.aux = 0.1;
+                                                  c.z = 0.01;
+                                                }),
+                                           make("seq_aux",
+                                                [](Case& c) {
+                                                  c.seq = 2;
+                                                  c.seq_aux = 0.1;
+                                                })),
+                         [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace
 }  // namespace kiln::cli

@@ -106,19 +106,28 @@ TEST(FastKernels, UnaryElementwise) {
 TEST(FastKernels, ActivationGradSliceAndPad) {
   uint32_t seed = 300;
   for (const char* act : {"relu", "silu", "gelu", "softplus", "hardswish"}) {
-    auto x = randomTensor(DType::f32, {257, 33}, seed++, -4, 4), dy = randomTensor(DType::f32, {257, 33}, seed++);
+    auto x = randomTensor(DType::f32, {257, 33}, seed++, -4, 4),
+         dy = randomTensor(DType::f32, {257, 33}, seed++);
     checkAgainstReference("kiln.activation_grad", {x, dy}, {{"activation", ir::Attribute(act)}}, 1e-5, 1e-6);
   }
   auto x = randomTensor(DType::f32, {37, 10, 6}, seed++);
   for (int64_t axis : {0, 1, 2, -1}) {
-    checkAgainstReference("kiln.slice", {x}, {{"axis", ir::Attribute(axis)}, {"start", ir::Attribute(int64_t{1})},
-                                              {"limit", ir::Attribute(int64_t{5})}}, 0, 0);
-    checkAgainstReference("kiln.pad", {x}, {{"axis", ir::Attribute(axis)}, {"low", ir::Attribute(int64_t{2})},
-                                            {"high", ir::Attribute(int64_t{3})}}, 0, 0);
+    checkAgainstReference("kiln.slice", {x},
+                          {{"axis", ir::Attribute(axis)},
+                           {"start", ir::Attribute(int64_t{1})},
+                           {"limit", ir::Attribute(int64_t{5})}},
+                          0, 0);
+    checkAgainstReference("kiln.pad", {x},
+                          {{"axis", ir::Attribute(axis)},
+                           {"low", ir::Attribute(int64_t{2})},
+                           {"high", ir::Attribute(int64_t{3})}},
+                          0, 0);
   }
   checkAgainstReference("kiln.slice", {randomTensor(DType::bf16, {64, 12}, seed++)},
-                        {{"axis", ir::Attribute(int64_t{1})}, {"start", ir::Attribute(int64_t{0})},
-                         {"limit", ir::Attribute(int64_t{6})}}, 0, 0);
+                        {{"axis", ir::Attribute(int64_t{1})},
+                         {"start", ir::Attribute(int64_t{0})},
+                         {"limit", ir::Attribute(int64_t{6})}},
+                        0, 0);
 }
 
 TEST(FastKernels, Bf16StorageComputesInF32) {

@@ -124,7 +124,8 @@ Status runSliceOrPad(const ir::Op& op, const std::vector<const ir::TensorView*>&
   ir::TensorView& r = *out[0];
   int64_t axis = op.intAttr("axis");
   if (axis < 0) axis += static_cast<int64_t>(x.shape.size());
-  if (axis < 0 || axis >= static_cast<int64_t>(x.shape.size())) return Status::errorf("'{}': axis out of range", op.name());
+  if (axis < 0 || axis >= static_cast<int64_t>(x.shape.size()))
+    return Status::errorf("'{}': axis out of range", op.name());
   const auto a = static_cast<size_t>(axis);
   const bool slice = op.is(ir::OpCode::Slice);
   // Per outer index: `n` rows of `inner_bytes` copied from x at `from` to r at `to`.
@@ -132,7 +133,8 @@ Status runSliceOrPad(const ir::Op& op, const std::vector<const ir::TensorView*>&
   r.shape = x.shape;
   if (slice) {
     const int64_t start = op.intAttr("start"), limit = op.intAttr("limit");
-    if (start < 0 || limit > x.shape[a] || start > limit) return Status::errorf("'{}': bounds out of range", op.name());
+    if (start < 0 || limit > x.shape[a] || start > limit)
+      return Status::errorf("'{}': bounds out of range", op.name());
     n = limit - start;
     from = start;
     r.shape[a] = n;
@@ -152,7 +154,8 @@ Status runSliceOrPad(const ir::Op& op, const std::vector<const ir::TensorView*>&
     for (int64_t o = b; o < e; ++o) {
       unsigned char* dst = pr + o * r_rows * inner_bytes;
       if (!slice) std::memset(dst, 0, static_cast<size_t>(r_rows * inner_bytes));  // all-zero bits are 0
-      std::memcpy(dst + to * inner_bytes, px + (o * x_rows + from) * inner_bytes, static_cast<size_t>(n * inner_bytes));
+      std::memcpy(dst + to * inner_bytes, px + (o * x_rows + from) * inner_bytes,
+                  static_cast<size_t>(n * inner_bytes));
     }
   });
   return Status::ok();

@@ -94,11 +94,14 @@ Status runActivationGrad(const ir::Op& op, const std::vector<const ir::TensorVie
   const ir::TensorView& x = *in[0];
   const ir::TensorView& dy = *in[1];
   if (x.shape != dy.shape) return Status::errorf("'{}': x and dy differ in run-time shape", op.name());
-  const std::optional<ir::ScalarFn> fn = ir::findScalarFn(ir::ScalarFnKind::Activation, op.strAttr("activation"));
+  const std::optional<ir::ScalarFn> fn =
+      ir::findScalarFn(ir::ScalarFnKind::Activation, op.strAttr("activation"));
   if (!fn || !ir::scalarFnInfo(*fn).partner) return Status::errorf("'{}': unknown activation", op.name());
   out[0]->shape = x.shape;
-  if (x.dtype == ir::DType::bf16) runActivationGradTyped<BF16>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
-  else runActivationGradTyped<F32>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
+  if (x.dtype == ir::DType::bf16)
+    runActivationGradTyped<BF16>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
+  else
+    runActivationGradTyped<F32>(*ir::scalarFnInfo(*fn).partner, x, dy, *out[0], *ctx.pool);
   return Status::ok();
 }
 
