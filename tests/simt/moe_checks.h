@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -55,12 +56,18 @@ class MoeRun {
     kernels_.push_back(std::move(k));
     args_.push_back(std::move(args));
   }
+  // Overwrites an input (between runs).
+  template <typename T>
+  void set(int buffer, const std::vector<T>& v) {
+    setBytes(buffer, v.data(), v.size() * sizeof(T));
+  }
   // Compiles the kernels into one module and runs them in order (failures are test failures).
   virtual void run() = 0;
 
  protected:
   virtual int addBytes(const void* data, size_t bytes, size_t align) = 0;
   virtual void getBytes(int buffer, void* out, size_t bytes) = 0;
+  virtual void setBytes(int buffer, const void* data, size_t bytes) = 0;
   std::vector<Kernel> kernels_;
   std::vector<std::vector<int>> args_;
 };
@@ -663,6 +670,65 @@ inline std::vector<GemmCase> gemmCases() {
   return {GemmCase{"f32", DType::f32, false, 40, 72}, GemmCase{"f32_transposed", DType::f32, true, 33, 65},
           GemmCase{"bf16_tensor_cores", DType::bf16, false, 48, 136},
           GemmCase{"bf16_tensor_cores_transposed", DType::bf16, true, 40, 24}};
+}
+
+// A routed expert layer: dispatch -> permute -> grouped GEMM (bf16, tensor cores) -> unpermute,
+// executed (`execute(replays)`: the GPU replays one captured graph) before and after new
+// routing is uploaded into the same buffers: the kernels follow the new offsets.
+inline void checkRoutedLayer(MoeRun& run, const std::function<void(int replays)>& execute) {
+  const int64_t N = 512, K = 2, E = 16, H = 64, M = 96;
+  emit::DispatchShape d{N, E, K, 0, true, false, N * K};
+  std::vector<int> experts;
+  std::vector<float> probs;
+  routing(N, K, E, 71, experts, probs);
+  std::mt19937 rng(72);
+  auto bf16Values = [&](size_t n) {
+    std::vector<uint16_t> v(n);
+    for (uint16_t& h : v) h = toBf16(static_cast<float>(static_cast<int>(rng() % 16) - 8) / 8.0f);
+    return v;
+  };
+  const std::vector<uint16_t> x = bf16Values(static_cast<size_t>(N * H)),
+                              w = bf16Values(static_cast<size_t>(E * H * M));
+  const int eb = run.add(experts), pb = run.add(probs), xb = run.add(x), wb = run.add(w);
+  const int rows = run.poisoned<int>(static_cast<size_t>(N * K)),
+            offsets = run.poisoned<int>(static_cast<size_t>(E + 1)),
+            counts = run.poisoned<int>(static_cast<size_t>(E));
+  const int permuted = run.poisoned<uint16_t>(static_cast<size_t>(N * K * H)),
+            y = run.poisoned<uint16_t>(static_cast<size_t>(N * K * M)),
+            slot_row = run.poisoned<int>(static_cast<size_t>(N * K)),
+            out = run.poisoned<uint16_t>(static_cast<size_t>(N * M));
+  run.kernel(emit::dispatchKernel(d), {eb, pb, rows, offsets, counts});
+  run.kernel(emit::permuteKernel(DType::bf16, N, K, H, N * K, false), {xb, rows, pb, permuted});
+  run.kernel(emit::groupedMatmulKernel({DType::bf16, N * K, H, M, E, false}), {permuted, wb, offsets, y});
+  std::vector<Kernel> un = emit::unpermuteKernels(DType::bf16, N, K, M, N * K, true);
+  run.kernel(un[0], {slot_row});
+  run.kernel(un[1], {rows, slot_row});
+  run.kernel(un[2], {y, slot_row, pb, out});
+  auto check = [&](const std::vector<int>& ex, const std::vector<float>& pr) {
+    const std::vector<uint16_t> got = run.get<uint16_t>(out, static_cast<size_t>(N * M));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        double want = 0;
+        for (int64_t j = 0; j < K; ++j) {
+          // y rows are rounded to bf16 before the combine, as the kernels store them.
+          const int e = ex[static_cast<size_t>(n * K + j)];
+          double dot = 0;
+          for (int64_t h = 0; h < H; ++h)
+            dot += fromBf16(x[static_cast<size_t>(n * H + h)]) *
+                   fromBf16(w[static_cast<size_t>((e * H + h) * M + m)]);
+          want += pr[static_cast<size_t>(n * K + j)] * fromBf16(toBf16(static_cast<float>(dot)));
+        }
+        ASSERT_NEAR(fromBf16(got[static_cast<size_t>(n * M + m)]), want, 1.0 / 64 * (1 + std::abs(want)))
+            << n << "," << m;
+      }
+  };
+  execute(1);
+  check(experts, probs);
+  routing(N, K, E, 73, experts, probs);  // new routing, same graph
+  run.set(eb, experts);
+  run.set(pb, probs);
+  execute(2);
+  check(experts, probs);
 }
 
 }  // namespace kiln::testing::moe

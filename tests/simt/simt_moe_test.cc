@@ -42,6 +42,9 @@ class SimtRun : public MoeRun {
   void getBytes(int buffer, void* out, size_t bytes) override {
     std::memcpy(out, bufs_[static_cast<size_t>(buffer)].data(), bytes);
   }
+  void setBytes(int buffer, const void* data, size_t bytes) override {
+    std::memcpy(bufs_[static_cast<size_t>(buffer)].data(), data, bytes);
+  }
 
  private:
   std::vector<simt::GuardedBuffer> bufs_;
@@ -105,6 +108,11 @@ INSTANTIATE_TEST_SUITE_P(Tiles, SimtGroupedGemm, ::testing::ValuesIn(gemmCases()
                          [](const ::testing::TestParamInfo<GemmCase>& i) {
                            return std::string(i.param.name);
                          });
+
+TEST(SimtMoe, ARoutedExpertLayerFollowsNewRouting) {
+  SimtRun run;
+  checkRoutedLayer(run, [&](int) { run.run(); });
+}
 
 TEST(SimtMoe, TheInterpreterRefusesSourceKernels) {
   Kernel k = emit::expertBiasUpdateKernel(4, 0.1);
