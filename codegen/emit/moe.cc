@@ -338,11 +338,92 @@ Status lowerGroupedWgrad(GroupLowering& gl, const std::vector<const Op*>& ops) {
       {in(gl, op.operand(0)), in(gl, op.operand(1)), in(gl, op.operand(2)), out(gl, op.result())});
 }
 
+// ---- Along-axis gathers and scatters (top-k's gradient) ----
+
+// The axis attribute of op over a rank-`rank` value, made non-negative.
+Expected<size_t> alongAxis(const Op& op, size_t rank) {
+  int64_t axis = op.intAttr("axis", -1);
+  if (axis < 0) axis += static_cast<int64_t>(rank);
+  if (axis < 0 || axis >= static_cast<int64_t>(rank))
+    return unsupported(op, fmt::format("axis {} is out of range for rank {}", op.intAttr("axis", -1), rank));
+  return static_cast<size_t>(axis);
+}
+
+// The index of idx at coords as i64, and whether it lies in [0, n).
+std::pair<int, int> checkedIndex(ExprGraph& g, int index, int64_t n) {
+  int id = g.cast(index, DType::i64);
+  int ok = g.binary(ExprOp::And, g.binary(ExprOp::Ge, id, g.intConstant(0)),
+                    g.binary(ExprOp::Lt, id, g.intConstant(n)));
+  return {id, ok};
+}
+
+// out[..., j, ...] = x[..., idx[..., j, ...], ...]: one Pointwise kernel over out. An index out
+// of range reads 0 here (the CPU reference reports it), as scatter_add's do.
+Status lowerTakeAlongAxis(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* x = op.operand(0);
+  const Value* idx = op.operand(1);
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
+  KILN_ASSIGN_OR_RETURN(auto os, gl.shapeOf(op.result()));
+  KILN_ASSIGN_OR_RETURN(size_t axis, alongAxis(op, xs.size()));
+  DType t = op.result()->type().dtype();
+  KernelBuilder kb = KernelBuilder::pointwise("take_along_axis", os);
+  ExprGraph& g = kb.g();
+  std::vector<int> coords = kb.spaceCoords();
+  KILN_ASSIGN_OR_RETURN(int iv, gl.valueAt(kb, idx, coords));
+  auto [id, ok] = checkedIndex(g, iv, xs[axis]);
+  std::vector<int> xc = coords;
+  xc[axis] = g.select(ok, id, g.intConstant(0));
+  KILN_ASSIGN_OR_RETURN(int v, gl.valueAt(kb, x, xc));
+  v = g.cast(v, computeType(t));
+  const int zero = ir::isFloat(t) ? g.constant(0.0, computeType(t)) : g.intConstant(0, computeType(t));
+  kb.k.stores.push_back({gl.bind(kb, gl.groupBuffer(op.result(), true), true), rowMajorOffset(g, coords, os),
+                         g.select(ok, v, zero), -1});
+  return gl.finish(kb);
+}
+
+// zeros of [..., size, ...] with g[..., j, ...] added at idx[..., j, ...] along axis: a zeroing
+// kernel, then one atomic add per element of g (repeated indices add; out-of-range ones add
+// nothing here, the CPU reference reports them).
+Status lowerScatterAlongAxis(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* upd = op.operand(0);
+  const Value* idx = op.operand(1);
+  KILN_ASSIGN_OR_RETURN(auto us, gl.shapeOf(upd));
+  KILN_ASSIGN_OR_RETURN(auto os, gl.shapeOf(op.result()));
+  KILN_ASSIGN_OR_RETURN(size_t axis, alongAxis(op, os.size()));
+  DType t = op.result()->type().dtype();
+  if (!ir::isFloat(t) || t == DType::f16) return unsupported(op, "the result must be f32, f64 or bf16");
+  const int out_buffer = gl.groupBuffer(op.result(), true);
+  {
+    KernelBuilder kb = KernelBuilder::pointwise("scatter_along_axis_init", os);
+    ExprGraph& g = kb.g();
+    std::vector<int> coords = kb.spaceCoords();
+    kb.k.stores.push_back(
+        {gl.bind(kb, out_buffer, true), rowMajorOffset(g, coords, os), g.constant(0.0, computeType(t)), -1});
+    KILN_RETURN_IF_ERROR(gl.finish(kb));
+  }
+  KernelBuilder kb = KernelBuilder::pointwise("scatter_along_axis", us);
+  ExprGraph& g = kb.g();
+  std::vector<int> coords = kb.spaceCoords();
+  KILN_ASSIGN_OR_RETURN(int iv, gl.valueAt(kb, idx, coords));
+  auto [id, ok] = checkedIndex(g, iv, os[axis]);
+  std::vector<int> oc = coords;
+  oc[axis] = id;
+  KILN_ASSIGN_OR_RETURN(int v, gl.valueAt(kb, upd, coords));
+  Store st{gl.bind(kb, out_buffer, true), rowMajorOffset(g, oc, os), g.cast(v, computeType(t)), ok};
+  st.accumulate = true;
+  kb.k.stores.push_back(st);
+  return gl.finish(kb);
+}
+
 }  // namespace
 
 void registerMoeEmitters(EmitterRegistry& r) {
   using ir::OpCode;
   r.addOpEmitter(OpCode::TopK, {"moe", lowerTopk});
+  r.addOpEmitter(OpCode::TakeAlongAxis, {"moe", lowerTakeAlongAxis});
+  r.addOpEmitter(OpCode::ScatterAlongAxis, {"moe", lowerScatterAlongAxis});
   r.addOpEmitter(OpCode::MoeRouter, {"moe", lowerRouter});
   r.addOpEmitter(OpCode::MoeRouterGrad, {"moe", lowerRouterGrad});
   r.addOpEmitter(OpCode::MoeAuxLoss, {"moe", lowerAuxLoss});
