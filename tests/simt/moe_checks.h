@@ -669,7 +669,8 @@ inline void checkGroupedGemm(MoeRun& run, const GemmCase& c) {
 inline std::vector<GemmCase> gemmCases() {
   return {GemmCase{"f32", DType::f32, false, 40, 72}, GemmCase{"f32_transposed", DType::f32, true, 33, 65},
           GemmCase{"bf16_tensor_cores", DType::bf16, false, 48, 136},
-          GemmCase{"bf16_tensor_cores_transposed", DType::bf16, true, 40, 24}};
+          GemmCase{"bf16_tensor_cores_transposed", DType::bf16, true, 40, 24},
+          GemmCase{"bf16_tensor_cores_deep", DType::bf16, false, 100, 40}};
 }
 
 // A routed expert layer: dispatch -> permute -> grouped GEMM (bf16, tensor cores) -> unpermute,
