@@ -217,9 +217,13 @@ Status lowerDispatch(GroupLowering& gl, const std::vector<const Op*>& ops) {
   if (d.rows < needed)
     return unsupported(
         op, fmt::format("rows holds {} rows, fewer than the {} the routing can fill", d.rows, needed));
-  return addKernel(gl, op, dispatchKernel(d),
-                   {in(gl, op.operand(0)), in(gl, op.operand(1)), out(gl, op.result(0)),
-                    out(gl, op.result(1)), out(gl, op.result(2))});
+  std::vector<Kernel> ks = dispatchKernels(d);
+  const int experts = in(gl, op.operand(0)), probs = in(gl, op.operand(1));
+  const int rows = out(gl, op.result(0)), offsets = out(gl, op.result(1)), counts = out(gl, op.result(2));
+  const int plan = gl.tempBuffer("moe_dispatch_plan", DType::i32, 4 * d.experts);
+  KILN_RETURN_IF_ERROR(addKernel(gl, op, std::move(ks[0]), {experts, probs, plan}));
+  KILN_RETURN_IF_ERROR(addKernel(gl, op, std::move(ks[1]), {plan, offsets, counts, rows}));
+  return addKernel(gl, op, std::move(ks[2]), {experts, probs, plan, offsets, rows});
 }
 
 Status lowerExpertBiasUpdate(GroupLowering& gl, const std::vector<const Op*>& ops) {

@@ -54,8 +54,9 @@ struct DispatchShape {
   bool by_probs = true, pad = false;
   int64_t rows = 0;  // the rows buffer's size (the bound of R)
 };
-// kiln.moe_dispatch: ONE single-block kernel (experts, probs, rows, offsets, counts).
-Kernel dispatchKernel(const DispatchShape& d);
+// kiln.moe_dispatch: a plan per expert (experts, probs, plan[4E]), the offsets (plan, offsets,
+// counts, rows), then the rows (experts, probs, plan, offsets, rows).
+std::vector<Kernel> dispatchKernels(const DispatchShape& d);
 // Megatron's get_capacity: ceil(N*k*cf / E).
 int64_t expertCapacity(int64_t tokens, int64_t topk, int64_t experts, double capacity_factor);
 

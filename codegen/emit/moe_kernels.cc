@@ -110,6 +110,27 @@ __device__ __forceinline__ int kiln_moe_warp_scan(int v) {
   }
   return v;
 }
+// Block-wide inclusive prefix sum (blockDim.x a multiple of 32); *total gets the block's sum.
+// `scratch` holds 32 ints; the leading barrier lets consecutive calls share it.
+__device__ __forceinline__ int kiln_moe_block_scan(int v, int* scratch, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = kiln_moe_warp_scan(v);
+  __syncthreads();
+  if (lane == 31) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = kiln_moe_warp_scan(lane < warps ? scratch[lane] : 0);
+    if (lane < warps) scratch[lane] = w;
+  }
+  __syncthreads();
+  *total = scratch[warps - 1];
+  return v + (warp > 0 ? scratch[warp - 1] : 0);
+}
+__device__ __forceinline__ int kiln_moe_block_sum(int v, int* scratch) {
+  int total = 0;
+  kiln_moe_block_scan(v, scratch, &total);
+  return total;
+}
 // An unsigned key ordered as the floats are (negative values below positive ones).
 __device__ __forceinline__ unsigned kiln_moe_order_key(float f) {
   const unsigned u = __float_as_uint(f);
@@ -563,106 +584,109 @@ int64_t expertCapacity(int64_t tokens, int64_t topk, int64_t experts, double cap
       std::ceil(static_cast<double>(tokens * topk) * capacity_factor / static_cast<double>(experts)));
 }
 
-Kernel dispatchKernel(const DispatchShape& d) {
-  // One block, a warp per expert. Everything stays on the device (the step needs no host sync):
-  // 1. each warp counts its expert's slots in token order (warp scans over 32 slots at a time)
-  //    and, when more than C arrived under the probs policy, finds the C-th largest prob by a
-  //    bitwise search over order-preserving keys (32 counting passes) and how many slots equal
-  //    to it still fit (ties keep the lower slot);
-  // 2. one thread turns the row counts into offsets (E is small);
-  // 3. each warp writes its expert's kept slots in token order, then its padding rows.
-  std::string body = fmt::format(
-      "  constexpr int E = {0};\n"
+std::vector<Kernel> dispatchKernels(const DispatchShape& d) {
+  // Everything stays on the device (the step needs no host sync): counts, offsets and rows are
+  // made where the grouped GEMM reads them. Three kernels:
+  // 1. plan, one block per expert: count its slots; when more than C arrived under the probs
+  //    policy, find the C-th largest prob by a bitwise search over order-preserving keys (32
+  //    block-wide counting passes) and how many slots equal to it still fit (ties keep the
+  //    lower slot). plan[4e..4e+3] = kept, over capacity, threshold key, quota of equal keys;
+  // 2. offsets, one block: the row counts' prefix sum (E is small), counts, and -1 in the rows
+  //    past R (the bound's slack);
+  // 3. rows, one block per expert: its kept slots in token order (block scans place them), then
+  //    its padding rows.
+  const std::string constants = fmt::format(
+      "  constexpr int E = {0}, C = {3};\n"
       "  constexpr long long S = {1}LL, ROWS = {2}LL;\n"
-      "  constexpr int C = {3};\n"
       "  constexpr bool BY_PROBS = {4}, PAD = {5};\n",
       d.experts, d.tokens * d.topk, d.rows, d.capacity, d.by_probs ? "true" : "false",
       d.pad ? "true" : "false");
-  body += R"CUDA(  __shared__ int kept[E], quota[E], offs[E + 1];
-  __shared__ unsigned thr[E];
-  __shared__ bool limited[E];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (int e = warp; e < E; e += warps) {
-    int routed = 0;
-    for (long long base = 0; base < S; base += 32) {
-      const long long s = base + lane;
-      routed += __shfl_sync(0xffffffffu, kiln_moe_warp_scan(s < S && b0[s] == e), 31);
+  std::vector<Kernel> out;
+  std::string plan = constants + R"CUDA(  __shared__ int scratch[32];
+  const int e = blockIdx.x;
+  int mine = 0;
+  for (long long s = threadIdx.x; s < S; s += blockDim.x) mine += b0[s] == e;
+  const int routed = kiln_moe_block_sum(mine, scratch);
+  const bool over = C > 0 && routed > C;
+  unsigned t = 0;
+  int quota = 0;
+  if (over && BY_PROBS) {
+    // The largest key t with at least C of the expert's keys >= t is the C-th largest.
+    for (int bit = 31; bit >= 0; --bit) {
+      const unsigned cand = t | (1u << bit);
+      int at_least = 0;
+      for (long long s = threadIdx.x; s < S; s += blockDim.x)
+        at_least += b0[s] == e && kiln_moe_order_key(kiln_ld(b1, s)) >= cand;
+      if (kiln_moe_block_sum(at_least, scratch) >= C) t = cand;
     }
-    const bool over = C > 0 && routed > C;
-    unsigned t = 0;
-    int q = 0;
-    if (over && BY_PROBS) {
-      // The largest key t with at least C of the expert's keys >= t is the C-th largest.
-      for (int bit = 31; bit >= 0; --bit) {
-        const unsigned cand = t | (1u << bit);
-        int at_least = 0;
-        for (long long base = 0; base < S; base += 32) {
-          const long long s = base + lane;
-          const bool hit = s < S && b0[s] == e && kiln_moe_order_key(kiln_ld(b1, s)) >= cand;
-          at_least += __shfl_sync(0xffffffffu, kiln_moe_warp_scan(hit), 31);
-        }
-        if (at_least >= C) t = cand;
-      }
-      int above = 0;
-      for (long long base = 0; base < S; base += 32) {
-        const long long s = base + lane;
-        const bool hit = s < S && b0[s] == e && kiln_moe_order_key(kiln_ld(b1, s)) > t;
-        above += __shfl_sync(0xffffffffu, kiln_moe_warp_scan(hit), 31);
-      }
-      q = C - above;
-    }
-    if (lane == 0) {
-      kept[e] = over ? C : routed;
-      limited[e] = over;
-      thr[e] = t;
-      quota[e] = q;
-    }
+    int above = 0;
+    for (long long s = threadIdx.x; s < S; s += blockDim.x) above += b0[s] == e && kiln_moe_order_key(kiln_ld(b1, s)) > t;
+    quota = C - kiln_moe_block_sum(above, scratch);
   }
-  __syncthreads();
   if (threadIdx.x == 0) {
-    offs[0] = 0;
-    for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + (PAD ? C : kept[e]);
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i <= E; i += blockDim.x) b3[i] = offs[i];
-  for (int i = threadIdx.x; i < E; i += blockDim.x) b4[i] = kept[i];
-  // Rows past R (the bound's slack) hold no slot: readers treat them as padding.
-  for (long long r = offs[E] + threadIdx.x; r < ROWS; r += blockDim.x) b2[r] = -1;
-  for (int e = warp; e < E; e += warps) {
-    int written = 0, equal_seen = 0;
-    for (long long base = 0; base < S; base += 32) {
-      const long long s = base + lane;
-      const bool hit = s < S && b0[s] == e;
-      bool take = hit;
-      if (limited[e]) {
-        if (BY_PROBS) {
-          const unsigned key = hit ? kiln_moe_order_key(kiln_ld(b1, s)) : 0u;
-          const bool equal = hit && key == thr[e];
-          const int equal_scan = kiln_moe_warp_scan(equal);
-          take = hit && (key > thr[e] || (equal && equal_seen + equal_scan - 1 < quota[e]));
-          equal_seen += __shfl_sync(0xffffffffu, equal_scan, 31);
-        } else {
-          const int position = written + kiln_moe_warp_scan(hit) - 1;  // every lane scans
-          take = hit && position < C;
-        }
-      }
-      const int scan = kiln_moe_warp_scan(take);
-      const long long r = (long long)offs[e] + written + scan - 1;
-      if (take && r < ROWS) b2[r] = (int)s;
-      written += __shfl_sync(0xffffffffu, scan, 31);
-    }
-    if (PAD)
-      for (int p = kept[e] + lane; p < C; p += 32)
-        if ((long long)offs[e] + p < ROWS) b2[offs[e] + p] = -1;
+    b2[4 * e] = over ? C : routed;
+    b2[4 * e + 1] = over;
+    b2[4 * e + 2] = (int)t;
+    b2[4 * e + 3] = quota;
   }
 )CUDA";
-  Kernel k = sourceKernel("moe_dispatch", 1, 1024, body);
-  k.addBuffer("experts", DType::i32, d.tokens * d.topk);
-  k.addBuffer("probs", DType::f32, d.tokens * d.topk);
-  k.addBuffer("rows", DType::i32, d.rows, true);
-  k.addBuffer("offsets", DType::i32, d.experts + 1, true);
-  k.addBuffer("counts", DType::i32, d.experts, true);
-  return k;
+  Kernel k1 = sourceKernel("moe_dispatch_plan", d.experts, 256, plan);
+  k1.addBuffer("experts", DType::i32, d.tokens * d.topk);
+  k1.addBuffer("probs", DType::f32, d.tokens * d.topk);
+  k1.addBuffer("plan", DType::i32, 4 * d.experts, true);
+  out.push_back(std::move(k1));
+  std::string offsets = constants + R"CUDA(  __shared__ int offs[E + 1];
+  if (threadIdx.x == 0) {
+    offs[0] = 0;
+    for (int e = 0; e < E; ++e) offs[e + 1] = offs[e] + (PAD ? C : b0[4 * e]);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i <= E; i += blockDim.x) b1[i] = offs[i];
+  for (int i = threadIdx.x; i < E; i += blockDim.x) b2[i] = b0[4 * i];
+  // Rows past R hold no slot: readers treat them as padding.
+  for (long long r = offs[E] + threadIdx.x; r < ROWS; r += blockDim.x) b3[r] = -1;
+)CUDA";
+  Kernel k2 = sourceKernel("moe_dispatch_offsets", 1, 1024, offsets);
+  k2.addBuffer("plan", DType::i32, 4 * d.experts);
+  k2.addBuffer("offsets", DType::i32, d.experts + 1, true);
+  k2.addBuffer("counts", DType::i32, d.experts, true);
+  k2.addBuffer("rows", DType::i32, d.rows, true);
+  out.push_back(std::move(k2));
+  std::string rows = constants + R"CUDA(  __shared__ int scratch[32];
+  const int e = blockIdx.x;
+  const int kept = b2[4 * e], quota = b2[4 * e + 3];
+  const bool limited = b2[4 * e + 1] != 0;
+  const unsigned threshold = (unsigned)b2[4 * e + 2];
+  const long long first = b3[e];
+  int written = 0, equal_seen = 0;
+  for (long long base = 0; base < S; base += blockDim.x) {
+    const long long s = base + threadIdx.x;
+    const bool hit = s < S && b0[s] == e;
+    bool take = hit;
+    int total = 0;
+    if (limited && BY_PROBS) {
+      const unsigned key = hit ? kiln_moe_order_key(kiln_ld(b1, s)) : 0u;
+      const bool equal = hit && key == threshold;
+      const int equal_rank = equal_seen + kiln_moe_block_scan(equal, scratch, &total) - 1;
+      equal_seen += total;
+      take = hit && (key > threshold || (equal && equal_rank < quota));
+    }
+    const int position = written + kiln_moe_block_scan(take, scratch, &total) - 1;  // every thread scans
+    written += total;
+    if (take && position < kept && first + position < ROWS) b4[first + position] = (int)s;
+  }
+  if (PAD)
+    for (int p = kept + threadIdx.x; p < C; p += blockDim.x)
+      if (first + p < ROWS) b4[first + p] = -1;
+)CUDA";
+  Kernel k3 = sourceKernel("moe_dispatch_rows", d.experts, 256, rows);
+  k3.addBuffer("experts", DType::i32, d.tokens * d.topk);
+  k3.addBuffer("probs", DType::f32, d.tokens * d.topk);
+  k3.addBuffer("plan", DType::i32, 4 * d.experts);
+  k3.addBuffer("offsets", DType::i32, d.experts + 1);
+  k3.addBuffer("rows", DType::i32, d.rows, true);
+  out.push_back(std::move(k3));
+  return out;
 }
 
 // ---- Permutation ----

@@ -44,8 +44,8 @@ std::vector<Kernel> moeKernels(int64_t tokens, int64_t experts, int64_t topk, in
   const int64_t capacity = emit::expertCapacity(tokens, topk, experts, 1.25);
   for (bool by_probs : {false, true})
     for (bool pad : {false, true})
-      ks.push_back(emit::dispatchKernel({tokens, experts, topk, pad || by_probs ? capacity : 0, by_probs, pad,
-                                         pad ? experts * capacity : tokens * topk}));
+      append(emit::dispatchKernels({tokens, experts, topk, pad || by_probs ? capacity : 0, by_probs, pad,
+                                    pad ? experts * capacity : tokens * topk}));
   const int64_t rows = tokens * topk;
   for (DType t : {DType::f32, DType::bf16}) {
     ks.push_back(emit::permuteKernel(t, tokens, topk, hidden, rows, true));

@@ -475,7 +475,11 @@ inline void checkDispatch(MoeRun& run, const DispatchCase& c) {
   const int eb = run.add(experts), pb = run.add(probs), rb = run.poisoned<int>(static_cast<size_t>(d.rows)),
             ob = run.poisoned<int>(static_cast<size_t>(d.experts + 1)),
             cb = run.poisoned<int>(static_cast<size_t>(d.experts));
-  run.kernel(emit::dispatchKernel(d), {eb, pb, rb, ob, cb});
+  const int plan = run.poisoned<int>(static_cast<size_t>(4 * d.experts));
+  std::vector<Kernel> ks = emit::dispatchKernels(d);
+  run.kernel(ks[0], {eb, pb, plan});
+  run.kernel(ks[1], {plan, ob, cb, rb});
+  run.kernel(ks[2], {eb, pb, plan, ob, rb});
   run.run();
   EXPECT_EQ(run.get<int>(ob, static_cast<size_t>(d.experts + 1)), want.offsets);
   EXPECT_EQ(run.get<int>(cb, static_cast<size_t>(d.experts)), want.counts);
@@ -698,7 +702,11 @@ inline void checkRoutedLayer(MoeRun& run, const std::function<void(int replays)>
             y = run.poisoned<uint16_t>(static_cast<size_t>(N * K * M)),
             slot_row = run.poisoned<int>(static_cast<size_t>(N * K)),
             out = run.poisoned<uint16_t>(static_cast<size_t>(N * M));
-  run.kernel(emit::dispatchKernel(d), {eb, pb, rows, offsets, counts});
+  const int plan = run.poisoned<int>(static_cast<size_t>(4 * E));
+  std::vector<Kernel> dispatch = emit::dispatchKernels(d);
+  run.kernel(dispatch[0], {eb, pb, plan});
+  run.kernel(dispatch[1], {plan, offsets, counts, rows});
+  run.kernel(dispatch[2], {eb, pb, plan, offsets, rows});
   run.kernel(emit::permuteKernel(DType::bf16, N, K, H, N * K, false), {xb, rows, pb, permuted});
   run.kernel(emit::groupedMatmulKernel({DType::bf16, N * K, H, M, E, false}), {permuted, wb, offsets, y});
   std::vector<Kernel> un = emit::unpermuteKernels(DType::bf16, N, K, M, N * K, true);
