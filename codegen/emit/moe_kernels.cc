@@ -886,50 +886,76 @@ std::string simtGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
   return body;
 }
 
-std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
-  // 128x128 tiles, 32 deep; 8 warps as 2 x 4, each 64x32 = 4 x 4 mma tiles of 16x8. Shared
-  // tiles hold bf16 bits, k contiguous (A as [m][k], B as [n][k], each row padded by 8 to
-  // spread the banks), so a fragment's pair of k values is one 32-bit load. Double-buffered:
-  // while the warps multiply one stage, each thread holds its 16 + 16 elements of the next in
-  // registers and stores them into the other stage, so one barrier per step suffices (a stage is
-  // rewritten only after the barrier that ends every warp's reads of it).
-  std::string body = groupedTile(s.experts, s.rows, 128, col_tiles) + tailZero(128, s.m);
-  body += fmt::format(
-      "  constexpr int BN = 128, BK = 32, LD = BK + 8, PER = BM * BK / 256;\n"
-      "  constexpr long long KD = {0}LL, M = {1}LL, STEPS = (KD + BK - 1) / BK;\n"
-      "  __shared__ __align__(16) unsigned short As[2][BM * LD], Bs[2][BN * LD];\n"
+// The operands of one tensor-core tile: out[row0..row_end, tn*128..] = sum over the reduction
+// index gk in [red_lo, red_hi) of A(gr, gk) B(gk, gc). Index texts use gr, gk, gc; `*_kfast`
+// says whether the operand is contiguous along gk (then neighbouring threads load along it).
+struct MmaOperands {
+  std::string a_index;  // into b0
+  bool a_kfast = true;
+  std::string b_index;  // into b1
+  bool b_kfast = false;
+  int64_t cols = 0;         // the output's column count
+  std::string store_index;  // into b3
+};
+
+// 128x128 tiles, 32 deep; 8 warps as 2 x 4, each 64x32 = 4 x 4 mma tiles of 16x8. Shared tiles
+// hold bf16 bits, k contiguous (A as [m][k], B as [n][k], each row padded by 8 to spread the
+// banks), so a fragment's pair of k values is one 32-bit load. Double-buffered: while the warps
+// multiply one stage, each thread holds its 16 + 16 elements of the next in registers and
+// stores them into the other stage, so one barrier per step suffices (a stage is rewritten only
+// after the barrier that ends every warp's reads of it). Expects row0, row_end, tn, red_lo and
+// red_hi declared; an empty reduction stores zeros.
+std::string mmaTile(const MmaOperands& o) {
+  auto split = [](bool kfast, const char* other) {
+    return kfast ? fmt::format("const int {0} = i / BK, kk = i % BK;", other)
+                 : fmt::format("const int kk = i / 128, {0} = i % 128;", other);
+  };
+  return fmt::format(
+      "  constexpr int BN = 128, BK = 32, LD = BK + 8, PER = 128 * BK / 256;\n"
+      "  constexpr long long COLS = {0}LL;\n"
+      "  const long long steps = (red_hi - red_lo + BK - 1) / BK;\n"
+      "  __shared__ __align__(16) unsigned short As[2][128 * LD], Bs[2][BN * LD];\n"
       "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
       "  const int wm = warp >> 2, wn = warp & 3, g = lane >> 2, q = lane & 3;\n"
       "  unsigned short ra[PER], rb[PER];\n"
-      "  // Step `step`'s elements of this thread: A's row-major over [BM][BK], B's over [BK][BN]\n"
-      "  // (or [BN][BK] for w as [E, M, K]), so neighbouring threads read neighbouring addresses.\n"
       "  auto fetch = [&](long long step) {{\n"
-      "    const long long k0 = step * BK;\n"
+      "    const long long k0 = red_lo + step * BK;\n"
       "#pragma unroll\n"
       "    for (int p = 0; p < PER; ++p) {{\n"
       "      const int i = threadIdx.x + 256 * p;\n"
-      "      const long long gr = row0 + i / BK, ak = k0 + i % BK;\n"
-      "      ra[p] = gr < row_end && ak < KD ? b0[gr * KD + ak].bits : (unsigned short)0;\n"
-      "      const int kk = {2}, c = {3};\n"
-      "      const long long gk = k0 + kk, gc = (long long)tn * BN + c;\n"
-      "      rb[p] = gk < KD && gc < M ? b1[(long long)e * KD * M + {4}].bits : (unsigned short)0;\n"
+      "      {{\n"
+      "        {1}\n"
+      "        const long long gr = row0 + r, gk = k0 + kk;\n"
+      "        ra[p] = gr < row_end && gk < red_hi ? b0[{2}].bits : (unsigned short)0;\n"
+      "      }}\n"
+      "      {{\n"
+      "        {3}\n"
+      "        const long long gk = k0 + kk, gc = (long long)tn * BN + c;\n"
+      "        rb[p] = gk < red_hi && gc < COLS ? b1[{4}].bits : (unsigned short)0;\n"
+      "      }}\n"
       "    }}\n"
       "  }};\n"
       "  auto stage = [&](int buf) {{\n"
       "#pragma unroll\n"
       "    for (int p = 0; p < PER; ++p) {{\n"
       "      const int i = threadIdx.x + 256 * p;\n"
-      "      As[buf][(i / BK) * LD + i % BK] = ra[p];\n"
-      "      Bs[buf][({3}) * LD + {2}] = rb[p];\n"
+      "      {{\n"
+      "        {1}\n"
+      "        As[buf][r * LD + kk] = ra[p];\n"
+      "      }}\n"
+      "      {{\n"
+      "        {3}\n"
+      "        Bs[buf][c * LD + kk] = rb[p];\n"
+      "      }}\n"
       "    }}\n"
       "  }};\n"
       "  float acc[4][4][4] = {{}};\n"
       "  fetch(0);\n"
       "  stage(0);\n"
       "  __syncthreads();\n"
-      "  for (long long step = 0; step < STEPS; ++step) {{\n"
+      "  for (long long step = 0; step < steps; ++step) {{\n"
       "    const int cur = (int)(step & 1);\n"
-      "    if (step + 1 < STEPS) fetch(step + 1);  // in flight during the MMAs below\n"
+      "    if (step + 1 < steps) fetch(step + 1);  // in flight during the MMAs below\n"
       "#pragma unroll\n"
       "    for (int ks = 0; ks < BK; ks += 16) {{\n"
       "      unsigned a[4][4], b[4][2];\n"
@@ -952,7 +978,7 @@ std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) 
       "#pragma unroll\n"
       "        for (int ni = 0; ni < 4; ++ni) kiln_mma_bf16_16x8x16(acc[mi][ni], a[mi], b[ni]);\n"
       "    }}\n"
-      "    if (step + 1 < STEPS) stage(cur ^ 1);\n"
+      "    if (step + 1 < steps) stage(cur ^ 1);\n"
       "    __syncthreads();\n"
       "  }}\n"
       "#pragma unroll\n"
@@ -963,11 +989,23 @@ std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) 
       "      for (int c = 0; c < 4; ++c) {{\n"
       "        const long long gr = row0 + wm * 64 + mi * 16 + g + (c >> 1) * 8;\n"
       "        const long long gc = (long long)tn * BN + wn * 32 + ni * 8 + 2 * q + (c & 1);\n"
-      "        if (gr < row_end && gc < M) kiln_st(b3, gr * M + gc, acc[mi][ni][c]);\n"
+      "        if (gr < row_end && gc < COLS) kiln_st(b3, {5}, acc[mi][ni][c]);\n"
       "      }}\n",
-      s.k, s.m, s.transpose_b ? "i % BK" : "i / BN", s.transpose_b ? "i / BK" : "i % BN",
-      s.transpose_b ? "gc * KD + gk" : "gk * M + gc");
-  return body;
+      o.cols, split(o.a_kfast, "r"), o.a_index, split(o.b_kfast, "c"), o.b_index, o.store_index);
+}
+
+std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
+  MmaOperands o;
+  o.a_index = fmt::format("gr * {}LL + gk", s.k);
+  o.a_kfast = true;
+  // w[e] as [K, M], or [M, K] with transpose_b (then contiguous along k).
+  o.b_index = s.transpose_b ? fmt::format("(long long)e * {0}LL * {1}LL + gc * {0}LL + gk", s.k, s.m)
+                            : fmt::format("(long long)e * {0}LL * {1}LL + gk * {1}LL + gc", s.k, s.m);
+  o.b_kfast = s.transpose_b;
+  o.cols = s.m;
+  o.store_index = fmt::format("gr * {}LL + gc", s.m);
+  return groupedTile(s.experts, s.rows, 128, col_tiles) + tailZero(128, s.m) +
+         fmt::format("  const long long red_lo = 0, red_hi = {}LL;\n", s.k) + mmaTile(o);
 }
 
 }  // namespace
@@ -986,7 +1024,42 @@ Kernel groupedMatmulKernel(const GroupedGemmShape& s) {
   return k;
 }
 
+namespace {
+
+// bf16: block (e, k tile, m tile) is a tensor-core tile of w[e] = x_e^T dy_e: its rows are k,
+// its reduction expert e's rows.
+Kernel tensorCoreWgradKernel(const WgradShape& s) {
+  const int64_t kt = ceilDiv(s.k, 128), mt = ceilDiv(s.m, 128);
+  MmaOperands o;
+  o.a_index = fmt::format("gk * {}LL + gr", s.k);  // x[r][k]: contiguous along the tile's rows
+  o.a_kfast = false;
+  o.b_index = fmt::format("gk * {}LL + gc", s.m);  // dy[r][m]
+  o.b_kfast = false;
+  o.cols = s.m;
+  o.store_index = s.transpose ? fmt::format("e * {0}LL * {1}LL + gc * {0}LL + gr", s.k, s.m)
+                              : fmt::format("e * {0}LL * {1}LL + gr * {1}LL + gc", s.k, s.m);
+  std::string body = fmt::format(
+      "  constexpr long long ROWS = {0}LL;\n"
+      "  const long long e = blockIdx.x / {1}LL;\n"
+      "  const int tn = (int)(blockIdx.x % {2}LL);\n"
+      "  const long long row0 = ((blockIdx.x / {2}LL) % {3}LL) * 128, row_end = kiln_fn::min(row0 + 128, "
+      "{4}LL);\n"
+      "  const long long red_lo = kiln_fn::min((long long)kiln_fn::max(b2[e], 0), ROWS);\n"
+      "  const long long red_hi = kiln_fn::max(red_lo, kiln_fn::min((long long)b2[e + 1], ROWS));\n",
+      s.rows, kt * mt, mt, kt, s.k);
+  Kernel k = sourceKernel("grouped_matmul_wgrad_bf16_mma", std::max<int64_t>(1, s.experts * kt * mt), 256,
+                          body + mmaTile(o));
+  k.addBuffer("x", s.dtype, s.rows * s.k);
+  k.addBuffer("dy", s.dtype, s.rows * s.m);
+  k.addBuffer("offsets", DType::i32, s.experts + 1);
+  k.addBuffer("w", s.dtype, s.experts * s.k * s.m, true);
+  return k;
+}
+
+}  // namespace
+
 Kernel groupedWgradKernel(const WgradShape& s) {
+  if (s.dtype == DType::bf16) return tensorCoreWgradKernel(s);
   // Block (e, k-tile, m-tile) folds expert e's rows (offsets on the device) 16 at a time into
   // a 64x64 tile; 256 threads of 4x4 outputs. An expert without rows stores zeros.
   const int64_t kt = ceilDiv(s.k, 64), mt = ceilDiv(s.m, 64);
