@@ -78,6 +78,11 @@ class OpRun {
     return op_;
   }
   void bind(const std::string& sym, int64_t v) { symbols_[sym] = v; }
+  // The lowering's error for the op ("" when it lowers).
+  std::string loweringError() {
+    auto g = codegen::lowerGroup({op_}, symbols_);
+    return g ? "" : g.status().message();
+  }
 
   // Lowers and runs the op on simt; the values it wrote, by value.
   std::map<const Value*, ir::HostTensor> simt() {
@@ -474,6 +479,39 @@ TEST(SimtMoeOps, DispatchPermuteAndGroupedGemmOverBoundedRows) {
     ir::Op* gop = grad.op("kiln.grouped_matmul_wgrad", {gx, gd, go}, {TensorType(DType::f32, S({E, M, H}))},
                           {{"transpose", Attribute(true)}});
     grad.expect({{gop->result(), wg}}, 1e-4);
+  }
+}
+
+TEST(SimtMoeOps, WhatTheKernelsCannotRunIsAnErrorNamingTheOp) {
+  {
+    OpRun run;
+    Value* l = run.input("logits", DType::f32, S({4, 10}), std::vector<float>(40));
+    run.op("kiln.moe_router", {l}, {TensorType(DType::f32, S({4, 2})), TensorType(DType::i32, S({4, 2}))},
+           {{"topk", Attribute(int64_t{2})}, {"groups", Attribute(int64_t{3})}});
+    const std::string e = run.loweringError();
+    EXPECT_NE(e.find("kiln.moe_router"), std::string::npos) << e;
+    EXPECT_NE(e.find("groups = 3"), std::string::npos) << e;
+  }
+  {
+    OpRun run;
+    Value* x = run.input("x", DType::f16, S({8, 4}), std::vector<uint16_t>(32));
+    Value* w = run.input("w", DType::f16, S({2, 4, 4}), std::vector<uint16_t>(32));
+    Value* o = run.input("offsets", DType::i32, S({3}), std::vector<int>{0, 4, 8});
+    run.op("kiln.grouped_matmul", {x, w, o}, {TensorType(DType::f16, S({8, 4}))}, {});
+    const std::string e = run.loweringError();
+    EXPECT_NE(e.find("kiln.grouped_matmul"), std::string::npos) << e;
+    EXPECT_NE(e.find("f16"), std::string::npos) << e;
+  }
+  {
+    OpRun run;
+    Value* ev = run.input("experts", DType::i32, S({4, 2}), std::vector<int>(8));
+    Value* pv = run.input("probs", DType::f32, S({4, 2}), std::vector<float>(8));
+    run.op("kiln.moe_dispatch", {ev, pv},
+           {TensorType(DType::i32, S({8})), TensorType(DType::i32, S({5})), TensorType(DType::i32, S({4}))},
+           {{"experts", Attribute(int64_t{4})}, {"pad_to_capacity", Attribute(true)}});
+    const std::string e = run.loweringError();
+    EXPECT_NE(e.find("kiln.moe_dispatch"), std::string::npos) << e;
+    EXPECT_NE(e.find("capacity_factor"), std::string::npos) << e;
   }
 }
 
