@@ -136,6 +136,15 @@ __device__ __forceinline__ unsigned kiln_moe_order_key(float f) {
   const unsigned u = __float_as_uint(f);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+// v[j] for a warp-uniform j, without indexing the array by a run-time value (which would put it
+// in local memory).
+template <int J>
+__device__ __forceinline__ float kiln_moe_slot(const float (&v)[J], int j) {
+  float r = 0.0f;
+#pragma unroll
+  for (int i = 0; i < J; ++i) if (i == j) r = v[i];
+  return r;
+}
 __device__ __forceinline__ float kiln_moe_bf16_half(unsigned pair, int hi) {
   return __uint_as_float(((pair >> (16 * hi)) & 0xffffu) << 16);
 }
@@ -278,6 +287,7 @@ Kernel routerKernel(const RouterShape& r) {
       "    float sc[K];\n"
       "    float pv = 0.0f;\n"
       "    int pi = -1;\n"
+      "#pragma unroll\n"
       "    for (int p = 0; p < K; ++p) {{\n"
       "      float bv = 0.0f;\n"
       "      int bi = -1;\n"
@@ -289,7 +299,7 @@ Kernel routerKernel(const RouterShape& r) {
       "      kiln_moe_warp_best(&bv, &bi);\n"
       "      ex[p] = bi;\n"
       "      const int at = bi >= 0 ? bi : 0;\n"
-      "      sc[p] = __shfl_sync(0xffffffffu, s[at >> 5], at & 31);\n"
+      "      sc[p] = __shfl_sync(0xffffffffu, kiln_moe_slot(s, at >> 5), at & 31);\n"
       "      pv = bv;\n"
       "      pi = bi;\n"
       "    }}\n",
@@ -344,7 +354,7 @@ Kernel routerGradKernel(const RouterShape& r) {
       "    float lc[K];\n"
       "    for (int p = 0; p < K; ++p) {\n"
       "      const int at = ex[p] >= 0 && ex[p] < E ? ex[p] : 0;\n"
-      "      lc[p] = __shfl_sync(0xffffffffu, l[at >> 5], at & 31);\n"
+      "      lc[p] = __shfl_sync(0xffffffffu, kiln_moe_slot(l, at >> 5), at & 31);\n"
       "    }\n";
   if (r.sigmoid) {
     body += chosen_logits;
