@@ -204,6 +204,82 @@ std::vector<GradCase> gradCases() {
                one_rank,
                {TensorType(DType::f64, {Dim::bounded(Dim::fixed(3)), Dim::fixed(2)}),
                 TensorType(DType::i64, {Dim::fixed(1)})}});
+  // MoE routing (ir/ops/routing.cc): distinct logits, so that no selection flips within eps.
+  c.push_back({"TopKMiddleAxis",
+               "kiln.topk",
+               {distinct({2, 4, 3})},
+               attrs({{"k", A(int64_t{2})}, {"axis", A(int64_t{1})}})});
+  c.push_back({"TakeAlongMiddleAxis",
+               "kiln.take_along_axis",
+               {uniform({2, 3, 2}), i32({2, 4, 2}, {0, 2, 2, 1, 1, 1, 0, 0, 2, 0, 1, 2, 0, 0, 2, 1})},
+               attrs({{"axis", A(int64_t{1})}})});
+  c.push_back({"ScatterAlongMiddleAxis",
+               "kiln.scatter_along_axis",
+               {uniform({2, 4, 2}), i32({2, 4, 2}, {0, 2, 2, 1, 1, 1, 0, 0, 2, 0, 1, 2, 0, 0, 2, 1})},
+               attrs({{"axis", A(int64_t{1})}, {"size", A(int64_t{3})}})});
+  const auto router = [&](std::string label, AttrDict a, bool bias) {
+    std::vector<HostTensor> ops = {distinct({3, 8})};
+    if (bias) ops.push_back(uniform({8}, -0.1, 0.1));
+    c.push_back({std::move(label), "kiln.moe_router", ops, std::move(a), {}, {1}});
+  };
+  router("RouterSoftmax", attrs({{"topk", A(int64_t{2})}}), false);
+  router("RouterSoftmaxBiasScaled", attrs({{"topk", A(int64_t{3})}, {"scale", A(2.5)}}), true);
+  router("RouterPreSoftmax", attrs({{"topk", A(int64_t{2})}, {"pre_softmax", A(true)}}), true);
+  router("RouterSigmoid", attrs({{"topk", A(int64_t{2})}, {"score", A("sigmoid")}}), false);
+  router("RouterSigmoidTop1", attrs({{"topk", A(int64_t{1})}, {"score", A("sigmoid")}}), true);
+  router("RouterSigmoidGroupsBias",
+         attrs({{"topk", A(int64_t{4})},
+                {"score", A("sigmoid")},
+                {"groups", A(int64_t{4})},
+                {"group_topk", A(int64_t{2})}}),
+         true);
+  router("RouterSoftmaxGroups",
+         attrs({{"topk", A(int64_t{2})}, {"groups", A(int64_t{2})}, {"group_topk", A(int64_t{1})}}), false);
+  const HostTensor experts = i32({4, 2}, {0, 3, 1, 3, 3, 2, 0, 1});
+  c.push_back({"AuxLossSoftmax",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", A(int64_t{2})}})});
+  c.push_back({"AuxLossSigmoidPerSequence",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.3)},
+                      {"score", A("sigmoid")},
+                      {"topk", A(int64_t{2})},
+                      {"seq_len", A(int64_t{2})}})});
+  c.push_back({"AuxLossSoftmaxPerSequence",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts},
+               attrs({{"coeff", A(0.3)},
+                      {"score", A("softmax")},
+                      {"topk", A(int64_t{2})},
+                      {"seq_len", A(int64_t{2})}})});
+  c.push_back({"ZLoss", "kiln.moe_z_loss", {uniform({3, 5}, -2, 2)}, attrs({{"coeff", A(0.01)}})});
+  // Experts (docs/moe.md): 4 tokens, top-2, 3 experts; expert 1 has no rows, slots 2 and 5 are
+  // dropped, and experts 0 and 2 end in a padding row.
+  const HostTensor rows = i32({8}, {0, 3, 6, -1, 1, 4, 7, -1});
+  const HostTensor offsets = i32({4}, {0, 4, 4, 8});
+  for (bool apply : {false, true}) {
+    const std::string suffix = apply ? "ApplyProbs" : "";
+    const std::set<unsigned> probs_grad = apply ? std::set<unsigned>{} : std::set<unsigned>{2};
+    c.push_back({"MoePermute" + suffix,
+                 "kiln.moe_permute",
+                 {uniform({4, 3}), rows, uniform({4, 2}, 0.1, 1)},
+                 attrs({{"apply_probs", A(apply)}}),
+                 {},
+                 probs_grad});
+    c.push_back({"MoeUnpermute" + suffix,
+                 "kiln.moe_unpermute",
+                 {uniform({8, 3}), rows, uniform({4, 2}, 0.1, 1)},
+                 attrs({{"apply_probs", A(apply)}}),
+                 {},
+                 probs_grad});
+  }
+  c.push_back({"GroupedMatmul", "kiln.grouped_matmul", {uniform({8, 3}), uniform({3, 3, 2}), offsets}});
+  c.push_back({"GroupedMatmulTransposeB",
+               "kiln.grouped_matmul",
+               {uniform({8, 3}), uniform({3, 2, 3}), offsets},
+               attrs({{"transpose_b", A(true)}})});
   return c;
 }
 

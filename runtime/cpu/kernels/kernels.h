@@ -46,6 +46,7 @@ void registerEmbeddingKernels(KernelTable& t);    // embedding_bag.cc
 void registerEmbeddingUpdateKernels(KernelTable& t);  // embedding_update.cc: the sparse optimizer step
 void registerOptimizerKernels(KernelTable& t);     // optimizer_update.cc: the dense optimizer step
 void registerDataKernels(KernelTable& t);         // data.cc: constant, reshape, cast
+void registerMoeKernels(KernelTable& t);          // moe.cc: grouped GEMMs and the token permutes
 
 // Element access with f32 compute over f32 / bf16 / f64 storage.
 inline float loadF(const void* p, ir::DType t, int64_t i) {

@@ -21,6 +21,7 @@ static const KernelTable& table() {
     registerEmbeddingUpdateKernels(t);
     registerOptimizerKernels(t);
     registerDataKernels(t);
+    registerMoeKernels(t);
     return t;
   }();
   return t;
