@@ -485,6 +485,101 @@ TEST(SimtMoeOps, DispatchPermuteAndGroupedGemmOverBoundedRows) {
   }
 }
 
+TEST(SimtMoeOps, ZLossGradientAndSoftmaxRouting) {
+  const int64_t N = 9, E = 40, K = 3;
+  std::vector<float> logits = normal(static_cast<size_t>(N * E), 121, 2.0f);
+  std::vector<double> l(logits.begin(), logits.end());
+  {
+    const float g = 0.75f;
+    std::vector<double> want(l.size());
+    for (int64_t n = 0; n < N; ++n) {
+      const double m = *std::max_element(l.begin() + n * E, l.begin() + (n + 1) * E);
+      double z = 0;
+      for (int64_t e = 0; e < E; ++e) z += std::exp(l[static_cast<size_t>(n * E + e)] - m);
+      for (int64_t e = 0; e < E; ++e)
+        want[static_cast<size_t>(n * E + e)] = g * 0.01 * 2 * (m + std::log(z)) *
+                                               std::exp(l[static_cast<size_t>(n * E + e)] - m) / z /
+                                               static_cast<double>(N);
+    }
+    OpRun run;
+    Value* lv = run.input("logits", DType::f32, S({N, E}), logits);
+    Value* gv = run.input("g", DType::f32, {}, std::vector<float>{g});
+    ir::Op* op = run.op("kiln.moe_z_loss_grad", {lv, gv}, {TensorType(DType::f32, S({N, E}))},
+                        {{"coeff", Attribute(0.01)}});
+    run.expect({{op->result(), want}}, 1e-5);
+  }
+  for (bool pre : {false, true}) {
+    emit::RouterShape r;
+    r.tokens = N, r.experts = E, r.topk = K, r.pre_softmax = pre;
+    std::vector<int> want_e;
+    std::vector<double> want_p;
+    for (int64_t n = 0; n < N; ++n) {
+      std::vector<int> e;
+      std::vector<double> p;
+      routeToken(r, l.data() + n * E, nullptr, e, p);
+      want_e.insert(want_e.end(), e.begin(), e.end());
+      want_p.insert(want_p.end(), p.begin(), p.end());
+    }
+    OpRun run;
+    Value* lv = run.input("logits", DType::f32, S({N, E}), logits);
+    ir::Op* op = run.op("kiln.moe_router", {lv},
+                        {TensorType(DType::f32, S({N, K})), TensorType(DType::i32, S({N, K}))},
+                        {{"topk", Attribute(K)}, {"pre_softmax", Attribute(pre)}});
+    run.expect({{op->result(0), want_p}, {op->result(1), asDoubles(want_e)}}, 1e-5);
+  }
+}
+
+// Dropping by probs without padding, then a bf16 grouped GEMM (tensor cores) over its rows.
+TEST(SimtMoeOps, DropByProbsThenABf16GroupedGemm) {
+  const int64_t N = 60, K = 2, E = 5, H = 24, M = 40;
+  std::vector<int> experts;
+  std::vector<float> probs;
+  routing(N, K, E, 131, experts, probs);
+  emit::DispatchShape d{N, E, K, emit::expertCapacity(N, K, E, 0.75), true, false, N * K};
+  Dispatched want = dispatchReference(d, experts, probs);
+  ASSERT_EQ(want.counts.back(), 0);  // an empty expert
+  ir::Shape rows_shape{Dim::bounded(Dim::fixed(N * K))};
+  {
+    OpRun run;
+    Value* ev = run.input("experts", DType::i32, S({N, K}), experts);
+    Value* pv = run.input("probs", DType::f32, S({N, K}), probs);
+    ir::Op* op = run.op("kiln.moe_dispatch", {ev, pv},
+                        {TensorType(DType::i32, rows_shape), TensorType(DType::i32, S({E + 1})),
+                         TensorType(DType::i32, S({E}))},
+                        {{"experts", Attribute(E)}, {"capacity_factor", Attribute(0.75)}});
+    run.expect({{op->result(0), asDoubles(want.rows)},
+                {op->result(1), asDoubles(want.offsets)},
+                {op->result(2), asDoubles(want.counts)}},
+               0);
+  }
+  std::mt19937 rng(132);
+  auto bf16 = [&](size_t n) {
+    std::vector<uint16_t> v(n);
+    for (uint16_t& h : v) h = toBf16(static_cast<float>(static_cast<int>(rng() % 16) - 8) / 8.0f);
+    return v;
+  };
+  const std::vector<uint16_t> x = bf16(static_cast<size_t>(N * K * H)),
+                              w = bf16(static_cast<size_t>(E * H * M));
+  const int64_t R = want.offsets.back();
+  std::vector<double> y(static_cast<size_t>(N * K * M));
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = want.offsets[static_cast<size_t>(e)]; r < want.offsets[static_cast<size_t>(e + 1)]; ++r)
+      for (int64_t m = 0; m < M; ++m) {
+        double acc = 0;
+        for (int64_t h = 0; h < H; ++h)
+          acc += fromBf16(x[static_cast<size_t>(r * H + h)]) *
+                 fromBf16(w[static_cast<size_t>((e * H + h) * M + m)]);
+        y[static_cast<size_t>(r * M + m)] = acc;
+      }
+  OpRun run;
+  Value* xv = run.input("x", DType::bf16, {rows_shape[0], Dim::fixed(H)}, x, R);
+  Value* wv = run.input("w", DType::bf16, S({E, H, M}), w);
+  Value* ov = run.input("offsets", DType::i32, S({E + 1}), want.offsets);
+  ir::Op* op = run.op("kiln.grouped_matmul", {xv, wv, ov},
+                      {TensorType(DType::bf16, {rows_shape[0], Dim::fixed(M)})}, {});
+  run.expect({{op->result(), y}}, 1.0 / 128);
+}
+
 TEST(SimtMoeOps, WhatTheKernelsCannotRunIsAnErrorNamingTheOp) {
   {
     // More experts than a warp's registers hold.
