@@ -11,8 +11,8 @@ namespace {
 using ir::Op;
 using ir::Value;
 
-// Largest expert count a warp-per-token router or a one-block dispatch holds: 32 registers per
-// lane, and the dispatch's per-expert tables in shared memory.
+// Largest expert count the kernels hold: a warp-per-token router keeps 32 scores per lane in
+// registers, the aux losses use a thread per expert, the dispatch scans the offsets in one block.
 constexpr int64_t kMaxExperts = 1024;
 
 Status unsupported(const Op& op, const std::string& what) {
