@@ -1,12 +1,14 @@
 #include "codegen/cuda_emitter.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <map>
 #include <set>
 
-#include <fmt/format.h>
+#include "codegen/emit/moe.h"
 
 namespace kiln::codegen {
 
@@ -312,7 +314,8 @@ __device__ __forceinline__ void kiln_bag_accumulate(const I* ids, const W* wts, 
   const float c = (wts ? kiln_ld(wts, p) : 1.0f) * scale;
   for (int d = lane; d < D; d += 32) atomicAdd(accum + slot * D + d, c * kiln_ld(grad, b * stride + off + d));
 }
-)CUDA";
+)CUDA" +
+      emit::moeDeviceFunctions();
   return prelude;
 }
 
@@ -368,6 +371,9 @@ class KernelPrinter {
       case KernelKind::EmbeddingInsert:
       case KernelKind::EmbeddingAccumulate: printEmbeddingAccumulate(); break;
       case KernelKind::BagOffsets: printBagOffsets(); break;
+      case KernelKind::Source:
+        out_ += k_.source;
+        break;
     }
     out_ += "}\n";
     return out_;
@@ -650,6 +656,8 @@ LaunchConfig launchConfig(const Kernel& k) {
     case KernelKind::BagOffsets:
       // One block per table; 1024 threads so a scan of B lengths takes B/1024 steps.
       return {std::max<int64_t>(1, static_cast<int64_t>(k.tables.size())), 1024};
+    case KernelKind::Source:
+      return {k.grid, k.block};
   }
   return {};
 }

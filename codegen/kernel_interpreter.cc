@@ -371,6 +371,11 @@ Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
     case KernelKind::EmbeddingInsert:
     case KernelKind::EmbeddingAccumulate: return runEmbedding(k, buffers);
     case KernelKind::BagOffsets: return runBagOffsets(k, buffers);
+    case KernelKind::Source:
+      return Status::errorf(
+          "kernel '{}' is CUDA source written by its emitter: the interpreter cannot run it "
+          "(simt or a GPU does)",
+          k.name);
   }
   return Status::ok();
 }

@@ -44,6 +44,8 @@ const char* kernelKindName(KernelKind k) {
     case KernelKind::EmbeddingInsert: return "embedding_insert";
     case KernelKind::EmbeddingAccumulate: return "embedding_accumulate";
     case KernelKind::BagOffsets: return "bag_offsets";
+    case KernelKind::Source:
+      return "source";
   }
   return "?";
 }
@@ -368,6 +370,14 @@ Status validate(const Kernel& k) {
           return Status::errorf("kernel '{}': a scan needs lengths and i64 offsets [batch + 1]", k.name);
       }
       if (k.error_flag < 0) return Status::errorf("kernel '{}': a bag-offsets scan needs an error flag", k.name);
+      return Status::ok();
+    case KernelKind::Source:
+      if (k.source.empty()) return Status::errorf("kernel '{}': a source kernel has no body", k.name);
+      if (k.grid < 1 || k.grid > (int64_t{1} << 31) - 1 || k.block < 32 || k.block > 1024 ||
+          k.block % 32 != 0)
+        return Status::errorf(
+            "kernel '{}': launch <<<{}, {}>>> is out of range (block: 32..1024, whole warps)", k.name, k.grid,
+            k.block);
       return Status::ok();
   }
   return Status::ok();

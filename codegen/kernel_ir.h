@@ -12,6 +12,11 @@
 //                        occurrence of an id claims a slot, lists it and zeroes its gradient row.
 //   EmbeddingAccumulate  adds each id occurrence's gradient into its id's row of that table.
 //   BagOffsets           exclusive scan of jagged bags' lengths into offsets, one block per table.
+//   Source               a body of CUDA C written by its emitter (codegen/emit/moe.cc: routing,
+//                        dispatch, grouped GEMM), with its own launch shape: kernels whose
+//                        structure (warp selections, scans, tensor-core tiles) no kind above has.
+//                        Only the CUDA text runs them (simt on the host, NVRTC on a GPU); the
+//                        interpreter refuses them.
 //
 // Shapes are concrete: a kernel is specialized to the symbol bindings of its run (as XLA
 // specializes to static shapes), so index arithmetic is by constants. Floating-point values
@@ -170,7 +175,15 @@ struct EmbeddingTable {
   int flag_index = -1;
 };
 
-enum class KernelKind : uint8_t { Pointwise, Row, EmbeddingForward, EmbeddingInsert, EmbeddingAccumulate, BagOffsets };
+enum class KernelKind : uint8_t {
+  Pointwise,
+  Row,
+  EmbeddingForward,
+  EmbeddingInsert,
+  EmbeddingAccumulate,
+  BagOffsets,
+  Source
+};
 const char* kernelKindName(KernelKind k);
 
 struct Kernel {
@@ -193,6 +206,11 @@ struct Kernel {
   // ids (an embedding weight gradient) stores {1, table} in its epilogue, guarded by a bad id
   // and a clear flag (every writer of one kernel writes the same two values).
   int error_flag = -1;
+  // Source: the function body over the parameters b0, b1, ... (typed as `buffers`), launched
+  // <<<grid, block>>>. Its shape constants are baked into the text, as the other kinds' are.
+  std::string source;
+  int64_t grid = 1;
+  int block = 256;
 
   int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);
   int64_t spaceSize() const;

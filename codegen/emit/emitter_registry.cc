@@ -13,6 +13,7 @@ EmitterRegistry::EmitterRegistry() {
   registerOptimizerEmitters(*this);
   registerScatterEmitters(*this);
   registerGemmEmitters(*this);
+  registerMoeEmitters(*this);
   registerNoKernelOps(*this);
 }
 

@@ -116,6 +116,7 @@ void registerEmbeddingUpdateEmitters(EmitterRegistry& r);  // embedding_update.c
 void registerOptimizerEmitters(EmitterRegistry& r);        // optimizer.cc: dense optimizer_update
 void registerScatterEmitters(EmitterRegistry& r);          // scatter.cc: scatter_add
 void registerGemmEmitters(EmitterRegistry& r);             // gemm.cc: matmul (+ epilogue) on cuBLASLt
+void registerMoeEmitters(EmitterRegistry& r);              // moe.cc: routing, dispatch, grouped GEMMs
 void registerNoKernelOps(EmitterRegistry& r);              // emitter_registry.cc: sources, terminators, gaps
 
 }  // namespace kiln::codegen::emit

@@ -32,6 +32,7 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct kiln_simt_dim3 {
   unsigned x = 1, y = 1, z = 1;
