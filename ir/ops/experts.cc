@@ -191,8 +191,12 @@ Status verifyGroupedMatmul(const Op& op) {
 // ---- Costs ------------------------------------------------------------------------------------
 
 // What a permute reads: its operands (probs only when applied) and writes: its result.
+// apply_probs as the op states it, else its default (permute: false, unpermute: true): an op
+// read from text carries only the attributes written there.
+bool appliesProbs(const Op& op) { return op.boolAttr("apply_probs", op.is(OpCode::MoeUnpermute)); }
+
 OpCost costPermute(const Op& op, const SymbolBindings& symbols) {
-  const bool apply = op.boolAttr("apply_probs");
+  const bool apply = appliesProbs(op);
   double bytes = typeBytes(op.operand(0)->type(), symbols) + typeBytes(op.operand(1)->type(), symbols) +
                  typeBytes(op.result()->type(), symbols);
   if (apply) bytes += typeBytes(op.operand(2)->type(), symbols);
@@ -270,7 +274,7 @@ Status cpuPermute(const Op& op, const CpuOperands& in, const CpuResults& out, co
   KILN_RETURN_IF_ERROR(checkRows(op, rows, tokens * k));
   const int64_t count = rows.shape[0];
   KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {count, width}));
-  const bool apply = op.boolAttr("apply_probs");
+  const bool apply = appliesProbs(op);
   return visitFloat(op, x.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     const auto* px = data<T>(x);
@@ -295,7 +299,7 @@ Status cpuUnpermute(const Op& op, const CpuOperands& in, const CpuResults& out, 
     return Status::errorf("'{}': {} rows of y but {} row slots", op.name(), count, rows.shape[0]);
   KILN_RETURN_IF_ERROR(checkRows(op, rows, tokens * k));
   KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {tokens, width}));
-  const bool apply = op.boolAttr("apply_probs");
+  const bool apply = appliesProbs(op);
   return visitFloat(op, y.dtype, [&](auto tag) -> Status {
     using T = decltype(tag);
     const auto* py = data<T>(y);
@@ -414,7 +418,7 @@ Status cpuGroupedMatmulWgrad(const Op& op, const CpuOperands& in, const CpuResul
 
 // ---- Gradient rules ---------------------------------------------------------------------------
 
-AttrDict applyProbs(const Op& op) { return {{"apply_probs", Attribute(op.boolAttr("apply_probs"))}}; }
+AttrDict applyProbs(const Op& op) { return {{"apply_probs", Attribute(appliesProbs(op))}}; }
 
 // permute:   dx = unpermute(dy)            dprobs = row_dot(dy, rows, x)
 // unpermute: dy = permute(dout)            dprobs = row_dot(y, rows, dout)
@@ -430,7 +434,7 @@ Status gradPermute(GradContext& ctx, const Op& op) {
   const OpCode adjoint = forward ? OpCode::MoeUnpermute : OpCode::MoePermute;
   KILN_GRAD_VALUE(dmoved, b.createValue(adjoint, {g, rows, probs}, applyProbs(op)));
   ctx.operand_grads[0] = dmoved;
-  if (op.boolAttr("apply_probs")) {
+  if (appliesProbs(op)) {
     Value* permuted = forward ? g : op.operand(0);
     Value* tokens = forward ? op.operand(0) : g;
     KILN_GRAD_VALUE(dprobs, b.createValue(OpCode::MoeRowDot, {permuted, rows, tokens, probs}));

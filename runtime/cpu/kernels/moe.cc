@@ -106,7 +106,7 @@ Status runPermute(const ir::Op& op, const Operands& in, const Results& out, cons
   auto checked = rowOfSlot(op, rows, tokens * k);
   if (!checked) return checked.status();
   out[0]->shape = {count, width};
-  const bool apply = op.boolAttr("apply_probs");
+  const bool apply = op.boolAttr("apply_probs", op.is(ir::OpCode::MoeUnpermute));
   const float* p = probs.as<float>();
   visitActivation(x.dtype, [&](auto tag) {
     using S = decltype(tag);
@@ -136,7 +136,7 @@ Status runUnpermute(const ir::Op& op, const Operands& in, const Results& out, co
     return Status::errorf("'{}': {} rows of y but {} row slots", op.name(), count, rows.shape[0]);
   KILN_ASSIGN_OR_RETURN(std::vector<int32_t> row_of, rowOfSlot(op, rows, tokens * k));
   out[0]->shape = {tokens, width};
-  const bool apply = op.boolAttr("apply_probs");
+  const bool apply = op.boolAttr("apply_probs", op.is(ir::OpCode::MoeUnpermute));
   const float* p = probs.as<float>();
   visitActivation(y.dtype, [&](auto tag) {
     using S = decltype(tag);
