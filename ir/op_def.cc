@@ -83,6 +83,7 @@ bool isPointwise(const Op& op) {
     case OpCode::Reshape:
     case OpCode::Transpose:
     case OpCode::Slice:
+    case OpCode::Pad:
     case OpCode::Concat:
     case OpCode::Gather:
     case OpCode::Cast:

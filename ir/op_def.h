@@ -147,7 +147,7 @@ std::vector<unsigned> writtenOperands(const Op& op);
 bool isWideningCast(const Op& matmul, const Op& cast);
 
 // Whether one pointwise kernel computes `op` per element of its result: elementwise math and
-// data movement (broadcast, reshape, transpose, slice, concat, gather, cast), and the backward
+// data movement (broadcast, reshape, transpose, slice, pad, concat, gather, cast), and the backward
 // ops that are elementwise in effect. Fusion's pointwise groups and codegen's Pointwise kernels
 // are both this set.
 bool isPointwise(const Op& op);

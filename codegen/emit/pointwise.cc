@@ -133,6 +133,22 @@ Expected<int> sliceAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const 
   return gl.valueAt(kb, op.operand(0), c);
 }
 
+// Zeros around x along `axis`: position c reads x[c - low] when that lies in x, else zero (the
+// select evaluates the load only where it is in range).
+Expected<int> padAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const ExprSite& at) {
+  ExprGraph& g = kb.g();
+  const size_t axis = static_cast<size_t>(axisOf(op, at.coords.size()));
+  KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(op.operand(0)));
+  std::vector<int> c = at.coords;
+  c[axis] = g.binary(ExprOp::Sub, at.coords[axis], g.intConstant(op.intAttr("low")));
+  auto x = gl.valueAt(kb, op.operand(0), c);
+  if (!x) return x;
+  int in_range = g.binary(ExprOp::And, g.binary(ExprOp::Ge, c[axis], g.intConstant(0)),
+                          g.binary(ExprOp::Lt, c[axis], g.intConstant(xs[axis])));
+  DType t = g.typeOf(*x);
+  return g.select(in_range, *x, ir::isFloat(t) ? g.constant(0, t) : g.intConstant(0, t));
+}
+
 Expected<int> concatAt(GroupLowering& gl, KernelBuilder& kb, const Op& op, const ExprSite& at) {
   ExprGraph& g = kb.g();
   const size_t axis = static_cast<size_t>(axisOf(op, at.coords.size()));
@@ -224,6 +240,7 @@ void registerPointwiseEmitters(EmitterRegistry& r) {
   r.addExpression(ir::OpCode::Transpose, transposeAt);
   r.addExpression(ir::OpCode::Slice, sliceAt);
   r.addExpression(ir::OpCode::Concat, concatAt);
+  r.addExpression(ir::OpCode::Pad, padAt);
   r.addExpression(ir::OpCode::Gather, gatherAt);
   r.setPointwiseChain(lowerPointwiseChain);
   // A fused pointwise region: the same chain (or whatever lowerOps makes of it).

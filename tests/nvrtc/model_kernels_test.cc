@@ -60,6 +60,14 @@ void compileForSm90(const std::vector<codegen::LoweredGroup>& groups) {
   EXPECT_GT(r->cubin.size(), 1000u);
 }
 
+// Whether the model's training step looks up embedding tables (the recommendation models do;
+// the MoE layer and the language model do not).
+bool looksUpTables(ir::Module& m) {
+  bool found = false;
+  m.lookup("train_step")->walk([&](ir::Op& op) { found |= op.is(ir::OpCode::EmbeddingBag); });
+  return found;
+}
+
 class ModelKernels : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ModelKernels, TrainStepKernelsCompileForSm90) {
@@ -79,8 +87,10 @@ TEST_P(ModelKernels, TrainStepKernelsCompileForSm90) {
     }
   }
   EXPECT_GT(gemms, 0);
-  EXPECT_EQ(bags, 1) << "all tables of the collection pool in one launch";
-  EXPECT_GT(updates, 0) << "embedding rows are updated sparsely";
+  if (looksUpTables(*module)) {
+    EXPECT_EQ(bags, 1) << "all tables of the collection pool in one launch";
+    EXPECT_GT(updates, 0) << "embedding rows are updated sparsely";
+  }
   compileForSm90(*groups);
 }
 
@@ -112,7 +122,7 @@ TEST_P(ModelKernels, FusedTrainStepCompilesWithFewerLaunches) {
     }
   }
   EXPECT_GT(fused_groups, 0);
-  EXPECT_GT(bag_launches, 0);
+  if (looksUpTables(*fused_module)) EXPECT_GT(bag_launches, 0);
   EXPECT_LE(loose_bag_launches, 1) << "bags the fusion pass left alone pool in one launch";
   std::cerr << launches(*plain) << " launches unfused, " << launches(*fused) << " fused (" << epilogues
             << " GEMM epilogues)\n";

@@ -208,6 +208,12 @@ inline std::vector<OpCase> allOpCases() {
     add(b);
   }
   {
+    CaseBuilder b("pad");
+    b.op("kiln.pad", {b.input("x", f32, S({3, 4, 5}))},
+         {{"axis", Attribute(int64_t{1})}, {"low", Attribute(int64_t{2})}, {"high", Attribute(int64_t{3})}});
+    add(b);
+  }
+  {
     CaseBuilder b("concat");
     b.op("kiln.concat", {b.input("a", f32, S({3, 2})), b.input("b", f32, S({3, 5})), b.input("c", f32, S({3, 1}))},
          {{"axis", Attribute(int64_t{1})}});
