@@ -1,4 +1,5 @@
-// Mixed precision (`kiln.train.precision = "bf16"`): every f32 kiln.matmul of @forward becomes
+// Mixed precision (`kiln.train.precision = "bf16"`): every f32 kiln.matmul (and
+// kiln.grouped_matmul) of @forward becomes
 //   cast(matmul(cast(a, bf16), cast(b, bf16)), f32)
 // so GEMM inputs and outputs are stored in bf16 while the product accumulates in f32 (the CPU
 // reference and cuBLASLt both accumulate bf16 GEMMs in f32). Everything else stays f32:
@@ -31,11 +32,15 @@ Expected<ir::Value*> castTo(ir::Builder& b, ir::Value* v, ir::DType t) {
 
 }  // namespace
 
-// Rewrites the f32 matmuls of `f` to bf16 storage; returns whether anything changed.
+// Rewrites the f32 matmuls and grouped matmuls of `f` to bf16 storage (a MoE router's logits
+// GEMM, marked `kiln.precision = "f32"`, stays f32: routing is computed in f32); returns whether
+// anything changed.
 Expected<bool> castMatmulsToBf16(ir::Function& f) {
   bool changed = false;
   for (ir::Op* op : f.entry().opList()) {
-    if (!op->is(ir::OpCode::Matmul) || op->operand(0)->type().dtype() != ir::DType::f32) continue;
+    if (!op->isAnyOf(ir::OpCode::Matmul, ir::OpCode::GroupedMatmul) ||
+        op->operand(0)->type().dtype() != ir::DType::f32 || op->strAttr("kiln.precision") == "f32")
+      continue;
     ir::Builder b;
     b.setInsertionPoint(op);
     b.setLocation(op->location());
@@ -43,7 +48,9 @@ Expected<bool> castMatmulsToBf16(ir::Function& f) {
     if (!a16) return a16.status();
     auto w16 = castTo(b, op->operand(1), ir::DType::bf16);
     if (!w16) return w16.status();
-    auto y16 = b.createValue(ir::OpCode::Matmul, {*a16, *w16}, op->attrs());
+    std::vector<ir::Value*> operands{*a16, *w16};
+    if (op->is(ir::OpCode::GroupedMatmul)) operands.push_back(op->operand(2));  // the expert offsets
+    auto y16 = b.createValue(op->opcode(), operands, op->attrs());
     if (!y16) return y16.status();
     auto y = castTo(b, *y16, ir::DType::f32);
     if (!y) return y.status();
