@@ -111,9 +111,6 @@ void registerNoKernelOps(EmitterRegistry& r) {
   r.addNoKernel(ir::OpCode::BucketizeIds, NoKernel::kNotLowered,
                 "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
                 "does not run sharded steps yet");
-  r.addNoKernel(ir::OpCode::Pad, NoKernel::kNotLowered,
-                "slice's adjoint has no CUDA lowering yet: a step that pads fails to lower (the CPU "
-                "backend runs it)");
 }
 
 }  // namespace kiln::codegen::emit

@@ -283,9 +283,13 @@ TEST_P(ModelCudaProgram, StreamsEventsAndArenaAreSafe) {
   ASSERT_TRUE(groups) << groups.status().message();
   auto cp = codegen::buildCudaProgram(f, *groups, symbols);
   ASSERT_TRUE(cp) << cp.status().message();
-  ASSERT_EQ(cp->program.streams.size(), 2u) << "the schedule pass puts embedding work on stream 1";
+  bool tables = false;
+  const_cast<ir::Function&>(f).walk([&](ir::Op& op) { tables |= op.is(ir::OpCode::EmbeddingBag); });
+  // The recommendation models' embedding work runs on stream 1; a model without tables (the MoE
+  // layer, the language model) keeps one stream, and its program must be just as safe.
+  if (tables) ASSERT_EQ(cp->program.streams.size(), 2u) << "the schedule pass puts embedding work on stream 1";
   Checked c = checkProgram(*cp, *groups);
-  EXPECT_GT(c.cross_stream_reads, 0);
+  if (tables) EXPECT_GT(c.cross_stream_reads, 0);
   EXPECT_GT(c.overlapping_pairs, 0) << "the arena reuses no block at all";
 }
 

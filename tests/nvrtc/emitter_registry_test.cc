@@ -89,17 +89,14 @@ TEST(EmitterRegistry, AnOpMarkedNotLoweredFailsToLower) {
                              {ir::TensorType(ir::DType::f32, {ir::Dim::fixed(4), ir::Dim::fixed(3)})},
                              {{"name", ir::Attribute("x")}});
   ASSERT_TRUE(x) << x.status().message();
-  ASSERT_EQ(EmitterRegistry::get().noKernel(ir::OpCode::Pad), NoKernel::kNotLowered);
+  ASSERT_EQ(EmitterRegistry::get().noKernel(ir::OpCode::AllReduce), NoKernel::kNotLowered);
   const std::vector<ir::Value*> operands = {(*x)->result()};
-  auto pad = b.create("kiln.pad", operands,
-                      {{"axis", ir::Attribute(int64_t{1})},
-                       {"low", ir::Attribute(int64_t{1})},
-                       {"high", ir::Attribute(int64_t{2})}});
-  ASSERT_TRUE(pad) << pad.status().message();
-  const std::vector<const ir::Op*> group = {*pad};
+  auto sum = b.create("kiln.all_reduce", operands, {{"ranks", ir::Attribute(int64_t{2})}});
+  ASSERT_TRUE(sum) << sum.status().message();
+  const std::vector<const ir::Op*> group = {*sum};
   auto lowered = codegen::lowerGroup(group, {});
   ASSERT_FALSE(lowered);
-  EXPECT_NE(lowered.status().message().find("'kiln.pad'"), std::string::npos) << lowered.status().message();
+  EXPECT_NE(lowered.status().message().find("'kiln.all_reduce'"), std::string::npos) << lowered.status().message();
   EXPECT_NE(lowered.status().message().find("has no CUDA lowering"), std::string::npos)
       << lowered.status().message();
 }
