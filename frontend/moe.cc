@@ -196,7 +196,8 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   const Val init = normalInit(L, 0.02, a.loc);
   ir::Value* wr = param(L, name + ".router.weight", ir::DType::f32, {o.experts, h}, init, a.loc);
   ir::Value* xf = dt == ir::DType::f32 ? x2 : L.emit(ir::OpCode::Cast, {x2}, {{"to", std::string("f32")}});
-  ir::Value* logits = L.emit(ir::OpCode::Matmul, {xf, wr}, {{"transpose_b", true}, {"kiln.precision", "f32"}});
+  ir::Value* logits =
+      L.emit(ir::OpCode::Matmul, {xf, wr}, {{"transpose_b", true}, {"kiln.precision", "f32"}});
   logits->setNameHint(name + ".logits");
 
   std::vector<ir::Value*> router_in{logits};

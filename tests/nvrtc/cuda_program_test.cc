@@ -287,7 +287,8 @@ TEST_P(ModelCudaProgram, StreamsEventsAndArenaAreSafe) {
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) { tables |= op.is(ir::OpCode::EmbeddingBag); });
   // The recommendation models' embedding work runs on stream 1; a model without tables (the MoE
   // layer, the language model) keeps one stream, and its program must be just as safe.
-  if (tables) ASSERT_EQ(cp->program.streams.size(), 2u) << "the schedule pass puts embedding work on stream 1";
+  if (tables)
+    ASSERT_EQ(cp->program.streams.size(), 2u) << "the schedule pass puts embedding work on stream 1";
   Checked c = checkProgram(*cp, *groups);
   if (tables) EXPECT_GT(c.cross_stream_reads, 0);
   EXPECT_GT(c.overlapping_pairs, 0) << "the arena reuses no block at all";

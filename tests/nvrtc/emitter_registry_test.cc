@@ -96,7 +96,8 @@ TEST(EmitterRegistry, AnOpMarkedNotLoweredFailsToLower) {
   const std::vector<const ir::Op*> group = {*sum};
   auto lowered = codegen::lowerGroup(group, {});
   ASSERT_FALSE(lowered);
-  EXPECT_NE(lowered.status().message().find("'kiln.all_reduce'"), std::string::npos) << lowered.status().message();
+  EXPECT_NE(lowered.status().message().find("'kiln.all_reduce'"), std::string::npos)
+      << lowered.status().message();
   EXPECT_NE(lowered.status().message().find("has no CUDA lowering"), std::string::npos)
       << lowered.status().message();
 }

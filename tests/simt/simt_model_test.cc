@@ -74,8 +74,8 @@ TEST(SimtMoeModel, MoeLmTrainingStepMatchesCpu) {
   auto make = [] {
     SessionOptions o;
     o.model_path = std::string(KILN_SOURCE_DIR) + "/models/moe_lm.kiln";
-    o.overrides = {{"T", "8"},      {"vocab", "32"},  {"d", "32"},     {"layers", "1"},
-                   {"heads", "2"},  {"kv_heads", "1"}, {"experts", "4"}, {"ffn", "16"}};
+    o.overrides = {{"T", "8"},     {"vocab", "32"},   {"d", "32"},      {"layers", "1"},
+                   {"heads", "2"}, {"kv_heads", "1"}, {"experts", "4"}, {"ffn", "16"}};
     o.batch = kSeqs;
     o.seed = 3;
     std::ostringstream diag;
@@ -104,8 +104,8 @@ TEST(SimtMoeModel, MoeLmTrainingStepMatchesCpu) {
     ASSERT_EQ(r->size(), 2 + c->stats.size());
     for (size_t k = 0; k < c->stats.size(); ++k)
       for (size_t i = 0; i < c->stats[k].second.size(); ++i)
-        EXPECT_NEAR(ir::kernels::loadAsDouble((*r)[2 + k].view, static_cast<int64_t>(i)), c->stats[k].second[i],
-                    1e-4 * (1 + std::fabs(c->stats[k].second[i])))
+        EXPECT_NEAR(ir::kernels::loadAsDouble((*r)[2 + k].view, static_cast<int64_t>(i)),
+                    c->stats[k].second[i], 1e-4 * (1 + std::fabs(c->stats[k].second[i])))
             << c->stats[k].first << "[" << i << "] step " << step;
   }
   for (const std::string& name : cpu->checkpointNames()) {
