@@ -28,6 +28,9 @@
 //   about `bucket_bytes` (DDP's 25 MB), each placed right after the last gradient it carries,
 //   in the order the backward produces them.
 //
+//   MoE expert bias (aux-loss-free balancing): every rank holds it; its update reads the counts
+//   all-reduced over ranks, so it moves by the global batch's load.
+//
 // The loss each rank computes is its local batch's. The global loss is the mean of the N local
 // losses (unless a loss op sums over samples), so every gradient sent (pooled gradients, dense
 // buckets) is scaled by 1/N first.
@@ -458,7 +461,18 @@ Status Sharder::run(ir::Function& f) {
           *op, Status::errorf("table '{}': weighted lookups and grad_clip cannot be sharded yet", t->table));
     }
   }
-  if (f.name() == "train_step") KILN_RETURN_IF_ERROR(reduceDenseGradients(f));
+  if (f.name() == "train_step") {
+    KILN_RETURN_IF_ERROR(reduceDenseGradients(f));
+    // Aux-loss-free balancing moves each replica of a MoE router's expert bias by the global
+    // batch's per-expert counts (DeepSeek-V3: per global batch), so the replicas stay equal.
+    for (Op* op : f.entry().opList()) {
+      if (!op->is(OpCode::MoeExpertBiasUpdate)) continue;
+      b_.setInsertionPoint(op);
+      b_.setLocation(op->location());
+      KILN_ASSIGN_OR_RETURN(Value * total, b_.createValue(OpCode::AllReduce, {op->operand(1)}, group()));
+      op->setOperand(1, total);
+    }
+  }
   for (Op* p : dropped_params_) {
     if (p->result()->hasUses())
       return located(*p, Status::errorf("parameter '{}' is not on rank {} but an op still uses it",

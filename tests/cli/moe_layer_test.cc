@@ -31,6 +31,7 @@ struct Case {
   std::string drop_policy = "probs";
   bool pad = false;
   double aux = 0, seq_aux = 0, z = 0;
+  double bias_rate = 0;  // expert_bias (aux-loss-free balancing); the bias starts at zero
   int64_t seq = 0;  // > 0: x is [B, seq, H / seq]
 };
 
@@ -227,6 +228,7 @@ std::string modelSource(const Case& c) {
   if (c.aux > 0) opts += fmt::format(", aux_loss = {}", c.aux);
   if (c.seq_aux > 0) opts += fmt::format(", seq_aux_loss = {}", c.seq_aux);
   if (c.z > 0) opts += fmt::format(", z_loss = {}", c.z);
+  if (c.bias_rate > 0) opts += fmt::format(", expert_bias = {}", c.bias_rate);
   // With a sequence, each sample holds `seq` tokens of width kWidth.
   const int64_t per_sample = c.seq ? c.seq : 1;
   std::string body =
@@ -465,6 +467,69 @@ INSTANTIATE_TEST_SUITE_P(Routing, MoeLayer,
                                                   c.seq_aux = 0.1;
                                                 })),
                          [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
+
+// Aux-loss-free balancing: after one step the expert bias is rate * sign(mean(c) - c_i) for the
+// step's per-expert counts c; on two ranks c is the global batch's (the sum of both halves'), so
+// both replicas of the bias move alike.
+TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
+  Case c;
+  c.name = "expert_bias";
+  c.router = "sigmoid";
+  c.bias_rate = 0.25;
+  const std::string path = writeModel(c);
+  constexpr int kRanks = 2;
+  Prepared whole;
+  prepare(c, path, kTokensPerBatch * kRanks, nullptr, whole);
+  if (HasFatalFailure()) return;
+  auto expected = [&](const std::vector<int64_t>& counts) {
+    double mean = 0;
+    for (int64_t n : counts) mean += static_cast<double>(n) / static_cast<double>(counts.size());
+    std::vector<double> b;
+    for (int64_t n : counts) b.push_back(c.bias_rate * (mean > n ? 1.0 : mean < n ? -1.0 : 0.0));
+    return b;
+  };
+  const char* kBias = "y.router.expert_bias";
+  // One rank on the whole batch.
+  {
+    auto out = whole.session->trainStep(whole.batch, 1.0, 1);
+    ASSERT_TRUE(out) << out.status().str();
+    const std::vector<double> want = expected(reference(c, whole.w, whole.x, whole.target, 2 * kTokensPerBatch).counts);
+    const ir::HostTensor* b = whole.session->params().find(kBias);
+    ASSERT_NE(b, nullptr);
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(b->as<float>()[i], static_cast<float>(want[i])) << i;
+  }
+  // Two ranks, each on its half: the counts summed over the ranks decide.
+  std::vector<int64_t> global(static_cast<size_t>(c.experts), 0);
+  const size_t half_size = whole.x.size() / kRanks;
+  for (int r = 0; r < kRanks; ++r) {
+    const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
+    const std::vector<double> t(whole.target.begin() + r * half_size, whole.target.begin() + (r + 1) * half_size);
+    const std::vector<int64_t> counts = reference(c, whole.w, x, t, kTokensPerBatch).counts;
+    for (size_t e = 0; e < counts.size(); ++e) global[e] += counts[e];
+  }
+  const std::vector<double> want = expected(global);
+  std::vector<std::vector<float>> bias(kRanks);
+  std::mutex mu;
+  comm::LocalGroup group(kRanks);
+  Status st = group.run([&](comm::Communicator& comm) -> Status {
+    Prepared p;
+    prepare(c, path, kTokensPerBatch, &comm, p);
+    if (!p.session) return Status::error("no session");
+    auto half = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
+    if (!half) return half.status();
+    KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
+    const ir::HostTensor* b = p.session->params().find(kBias);
+    if (!b) return Status::error("no expert bias");
+    std::lock_guard<std::mutex> lock(mu);
+    bias[static_cast<size_t>(comm.rank())].assign(b->as<float>(), b->as<float>() + b->numel());
+    return Status::ok();
+  });
+  ASSERT_TRUE(st) << st.str();
+  for (int r = 0; r < kRanks; ++r)
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_FLOAT_EQ(bias[static_cast<size_t>(r)][i], static_cast<float>(want[i])) << "rank " << r << " expert " << i;
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path());
+}
 
 }  // namespace
 }  // namespace kiln::cli
