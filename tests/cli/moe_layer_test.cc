@@ -32,7 +32,7 @@ struct Case {
   bool pad = false;
   double aux = 0, seq_aux = 0, z = 0;
   double bias_rate = 0;  // expert_bias (aux-loss-free balancing); the bias starts at zero
-  int64_t seq = 0;  // > 0: x is [B, seq, H / seq]
+  int64_t seq = 0;       // > 0: x is [B, seq, H / seq]
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -493,17 +493,20 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   {
     auto out = whole.session->trainStep(whole.batch, 1.0, 1);
     ASSERT_TRUE(out) << out.status().str();
-    const std::vector<double> want = expected(reference(c, whole.w, whole.x, whole.target, 2 * kTokensPerBatch).counts);
+    const std::vector<double> want =
+        expected(reference(c, whole.w, whole.x, whole.target, 2 * kTokensPerBatch).counts);
     const ir::HostTensor* b = whole.session->params().find(kBias);
     ASSERT_NE(b, nullptr);
-    for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(b->as<float>()[i], static_cast<float>(want[i])) << i;
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_FLOAT_EQ(b->as<float>()[i], static_cast<float>(want[i])) << i;
   }
   // Two ranks, each on its half: the counts summed over the ranks decide.
   std::vector<int64_t> global(static_cast<size_t>(c.experts), 0);
   const size_t half_size = whole.x.size() / kRanks;
   for (int r = 0; r < kRanks; ++r) {
     const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
-    const std::vector<double> t(whole.target.begin() + r * half_size, whole.target.begin() + (r + 1) * half_size);
+    const std::vector<double> t(whole.target.begin() + r * half_size,
+                                whole.target.begin() + (r + 1) * half_size);
     const std::vector<int64_t> counts = reference(c, whole.w, x, t, kTokensPerBatch).counts;
     for (size_t e = 0; e < counts.size(); ++e) global[e] += counts[e];
   }
@@ -515,7 +518,8 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
     Prepared p;
     prepare(c, path, kTokensPerBatch, &comm, p);
     if (!p.session) return Status::error("no session");
-    auto half = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
+    auto half =
+        data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
     if (!half) return half.status();
     KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
     const ir::HostTensor* b = p.session->params().find(kBias);
@@ -527,7 +531,8 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   ASSERT_TRUE(st) << st.str();
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < want.size(); ++i)
-      EXPECT_FLOAT_EQ(bias[static_cast<size_t>(r)][i], static_cast<float>(want[i])) << "rank " << r << " expert " << i;
+      EXPECT_FLOAT_EQ(bias[static_cast<size_t>(r)][i], static_cast<float>(want[i]))
+          << "rank " << r << " expert " << i;
   std::filesystem::remove_all(std::filesystem::path(path).parent_path());
 }
 
