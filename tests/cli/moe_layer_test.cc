@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -372,6 +373,31 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
   std::filesystem::remove_all(std::filesystem::path(path).parent_path());
 }
 
+// One training step of `whole`'s batch on `ranks` in-process ranks, each on its share, with the
+// same weights; `done` sees each rank's session and loss after its step (under a lock).
+Status stepOnRanks(const Case& c, const std::string& path, const Prepared& whole, int ranks,
+                   const std::function<Status(int rank, ModelSession& s, double loss)>& done) {
+  std::mutex mu;
+  comm::LocalGroup group(ranks);
+  const int64_t share = whole.batch.size / ranks;
+  return group.run([&](comm::Communicator& comm) -> Status {
+    Prepared p;
+    prepare(c, path, share, &comm, p);
+    if (!p.session) return Status::error("no session");
+    auto part = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * share, share);
+    if (!part) return part.status();
+    KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*part, 1.0, 1));
+    std::lock_guard<std::mutex> lock(mu);
+    return done(comm.rank(), *p.session, out.loss);
+  });
+}
+
+// Rank r's share of a batch's values (samples in order).
+std::vector<double> shareOf(const std::vector<double>& v, int r, int ranks) {
+  const auto n = static_cast<std::ptrdiff_t>(v.size()) / ranks;
+  return std::vector<double>(v.begin() + r * n, v.begin() + (r + 1) * n);
+}
+
 // The balancing losses' coefficients apply once per step whatever the batch is split into: on
 // two ranks (two micro-batches of one global batch) each rank's loss is its own half's
 // `mse + aux_coeff * aux + z_coeff * z`, the global loss their mean, and the weights move by the
@@ -389,30 +415,17 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   if (HasFatalFailure()) return;
   std::vector<std::vector<double>> after(kRanks);
   std::vector<double> losses(kRanks);
-  comm::LocalGroup group(kRanks);
-  std::mutex mu;
-  Status st = group.run([&](comm::Communicator& comm) -> Status {
-    Prepared p;
-    prepare(c, path, kTokensPerBatch, &comm, p);
-    if (!p.session) return Status::error("no session");
-    auto half =
-        data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
-    if (!half) return half.status();
-    KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
-    const ir::HostTensor* t = p.session->params().find("y.router.weight");
-    std::lock_guard<std::mutex> lock(mu);
-    losses[static_cast<size_t>(comm.rank())] = out.loss;
-    after[static_cast<size_t>(comm.rank())].assign(t->as<float>(), t->as<float>() + t->numel());
+  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, double loss) -> Status {
+    const ir::HostTensor* t = s.params().find("y.router.weight");
+    losses[static_cast<size_t>(rank)] = loss;
+    after[static_cast<size_t>(rank)].assign(t->as<float>(), t->as<float>() + t->numel());
     return Status::ok();
   });
   ASSERT_TRUE(st) << st.str();
 
-  const size_t half_size = whole.x.size() / kRanks;
   std::vector<double> grad(whole.w.router.size(), 0.0);
   for (int r = 0; r < kRanks; ++r) {
-    const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
-    const std::vector<double> t(whole.target.begin() + r * half_size,
-                                whole.target.begin() + (r + 1) * half_size);
+    const std::vector<double> x = shareOf(whole.x, r, kRanks), t = shareOf(whole.target, r, kRanks);
     const double want = reference(c, whole.w, x, t, kTokensPerBatch).loss;
     EXPECT_NEAR(losses[static_cast<size_t>(r)], want, 1e-4 * (1 + want)) << "rank " << r;
     for (size_t i = 0; i < grad.size(); ++i)
@@ -502,30 +515,17 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   }
   // Two ranks, each on its half: the counts summed over the ranks decide.
   std::vector<int64_t> global(static_cast<size_t>(c.experts), 0);
-  const size_t half_size = whole.x.size() / kRanks;
   for (int r = 0; r < kRanks; ++r) {
-    const std::vector<double> x(whole.x.begin() + r * half_size, whole.x.begin() + (r + 1) * half_size);
-    const std::vector<double> t(whole.target.begin() + r * half_size,
-                                whole.target.begin() + (r + 1) * half_size);
+    const std::vector<double> x = shareOf(whole.x, r, kRanks), t = shareOf(whole.target, r, kRanks);
     const std::vector<int64_t> counts = reference(c, whole.w, x, t, kTokensPerBatch).counts;
     for (size_t e = 0; e < counts.size(); ++e) global[e] += counts[e];
   }
   const std::vector<double> want = expected(global);
   std::vector<std::vector<float>> bias(kRanks);
-  std::mutex mu;
-  comm::LocalGroup group(kRanks);
-  Status st = group.run([&](comm::Communicator& comm) -> Status {
-    Prepared p;
-    prepare(c, path, kTokensPerBatch, &comm, p);
-    if (!p.session) return Status::error("no session");
-    auto half =
-        data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * kTokensPerBatch, kTokensPerBatch);
-    if (!half) return half.status();
-    KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*half, 1.0, 1));
-    const ir::HostTensor* b = p.session->params().find(kBias);
+  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, double) -> Status {
+    const ir::HostTensor* b = s.params().find(kBias);
     if (!b) return Status::error("no expert bias");
-    std::lock_guard<std::mutex> lock(mu);
-    bias[static_cast<size_t>(comm.rank())].assign(b->as<float>(), b->as<float>() + b->numel());
+    bias[static_cast<size_t>(rank)].assign(b->as<float>(), b->as<float>() + b->numel());
     return Status::ok();
   });
   ASSERT_TRUE(st) << st.str();
