@@ -22,6 +22,7 @@ OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerCollectiveOps(*this);
   registerRoutingOps(*this);
   registerExpertOps(*this);
+  registerExpertParallelOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {

@@ -586,13 +586,18 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
   KILN_ASSIGN_OR_RETURN(int64_t per_node, integer("ranks_per_node", 0));
   KILN_ASSIGN_OR_RETURN(int64_t bucket, integer("bucket_bytes", 1));
   KILN_ASSIGN_OR_RETURN(int64_t memory, integer("memory_per_rank", 0));
+  KILN_ASSIGN_OR_RETURN(int64_t ep, integer("ep", 1));
   if (rank >= ranks) return Status::errorf("shard: rank {} is not below ranks = {}", rank, ranks);
   if (per_node > 0 && ranks % per_node != 0)
     return Status::errorf("shard: ranks = {} does not divide into nodes of ranks_per_node = {}", ranks,
                           per_node);
   o.ranks = static_cast<int>(ranks);
   o.rank = static_cast<int>(rank);
+  if (ranks % ep != 0)
+    return Status::errorf("shard: ep = {} does not divide ranks = {} (ranks / ep replicas of each expert group)",
+                          ep, ranks);
   o.ranks_per_node = static_cast<int>(per_node);
+  o.ep = static_cast<int>(ep);
   o.bucket_bytes = bucket;
   o.memory_per_rank = memory;
   o.plan_path = options.get("plan");

@@ -19,6 +19,9 @@ struct ShardOptions {
   int ranks = 1;
   int rank = 0;
   int ranks_per_node = 0;
+  // Expert parallelism: each MoE layer's experts spread over groups of `ep` ranks (a layer's
+  // `moe(..., ep = N)` pins its own); ranks / ep replicas of each group (expert-data parallel).
+  int ep = 1;
   std::string plan_path;            // a plan.json; "" = the automatic plan
   std::string sharding;             // every table this way (tests, kiln opt); overrides plan_path
   int64_t bucket_bytes = 25 << 20;  // dense gradients per all_reduce, as DDP's bucket_cap_mb

@@ -64,6 +64,7 @@ struct SessionOptions {
   // The sharding plan (kiln train --plan plan.json); "" = the automatic plan.
   std::string plan_path;
   int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
+  int ep = 1;              // --ep: MoE experts over groups of this many ranks (expert parallelism)
   // Every table one way (data_parallel, table_wise, ...) instead of a plan (tests, --sharding).
   std::string sharding;
   // How many sessions of one process split its memory (kiln train --ranks N): the memory check
