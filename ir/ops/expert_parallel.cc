@@ -260,6 +260,7 @@ void registerExpertParallelOps(OpRegistry& r) {
          .summary = "Rows of each expert block to the rank that owns it: per-rank and per-expert counts",
          .min_operands = 1,
          .max_operands = 1,
+         .num_results = 2,
          .attrs = {{"ranks", K::Int, true},
                    {"ep", K::Int, true},
                    {"rank", K::Int, true},
