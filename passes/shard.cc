@@ -28,8 +28,9 @@
 //   about `bucket_bytes` (DDP's 25 MB), each placed right after the last gradient it carries,
 //   in the order the backward produces them.
 //
-//   MoE expert bias (aux-loss-free balancing): every rank holds it; its update reads the counts
-//   all-reduced over ranks, so it moves by the global batch's load.
+//   MoE layers (passes/shard_experts.cc): with expert parallelism each rank holds E / ep experts
+//   and the rows travel to their owners by all_to_all_v and back; in any case the balancing
+//   losses and the per-expert counts (statistics, the expert-bias update) are the global batch's.
 //
 // The loss each rank computes is its local batch's. The global loss is the mean of the N local
 // losses (unless a loss op sums over samples), so every gradient sent (pooled gradients, dense
@@ -50,6 +51,7 @@
 #include "ir/optimizer.h"
 #include "passes/cost_model.h"
 #include "passes/pass_registry.h"
+#include "passes/shard_experts.h"
 
 namespace kiln::passes {
 namespace {
@@ -80,6 +82,7 @@ class Sharder {
   }
 
   Status run(ir::Function& f);
+  const ExpertShardResult& experts() const { return experts_; }
 
  private:
   const TableShard* mine(const TablePlan& t) const {
@@ -120,6 +123,7 @@ class Sharder {
   // Per (table, ids value) of the forward: its route, for the update of the same lookup.
   std::map<std::pair<std::string, const Value*>, Route> routes_;
   std::vector<Op*> dropped_params_;
+  ExpertShardResult experts_;
   int buckets_ = 0;
 };
 
@@ -368,7 +372,8 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
   };
   std::vector<Grad> grads;
   for (Op* op : ops) {
-    if (!op->is(OpCode::OptimizerUpdate)) continue;
+    // Expert weights are reduced over the ranks that hold the same experts (shard_experts.cc).
+    if (!op->is(OpCode::OptimizerUpdate) || experts_.expert_params.count(op->operand(0))) continue;
     if (op->boolAttr("scaled"))
       return located(*op, Status::error("grad_clip is not supported on several ranks yet"));
     Value* g = op->operand(1);
@@ -447,6 +452,8 @@ Status Sharder::run(ir::Function& f) {
         op->strAttr("reduction", "mean") == "sum")
       grad_scale_ = 1;
   KILN_RETURN_IF_ERROR(retypeParameters(f));
+  // MoE layers: experts over ranks, global-batch balancing (passes/shard_experts.cc).
+  KILN_ASSIGN_OR_RETURN(experts_, shardExperts(f, o_, grad_scale_));
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;
     const TablePlan* t = plan_.find(op->strAttr("table"));
@@ -463,15 +470,6 @@ Status Sharder::run(ir::Function& f) {
   }
   if (f.name() == "train_step") {
     KILN_RETURN_IF_ERROR(reduceDenseGradients(f));
-    // Aux-loss-free balancing moves each replica of a MoE router's expert bias by the global
-    // batch's per-expert counts (DeepSeek-V3: per global batch), so the replicas stay equal.
-    for (Op* op : f.entry().opList()) {
-      if (!op->is(OpCode::MoeExpertBiasUpdate)) continue;
-      b_.setInsertionPoint(op);
-      b_.setLocation(op->location());
-      KILN_ASSIGN_OR_RETURN(Value * total, b_.createValue(OpCode::AllReduce, {op->operand(1)}, group()));
-      op->setOperand(1, total);
-    }
   }
   for (Op* p : dropped_params_) {
     if (p->result()->hasUses())
@@ -536,12 +534,34 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
 
 Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,
                    const ShardOptions& o) {
+  std::map<std::string, int64_t> layer_ep;
   for (const char* name : {"forward", "train_step"}) {
     ir::Function* f = m.lookup(name);
     if (!f || f->body().empty()) continue;
     Sharder s(o, plan, tables);
     KILN_RETURN_IF_ERROR(s.run(*f));
+    layer_ep.insert(s.experts().layer_ep.begin(), s.experts().layer_ep.end());
   }
+  // Each expert-parallel layer's EP size, for its statistics (kiln.train's moe entries).
+  auto train = m.attrs().find("kiln.train");
+  if (layer_ep.empty() || train == m.attrs().end() || !train->second.isDict()) return Status::ok();
+  ir::AttrDict t = train->second.asDict();
+  auto moe = t.find("moe");
+  if (moe == t.end() || !moe->second.isArray()) return Status::ok();
+  ir::AttrArray layers;
+  for (const Attribute& a : moe->second.asArray()) {
+    if (!a.isDict()) {
+      layers.push_back(a);
+      continue;
+    }
+    ir::AttrDict layer = a.asDict();
+    auto name = layer.find("name");
+    if (name != layer.end() && name->second.isString() && layer_ep.count(name->second.asString()))
+      layer["ep"] = Attribute(layer_ep.at(name->second.asString()));
+    layers.push_back(Attribute(std::move(layer)));
+  }
+  t["moe"] = Attribute(std::move(layers));
+  m.mutableAttrs()["kiln.train"] = Attribute(std::move(t));
   return Status::ok();
 }
 

@@ -150,6 +150,9 @@ Expected<AuxLossShape> auxShape(GroupLowering& gl, const Op& op) {
   a.sigmoid = op.strAttr("score", "softmax") == "sigmoid";
   a.coeff = op.floatAttr("coeff", 0.0);
   if (a.tokens < 1) return unsupported(op, "needs at least one token");
+  // The global-batch counts come with expert parallelism, which the CUDA backend does not run yet.
+  if (op.numOperands() > (op.is(ir::OpCode::MoeAuxLoss) ? 2u : 3u))
+    return unsupported(op, "the global-batch counts operand (expert parallelism) is not supported yet");
   if (a.seq_len < 0 || (a.seq_len > 0 && a.tokens % a.seq_len != 0))
     return unsupported(op, fmt::format("seq_len = {} does not divide the {} tokens", a.seq_len, a.tokens));
   return a;

@@ -17,6 +17,11 @@
 //   kiln.moe_chunk_offsets(chunk_counts: i64[P * L]) {chunks = L}         -> i32[L + 1]
 //     the expert offsets of the expert-major order: offsets[e] = sum over e' < e and every p
 //     of chunk_counts[p*L + e']
+//
+// The counts are known only at run time, so the references check what the types cannot: expert
+// ids within [0, E), offsets rising from 0, chunk counts >= 0 that add up to x's run-time rows.
+#include <cstring>
+
 #include "ir/op_def.h"
 #include "ir/ops/grad_util.h"
 #include "ir/ops/kernel_util.h"
@@ -25,6 +30,8 @@ namespace kiln::ir {
 namespace {
 
 using namespace kernels;
+using CpuOperands = std::vector<const TensorView*>;
+using CpuResults = std::vector<TensorView*>;
 
 Status expectCounts(const Op& op, unsigned i, int64_t chunks) {
   const TensorType& t = op.operand(i)->type();
@@ -100,6 +107,142 @@ Status gradSortChunks(GradContext& ctx, const Op& op) {
   return Status::ok();
 }
 
+// ---- CPU reference ----------------------------------------------------------------------------
+
+// Writes integer values into an i32 or i64 result.
+void storeIndices(TensorView& r, const std::vector<int64_t>& v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (r.dtype == DType::i32)
+      r.as<int32_t>()[i] = static_cast<int32_t>(v[i]);
+    else
+      r.as<int64_t>()[i] = v[i];
+  }
+}
+
+Status cpuRouteCounts(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& experts = *in[0];
+  const int64_t e = op.intAttr("experts");
+  std::vector<int64_t> counts(static_cast<size_t>(e), 0);
+  for (int64_t s = 0; s < experts.numel(); ++s) {
+    const int64_t id = loadIndex(experts, s);
+    if (id < 0 || id >= e)
+      return Status::errorf("'{}': expert {} at {} is out of range [0, {})", op.name(), id,
+                            indexString(experts.shape, s), e);
+    ++counts[static_cast<size_t>(id)];
+  }
+  storeIndices(*out[0], counts);
+  return Status::ok();
+}
+
+// Expert e's rows are [offsets[e], offsets[e + 1]): the offsets must rise from 0.
+Status checkRisingOffsets(const Op& op, const TensorView& offsets) {
+  if (loadIndex(offsets, 0) != 0)
+    return Status::errorf("'{}': offsets[0] = {}, want 0", op.name(), loadIndex(offsets, 0));
+  for (int64_t e = 0; e + 1 < offsets.numel(); ++e) {
+    const int64_t lo = loadIndex(offsets, e), hi = loadIndex(offsets, e + 1);
+    if (hi < lo) return Status::errorf("'{}': offsets decrease at expert {} ({} > {})", op.name(), e, lo, hi);
+  }
+  return Status::ok();
+}
+
+Status cpuEpSplit(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& offsets = *in[0];
+  KILN_RETURN_IF_ERROR(checkRisingOffsets(op, offsets));
+  const int64_t ranks = op.intAttr("ranks"), ep = op.intAttr("ep"), local = op.intAttr("experts") / ep;
+  const int64_t first = op.intAttr("rank") / ep * ep;  // the EP group's first rank
+  std::vector<int64_t> send(static_cast<size_t>(ranks), 0), chunks(static_cast<size_t>(ranks * local), 0);
+  for (int64_t j = 0; j < ep; ++j) {
+    const int64_t q = first + j;
+    for (int64_t e = 0; e < local; ++e) {
+      const int64_t expert = j * local + e;
+      const int64_t rows = loadIndex(offsets, expert + 1) - loadIndex(offsets, expert);
+      chunks[static_cast<size_t>(q * local + e)] = rows;
+      send[static_cast<size_t>(q)] += rows;
+    }
+  }
+  storeIndices(*out[0], send);
+  storeIndices(*out[1], chunks);
+  return Status::ok();
+}
+
+// The chunk counts, each >= 0.
+Expected<std::vector<int64_t>> loadChunkCounts(const Op& op, const TensorView& counts) {
+  std::vector<int64_t> v(static_cast<size_t>(counts.numel()));
+  for (int64_t c = 0; c < counts.numel(); ++c) {
+    v[static_cast<size_t>(c)] = loadIndex(counts, c);
+    if (v[static_cast<size_t>(c)] < 0)
+      return Status::errorf("'{}': chunk_counts[{}] = {} is negative", op.name(), c,
+                            v[static_cast<size_t>(c)]);
+  }
+  return v;
+}
+
+// The first row of each chunk p*L + e when the chunks are packed p-major (the order they arrive
+// in) or e-major (the local experts' order).
+std::vector<int64_t> chunkStarts(const std::vector<int64_t>& counts, int64_t local, bool expert_major) {
+  const int64_t peers = static_cast<int64_t>(counts.size()) / local;
+  std::vector<int64_t> start(counts.size());
+  int64_t row = 0;
+  for (int64_t outer = 0; outer < (expert_major ? local : peers); ++outer)
+    for (int64_t inner = 0; inner < (expert_major ? peers : local); ++inner) {
+      const size_t c = static_cast<size_t>(expert_major ? inner * local + outer : outer * local + inner);
+      start[c] = row;
+      row += counts[c];
+    }
+  return start;
+}
+
+// Any element type and trailing shape: each chunk is one block of whole rows, moved by one memcpy.
+Status cpuSortChunks(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  KILN_ASSIGN_OR_RETURN(std::vector<int64_t> counts, loadChunkCounts(op, *in[1]));
+  const int64_t rows = x.shape[0];
+  int64_t total = 0;
+  for (int64_t c : counts) {
+    if (c > rows - total)
+      return Status::errorf("'{}': chunk_counts add up to more than the {} rows of x", op.name(), rows);
+    total += c;
+  }
+  if (total != rows)
+    return Status::errorf("'{}': x has {} rows but chunk_counts add up to {}", op.name(), rows, total);
+  if (rows > out[0]->shape[0])
+    return Status::errorf("'{}': {} rows do not fit the result's bound of {} rows", op.name(), rows,
+                          out[0]->shape[0]);
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], x.shape));
+  const int64_t row_bytes = rows ? x.bytes() / rows : 0;
+  const int64_t local = op.intAttr("chunks");
+  const bool inverse = op.boolAttr("inverse");
+  const std::vector<int64_t> from = chunkStarts(counts, local, inverse);
+  const std::vector<int64_t> to = chunkStarts(counts, local, !inverse);
+  const auto* src = static_cast<const unsigned char*>(x.data);
+  auto* dst = static_cast<unsigned char*>(out[0]->data);
+  for (size_t c = 0; c < counts.size(); ++c)
+    if (counts[c] > 0) std::memcpy(dst + to[c] * row_bytes, src + from[c] * row_bytes, counts[c] * row_bytes);
+  return Status::ok();
+}
+
+Status cpuChunkOffsets(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  KILN_ASSIGN_OR_RETURN(std::vector<int64_t> counts, loadChunkCounts(op, *in[0]));
+  const int64_t local = op.intAttr("chunks");
+  const int64_t peers = static_cast<int64_t>(counts.size()) / local;
+  // The result is i32, like moe_dispatch's offsets that grouped_matmul reads.
+  const int64_t max_rows = std::numeric_limits<int32_t>::max();
+  std::vector<int64_t> offsets(static_cast<size_t>(local + 1), 0);
+  int64_t row = 0;
+  for (int64_t e = 0; e < local; ++e) {
+    for (int64_t p = 0; p < peers; ++p) {
+      const int64_t c = counts[static_cast<size_t>(p * local + e)];
+      if (c > max_rows - row)
+        return Status::errorf("'{}': the rows up to local expert {} do not fit the i32 offsets", op.name(),
+                              e);
+      row += c;
+    }
+    offsets[static_cast<size_t>(e + 1)] = row;
+  }
+  storeIndices(*out[0], offsets);
+  return Status::ok();
+}
+
 }  // namespace
 
 void registerExpertParallelOps(OpRegistry& r) {
@@ -111,16 +254,22 @@ void registerExpertParallelOps(OpRegistry& r) {
          .attrs = {{"experts", K::Int, true}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferRouteCounts,
-         .cost = costMoving});
+         .cost = costMoving,
+         .cpu = cpuRouteCounts});
   r.add({.name = "kiln.moe_ep_split",
          .summary = "Rows of each expert block to the rank that owns it: per-rank and per-expert counts",
          .min_operands = 1,
          .max_operands = 1,
-         .attrs = {{"ranks", K::Int, true}, {"ep", K::Int, true}, {"rank", K::Int, true}, {"experts", K::Int, true}},
+         .num_results = 2,
+         .attrs = {{"ranks", K::Int, true},
+                   {"ep", K::Int, true},
+                   {"rank", K::Int, true},
+                   {"experts", K::Int, true}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferEpSplit,
          .verify = verifyEpSplit,
-         .cost = costMoving});
+         .cost = costMoving,
+         .cpu = cpuEpSplit});
   r.add({.name = "kiln.moe_sort_chunks",
          .summary = "Rows arriving peer-major into expert-major order (inverse: back)",
          .min_operands = 2,
@@ -129,7 +278,8 @@ void registerExpertParallelOps(OpRegistry& r) {
          .traits = kPure,
          .infer = inferSortChunks,
          .cost = costMoving,
-         .grad = gradSortChunks});
+         .grad = gradSortChunks,
+         .cpu = cpuSortChunks});
   r.add({.name = "kiln.moe_chunk_offsets",
          .summary = "Expert offsets of the expert-major order of received chunks",
          .min_operands = 1,
@@ -137,7 +287,8 @@ void registerExpertParallelOps(OpRegistry& r) {
          .attrs = {{"chunks", K::Int, true}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferChunkOffsets,
-         .cost = costMoving});
+         .cost = costMoving,
+         .cpu = cpuChunkOffsets});
 }
 
 }  // namespace kiln::ir

@@ -4,7 +4,10 @@
 //   kiln.take_along_axis(x, idx) {axis}           numpy's take_along_axis
 //   kiln.scatter_along_axis(g, idx) {axis, size}  its adjoint: zeros with g added at idx
 //   kiln.moe_router(logits, bias?)                -> (probs, experts), Megatron's top-k routing
-//   kiln.moe_aux_loss(logits, experts)            load-balancing loss (per batch or per sequence)
+//   kiln.moe_aux_loss(logits, experts, counts?)   load-balancing loss (per batch or per sequence);
+//                                                 with counts (int[E], per batch only), f_i is
+//                                                 counts_i / sum(counts): the global batch's
+//                                                 load under expert parallelism
 //   kiln.moe_z_loss(logits)                       router z-loss
 //   kiln.moe_dispatch(experts, probs)             -> (rows, offsets, counts): slots in expert order
 //   kiln.moe_expert_bias_update(bias, counts)     aux-loss-free balancing, in place
@@ -174,10 +177,23 @@ Status inferRouterGrad(const Op& op, std::vector<TensorType>& out) {
 
 DType lossType(const TensorType& logits) { return logits.dtype(); }
 
+// The optional counts operand of the aux loss (after g in the gradient op); -1 when absent.
+int auxCountsOperand(const Op& op) {
+  const unsigned at = op.is(OpCode::MoeAuxLoss) ? 2 : 3;
+  return op.numOperands() > at ? static_cast<int>(at) : -1;
+}
+
 Status checkAuxLossOperands(const Op& op) {
   const TensorType& logits = op.operand(0)->type();
   KILN_RETURN_IF_ERROR(expectLogits(op, logits));
-  return expectSlots(op, "experts", op.operand(1)->type(), logits.dim(0), op.intAttr("topk"));
+  KILN_RETURN_IF_ERROR(expectSlots(op, "experts", op.operand(1)->type(), logits.dim(0), op.intAttr("topk")));
+  const int at = auxCountsOperand(op);
+  if (at < 0) return Status::ok();
+  const TensorType& counts = op.operand(static_cast<unsigned>(at))->type();
+  if (counts.rank() != 1 || !isInteger(counts.dtype()) || !(counts.dim(0) == logits.dim(1)))
+    return Status::errorf("'{}' counts must be i32 or i64 [{}] (one per expert), got {}", op.name(),
+                          logits.dim(1).str(), counts.str());
+  return Status::ok();
 }
 
 Status inferAuxLoss(const Op& op, std::vector<TensorType>& out) {
@@ -210,6 +226,10 @@ Status verifyAuxLoss(const Op& op) {
   const int64_t seq_len = op.intAttr("seq_len", 0);
   const Dim& tokens = op.operand(0)->type().dim(0);
   if (seq_len < 0) return Status::errorf("'{}' needs seq_len >= 0, got {}", op.name(), seq_len);
+  // The given counts are the whole batch's: they have no sequences.
+  if (seq_len > 0 && auxCountsOperand(op) >= 0)
+    return Status::errorf("'{}' takes counts only for the per-batch loss (seq_len = 0), got seq_len = {}",
+                          op.name(), seq_len);
   if (seq_len > 0 && tokens.isStatic() && tokens.size() % seq_len != 0)
     return Status::errorf("'{}': {} tokens do not split into sequences of seq_len = {}", op.name(),
                           tokens.size(), seq_len);
@@ -657,17 +677,41 @@ void auxScores(bool sigmoid, std::vector<double>& row) {
   for (double& v : row) v /= sum + 1e-20;
 }
 
-// The aux loss's pieces: tokens per sequence T, the sequence count, and the slot counts of each
-// (sequence, expert).
+// The aux loss's pieces: tokens per sequence T, the sequence count, the slot counts of each
+// (sequence, expert) and the slots they are a fraction of (T k, or the given counts' sum).
 struct AuxLossCounts {
   int64_t seq_len = 0, sequences = 0;
   std::vector<int64_t> counts;  // [sequences, E]
+  int64_t slots = 0;
 };
-Expected<AuxLossCounts> auxLossCounts(const Op& op, const TensorView& x, const TensorView& experts) {
+
+// Given counts (the global batch's): one sequence of this batch's tokens, f_i = counts_i / sum.
+Expected<AuxLossCounts> givenAuxCounts(const Op& op, const TensorView& given, int64_t tokens, int64_t e) {
+  if (given.rank() != 1 || given.shape[0] != e)
+    return Status::errorf("'{}': run-time counts {} are not one per expert ({})", op.name(),
+                          shapeString(given.shape), e);
+  AuxLossCounts c;
+  c.seq_len = tokens;
+  c.sequences = 1;
+  for (int64_t i = 0; i < given.numel(); ++i) {
+    const int64_t n = loadIndex(given, i);
+    if (n < 0) return Status::errorf("'{}': counts[{}] = {} is negative", op.name(), i, n);
+    c.counts.push_back(n);
+    c.slots += n;
+  }
+  return c;
+}
+
+Expected<AuxLossCounts> auxLossCounts(const Op& op, const CpuOperands& in) {
+  const TensorView& x = *in[0];
+  const TensorView& experts = *in[1];
   const int64_t tokens = x.shape[0], e = x.shape[1], k = op.intAttr("topk");
   KILN_RETURN_IF_ERROR(checkExperts(op, experts, tokens, k, e));
+  if (const int at = auxCountsOperand(op); at >= 0)
+    return givenAuxCounts(op, *in[static_cast<size_t>(at)], tokens, e);
   AuxLossCounts c;
   c.seq_len = op.intAttr("seq_len", 0) > 0 ? op.intAttr("seq_len", 0) : tokens;
+  c.slots = c.seq_len * k;
   if (tokens == 0) return c;
   if (tokens % c.seq_len != 0)
     return Status::errorf("'{}': {} tokens do not split into sequences of {}", op.name(), tokens, c.seq_len);
@@ -678,18 +722,19 @@ Expected<AuxLossCounts> auxLossCounts(const Op& op, const TensorView& x, const T
   return c;
 }
 
-// d loss / d score[n, i] = coeff * E * f_i / T / sequences, with f_i = count / (T k).
+// d loss / d score[n, i] = coeff * E * f_i / T / sequences, with f_i = count / slots (T k, or
+// the given counts' sum; f = 0 when that is 0).
 double auxScoreGrad(const Op& op, const AuxLossCounts& c, int64_t n, int64_t i, int64_t e) {
   const double t = static_cast<double>(c.seq_len);
-  const double f = static_cast<double>(c.counts[static_cast<size_t>(n / c.seq_len * e + i)]) /
-                   (t * static_cast<double>(op.intAttr("topk")));
+  const double count = static_cast<double>(c.counts[static_cast<size_t>(n / c.seq_len * e + i)]);
+  const double f = c.slots > 0 ? count / static_cast<double>(c.slots) : 0.0;
   return op.floatAttr("coeff") * static_cast<double>(e) * f / t / static_cast<double>(c.sequences);
 }
 
 Status cpuAuxLoss(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
   const TensorView& x = *in[0];
   KILN_RETURN_IF_ERROR(checkLogitsRuntime(op, x));
-  KILN_ASSIGN_OR_RETURN(AuxLossCounts c, auxLossCounts(op, x, *in[1]));
+  KILN_ASSIGN_OR_RETURN(AuxLossCounts c, auxLossCounts(op, in));
   const bool sigmoid = op.strAttr("score") == "sigmoid";
   const int64_t tokens = x.shape[0], e = x.shape[1];
   // The loss is linear in the scores with the weights auxScoreGrad gives.
@@ -706,7 +751,7 @@ Status cpuAuxLoss(const Op& op, const CpuOperands& in, const CpuResults& out, co
 Status cpuAuxLossGrad(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
   const TensorView& x = *in[0];
   KILN_RETURN_IF_ERROR(checkLogitsRuntime(op, x));
-  KILN_ASSIGN_OR_RETURN(AuxLossCounts c, auxLossCounts(op, x, *in[1]));
+  KILN_ASSIGN_OR_RETURN(AuxLossCounts c, auxLossCounts(op, in));
   KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], x.shape));
   const bool sigmoid = op.strAttr("score") == "sigmoid";
   const double g = loadAsDouble(*in[2], 0);
@@ -907,6 +952,7 @@ Status gradRouting(GradContext& ctx, const Op& op) {
     backward = OpCode::MoeAuxLossGrad;
     operands.push_back(op.operand(1));
     operands.push_back(g);
+    if (op.numOperands() == 3) operands.push_back(op.operand(2));  // the global counts
   } else {
     operands.push_back(g);
   }
@@ -1010,7 +1056,7 @@ void registerRoutingOps(OpRegistry& r) {
   r.add({.name = "kiln.moe_aux_loss",
          .summary = "MoE load-balancing loss coeff * E * sum_i f_i P_i (per batch or per sequence)",
          .min_operands = 2,
-         .max_operands = 2,
+         .max_operands = 3,
          .attrs = aux_attrs,
          .traits = kPure,
          .infer = inferAuxLoss,
@@ -1021,7 +1067,7 @@ void registerRoutingOps(OpRegistry& r) {
   r.add({.name = "kiln.moe_aux_loss_grad",
          .summary = "Gradient of moe_aux_loss with respect to the logits",
          .min_operands = 3,
-         .max_operands = 3,
+         .max_operands = 4,
          .attrs = aux_attrs,
          .traits = kPure | kNonDifferentiable,
          .infer = inferAuxLossGrad,

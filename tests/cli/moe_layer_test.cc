@@ -66,11 +66,15 @@ std::vector<int> topIndices(const std::vector<double>& v, int64_t k, const std::
 struct Reference {
   std::vector<double> y;  // [N, H]
   double loss = 0;
-  std::vector<int64_t> counts;
+  std::vector<int64_t> counts;  // tokens each expert computed (kept by capacity)
+  std::vector<int64_t> routed;  // slots that chose each expert (before capacity)
 };
 
+// With `global_f`, the aux loss's f_i is that fraction of the global batch's slots routed to
+// expert i (on N ranks each rank's loss judges the whole batch's load), else this batch's own.
 Reference reference(const Case& c, const Weights& w, const std::vector<double>& x,
-                    const std::vector<double>& target, int64_t n) {
+                    const std::vector<double>& target, int64_t n,
+                    const std::vector<double>* global_f = nullptr) {
   const int64_t e_count = c.experts, k = c.topk, f = c.hidden, h = kWidth, f2 = c.shared * c.hidden;
   Reference r;
   r.y.assign(static_cast<size_t>(n * h), 0.0);
@@ -193,10 +197,14 @@ Reference reference(const Case& c, const Weights& w, const std::vector<double>& 
       for (int e : chosen[static_cast<size_t>(t)])
         fsum[static_cast<size_t>(e)] += 1.0 / static_cast<double>(len * k);
     }
+    if (global_f && len == n) fsum = *global_f;
     double v = 0;
     for (int64_t e = 0; e < e_count; ++e) v += fsum[static_cast<size_t>(e)] * psum[static_cast<size_t>(e)];
     return static_cast<double>(e_count) * v;
   };
+  r.routed.assign(static_cast<size_t>(e_count), 0);
+  for (const auto& ch : chosen)
+    for (int e : ch) ++r.routed[static_cast<size_t>(e)];
   if (c.aux > 0) r.loss += c.aux * balance(0, n);
   if (c.seq_aux > 0) {
     double sum = 0;
@@ -259,12 +267,14 @@ std::string writeModel(const Case& c) {
   return path;
 }
 
-void prepare(const Case& c, const std::string& path, int64_t batch, comm::Communicator* comm, Prepared& p) {
+void prepare(const Case& c, const std::string& path, int64_t batch, comm::Communicator* comm, Prepared& p,
+             int ep = 1) {
   const int64_t per_sample = c.seq ? c.seq : 1;
   SessionOptions o;
   o.model_path = path;
   o.batch = batch;
   o.comm = comm;
+  o.ep = ep;
   std::ostringstream diag;
   auto made = ModelSession::create(o, diag);
   ASSERT_TRUE(made) << made.status().str() << diag.str() << modelSource(c);
@@ -307,12 +317,13 @@ void prepare(const Case& c, const std::string& path, int64_t batch, comm::Commun
 
 // d loss / d w[i] of the plain loop, by central differences.
 double finiteDifference(const Case& c, Weights& w, std::vector<double>& wv, size_t i,
-                        const std::vector<double>& x, const std::vector<double>& target, int64_t n) {
+                        const std::vector<double>& x, const std::vector<double>& target, int64_t n,
+                        const std::vector<double>* global_f = nullptr) {
   const double keep = wv[i], eps = 1e-5;
   wv[i] = keep + eps;
-  const double up = reference(c, w, x, target, n).loss;
+  const double up = reference(c, w, x, target, n, global_f).loss;
   wv[i] = keep - eps;
-  const double down = reference(c, w, x, target, n).loss;
+  const double down = reference(c, w, x, target, n, global_f).loss;
   wv[i] = keep;
   return (up - down) / (2 * eps);
 }
@@ -374,22 +385,43 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
 }
 
 // One training step of `whole`'s batch on `ranks` in-process ranks, each on its share, with the
-// same weights; `done` sees each rank's session and loss after its step (under a lock).
+// same weights (the experts over `ep` of them); `done` sees each rank's session and loss after its
+// step (under a lock).
 Status stepOnRanks(const Case& c, const std::string& path, const Prepared& whole, int ranks,
-                   const std::function<Status(int rank, ModelSession& s, double loss)>& done) {
+                   const std::function<Status(int rank, ModelSession& s, const StepOutputs& out)>& done,
+                   int ep = 1) {
   std::mutex mu;
   comm::LocalGroup group(ranks);
   const int64_t share = whole.batch.size / ranks;
   return group.run([&](comm::Communicator& comm) -> Status {
     Prepared p;
-    prepare(c, path, share, &comm, p);
+    prepare(c, path, share, &comm, p, ep);
     if (!p.session) return Status::error("no session");
+    // The whole batch's weights; under expert parallelism each rank holds the slice of experts
+    // [r E / ep, (r + 1) E / ep) of the expert weights.
+    for (auto [name, values] : {std::pair{"y.router.weight", &whole.w.router}, std::pair{"y.experts.fc1", &whole.w.fc1},
+                                std::pair{"y.experts.fc2", &whole.w.fc2}, std::pair{"y.shared.fc1.weight", &whole.w.s1},
+                                std::pair{"y.shared.fc2.weight", &whole.w.s2}}) {
+      ir::HostTensor* t = p.session->params().find(name);
+      if (!t) continue;
+      const auto n = static_cast<size_t>(t->numel());
+      const size_t first = n < values->size() ? static_cast<size_t>(comm.rank() % ep) * n : 0;
+      for (size_t i = 0; i < n; ++i) t->as<float>()[i] = static_cast<float>((*values)[first + i]);
+    }
     auto part = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * share, share);
     if (!part) return part.status();
     KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*part, 1.0, 1));
     std::lock_guard<std::mutex> lock(mu);
-    return done(comm.rank(), *p.session, out.loss);
+    return done(comm.rank(), *p.session, out);
   });
+}
+
+// The fraction of the whole batch's slots routed to each expert: the global batch's f_i.
+std::vector<double> globalFraction(const Case& c, const Prepared& whole, int64_t n) {
+  const std::vector<int64_t> routed = reference(c, whole.w, whole.x, whole.target, n).routed;
+  std::vector<double> f;
+  for (int64_t v : routed) f.push_back(static_cast<double>(v) / static_cast<double>(n * c.topk));
+  return f;
 }
 
 // Rank r's share of a batch's values (samples in order).
@@ -401,7 +433,9 @@ std::vector<double> shareOf(const std::vector<double>& v, int r, int ranks) {
 // The balancing losses' coefficients apply once per step whatever the batch is split into: on
 // two ranks (two micro-batches of one global batch) each rank's loss is its own half's
 // `mse + aux_coeff * aux + z_coeff * z`, the global loss their mean, and the weights move by the
-// mean of the halves' gradients, neither doubled nor halved.
+// mean of the halves' gradients, neither doubled nor halved. The aux loss judges the global
+// batch's load (Megatron's global-batch balancing): each half's f_i is the whole batch's routed
+// fraction, its P_i its own mean score.
 TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   Case c;
   c.name = "accounting";
@@ -415,21 +449,22 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   if (HasFatalFailure()) return;
   std::vector<std::vector<double>> after(kRanks);
   std::vector<double> losses(kRanks);
-  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, double loss) -> Status {
+  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
     const ir::HostTensor* t = s.params().find("y.router.weight");
-    losses[static_cast<size_t>(rank)] = loss;
+    losses[static_cast<size_t>(rank)] = out.loss;
     after[static_cast<size_t>(rank)].assign(t->as<float>(), t->as<float>() + t->numel());
     return Status::ok();
   });
   ASSERT_TRUE(st) << st.str();
 
+  const std::vector<double> f = globalFraction(c, whole, 2 * kTokensPerBatch);
   std::vector<double> grad(whole.w.router.size(), 0.0);
   for (int r = 0; r < kRanks; ++r) {
     const std::vector<double> x = shareOf(whole.x, r, kRanks), t = shareOf(whole.target, r, kRanks);
-    const double want = reference(c, whole.w, x, t, kTokensPerBatch).loss;
+    const double want = reference(c, whole.w, x, t, kTokensPerBatch, &f).loss;
     EXPECT_NEAR(losses[static_cast<size_t>(r)], want, 1e-4 * (1 + want)) << "rank " << r;
     for (size_t i = 0; i < grad.size(); ++i)
-      grad[i] += finiteDifference(c, whole.w, whole.w.router, i, x, t, kTokensPerBatch) / kRanks;
+      grad[i] += finiteDifference(c, whole.w, whole.w.router, i, x, t, kTokensPerBatch, &f) / kRanks;
   }
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < grad.size(); ++i)
@@ -522,7 +557,7 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   }
   const std::vector<double> want = expected(global);
   std::vector<std::vector<float>> bias(kRanks);
-  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, double) -> Status {
+  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs&) -> Status {
     const ir::HostTensor* b = s.params().find(kBias);
     if (!b) return Status::error("no expert bias");
     bias[static_cast<size_t>(rank)].assign(b->as<float>(), b->as<float>() + b->numel());
@@ -535,6 +570,98 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
           << "rank " << r << " expert " << i;
   std::filesystem::remove_all(std::filesystem::path(path).parent_path());
 }
+
+}  // namespace
+}  // namespace kiln::cli
+
+namespace kiln::cli {
+namespace {
+
+// Expert parallelism on two ranks (ep = 2: rank r holds experts [r E/2, (r+1) E/2)): each rank
+// routes its own share, applies capacity to it before the dispatch (as Megatron does), and its
+// experts compute the rows both ranks send them. So each rank's loss is the plain loop's on its
+// share (with the global batch's f_i in the aux loss), the counts are the sum of the shares', the
+// router moves by the mean of the shares' gradients on both ranks, and each expert slice by the
+// same mean for its own experts.
+class MoeLayerExpertParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoeLayerExpertParallel, EachShareThroughItsExpertsOnTheirOwners) {
+  const Case& c = GetParam();
+  constexpr int kRanks = 2;
+  const std::string path = writeModel(c);
+  Prepared whole;
+  prepare(c, path, kTokensPerBatch * kRanks, nullptr, whole);
+  if (HasFatalFailure()) return;
+  const std::vector<double> f = globalFraction(c, whole, kRanks * kTokensPerBatch);
+  std::vector<double> loss(kRanks);
+  std::vector<int64_t> counts(static_cast<size_t>(c.experts), 0);
+  for (int r = 0; r < kRanks; ++r) {
+    const Reference share = reference(c, whole.w, shareOf(whole.x, r, kRanks), shareOf(whole.target, r, kRanks),
+                                      kTokensPerBatch, &f);
+    loss[static_cast<size_t>(r)] = share.loss;
+    for (size_t e = 0; e < counts.size(); ++e) counts[e] += share.counts[e];
+  }
+  // d loss / d w[i] of the global batch: the mean over the shares.
+  auto gradient = [&](std::vector<double>& wv, size_t i) {
+    double g = 0;
+    for (int r = 0; r < kRanks; ++r)
+      g += finiteDifference(c, whole.w, wv, i, shareOf(whole.x, r, kRanks), shareOf(whole.target, r, kRanks),
+                            kTokensPerBatch, &f) /
+           kRanks;
+    return g;
+  };
+  std::mutex checks;
+  Status st = stepOnRanks(
+      c, path, whole, kRanks,
+      [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
+        EXPECT_NEAR(out.loss, loss[static_cast<size_t>(rank)], 1e-4 * (1 + loss[static_cast<size_t>(rank)]))
+            << "rank " << rank;
+        for (const auto& [name, values] : out.stats)
+          if (name == "y.counts") EXPECT_EQ(std::vector<int64_t>(values.begin(), values.end()), counts);
+        std::mt19937 pick(static_cast<unsigned>(5 + rank));
+        for (const char* name : {"y.router.weight", "y.experts.fc1", "y.experts.fc2"}) {
+          std::vector<double>& wv = weightsNamed(whole.w, name);
+          const ir::HostTensor* t = s.params().find(name);
+          if (!t) return Status::errorf("rank {} holds no {}", rank, name);
+          // The expert weights: this rank's slice, which starts at expert rank * E / 2.
+          const bool sliced = std::string(name) != "y.router.weight";
+          const size_t first = sliced ? static_cast<size_t>(rank) * static_cast<size_t>(t->numel()) : 0;
+          if (sliced) EXPECT_EQ(static_cast<size_t>(t->numel()) * kRanks, wv.size()) << name;
+          for (int trial = 0; trial < 10; ++trial) {
+            const size_t local = pick() % static_cast<size_t>(t->numel());
+            const double moved = wv[first + local] - t->as<float>()[local];
+            const double fd = gradient(wv, first + local);
+            EXPECT_NEAR(moved, fd, 2e-4 + 2e-3 * std::fabs(fd)) << name << "[" << first + local << "] on rank " << rank;
+          }
+        }
+        return Status::ok();
+      },
+      /*ep=*/2);
+  ASSERT_TRUE(st) << st.str();
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path());
+}
+
+INSTANTIATE_TEST_SUITE_P(Routing, MoeLayerExpertParallel,
+                         ::testing::Values(make("ep_dropless", [](Case& c) { c.aux = 0.1; }),
+                                           make("ep_capacity_probs", [](Case& c) { c.capacity = 0.5; }),
+                                           make("ep_capacity_position",
+                                                [](Case& c) {
+                                                  c.capacity = 0.5;
+                                                  c.drop_policy = "position";
+                                                }),
+                                           make("ep_capacity_padded",
+                                                [](Case& c) {
+                                                  c.capacity = 1.0;
+                                                  c.pad = true;
+                                                }),
+                                           make("ep_groups",
+                                                [](Case& c) {
+                                                  c.experts = 8;
+                                                  c.groups = 4;
+                                                  c.group_topk = 2;
+                                                }),
+                                           make("ep_shared_expert", [](Case& c) { c.shared = 2; })),
+                         [](const ::testing::TestParamInfo<Case>& i) { return std::string(i.param.name); });
 
 }  // namespace
 }  // namespace kiln::cli

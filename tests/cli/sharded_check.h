@@ -6,12 +6,18 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
+#include <unistd.h>
 
 #include "runtime/comm/communicator.h"
 #include "runtime/data/synthetic.h"
@@ -21,8 +27,9 @@ namespace kiln::cli::testing {
 
 struct Model {
   const char* name;
-  const char* path;
+  std::string path;  // under the source tree, or absolute
   frontend::ParamOverrides overrides;
+  int ep = 1;  // expert parallelism of its MoE layers
 };
 
 // Every model of models/ at a size one core trains in well under a second per step.
@@ -39,9 +46,34 @@ inline std::vector<Model> models() {
   };
 }
 
+// A small MoE language model (embedding, attention, one MoE layer with `moe_options`, head) in a
+// file of its own, for the expert-parallel tests: 8 experts, top-2, sequences of 8 tokens.
+inline Model moeModel(const char* name, const std::string& moe_options, int ep) {
+  const auto path = std::filesystem::temp_directory_path() / fmt::format("kiln_ep_{}_{}.kiln", name, ::getpid());
+  std::ofstream(path) << "model moe_ep {\n"
+                         "  dim B\n"
+                         "  input tokens: i32[B, 8] vocab(64)\n"
+                         "  input targets: i32[B, 8]\n"
+                         "  h = embedding(tokens, 64, 16)\n"
+                         "  h = h + attention(rmsnorm(h), 2, kv_heads = 1)\n"
+                         "  h = h + moe(rmsnorm(h), experts = 8, topk = 2, hidden = 16, "
+                      << moe_options
+                      << ")\n"
+                         "  logits = linear(rmsnorm(h), 64, bias = false)\n"
+                         "  output logits\n"
+                         "  train {\n"
+                         "    loss = softmax_cross_entropy(logits, targets)\n"
+                         "    label = targets\n"
+                         "    optimizer = adamw(lr = 0.01, weight_decay = 0.01)\n"
+                         "    metrics = [loss]\n"
+                         "  }\n"
+                         "}\n";
+  return {name, path.string(), {}, ep};
+}
+
 inline SessionOptions options(const Model& m, int64_t batch) {
   SessionOptions o;
-  o.model_path = std::string(KILN_SOURCE_DIR) + "/" + m.path;
+  o.model_path = m.path.front() == '/' ? m.path : std::string(KILN_SOURCE_DIR) + "/" + m.path;
   o.overrides = m.overrides;
   o.batch = batch;
   o.seed = 3;
@@ -59,7 +91,13 @@ inline data::Batch batchOf(const ModelSession& s, int64_t first, int64_t n) {
 struct Trajectory {
   std::vector<double> losses;                     // per step: the global batch's loss
   std::map<std::string, ir::HostTensor> tensors;  // the single-rank run's final tensors
+  // The last step's per-expert counts of each MoE layer ("moe.0.counts"): the global batch's.
+  std::map<std::string, std::vector<double>> counts;
 };
+
+inline bool isCounts(const std::string& stat) {
+  return stat.size() > 7 && stat.compare(stat.size() - 7, 7, ".counts") == 0;
+}
 
 constexpr int64_t kGlobalBatch = 48;
 
@@ -73,6 +111,9 @@ inline Trajectory singleRank(const Model& m, int steps) {
     auto out = (*s)->trainStep(batchOf(**s, (step - 1) * kGlobalBatch, kGlobalBatch), 1.0, step);
     EXPECT_TRUE(out) << out.status().str();
     r.losses.push_back(out ? out->loss : NAN);
+    if (out)
+      for (const auto& [stat, v] : out->stats)
+        if (isCounts(stat)) r.counts[stat] = v;
   }
   for (const std::string& name : (*s)->checkpointNames()) {
     const ir::HostTensor* t = (*s)->params().find(name);
@@ -83,10 +124,11 @@ inline Trajectory singleRank(const Model& m, int steps) {
   return r;
 }
 
-// The element of `t` at global position (row, col) of a [rows, cols] or [rows] tensor.
-inline double at(const ir::HostTensor& t, int64_t row, int64_t col) {
-  const int64_t cols = t.view.shape.size() > 1 ? t.view.shape[1] : 1;
-  return t.as<float>()[row * cols + col];
+// A tensor seen as [d0, d1, inner]: its first two dims and the product of the others.
+inline std::array<int64_t, 3> asThreeDims(const std::vector<int64_t>& shape) {
+  std::array<int64_t, 3> d{shape.empty() ? 1 : shape[0], shape.size() > 1 ? shape[1] : 1, 1};
+  for (size_t i = 2; i < shape.size(); ++i) d[2] *= shape[i];
+  return d;
 }
 
 // Rank comm.rank()'s part of a run where every table is `sharding` ("" = the automatic plan):
@@ -99,31 +141,45 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
   SessionOptions o = options(m, kGlobalBatch / ranks);
   o.comm = &c;
   o.sharding = sharding;
+  o.ep = m.ep;
   KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
   const int64_t b = kGlobalBatch / ranks;
+  std::vector<std::pair<std::string, std::vector<double>>> last_stats;
   for (int step = 1; step <= steps; ++step) {
     KILN_ASSIGN_OR_RETURN(auto out,
                           s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
     losses.push_back(out.loss);
+    last_stats = std::move(out.stats);
   }
-  for (const runtime::LocalPiece& p : s->localPieces()) {
+  // (A trajectory without tensors compares the losses only.)
+  for (const runtime::LocalPiece& p : want.tensors.empty() ? std::vector<runtime::LocalPiece>{} : s->localPieces()) {
     auto it = want.tensors.find(p.name);
     EXPECT_NE(it, want.tensors.end()) << p.name;
     if (it == want.tensors.end()) continue;
     const ir::HostTensor& full = it->second;
     EXPECT_EQ(p.global_shape, full.view.shape) << p.name;
-    const int64_t rows = p.view.shape[0], cols = p.view.shape.size() > 1 ? p.view.shape[1] : 1;
+    // Pieces are row blocks, column blocks, or both: their dims beyond the second are whole.
+    const auto local = asThreeDims(p.view.shape), global = asThreeDims(full.view.shape);
+    const int64_t row0 = p.offset.empty() ? 0 : p.offset[0], col0 = p.offset.size() > 1 ? p.offset[1] : 0;
     int bad = 0;
-    for (int64_t r = 0; r < rows && bad < 3; ++r)
-      for (int64_t col = 0; col < cols && bad < 3; ++col) {
-        const double got = static_cast<const float*>(p.view.data)[r * cols + col];
-        const double ref = at(full, p.offset[0] + r, (p.offset.size() > 1 ? p.offset[1] : 0) + col);
-        if (std::fabs(got - ref) > 2e-5 + 2e-4 * std::fabs(ref)) {
-          ADD_FAILURE() << p.name << " on rank " << c.rank() << " at [" << p.offset[0] + r << ", " << col
-                        << "]: " << got << " vs single-rank " << ref;
-          ++bad;
+    for (int64_t r = 0; r < local[0] && bad < 3; ++r)
+      for (int64_t col = 0; col < local[1] && bad < 3; ++col)
+        for (int64_t i = 0; i < local[2] && bad < 3; ++i) {
+          const double got = static_cast<const float*>(p.view.data)[(r * local[1] + col) * local[2] + i];
+          const double ref = full.as<float>()[((row0 + r) * global[1] + col0 + col) * global[2] + i];
+          if (std::fabs(got - ref) > 2e-5 + 2e-4 * std::fabs(ref)) {
+            ADD_FAILURE() << p.name << " on rank " << c.rank() << " at [" << row0 + r << ", " << col0 + col << ", "
+                          << i << "]: " << got << " vs single-rank " << ref;
+            ++bad;
+          }
         }
-      }
+  }
+  // Every rank reports the global batch's per-expert counts.
+  for (const auto& [stat, v] : last_stats) {
+    if (!isCounts(stat) || want.tensors.empty()) continue;
+    auto it = want.counts.find(stat);
+    EXPECT_NE(it, want.counts.end()) << stat;
+    if (it != want.counts.end()) EXPECT_EQ(v, it->second) << stat << " on rank " << c.rank();
   }
   return Status::ok();
 }
