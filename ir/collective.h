@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "ir/ir.h"
@@ -19,9 +20,34 @@
 
 namespace kiln::ir {
 
+// A collective issued but perhaps not complete: its send and receive buffers belong to it until
+// wait() returns. Waiting twice returns the first wait's status; a default-constructed one is
+// complete. Dropping one unwaited does not cancel the transfer, so the buffers must outlive it.
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  explicit PendingCollective(std::function<Status()> wait) : wait_(std::move(wait)) {}
+  static PendingCollective done(Status s) {
+    return PendingCollective([s] { return s; });
+  }
+  Status wait() {
+    if (wait_) {
+      status_ = wait_();
+      wait_ = nullptr;
+    }
+    return status_;
+  }
+
+ private:
+  std::function<Status()> wait_;
+  Status status_ = Status::ok();
+};
+
 // This rank's view of its group. Every call blocks until this rank's part is done; buffers are
 // host memory, counts are elements of `t`, segments are packed in rank order (as in
-// comm::Communicator, whose blocking forms these are).
+// comm::Communicator, whose blocking forms these are). The issue* forms return at once with the
+// transfer in flight (the CPU executor overlaps it with compute); by default they run the
+// blocking form, for groups that cannot do better.
 class RankGroup {
  public:
   virtual ~RankGroup() = default;
@@ -40,6 +66,24 @@ class RankGroup {
                            const std::vector<int64_t>& recv_counts, int64_t recv_capacity, DType t) = 0;
   // What each peer will send here, given what this rank sends each peer.
   virtual Expected<std::vector<int64_t>> exchangeCounts(const std::vector<int64_t>& send_counts) = 0;
+
+  virtual PendingCollective issueAllReduceSum(const void* send, void* recv, int64_t count, DType t) {
+    return PendingCollective::done(allReduceSum(send, recv, count, t));
+  }
+  virtual PendingCollective issueReduceScatterSum(const void* send, void* recv, int64_t recv_count, DType t) {
+    return PendingCollective::done(reduceScatterSum(send, recv, recv_count, t));
+  }
+  virtual PendingCollective issueAllGather(const void* send, void* recv, int64_t send_count, DType t) {
+    return PendingCollective::done(allGather(send, recv, send_count, t));
+  }
+  virtual PendingCollective issueAllToAll(const void* send, void* recv, int64_t count_per_peer, DType t) {
+    return PendingCollective::done(allToAll(send, recv, count_per_peer, t));
+  }
+  virtual PendingCollective issueAllToAllV(const void* send, const std::vector<int64_t>& send_counts,
+                                           void* recv, const std::vector<int64_t>& recv_counts,
+                                           int64_t recv_capacity, DType t) {
+    return PendingCollective::done(allToAllV(send, send_counts, recv, recv_counts, recv_capacity, t));
+  }
 };
 
 // Whether an op is one of the collectives (all_reduce, reduce_scatter, all_gather, all_to_all,

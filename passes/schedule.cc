@@ -1,5 +1,7 @@
 #include "passes/schedule.h"
 
+#include <algorithm>
+#include <tuple>
 #include <unordered_map>
 
 #include "ir/collective.h"
@@ -88,31 +90,98 @@ std::vector<int> listSchedule(const BlockDependences& deps, const CostModel& cos
   return order;
 }
 
+// How long the overlap order holds back a collective's consumers.
+enum class Patience {
+  kAsLateAsPossible,    // until nothing else is ready (most overlap, longest lifetimes)
+  kAsTheTransferNeeds,  // until the cost model says the transfer is done
+};
+
+// The overlap order: a list schedule played on the two streams of passes/comm_timeline.h. A
+// ready collective is issued first, as early as its operands allow; among the other ready ops
+// the first in the current order that does not wait on a transfer in flight runs next, so
+// independent work fills the gap between a collective and its first consumer. In flight means,
+// by `patience`, not yet joined by any consumer, or not yet done by the cost model's clocks (a
+// consumer then waits only as long as the transfer takes). When every ready op waits, the one
+// whose inputs arrive first runs.
+std::vector<int> overlapSchedule(const BlockDependences& deps, const CostModel& cost,
+                                 const ir::SymbolBindings& symbols, Patience patience) {
+  const auto& ops = deps.ops();
+  const int n = static_cast<int>(ops.size());
+  std::vector<int> waiting(ops.size()), ready, order;
+  std::vector<double> done(ops.size(), 0.0);  // when each op's results are there
+  for (int i = 0; i < n; ++i) {
+    waiting[static_cast<size_t>(i)] = static_cast<int>(deps.predecessors(i).size());
+    if (!waiting[static_cast<size_t>(i)]) ready.push_back(i);
+  }
+  auto inputsAt = [&](int i) {
+    double t = 0;
+    for (int p : deps.predecessors(i)) t = std::max(t, done[static_cast<size_t>(p)]);
+    return t;
+  };
+  std::vector<bool> joined(ops.size(), false);  // a collective some scheduled op has read
+  // Whether op i reads a collective no consumer has joined yet.
+  auto readsUnjoined = [&](int i) {
+    for (int p : deps.predecessors(i))
+      if (ir::isCollective(*ops[static_cast<size_t>(p)]) && !joined[static_cast<size_t>(p)]) return true;
+    return false;
+  };
+  double compute_clock = 0, comm_clock = 0;
+  while (!ready.empty()) {
+    // Ranks a ready op: collectives first, then ops that run at once, then by arrival; the
+    // current order breaks ties; the terminator only when nothing else is ready.
+    auto key = [&](int i) {
+      const Op& op = *ops[static_cast<size_t>(i)];
+      const bool last = op.hasTrait(ir::kTerminator);
+      const bool comm = ir::isCollective(op);
+      const double stall = comm ? 0.0 : std::max(0.0, inputsAt(i) - compute_clock);
+      const bool waits = patience == Patience::kAsLateAsPossible ? !comm && readsUnjoined(i) : stall > 0;
+      return std::make_tuple(last, !comm, waits, stall, i);
+    };
+    size_t pick = 0;
+    for (size_t k = 1; k < ready.size(); ++k)
+      if (key(ready[k]) < key(ready[pick])) pick = k;
+    const int i = ready[pick];
+    ready.erase(ready.begin() + static_cast<long>(pick));
+    order.push_back(i);
+    const Op& op = *ops[static_cast<size_t>(i)];
+    double& clock = ir::isCollective(op) ? comm_clock : compute_clock;
+    const double seconds = ir::isCollective(op)
+                               ? ir::collectiveSeconds(op, symbols, cost.target(), ir::LinkScope::intra_node)
+                           : CostModel::launchesWork(op) ? cost.time(cost.opCost(op))
+                                                         : 0.0;
+    clock = std::max(clock, inputsAt(i)) + seconds;
+    done[static_cast<size_t>(i)] = clock;
+    for (int p : deps.predecessors(i)) joined[static_cast<size_t>(p)] = true;
+    for (int s : deps.successors(i))
+      if (--waiting[static_cast<size_t>(s)] == 0) ready.push_back(s);
+  }
+  return order;
+}
+
 }  // namespace
 
 namespace {
 
-// Keeps the new order only if the estimated peak does not grow.
-Expected<bool> reorderChecked(ir::Function& f, const CostModel& cost, const ir::SymbolBindings& symbols) {
-  ir::Block& block = f.entry();
-  KILN_ASSIGN_OR_RETURN(auto before, estimatePeakBytes(f, symbols));
-  BlockDependences deps(block);
-  std::vector<int> order = listSchedule(deps, cost);
+void putInOrder(ir::Block& block, const std::vector<Op*>& seq) {
+  std::vector<std::unique_ptr<Op>> held;
+  for (Op* op : seq) held.push_back(block.remove(op));
+  for (auto& op : held) block.push_back(std::move(op));
+}
+
+// Puts the block in `order` (positions in `deps`, built on the block as it is) and keeps it
+// only if the estimated peak stays within `limit`.
+Expected<bool> reorderChecked(ir::Function& f, const std::vector<int>& order, const BlockDependences& deps,
+                              const ir::SymbolBindings& symbols, int64_t limit) {
   bool same = true;
   for (size_t k = 0; k < order.size(); ++k) same &= order[k] == static_cast<int>(k);
   if (same) return false;
-  std::vector<Op*> original = deps.ops();
-  auto apply = [&](const std::vector<Op*>& seq) {
-    std::vector<std::unique_ptr<Op>> held;
-    for (Op* op : seq) held.push_back(block.remove(op));
-    for (auto& op : held) block.push_back(std::move(op));
-  };
+  const std::vector<Op*> original = deps.ops();
   std::vector<Op*> scheduled;
   for (int i : order) scheduled.push_back(original[static_cast<size_t>(i)]);
-  apply(scheduled);
+  putInOrder(f.entry(), scheduled);
   KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(f, symbols));
-  if (after <= before) return true;
-  apply(original);
+  if (after <= limit) return true;
+  putInOrder(f.entry(), original);
   return false;
 }
 
@@ -122,7 +191,13 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
   if (f.body().empty()) return false;
   ir::SymbolBindings bound = bindAllSymbols(f, symbols);
   CostModel cost(target, bound);
-  KILN_ASSIGN_OR_RETURN(auto changed, reorderChecked(f, cost, bound));
+  // Every reorder below keeps the peak within what the block's order had on entry.
+  KILN_ASSIGN_OR_RETURN(const int64_t entry_peak, estimatePeakBytes(f, bound));
+  bool changed = false;
+  {
+    BlockDependences deps(f.entry());
+    KILN_ASSIGN_OR_RETURN(changed, reorderChecked(f, listSchedule(deps, cost), deps, bound, entry_peak));
+  }
   bool streams = false;
   auto place = [&](Op& op, int64_t stream) {
     if (op.intAttr("kiln.stream", 0) == stream) return;
@@ -136,6 +211,22 @@ Expected<bool> scheduleFunction(ir::Function& f, const ir::SymbolBindings& symbo
       place(*op, kCommStream);
     else if (onEmbeddingStream(*op))
       place(*op, 1);
+  }
+  // Then the overlap, planned with the streams placed: a collective's buffers stay live on the
+  // comm stream until its consumers join it, which the peak estimate counts.
+  bool has_collectives = false;
+  for (const auto& op : f.entry().ops()) has_collectives |= ir::isCollective(*op);
+  if (has_collectives) {
+    KILN_ASSIGN_OR_RETURN(const int64_t placed_peak, estimatePeakBytes(f, bound));
+    // The most patient order first; if its longer lifetimes cost memory, the one that waits
+    // only as long as the cost model says the transfers take.
+    for (Patience patience : {Patience::kAsLateAsPossible, Patience::kAsTheTransferNeeds}) {
+      BlockDependences deps(f.entry());
+      KILN_ASSIGN_OR_RETURN(auto overlapped, reorderChecked(f, overlapSchedule(deps, cost, bound, patience),
+                                                            deps, bound, std::max(entry_peak, placed_peak)));
+      changed |= overlapped;
+      if (overlapped) break;
+    }
   }
   return changed || streams;
 }

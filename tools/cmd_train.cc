@@ -628,6 +628,9 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("ranks", "N",
               "train on N in-process ranks (one thread each; --batch is the global batch); under mpirun the "
               "ranks are MPI's processes (default: 1)");
+  p.addFlag("no-overlap",
+            "on several ranks, wait on each collective right after issuing it instead of computing while it "
+            "moves (a baseline for the overlap)");
   p.addOption("comm-timeout", "SECONDS", "a rank that waits this long for a peer fails, naming it", "300");
   p.addOption("plan", "FILE",
               "the sharding plan on several ranks (kiln plan -o; default: the automatic plan)");
@@ -718,6 +721,7 @@ int runTrain(const std::vector<std::string>& args) {
   so.plan_path = p.get("plan");
   so.sharding = p.get("sharding");
   so.ranks_per_node = static_cast<int>(ranks_per_node);
+  so.no_overlap = p.has("no-overlap");
   if (!so.plan_path.empty() && !std::filesystem::exists(so.plan_path))
     return p.usageError(fmt::format("no such plan file '{}'", so.plan_path));
 

@@ -5,6 +5,7 @@
 #include <ostream>
 
 #include "codegen/lower_cpu.h"
+#include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
 #include "passes/fusion.h"
 #include "passes/pass_manager.h"
@@ -52,6 +53,15 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
   out << fmt::format("peak_bytes: {}\n", *peak);
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
+  // A sharded step's communication: what the schedule's order hides behind compute, played on
+  // the target's links between the ranks of one node (kiln dump places every rank on one).
+  passes::CommTimeline timeline = passes::simulateCommTimeline(*f, cost, ir::LinkScope::intra_node);
+  if (timeline.collectives > 0) {
+    out << fmt::format("collectives: {}\n", timeline.collectives);
+    out << fmt::format("comm_seconds: {:.6g}\n", timeline.comm_seconds);
+    out << fmt::format("exposed_comm_seconds: {:.6g}\n", timeline.exposed_comm_seconds);
+    out << fmt::format("exposed_comm_seconds_no_overlap: {:.6g}\n", timeline.exposed_comm_seconds_no_overlap);
+  }
   return kExitOk;
 }
 

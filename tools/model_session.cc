@@ -316,6 +316,7 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   eo.tracer = options_.tracer;
   eo.rank = rank();  // the trace's pid: each rank's kernels on its own tracks
   eo.ranks = rank_group_.get();
+  eo.overlap_collectives = !options_.no_overlap;
   KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
   runtime::cpu::CpuExecutor* raw = exec.get();
   executors_[key] = std::move(exec);

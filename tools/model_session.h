@@ -65,6 +65,8 @@ struct SessionOptions {
   std::string plan_path;
   int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
   int ep = 1;              // --ep: MoE experts over groups of this many ranks (expert parallelism)
+  // kiln train --no-overlap: the executors wait on each collective right after issuing it.
+  bool no_overlap = false;
   // Every table one way (data_parallel, table_wise, ...) instead of a plan (tests, --sharding).
   std::string sharding;
   // How many sessions of one process split its memory (kiln train --ranks N): the memory check

@@ -1,11 +1,12 @@
 #include "runtime/cpu/executor.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "runtime/cpu/kernels/kernels.h"
 
@@ -57,6 +58,10 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   for (const codegen::Stream& st : ex->program_.streams)
     for (const codegen::Instruction& in : st.instrs) stream_ids[&in] = st.id;
   for (const codegen::Instruction* in : ex->order_) ex->stream_of_.push_back(stream_ids.at(in));
+  ex->recorded_at_.assign(static_cast<size_t>(ex->program_.num_events), 0);
+  for (size_t t = 0; t < ex->order_.size(); ++t)
+    if (ex->order_[t]->kind == codegen::InstrKind::RecordEvent)
+      ex->recorded_at_[static_cast<size_t>(ex->order_[t]->event)] = static_cast<int>(t);
   for (const codegen::Instruction* in : ex->order_) {
     Launch l;
     if (in->kind == codegen::InstrKind::HostStep)
@@ -127,56 +132,225 @@ Status CpuExecutor::bindSources(const Batch& batch, ParameterStore& params) {
   return Status::ok();
 }
 
+namespace {
+
+// The group one collective launch runs over: the executor's, except that a transfer between
+// the launch's own operand and result views is issued and left in flight. A reference hook
+// that sends from or receives into a scratch copy of its own (a packed reduce_scatter) frees
+// it on return, so that transfer completes before the hook returns.
+class IssuingGroup final : public ir::RankGroup {
+ public:
+  IssuingGroup(ir::RankGroup& inner, const std::vector<const ir::TensorView*>& operands,
+               const std::vector<ir::TensorView*>& results, std::vector<ir::PendingCollective>& issued)
+      : inner_(inner), operands_(operands), results_(results), issued_(issued) {}
+
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Status allReduceSum(const void* send, void* recv, int64_t count, ir::DType t) override {
+    if (!ownViews(send, recv)) return inner_.allReduceSum(send, recv, count, t);
+    return keep(inner_.issueAllReduceSum(send, recv, count, t));
+  }
+  Status reduceScatterSum(const void* send, void* recv, int64_t recv_count, ir::DType t) override {
+    if (!ownViews(send, recv)) return inner_.reduceScatterSum(send, recv, recv_count, t);
+    return keep(inner_.issueReduceScatterSum(send, recv, recv_count, t));
+  }
+  Status allGather(const void* send, void* recv, int64_t send_count, ir::DType t) override {
+    if (!ownViews(send, recv)) return inner_.allGather(send, recv, send_count, t);
+    return keep(inner_.issueAllGather(send, recv, send_count, t));
+  }
+  Status allToAll(const void* send, void* recv, int64_t count_per_peer, ir::DType t) override {
+    if (!ownViews(send, recv)) return inner_.allToAll(send, recv, count_per_peer, t);
+    return keep(inner_.issueAllToAll(send, recv, count_per_peer, t));
+  }
+  Status allToAllV(const void* send, const std::vector<int64_t>& send_counts, void* recv,
+                   const std::vector<int64_t>& recv_counts, int64_t recv_capacity, ir::DType t) override {
+    if (!ownViews(send, recv))
+      return inner_.allToAllV(send, send_counts, recv, recv_counts, recv_capacity, t);
+    return keep(inner_.issueAllToAllV(send, send_counts, recv, recv_counts, recv_capacity, t));
+  }
+  Expected<std::vector<int64_t>> exchangeCounts(const std::vector<int64_t>& send_counts) override {
+    return inner_.exchangeCounts(send_counts);
+  }
+
+ private:
+  bool ownViews(const void* send, const void* recv) const {
+    bool from = false, to = false;
+    for (const ir::TensorView* v : operands_) from |= v->data == send;
+    for (const ir::TensorView* v : results_) to |= v->data == recv;
+    return from && to;
+  }
+  Status keep(ir::PendingCollective p) {
+    issued_.push_back(std::move(p));
+    return Status::ok();
+  }
+
+  ir::RankGroup& inner_;
+  const std::vector<const ir::TensorView*>& operands_;
+  const std::vector<ir::TensorView*>& results_;
+  std::vector<ir::PendingCollective>& issued_;
+};
+
+}  // namespace
+
+// One collective launch whose transfer is still in flight.
+struct CpuExecutor::InFlight {
+  size_t issued = 0;  // position in order_
+  int stream = 0;
+  std::vector<int> buffers;  // its operands and results
+  std::vector<ir::PendingCollective> pending;
+};
+
+Status CpuExecutor::waitOn(InFlight& f, int waited_at) {
+  Status first = Status::ok();
+  for (ir::PendingCollective& p : f.pending) {
+    Status s = p.wait();
+    if (first.isOk() && !s.isOk()) first = s;
+  }
+  waits_.push_back({order_[f.issued]->seq, waited_at});
+  if (!first.isOk())
+    return Status::errorf("instruction {} ('{}'): {}", order_[f.issued]->seq, order_[f.issued]->op,
+                          first.message());
+  return Status::ok();
+}
+
+// Waits on every one, even after an error: no transfer may still use the arena when run returns.
+Status CpuExecutor::waitAll(std::vector<InFlight>& in_flight, int waited_at) {
+  Status first = Status::ok();
+  for (InFlight& f : in_flight) {
+    Status s = waitOn(f, waited_at);
+    if (first.isOk() && !s.isOk()) first = s;
+  }
+  in_flight.clear();
+  return first;
+}
+
+Status CpuExecutor::joinBefore(size_t t, std::vector<InFlight>& in_flight) {
+  const codegen::Instruction& in = *order_[t];
+  auto touches = [&](const InFlight& f) {
+    for (int id : in.operands)
+      if (std::find(f.buffers.begin(), f.buffers.end(), id) != f.buffers.end()) return true;
+    for (int id : in.results)
+      if (std::find(f.buffers.begin(), f.buffers.end(), id) != f.buffers.end()) return true;
+    return false;
+  };
+  auto due = [&](const InFlight& f) {
+    if (in.kind == codegen::InstrKind::WaitEvent) {
+      // A stream waiting on this event follows everything its recorder ran before the record.
+      const size_t rec = static_cast<size_t>(recorded_at_[static_cast<size_t>(in.event)]);
+      return stream_of_[rec] == f.stream && f.issued < rec;
+    }
+    // A stream runs in order; and the first use of a collective's buffers needs it done.
+    return in.kind == codegen::InstrKind::Launch && (stream_of_[t] == f.stream || touches(f));
+  };
+  Status first = Status::ok();
+  for (auto it = in_flight.begin(); it != in_flight.end();) {
+    if (!due(*it)) {
+      ++it;
+      continue;
+    }
+    Status s = waitOn(*it, in.seq);
+    if (first.isOk() && !s.isOk()) first = s;
+    it = in_flight.erase(it);
+  }
+  if (!first.isOk() || in.kind != codegen::InstrKind::Launch) return first;
+  // What is still in flight was not joined: the plan must not give its storage to this launch.
+  auto range = [&](int id) {
+    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
+    return b.inArena() ? std::make_pair(b.offset, b.offset + b.bytes)
+                       : std::make_pair(int64_t{0}, int64_t{0});
+  };
+  for (const InFlight& f : in_flight)
+    for (int id : in.results)
+      for (int busy : f.buffers) {
+        auto [a0, a1] = range(id);
+        auto [b0, b1] = range(busy);
+        if (a0 < b1 && b0 < a1)
+          return Status::errorf(
+              "internal error: instruction {} ('{}') writes %b{}, whose storage %b{} of the collective at "
+              "instruction {} still uses (the memory plan ignored the transfer's lifetime)",
+              in.seq, in.op, id, busy, order_[f.issued]->seq);
+      }
+  return Status::ok();
+}
+
+Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
+  const codegen::Instruction& in = *order_[t];
+  const Launch& l = launches_[t];
+  std::vector<const ir::TensorView*> operands;
+  std::vector<ir::TensorView*> results;
+  for (int id : in.operands) operands.push_back(&views_[static_cast<size_t>(id)]);
+  for (int id : in.results) {
+    ir::TensorView& v = views_[static_cast<size_t>(id)];
+    v.shape = bound_[static_cast<size_t>(id)];  // full capacity; the kernel sets the actual shape
+    results.push_back(&v);
+  }
+  std::vector<ir::PendingCollective> issued;
+  std::unique_ptr<IssuingGroup> issuing;
+  ir::CpuContext ref_ctx{&program_.symbols, pool_->numThreads(), options_.ranks};
+  if (options_.ranks && ir::isCollective(*l.op)) {
+    issuing = std::make_unique<IssuingGroup>(*options_.ranks, operands, results, issued);
+    ref_ctx.ranks = issuing.get();
+  }
+  KernelContext fast_ctx{pool_.get(), &program_.symbols};
+  Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
+  const bool timed = options_.profile || tracer;
+  auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  Status s = l.fast ? l.fast->run(*l.op, operands, results, fast_ctx)
+                    : l.reference(*l.op, operands, results, ref_ctx);
+  (l.fast ? fast_launches_ : reference_launches_)++;
+  if (!issued.empty()) {
+    InFlight f{t, stream_of_[t], in.operands, std::move(issued)};
+    f.buffers.insert(f.buffers.end(), in.results.begin(), in.results.end());
+    in_flight.push_back(std::move(f));
+    // A failed hook may have issued part of its work: wait for it before reporting.
+    if (!options_.overlap_collectives || !s.isOk()) {
+      Status w = waitOn(in_flight.back(), in.seq);
+      in_flight.pop_back();
+      if (s.isOk()) s = w;
+    }
+  }
+  if (timed) {
+    auto end = std::chrono::steady_clock::now();
+    if (options_.profile) {
+      OpTime& p = profile_[in.op];
+      p.seconds += std::chrono::duration<double>(end - start).count();
+      p.launches += 1;
+      p.reference = !l.fast;
+    }
+    if (tracer)
+      tracer->complete(in.op, l.op->is(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel,
+                       options_.rank, streamTrack(stream_of_[t]), start, end,
+                       {{"seq", in.seq}, {"reference", l.fast ? 0 : 1}});
+  }
+  if (!s.isOk())
+    return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,
+                          in.results.empty() ? -1 : in.results[0], s.message());
+  for (int id : in.results) {
+    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
+    const ir::TensorView& v = views_[static_cast<size_t>(id)];
+    if (v.bytes() > b.bytes || v.rank() != b.type.rank())
+      return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, id,
+                            fmt::join(v.shape, ", "), b.type.str());
+    if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
+  }
+  return Status::ok();
+}
+
 Expected<std::vector<ir::HostTensor>> CpuExecutor::run(const Batch& batch, ParameterStore& params) {
   KILN_RETURN_IF_ERROR(bindSources(batch, params));
   fast_launches_ = reference_launches_ = 0;
   ++runs_;
-  ir::CpuContext ref_ctx{&program_.symbols, pool_->numThreads(), options_.ranks};
-  KernelContext fast_ctx{pool_.get(), &program_.symbols};
-  std::vector<const ir::TensorView*> operands;
-  std::vector<ir::TensorView*> results;
-  for (size_t t = 0; t < order_.size(); ++t) {
-    const codegen::Instruction& in = *order_[t];
-    if (in.kind != codegen::InstrKind::Launch) continue;  // one thread of execution: events hold by order
-    const Launch& l = launches_[t];
-    operands.clear();
-    results.clear();
-    for (int id : in.operands) operands.push_back(&views_[static_cast<size_t>(id)]);
-    for (int id : in.results) {
-      ir::TensorView& v = views_[static_cast<size_t>(id)];
-      v.shape = bound_[static_cast<size_t>(id)];  // full capacity; the kernel sets the actual shape
-      results.push_back(&v);
-    }
-    Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
-    const bool timed = options_.profile || tracer;
-    auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
-    Status s = l.fast ? l.fast->run(*l.op, operands, results, fast_ctx) : l.reference(*l.op, operands, results, ref_ctx);
-    (l.fast ? fast_launches_ : reference_launches_)++;
-    if (timed) {
-      auto end = std::chrono::steady_clock::now();
-      if (options_.profile) {
-        OpTime& p = profile_[in.op];
-        p.seconds += std::chrono::duration<double>(end - start).count();
-        p.launches += 1;
-        p.reference = !l.fast;
-      }
-      if (tracer)
-        tracer->complete(in.op, l.op->is(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel,
-                         options_.rank, streamTrack(stream_of_[t]), start, end,
-                         {{"seq", in.seq}, {"reference", l.fast ? 0 : 1}});
-    }
-    if (!s.isOk())
-      return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,
-                            in.results.empty() ? -1 : in.results[0], s.message());
-    for (int id : in.results) {
-      const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
-      const ir::TensorView& v = views_[static_cast<size_t>(id)];
-      if (v.bytes() > b.bytes || v.rank() != b.type.rank())
-        return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, id,
-                              fmt::join(v.shape, ", "), b.type.str());
-      if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
-    }
+  waits_.clear();
+  std::vector<InFlight> in_flight;
+  Status s = Status::ok();
+  for (size_t t = 0; t < order_.size() && s.isOk(); ++t) {
+    s = joinBefore(t, in_flight);
+    if (s.isOk() && order_[t]->kind == codegen::InstrKind::Launch) s = runLaunch(t, in_flight);
   }
+  const int end_seq = order_.empty() ? 0 : order_.back()->seq + 1;
+  Status drained = waitAll(in_flight, end_seq);
+  KILN_RETURN_IF_ERROR(s);
+  KILN_RETURN_IF_ERROR(drained);
   std::vector<ir::HostTensor> out;
   for (int id : program_.results) {
     const ir::TensorView& v = views_[static_cast<size_t>(id)];

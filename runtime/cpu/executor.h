@@ -2,7 +2,12 @@
 // come from the parameter store, temporaries and outputs live in one arena of the planned
 // size. Each launch runs a fast kernel where one supports the op (runtime/cpu/kernels/) and
 // the op table's CPU reference hook otherwise, so every op with a reference runs.
-// Streams run one after another in the program's global order; events are checked, not waited.
+// Instructions run in the program's global order. A collective on its own stream is issued
+// (ir::RankGroup's non-blocking forms) and waited on only where the program first needs it: at
+// a wait on an event its stream recorded after it, before the next launch of its stream, before
+// a launch that touches its buffers, or at the end of the run. Compute placed between issue and
+// that point runs while the data moves; the memory plan (ir/arena_plan.h) keeps the
+// collective's buffers out of reuse until such a join, and the executor checks that it does.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +42,16 @@ struct ExecutorOptions {
   // This rank's group for the collective ops (ir/collective.h; comm::CommunicatorRankGroup);
   // null runs one rank. Not owned; it must outlive the executor's runs.
   ir::RankGroup* ranks = nullptr;
+  // false (kiln train --no-overlap): wait on each collective right after issuing it, as a
+  // baseline for the overlap.
+  bool overlap_collectives = true;
+};
+
+// Where one run waited on one collective: the seq of the launch that issued it and of the
+// instruction before which it was waited on (the end of the program: one past the last seq).
+struct CollectiveWait {
+  int issued_at = 0;
+  int waited_at = 0;
 };
 
 // Time spent in one op over all runs of a program (ExecutorOptions::profile).
@@ -70,11 +85,20 @@ class CpuExecutor {
   const std::map<std::string, OpTime, std::less<>>& profile() const { return profile_; }
   int64_t runs() const { return runs_; }
   int referenceLaunches() const { return reference_launches_; }
+  // The collectives of the last run that were issued without completing at once, in issue
+  // order, with where each was waited on.
+  const std::vector<CollectiveWait>& collectiveWaits() const { return waits_; }
 
  private:
   struct Launch;
+  struct InFlight;
   CpuExecutor() = default;
   Status bindSources(const Batch& batch, ParameterStore& params);
+  Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
+  // Waits on the collectives of `in_flight` that `t` (a position in order_) must follow.
+  Status joinBefore(size_t t, std::vector<InFlight>& in_flight);
+  Status waitOn(InFlight& f, int waited_at);
+  Status waitAll(std::vector<InFlight>& in_flight, int waited_at);
 
   codegen::Program program_;
   ExecutorOptions options_;
@@ -92,6 +116,8 @@ class CpuExecutor {
   int fast_launches_ = 0, reference_launches_ = 0;
   std::map<std::string, OpTime, std::less<>> profile_;
   int64_t runs_ = 0;
+  std::vector<int> recorded_at_;  // per event: the position in order_ of its record
+  std::vector<CollectiveWait> waits_;
 };
 
 }  // namespace kiln::runtime::cpu
