@@ -256,7 +256,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
       pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
-  // The shard pass may replace kiln.train (each MoE layer's EP size): the old dict is gone.
+  // The shard pass records each MoE layer's EP size in kiln.train, which it replaces.
   if (s->train_) s->train_ = &m.attrs().at("kiln.train").asDict();
   if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
     // The peak of the step as it will run, after the passes that follow remat (fusion and the

@@ -111,6 +111,13 @@ void registerNoKernelOps(EmitterRegistry& r) {
   r.addNoKernel(ir::OpCode::BucketizeIds, NoKernel::kNotLowered,
                 "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
                 "does not run sharded steps yet");
+  // Expert parallelism's ops appear only in a sharded step (the shard pass puts them around the
+  // all_to_all_v of a MoE layer's dispatch and combine).
+  for (ir::OpCode op : {ir::OpCode::MoeRouteCounts, ir::OpCode::MoeEpSplit, ir::OpCode::MoeSortChunks,
+                        ir::OpCode::MoeChunkOffsets})
+    r.addNoKernel(op, NoKernel::kNotLowered,
+                  "expert parallelism's counting and chunk sorting run in sharded steps only; the CUDA "
+                  "backend does not run sharded steps yet");
 }
 
 }  // namespace kiln::codegen::emit

@@ -397,6 +397,17 @@ Status stepOnRanks(const Case& c, const std::string& path, const Prepared& whole
     Prepared p;
     prepare(c, path, share, &comm, p, ep);
     if (!p.session) return Status::error("no session");
+    // The whole batch's weights; under expert parallelism each rank holds the slice of experts
+    // [r E / ep, (r + 1) E / ep) of the expert weights.
+    for (auto [name, values] : {std::pair{"y.router.weight", &whole.w.router}, std::pair{"y.experts.fc1", &whole.w.fc1},
+                                std::pair{"y.experts.fc2", &whole.w.fc2}, std::pair{"y.shared.fc1.weight", &whole.w.s1},
+                                std::pair{"y.shared.fc2.weight", &whole.w.s2}}) {
+      ir::HostTensor* t = p.session->params().find(name);
+      if (!t) continue;
+      const auto n = static_cast<size_t>(t->numel());
+      const size_t first = n < values->size() ? static_cast<size_t>(comm.rank() % ep) * n : 0;
+      for (size_t i = 0; i < n; ++i) t->as<float>()[i] = static_cast<float>((*values)[first + i]);
+    }
     auto part = data::sliceBatch(whole.batch, p.session->trainSpec(), comm.rank() * share, share);
     if (!part) return part.status();
     KILN_ASSIGN_OR_RETURN(auto out, p.session->trainStep(*part, 1.0, 1));

@@ -254,6 +254,15 @@ std::vector<GradCase> gradCases() {
                       {"score", A("softmax")},
                       {"topk", A(int64_t{2})},
                       {"seq_len", A(int64_t{2})}})});
+  // The global-batch loss of expert parallelism: f from given counts (unlike this batch's own).
+  c.push_back({"AuxLossSoftmaxGlobalCounts",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts, i64({4}, {5, 1, 0, 6})},
+               attrs({{"coeff", A(0.2)}, {"score", A("softmax")}, {"topk", A(int64_t{2})}})});
+  c.push_back({"AuxLossSigmoidGlobalCounts",
+               "kiln.moe_aux_loss",
+               {uniform({4, 4}, -2, 2), experts, i32({4}, {2, 7, 3, 0})},
+               attrs({{"coeff", A(0.2)}, {"score", A("sigmoid")}, {"topk", A(int64_t{2})}})});
   c.push_back({"ZLoss", "kiln.moe_z_loss", {uniform({3, 5}, -2, 2)}, attrs({{"coeff", A(0.01)}})});
   // Experts (docs/moe.md): 4 tokens, top-2, 3 experts; expert 1 has no rows, slots 2 and 5 are
   // dropped, and experts 0 and 2 end in a padding row.
@@ -275,6 +284,12 @@ std::vector<GradCase> gradCases() {
                  {},
                  probs_grad});
   }
+  // Expert parallelism: 7 rows from 2 peers of 3 local experts, two chunks empty.
+  for (bool inverse : {false, true})
+    c.push_back({inverse ? "MoeSortChunksInverse" : "MoeSortChunks",
+                 "kiln.moe_sort_chunks",
+                 {uniform({7, 2}), i64({6}, {2, 0, 1, 1, 3, 0})},
+                 attrs({{"chunks", A(int64_t{3})}, {"inverse", A(inverse)}})});
   c.push_back({"GroupedMatmul", "kiln.grouped_matmul", {uniform({8, 3}), uniform({3, 3, 2}), offsets}});
   c.push_back({"GroupedMatmulTransposeB",
                "kiln.grouped_matmul",

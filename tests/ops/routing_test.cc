@@ -233,6 +233,81 @@ TEST(MoeAuxLossCpu, BalancedRoutingOfUniformScoresGivesCoeff) {
   expectTensor(loss, {}, {0.25});
 }
 
+// With counts: f_i = counts_i / sum(counts) (0 when the sum is 0); P_i this batch's mean score.
+double auxLossWithCounts(const std::vector<double>& logits, const std::vector<double>& counts, int n, int e,
+                         double coeff, bool sigmoid_scores) {
+  double total = 0;
+  for (double c : counts) total += c;
+  double loss = 0;
+  for (int x = 0; x < e; ++x) {
+    double p = 0;
+    for (int tok = 0; tok < n; ++tok) {
+      double sum = 0;
+      for (int y = 0; y < e; ++y)
+        sum += sigmoid_scores ? sigmoid(logits[tok * e + y]) : std::exp(logits[tok * e + y]);
+      const double score = sigmoid_scores ? sigmoid(logits[tok * e + x]) : std::exp(logits[tok * e + x]);
+      p += score / (sigmoid_scores ? sum + 1e-20 : sum) / n;
+    }
+    loss += (total > 0 ? counts[x] / total : 0.0) * p;
+  }
+  return coeff * e * loss;
+}
+
+TEST(MoeAuxLossCpu, GivenCountsReplaceThisBatchsLoad) {
+  const std::vector<double> logits = {0.1, 2, -1, 0.5, 1, 1, 0, -2, 3, 0.2, 0.4, 1};
+  const HostTensor ids = i32({3, 2}, {1, 3, 0, 1, 0, 3});
+  for (const char* score : {"softmax", "sigmoid"})
+    for (DType t : {DType::i32, DType::i64})
+      for (const std::vector<double>& counts : {std::vector<double>{7, 0, 2, 3}, {0, 0, 0, 0}}) {
+        auto loss = runOk({"kiln.moe_aux_loss",
+                           {f32({3, 4}, logits), ids, tensor(t, {4}, counts)},
+                           {{"coeff", A(0.01)}, {"score", A(score)}, {"topk", i(2)}}});
+        const double want = auxLossWithCounts(logits, counts, 3, 4, 0.01, std::string(score) == "sigmoid");
+        expectTensor(loss, {}, {want}, 1e-6);
+      }
+}
+
+// Two ranks, each with half the batch: given the whole batch's counts, the mean of their losses
+// is the whole batch's own loss (Megatron's global-batch load balancing).
+TEST(MoeAuxLossCpu, HalvesWithTheWholeBatchsCountsAverageToTheWholeBatchsLoss) {
+  std::mt19937 rng(31);
+  const int64_t n = 8, e = 4, k = 2;
+  std::uniform_real_distribution<double> u(-2, 2);
+  std::uniform_int_distribution<int> pick(0, e - 1);
+  std::vector<double> logits(n * e), ids(n * k), counts(e, 0);
+  for (double& v : logits) v = u(rng);
+  for (double& id : ids) {
+    id = pick(rng);
+    counts[static_cast<size_t>(id)] += 1;
+  }
+  const AttrDict attrs = {{"coeff", A(0.3)}, {"score", A("softmax")}, {"topk", i(k)}};
+  const double whole =
+      values(runOk({"kiln.moe_aux_loss", {f64({n, e}, logits), i32({n, k}, ids)}, attrs}))[0];
+  double mean = 0;
+  for (int64_t half = 0; half < 2; ++half) {
+    const auto part = [&](const std::vector<double>& v, int64_t w) {
+      return std::vector<double>(v.begin() + half * n / 2 * w, v.begin() + (half + 1) * n / 2 * w);
+    };
+    mean += values(runOk({"kiln.moe_aux_loss",
+                          {f64({n / 2, e}, part(logits, e)), i32({n / 2, k}, part(ids, k)), i64({e}, counts)},
+                          attrs}))[0] /
+            2;
+  }
+  EXPECT_NEAR(mean, whole, 1e-6);
+  // Each half's own loss (without the counts) is not the whole batch's: the counts matter.
+  const double own =
+      values(runOk({"kiln.moe_aux_loss",
+                    {f64({n / 2, e}, std::vector<double>(logits.begin(), logits.begin() + n / 2 * e)),
+                     i32({n / 2, k}, std::vector<double>(ids.begin(), ids.begin() + n / 2 * k))},
+                    attrs}))[0];
+  const double own_with_counts = values(
+      runOk({"kiln.moe_aux_loss",
+             {f64({n / 2, e}, std::vector<double>(logits.begin(), logits.begin() + n / 2 * e)),
+              i32({n / 2, k}, std::vector<double>(ids.begin(), ids.begin() + n / 2 * k)), i64({e}, counts)},
+             attrs}))[0];
+  EXPECT_GT(std::abs(own - own_with_counts), 1e-6);
+}
+
 TEST(MoeZLossCpu, MeanSquaredLogSumExp) {
   const std::vector<double> logits = {0, 1, 2, -1, 0.5, 3};
   double want = 0;
@@ -426,6 +501,19 @@ TEST(RoutingErrors, VerifierRejectsBadAttributesAndTypes) {
                {f32({3, 4}, std::vector<double>(12, 0)), i32({3, 2}, {0, 1, 2, 3, 0, 1})},
                {{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", i(2)}, {"seq_len", i(2)}}},
               "sequences");
+  const AttrDict aux = {{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", i(1)}};
+  expectError({"kiln.moe_aux_loss", {logits, i32({2, 1}, {0, 1}), f32({4}, {1, 1, 1, 1})}, aux},
+              "counts must be i32 or i64 [4]");
+  expectError({"kiln.moe_aux_loss", {logits, i32({2, 1}, {0, 1}), i64({3}, {1, 1, 1})}, aux},
+              "counts must be i32 or i64 [4]");
+  expectError({"kiln.moe_aux_loss",
+               {logits, i32({2, 1}, {0, 1}), i64({4}, {1, 1, 1, 1})},
+               {{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", i(1)}, {"seq_len", i(1)}}},
+              "counts only for the per-batch loss (seq_len = 0)");
+  expectError({"kiln.moe_aux_loss_grad",
+               {logits, i32({2, 1}, {0, 1}), f32({}, {1}), i64({4}, {1, 1, 1, 1})},
+               {{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", i(1)}, {"seq_len", i(2)}}},
+              "counts only for the per-batch loss");
   expectError(
       {"kiln.moe_dispatch", {f32({2, 2}, {0, 1, 2, 3}), f32({2, 2}, {0, 1, 2, 3})}, {{"experts", i(4)}}},
       "i32");
@@ -447,6 +535,10 @@ TEST(RoutingErrors, ExpertIdsOutOfRangeAreRunTimeErrors) {
       {"kiln.moe_router_grad", {f32({1, 2}, {0, 0}), i32({1, 1}, {2}), f32({1, 1}, {1})}, {{"topk", i(1)}}},
       "out of range [0, 2)");
   expectError({"kiln.moe_router", {f32({1, 2}, {0, NAN})}, {{"topk", i(1)}}}, "NaN");
+  expectError({"kiln.moe_aux_loss",
+               {f32({1, 2}, {0, 0}), i32({1, 1}, {0}), i32({2}, {3, -1})},
+               {{"coeff", A(0.1)}, {"score", A("softmax")}, {"topk", i(1)}}},
+              "counts[1] = -1 is negative");
 }
 
 }  // namespace
