@@ -10,7 +10,8 @@
 //   out     = moe_unpermute(y, rows, probs) (+ the shared experts' MLP of x)
 //
 // The balancing losses join the training loss once (ModelLowering::addAuxLoss); the per-expert
-// counts and the losses become step statistics (ModelLowering::addStat).
+// counts and the losses become step statistics (ModelLowering::addStat). `ep = N` pins the
+// layer's expert parallelism: the dispatch's `ep` attribute, which the shard pass prefers to --ep.
 #include <fmt/format.h>
 
 #include <cmath>
