@@ -10,7 +10,8 @@
 //   out     = moe_unpermute(y, rows, probs) (+ the shared experts' MLP of x)
 //
 // The balancing losses join the training loss once (ModelLowering::addAuxLoss); the per-expert
-// counts and the losses become step statistics (ModelLowering::addStat).
+// counts and the losses become step statistics (ModelLowering::addStat). `ep = N` pins the
+// layer's expert parallelism: the dispatch's `ep` attribute, which the shard pass prefers to --ep.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -33,6 +34,7 @@ struct MoeOptions {
   bool pad_to_capacity = false;
   int64_t shared_experts = 0, shared_hidden = 0;
   double aux_loss = 0, seq_aux_loss = 0, z_loss = 0, expert_bias = 0, scale = 1.0;
+  int64_t ep = 0;  // 0: the --ep flag's EP size (the shard pass reads the dispatch's pin)
 };
 
 const std::vector<std::string>& moeParams() {
@@ -56,7 +58,8 @@ const std::vector<std::string>& moeParams() {
                                              "expert_bias",
                                              "router_dtype",
                                              "topk_scale",
-                                             "name"};
+                                             "name",
+                                             "ep"};
   return k;
 }
 
@@ -136,6 +139,13 @@ MoeOptions parseOptions(ModelLowering& L, const ModelLowering::Bound& b, const L
   if (b.get(19)) {
     o.scale = L.numberArg(*b.get(19), b.locs[19], "topk_scale");
     if (!(o.scale > 0)) L.fail(b.locs[19], "topk_scale must be positive");
+  }
+  if (b.get(21)) {
+    // The layer's EP size whatever --ep says: its experts split evenly, E / ep per rank.
+    o.ep = L.intArg(*b.get(21), b.locs[21], "ep");
+    if (o.ep <= 0) L.fail(b.locs[21], fmt::format("ep must be a positive integer, got {}", o.ep));
+    if (o.experts % o.ep)
+      L.fail(b.locs[21], fmt::format("ep = {} does not divide the {} experts", o.ep, o.experts));
   }
   return o;
 }
@@ -218,11 +228,13 @@ Val lowerMoe(ModelLowering& L, CallArgs& a) {
   ir::Value* probs = (*router)->result(0);
   ir::Value* experts = (*router)->result(1);
 
-  auto dispatch = L.builder().create(ir::OpCode::MoeDispatch, {experts, probs},
-                                     {{"experts", o.experts},
-                                      {"capacity_factor", o.capacity_factor},
-                                      {"drop_policy", o.drop_policy},
-                                      {"pad_to_capacity", o.pad_to_capacity}});
+  ir::AttrDict dispatch_attrs{{"experts", o.experts},
+                              {"capacity_factor", o.capacity_factor},
+                              {"drop_policy", o.drop_policy},
+                              {"pad_to_capacity", o.pad_to_capacity}};
+  // The layer's EP pin: the shard pass spreads its experts over this many ranks.
+  if (o.ep > 0) dispatch_attrs["ep"] = o.ep;
+  auto dispatch = L.builder().create(ir::OpCode::MoeDispatch, {experts, probs}, std::move(dispatch_attrs));
   if (!dispatch) L.fail(a.loc, dispatch.status().message());
   ir::Value* rows = (*dispatch)->result(0);
   ir::Value* offsets = (*dispatch)->result(1);

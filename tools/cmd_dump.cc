@@ -67,10 +67,15 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   }
   for (const std::string& d : p.getAll("disable-pass")) o.disabled_passes.insert(d);
   // One rank's program of a sharded run: the shard pass with these options.
-  std::optional<long long> ranks = p.getInt("ranks"), rank = p.getInt("rank");
-  if (!ranks || !rank) return std::nullopt;
+  std::optional<long long> ranks = p.getInt("ranks"), rank = p.getInt("rank"), ep = p.getInt("ep");
+  if (!ranks || !rank || !ep) return std::nullopt;
   if (*ranks < 1 || *rank < 0 || *rank >= *ranks) {
     p.usageError(fmt::format("--rank must lie in [0, --ranks), got --rank {} --ranks {}", *rank, *ranks));
+    return std::nullopt;
+  }
+  if (*ep < 1 || *ranks % *ep != 0) {
+    p.usageError(
+        fmt::format("--ep must be a positive divisor of --ranks, got --ep {} --ranks {}", *ep, *ranks));
     return std::nullopt;
   }
   if (*ranks > 1) {
@@ -78,6 +83,7 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
     o.shard.set("rank", std::to_string(*rank));
     if (p.has("plan")) o.shard.set("plan", p.get("plan"));
     if (p.has("sharding")) o.shard.set("sharding", p.get("sharding"));
+    if (*ep > 1) o.shard.set("ep", std::to_string(*ep));
   }
   std::optional<Target> target;
   int code = kExitOk;
@@ -174,6 +180,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("rank", "R", "with --ranks: which rank's program", "0");
   p.addOption("plan", "FILE", "with --ranks: the plan.json to shard by (default: the automatic plan)");
   p.addOption("sharding", "TYPE", "with --ranks: shard every table this way instead of a plan");
+  p.addOption("ep", "N", "with --ranks: spread each MoE layer's experts over groups of N ranks", "1");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");

@@ -55,6 +55,7 @@ struct TrainFlags {
   // this process runs: it compiles and warms up, so the default 2:4 leaves it out).
   std::string trace_path;
   int64_t trace_first = 2, trace_last = 4;
+  int64_t ep = 1;  // --ep: MoE experts over groups of this many ranks
 };
 
 // One rank's training loop (the only one on one rank). On N ranks every rank runs it in step:
@@ -115,7 +116,7 @@ class Trainer {
   data::StreamPosition resume_position_;
   bool resumed_ = false;
   runtime::RunningMean window_loss_;
-  MoeStatsWindow moe_window_;  // this rank's MoE load over the logging window
+  MoeStatsWindow moe_window_;  // the global batch's MoE load over the logging window
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
@@ -475,7 +476,8 @@ int Trainer::run() {
     window_samples_ += batch.size;
     last_loss_ = out->loss;
     window_loss_.add(out->loss);
-    moe_window_.add(out->stats, batch.size / ranks_);
+    // The shard pass all-reduces the counts: they are the global batch's on any rank count.
+    moe_window_.add(out->stats, batch.size);
     if (!std::isfinite(out->loss))
       return fail(Status::error(fmt::format("the loss is {} at step {}; lower the learning rate", out->loss, step_)));
 
@@ -512,6 +514,7 @@ int Trainer::run() {
         if (entropy_floor_) r.extra["entropy_floor"] = *entropy_floor_;
         if (ranks_ > 1) {
           r.extra["ranks"] = ranks_;
+          if (f_.ep > 1) r.extra["ep"] = f_.ep;
           r.extra["samples_per_s_per_rank"] = window_rate_ / ranks_;
           r.extra["comm_bytes_per_step"] = comm_bytes_per_step_;
           r.extra["comm_wait_fraction"] = comm_fraction_;
@@ -631,6 +634,10 @@ int runTrain(const std::vector<std::string>& args) {
   p.addFlag("no-overlap",
             "on several ranks, wait on each collective right after issuing it instead of computing while it "
             "moves (a baseline for the overlap)");
+  p.addOption("ep", "N",
+              "expert parallelism: spread each MoE layer's experts over groups of N ranks (N divides the "
+              "rank count; a layer's moe(..., ep = N) overrides it)",
+              "1");
   p.addOption("comm-timeout", "SECONDS", "a rank that waits this long for a peer fails, naming it", "300");
   p.addOption("plan", "FILE",
               "the sharding plan on several ranks (kiln plan -o; default: the automatic plan)");
@@ -659,7 +666,7 @@ int runTrain(const std::vector<std::string>& args) {
     return true;
   };
   int64_t ranks = 1, comm_timeout = 300, ranks_per_node = 0;
-  if (!intFlag("ranks", ranks, 1) || !intFlag("comm-timeout", comm_timeout, 1) ||
+  if (!intFlag("ranks", ranks, 1) || !intFlag("ep", f.ep, 1) || !intFlag("comm-timeout", comm_timeout, 1) ||
       !intFlag("ranks-per-node", ranks_per_node, 0))
     return kExitUsage;
   if (!intFlag("steps", f.steps, 1) || !intFlag("epochs", f.epochs, 1) || !intFlag("batch", f.batch, 1) ||
@@ -746,6 +753,10 @@ int runTrain(const std::vector<std::string>& args) {
   if (f.batch % ranks != 0)
     return p.usageError(
         fmt::format("--batch {} does not split over {} ranks (it is the global batch)", f.batch, ranks));
+  if (ranks % f.ep != 0)
+    return p.usageError(
+        fmt::format("--ep {} does not divide the rank count {} (an expert group is ep ranks)", f.ep, ranks));
+  so.ep = static_cast<int>(f.ep);
 
   // One rank's run: its session (its own sharded program) and training loop. In-process ranks
   // trace each into its own tracer, on its own tracks (pid = rank), and rank 0 writes them all;

@@ -29,6 +29,9 @@ MoeStatsWindow::MoeStatsWindow(const ir::AttrDict& train) {
     l.experts = intField(d, "experts", 0);
     l.topk = intField(d, "topk", 1);
     l.tokens_per_sample = intField(d, "tokens_per_sample", 1);
+    l.ep = intField(d, "ep", 1);
+    // The shard pass refuses an EP size that does not split the experts evenly.
+    if (l.ep < 1 || l.experts % l.ep != 0) l.ep = 1;
     l.counts.assign(static_cast<size_t>(std::max<int64_t>(l.experts, 0)), 0.0);
     layers_.push_back(std::move(l));
   }
@@ -75,6 +78,13 @@ std::vector<MoeLayerStats> MoeStatsWindow::take() {
     // Kept tokens never exceed the routed slots; padding rows are not counted by the op.
     s.dropped = l.slots > 0 ? std::max(0.0, 1.0 - sum * steps / l.slots) : 0;
     for (const auto& [what, sn] : l.losses) s.losses[what] = sn.first / static_cast<double>(sn.second);
+    s.ep = l.ep;
+    if (l.ep > 1) {
+      // EP rank j owns experts [j*L, (j+1)*L): the tokens it computes are theirs.
+      const size_t local = l.counts.size() / static_cast<size_t>(l.ep);
+      s.rank_tokens.assign(static_cast<size_t>(l.ep), 0.0);
+      for (size_t e = 0; e < l.counts.size(); ++e) s.rank_tokens[e / local] += l.counts[e] / steps;
+    }
     out.push_back(std::move(s));
     std::fill(l.counts.begin(), l.counts.end(), 0.0);
     l.slots = 0;
@@ -84,17 +94,33 @@ std::vector<MoeLayerStats> MoeStatsWindow::take() {
   return out;
 }
 
+double MoeLayerStats::rankMaxOverMean() const {
+  if (rank_tokens.empty()) return 1.0;
+  double sum = 0;
+  for (double t : rank_tokens) sum += t;
+  const double mean = sum / static_cast<double>(rank_tokens.size());
+  return mean > 0 ? *std::max_element(rank_tokens.begin(), rank_tokens.end()) / mean : 0.0;
+}
+
 std::string MoeStatsWindow::progressText(const std::vector<MoeLayerStats>& layers) {
   if (layers.empty()) return "";
   const MoeLayerStats* worst = &layers[0];
-  double dropped = 0, aux = 0;
+  double dropped = 0, aux = 0, ep_imbalance = 0;
+  bool any_ep = false;
   for (const MoeLayerStats& s : layers) {
     if (s.cv > worst->cv) worst = &s;
     dropped = std::max(dropped, s.dropped);
     for (const auto& [what, v] : s.losses) aux += v;
+    if (s.ep > 1) {
+      // The busiest EP rank sets the step's pace: show the layer where it waits the most.
+      any_ep = true;
+      ep_imbalance = std::max(ep_imbalance, s.rankMaxOverMean());
+    }
   }
-  std::string text = fmt::format(" | moe cv {:.2f} max/mean {:.2f} drop {:.1f}%", worst->cv,
-                                 worst->mean > 0 ? worst->max / worst->mean : 0.0, 100 * dropped);
+  std::string text = fmt::format(" | moe cv {:.2f} max/mean {:.2f}", worst->cv,
+                                 worst->mean > 0 ? worst->max / worst->mean : 0.0);
+  if (any_ep) text += fmt::format(" ep max/mean {:.2f}", ep_imbalance);
+  text += fmt::format(" drop {:.1f}%", 100 * dropped);
   if (aux > 0) text += fmt::format(" aux {:.4f}", aux);
   return text;
 }
@@ -110,6 +136,10 @@ void MoeStatsWindow::addToMetrics(const std::vector<MoeLayerStats>& layers, json
     l["tokens_cv"] = s.cv;
     l["dropped"] = s.dropped;
     for (const auto& [what, v] : s.losses) l[what] = v;
+    if (s.ep > 1) {
+      l["ep"] = s.ep;
+      l["rank_tokens"] = s.rank_tokens;
+    }
     moe[s.name] = std::move(l);
   }
   extra["moe"] = std::move(moe);

@@ -1,7 +1,8 @@
 // Load statistics of a model's Mixture-of-Experts layers over a logging window: tokens per
 // expert (min, max, coefficient of variation), the fraction of routed slots dropped by capacity,
-// and the mean balancing losses. Fed by each step's statistics (StepOutputs::stats), shown in
-// the progress line and written to the metrics file (docs/moe.md, "Load statistics").
+// the mean balancing losses, and for an expert-parallel layer the tokens each EP rank computes. Fed by each
+// step's statistics (StepOutputs::stats), shown in the progress line and written to the metrics file
+// (docs/moe.md, "Load statistics").
 #pragma once
 
 #include <cstdint>
@@ -20,6 +21,10 @@ struct MoeLayerStats {
   double cv = 0;                         // std / mean of tokens per expert
   double dropped = 0;                    // dropped slots / routed slots
   std::map<std::string, double> losses;  // "aux_loss", "seq_aux_loss", "z_loss": window means
+  int64_t ep = 1;                        // the layer's EP size (kiln.train's moe entry)
+  std::vector<double> rank_tokens;       // with ep > 1: tokens per EP rank per step
+  // The busiest EP rank's tokens over the EP ranks' mean (1 without expert parallelism).
+  double rankMaxOverMean() const;
 };
 
 class MoeStatsWindow {
@@ -33,15 +38,18 @@ class MoeStatsWindow {
   // The window's statistics per layer; then the window restarts.
   std::vector<MoeLayerStats> take();
 
-  // " | moe cv 0.12 max/mean 1.31 drop 0.0%" for the layer least in balance; "" when empty.
+  // " | moe cv 0.12 max/mean 1.31 drop 0.0%" for the layer least in balance, with
+  // " ep max/mean 1.12" after max/mean (the least balanced expert-parallel layer's EP ranks)
+  // where a layer has ep > 1; "" when empty.
   static std::string progressText(const std::vector<MoeLayerStats>& layers);
-  // {"moe": {"<layer>": {"tokens_min": .., "tokens_max": .., "tokens_cv": .., "dropped": .., ...}}}
+  // {"moe": {"<layer>": {"tokens_min": .., "tokens_max": .., "tokens_cv": .., "dropped": .., ...}}};
+  // a layer with ep > 1 adds "ep" and "rank_tokens": [tokens per EP rank per step].
   static void addToMetrics(const std::vector<MoeLayerStats>& layers, json::Json& extra);
 
  private:
   struct Layer {
     std::string name;
-    int64_t experts = 0, topk = 0, tokens_per_sample = 1;
+    int64_t experts = 0, topk = 0, tokens_per_sample = 1, ep = 1;
     std::vector<double> counts;  // summed over the window's steps
     double slots = 0;            // routed slots over the window
     int64_t steps = 0;
