@@ -614,8 +614,8 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
   o.ranks = static_cast<int>(ranks);
   o.rank = static_cast<int>(rank);
   if (ranks % ep != 0)
-    return Status::errorf("shard: ep = {} does not divide ranks = {} (ranks / ep replicas of each expert group)",
-                          ep, ranks);
+    return Status::errorf(
+        "shard: ep = {} does not divide ranks = {} (ranks / ep replicas of each expert group)", ep, ranks);
   o.ranks_per_node = static_cast<int>(per_node);
   o.ep = static_cast<int>(ep);
   o.bucket_bytes = bucket;

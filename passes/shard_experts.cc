@@ -167,11 +167,13 @@ Expected<Value*> ExpertSharder::dispatch(Layer& l, Value* v, Op* before) {
   // Every member of the group may send this rank all its rows.
   ir::Shape shape = t.shape();
   shape[0] = Dim::bounded(t.dim(0).upperBound().times(l.ep));
-  KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {v, l.send_counts},
-                                                       {TensorType(t.dtype(), shape), countsType()}, world()));
+  KILN_ASSIGN_OR_RETURN(Op * moved,
+                        b_.createWithTypes(OpCode::AllToAllV, {v, l.send_counts},
+                                           {TensorType(t.dtype(), shape), countsType()}, world()));
   if (!l.recv_counts) l.recv_counts = moved->result(1);
-  KILN_ASSIGN_OR_RETURN(Value * sorted, b_.createValue(OpCode::MoeSortChunks, {moved->result(0), l.recv_chunks},
-                                                       {{"chunks", Attribute(l.local)}}));
+  KILN_ASSIGN_OR_RETURN(Value * sorted,
+                        b_.createValue(OpCode::MoeSortChunks, {moved->result(0), l.recv_chunks},
+                                       {{"chunks", Attribute(l.local)}}));
   l.dispatched[v] = sorted;
   l.expert_order.insert(sorted);
   return sorted;
@@ -186,8 +188,9 @@ Expected<Value*> ExpertSharder::combine(Layer& l, Value* v, Op* before) {
                                        {{"chunks", Attribute(l.local)}, {"inverse", Attribute(true)}}));
   ir::Shape shape = v->type().shape();
   shape[0] = l.source_rows;
-  KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {unsorted, l.recv_counts},
-                                                      {TensorType(v->type().dtype(), shape), countsType()}, world()));
+  KILN_ASSIGN_OR_RETURN(Op * back,
+                        b_.createWithTypes(OpCode::AllToAllV, {unsorted, l.recv_counts},
+                                           {TensorType(v->type().dtype(), shape), countsType()}, world()));
   l.combined[v] = back->result(0);
   return back->result(0);
 }
@@ -230,9 +233,10 @@ Status ExpertSharder::lowerLayer(Layer& l) {
   Op& d = *l.dispatch;
   const int64_t experts = d.intAttr("experts");
   if (l.ep > o_.ranks || o_.ranks % l.ep != 0 || experts % l.ep != 0)
-    return located(d, Status::errorf("a MoE layer of {} experts cannot spread over ep = {} of {} ranks: ep must "
-                                     "divide both",
-                                     experts, l.ep, o_.ranks));
+    return located(d,
+                   Status::errorf("a MoE layer of {} experts cannot spread over ep = {} of {} ranks: ep must "
+                                  "divide both",
+                                  experts, l.ep, o_.ranks));
   l.local = experts / l.ep;
   l.first_expert = (o_.rank % l.ep) * l.local;
   Value* rows = d.result(0);
@@ -254,7 +258,8 @@ Status ExpertSharder::lowerLayer(Layer& l) {
       if (op->is(OpCode::GroupedMatmul)) {
         Op* param = parameterBehindCasts(op->operand(1));
         if (!param)
-          return located(*op, Status::error("expert parallelism needs the experts' weights to be parameters"));
+          return located(*op,
+                         Status::error("expert parallelism needs the experts' weights to be parameters"));
         KILN_RETURN_IF_ERROR(holdExperts(l, *param));
         l.expert_order.insert(op->result());
       }
@@ -280,9 +285,10 @@ Status ExpertSharder::lowerLayer(Layer& l) {
     for (unsigned i = 0; i < op->numResults(); ++i) {
       Value* r = op->result(i);
       if (r->type().rank() < 1 || !(r->type().dim(0) == l.source_rows))
-        return located(*op, Status::errorf("'{}' combines the experts' rows into {}, which expert parallelism "
-                                           "cannot split (ep = {})",
-                                           op->name(), r->type().str(), l.ep));
+        return located(*op,
+                       Status::errorf("'{}' combines the experts' rows into {}, which expert parallelism "
+                                      "cannot split (ep = {})",
+                                      op->name(), r->type().str(), l.ep));
       l.expert_order.insert(r);
     }
   }
@@ -337,15 +343,17 @@ Status ExpertSharder::reduceExpertGradients() {
       KILN_ASSIGN_OR_RETURN(Op * send_counts, b_.createWithTypes(OpCode::Constant, {}, {countsType()},
                                                                  {{"value", Attribute::ints(counts)}}));
       std::vector<Value*> copies(static_cast<size_t>(replicas), grad);
-      KILN_ASSIGN_OR_RETURN(Value * send, b_.createValue(OpCode::Concat, copies, {{"axis", Attribute(int64_t{0})}}));
+      KILN_ASSIGN_OR_RETURN(Value * send,
+                            b_.createValue(OpCode::Concat, copies, {{"axis", Attribute(int64_t{0})}}));
       KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {send, send_counts->result()},
                                                            {send->type(), countsType()}, world()));
       ir::Shape split = t.shape();
       split.insert(split.begin(), Dim::fixed(replicas));
-      KILN_ASSIGN_OR_RETURN(Op * pieces,
-                            b_.createWithTypes(OpCode::Reshape, {moved->result(0)}, {TensorType(t.dtype(), split)}));
-      KILN_ASSIGN_OR_RETURN(sum, b_.createValue(OpCode::Reduce, {pieces->result()},
-                                                {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
+      KILN_ASSIGN_OR_RETURN(Op * pieces, b_.createWithTypes(OpCode::Reshape, {moved->result(0)},
+                                                            {TensorType(t.dtype(), split)}));
+      KILN_ASSIGN_OR_RETURN(sum,
+                            b_.createValue(OpCode::Reduce, {pieces->result()},
+                                           {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
     }
     KILN_ASSIGN_OR_RETURN(Value * mean, scaled(sum));
     op->setOperand(1, mean);

@@ -35,8 +35,8 @@ using CpuResults = std::vector<TensorView*>;
 
 Status expectCounts(const Op& op, unsigned i, int64_t chunks) {
   const TensorType& t = op.operand(i)->type();
-  if (t.rank() != 1 || t.dtype() != DType::i64 || !t.dim(0).isStatic() || t.dim(0).size() < 1 ||
-      chunks < 1 || t.dim(0).size() % chunks != 0)
+  if (t.rank() != 1 || t.dtype() != DType::i64 || !t.dim(0).isStatic() || t.dim(0).size() < 1 || chunks < 1 ||
+      t.dim(0).size() % chunks != 0)
     return Status::errorf("'{}' needs chunk counts of type i64[P * {}] (P peers of {} chunks), got {}",
                           op.name(), chunks, chunks, t.str());
   return Status::ok();
@@ -59,8 +59,8 @@ Status inferEpSplit(const Op& op, std::vector<TensorType>& out) {
     return Status::errorf("'{}' needs offsets of type i32[{}] (experts + 1), got {}", op.name(), e + 1,
                           offsets.str());
   if (ep < 1 || e % ep != 0 || ranks % ep != 0)
-    return Status::errorf("'{}' needs ep >= 1 dividing experts = {} and ranks = {}, got ep = {}", op.name(), e,
-                          ranks, ep);
+    return Status::errorf("'{}' needs ep >= 1 dividing experts = {} and ranks = {}, got ep = {}", op.name(),
+                          e, ranks, ep);
   out = {TensorType(DType::i64, {Dim::fixed(ranks)}), TensorType(DType::i64, {Dim::fixed(ranks * (e / ep))})};
   return Status::ok();
 }

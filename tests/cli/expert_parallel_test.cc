@@ -56,8 +56,8 @@ Trajectory dataParallel(const Model& m, int ranks, int steps) {
     KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
     const int64_t b = kGlobalBatch / ranks;
     for (int step = 1; step <= steps; ++step) {
-      KILN_ASSIGN_OR_RETURN(auto out,
-                            s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
+      KILN_ASSIGN_OR_RETURN(
+          auto out, s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
       std::lock_guard<std::mutex> lock(mu);
       r.losses[static_cast<size_t>(step - 1)] += out.loss / ranks;
       if (c.rank() == 0)
@@ -98,11 +98,12 @@ INSTANTIATE_TEST_SUITE_P(
     Layers, ExpertParallelStep,
     ::testing::Values(EpCase{"dropless", "aux_loss = 0.01, z_loss = 0.001"},
                       EpCase{"shared_expert", "shared_experts = 1, aux_loss = 0.01"},
-                      EpCase{"group_limited", "router = sigmoid, groups = 4, group_topk = 2, expert_bias = 0.001"},
+                      EpCase{"group_limited",
+                             "router = sigmoid, groups = 4, group_topk = 2, expert_bias = 0.001"},
                       EpCase{"seq_aux", "seq_aux_loss = 0.01, pre_softmax = true"},
                       EpCase{"capacity", "capacity_factor = 1.0, aux_loss = 0.01", true},
-                      EpCase{"capacity_padded", "capacity_factor = 1.0, pad_to_capacity = true, drop_policy = position",
-                             true}),
+                      EpCase{"capacity_padded",
+                             "capacity_factor = 1.0, pad_to_capacity = true, drop_policy = position", true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Twenty steps of the losses: AdamW divides each update by the root of its second moment, so the

@@ -399,9 +399,10 @@ Status stepOnRanks(const Case& c, const std::string& path, const Prepared& whole
     if (!p.session) return Status::error("no session");
     // The whole batch's weights; under expert parallelism each rank holds the slice of experts
     // [r E / ep, (r + 1) E / ep) of the expert weights.
-    for (auto [name, values] : {std::pair{"y.router.weight", &whole.w.router}, std::pair{"y.experts.fc1", &whole.w.fc1},
-                                std::pair{"y.experts.fc2", &whole.w.fc2}, std::pair{"y.shared.fc1.weight", &whole.w.s1},
-                                std::pair{"y.shared.fc2.weight", &whole.w.s2}}) {
+    for (auto [name, values] :
+         {std::pair{"y.router.weight", &whole.w.router}, std::pair{"y.experts.fc1", &whole.w.fc1},
+          std::pair{"y.experts.fc2", &whole.w.fc2}, std::pair{"y.shared.fc1.weight", &whole.w.s1},
+          std::pair{"y.shared.fc2.weight", &whole.w.s2}}) {
       ir::HostTensor* t = p.session->params().find(name);
       if (!t) continue;
       const auto n = static_cast<size_t>(t->numel());
@@ -449,12 +450,13 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   if (HasFatalFailure()) return;
   std::vector<std::vector<double>> after(kRanks);
   std::vector<double> losses(kRanks);
-  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
-    const ir::HostTensor* t = s.params().find("y.router.weight");
-    losses[static_cast<size_t>(rank)] = out.loss;
-    after[static_cast<size_t>(rank)].assign(t->as<float>(), t->as<float>() + t->numel());
-    return Status::ok();
-  });
+  Status st =
+      stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
+        const ir::HostTensor* t = s.params().find("y.router.weight");
+        losses[static_cast<size_t>(rank)] = out.loss;
+        after[static_cast<size_t>(rank)].assign(t->as<float>(), t->as<float>() + t->numel());
+        return Status::ok();
+      });
   ASSERT_TRUE(st) << st.str();
 
   const std::vector<double> f = globalFraction(c, whole, 2 * kTokensPerBatch);
@@ -557,12 +559,13 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   }
   const std::vector<double> want = expected(global);
   std::vector<std::vector<float>> bias(kRanks);
-  Status st = stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs&) -> Status {
-    const ir::HostTensor* b = s.params().find(kBias);
-    if (!b) return Status::error("no expert bias");
-    bias[static_cast<size_t>(rank)].assign(b->as<float>(), b->as<float>() + b->numel());
-    return Status::ok();
-  });
+  Status st =
+      stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs&) -> Status {
+        const ir::HostTensor* b = s.params().find(kBias);
+        if (!b) return Status::error("no expert bias");
+        bias[static_cast<size_t>(rank)].assign(b->as<float>(), b->as<float>() + b->numel());
+        return Status::ok();
+      });
   ASSERT_TRUE(st) << st.str();
   for (int r = 0; r < kRanks; ++r)
     for (size_t i = 0; i < want.size(); ++i)
@@ -596,8 +599,8 @@ TEST_P(MoeLayerExpertParallel, EachShareThroughItsExpertsOnTheirOwners) {
   std::vector<double> loss(kRanks);
   std::vector<int64_t> counts(static_cast<size_t>(c.experts), 0);
   for (int r = 0; r < kRanks; ++r) {
-    const Reference share = reference(c, whole.w, shareOf(whole.x, r, kRanks), shareOf(whole.target, r, kRanks),
-                                      kTokensPerBatch, &f);
+    const Reference share = reference(c, whole.w, shareOf(whole.x, r, kRanks),
+                                      shareOf(whole.target, r, kRanks), kTokensPerBatch, &f);
     loss[static_cast<size_t>(r)] = share.loss;
     for (size_t e = 0; e < counts.size(); ++e) counts[e] += share.counts[e];
   }
@@ -631,7 +634,8 @@ TEST_P(MoeLayerExpertParallel, EachShareThroughItsExpertsOnTheirOwners) {
             const size_t local = pick() % static_cast<size_t>(t->numel());
             const double moved = wv[first + local] - t->as<float>()[local];
             const double fd = gradient(wv, first + local);
-            EXPECT_NEAR(moved, fd, 2e-4 + 2e-3 * std::fabs(fd)) << name << "[" << first + local << "] on rank " << rank;
+            EXPECT_NEAR(moved, fd, 2e-4 + 2e-3 * std::fabs(fd))
+                << name << "[" << first + local << "] on rank " << rank;
           }
         }
         return Status::ok();

@@ -4,7 +4,9 @@
 // single-rank run's tensors (within f32 rounding: the sums run in another order).
 #pragma once
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
@@ -15,9 +17,6 @@
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
-#include <unistd.h>
 
 #include "runtime/comm/communicator.h"
 #include "runtime/data/synthetic.h"
@@ -49,7 +48,8 @@ inline std::vector<Model> models() {
 // A small MoE language model (embedding, attention, one MoE layer with `moe_options`, head) in a
 // file of its own, for the expert-parallel tests: 8 experts, top-2, sequences of 8 tokens.
 inline Model moeModel(const char* name, const std::string& moe_options, int ep) {
-  const auto path = std::filesystem::temp_directory_path() / fmt::format("kiln_ep_{}_{}.kiln", name, ::getpid());
+  const auto path =
+      std::filesystem::temp_directory_path() / fmt::format("kiln_ep_{}_{}.kiln", name, ::getpid());
   std::ofstream(path) << "model moe_ep {\n"
                          "  dim B\n"
                          "  input tokens: i32[B, 8] vocab(64)\n"
@@ -152,7 +152,8 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
     last_stats = std::move(out.stats);
   }
   // (A trajectory without tensors compares the losses only.)
-  for (const runtime::LocalPiece& p : want.tensors.empty() ? std::vector<runtime::LocalPiece>{} : s->localPieces()) {
+  for (const runtime::LocalPiece& p :
+       want.tensors.empty() ? std::vector<runtime::LocalPiece>{} : s->localPieces()) {
     auto it = want.tensors.find(p.name);
     EXPECT_NE(it, want.tensors.end()) << p.name;
     if (it == want.tensors.end()) continue;
@@ -168,8 +169,8 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
           const double got = static_cast<const float*>(p.view.data)[(r * local[1] + col) * local[2] + i];
           const double ref = full.as<float>()[((row0 + r) * global[1] + col0 + col) * global[2] + i];
           if (std::fabs(got - ref) > 2e-5 + 2e-4 * std::fabs(ref)) {
-            ADD_FAILURE() << p.name << " on rank " << c.rank() << " at [" << row0 + r << ", " << col0 + col << ", "
-                          << i << "]: " << got << " vs single-rank " << ref;
+            ADD_FAILURE() << p.name << " on rank " << c.rank() << " at [" << row0 + r << ", " << col0 + col
+                          << ", " << i << "]: " << got << " vs single-rank " << ref;
             ++bad;
           }
         }
