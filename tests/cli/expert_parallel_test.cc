@@ -24,24 +24,6 @@ struct EpCase {
 
 std::ostream& operator<<(std::ostream& os, const EpCase& c) { return os << c.name; }
 
-std::vector<double> runRanks(const Model& m, int ranks, int steps, const Trajectory& want) {
-  std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
-  std::mutex mu;
-  comm::LocalGroup group(ranks);
-  Status st = group.run([&](comm::Communicator& c) -> Status {
-    std::vector<double> mine;
-    Status s = checkRank(c, m, "", steps, want, mine);
-    std::lock_guard<std::mutex> lock(mu);
-    losses[static_cast<size_t>(c.rank())] = std::move(mine);
-    return s;
-  });
-  EXPECT_TRUE(st) << st.str();
-  std::vector<double> mean(static_cast<size_t>(steps), 0.0);
-  for (const auto& l : losses)
-    for (size_t i = 0; i < l.size() && i < mean.size(); ++i) mean[i] += l[i] / ranks;
-  return mean;
-}
-
 // The reference of a capacity case: `ranks` ranks without expert parallelism, every tensor whole
 // on each (rank 0's), the counts global, the loss the ranks' mean.
 Trajectory dataParallel(const Model& m, int ranks, int steps) {
@@ -89,7 +71,7 @@ TEST_P(ExpertParallelStep, EqualsOneRank) {
     Model m = one;
     m.ep = ep;
     const Trajectory want = c.local_capacity ? dataParallel(one, ranks, 1) : single;
-    expectLossesMatch(runRanks(m, ranks, 1, want), want);
+    expectLossesMatch(runRanks(m, "", ranks, 1, want), want);
   }
   std::filesystem::remove(one.path);
 }
@@ -116,7 +98,7 @@ TEST(ExpertParallelTrajectory, TwentyStepsAgree) {
   want.counts.clear();
   Model m = one;
   m.ep = 4;
-  expectLossesMatch(runRanks(m, 4, 20, want), want);
+  expectLossesMatch(runRanks(m, "", 4, 20, want), want);
   std::filesystem::remove(one.path);
 }
 

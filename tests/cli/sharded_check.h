@@ -14,11 +14,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "runtime/comm/communicator.h"
+#include "runtime/comm/local_group.h"
 #include "runtime/data/synthetic.h"
 #include "tools/model_session.h"
 
@@ -183,6 +185,27 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
     if (it != want.counts.end()) EXPECT_EQ(v, it->second) << stat << " on rank " << c.rank();
   }
   return Status::ok();
+}
+
+// checkRank on `ranks` in-process ranks (threads of a LocalGroup); every rank's losses averaged
+// per step: the global batch's loss.
+inline std::vector<double> runRanks(const Model& m, const std::string& sharding, int ranks, int steps,
+                                    const Trajectory& want) {
+  std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
+  std::mutex mu;
+  comm::LocalGroup group(ranks);
+  Status st = group.run([&](comm::Communicator& c) -> Status {
+    std::vector<double> mine;
+    Status s = checkRank(c, m, sharding, steps, want, mine);
+    std::lock_guard<std::mutex> lock(mu);
+    losses[static_cast<size_t>(c.rank())] = std::move(mine);
+    return s;
+  });
+  EXPECT_TRUE(st) << st.str();
+  std::vector<double> mean(static_cast<size_t>(steps), 0.0);
+  for (const auto& l : losses)
+    for (size_t i = 0; i < l.size() && i < mean.size(); ++i) mean[i] += l[i] / ranks;
+  return mean;
 }
 
 // The global batch's loss of each step against the single-rank run's.

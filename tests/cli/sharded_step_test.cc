@@ -2,33 +2,10 @@
 // LocalGroup), against the single-rank run of the same model on the same global batches
 // (tests/cli/sharded_check.h). One step of every model at N = 2 and 4 compares every parameter
 // and optimizer state; 20 steps compare the loss trajectory.
-#include <mutex>
-
-#include "runtime/comm/local_group.h"
 #include "tests/cli/sharded_check.h"
 
 namespace kiln::cli::testing {
 namespace {
-
-// Every rank's losses, averaged per step: the global batch's loss.
-std::vector<double> runRanks(const Model& m, const std::string& sharding, int ranks, int steps,
-                             const Trajectory& want) {
-  std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
-  std::mutex mu;
-  comm::LocalGroup group(ranks);
-  Status st = group.run([&](comm::Communicator& c) -> Status {
-    std::vector<double> mine;
-    Status s = checkRank(c, m, sharding, steps, want, mine);
-    std::lock_guard<std::mutex> lock(mu);
-    losses[static_cast<size_t>(c.rank())] = std::move(mine);
-    return s;
-  });
-  EXPECT_TRUE(st) << st.str();
-  std::vector<double> mean(static_cast<size_t>(steps), 0.0);
-  for (const auto& l : losses)
-    for (size_t i = 0; i < l.size() && i < mean.size(); ++i) mean[i] += l[i] / ranks;
-  return mean;
-}
 
 constexpr const char* kShardings[] = {"data_parallel", "table_wise", "row_wise", "column_wise",
                                       "table_row_wise"};
