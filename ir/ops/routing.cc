@@ -288,6 +288,8 @@ Status verifyDispatch(const Op& op) {
   const double cf = op.floatAttr("capacity_factor", 0.0);
   if (!(cf >= 0) || !std::isfinite(cf))
     return Status::errorf("'{}' needs a finite capacity_factor >= 0, got {}", op.name(), cf);
+  if (op.hasAttr("ep") && op.intAttr("ep") < 1)
+    return Status::errorf("'{}' needs ep >= 1, got {}", op.name(), op.intAttr("ep"));
   if (op.boolAttr("pad_to_capacity", false) && cf == 0)
     return Status::errorf("'{}' pads to a capacity only with capacity_factor > 0", op.name());
   return Status::ok();
@@ -1101,7 +1103,9 @@ void registerRoutingOps(OpRegistry& r) {
          .attrs = {{"experts", K::Int, true},
                    {"capacity_factor", K::Float, false, Attribute(0.0)},
                    {"drop_policy", K::String, false, Attribute("probs"), {"probs", "position"}},
-                   {"pad_to_capacity", K::Bool, false, Attribute(false)}},
+                   {"pad_to_capacity", K::Bool, false, Attribute(false)},
+                   // moe(..., ep = N): this layer's expert-parallel size (the shard pass's; absent: --ep)
+                   {"ep", K::Int, false}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferDispatch,
          .verify = verifyDispatch,

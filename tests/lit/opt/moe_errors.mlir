@@ -41,6 +41,14 @@ func.func @padding_without_capacity(%e: !kiln.tensor<Bx2xi32>, %p: !kiln.tensor<
 
 // -----
 
+func.func @expert_parallel_size(%e: !kiln.tensor<Bx2xi32>, %p: !kiln.tensor<Bx2xf32>) -> !kiln.tensor<4xi32> {
+  %d:3 = "kiln.moe_dispatch"(%e, %p) {experts = 4, ep = 0} : (!kiln.tensor<Bx2xi32>, !kiln.tensor<Bx2xf32>) -> (!kiln.tensor<?(2*B)xi32>, !kiln.tensor<5xi32>, !kiln.tensor<4xi32>)
+  return %d#2 : !kiln.tensor<4xi32>
+}
+// CHECK: moe_errors.mlir:[[@LINE-3]]:3: error: 'kiln.moe_dispatch' needs ep >= 1, got 0
+
+// -----
+
 func.func @sequences_do_not_split(%l: !kiln.tensor<6x4xf32>, %e: !kiln.tensor<6x2xi32>) -> !kiln.tensor<f32> {
   %a = "kiln.moe_aux_loss"(%l, %e) {coeff = 1.0e-02, score = "softmax", topk = 2, seq_len = 4} : (!kiln.tensor<6x4xf32>, !kiln.tensor<6x2xi32>) -> !kiln.tensor<f32>
   return %a : !kiln.tensor<f32>
