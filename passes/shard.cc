@@ -141,13 +141,7 @@ Expected<Value*> Sharder::swapBlocks(Value* x, const TensorType& blocks, const T
   return joined->result();
 }
 
-Expected<Value*> Sharder::scaled(Value* grad) {
-  if (grad_scale_ == 1) return grad;
-  KILN_ASSIGN_OR_RETURN(Op * c,
-                        b_.createWithTypes(OpCode::Constant, {}, {TensorType(grad->type().dtype(), {})},
-                                           {{"value", Attribute(grad_scale_)}}));
-  return b_.createValue(OpCode::Mul, {grad, c->result()});
-}
+Expected<Value*> Sharder::scaled(Value* grad) { return scaledGradient(b_, grad, grad_scale_); }
 
 // A held table and its optimizer state take their shard's shape, keeping the global name and
 // recording where they lie (global_shape, offset: the checkpoint writer's and the initializer's
@@ -481,6 +475,14 @@ Status Sharder::run(ir::Function& f) {
 }
 
 }  // namespace
+
+Expected<Value*> scaledGradient(ir::Builder& b, Value* grad, double scale) {
+  if (scale == 1) return grad;
+  KILN_ASSIGN_OR_RETURN(Op * c,
+                        b.createWithTypes(OpCode::Constant, {}, {TensorType(grad->type().dtype(), {})},
+                                          {{"value", Attribute(scale)}}));
+  return b.createValue(OpCode::Mul, {grad, c->result()});
+}
 
 Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOptions& o) {
   ShardPlan plan;

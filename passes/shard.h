@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "ir/builder.h"
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/target.h"
@@ -33,6 +34,10 @@ struct ShardOptions {
 // The plan a run with `o` uses: o.sharding for every table, the plan file, or the automatic plan;
 // checked and laid out (completePlan).
 Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOptions& o);
+
+// `grad` times `scale` at the builder's insertion point (itself for a scale of 1): the mean over
+// ranks of a gradient the collectives summed.
+Expected<ir::Value*> scaledGradient(ir::Builder& b, ir::Value* grad, double scale);
 
 // Rewrites @forward and @train_step of `m` for rank o.rank under `plan`.
 Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,

@@ -38,6 +38,7 @@
 #include "ir/builder.h"
 #include "ir/collective.h"
 #include "ir/op_def.h"
+#include "passes/shape_inference.h"
 
 namespace kiln::passes {
 namespace {
@@ -94,9 +95,7 @@ class ExpertSharder {
   Expected<Value*> dispatch(Layer& l, Value* v, Op* before);
   Expected<Value*> combine(Layer& l, Value* v, Op* before);
   Status holdExperts(Layer& l, Op& param);
-  Status reinfer();
   Status reduceExpertGradients();
-  Expected<Value*> scaled(Value* grad);
 
   ir::Function& f_;
   const ShardOptions& o_;
@@ -295,30 +294,6 @@ Status ExpertSharder::lowerLayer(Layer& l) {
   return Status::ok();
 }
 
-// Every inferred type again, in order: the expert side's rows now have the bound of what arrives,
-// and its weights and gradients L experts.
-Status ExpertSharder::reinfer() {
-  for (Op* op : f_.entry().opList()) {
-    if (op->numResults() == 0 || op->hasTrait(ir::kTypeGiven)) continue;
-    auto types = ir::inferResultTypes(*op);
-    if (!types) return located(*op, types.status());
-    for (unsigned i = 0; i < op->numResults(); ++i) {
-      const TensorType& now = (*types)[i];
-      const TensorType& was = op->result(i)->type();
-      if (now.dtype() != was.dtype() || now.shape() != was.shape()) op->result(i)->setType(now);
-    }
-  }
-  return Status::ok();
-}
-
-Expected<Value*> ExpertSharder::scaled(Value* grad) {
-  if (grad_scale_ == 1) return grad;
-  KILN_ASSIGN_OR_RETURN(Op * c,
-                        b_.createWithTypes(OpCode::Constant, {}, {TensorType(grad->type().dtype(), {})},
-                                           {{"value", Attribute(grad_scale_)}}));
-  return b_.createValue(OpCode::Mul, {grad, c->result()});
-}
-
 // Each expert gradient summed over the ranks that hold the same experts (r % ep equal), in rank
 // order, then scaled: every replica applies the same update.
 Status ExpertSharder::reduceExpertGradients() {
@@ -355,7 +330,7 @@ Status ExpertSharder::reduceExpertGradients() {
                             b_.createValue(OpCode::Reduce, {pieces->result()},
                                            {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
     }
-    KILN_ASSIGN_OR_RETURN(Value * mean, scaled(sum));
+    KILN_ASSIGN_OR_RETURN(Value * mean, scaledGradient(b_, sum, grad_scale_));
     op->setOperand(1, mean);
   }
   return Status::ok();
@@ -375,7 +350,9 @@ Expected<ExpertShardResult> ExpertSharder::run() {
   }
   for (Layer& l : layers) KILN_RETURN_IF_ERROR(lowerLayer(l));
   if (layers.empty()) return result_;
-  KILN_RETURN_IF_ERROR(reinfer());
+  // Every inferred type again: the expert side's rows now have the bound of what arrives, and
+  // its weights and gradients L experts.
+  KILN_RETURN_IF_ERROR(statusOf(inferShapes(f_)));
   KILN_RETURN_IF_ERROR(reduceExpertGradients());
   return result_;
 }
