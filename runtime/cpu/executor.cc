@@ -276,8 +276,10 @@ Status CpuExecutor::joinBefore(size_t t, std::vector<InFlight>& in_flight) {
 Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
   const codegen::Instruction& in = *order_[t];
   const Launch& l = launches_[t];
-  std::vector<const ir::TensorView*> operands;
-  std::vector<ir::TensorView*> results;
+  std::vector<const ir::TensorView*>& operands = launch_operands_;
+  std::vector<ir::TensorView*>& results = launch_results_;
+  operands.clear();
+  results.clear();
   for (int id : in.operands) operands.push_back(&views_[static_cast<size_t>(id)]);
   for (int id : in.results) {
     ir::TensorView& v = views_[static_cast<size_t>(id)];

@@ -118,6 +118,9 @@ class CpuExecutor {
   int64_t runs_ = 0;
   std::vector<int> recorded_at_;  // per event: the position in order_ of its record
   std::vector<CollectiveWait> waits_;
+  // One launch's operand and result views, kept across launches so that none allocates.
+  std::vector<const ir::TensorView*> launch_operands_;
+  std::vector<ir::TensorView*> launch_results_;
 };
 
 }  // namespace kiln::runtime::cpu
