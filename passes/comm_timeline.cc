@@ -7,6 +7,12 @@
 
 namespace kiln::passes {
 
+double streamSeconds(const ir::Op& op, const CostModel& cost, const ir::SymbolBindings& symbols,
+                     ir::LinkScope scope) {
+  if (ir::isCollective(op)) return ir::collectiveSeconds(op, symbols, cost.target(), scope);
+  return CostModel::launchesWork(op) ? cost.time(cost.opCost(op)) : 0.0;
+}
+
 CommTimeline simulateCommTimeline(const ir::Function& f, const CostModel& cost, ir::LinkScope scope) {
   CommTimeline t;
   if (f.body().empty()) return t;
@@ -22,7 +28,7 @@ CommTimeline simulateCommTimeline(const ir::Function& f, const CostModel& cost, 
     double operands_ready = 0;
     for (const ir::Value* v : op->operands()) operands_ready = std::max(operands_ready, readyAt(v));
     if (ir::isCollective(*op)) {
-      const double seconds = ir::collectiveSeconds(*op, symbols, cost.target(), scope);
+      const double seconds = streamSeconds(*op, cost, symbols, scope);
       const double start = std::max(comm_clock, operands_ready);
       comm_clock = start + seconds;
       t.comm_seconds += seconds;
@@ -40,7 +46,7 @@ CommTimeline simulateCommTimeline(const ir::Function& f, const CostModel& cost, 
     }
     // The compute stream is in order and only collectives finish after it: any gap is a wait.
     t.exposed_comm_seconds += start - compute_clock;
-    const double seconds = CostModel::launchesWork(*op) ? cost.time(cost.opCost(*op)) : 0.0;
+    const double seconds = streamSeconds(*op, cost, symbols, scope);
     compute_clock = start + seconds;
     t.compute_seconds += seconds;
     for (const ir::Value* r : op->results()) ready[r] = compute_clock;

@@ -27,6 +27,11 @@ struct CommTimeline {
   int collectives = 0;
 };
 
+// How long `op` keeps its stream busy: a collective its ring time on `scope`'s links (at
+// `symbols`), any other op its cost-model time (0 for one that launches no work).
+double streamSeconds(const ir::Op& op, const CostModel& cost, const ir::SymbolBindings& symbols,
+                     ir::LinkScope scope);
+
 // Plays the entry block of `f` in its order (the schedule's) over `cost`'s target and symbols.
 CommTimeline simulateCommTimeline(const ir::Function& f, const CostModel& cost,
                                   ir::LinkScope scope = ir::LinkScope::intra_node);

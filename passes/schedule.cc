@@ -6,6 +6,7 @@
 
 #include "ir/collective.h"
 #include "ir/op_def.h"
+#include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
 #include "passes/dependence.h"
 #include "passes/pass_registry.h"
@@ -138,17 +139,18 @@ std::vector<int> overlapSchedule(const BlockDependences& deps, const CostModel& 
       return std::make_tuple(last, !comm, waits, stall, i);
     };
     size_t pick = 0;
+    auto best = key(ready[0]);
     for (size_t k = 1; k < ready.size(); ++k)
-      if (key(ready[k]) < key(ready[pick])) pick = k;
+      if (auto candidate = key(ready[k]); candidate < best) {
+        best = candidate;
+        pick = k;
+      }
     const int i = ready[pick];
     ready.erase(ready.begin() + static_cast<long>(pick));
     order.push_back(i);
     const Op& op = *ops[static_cast<size_t>(i)];
     double& clock = ir::isCollective(op) ? comm_clock : compute_clock;
-    const double seconds = ir::isCollective(op)
-                               ? ir::collectiveSeconds(op, symbols, cost.target(), ir::LinkScope::intra_node)
-                           : CostModel::launchesWork(op) ? cost.time(cost.opCost(op))
-                                                         : 0.0;
+    const double seconds = streamSeconds(op, cost, symbols, ir::LinkScope::intra_node);
     clock = std::max(clock, inputsAt(i)) + seconds;
     done[static_cast<size_t>(i)] = clock;
     for (int p : deps.predecessors(i)) joined[static_cast<size_t>(p)] = true;
