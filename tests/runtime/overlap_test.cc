@@ -94,6 +94,14 @@ struct Inputs {
   }
 };
 
+// An executor of `p` whose collectives run over `g`, with `o`'s other options.
+std::unique_ptr<CpuExecutor> executorOver(const codegen::Program& p, LazyGroup& g, ExecutorOptions o = {}) {
+  o.ranks = &g;
+  auto ex = CpuExecutor::create(p, o);
+  EXPECT_TRUE(ex.isOk()) << ex.status().str();
+  return ex.isOk() ? ex.take() : nullptr;
+}
+
 void expectResult(const HostTensor& got, const Inputs& in) {
   ASSERT_EQ(got.view.shape, std::vector<int64_t>{64});
   for (int64_t i = 0; i < 64; ++i) EXPECT_NEAR(got.as<float>()[i], in.expected(i), 1e-5) << "element " << i;
@@ -107,20 +115,19 @@ TEST(CpuExecutorOverlap, IndependentComputeRunsWhileTheCollectiveIsInFlight) {
   ASSERT_LT(tanh, add);
   LazyGroup g;
   ExecutorOptions o;
-  o.ranks = &g;
   o.poison_arena = true;
-  auto ex = CpuExecutor::create(p, o);
-  ASSERT_TRUE(ex.isOk()) << ex.status().str();
+  auto ex = executorOver(p, g, o);
+  ASSERT_NE(ex, nullptr);
   Inputs in;
   ParameterStore params;
-  auto out = (*ex)->run(in.batch(), params);
+  auto out = ex->run(in.batch(), params);
   ASSERT_TRUE(out.isOk()) << out.status().str();
   expectResult((*out)[0], in);
   // Issued at its launch, waited on after tanh ran and before add read the result.
-  ASSERT_EQ((*ex)->collectiveWaits().size(), 1u);
-  EXPECT_EQ((*ex)->collectiveWaits()[0].issued_at, issue);
-  EXPECT_GT((*ex)->collectiveWaits()[0].waited_at, tanh);
-  EXPECT_LE((*ex)->collectiveWaits()[0].waited_at, add);
+  ASSERT_EQ(ex->collectiveWaits().size(), 1u);
+  EXPECT_EQ(ex->collectiveWaits()[0].issued_at, issue);
+  EXPECT_GT(ex->collectiveWaits()[0].waited_at, tanh);
+  EXPECT_LE(ex->collectiveWaits()[0].waited_at, add);
   EXPECT_EQ(g.waits, 1);
 }
 
@@ -128,17 +135,16 @@ TEST(CpuExecutorOverlap, NoOverlapWaitsRightAfterIssuing) {
   codegen::Program p = lower(kOverlap);
   LazyGroup g;
   ExecutorOptions o;
-  o.ranks = &g;
   o.overlap_collectives = false;
-  auto ex = CpuExecutor::create(p, o);
-  ASSERT_TRUE(ex.isOk()) << ex.status().str();
+  auto ex = executorOver(p, g, o);
+  ASSERT_NE(ex, nullptr);
   Inputs in;
   ParameterStore params;
-  auto out = (*ex)->run(in.batch(), params);
+  auto out = ex->run(in.batch(), params);
   ASSERT_TRUE(out.isOk()) << out.status().str();
   expectResult((*out)[0], in);
-  ASSERT_EQ((*ex)->collectiveWaits().size(), 1u);
-  EXPECT_EQ((*ex)->collectiveWaits()[0].waited_at, launchOf(p, "kiln.all_reduce").seq);
+  ASSERT_EQ(ex->collectiveWaits().size(), 1u);
+  EXPECT_EQ(ex->collectiveWaits()[0].waited_at, launchOf(p, "kiln.all_reduce").seq);
 }
 
 // The plan keeps the collective's send and receive buffers apart from what compute writes
@@ -161,13 +167,11 @@ TEST(CpuExecutorOverlap, BuffersInFlightAreNotReusedBeforeTheWait) {
   codegen::Program reused = p;
   reused.buffers[z.id].offset = send.offset;
   LazyGroup g;
-  ExecutorOptions o;
-  o.ranks = &g;
-  auto ex = CpuExecutor::create(reused, o);
-  ASSERT_TRUE(ex.isOk()) << ex.status().str();
+  auto ex = executorOver(reused, g);
+  ASSERT_NE(ex, nullptr);
   Inputs in;
   ParameterStore params;
-  auto out = (*ex)->run(in.batch(), params);
+  auto out = ex->run(in.batch(), params);
   ASSERT_FALSE(out.isOk());
   EXPECT_NE(out.status().message().find("still uses"), std::string::npos) << out.status().str();
   EXPECT_EQ(g.waits, 1);  // waited on before returning, though the run failed
@@ -177,13 +181,11 @@ TEST(CpuExecutorOverlap, AFailedWaitNamesTheCollective) {
   codegen::Program p = lower(kOverlap);
   LazyGroup g;
   g.fail_wait = true;
-  ExecutorOptions o;
-  o.ranks = &g;
-  auto ex = CpuExecutor::create(p, o);
-  ASSERT_TRUE(ex.isOk()) << ex.status().str();
+  auto ex = executorOver(p, g);
+  ASSERT_NE(ex, nullptr);
   Inputs in;
   ParameterStore params;
-  auto out = (*ex)->run(in.batch(), params);
+  auto out = ex->run(in.batch(), params);
   ASSERT_FALSE(out.isOk());
   EXPECT_NE(out.status().message().find("kiln.all_reduce"), std::string::npos) << out.status().str();
   EXPECT_NE(out.status().message().find("the link went down"), std::string::npos) << out.status().str();
