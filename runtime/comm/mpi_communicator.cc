@@ -449,7 +449,12 @@ class MpiCommunicator final : public Communicator {
       }
       bool progressed = !fresh.empty();
       if (abort_reason) {
-        std::string reason = fmt::format("rank {} aborted: {}", rank_, *abort_reason);
+        // A rank that aborts because it saw the group break (a peer that does not answer) passes
+        // on what it saw, so every survivor names the lost rank, not just the one that aborted.
+        std::string seen = brokenReason();
+        std::string reason = seen.empty()
+                                 ? fmt::format("rank {} aborted: {}", rank_, *abort_reason)
+                                 : fmt::format("rank {} aborted: {}, after {}", rank_, *abort_reason, seen);
         for (int q = 0; q < size_; ++q)
           if (q != rank_) sendControl(q, kAbort, 0, reason);
         breakGroup(reason, nullptr);
