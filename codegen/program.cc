@@ -431,4 +431,19 @@ Status validate(const Program& p) {
   return Status::ok();
 }
 
+Status rebindProgram(Program& p, const ir::SymbolBindings& symbols) {
+  ir::SymbolBindings merged = p.symbols;
+  for (const auto& [name, value] : symbols) merged[name] = value;
+  for (const Buffer& b : p.buffers) {
+    auto bytes = b.type.checkedBytes(merged);
+    if (!bytes)
+      return Status::errorf("@{}: %b{} ({}): {}", p.function, b.id, b.name, bytes.status().message());
+    if (*bytes > b.bytes)
+      return Status::errorf("@{}: %b{} ({}) needs {} bytes at the new sizes but was planned for {}",
+                            p.function, b.id, b.name, *bytes, b.bytes);
+  }
+  p.symbols = std::move(merged);
+  return Status::ok();
+}
+
 }  // namespace kiln::codegen

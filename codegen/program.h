@@ -85,6 +85,11 @@ struct Program {
   static Expected<Program> deserialize(const uint8_t* data, size_t size);
 };
 
+// Rebinds a planned program's symbols (an ahead-of-time Program planned at the largest batch,
+// run at a smaller one): every buffer must fit in the bytes the plan gave it, so the arena layout
+// stays valid. The shapes the executor derives follow the new values.
+Status rebindProgram(Program& p, const ir::SymbolBindings& symbols);
+
 // Structural checks: buffer ids in range, events recorded before they are waited on, every
 // buffer read after it is written.
 Status validate(const Program& p);

@@ -35,7 +35,9 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   addModelFlags(p);
   int code;
   if (!p.parse(args, &code)) return code;
-  if (!p.has("checkpoint")) return p.usageError("--checkpoint DIR is required");
+  // A compiled model with embedded weights needs none.
+  const bool embedded = sessionOpener().compiled && !sessionOpener().compiled->weights.empty();
+  if (!p.has("checkpoint") && !embedded) return p.usageError("--checkpoint DIR is required");
   if (p.getAll("data").empty()) return p.usageError("--data PATH is required");
   auto batch = p.getInt("batch");
   auto samples = p.getInt("samples");
@@ -57,13 +59,13 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   so.checkpoint_path = p.get("checkpoint");  // loaded whole after create(): the memory check counts it
   if (!readModelFlags(p, so, &code)) return code;
   setup.data.seed = so.seed;
-  auto session = ModelSession::create(so, std::cerr);
+  auto session = openSession(so, std::cerr);
   if (!session) {
     printError(command, session.status());
     return kExitError;
   }
   setup.session = session.take();
-  Status st = loadCheckpointInto(*setup.session, p.get("checkpoint"));
+  Status st = p.has("checkpoint") ? loadCheckpointInto(*setup.session, p.get("checkpoint")) : Status::ok();
   if (!st) {
     printError(command, st);
     return kExitError;

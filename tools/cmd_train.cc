@@ -776,7 +776,7 @@ int runTrain(const std::vector<std::string>& args) {
     mine.tracer = rank == 0 || !tracer ? tracer.get()
                   : mpi                ? nullptr
                                        : peer_tracers[static_cast<size_t>(rank - 1)].get();
-    auto session = ModelSession::create(mine, std::cerr);
+    auto session = openSession(mine, std::cerr);
     if (!session) {
       printError(ranks > 1 ? fmt::format("train: rank {}", rank) : "train", session.status());
       return kExitError;

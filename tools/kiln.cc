@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "tools/cli.h"
+#include "tools/model_session.h"
 
 namespace kiln::cli {
 #define KILN_COMMAND(name, summary, fn) int fn(const std::vector<std::string>& args);
@@ -38,6 +39,7 @@ int main(int argc, char** argv) {
   // A write past the file size limit (ulimit -f) then fails with EFBIG, which the checkpoint
   // code reports and survives, instead of SIGXFSZ killing the process mid-save.
   std::signal(SIGXFSZ, SIG_IGN);
+  installCompilingOpener();
   std::vector<std::string> args(argv + 2, argv + argc);
   for (const Command& c : kCommands) {
     if (c.name != std::string(argv[1])) continue;

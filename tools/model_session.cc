@@ -12,40 +12,24 @@
 #include "codegen/lower_cpu.h"
 #include "ir/checked.h"
 #include "ir/ops/kernel_util.h"
+#include "ir/parser.h"
 #include "ir/verifier.h"
-#include "passes/pipeline.h"
-#include "passes/remat.h"
+#include "runtime/checkpoint.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/sharded_checkpoint.h"
 
 namespace kiln::cli {
 
 void addModelFlags(ArgParser& p) {
-  p.addOption("set", "NAME=VALUE", "override a model param (e.g. --set rows_cap=1000)", std::nullopt, true);
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
-  p.addOption("memory-budget", "BYTES|N%",
-              "recompute activations in the backward pass until the training step's planned peak fits "
-              "(remat{budget=...})");
   p.addOption("memory-limit", "SIZE",
               "the most memory the run may use, e.g. 8G, 512M, 1.5GiB (default: what the machine has: "
               "MemAvailable, the cgroup limit, ulimit -v); a run that needs more stops before it starts");
-  addTargetFlag(p, "the device the run uses: cpu, or the GPU's with --device cuda");
-  p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
-  p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
-  p.addFlag("print-ir-after-all", "print the IR to stderr after every pass");
-  p.addOption("dump-dir", "DIR", "write the IR after each pass into DIR (NNNN.<pass>.mlir)");
-  p.addFlag("pass-timing", "print the time of each pass to stderr");
+  if (sessionOpener().add_compile_flags) sessionOpener().add_compile_flags(p);
 }
 
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
-  for (const std::string& s : p.getAll("set")) {
-    Status st = frontend::addOverride(s, o.overrides);
-    if (!st) {
-      *exit_code = p.usageError(st.message());
-      return false;
-    }
-  }
   auto threads = p.getInt("threads");
   auto seed = p.getInt("seed");
   if (!threads || !seed) {
@@ -63,13 +47,6 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
     return false;
   }
   o.seed = static_cast<uint64_t>(*seed);
-  if (p.has("memory-budget")) {
-    o.memory_budget = p.get("memory-budget");
-    if (auto b = passes::parseMemoryBudget(o.memory_budget, 1); !b) {
-      *exit_code = p.usageError(b.status().message());
-      return false;
-    }
-  }
   if (p.has("memory-limit")) {
     auto limit = runtime::parseByteSize(p.get("memory-limit"));
     if (!limit) {
@@ -78,15 +55,22 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
     }
     o.memory_limit = *limit;
   }
-  std::optional<Target> target;
-  if (!readTargetFlag(p, &target, exit_code)) return false;
-  o.target = target ? target->name : "";
-  for (const std::string& d : p.getAll("disable-pass")) o.pass_options.disabled.insert(d);
-  for (const std::string& d : p.getAll("print-ir-after")) o.pass_options.print_ir_after.insert(d);
-  o.pass_options.print_ir_after_all = p.flag("print-ir-after-all");
-  o.pass_options.dump_dir = p.get("dump-dir");
-  o.pass_options.timing = p.flag("pass-timing");
-  return true;
+  return !sessionOpener().read_compile_flags || sessionOpener().read_compile_flags(p, o, exit_code);
+}
+
+namespace {
+SessionOpener& openerSlot() {
+  static SessionOpener opener;
+  return opener;
+}
+}  // namespace
+
+void installSessionOpener(SessionOpener opener) { openerSlot() = std::move(opener); }
+const SessionOpener& sessionOpener() { return openerSlot(); }
+
+Expected<std::unique_ptr<ModelSession>> openSession(const SessionOptions& options, std::ostream& diag) {
+  if (!openerSlot().open) return Status::error("internal error: no session opener installed");
+  return openerSlot().open(options, diag);
 }
 
 void addDeviceFlag(ArgParser& p) {
@@ -186,106 +170,95 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   return need;
 }
 
-Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOptions& options, std::ostream& diag) {
-  std::unique_ptr<ModelSession> s(new ModelSession());
-  s->options_ = options;
+namespace {
 
-  frontend::DiagnosticEngine diags(&diag);
-  auto module = frontend::compileModelFile(options.model_path, options.overrides, diags);
-  if (!module) {
-    if (!diags.hasErrors()) return module.status();
-    return Status::error(fmt::format("{}: {} error(s) in the model", options.model_path, diags.errorCount()));
-  }
-  s->module_ = module.take();
-  ir::Module& m = *s->module_;
-  if (const auto* name = m.attrs().find("kiln.model") != m.attrs().end() ? &m.attrs().at("kiln.model") : nullptr)
-    s->model_name_ = name->isString() ? name->asString() : "";
-  if (auto it = m.attrs().find("kiln.outputs"); it != m.attrs().end() && it->second.isArray())
-    for (const auto& a : it->second.asArray()) s->outputs_.push_back(a.isString() ? a.asString() : "");
-  if (auto it = m.attrs().find("kiln.train"); it != m.attrs().end() && it->second.isDict()) {
-    if (!options.train_overrides.empty()) {
-      ir::AttrDict train = it->second.asDict();
-      for (const auto& [key, value] : options.train_overrides) train[key] = value;
-      m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(train));
-    }
-    s->train_ = &m.attrs().at("kiln.train").asDict();
-  }
-  if (options.training && !s->train_)
-    return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
+// The embedded weights of a compiled model, as `kiln eval --checkpoint` loads a file: every
+// tensor the session holds must be there; a training checkpoint's optimizer state is loaded
+// only by a session that trains.
+Status restoreEmbedded(ModelSession& s, runtime::Checkpoint& ckpt) {
+  std::map<std::string, ir::TensorView> dest;
+  for (const std::string& name : s.checkpointNames()) dest[name] = s.params().find(name)->view;
+  runtime::Checkpoint wanted;
+  wanted.metadata = ckpt.metadata;
+  for (auto& [name, tensor] : ckpt.tensors)
+    if (dest.count(name)) wanted.tensors.emplace_back(name, std::move(tensor));
+  return runtime::restoreTensors(wanted, dest, "the embedded weights");
+}
 
-  if (options.device == "cuda") {
+}  // namespace
+
+Status ModelSession::openDevice(const std::string& planned_target) {
+  if (options_.device == "cuda") {
     // Before the passes: without --target they plan for this GPU.
     std::string why;
     if (!cuda::cudaAvailable(&why)) return Status::error(fmt::format("--device cuda: {}", why));
     auto cs = cuda::CudaSession::create();
     if (!cs) return Status::error(fmt::format("--device cuda: {}", cs.status().message()));
-    s->cuda_ = cs.take();
-  } else if (options.device != "cpu") {
-    return Status::error(fmt::format("unknown device '{}' (cpu or cuda)", options.device));
+    cuda_ = cs.take();
+  } else if (options_.device != "cpu") {
+    return Status::error(fmt::format("unknown device '{}' (cpu or cuda)", options_.device));
   }
-  if (!options.target.empty()) {
-    auto t = targetByName(options.target);
+  const std::string& name = planned_target.empty() ? options_.target : planned_target;
+  if (!name.empty()) {
+    auto t = targetByName(name);
     if (!t) return Status::error(fmt::format("--target: {}", t.status().message()));
-    s->target_ = t.take();
+    target_ = t.take();
   } else {
-    s->target_ = s->cuda_ ? gpuTargetForDevice(s->cuda_->deviceName()) : cpuTarget();
+    target_ = cuda_ ? gpuTargetForDevice(cuda_->deviceName()) : cpuTarget();
   }
+  return Status::ok();
+}
 
-  // Remat and fusion plan the training step at the batch it will run with.
-  m.mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
-  passes::PassManager pm({.target = s->target_});
-  pm.options() = options.pass_options;
-  if (&diag != &std::cerr) pm.options().log = &diag;
-  if (options.comm && options.comm->rank() != 0) {
-    // Rank 0 shows its program (kiln dump --ranks N --rank R shows any rank's).
-    pm.options().print_ir_after.clear();
-    pm.options().print_ir_after_all = false;
-    pm.options().dump_dir.clear();
-    pm.options().timing = false;
+Expected<std::unique_ptr<ModelSession>> ModelSession::fromCompiled(
+    std::shared_ptr<const CompiledModel> compiled, const SessionOptions& options, std::ostream& diag) {
+  std::unique_ptr<ModelSession> s(new ModelSession());
+  s->options_ = options;
+  s->compiled_ = std::move(compiled);
+  const CompiledModel& c = *s->compiled_;
+  if (options.batch > c.max_batch)
+    return Status::errorf(
+        "--batch {} is over the {} samples this model was compiled for (kiln compile --max-batch {})",
+        options.batch, c.max_batch, c.max_batch);
+  if (options.comm && options.comm->size() > 1)
+    return Status::errorf("this model was compiled for one rank; it cannot run on {}", options.comm->size());
+  if (options.training && !c.cpu_programs.count("train_step"))
+    return Status::error("this model was compiled without its training step (kiln compile --functions)");
+  KILN_RETURN_IF_ERROR(s->openDevice(c.target));
+  KILN_ASSIGN_OR_RETURN(auto module, ir::parseModule(c.module_text, c.name + " (compiled IR)"));
+  KILN_RETURN_IF_ERROR(s->adopt(std::move(module)));
+  if (!c.weights.empty()) {
+    KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::parseCheckpoint(c.weights, "the embedded weights"));
+    KILN_RETURN_IF_ERROR(restoreEmbedded(*s, ckpt));
   }
-  passes::PassOptions shard;
-  if (options.comm && options.comm->size() > 1) {
-    shard.set("ranks", std::to_string(options.comm->size()));
-    shard.set("rank", std::to_string(options.comm->rank()));
-    if (!options.plan_path.empty()) shard.set("plan", options.plan_path);
-    if (!options.sharding.empty()) shard.set("sharding", options.sharding);
-    if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
-    if (options.ep > 1) shard.set("ep", std::to_string(options.ep));
-  }
-  KILN_RETURN_IF_ERROR(
-      pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
-  KILN_RETURN_IF_ERROR(pm.build());
-  KILN_RETURN_IF_ERROR(pm.run(m));
-  // The shard pass records each MoE layer's EP size in kiln.train, which it replaces.
-  if (s->train_) s->train_ = &m.attrs().at("kiln.train").asDict();
-  if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
-    // The peak of the step as it will run, after the passes that follow remat (fusion and the
-    // schedule change it): the number `kiln dump --stats` prints, not remat's own estimate.
-    const int64_t budget = it->second.asDict().at("budget_bytes").asInt();
-    if (const ir::Function* ts = m.lookup("train_step")) {
-      KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*ts, options.batch));
-      if (peak > budget)
-        diag << fmt::format(
-            "warning: --memory-budget {}: recomputation gets the training step's planned peak down to "
-            "{} bytes, not to the budget of {} bytes\n",
-            options.memory_budget, peak, budget);
-    }
-  }
+  return s;
+}
 
+Status ModelSession::adopt(std::unique_ptr<ir::Module> module) {
+  module_ = std::move(module);
+  ir::Module& m = *module_;
+  const SessionOptions& options = options_;
+  if (auto it = m.attrs().find("kiln.model"); it != m.attrs().end() && it->second.isString())
+    model_name_ = it->second.asString();
+  if (auto it = m.attrs().find("kiln.outputs"); it != m.attrs().end() && it->second.isArray())
+    for (const auto& a : it->second.asArray()) outputs_.push_back(a.isString() ? a.asString() : "");
+  if (auto it = m.attrs().find("kiln.train"); it != m.attrs().end() && it->second.isDict())
+    train_ = &it->second.asDict();
+  if (options.training && !train_)
+    return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
   const ir::Function* fwd = m.lookup("forward");
   if (!fwd) return Status::error(fmt::format("{}: the model has no @forward", options.model_path));
   KILN_ASSIGN_OR_RETURN(auto fspec, data::fromFunction(*fwd));
-  s->forward_spec_ = std::move(fspec);
+  forward_spec_ = std::move(fspec);
   if (options.training) {
     const ir::Function* ts = m.lookup("train_step");
     if (!ts) return Status::error("autodiff did not build @train_step");
     KILN_ASSIGN_OR_RETURN(auto tspec, data::fromFunction(*ts));
-    s->train_spec_ = std::move(tspec);
+    train_spec_ = std::move(tspec);
   } else {
-    s->train_spec_ = s->forward_spec_;
+    train_spec_ = forward_spec_;
   }
   // Before the first large allocation: a run that cannot fit stops here, naming what it needs.
-  KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, s->train_spec_));
+  KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, train_spec_));
   runtime::MemoryLimit limit = runtime::availableMemory(options.memory_limit);
   if (options.memory_shares > 1 && limit.bytes) {
     // In-process ranks share one process's memory: each may use its share.
@@ -296,20 +269,35 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::create(const SessionOption
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),
                                      limit.source.rfind("--memory-limit", 0) == 0 ? ", or raise --memory-limit" : ""));
-  if (options.comm) s->rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
+  if (options.comm) rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
   ir::SymbolBindings symbols{{"B", options.batch}};
-  KILN_RETURN_IF_ERROR(s->params_.initializeFrom(m, options.seed, symbols));
-  if (s->cuda_) KILN_RETURN_IF_ERROR(s->cuda_->uploadParameters(s->params_));
-  return s;
+  KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols));
+  if (cuda_) KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
+  return Status::ok();
 }
 
 Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string& function, int64_t batch) {
   auto key = std::make_pair(function, batch);
   auto it = executors_.find(key);
   if (it != executors_.end()) return it->second.get();
-  const ir::Function* f = module_->lookup(function);
-  if (!f) return Status::error(fmt::format("the model has no @{}", function));
-  KILN_ASSIGN_OR_RETURN(auto program, codegen::lowerForCpu(*f, {{"B", batch}}));
+  codegen::Program program;
+  if (compiled_) {
+    // Planned at the max batch; a smaller batch runs in the same arena layout.
+    auto it = compiled_->cpu_programs.find(function);
+    if (it == compiled_->cpu_programs.end())
+      return Status::errorf("the compiled model has no CPU program for @{}", function);
+    if (batch > compiled_->max_batch)
+      return Status::errorf(
+          "a batch of {} is over the {} samples this model was compiled for (kiln compile "
+          "--max-batch)",
+          batch, compiled_->max_batch);
+    program = it->second;
+    KILN_RETURN_IF_ERROR(codegen::rebindProgram(program, {{"B", batch}}));
+  } else {
+    const ir::Function* f = module_->lookup(function);
+    if (!f) return Status::error(fmt::format("the model has no @{}", function));
+    KILN_ASSIGN_OR_RETURN(program, codegen::lowerForCpu(*f, {{"B", batch}}));
+  }
   runtime::cpu::ExecutorOptions eo;
   eo.threads = options_.threads;
   eo.profile = options_.profile;

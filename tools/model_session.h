@@ -4,6 +4,7 @@
 // `kiln predict` are thin loops around this.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -23,6 +24,7 @@
 #include "runtime/parameter_store.h"
 #include "runtime/sharded_checkpoint.h"
 #include "tools/cli.h"
+#include "tools/compiled_model.h"
 
 namespace kiln::cli {
 
@@ -74,8 +76,26 @@ struct SessionOptions {
   int memory_shares = 1;
 };
 
-// The flags every command that compiles a model shares: --set, --threads, --seed,
-// --memory-budget, --memory-limit, --target and the pass manager's flags.
+class ModelSession;
+
+// How the commands (train, eval, predict) open their session: `kiln` compiles the model file
+// (installCompilingOpener, tools/model_compile.cc: the frontend and the passes); an
+// ahead-of-time runner opens its payload and has no compiler flags. main installs one.
+struct SessionOpener {
+  std::function<Expected<std::unique_ptr<ModelSession>>(const SessionOptions&, std::ostream&)> open;
+  // The flags of compiling (--set, --memory-budget, --target, the pass manager's); none in a runner.
+  void (*add_compile_flags)(ArgParser&) = nullptr;
+  bool (*read_compile_flags)(const ArgParser&, SessionOptions&, int*) = nullptr;
+  // A runner's model: MODEL is the runner itself, and its embedded weights stand in for --checkpoint.
+  std::shared_ptr<const CompiledModel> compiled;
+};
+void installSessionOpener(SessionOpener opener);
+const SessionOpener& sessionOpener();
+Expected<std::unique_ptr<ModelSession>> openSession(const SessionOptions& options, std::ostream& diag);
+void installCompilingOpener();
+
+// The flags every command that runs a model shares: --threads, --seed, --memory-limit, and, where
+// the session opener compiles, --set, --memory-budget, --target and the pass manager's flags.
 void addModelFlags(ArgParser& p);
 // Reads them back; returns a usage error (already printed) as false.
 bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
@@ -119,10 +139,22 @@ struct StepOutputs {
   std::vector<std::pair<std::string, std::vector<double>>> stats;
 };
 
+// The module `options.model_path` compiles to: the frontend, then every pass, planned for
+// `target` at options.batch (tools/model_compile.cc).
+Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& options, const Target& target,
+                                                         std::ostream& diag);
+
 class ModelSession {
  public:
   // Compiles the model and initializes its parameters from `seed`. Diagnostics go to `diag`.
+  // (tools/model_compile.cc: only binaries with the compiler link it.)
   static Expected<std::unique_ptr<ModelSession>> create(const SessionOptions& options, std::ostream& diag);
+  // A session of a model compiled ahead of time: its IR and Programs come from the payload, its
+  // parameters from `seed` or the embedded weights. options.batch may be any size up to the
+  // compiled max batch; the executors run the embedded Programs rebound to it.
+  static Expected<std::unique_ptr<ModelSession>> fromCompiled(std::shared_ptr<const CompiledModel> compiled,
+                                                              const SessionOptions& options,
+                                                              std::ostream& diag);
 
   ir::Module& module() { return *module_; }
   const std::string& modelName() const { return model_name_; }
@@ -168,12 +200,19 @@ class ModelSession {
 
  private:
   ModelSession() = default;
+  // The GPU (with --device cuda) and the target: `planned` (a compiled model's), else --target,
+  // else the device's own.
+  Status openDevice(const std::string& planned);
+  // Takes the compiled module: its outputs, train block, data specs, the memory check, the
+  // parameters initialized from the seed.
+  Status adopt(std::unique_ptr<ir::Module> module);
   Expected<runtime::cpu::CpuExecutor*> executorFor(const std::string& function, int64_t batch);
   Expected<cuda::CudaExecutor*> cudaExecutorFor(const std::string& function, int64_t batch);
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
                             const std::vector<std::pair<std::string, float>>& scalars);
 
   SessionOptions options_;
+  std::shared_ptr<const CompiledModel> compiled_;  // fromCompiled()
   Target target_;
   std::unique_ptr<ir::Module> module_;
   std::string model_name_;

@@ -1,0 +1,179 @@
+// `kiln compile MODEL.kiln -o NAME`: the model through every pass and codegen, written as a
+// standalone executable (the kiln-runner binary with the payload appended) or, with --emit lib,
+// a shared library with a C API. docs/aot.md.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "codegen/lower_cpu.h"
+#include "ir/printer.h"
+#include "runtime/checkpoint.h"
+#include "runtime/payload.h"
+#include "tools/cli.h"
+#include "tools/compiled_model.h"
+#include "tools/model_session.h"
+#include "tools/run_data.h"
+
+namespace kiln::cli {
+namespace {
+
+std::vector<std::string> splitList(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string item; std::getline(in, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+// The prebuilt runner beside this kiln binary (the build's tools/ folder, or an install's bin/).
+Expected<std::string> runnerBeside(const std::string& file) {
+  KILN_ASSIGN_OR_RETURN(std::string self, runtime::selfExecutablePath());
+  const std::filesystem::path dir = std::filesystem::path(self).parent_path();
+  for (const auto& candidate : {dir / file, dir / ".." / "lib" / file}) {
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(candidate, ec)) return candidate.string();
+  }
+  return Status::errorf("cannot find {} beside {} (build the target, or reinstall Kiln)", file, self);
+}
+
+// The checkpoint's tensors that the compiled model holds, checked against it by the same code
+// that loads a checkpoint at run time, as the bytes of a safetensors file.
+Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledModel>& compiled,
+                                          const SessionOptions& options, const std::string& checkpoint,
+                                          const std::string& scratch_dir) {
+  KILN_ASSIGN_OR_RETURN(auto session, ModelSession::fromCompiled(compiled, options, std::cerr));
+  KILN_RETURN_IF_ERROR(loadCheckpointInto(*session, checkpoint));
+  std::vector<std::pair<std::string, ir::TensorView>> tensors;
+  for (const std::string& name : session->checkpointNames())
+    tensors.emplace_back(name, session->params().find(name)->view);
+  const std::string tmp =
+      (std::filesystem::path(scratch_dir) / fmt::format(".kiln-compile-weights.{}.safetensors", ::getpid()))
+          .string();
+  KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(tmp, tensors, {{"source", checkpoint}}));
+  std::ifstream in(tmp, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(tmp);
+  return bytes;
+}
+
+std::string megabytes(uint64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
+
+}  // namespace
+
+int runCompile(const std::vector<std::string>& raw_args) {
+  ArgParser p(
+      "compile", "kiln compile MODEL.kiln -o NAME [flags]",
+      "Compiles a model ahead of time: every pass and codegen, the CUDA kernels for each architecture\n"
+      "(NVRTC; no GPU needed), written with the runtime into one file that runs without Kiln:\n"
+      "`./NAME train|eval|predict|info` (or, with --emit lib, libNAME.so and NAME.h).");
+  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  p.addOption("output", "NAME",
+              "the executable to write (also -o NAME); with --emit lib, libNAME.so and NAME.h");
+  p.addOption("emit", "exe|lib", "a standalone executable or a shared library with a C API", "exe");
+  p.addOption("device", "cpu|cuda|all", "the devices the payload runs on", "all");
+  p.addOption("arch", "LIST", "CUDA architectures, e.g. sm_80,sm_90,compute_90 (PTX for newer GPUs)",
+              "sm_80,sm_90,compute_90");
+  p.addOption("max-batch", "B", "the largest batch the executable takes (memory is planned for it)", "256");
+  p.addOption("functions", "LIST", "of train, eval, predict", "train,eval,predict");
+  p.addOption("checkpoint", "CKPT",
+              "embed these trained weights (default: initialise at run time from --seed)");
+  addModelFlags(p);
+  int code;
+  const std::vector<std::string> args = expandOutputShorthand(raw_args);
+  if (!p.parse(args, &code)) return code;
+  if (!p.has("output")) return p.usageError("-o NAME is required");
+  const std::string emit = p.get("emit"), device = p.get("device");
+  if (emit != "exe" && emit != "lib")
+    return p.usageError(fmt::format("--emit must be exe or lib, got '{}'", emit));
+  if (device != "cpu" && device != "cuda" && device != "all")
+    return p.usageError(fmt::format("--device must be cpu, cuda or all, got '{}'", device));
+  auto max_batch = p.getInt("max-batch");
+  if (!max_batch) return kExitUsage;
+  if (*max_batch < 1) return p.usageError("--max-batch must be positive");
+  std::vector<std::string> functions = splitList(p.get("functions"));
+  for (const std::string& f : functions)
+    if (f != "train" && f != "eval" && f != "predict")
+      return p.usageError(fmt::format("--functions: '{}' is not one of train, eval, predict", f));
+  if (functions.empty()) return p.usageError("--functions names none of train, eval, predict");
+
+  SessionOptions so;
+  so.model_path = p.positionals()[0];
+  if (!std::filesystem::exists(so.model_path))
+    return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  so.batch = *max_batch;
+  so.training = std::find(functions.begin(), functions.end(), "train") != functions.end();
+  if (!readModelFlags(p, so, &code)) return code;
+  if (p.has("checkpoint") && !std::filesystem::exists(p.get("checkpoint")))
+    return p.usageError(fmt::format("no such checkpoint '{}'", p.get("checkpoint")));
+
+  auto fail = [](const Status& s) {
+    printError("compile", s);
+    return kExitError;
+  };
+  // The passes plan for the CPU unless told otherwise: one module serves every device.
+  auto target = targetByName(so.target.empty() ? "cpu" : so.target);
+  if (!target) return fail(target.status());
+  auto module = compileModelModule(so, *target, std::cerr);
+  if (!module) return fail(module.status());
+  const ir::Module& m = **module;
+
+  auto compiled = std::make_shared<CompiledModel>();
+  if (auto it = m.attrs().find("kiln.model"); it != m.attrs().end() && it->second.isString())
+    compiled->name = it->second.asString();
+  compiled->source = so.model_path;
+  compiled->kiln_version = KILN_VERSION;
+  compiled->target = target->name;
+  compiled->max_batch = *max_batch;
+  compiled->functions = functions;
+  for (const auto& [k, v] : so.overrides) compiled->overrides[k] = v;
+  compiled->module_text = ir::printModule(m);
+  if (device != "cuda") compiled->devices.push_back("cpu");
+  runtime::PayloadWriter payload;
+  for (const char* function : {"train_step", "forward"}) {
+    const ir::Function* f = m.lookup(function);
+    if (!f) continue;
+    auto program = codegen::lowerForCpu(*f, {{"B", *max_batch}});
+    if (!program) return fail(program.status());
+    payload.add(cpuProgramSection(function), program->serialize());
+    compiled->cpu_programs.emplace(function, program.take());
+  }
+  if (device != "cpu") {
+    return fail(Status::error("--device cuda|all: the CUDA payload is not built yet in this binary"));
+  }
+
+  const std::filesystem::path out(p.get("output"));
+  const std::filesystem::path out_dir =
+      out.has_parent_path() ? out.parent_path() : std::filesystem::path(".");
+  if (p.has("checkpoint")) {
+    SessionOptions check = so;
+    check.training = so.training;
+    auto weights = weightsFor(compiled, check, p.get("checkpoint"), out_dir.string());
+    if (!weights) return fail(weights.status());
+    payload.add(std::string(kWeightsSection), weights.take());
+  }
+  payload.add(std::string(kMetaSection), compiledMetaJson(*compiled));
+  payload.add(std::string(kModuleSection), compiled->module_text);
+
+  const std::string runner_file = emit == "exe" ? "kiln-runner" : "libkiln-aot.so";
+  auto runner = runnerBeside(runner_file);
+  if (!runner) return fail(runner.status());
+  const std::string name = out.filename().string();
+  const std::filesystem::path written = emit == "exe" ? out : out_dir / ("lib" + name + ".so");
+  if (Status s = payload.writeAppended(*runner, written.string(), emit == "exe"); !s) return fail(s);
+  std::error_code ec;
+  const uint64_t total = std::filesystem::file_size(written, ec),
+                 runtime_bytes = std::filesystem::file_size(*runner, ec);
+  std::fprintf(stderr, "wrote %s (%s: runtime %s, payload %s; batch up to %lld; %s%s)\n", written.c_str(),
+               megabytes(total).c_str(), megabytes(runtime_bytes).c_str(),
+               megabytes(total - runtime_bytes).c_str(), static_cast<long long>(*max_batch),
+               fmt::format("{}", fmt::join(compiled->devices, ", ")).c_str(),
+               p.has("checkpoint") ? "; weights embedded" : "");
+  return kExitOk;
+}
+
+}  // namespace kiln::cli
