@@ -2,6 +2,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include "codegen/lower_cpu.h"
 #include "ir/interpreter.h"
 #include "runtime/cpu/executor.h"
@@ -114,6 +116,38 @@ TEST(Program, DamagedBytesAreErrorsNotCrashes) {
   auto r = Program::deserialize(garbage.data(), garbage.size());
   ASSERT_FALSE(r.isOk());
   EXPECT_THAT(r.status().message(), HasSubstr("bad magic"));
+}
+
+// An ahead-of-time Program is planned at the largest batch and run at smaller ones: rebound, it
+// computes bit for bit what a Program lowered at that batch computes, in the same arena.
+TEST(Program, ReboundToASmallerBatchEqualsOneLoweredForIt) {
+  auto m = runtime::testing::parseOrDie(kModel);
+  runtime::ParameterStore params;
+  ASSERT_TRUE(params.initializeFrom(*m, 7).isOk());
+  Program planned = lower(*m, 64);
+  for (int64_t batch : {1, 5, 63, 64}) {
+    Program rebound = planned;
+    ASSERT_TRUE(rebindProgram(rebound, {{"B", batch}}).isOk());
+    EXPECT_EQ(rebound.arena_bytes, planned.arena_bytes);
+    ir::HostTensor x =
+        runtime::testing::randomTensor(ir::DType::f32, {batch, 6}, static_cast<uint32_t>(batch));
+    runtime::cpu::Batch inputs{{"dense", x.view}};
+    auto a = runtime::cpu::CpuExecutor::create(std::move(rebound));
+    auto b = runtime::cpu::CpuExecutor::create(lower(*m, batch));
+    ASSERT_TRUE(a.isOk() && b.isOk());
+    auto ra = (*a)->run(inputs, params), rb = (*b)->run(inputs, params);
+    ASSERT_TRUE(ra.isOk()) << ra.status().str();
+    ASSERT_TRUE(rb.isOk()) << rb.status().str();
+    ASSERT_EQ((*ra)[0].view.shape, (std::vector<int64_t>{batch, 4}));
+    ASSERT_EQ((*ra)[0].view.shape, (*rb)[0].view.shape);
+    EXPECT_EQ(std::memcmp((*ra)[0].view.data, (*rb)[0].view.data, static_cast<size_t>(batch * 4 * 4)), 0)
+        << "batch " << batch;
+  }
+  // A larger batch does not fit the plan: named, not run past the arena.
+  Program over = planned;
+  Status s = rebindProgram(over, {{"B", 65}});
+  ASSERT_FALSE(s.isOk());
+  EXPECT_THAT(s.message(), HasSubstr("was planned for"));
 }
 
 }  // namespace

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""`kiln compile` end to end (issue 16): the executable, copied alone into an empty folder and run
+with a clean environment, trains, evaluates and predicts exactly as `kiln` does on the same model.
+
+Usage: aot_test.py KILN MODEL [--set NAME=VALUE ...]
+Checks, on the CPU:
+  - `./NAME train` writes a checkpoint byte-identical to `kiln train`'s (same batch, steps, seed);
+  - `./NAME eval` and `./NAME predict` print exactly what `kiln eval`/`kiln predict` print on that
+    checkpoint, with a short last batch (the Program planned for the max batch, rebound);
+  - embedded weights (--checkpoint at compile time) predict without --checkpoint, the same;
+  - ldd lists only system libraries, nothing of CUDA, MPI or fmt; NVRTC is never loaded;
+  - a batch over --max-batch, --set, a compiled-out function, a damaged, truncated or missing
+    payload: a clear error and a non-zero exit, never a crash.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+KILN, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+SETS = sys.argv[3:]
+MAX_BATCH = 64
+STEPS = "12"
+
+
+def run(cmd, cwd=None, env=None, timeout=600):
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def fail(message, *outputs):
+    for o in outputs:
+        print(o)
+    print("FAIL:", message)
+    sys.exit(1)
+
+
+def ok(cmd, **kw):
+    rc, out, err = run(cmd, **kw)
+    if rc != 0:
+        fail("%s exited %d" % (" ".join(cmd), rc), out, err)
+    return out, err
+
+
+def refused(cmd, pattern, **kw):
+    rc, out, err = run(cmd, **kw)
+    if rc <= 0:  # negative: killed by a signal (a crash)
+        fail("%s should fail cleanly, got %d" % (" ".join(cmd), rc), out, err)
+    if not re.search(pattern, out + err):
+        fail("%s: no message matching %r" % (" ".join(cmd), pattern), out, err)
+
+
+def same_file(a, b):
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        return fa.read() == fb.read()
+
+
+with tempfile.TemporaryDirectory() as work:
+    build = os.path.join(work, "build")
+    alone = os.path.join(work, "alone")
+    home = os.path.join(work, "home")
+    for d in (build, alone, home):
+        os.mkdir(d)
+    exe = os.path.join(build, "model")
+    out, err = ok([KILN, "compile", MODEL, "-o", exe, "--device", "cpu", "--max-batch", str(MAX_BATCH)] + SETS)
+    if "wrote " not in err:
+        fail("kiln compile printed no summary", out, err)
+    # Alone in an empty folder, with nothing of the environment (no KILN_*, no HOME cache).
+    shutil.copy2(exe, os.path.join(alone, "model"))
+    clean = {"PATH": "/usr/bin:/bin", "HOME": home}
+    runner = ["./model"]
+
+    def alone_ok(args):
+        return ok(runner + args, cwd=alone, env=clean)
+
+    info, _ = alone_ok(["info"])
+    for key in ("max batch: %d" % MAX_BATCH, "payload: version", "functions: train, eval, predict", "inputs:",
+                "parameters:", "devices: cpu"):
+        if key not in info:
+            fail("info lacks %r" % key, info)
+
+    # Training: byte-identical checkpoints.
+    train = ["--steps", STEPS, "--threads", "1", "--seed", "3"]
+    ok([KILN, "train", MODEL, "--batch", str(MAX_BATCH), "--checkpoint", os.path.join(work, "ref")] + train + SETS)
+    alone_ok(["train", "--checkpoint", "ckpt"] + train)
+    ref_ckpt = os.path.join(work, "ref", "checkpoint.safetensors")
+    if not same_file(ref_ckpt, os.path.join(alone, "ckpt", "checkpoint.safetensors")):
+        fail("./model train's checkpoint differs from kiln train's")
+
+    # Evaluation and prediction: 1000 samples in batches of 64, the last one short.
+    data = ["--data", "synthetic", "--samples", "1000", "--threads", "1"]
+    ref_eval, _ = ok([KILN, "eval", MODEL, "--checkpoint", ref_ckpt, "--batch", str(MAX_BATCH)] + data + SETS)
+    got_eval, _ = alone_ok(["eval", "--checkpoint", "ckpt"] + data)
+    if got_eval != ref_eval:
+        fail("./model eval differs from kiln eval", got_eval, ref_eval)
+    ref_pred = os.path.join(work, "ref.scores")
+    ok([KILN, "predict", MODEL, "--checkpoint", ref_ckpt, "--batch", str(MAX_BATCH), "-o", ref_pred] + data + SETS)
+    alone_ok(["predict", "--checkpoint", "ckpt", "-o", "scores"] + data)
+    if not same_file(ref_pred, os.path.join(alone, "scores")):
+        fail("./model predict differs from kiln predict")
+    # A batch smaller than the max runs too, with the same scores.
+    alone_ok(["predict", "--checkpoint", "ckpt", "--batch", "10", "-o", "scores10"] + data)
+    ok([KILN, "predict", MODEL, "--checkpoint", ref_ckpt, "--batch", "10", "-o", ref_pred + "10"] + data + SETS)
+    if not same_file(ref_pred + "10", os.path.join(alone, "scores10")):
+        fail("./model predict --batch 10 differs from kiln predict --batch 10")
+
+    # Embedded weights: no --checkpoint needed, the same scores.
+    weighted = os.path.join(build, "weighted")
+    ok([KILN, "compile", MODEL, "-o", weighted, "--device", "cpu", "--max-batch", str(MAX_BATCH), "--checkpoint",
+        ref_ckpt] + SETS)
+    shutil.copy2(weighted, os.path.join(alone, "weighted"))
+    ok(["./weighted", "predict", "-o", "scores_w"] + data, cwd=alone, env=clean)
+    if not same_file(ref_pred, os.path.join(alone, "scores_w")):
+        fail("embedded weights predict otherwise than the checkpoint they came from")
+    if "embedded" not in ok(["./weighted", "info"], cwd=alone, env=clean)[0]:
+        fail("info does not say the weights are embedded")
+
+    # Only system libraries; nothing of CUDA, MPI or fmt.
+    ldd, _ = ok(["ldd", os.path.join(alone, "model")])
+    allowed = ("linux-vdso", "ld-linux", "libc.so", "libm.so", "libstdc++", "libgcc_s", "libopenblas", "libgfortran",
+               "libquadmath", "libblas", "liblapack", "libpthread", "libdl.so")
+    for line in ldd.splitlines():
+        lib = line.strip().split(" ")[0]
+        if lib and not lib.startswith(allowed) and not lib.startswith("/lib"):
+            fail("ldd lists %s" % lib, ldd)
+    # NVRTC is never opened (the loader's own record of every library it loads).
+    env = dict(clean, LD_DEBUG="libs")
+    _, out, err = run(runner + ["predict", "--checkpoint", "ckpt", "-o", "scores_d"] + data, cwd=alone, env=env)
+    if "libnvrtc" in out + err:
+        fail("the runner loaded NVRTC", err[-3000:])
+
+    # Bad input: clear errors, non-zero exits, no crashes.
+    refused(runner + ["predict", "--checkpoint", "ckpt", "--batch", str(MAX_BATCH + 1)] + data,
+            r"over the %d samples this model was compiled for" % MAX_BATCH, cwd=alone, env=clean)
+    refused(runner + ["train", "--set", "x=1"], r"fixed when it was compiled", cwd=alone, env=clean)
+    refused(runner + ["frobnicate"], r"unknown command 'frobnicate'", cwd=alone, env=clean)
+    refused(runner + ["eval"] + data, r"--checkpoint DIR is required", cwd=alone, env=clean)
+    predict_only = os.path.join(alone, "predict_only")
+    ok([KILN, "compile", MODEL, "-o", predict_only, "--device", "cpu", "--functions", "predict"] + SETS)
+    refused(["./predict_only", "train"], r"compiled without 'train'", cwd=alone, env=clean)
+    with open(exe, "rb") as f:
+        good = f.read()
+    damaged = os.path.join(alone, "damaged")
+    for what, bytes_, pattern in (
+            ("a flipped byte in the payload", good[:len(good) - 200] + bytes([good[-200] ^ 0x40]) + good[-199:],
+             r"checksum|damaged"),
+            ("a truncated file", good[:len(good) - 1000], r"no Kiln payload"),
+            ("a flipped footer version", good[:-12] + bytes([good[-12] ^ 2]) + good[-11:], r"payload version")):
+        with open(damaged, "wb") as f:
+            f.write(bytes_)
+        os.chmod(damaged, 0o755)
+        refused(["./damaged", "info"], pattern, cwd=alone, env=clean)
+    runner_bin = os.path.join(os.path.dirname(KILN), "kiln-runner")
+    refused([runner_bin, "info"], r"no Kiln payload", cwd=alone, env=clean)
+    refused([KILN, "compile", MODEL, "-o", os.path.join(build, "x"), "--max-batch", "0"], r"--max-batch must be positive")
+    refused([KILN, "compile", MODEL, "-o", os.path.join(build, "x"), "--functions", "serve"], r"not one of train")
+    refused([KILN, "compile", MODEL], r"-o NAME is required")
+
+print("PASS")
