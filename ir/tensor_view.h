@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ir/types.h"
@@ -31,7 +32,8 @@ struct TensorView {
 // An owning host tensor (tests, parameters, data batches).
 struct HostTensor {
   TensorView view;
-  std::vector<unsigned char> storage;
+  std::vector<unsigned char> storage;  // empty for an external tensor
+  std::shared_ptr<const void> keep_alive;
 
   HostTensor() = default;
   HostTensor(DType t, std::vector<int64_t> shape) { reset(t, std::move(shape)); }
@@ -39,14 +41,30 @@ struct HostTensor {
     view.dtype = t;
     view.shape = std::move(shape);
     storage.assign(static_cast<size_t>(view.numel() * dtypeBytes(t)), 0);
+    keep_alive.reset();
     view.data = storage.data();
   }
-  HostTensor(const HostTensor& o) : storage(o.storage) {
-    view = o.view;
-    view.data = storage.data();
+  // A tensor over memory another object owns (a compiled model's mapped weights), which
+  // `keep_alive` keeps valid. Writable when that memory is (a private mapping is). Copies of it
+  // own their bytes.
+  static HostTensor external(DType t, std::vector<int64_t> shape, void* data,
+                             std::shared_ptr<const void> keep_alive) {
+    HostTensor h;
+    h.view = TensorView{t, std::move(shape), data};
+    h.keep_alive = std::move(keep_alive);
+    return h;
   }
+  bool isExternal() const { return keep_alive != nullptr; }
+  HostTensor(const HostTensor& o) { *this = o; }
   HostTensor& operator=(const HostTensor& o) {
-    storage = o.storage;
+    if (this == &o) return *this;
+    if (o.isExternal()) {
+      const auto* p = static_cast<const unsigned char*>(o.view.data);
+      storage.assign(p, p + o.view.bytes());
+    } else {
+      storage = o.storage;
+    }
+    keep_alive.reset();
     view = o.view;
     view.data = storage.data();
     return *this;

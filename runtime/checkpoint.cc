@@ -310,6 +310,29 @@ Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& 
   return ckpt;
 }
 
+Expected<Checkpoint> viewCheckpoint(std::span<uint8_t> bytes, const std::string& name,
+                                    std::shared_ptr<const void> keep_alive) {
+  const uint64_t size = bytes.size();
+  if (size < 8)
+    return checkpointError(name,
+                           fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, name));
+  std::vector<Span> spans;
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, n);
+  KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(text, size - 8 - n, name, spans, /*allocate=*/false));
+  for (const Span& s : spans) {
+    auto& [tensor_name, t] = ckpt.tensors[s.index];
+    uint8_t* data = bytes.data() + 8 + n + s.begin;
+    if (reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(ir::dtypeBytes(t.view.dtype)) != 0)
+      return checkpointError(name, fmt::format("tensor '{}' is not aligned to its {}-byte elements",
+                                               tensor_name, ir::dtypeBytes(t.view.dtype)));
+    t = ir::HostTensor::external(t.view.dtype, t.view.shape, data, keep_alive);
+  }
+  return ckpt;
+}
+
 namespace {
 
 // An open checkpoint file whose header has been read and validated.

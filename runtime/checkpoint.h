@@ -9,7 +9,9 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -44,6 +46,12 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
 Expected<Checkpoint> loadCheckpoint(const std::string& path);
 // The same checks on the bytes of a whole checkpoint file in memory; `name` is for messages.
 Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& name);
+
+// The same checks, without copying: the tensors are external views into `bytes` (which
+// `keep_alive` keeps valid), writable when the bytes are. Each tensor's data must be aligned to
+// its element size (saveCheckpoint pads its header so). A compiled model's embedded weights.
+Expected<Checkpoint> viewCheckpoint(std::span<uint8_t> bytes, const std::string& name,
+                                    std::shared_ptr<const void> keep_alive);
 
 // Copies a loaded checkpoint into the model's tensors: every destination must be present with
 // the same dtype and shape, and the checkpoint may hold nothing else. `path` is for messages.

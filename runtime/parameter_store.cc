@@ -169,8 +169,8 @@ Expected<std::vector<ParameterSpec>> parameterSpecs(const ir::Module& m, const i
   return out;
 }
 
-Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols,
-                                      ThreadPool* pool) {
+Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
+                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values) {
   Status status;
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
     if (!status.isOk() || !op.is(ir::OpCode::Parameter)) return;
@@ -194,6 +194,10 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, 
       return;
     }
     ir::HostTensor t(type.dtype(), spec->shape);
+    if (!values) {
+      set(name, std::move(t));
+      return;
+    }
     GlobalPlace place{op.intsAttr("global_shape"), op.intsAttr("offset")};
     Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool,
                                 place.shape.empty() ? nullptr : &place);
@@ -206,9 +210,10 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed, 
   return status;
 }
 
-Status ParameterStore::initializeFrom(const ir::Module& m, uint64_t run_seed, const ir::SymbolBindings& symbols,
-                                      ThreadPool* pool) {
-  for (const auto& f : m.functions()) KILN_RETURN_IF_ERROR(initializeFrom(*f, run_seed, symbols, pool));
+Status ParameterStore::initializeFrom(const ir::Module& m, uint64_t run_seed,
+                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values) {
+  for (const auto& f : m.functions())
+    KILN_RETURN_IF_ERROR(initializeFrom(*f, run_seed, symbols, pool, values));
   return Status::ok();
 }
 

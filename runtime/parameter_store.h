@@ -68,11 +68,13 @@ class ParameterStore {
   // Creates each kiln.parameter of `f` that the store lacks, shaped by its type (symbols bound
   // by `symbols`) and initialized from its attributes with parameterSeed(run_seed, name).
   // Parameters already present are checked against the declared type and kept.
+  // With `values` false they are allocated (zeros) but not initialized: a caller that loads
+  // every value from a checkpoint next.
   Status initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
-                        ThreadPool* pool = nullptr);
+                        ThreadPool* pool = nullptr, bool values = true);
   // Same over every function of a module.
   Status initializeFrom(const ir::Module& m, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
-                        ThreadPool* pool = nullptr);
+                        ThreadPool* pool = nullptr, bool values = true);
 
  private:
   std::map<std::string, ir::HostTensor, std::less<>> params_;

@@ -7,10 +7,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 namespace kiln::runtime {
 namespace {
@@ -44,15 +46,19 @@ struct Cursor {
 
 }  // namespace
 
-uint64_t payloadHash(const uint8_t* data, size_t size) {
+namespace {
+
+uint64_t mix(uint64_t h, uint64_t w) {
   constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;
+  h ^= w;
+  h *= kMul;
+  return h ^ (h >> 31);
+}
+
+// Four independent lanes over 8-byte words, so the multiplies overlap.
+uint64_t laneHash(const uint8_t* data, size_t size) {
   uint64_t lane[4] = {0x243F6A8885A308D3ull, 0x13198A2E03707344ull, 0xA4093822299F31D0ull,
                       0x082EFA98EC4E6C89ull};
-  auto mix = [](uint64_t h, uint64_t w) {
-    h ^= w;
-    h *= kMul;
-    return h ^ (h >> 31);
-  };
   size_t i = 0;
   for (; i + 32 <= size; i += 32)
     for (int l = 0; l < 4; ++l) {
@@ -64,6 +70,28 @@ uint64_t payloadHash(const uint8_t* data, size_t size) {
   for (uint64_t l : lane) h = mix(h, l);
   for (; i < size; ++i) h = mix(h, data[i]);
   return h;
+}
+
+constexpr size_t kHashChunk = size_t{1} << 20;
+
+}  // namespace
+
+uint64_t payloadHash(const uint8_t* data, size_t size) {
+  if (size <= kHashChunk) return laneHash(data, size);
+  // A tree: the hash of the chunks' hashes. The chunks are hashed on several threads (a model's
+  // weights are hundreds of megabytes, checked at start-up); the value does not depend on how many.
+  const size_t chunks = (size + kHashChunk - 1) / kHashChunk;
+  std::vector<uint64_t> hashes(chunks);
+  const size_t threads = std::min<size_t>({chunks, std::max(1u, std::thread::hardware_concurrency()), 16});
+  auto work = [&](size_t t) {
+    for (size_t c = t; c < chunks; c += threads)
+      hashes[c] = laneHash(data + c * kHashChunk, std::min(kHashChunk, size - c * kHashChunk));
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work, t);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  return mix(laneHash(reinterpret_cast<const uint8_t*>(hashes.data()), hashes.size() * 8), size);
 }
 
 void PayloadWriter::add(std::string name, std::vector<uint8_t> bytes) {
@@ -176,7 +204,9 @@ Expected<Payload> Payload::open(const std::string& path) {
     ::close(fd);
     return Status::errorf("{}: no Kiln payload (the file is {} bytes)", path, size);
   }
-  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  // Private and writable: a compiled model trains its embedded weights in place, and the writes
+  // stay in this process (copy on write), never reaching the file.
+  void* m = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (m == MAP_FAILED) return Status::errorf("{}: cannot map the file: {}", path, std::strerror(errno));
   Payload p;
@@ -261,6 +291,11 @@ Expected<std::span<const uint8_t>> Payload::section(std::string_view name) const
     return bytes;
   }
   return Status::errorf("{}: the payload has no section '{}'", path_, name);
+}
+
+Expected<std::span<uint8_t>> Payload::writableSection(std::string_view name) const {
+  KILN_ASSIGN_OR_RETURN(auto bytes, section(name));
+  return std::span<uint8_t>(const_cast<uint8_t*>(bytes.data()), bytes.size());
 }
 
 Expected<std::string> Payload::text(std::string_view name) const {

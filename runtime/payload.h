@@ -32,8 +32,9 @@ namespace kiln::runtime {
 // exactly its own version.
 inline constexpr uint32_t kPayloadVersion = 1;
 
-// A fast 64-bit hash of bytes (four independent multiply-xor lanes over 8-byte words): it finds
-// damage, not adversaries.
+// A fast 64-bit hash of bytes (four independent multiply-xor lanes over 8-byte words; above 1 MiB
+// the hash of its 1 MiB chunks' hashes, taken on several threads): it finds damage, not
+// adversaries.
 uint64_t payloadHash(const uint8_t* data, size_t size);
 
 class PayloadWriter {
@@ -66,6 +67,9 @@ class Payload {
   std::vector<std::string> names() const;
   // A section's bytes (valid while this object lives), its hash checked on the first read.
   Expected<std::span<const uint8_t>> section(std::string_view name) const;
+  // The same bytes, writable: the file is mapped privately, so writes change this process's
+  // copy only (a compiled model's weights, trained in place).
+  Expected<std::span<uint8_t>> writableSection(std::string_view name) const;
   Expected<std::string> text(std::string_view name) const;
   uint64_t sectionSize(std::string_view name) const;  // 0 when absent
 

@@ -85,8 +85,7 @@ Expected<std::shared_ptr<const CompiledModel>> loadCompiledModel(
   if (!c->cpu_programs.count("forward"))
     return Status::errorf("{}: the payload has no forward program", p.path());
   if (p.has(kWeightsSection)) {
-    KILN_ASSIGN_OR_RETURN(auto bytes, p.section(kWeightsSection));
-    c->weights = std::string_view(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    KILN_ASSIGN_OR_RETURN(c->weights, p.writableSection(kWeightsSection));
   }
   if (p.has(kCudaKernelsSection)) {
     KILN_ASSIGN_OR_RETURN(auto bytes, p.section(kCudaKernelsSection));

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,7 +38,7 @@ struct CompiledModel {
   std::vector<std::string> archs;      // of the CUDA kernels: sm_80, compute_90 (PTX), ...
   std::map<std::string, std::string> overrides;                       // the --set values it was compiled with
   std::map<std::string, codegen::Program, std::less<>> cpu_programs;  // by function
-  std::string_view weights;                         // safetensors bytes in the payload; empty: none embedded
+  std::span<uint8_t> weights;  // safetensors bytes in the payload (a private, writable mapping); empty: none
   std::string_view cuda_kernels;                    // the serialized kernel set; empty: no cuda payload
   std::shared_ptr<const runtime::Payload> payload;  // keeps the views above valid
 

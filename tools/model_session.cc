@@ -172,17 +172,26 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
 
 namespace {
 
-// The embedded weights of a compiled model, as `kiln eval --checkpoint` loads a file: every
-// tensor the session holds must be there; a training checkpoint's optimizer state is loaded
-// only by a session that trains.
-Status restoreEmbedded(ModelSession& s, runtime::Checkpoint& ckpt) {
-  std::map<std::string, ir::TensorView> dest;
-  for (const std::string& name : s.checkpointNames()) dest[name] = s.params().find(name)->view;
-  runtime::Checkpoint wanted;
-  wanted.metadata = ckpt.metadata;
-  for (auto& [name, tensor] : ckpt.tensors)
-    if (dest.count(name)) wanted.tensors.emplace_back(name, std::move(tensor));
-  return runtime::restoreTensors(wanted, dest, "the embedded weights");
+// The embedded weights of a compiled model as the store's starting tensors, without a copy:
+// views into the payload's private mapping (a session that trains writes them in place, in this
+// process only). Only the tensors the module declares: an evaluating session leaves a training
+// checkpoint's optimizer state out. The store then checks each against its declared type.
+Expected<runtime::ParameterStore> embeddedParameters(const CompiledModel& c, const ir::Module& m,
+                                                     const ir::SymbolBindings& symbols) {
+  KILN_ASSIGN_OR_RETURN(
+      auto ckpt,
+      runtime::viewCheckpoint(
+          c.weights, c.payload ? c.payload->path() + " (weights)" : "the embedded weights", c.payload));
+  KILN_ASSIGN_OR_RETURN(auto specs, runtime::parameterSpecs(m, symbols));
+  std::map<std::string, ir::HostTensor*, std::less<>> by_name;
+  for (auto& [name, t] : ckpt.tensors) by_name[name] = &t;
+  runtime::ParameterStore store;
+  for (const runtime::ParameterSpec& spec : specs) {
+    auto it = by_name.find(spec.name);
+    if (it == by_name.end()) return Status::errorf("the embedded weights have no tensor '{}'", spec.name);
+    store.set(spec.name, std::move(*it->second));  // moved: still a view, not a copy
+  }
+  return store;
 }
 
 }  // namespace
@@ -225,15 +234,15 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::fromCompiled(
     return Status::error("this model was compiled without its training step (kiln compile --functions)");
   KILN_RETURN_IF_ERROR(s->openDevice(c.target));
   KILN_ASSIGN_OR_RETURN(auto module, ir::parseModule(c.module_text, c.name + " (compiled IR)"));
-  KILN_RETURN_IF_ERROR(s->adopt(std::move(module)));
+  runtime::ParameterStore preset;
   if (!c.weights.empty()) {
-    KILN_ASSIGN_OR_RETURN(auto ckpt, runtime::parseCheckpoint(c.weights, "the embedded weights"));
-    KILN_RETURN_IF_ERROR(restoreEmbedded(*s, ckpt));
+    KILN_ASSIGN_OR_RETURN(preset, embeddedParameters(c, *module, {{"B", options.batch}}));
   }
+  KILN_RETURN_IF_ERROR(s->adopt(std::move(module), std::move(preset)));
   return s;
 }
 
-Status ModelSession::adopt(std::unique_ptr<ir::Module> module) {
+Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStore preset) {
   module_ = std::move(module);
   ir::Module& m = *module_;
   const SessionOptions& options = options_;
@@ -271,7 +280,11 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module) {
                                      limit.source.rfind("--memory-limit", 0) == 0 ? ", or raise --memory-limit" : ""));
   if (options.comm) rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
   ir::SymbolBindings symbols{{"B", options.batch}};
-  KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols));
+  // What is not preset is initialized from the seed, unless a checkpoint will overwrite every
+  // value (an evaluation: kiln eval and predict load one whole; a training run may start fresh).
+  params_ = std::move(preset);
+  const bool values_follow = !options.training && !options.checkpoint_path.empty();
+  KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols, nullptr, !values_follow));
   if (cuda_) KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
   return Status::ok();
 }

@@ -204,8 +204,9 @@ class ModelSession {
   // else the device's own.
   Status openDevice(const std::string& planned);
   // Takes the compiled module: its outputs, train block, data specs, the memory check, the
-  // parameters initialized from the seed.
-  Status adopt(std::unique_ptr<ir::Module> module);
+  // parameters (those not preset initialized from the seed).
+  // `preset`: parameters that already have their values (a compiled model's embedded weights).
+  Status adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStore preset = {});
   Expected<runtime::cpu::CpuExecutor*> executorFor(const std::string& function, int64_t batch);
   Expected<cuda::CudaExecutor*> cudaExecutorFor(const std::string& function, int64_t batch);
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,

@@ -68,7 +68,8 @@ Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
   KILN_RETURN_IF_ERROR(im.stream->synchronize());
   for (const std::string& name : store.names()) {
     const ir::HostTensor& t = *store.find(name);
-    size_t bytes = t.storage.size();
+    // From the view: an external tensor (a compiled model's mapped weights) has no storage.
+    size_t bytes = static_cast<size_t>(t.view.bytes());
     auto it = im.params.find(name);
     if (it == im.params.end() || it->second.bytes() != std::max<size_t>(bytes, 1)) {
       KILN_ASSIGN_OR_RETURN(
@@ -76,7 +77,7 @@ Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
       im.params[name] = std::move(buf);
       it = im.params.find(name);
     }
-    if (bytes) KILN_RETURN_IF_ERROR(it->second.upload(t.storage.data(), bytes));
+    if (bytes) KILN_RETURN_IF_ERROR(it->second.upload(t.view.data, bytes));
   }
   return Status::ok();
 }
@@ -90,11 +91,12 @@ Status CudaSession::downloadParameters(runtime::ParameterStore& store) const {
   for (const auto& [name, buf] : im.params) {
     ir::HostTensor* t = store.find(name);
     if (!t) return Status::errorf("download: the parameter store has no '{}'", name);
-    if (t->storage.empty()) continue;
-    if (t->storage.size() > buf.bytes())
-      return Status::errorf("download: '{}' is {} bytes on the host but {} on the device", name, t->storage.size(),
+    const size_t bytes = static_cast<size_t>(t->view.bytes());
+    if (bytes == 0) continue;
+    if (bytes > buf.bytes())
+      return Status::errorf("download: '{}' is {} bytes on the host but {} on the device", name, bytes,
                             buf.bytes());
-    KILN_RETURN_IF_ERROR(buf.download(t->storage.data(), t->storage.size()));
+    KILN_RETURN_IF_ERROR(buf.download(t->view.data, bytes));
   }
   return Status::ok();
 }
