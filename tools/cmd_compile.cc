@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -12,7 +13,9 @@
 
 #include "codegen/lower_cpu.h"
 #include "ir/printer.h"
+#include "kiln_aot_header.inc"
 #include "runtime/checkpoint.h"
+#include "runtime/data/sample.h"
 #include "runtime/payload.h"
 #include "tools/cli.h"
 #include "tools/compiled_model.h"
@@ -59,6 +62,42 @@ Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledMo
   std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   std::filesystem::remove(tmp);
   return bytes;
+}
+
+// NAME.h: the C API's header after the model's own constants (its max batch and each input's
+// index), as NAME_MAX_BATCH, NAME_NUM_INPUTS and NAME_INPUT_<INPUT>.
+Expected<std::string> cHeaderFor(const ir::Module& m, const CompiledModel& c, const std::string& name) {
+  auto macro = [](std::string_view s) {
+    std::string out;
+    for (char ch : s)
+      out += std::isalnum(static_cast<unsigned char>(ch)) ? static_cast<char>(std::toupper(ch)) : '_';
+    if (out.empty() || std::isdigit(static_cast<unsigned char>(out[0]))) out = "_" + out;
+    return out;
+  };
+  const ir::Function* fwd = m.lookup("forward");
+  if (!fwd) return Status::error("the model has no @forward");
+  KILN_ASSIGN_OR_RETURN(auto spec, data::fromFunction(*fwd));
+  data::Batch one;
+  data::allocateBatch(spec, 1, one);
+  const std::string prefix = macro(name);
+  std::string h = fmt::format(
+      "/* {}.h: the C API of lib{}.so, model '{}' compiled ahead of time by Kiln {} from {}\n"
+      " * (batch up to {}; functions {}). Link with -L. -l{}; see docs/aot.md.\n *\n"
+      " * Inputs, as kiln_input(model, i) describes them:\n",
+      name, name, c.name, c.kiln_version, c.source, c.max_batch, fmt::join(c.functions, ", "), name);
+  for (size_t i = 0; i < spec.inputs.size(); ++i) {
+    const data::InputSpec& in = spec.inputs[i];
+    h += fmt::format(" *   {:<3} {:<16} {:<6} {:>6} per sample  {}\n", i, in.name,
+                     ir::dtypeName(in.type.dtype()), one.tensors[i].numel(), data::roleName(in.role));
+  }
+  h += " */\n";
+  h += fmt::format("#define {}_MAX_BATCH {}\n#define {}_NUM_INPUTS {}\n", prefix, c.max_batch, prefix,
+                   spec.inputs.size());
+  for (size_t i = 0; i < spec.inputs.size(); ++i)
+    h += fmt::format("#define {}_INPUT_{} {}\n", prefix, macro(spec.inputs[i].name), i);
+  h += "\n";
+  h += kKilnAotHeader;
+  return h;
 }
 
 std::string megabytes(uint64_t bytes) { return fmt::format("{:.1f} MB", static_cast<double>(bytes) / 1e6); }
@@ -165,6 +204,12 @@ int runCompile(const std::vector<std::string>& raw_args) {
   const std::string name = out.filename().string();
   const std::filesystem::path written = emit == "exe" ? out : out_dir / ("lib" + name + ".so");
   if (Status s = payload.writeAppended(*runner, written.string(), emit == "exe"); !s) return fail(s);
+  if (emit == "lib") {
+    auto header = cHeaderFor(m, *compiled, name);
+    if (!header) return fail(header.status());
+    const std::filesystem::path header_path = out_dir / (name + ".h");
+    if (Status s = runtime::writeFileAtomically(header_path.string(), *header); !s) return fail(s);
+  }
   std::error_code ec;
   const uint64_t total = std::filesystem::file_size(written, ec),
                  runtime_bytes = std::filesystem::file_size(*runner, ec);
