@@ -134,8 +134,13 @@ Status prepareCheckpointDir(const std::string& dir, uint64_t reserve_bytes) {
   return Status::ok();
 }
 
-Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
-                      const std::map<std::string, std::string>& metadata) {
+namespace {
+
+// The safetensors header of `tensors` laid out in order: its JSON, padded so that the data starts
+// 8-byte aligned. `what` names the checkpoint in errors.
+Expected<std::string> checkpointHeader(const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+                                       const std::map<std::string, std::string>& metadata,
+                                       const std::string& what) {
   json::Json header = json::Json::object();
   json::Json& meta = header["__metadata__"] = json::Json::object();
   for (const auto& [k, v] : metadata) meta[k] = v;
@@ -143,7 +148,7 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
   int64_t offset = 0;
   for (const auto& [name, view] : tensors) {
     if (!names.insert(name).second)
-      return Status::errorf("checkpoint '{}': duplicate or reserved tensor name '{}'", path, name);
+      return Status::errorf("checkpoint '{}': duplicate or reserved tensor name '{}'", what, name);
     json::Json shape = json::Json::array();
     for (int64_t d : view.shape) shape.push_back(d);
     json::appendMember(header, name,
@@ -153,11 +158,19 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
     offset += view.bytes();
   }
   auto dumped = json::dump(header);
-  if (!dumped) return Status::errorf("checkpoint '{}': {}", path, dumped.status().message());
+  if (!dumped) return Status::errorf("checkpoint '{}': {}", what, dumped.status().message());
   std::string text = dumped.take();
   text.append((8 - text.size() % 8) % 8, ' ');  // pad so the data starts 8-byte aligned
-  uint64_t n = text.size();
+  return text;
+}
 
+}  // namespace
+
+Status saveCheckpoint(const std::string& path,
+                      const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+                      const std::map<std::string, std::string>& metadata) {
+  KILN_ASSIGN_OR_RETURN(std::string text, checkpointHeader(tensors, metadata, path));
+  uint64_t n = text.size();
   return writeAtomically(path, [&](int fd, const std::string& tmp) {
     Status st = writeAll(fd, &n, 8, tmp);
     if (st) st = writeAll(fd, text.data(), text.size(), tmp);
@@ -165,6 +178,24 @@ Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::
       st = writeAll(fd, tensors[i].second.data, static_cast<size_t>(tensors[i].second.bytes()), tmp);
     return st;
   });
+}
+
+Expected<std::vector<uint8_t>> serializeCheckpoint(
+    const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  KILN_ASSIGN_OR_RETURN(std::string text, checkpointHeader(tensors, metadata, "in memory"));
+  const uint64_t n = text.size();
+  size_t total = 8 + text.size();
+  for (const auto& [name, view] : tensors) total += static_cast<size_t>(view.bytes());
+  std::vector<uint8_t> out(total);
+  std::memcpy(out.data(), &n, 8);
+  std::memcpy(out.data() + 8, text.data(), text.size());
+  size_t at = 8 + text.size();
+  for (const auto& [name, view] : tensors) {
+    if (view.bytes()) std::memcpy(out.data() + at, view.data, static_cast<size_t>(view.bytes()));
+    at += static_cast<size_t>(view.bytes());
+  }
+  return out;
 }
 
 Status writeFileAtomically(const std::string& path, std::string_view bytes) {

@@ -39,6 +39,10 @@ Status prepareCheckpointDir(const std::string& dir, uint64_t reserve_bytes = 1);
 
 Status saveCheckpoint(const std::string& path, const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
                       const std::map<std::string, std::string>& metadata);
+// The bytes saveCheckpoint writes, in memory (a compiled model's embedded weights).
+Expected<std::vector<uint8_t>> serializeCheckpoint(
+    const std::vector<std::pair<std::string, ir::TensorView>>& tensors,
+    const std::map<std::string, std::string>& metadata);
 
 // Reads and validates a whole checkpoint: sizes, JSON, dtypes, shapes, offsets (in range,
 // matching the tensor's size, non-overlapping, covering the data). Errors name the file and,

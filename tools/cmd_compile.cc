@@ -47,21 +47,13 @@ Expected<std::string> runnerBeside(const std::string& file) {
 // The checkpoint's tensors that the compiled model holds, checked against it by the same code
 // that loads a checkpoint at run time, as the bytes of a safetensors file.
 Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledModel>& compiled,
-                                          const SessionOptions& options, const std::string& checkpoint,
-                                          const std::string& scratch_dir) {
+                                          const SessionOptions& options, const std::string& checkpoint) {
   KILN_ASSIGN_OR_RETURN(auto session, ModelSession::fromCompiled(compiled, options, std::cerr));
   KILN_RETURN_IF_ERROR(loadCheckpointInto(*session, checkpoint));
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : session->checkpointNames())
     tensors.emplace_back(name, session->params().find(name)->view);
-  const std::string tmp =
-      (std::filesystem::path(scratch_dir) / fmt::format(".kiln-compile-weights.{}.safetensors", ::getpid()))
-          .string();
-  KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(tmp, tensors, {{"source", checkpoint}}));
-  std::ifstream in(tmp, std::ios::binary);
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::filesystem::remove(tmp);
-  return bytes;
+  return runtime::serializeCheckpoint(tensors, {{"source", checkpoint}});
 }
 
 // NAME.h: the C API's header after the model's own constants (its max batch and each input's
@@ -191,7 +183,7 @@ int runCompile(const std::vector<std::string>& raw_args) {
   if (p.has("checkpoint")) {
     SessionOptions check = so;
     check.training = so.training;
-    auto weights = weightsFor(compiled, check, p.get("checkpoint"), out_dir.string());
+    auto weights = weightsFor(compiled, check, p.get("checkpoint"));
     if (!weights) return fail(weights.status());
     payload.add(std::string(kWeightsSection), weights.take());
   }

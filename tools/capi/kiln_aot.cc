@@ -160,7 +160,8 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
     if (!dtype)
       return failWith(KILN_UNSUPPORTED, fmt::format("input '{}' is {}, which the C API does not carry",
                                                     in.name, ir::dtypeName(in.type.dtype())));
-    m->inputs.push_back({in.name.c_str(), *dtype, cRole(in.role), one.tensors[i].numel(), in.feature});
+    m->inputs.push_back({in.name.c_str(), *dtype, cRole(in.role), one.tensors[i].numel(), in.feature,
+                         in.role == data::InputRole::Sparse ? in.rows : 0});
   }
   if (m->session->hasTrainBlock())
     if (const ir::Attribute* a = trainValue(m->session->trainConfig(), "lr_schedule"); a && a->isDict())

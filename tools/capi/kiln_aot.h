@@ -79,7 +79,8 @@ typedef struct kiln_input_info {
   kiln_dtype dtype;
   kiln_role role;
   int64_t per_sample; /* elements per sample */
-  int feature; /* sparse, lengths, weights: the Criteo categorical feature read (0..25); -1 otherwise */
+  int feature;  /* sparse, lengths, weights: the Criteo categorical feature read (0..25); -1 otherwise */
+  int64_t rows; /* sparse: the rows of its table (ids lie in [0, rows)); 0 otherwise */
 } kiln_input_info;
 
 /* Fills `options` with the defaults. */
