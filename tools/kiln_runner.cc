@@ -4,6 +4,7 @@
 // compiler's flags (--set, the passes), which were fixed at compile time. `./NAME info` describes it.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -152,6 +153,11 @@ int main(int argc, char** argv) {
     args.push_back("--batch");
     args.push_back(std::to_string(c.max_batch));
   }
+  if (std::find(args.begin(), args.end(), "--help") != args.end() ||
+      std::find(args.begin(), args.end(), "-h") != args.end())
+    std::printf("%s %s takes the flags of `kiln %s` below, less MODEL.kiln (this file) and --set;\n"
+                "--batch defaults to %lld, the most it takes.\n\n",
+                name.c_str(), command.c_str(), command.c_str(), static_cast<long long>(c.max_batch));
   SessionOpener opener;
   opener.compiled = *compiled;
   opener.open = [compiled = *compiled](const SessionOptions& options, std::ostream& diag) {
