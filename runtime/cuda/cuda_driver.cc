@@ -180,6 +180,14 @@ Expected<std::unique_ptr<LoadedModule>> LoadedModule::load(CudaDriver* drv, cons
   return m;
 }
 
+Expected<std::unique_ptr<LoadedModule>> LoadedModule::loadImage(CudaDriver* drv, const char* image,
+                                                               const std::string& what) {
+  std::unique_ptr<LoadedModule> m(new LoadedModule());
+  m->drv_ = drv;
+  KILN_CU(drv, cuModuleLoadData(&m->m_, image), what);
+  return m;
+}
+
 LoadedModule::~LoadedModule() {
   if (m_) drv_->cuModuleUnload(m_);
 }

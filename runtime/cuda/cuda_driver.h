@@ -129,10 +129,13 @@ class PinnedBuffer {
   size_t bytes_ = 0;
 };
 
-// A loaded CUBIN and its kernels.
+// A loaded CUBIN (or PTX, which the driver JIT-compiles) and its kernels.
 class LoadedModule {
  public:
   static Expected<std::unique_ptr<LoadedModule>> load(CudaDriver* drv, const std::vector<char>& cubin);
+  // `image`: a CUBIN, or PTX text followed by a NUL (a std::string's data() is); `what` names it
+  // in errors.
+  static Expected<std::unique_ptr<LoadedModule>> loadImage(CudaDriver* drv, const char* image, const std::string& what);
   ~LoadedModule();
   Expected<CUfunction> function(const std::string& name) const;
 

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "codegen/kernel_lowering.h"
 #include "ir/op_def.h"
+#include "runtime/cuda/ahead_compile.h"
 #include "runtime/cuda/cublaslt.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/nvrtc_compiler.h"
@@ -35,12 +37,27 @@ namespace {
 struct CudaSession::Impl {
   std::unique_ptr<CudaContext> ctx;
   std::unique_ptr<Stream> stream;
-  std::unique_ptr<NvrtcCompiler> nvrtc;
   std::unique_ptr<CublasLt> blas;
   std::string arch;
+  std::string cache_dir;
   std::map<std::string, DeviceBuffer, std::less<>> params;
   CudaDriver* drv() const { return ctx->driver(); }
+  // NVRTC, loaded at the first call.
+  Expected<NvrtcCompiler*> compiler();
+
+ private:
+  std::mutex nvrtc_mutex;
+  std::unique_ptr<NvrtcCompiler> nvrtc;
 };
+
+Expected<NvrtcCompiler*> CudaSession::Impl::compiler() {
+  std::lock_guard<std::mutex> lock(nvrtc_mutex);
+  if (!nvrtc) {
+    KILN_ASSIGN_OR_RETURN(auto c, NvrtcCompiler::create(cache_dir));
+    nvrtc = std::move(c);
+  }
+  return nvrtc.get();
+}
 
 CudaSession::~CudaSession() = default;
 
@@ -54,9 +71,7 @@ Expected<std::shared_ptr<CudaSession>> CudaSession::create(const CudaSessionOpti
   KILN_RETURN_IF_ERROR(checkGpuArch(im.arch));
   KILN_ASSIGN_OR_RETURN(auto stream, Stream::create(im.drv()));
   im.stream = std::move(stream);
-  KILN_ASSIGN_OR_RETURN(
-      auto nvrtc, NvrtcCompiler::create(options.cache_dir.empty() ? defaultCacheDir() : options.cache_dir));
-  im.nvrtc = std::move(nvrtc);
+  im.cache_dir = options.cache_dir.empty() ? defaultCacheDir() : options.cache_dir;
   KILN_ASSIGN_OR_RETURN(auto blas, CublasLt::create(im.drv()));
   im.blas = std::move(blas);
   return s;
@@ -140,9 +155,10 @@ struct CudaExecutor::Impl {
   // Pinned staging of the inputs, laid out once: the step copies from here asynchronously.
   PinnedBuffer staging;
   std::vector<size_t> staging_at;             // per entry of built.inputs
-  std::unique_ptr<LoadedModule> module;
+  std::vector<std::unique_ptr<LoadedModule>> modules;
+  std::map<std::string, CUfunction> functions;  // every kernel of the modules, by name
   std::unique_ptr<CudaGraph> graph;
-  int kernels = 0, gemms = 0, compiled = 0, runs = 0;
+  int kernels = 0, gemms = 0, compiled_count = 0, runs = 0;
   // Tracing: an origin event, then a begin and an end event per step (made at the first traced
   // run), and the Program stream each step ran on in the last traced run.
   std::vector<CUevent> trace_events;
@@ -153,6 +169,8 @@ struct CudaExecutor::Impl {
   Status runStep(const Step& step, CUstream st);
   Status enqueue(bool traced = false);
   Status synchronize();
+  Status compileKernels(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups);
+  Status loadKernels(const ir::Function& f, const ir::SymbolBindings& symbols, const KernelSet& set);
   Status beginTrace(double* origin_us, const runtime::Tracer& tracer);
   Status finishTrace(runtime::Tracer& tracer, double origin_us);
 };
@@ -160,6 +178,67 @@ struct CudaExecutor::Impl {
 CudaExecutor::Impl::~Impl() {
   for (CUevent e : trace_events)
     if (e) s().drv()->cuEventDestroy(e);
+}
+
+// JIT: the function's kernels in several NVRTC programs compiled in parallel, one module each.
+Status CudaExecutor::Impl::compileKernels(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups) {
+  std::vector<const codegen::Kernel*> all;
+  for (const codegen::LoweredGroup& g : groups)
+    for (const codegen::Kernel& k : g.kernels) all.push_back(&k);
+  if (all.empty()) return Status::ok();
+  auto nvrtc = s().compiler();
+  if (!nvrtc) return Status::errorf("compiling the kernels of @{}: {}", f.name(), nvrtc.status().message());
+  const int threads = nvrtcThreads(options.nvrtc_threads);
+  std::vector<codegen::CudaModule> modules;
+  for (const auto& program : splitIntoPrograms(all, threads)) modules.push_back(codegen::emitModule(program));
+  std::vector<CompileJob> jobs;
+  for (const codegen::CudaModule& m : modules) jobs.push_back({&m, s().arch});
+  const int before = (*nvrtc)->compilations();
+  auto compiled = compileInParallel(**nvrtc, jobs, threads);
+  if (!compiled) return Status::errorf("compiling the kernels of @{}: {}", f.name(), compiled.status().message());
+  compiled_count = (*nvrtc)->compilations() - before;
+  for (size_t i = 0; i < modules.size(); ++i) {
+    KILN_ASSIGN_OR_RETURN(auto loaded, LoadedModule::load(s().drv(), (*compiled)[i].cubin));
+    for (const codegen::EmittedKernel& k : modules[i].kernels) {
+      KILN_ASSIGN_OR_RETURN(CUfunction fn, loaded->function(k.name));
+      functions.emplace(k.name, fn);
+    }
+    this->modules.push_back(std::move(loaded));
+  }
+  return Status::ok();
+}
+
+// Ahead of time: the set's images for the session's arch; NVRTC stays unloaded.
+Status CudaExecutor::Impl::loadKernels(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                       const KernelSet& set) {
+  std::vector<std::string> names;
+  for (const codegen::CudaStep& cs : built.steps)
+    if (!cs.isGemm() && std::find(names.begin(), names.end(), cs.name) == names.end()) names.push_back(cs.name);
+  if (names.empty()) return Status::ok();
+  const std::vector<std::string> have = set.kernelNames();
+  for (const std::string& n : names)
+    if (!std::binary_search(have.begin(), have.end(), n)) {
+      std::string at;
+      for (const auto& [sym, value] : symbols) at += fmt::format("{}{}={}", at.empty() ? "" : ", ", sym, value);
+      return Status::errorf("cuda executor: the compiled kernels have no '{}' of @{} (compiled for another batch or "
+                            "model? this executor runs at {})",
+                            n, f.name(), at.empty() ? "no symbols" : at);
+    }
+  auto chosen = set.select(s().arch, names);
+  if (!chosen) return Status::errorf("cuda executor: @{}: {}", f.name(), chosen.status().message());
+  for (const KernelImage* image : *chosen) {
+    KILN_ASSIGN_OR_RETURN(auto loaded,
+                          LoadedModule::loadImage(s().drv(), image->bytes.c_str(),
+                                                  fmt::format("a {}-byte {} image of {} kernels", image->bytes.size(),
+                                                              image->arch, image->kernels.size())));
+    for (const std::string& k : image->kernels) {
+      if (functions.count(k) || std::find(names.begin(), names.end(), k) == names.end()) continue;
+      KILN_ASSIGN_OR_RETURN(CUfunction fn, loaded->function(k));
+      functions.emplace(k, fn);
+    }
+    modules.push_back(std::move(loaded));
+  }
+  return Status::ok();
 }
 
 // Records the origin on stream 0 and waits for it, so that the host clock read just after is
@@ -352,19 +431,11 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       auto staging, PinnedBuffer::allocate(drv, staging_bytes, fmt::format("the inputs of @{}", f.name())));
   im.staging = std::move(staging);
 
-  // One NVRTC module holding every kernel of the function.
-  std::vector<const codegen::Kernel*> all;
-  for (const codegen::LoweredGroup& g : groups)
-    for (const codegen::Kernel& k : g.kernels) all.push_back(&k);
-  if (!all.empty()) {
-    codegen::CudaModule mod = codegen::emitModule(all);
-    int before = si.nvrtc->compilations();
-    auto cubin = si.nvrtc->compile(mod, si.arch);
-    if (!cubin) return Status::errorf("compiling the kernels of @{}: {}", f.name(), cubin.status().message());
-    im.compiled = si.nvrtc->compilations() - before;
-    KILN_ASSIGN_OR_RETURN(auto loaded, LoadedModule::load(drv, cubin->cubin));
-    im.module = std::move(loaded);
-  }
+  // The kernels: from the set compiled ahead of time, else compiled now.
+  if (options.kernels)
+    KILN_RETURN_IF_ERROR(im.loadKernels(f, symbols, *options.kernels));
+  else
+    KILN_RETURN_IF_ERROR(im.compileKernels(f, groups));
 
   // The steps, every argument resolved to a device address.
   for (const codegen::CudaStep& cs : im.built.steps) {
@@ -376,8 +447,9 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       ++im.gemms;
       continue;
     }
-    KILN_ASSIGN_OR_RETURN(auto fn, im.module->function(cs.name));
-    s.fn = fn;
+    auto fn = im.functions.find(cs.name);
+    if (fn == im.functions.end()) return Status::errorf("cuda executor: no kernel '{}' was loaded", cs.name);
+    s.fn = fn->second;
     const codegen::LoweredGroup& g = groups[static_cast<size_t>(cs.group)];
     const size_t ki = static_cast<size_t>(cs.kernel);
     const codegen::Kernel& k = g.kernels[ki];
@@ -535,7 +607,8 @@ const codegen::Program& CudaExecutor::plan() const { return impl_->program; }
 int CudaExecutor::numKernels() const { return impl_->kernels; }
 int CudaExecutor::numGemms() const { return impl_->gemms; }
 bool CudaExecutor::graphCaptured() const { return impl_->graph != nullptr; }
-int CudaExecutor::kernelsCompiled() const { return impl_->compiled; }
+int CudaExecutor::kernelsCompiled() const { return impl_->compiled_count; }
+int CudaExecutor::modulesLoaded() const { return static_cast<int>(impl_->modules.size()); }
 
 #else  // !KILN_HAVE_CUDA_HEADERS
 
@@ -568,6 +641,7 @@ int CudaExecutor::numKernels() const { return 0; }
 int CudaExecutor::numGemms() const { return 0; }
 bool CudaExecutor::graphCaptured() const { return false; }
 int CudaExecutor::kernelsCompiled() const { return 0; }
+int CudaExecutor::modulesLoaded() const { return 0; }
 
 #endif
 

@@ -5,9 +5,11 @@
 // the group's stream (the schedule pass's `kiln.stream`: embedding lookups and sparse updates on
 // stream 1), record/wait events where a group reads, or updates in place, what another stream
 // touches, and one device arena laid out by the stream-aware memory planner. The executor only
-// maps that Program's buffers to device memory and launches its steps: it compiles all kernels
-// as one NVRTC module through the disk cache and resolves every kernel argument to a device
-// address.
+// maps that Program's buffers to device memory and launches its steps: it compiles the kernels
+// with NVRTC, split into several programs compiled on a small thread pool through the disk cache
+// (runtime/cuda/ahead_compile.h), or takes them from a KernelSet compiled ahead of time
+// (CudaExecutorOptions::kernels: NVRTC is then never loaded), and resolves every kernel argument
+// to a device address.
 // run() copies the inputs from pinned host staging on stream 0, runs each Program stream on its
 // own CUstream (kiln.matmul through cuBLASLt), checks the embedding kernels' error flags and
 // downloads the results. From the second run on, the step is captured once as a CUDA graph
@@ -33,6 +35,7 @@
 #include "ir/tensor_view.h"
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cublaslt.h"
+#include "runtime/cuda/kernel_set.h"
 #include "runtime/parameter_store.h"
 #include "runtime/trace.h"
 
@@ -44,8 +47,9 @@ struct CudaSessionOptions {
   std::string arch;       // empty: the device's own (sm_90 on the H200)
 };
 
-// One GPU's context, stream (stream 0 of every executor), NVRTC, cuBLASLt and the device
-// copies of a model's parameters.
+// One GPU's context, stream (stream 0 of every executor), NVRTC (loaded at the first JIT
+// compile, so executors run from a KernelSet never load it), cuBLASLt and the device copies of a
+// model's parameters.
 class CudaSession {
  public:
   static Expected<std::shared_ptr<CudaSession>> create(const CudaSessionOptions& options = {});
@@ -78,6 +82,11 @@ struct CudaExecutorOptions {
   // host's final wait is a "wait" event on the host track.
   runtime::Tracer* tracer = nullptr;
   int rank = 0;  // the trace's pid
+  // Kernels compiled ahead of time (compileKernelsAhead at the same symbols): create() loads the
+  // images selected for the session's arch and never touches NVRTC. The set must outlive
+  // create() only.
+  const KernelSet* kernels = nullptr;
+  int nvrtc_threads = 0;  // JIT compile threads; 0: nvrtcThreads() ($KILN_NVRTC_THREADS or all)
 };
 
 class CudaExecutor {
@@ -108,7 +117,8 @@ class CudaExecutor {
   int numKernels() const;
   int numGemms() const;
   bool graphCaptured() const;
-  int kernelsCompiled() const;  // NVRTC invocations at create (0 when the cache had the module)
+  int kernelsCompiled() const;  // NVRTC invocations at create (0 when the cache had every program)
+  int modulesLoaded() const;    // CUBIN or PTX modules loaded at create
 
   struct Impl;
 

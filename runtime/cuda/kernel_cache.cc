@@ -25,7 +25,8 @@ std::string KernelCache::entryName(const std::string& source, const std::string&
   std::string key = options + '\0' + source;
   uint64_t h1 = codegen::fnv1a64(key);
   uint64_t h2 = codegen::fnv1a64(key, 0x84222325cbf29ce4ull);  // a second, independent seed
-  return fmt::format("{:016x}{:016x}-{}-nvrtc{}.cubin", h1, h2, arch, compiler_version);
+  const char* kind = arch.rfind("compute_", 0) == 0 ? "ptx" : "cubin";
+  return fmt::format("{:016x}{:016x}-{}-nvrtc{}.{}", h1, h2, arch, compiler_version, kind);
 }
 
 std::optional<std::vector<char>> KernelCache::load(const std::string& entry) const {

@@ -22,7 +22,8 @@ class KernelCache {
   const std::string& dir() const { return dir_; }
 
   // The file name for a key's parts: a 128-bit hash of the source and options, the
-  // architecture and the compiler version, e.g. "3f...e1-sm_90-nvrtc13.0.cubin".
+  // architecture and the compiler version, e.g. "3f...e1-sm_90-nvrtc13.0.cubin" (".ptx" for a
+  // compute_XX arch).
   static std::string entryName(const std::string& source, const std::string& options, const std::string& arch,
                                const std::string& compiler_version);
 

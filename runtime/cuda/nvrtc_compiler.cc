@@ -21,6 +21,13 @@ Status checkGpuArch(const std::string& arch) {
   return Status::ok();
 }
 
+Status checkPtxArch(const std::string& arch) {
+  static const std::regex re("compute_[0-9]{2,3}[af]?");
+  if (!std::regex_match(arch, re))
+    return Status::errorf("bad virtual architecture '{}': expected compute_NN, e.g. compute_90", arch);
+  return Status::ok();
+}
+
 #ifdef KILN_HAVE_CUDA_HEADERS
 
 struct NvrtcCompiler::Api {
@@ -33,6 +40,8 @@ struct NvrtcCompiler::Api {
   decltype(&::nvrtcGetProgramLog) getProgramLog = nullptr;
   decltype(&::nvrtcGetCUBINSize) getCUBINSize = nullptr;
   decltype(&::nvrtcGetCUBIN) getCUBIN = nullptr;
+  decltype(&::nvrtcGetPTXSize) getPTXSize = nullptr;
+  decltype(&::nvrtcGetPTX) getPTX = nullptr;
 };
 
 NvrtcCompiler::~NvrtcCompiler() = default;
@@ -73,6 +82,8 @@ Expected<std::unique_ptr<NvrtcCompiler>> NvrtcCompiler::create(std::string cache
   bind(a.getProgramLog, "nvrtcGetProgramLog");
   bind(a.getCUBINSize, "nvrtcGetCUBINSize");
   bind(a.getCUBIN, "nvrtcGetCUBIN");
+  bind(a.getPTXSize, "nvrtcGetPTXSize");
+  bind(a.getPTX, "nvrtcGetPTX");
   if (!ok) return Status::errorf("{} lacks NVRTC entry points (nvrtcGetCUBIN needs NVRTC 11.1 or newer)", c->lib_.path());
   if (a.version(&c->major_, &c->minor_) != NVRTC_SUCCESS)
     return Status::errorf("nvrtcVersion failed in {}", c->lib_.path());
@@ -86,7 +97,8 @@ Expected<CompiledModule> NvrtcCompiler::compile(const codegen::CudaModule& modul
 
 Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source, const std::string& arch,
                                                       const std::function<std::string(int)>& kernel_at_line) {
-  KILN_RETURN_IF_ERROR(checkGpuArch(arch));
+  const bool ptx = arch.rfind("compute_", 0) == 0;
+  KILN_RETURN_IF_ERROR(ptx ? checkPtxArch(arch) : checkGpuArch(arch));
   // No fast math: the GPU computes what the CPU references compute, within rounding.
   std::vector<std::string> options = {"--gpu-architecture=" + arch, "--std=c++17"};
   std::string joined;
@@ -133,14 +145,17 @@ Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source,
                           names.empty() ? "the kernels" : "kernel " + names, arch, a.errorString(r), log);
   }
   size_t size = 0;
-  r = a.getCUBINSize(prog, &size);
+  r = ptx ? a.getPTXSize(prog, &size) : a.getCUBINSize(prog, &size);
   if (r == NVRTC_SUCCESS && size > 0) {
     out.cubin.resize(size);
-    r = a.getCUBIN(prog, out.cubin.data());
+    r = ptx ? a.getPTX(prog, out.cubin.data()) : a.getCUBIN(prog, out.cubin.data());
+    // The PTX's size counts its terminating NUL.
+    if (ptx && r == NVRTC_SUCCESS && out.cubin.back() == '\0') out.cubin.pop_back();
   }
   a.destroyProgram(&prog);
   if (r != NVRTC_SUCCESS || out.cubin.empty())
-    return Status::errorf("NVRTC produced no CUBIN for {} ({})", arch, r != NVRTC_SUCCESS ? a.errorString(r) : "empty");
+    return Status::errorf("NVRTC produced no {} for {} ({})", ptx ? "PTX" : "CUBIN", arch,
+                          r != NVRTC_SUCCESS ? a.errorString(r) : "empty");
   if (!cache_dir_.empty()) {
     // A cache that cannot be written costs the next run a compile, not this one its kernels.
     Status stored = cache.store(entry, out.cubin);

@@ -1,8 +1,10 @@
-// Compiles generated CUDA C++ to CUBIN with NVRTC, loaded at run time (libnvrtc.so.13, .so.12
-// or .so; never linked), through the on-disk kernel cache. NVRTC needs no GPU, so this runs,
-// and is tested, on CPU-only machines.
+// Compiles generated CUDA C++ to CUBIN (or PTX) with NVRTC, loaded at run time (libnvrtc.so.13,
+// .so.12 or .so; never linked), through the on-disk kernel cache. NVRTC needs no GPU, so this
+// runs, and is tested, on CPU-only machines. One compiler may compile on several threads at once
+// (NVRTC is thread-safe per program; the counters are atomic).
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,7 +18,7 @@
 namespace kiln::cuda {
 
 struct CompiledModule {
-  std::vector<char> cubin;
+  std::vector<char> cubin;  // CUBIN; for a compute_XX arch the PTX text (no terminating NUL)
   bool from_cache = false;
   std::string cache_file;  // where it is (or would be) cached
 };
@@ -32,16 +34,17 @@ class NvrtcCompiler {
   std::string version() const { return std::to_string(major_) + "." + std::to_string(minor_); }
   const std::string& libraryPath() const { return lib_.path(); }
 
-  // Compiles a module for `arch` (sm_90 for the H200; any sm_XX NVRTC knows). A failure carries
-  // NVRTC's log and names the kernels its errors point into.
+  // Compiles a module for `arch`: CUBIN for a real GPU (sm_90 for the H200; any sm_XX NVRTC
+  // knows), PTX for a virtual one (compute_90), which the driver JIT-compiles for that arch and
+  // newer. A failure carries NVRTC's log and names the kernels its errors point into.
   Expected<CompiledModule> compile(const codegen::CudaModule& module, const std::string& arch = "sm_90");
   // Same for plain source; `kernel_at_line` maps a 1-based source line to a kernel name.
   Expected<CompiledModule> compileSource(const std::string& source, const std::string& arch,
                                          const std::function<std::string(int)>& kernel_at_line = {});
 
   // Counters since creation: NVRTC invocations and cache hits.
-  int compilations() const { return compilations_; }
-  int cacheHits() const { return cache_hits_; }
+  int compilations() const { return compilations_.load(); }
+  int cacheHits() const { return cache_hits_.load(); }
 
  private:
   NvrtcCompiler() = default;
@@ -51,10 +54,12 @@ class NvrtcCompiler {
   std::unique_ptr<Api> api_;
   int major_ = 0, minor_ = 0;
   std::string cache_dir_;
-  int compilations_ = 0, cache_hits_ = 0;
+  std::atomic<int> compilations_{0}, cache_hits_{0};
 };
 
 // Checks an architecture name: sm_NN or sm_NNa (a real GPU, so NVRTC emits CUBIN).
 Status checkGpuArch(const std::string& arch);
+// Checks a virtual architecture name: compute_NN or compute_NNa (NVRTC emits PTX).
+Status checkPtxArch(const std::string& arch);
 
 }  // namespace kiln::cuda
