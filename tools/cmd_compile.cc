@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -15,6 +16,8 @@
 #include "ir/printer.h"
 #include "kiln_aot_header.inc"
 #include "runtime/checkpoint.h"
+#include "runtime/cuda/ahead_compile.h"
+#include "runtime/cuda/kernel_set.h"
 #include "runtime/data/sample.h"
 #include "runtime/payload.h"
 #include "tools/cli.h"
@@ -174,7 +177,46 @@ int runCompile(const std::vector<std::string>& raw_args) {
     compiled->cpu_programs.emplace(function, program.take());
   }
   if (device != "cpu") {
-    return fail(Status::error("--device cuda|all: the CUDA payload is not built yet in this binary"));
+    // Every kernel of each function at the max batch, for each architecture, on every core.
+    cuda::AheadOptions ahead;
+    ahead.archs.clear();
+    ahead.ptx = false;
+    std::string ptx_arch;
+    for (const std::string& a : splitList(p.get("arch"))) {
+      if (a.rfind("compute_", 0) == 0) {
+        ahead.ptx = true;
+        ptx_arch = a;
+      } else {
+        ahead.archs.push_back(a);
+      }
+    }
+    if (ahead.archs.empty()) return p.usageError("--arch names no sm_XX architecture to compile for");
+    if (ahead.ptx) {
+      int newest = 0;
+      for (const std::string& a : ahead.archs) newest = std::max(newest, cuda::archNumber(a));
+      if (cuda::archNumber(ptx_arch) != newest)
+        return p.usageError(fmt::format(
+            "--arch: PTX is emitted for the newest architecture (compute_{}), not {}", newest, ptx_arch));
+    }
+    const auto start = std::chrono::steady_clock::now();
+    cuda::KernelSet kernels;
+    for (const char* function : {"train_step", "forward"}) {
+      const ir::Function* f = m.lookup(function);
+      if (!f) continue;
+      auto set = cuda::compileKernelsAhead(*f, {{"B", *max_batch}}, ahead);
+      if (!set)
+        return fail(Status::errorf("--device {}: the CUDA kernels of @{}: {}{}", device, function,
+                                   set.status().message(),
+                                   device == "all" ? " (--device cpu builds without them)" : ""));
+      kernels.merge(set.take());
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::fprintf(stderr, "compiled %zu CUDA kernels for %s in %.1f s (%d NVRTC threads)\n",
+                 kernels.kernelNames().size(), fmt::format("{}", fmt::join(kernels.archs(), ", ")).c_str(),
+                 seconds, cuda::nvrtcThreads(ahead.threads));
+    compiled->devices.push_back("cuda");
+    compiled->archs = kernels.archs();
+    payload.add(std::string(kCudaKernelsSection), kernels.serialize());
   }
 
   const std::filesystem::path out(p.get("output"));

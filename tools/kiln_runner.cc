@@ -155,9 +155,10 @@ int main(int argc, char** argv) {
   }
   if (std::find(args.begin(), args.end(), "--help") != args.end() ||
       std::find(args.begin(), args.end(), "-h") != args.end())
-    std::printf("%s %s takes the flags of `kiln %s` below, less MODEL.kiln (this file) and --set;\n"
-                "--batch defaults to %lld, the most it takes.\n\n",
-                name.c_str(), command.c_str(), command.c_str(), static_cast<long long>(c.max_batch));
+    std::printf(
+        "%s %s takes the flags of `kiln %s` below, less MODEL.kiln (this file) and --set;\n"
+        "--batch defaults to %lld, the most it takes.\n\n",
+        name.c_str(), command.c_str(), command.c_str(), static_cast<long long>(c.max_batch));
   SessionOpener opener;
   opener.compiled = *compiled;
   opener.open = [compiled = *compiled](const SessionOptions& options, std::ostream& diag) {

@@ -361,6 +361,26 @@ Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& f
   if (!f) return Status::error(fmt::format("the model has no @{}", function));
   cuda::CudaExecutorOptions co;
   co.tracer = options_.tracer;
+  if (compiled_) {
+    // A compiled model runs the kernels of its payload: NVRTC is never loaded. They are
+    // specialized to the max batch (forward() runs other batches on the CPU Program).
+    if (compiled_->cuda_kernels.empty())
+      return Status::error(
+          "this model was compiled without CUDA kernels (kiln compile --device cuda or all)");
+    if (batch != compiled_->max_batch)
+      return Status::errorf(
+          "the CUDA kernels of this model were compiled for batch {}; run @{} at --batch {} (or recompile "
+          "with "
+          "--max-batch {})",
+          compiled_->max_batch, function, compiled_->max_batch, batch);
+    if (!kernel_set_) {
+      KILN_ASSIGN_OR_RETURN(auto set,
+                            cuda::KernelSet::deserialize(compiled_->cuda_kernels,
+                                                         compiled_->payload->path() + " (cuda.kernels)"));
+      kernel_set_ = std::make_unique<cuda::KernelSet>(std::move(set));
+    }
+    co.kernels = kernel_set_.get();
+  }
   KILN_ASSIGN_OR_RETURN(auto exec, cuda::CudaExecutor::create(*f, {{"B", batch}}, cuda_, co));
   cuda::CudaExecutor* raw = exec.get();
   cuda_executors_[key] = std::move(exec);
@@ -446,7 +466,15 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
   const StepInputs step_inputs(batch, scalars);
   const runtime::cpu::Batch& inputs = step_inputs.views();
   Expected<std::vector<ir::HostTensor>> results = Status::error("not run");
-  if (cuda_) {
+  // A compiled model's GPU kernels take the max batch only; a forward pass at another batch (an
+  // evaluation's short last batch) runs the payload's CPU Program on the host's copy of the
+  // parameters, when the payload has one.
+  const bool on_host = cuda_ && compiled_ && function == "forward" && batch.size != compiled_->max_batch &&
+                       compiled_->cpu_programs.count(function);
+  if (on_host) {
+    KILN_ASSIGN_OR_RETURN(auto exec, executorFor(function, batch.size));
+    results = exec->run(inputs, params());  // params(): the device's values, when newer
+  } else if (cuda_) {
     if (host_touched_) {
       KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
       host_touched_ = false;

@@ -19,6 +19,7 @@
 #include "runtime/comm/rank_group.h"
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cuda_executor.h"
+#include "runtime/cuda/kernel_set.h"
 #include "runtime/data/batch.h"
 #include "runtime/memory.h"
 #include "runtime/parameter_store.h"
@@ -226,6 +227,7 @@ class ModelSession {
   // --device cuda: the GPU, its executors, and which copy of the parameters is newer.
   std::shared_ptr<cuda::CudaSession> cuda_;
   std::map<std::pair<std::string, int64_t>, std::unique_ptr<cuda::CudaExecutor>> cuda_executors_;
+  std::unique_ptr<cuda::KernelSet> kernel_set_;  // a compiled model's CUDA kernels, parsed once
   bool device_newer_ = false, host_touched_ = false;
 };
 

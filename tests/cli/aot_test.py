@@ -9,6 +9,7 @@ Checks, on the CPU:
     checkpoint, with a short last batch (the Program planned for the max batch, rebound);
   - embedded weights (--checkpoint at compile time) predict without --checkpoint, the same;
   - ldd lists only system libraries, nothing of CUDA, MPI or fmt; NVRTC is never loaded;
+  - --device all (the default) adds the CUDA kernels for sm_80, sm_90 and PTX, built without a GPU;
   - a batch over --max-batch, --set, a compiled-out function, a damaged, truncated or missing
     payload: a clear error and a non-zero exit, never a crash.
 """
@@ -122,18 +123,37 @@ with tempfile.TemporaryDirectory() as work:
         fail("info does not say the weights are embedded")
 
     # Only system libraries; nothing of CUDA, MPI or fmt.
-    ldd, _ = ok(["ldd", os.path.join(alone, "model")])
     allowed = ("linux-vdso", "ld-linux", "libc.so", "libm.so", "libstdc++", "libgcc_s", "libopenblas", "libgfortran",
                "libquadmath", "libblas", "liblapack", "libpthread", "libdl.so")
-    for line in ldd.splitlines():
-        lib = line.strip().split(" ")[0]
-        if lib and not lib.startswith(allowed) and not lib.startswith("/lib"):
-            fail("ldd lists %s" % lib, ldd)
+    for exe_name in ("model", "weighted"):
+        ldd, _ = ok(["ldd", os.path.join(alone, exe_name)])
+        for line in ldd.splitlines():
+            lib = line.strip().split(" ")[0]
+            if lib and not lib.startswith(allowed) and not lib.startswith("/lib"):
+                fail("ldd of %s lists %s" % (exe_name, lib), ldd)
     # NVRTC is never opened (the loader's own record of every library it loads).
     env = dict(clean, LD_DEBUG="libs")
     _, out, err = run(runner + ["predict", "--checkpoint", "ckpt", "-o", "scores_d"] + data, cwd=alone, env=env)
     if "libnvrtc" in out + err:
         fail("the runner loaded NVRTC", err[-3000:])
+
+    # --device all, the default: the CUDA kernels too, compiled by NVRTC (no GPU needed), and the
+    # CPU side unchanged. On a machine without a GPU, --device cuda is a clear error.
+    _, err = ok([KILN, "compile", MODEL, "-o", os.path.join(alone, "full"), "--max-batch", str(MAX_BATCH)] + SETS)
+    if not re.search(r"compiled \d+ CUDA kernels for sm_80, sm_90, compute_90", err):
+        fail("kiln compile --device all did not compile the CUDA kernels", err)
+    info, _ = ok(["./full", "info"], cwd=alone, env=clean)
+    for key in ("devices: cpu, cuda", "cuda architectures: sm_80, sm_90, compute_90"):
+        if key not in info:
+            fail("info lacks %r" % key, info)
+    ok(["./full", "predict", "--checkpoint", "ckpt", "-o", "scores_full"] + data, cwd=alone, env=clean)
+    if not same_file(ref_pred, os.path.join(alone, "scores_full")):
+        fail("the --device all executable predicts otherwise on the CPU")
+    if not os.path.exists("/dev/nvidia0"):
+        refused(["./full", "train", "--steps", "1", "--device", "cuda"], r"--device cuda", cwd=alone, env=clean)
+    refused([KILN, "compile", MODEL, "-o", os.path.join(build, "x"), "--arch", "sm_80,sm_90,compute_80"] + SETS,
+            r"PTX is emitted for the newest architecture \(compute_90\)")
+    refused([KILN, "compile", MODEL, "-o", os.path.join(build, "x"), "--arch", "sm_9x"] + SETS, r"sm_9x")
 
     # Bad input: clear errors, non-zero exits, no crashes.
     refused(runner + ["predict", "--checkpoint", "ckpt", "--batch", str(MAX_BATCH + 1)] + data,
