@@ -181,7 +181,7 @@ Expected<std::unique_ptr<LoadedModule>> LoadedModule::load(CudaDriver* drv, cons
 }
 
 Expected<std::unique_ptr<LoadedModule>> LoadedModule::loadImage(CudaDriver* drv, const char* image,
-                                                               const std::string& what) {
+                                                                const std::string& what) {
   std::unique_ptr<LoadedModule> m(new LoadedModule());
   m->drv_ = drv;
   KILN_CU(drv, cuModuleLoadData(&m->m_, image), what);

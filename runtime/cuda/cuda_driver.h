@@ -135,7 +135,8 @@ class LoadedModule {
   static Expected<std::unique_ptr<LoadedModule>> load(CudaDriver* drv, const std::vector<char>& cubin);
   // `image`: a CUBIN, or PTX text followed by a NUL (a std::string's data() is); `what` names it
   // in errors.
-  static Expected<std::unique_ptr<LoadedModule>> loadImage(CudaDriver* drv, const char* image, const std::string& what);
+  static Expected<std::unique_ptr<LoadedModule>> loadImage(CudaDriver* drv, const char* image,
+                                                           const std::string& what);
   ~LoadedModule();
   Expected<CUfunction> function(const std::string& name) const;
 

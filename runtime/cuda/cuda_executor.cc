@@ -179,7 +179,8 @@ CudaExecutor::Impl::~Impl() {
 }
 
 // JIT: the function's kernels in several NVRTC programs compiled in parallel, one module each.
-Status CudaExecutor::Impl::compileKernels(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups) {
+Status CudaExecutor::Impl::compileKernels(const ir::Function& f,
+                                          const std::vector<codegen::LoweredGroup>& groups) {
   std::vector<const codegen::Kernel*> all;
   for (const codegen::LoweredGroup& g : groups)
     for (const codegen::Kernel& k : g.kernels) all.push_back(&k);
@@ -193,7 +194,8 @@ Status CudaExecutor::Impl::compileKernels(const ir::Function& f, const std::vect
   for (const codegen::CudaModule& m : modules) jobs.push_back({&m, s().arch});
   const int before = (*nvrtc)->compilations();
   auto compiled = compileInParallel(**nvrtc, jobs, threads);
-  if (!compiled) return Status::errorf("compiling the kernels of @{}: {}", f.name(), compiled.status().message());
+  if (!compiled)
+    return Status::errorf("compiling the kernels of @{}: {}", f.name(), compiled.status().message());
   compiled_count = (*nvrtc)->compilations() - before;
   for (size_t i = 0; i < modules.size(); ++i) {
     KILN_ASSIGN_OR_RETURN(auto loaded, LoadedModule::load(s().drv(), (*compiled)[i].cubin));
@@ -211,24 +213,27 @@ Status CudaExecutor::Impl::loadKernels(const ir::Function& f, const ir::SymbolBi
                                        const KernelSet& set) {
   std::vector<std::string> names;
   for (const codegen::CudaStep& cs : built.steps)
-    if (!cs.isGemm() && std::find(names.begin(), names.end(), cs.name) == names.end()) names.push_back(cs.name);
+    if (!cs.isGemm() && std::find(names.begin(), names.end(), cs.name) == names.end())
+      names.push_back(cs.name);
   if (names.empty()) return Status::ok();
   const std::vector<std::string> have = set.kernelNames();
   for (const std::string& n : names)
     if (!std::binary_search(have.begin(), have.end(), n)) {
       std::string at;
-      for (const auto& [sym, value] : symbols) at += fmt::format("{}{}={}", at.empty() ? "" : ", ", sym, value);
-      return Status::errorf("cuda executor: the compiled kernels have no '{}' of @{} (compiled for another batch or "
-                            "model? this executor runs at {})",
-                            n, f.name(), at.empty() ? "no symbols" : at);
+      for (const auto& [sym, value] : symbols)
+        at += fmt::format("{}{}={}", at.empty() ? "" : ", ", sym, value);
+      return Status::errorf(
+          "cuda executor: the compiled kernels have no '{}' of @{} (compiled for another batch or "
+          "model? this executor runs at {})",
+          n, f.name(), at.empty() ? "no symbols" : at);
     }
   auto chosen = set.select(s().arch, names);
   if (!chosen) return Status::errorf("cuda executor: @{}: {}", f.name(), chosen.status().message());
   for (const KernelImage* image : *chosen) {
-    KILN_ASSIGN_OR_RETURN(auto loaded,
-                          LoadedModule::loadImage(s().drv(), image->bytes.c_str(),
-                                                  fmt::format("a {}-byte {} image of {} kernels", image->bytes.size(),
-                                                              image->arch, image->kernels.size())));
+    KILN_ASSIGN_OR_RETURN(auto loaded, LoadedModule::loadImage(s().drv(), image->bytes.c_str(),
+                                                               fmt::format("a {}-byte {} image of {} kernels",
+                                                                           image->bytes.size(), image->arch,
+                                                                           image->kernels.size())));
     for (const std::string& k : image->kernels) {
       if (functions.count(k) || std::find(names.begin(), names.end(), k) == names.end()) continue;
       KILN_ASSIGN_OR_RETURN(CUfunction fn, loaded->function(k));
