@@ -31,6 +31,7 @@ const ModelCase kModel{"dlrm", ""};
 struct StepResult {
   std::vector<ir::HostTensor> results;
   runtime::ParameterStore params;
+  int compiled = 0, modules = 0;  // the executor's NVRTC programs compiled, modules loaded
 };
 
 Expected<StepResult> runStep(const std::shared_ptr<cuda::CudaSession>& session, const ir::Function& f,
@@ -41,6 +42,8 @@ Expected<StepResult> runStep(const std::shared_ptr<cuda::CudaSession>& session, 
   const cli::StepInputs inputs(batch, {{"lr", 1.0f}, {"step", 1.0f}});
   StepResult out;
   KILN_ASSIGN_OR_RETURN(out.results, exec->run(inputs.views()));
+  out.compiled = exec->kernelsCompiled();
+  out.modules = exec->modulesLoaded();
   out.params = initial;
   KILN_RETURN_IF_ERROR(session->downloadParameters(out.params));
   return out;
@@ -122,6 +125,10 @@ TEST_F(GpuAhead, CubinSetRunsLikeJit) {
   auto ahead = runStep(session_, *step_, initial_, batch_, o);
   ASSERT_TRUE(ahead) << ahead.status().message();
   expectSameStep(*ahead, *jit, "from the CUBIN set", /*exact_results=*/true);
+  EXPECT_GT(jit->compiled, 0);  // a fresh cache folder: NVRTC ran, on several programs
+  EXPECT_GT(jit->modules, 1);
+  EXPECT_EQ(ahead->compiled, 0);
+  EXPECT_GT(ahead->modules, 0);
 }
 
 TEST_F(GpuAhead, PtxOnlySetRunsLikeJit) {
