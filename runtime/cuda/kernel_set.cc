@@ -147,6 +147,8 @@ Expected<KernelSet> KernelSet::deserialize(std::string_view bytes, std::string_v
     return Status::errorf("{}: kernel set format version {}, this kiln reads version {}", what, version,
                           kVersion);
   KILN_ASSIGN_OR_RETURN(uint64_t count, body.uint(4, "the image count"));
+  // An image takes at least its three lengths.
+  KILN_RETURN_IF_ERROR(body.need(count * 16, fmt::format("{} images", count)));
   KernelSet set;
   for (uint64_t i = 0; i < count; ++i) {
     const std::string field = fmt::format("image {} of {}", i, count);
