@@ -322,16 +322,22 @@ Expected<Checkpoint> parseHeader(std::string_view text, uint64_t data_bytes, con
   return ckpt;
 }
 
-}  // namespace
-
-Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& name) {
-  const uint64_t size = bytes.size();
+// The header length in the first 8 bytes of a checkpoint of `size` bytes held in memory, checked.
+Expected<uint64_t> headerLengthOf(const void* data, uint64_t size, const std::string& name) {
   if (size < 8)
     return checkpointError(name,
                            fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
   uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
+  std::memcpy(&n, data, 8);
   KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, name));
+  return n;
+}
+
+}  // namespace
+
+Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& name) {
+  const uint64_t size = bytes.size();
+  KILN_ASSIGN_OR_RETURN(const uint64_t n, headerLengthOf(bytes.data(), size, name));
   std::vector<Span> spans;
   KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(bytes.substr(8, n), size - 8 - n, name, spans));
   for (const Span& s : spans)
@@ -344,12 +350,7 @@ Expected<Checkpoint> parseCheckpoint(std::string_view bytes, const std::string& 
 Expected<Checkpoint> viewCheckpoint(std::span<uint8_t> bytes, const std::string& name,
                                     std::shared_ptr<const void> keep_alive) {
   const uint64_t size = bytes.size();
-  if (size < 8)
-    return checkpointError(name,
-                           fmt::format("truncated: {} bytes, too short for the 8-byte header length", size));
-  uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  KILN_RETURN_IF_ERROR(checkHeaderLength(n, size, name));
+  KILN_ASSIGN_OR_RETURN(const uint64_t n, headerLengthOf(bytes.data(), size, name));
   std::vector<Span> spans;
   const std::string_view text(reinterpret_cast<const char*>(bytes.data()) + 8, n);
   KILN_ASSIGN_OR_RETURN(auto ckpt, parseHeader(text, size - 8 - n, name, spans, /*allocate=*/false));

@@ -13,33 +13,20 @@ Checks, with --device cuda:
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
+
+from aot_common import clean_env, fail, ok, run
 
 KILN, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 SETS = sys.argv[3:]
 MAX_BATCH = 64
 
 
-def run(cmd, cwd=None, env=None):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
 
 
-def fail(message, *outputs):
-    for o in outputs:
-        print(o[-4000:])
-    print("FAIL:", message)
-    sys.exit(1)
 
 
-def ok(cmd, **kw):
-    rc, out, err = run(cmd, **kw)
-    if rc != 0:
-        fail("%s exited %d" % (" ".join(cmd), rc), out, err)
-    return out, err
 
 
 def losses(text):
@@ -54,7 +41,7 @@ if rc != 0:
 with tempfile.TemporaryDirectory() as work:
     exe = os.path.join(work, "model")
     ok([KILN, "compile", MODEL, "-o", exe, "--max-batch", str(MAX_BATCH)] + SETS)
-    clean = {"PATH": "/usr/bin:/bin", "HOME": work}
+    clean = clean_env(work)
     # 1000 held-out samples in batches of 64: the short last one runs on the CPU Program.
     train = ["--steps", "12", "--threads", "1", "--seed", "3", "--log-every", "1", "--device", "cuda",
              "--eval-every", "12", "--eval-samples", "1000"]

@@ -16,9 +16,10 @@ Checks, on the CPU:
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
+
+from aot_common import clean_env, fail, ok, refused, run, same_file
 
 KILN, MODEL = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
 SETS = sys.argv[3:]
@@ -26,37 +27,14 @@ MAX_BATCH = 64
 STEPS = "12"
 
 
-def run(cmd, cwd=None, env=None, timeout=600):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                       timeout=timeout)
-    return p.returncode, p.stdout, p.stderr
 
 
-def fail(message, *outputs):
-    for o in outputs:
-        print(o)
-    print("FAIL:", message)
-    sys.exit(1)
 
 
-def ok(cmd, **kw):
-    rc, out, err = run(cmd, **kw)
-    if rc != 0:
-        fail("%s exited %d" % (" ".join(cmd), rc), out, err)
-    return out, err
 
 
-def refused(cmd, pattern, **kw):
-    rc, out, err = run(cmd, **kw)
-    if rc <= 0:  # negative: killed by a signal (a crash)
-        fail("%s should fail cleanly, got %d" % (" ".join(cmd), rc), out, err)
-    if not re.search(pattern, out + err):
-        fail("%s: no message matching %r" % (" ".join(cmd), pattern), out, err)
 
 
-def same_file(a, b):
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        return fa.read() == fb.read()
 
 
 with tempfile.TemporaryDirectory() as work:
@@ -71,10 +49,7 @@ with tempfile.TemporaryDirectory() as work:
         fail("kiln compile printed no summary", out, err)
     # Alone in an empty folder, with nothing of the environment (no KILN_*, no HOME cache).
     shutil.copy2(exe, os.path.join(alone, "model"))
-    # OpenBLAS's own settings stay: they pick its kernels (OPENBLAS_CORETYPE), whose rounding
-    # differs, and kiln ran under them.
-    clean = {"PATH": "/usr/bin:/bin", "HOME": home}
-    clean.update({k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")})
+    clean = clean_env(home)
     runner = ["./model"]
 
     def alone_ok(args):

@@ -19,33 +19,20 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
+
+from aot_common import clean_env, fail, ok
 
 KILN, MODEL, CLIENT = (os.path.abspath(a) for a in sys.argv[1:4])
 MAX_BATCH = 64
 ID_BOUND = "200"
 
 
-def run(cmd, cwd=None, env=None):
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
-                       timeout=600)
-    return p.returncode, p.stdout, p.stderr
 
 
-def fail(message, *outputs):
-    for o in outputs:
-        print(o)
-    print("FAIL:", message)
-    sys.exit(1)
 
 
-def ok(cmd, **kw):
-    rc, out, err = run(cmd, **kw)
-    if rc != 0:
-        fail("%s exited %d" % (" ".join(cmd), rc), out, err)
-    return out, err
 
 
 def tensors(path):
@@ -92,8 +79,7 @@ with tempfile.TemporaryDirectory() as work:
         "-lpthread", "-Wl,-rpath,$ORIGIN", "-o", client])
     shutil.copy2(client, os.path.join(alone, "client"))
     shutil.copy2(os.path.join(build, "libmodel.so"), os.path.join(alone, "libmodel.so"))
-    clean = {"PATH": "/usr/bin:/bin", "HOME": home}
-    clean.update({k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")})
+    clean = clean_env(home)
 
     def client_ok(args):
         return ok(["./client"] + args, cwd=alone, env=clean)
