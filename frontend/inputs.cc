@@ -27,6 +27,62 @@ bool isTokenInput(const Val& v) {
 
 }  // namespace
 
+// The file columns `columns(...)` binds to an input's n features (docs/data.md, "Schemas"):
+//   columns(k)              n consecutive positions from k (0-based)
+//   columns([k0, k1, ...])  n positions
+//   columns("click")        one name (n = 1)
+//   columns("I{}")          n names, {} replaced by 0 .. n-1 (or first .. first+n-1 with
+//                           columns("I{}", first = 1))
+//   columns(["a", "b"])     n names
+// Each entry is an Attribute: an integer position or a string name.
+ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
+  if (m.args.empty() || !m.args[0].name.empty())
+    fail(m.loc, "'columns' takes the file columns: a position, a list of positions, a name or a list of names");
+  int64_t first = 0;
+  for (size_t i = 1; i < m.args.size(); ++i) {
+    if (m.args[i].name != "first") fail(m.args[i].value->loc, "'columns' takes one value and first = k");
+    first = intArg(eval(*m.args[i].value), m.args[i].value->loc, "first");
+  }
+  const Location& loc = m.args[0].value->loc;
+  Val v = eval(*m.args[0].value);
+  checkNotError(v);
+  ir::AttrArray out;
+  auto position = [&](const Val& x) {
+    int64_t k = intArg(x, loc, "a column position");
+    if (k < 0) fail(loc, fmt::format("a column position is 0 or more, got {}", k));
+    return ir::Attribute(k);
+  };
+  if (v.kind == Val::Kind::Int) {
+    for (size_t i = 0; i < n; ++i) out.push_back(position(Val::integer(v.i + static_cast<int64_t>(i))));
+  } else if (v.kind == Val::Kind::Str) {
+    const size_t at = v.s.find("{}");
+    if (at == std::string::npos && n != 1)
+      fail(loc, fmt::format("one column name for {} features: write a pattern such as \"{}{{}}\" or a list of {} names",
+                              n, v.s, n));
+    for (size_t i = 0; i < n; ++i)
+      out.push_back(at == std::string::npos
+                        ? ir::Attribute(v.s)
+                        : ir::Attribute(v.s.substr(0, at) + std::to_string(first + static_cast<int64_t>(i)) +
+                                        v.s.substr(at + 2)));
+  } else if (v.kind == Val::Kind::List) {
+    if (v.items.size() != n) fail(loc, fmt::format("{} column(s) given for {} feature(s)", v.items.size(), n));
+    for (const Val& x : v.items) {
+      if (x.kind == Val::Kind::Str) {
+        if (x.s.empty()) fail(loc, "a column name is not empty");
+        out.push_back(ir::Attribute(x.s));
+      } else {
+        out.push_back(position(x));
+      }
+    }
+  } else {
+    fail(loc, fmt::format("'columns' takes a position, a name or a list of them, got {}", describe(v)));
+  }
+  for (size_t i = 1; i < out.size(); ++i)
+    if (out[i].isString() != out[0].isString())
+      fail(loc, "columns are all names or all positions");
+  return out;
+}
+
 void ModelLowering::execInput(const ast::Stmt& s) {
   Frame& f = frame();
   if (f.is_function) fail(s.loc, "'input' belongs in a model, not in a function");
@@ -58,9 +114,18 @@ void ModelLowering::execInput(const ast::Stmt& s) {
     bool declares_tokens = false;
     for (const auto& [other, b] : f.vars) declares_tokens |= isTokenInput(b.value);
     std::optional<int64_t> vocab;
+    std::optional<ir::AttrArray> columns;
     for (const auto& m : s.modifiers) {
+      if (m.name == "columns") {
+        if (columns) fail(m.loc, "'columns' is given twice");
+        const bool matrix = shape.size() == 2 && shape[1].isStatic();
+        if (shape.empty() || !shape[0].isSymbolic() || shape.size() > 2 || (shape.size() == 2 && !matrix))
+          fail(m.loc, "columns(...) binds an input shaped [B] or [B, n] (n static) to file columns");
+        columns = columnsArg(m, matrix ? static_cast<size_t>(shape[1].size()) : 1);
+        continue;
+      }
       if (m.name != "vocab")
-        fail(m.loc, fmt::format("'{}' applies only to sparse inputs (ids[...]); a dense input takes vocab(n)",
+        fail(m.loc, fmt::format("'{}' applies only to sparse inputs (ids[...]); a dense input takes vocab(n) or columns(...)",
                                 m.name));
       if (vocab) fail(m.loc, "'vocab' is given twice");
       if (m.args.size() != 1 || !m.args[0].name.empty()) fail(m.loc, "'vocab' takes 1 argument(s)");
@@ -76,6 +141,10 @@ void ModelLowering::execInput(const ast::Stmt& s) {
       vocab = n;
     }
     ir::AttrDict attrs{{"name", name}, {"role", std::string("dense")}};
+    if (columns) {
+      if (vocab) fail(s.type.loc, "a token input reads a token stream, not file columns");
+      attrs["columns"] = ir::Attribute(std::move(*columns));
+    }
     if (vocab) {
       attrs["role"] = std::string("tokens");
       attrs["vocab"] = *vocab;
@@ -107,6 +176,7 @@ void ModelLowering::execInput(const ast::Stmt& s) {
   bool variable = false, weighted = false;
   std::string id_map = "modulo";
   bool hot_given = false;
+  std::optional<ir::AttrArray> columns;
   for (const auto& m : s.modifiers) {
     auto argVal = [&](size_t want) -> Val {
       if (m.args.size() != want || (want && !m.args[0].name.empty()))
@@ -126,8 +196,12 @@ void ModelLowering::execInput(const ast::Stmt& s) {
     } else if (m.name == "id_map") {
       id_map = wordArg(argVal(1), m.loc, "id_map");
       if (id_map != "modulo" && id_map != "hash") fail(m.loc, fmt::format("id_map must be modulo or hash, got '{}'", id_map));
+    } else if (m.name == "columns") {
+      if (columns) fail(m.loc, "'columns' is given twice");
+      columns = columnsArg(m, n);
     } else {
-      fail(m.loc, fmt::format("unknown input option '{}' (use hotness, max_hotness, weighted, id_map)", m.name));
+      fail(m.loc,
+           fmt::format("unknown input option '{}' (use hotness, max_hotness, weighted, id_map, columns)", m.name));
     }
   }
 
@@ -138,6 +212,7 @@ void ModelLowering::execInput(const ast::Stmt& s) {
     sf.name = shape.size() == 2 ? fmt::format("{}.{}", name, i) : name;
     sf.feature = next_feature_++;
     ir::AttrDict attrs{{"name", sf.name}, {"role", "sparse"}, {"feature", sf.feature}, {"id_map", id_map}};
+    if (columns) attrs["columns"] = ir::Attribute(ir::AttrArray{(*columns)[i]});
     ir::TensorType ids_type;
     if (variable) {
       attrs["max_hotness"] = hotness[i];

@@ -81,6 +81,8 @@ class ModelLowering {
 
   // expressions
   Val eval(const ast::Expr& e, const std::string& target = "");
+  // The file columns of an input's `columns(...)` clause, one per feature (inputs.cc).
+  ir::AttrArray columnsArg(const ast::Modifier& m, size_t n);
   Val evalName(const ast::Expr& e);
   Val evalBinary(const ast::Expr& e);
   // `x < y` with a tensor on either side: kiln.compare, an i1 tensor.

@@ -79,6 +79,8 @@ int BatchSpec::targetsIndex() const {
   return -1;
 }
 
+std::string ColumnRef::str() const { return named() ? fmt::format("'{}'", name) : fmt::format("#{}", position); }
+
 const ir::HostTensor* Batch::find(const std::string& name) const {
   for (size_t i = 0; i < names.size(); ++i)
     if (names[i] == name) return &tensors[i];
@@ -92,7 +94,7 @@ ir::HostTensor* Batch::find(const std::string& name) {
 float batchLabel(const Batch& b, const BatchSpec& spec, int64_t i) {
   int li = spec.labelIndex();
   assert(li >= 0);
-  return b.tensors[static_cast<size_t>(li)].as<float>()[i];
+  return b.tensors[static_cast<size_t>(li)].as<float>()[i * spec.inputs[static_cast<size_t>(li)].label_count];
 }
 
 namespace {
@@ -117,6 +119,56 @@ Expected<int64_t> intAttr(const ir::AttrDict& a, const std::string& name, std::s
   }
   if (!v->isInt()) return inputError(name, fmt::format("attribute '{}' must be an integer, got {}", key, v->str()));
   return v->asInt();
+}
+
+// The `columns` attribute of a dense, label or sparse input: `n` names or positions, or none.
+Expected<std::vector<ColumnRef>> columnsAttr(const ir::AttrDict& a, const std::string& name, int n) {
+  std::vector<ColumnRef> out;
+  const ir::Attribute* v = get(a, "columns");
+  if (!v) return out;
+  if (!v->isArray() || v->asArray().size() != static_cast<size_t>(n))
+    return inputError(name, fmt::format("'columns' must list {} file column(s), got {}", n, v->str()));
+  for (const ir::Attribute& c : v->asArray()) {
+    if (c.isString() && !c.asString().empty()) {
+      out.push_back(ColumnRef{.name = c.asString()});
+    } else if (c.isInt() && c.asInt() >= 0) {
+      out.push_back(ColumnRef{.position = c.asInt()});
+    } else {
+      return inputError(name, fmt::format("a file column is a name or a position >= 0, got {}", c.str()));
+    }
+  }
+  return out;
+}
+
+// Bound columns make a schema layout, and then every input the files fill names its columns,
+// all by name or all by position; each input learns where its columns start among the schema's
+// columns of its kind (label, dense, categorical: schema.h).
+Status assignLayout(BatchSpec& spec) {
+  const InputSpec* bound = nullptr;
+  for (const InputSpec& in : spec.inputs)
+    if (!in.columns.empty()) {
+      bound = &in;
+      break;
+    }
+  if (!bound) return Status::ok();
+  spec.layout = bound->columns[0].named() ? DataLayout::Named : DataLayout::Positional;
+  int labels = 0, dense = 0, cats = 0;
+  for (InputSpec& in : spec.inputs) {
+    if (in.role != InputRole::Dense && in.role != InputRole::Label && in.role != InputRole::Sparse) continue;
+    if (in.columns.empty())
+      return inputError(in.name, fmt::format("binds no file columns, but '{}' does (columns(...)): when one input "
+                                             "names its columns every input read from the files does",
+                                             bound->name));
+    for (const ColumnRef& c : in.columns)
+      if (c.named() != bound->columns[0].named())
+        return inputError(in.name, fmt::format("reads column {} but '{}' reads column {}: bind every column by "
+                                               "name (a header line) or every one by position",
+                                               c.str(), bound->name, bound->columns[0].str()));
+    int& next = in.role == InputRole::Label ? labels : in.role == InputRole::Dense ? dense : cats;
+    in.first_column = next;
+    next += static_cast<int>(in.columns.size());
+  }
+  return Status::ok();
 }
 
 // A token stream is the model's only data: the loaders fill tokens and targets from windows of
@@ -167,19 +219,23 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
                    s[1].isStatic() && s[1].size() >= 1 && s[1].size() <= (int64_t{1} << 24),
                fmt::format("dense features must be f32[Bxn] with n >= 1, got {}", type.str())));
       in.dense_count = static_cast<int>(s[1].size());
+      KILN_ASSIGN_OR_RETURN(in.columns, columnsAttr(attrs, in.name, in.dense_count));
     } else if (role == "label") {
       in.role = InputRole::Label;
       bool shape_ok = (s.size() == 1 && isBatchDim(s[0], spec.batch_symbol)) ||
-                      (s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1] == ir::Dim::fixed(1));
+                      (s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1].isStatic() && s[1].size() >= 1);
       KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32 && shape_ok,
-                                fmt::format("a label must be f32[B] or f32[Bx1], got {}", type.str())));
-      if (spec.labelIndex() >= 0) return inputError(in.name, "a second label input");
+                                fmt::format("a label must be f32[B] or f32[Bxk], got {}", type.str())));
+      in.label_count = s.size() == 2 ? static_cast<int>(s[1].size()) : 1;
+      KILN_ASSIGN_OR_RETURN(in.columns, columnsAttr(attrs, in.name, in.label_count));
     } else if (role == "sparse" || role == "lengths" || role == "weights") {
       KILN_ASSIGN_OR_RETURN(auto f, intAttr(attrs, in.name, "feature", true));
-      if (f < 0 || f >= kNumSparse)
-        return inputError(in.name,
-                          fmt::format("feature {} is outside the {} categorical features", f, kNumSparse));
+      if (f < 0 || f >= (int64_t{1} << 20))
+        return inputError(in.name, fmt::format("feature {} is outside [0, 2^20)", f));
       in.feature = static_cast<int>(f);
+      if (role == "sparse") {
+        KILN_ASSIGN_OR_RETURN(in.columns, columnsAttr(attrs, in.name, 1));
+      }
       if (role == "sparse") {
         in.role = InputRole::Sparse;
         if (sparse_of_feature.count(in.feature))
@@ -273,7 +329,30 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
     if (in.role == InputRole::Sparse && in.variableLength() && in.lengths_input < 0)
       return inputError(in.name, fmt::format("variable-length ids need a lengths input (role = \"lengths\", feature = {})", in.feature));
   KILN_RETURN_IF_ERROR(checkTokenInputs(spec));
+  KILN_RETURN_IF_ERROR(assignLayout(spec));
   return spec;
+}
+
+Status checkReadable(const BatchSpec& spec, bool files) {
+  if (spec.layout != DataLayout::Criteo || spec.readsTokens()) return Status::ok();
+  int labels = 0;
+  for (const InputSpec& in : spec.inputs) {
+    if (in.role == InputRole::Dense && in.dense_count > kNumDense && files)
+      return inputError(in.name,
+                        fmt::format("reads {} dense features, but the Criteo layout has {}: bind the model's inputs "
+                                    "to the columns of your files with columns(...) (docs/data.md, \"Schemas\"), or "
+                                    "feed the input from your own program (as bench/moe_bench does)",
+                                    in.dense_count, kNumDense));
+    if (in.role == InputRole::Label && (in.label_count != 1 || ++labels > 1))
+      return inputError(in.name, "the Criteo layout has one label: bind several labels to the columns of your files "
+                                 "with columns(...) (docs/data.md, \"Schemas\")");
+    if (in.role == InputRole::Sparse && in.feature >= kNumSparse && files)
+      return inputError(in.name, fmt::format("reads categorical feature {}, but the Criteo layout has {}: bind the "
+                                             "model's inputs to the columns of your files with columns(...) "
+                                             "(docs/data.md, \"Schemas\")",
+                                             in.feature + 1, kNumSparse));
+  }
+  return Status::ok();
 }
 
 Expected<BatchSpec> fromFunction(const ir::Function& fn) {

@@ -27,12 +27,32 @@ inline constexpr int64_t kMaxVocab = int64_t{1} << 31;
 enum class InputRole : uint8_t { Dense, Label, Sparse, Lengths, Weights, Tokens, Targets };
 enum class IdMap : uint8_t { Modulo, Hash };
 
+// How samples lie in a data file (docs/data.md, "Schemas"). A model whose inputs bind no file
+// columns reads the Criteo layout; one whose inputs carry `columns(...)` defines its own schema
+// and finds its columns by name in each file's header line, or by position.
+enum class DataLayout : uint8_t { Criteo, Named, Positional };
+
+// One file column an input reads: a header name or a 0-based position.
+struct ColumnRef {
+  std::string name;
+  int64_t position = -1;
+
+  bool named() const { return position < 0; }
+  std::string str() const;  // 'click' or #3
+  bool operator==(const ColumnRef&) const = default;
+};
+
 struct InputSpec {
   std::string name;
   InputRole role = InputRole::Dense;
   ir::TensorType type;  // as declared, with the batch symbol
-  int feature = -1;     // sparse/lengths/weights: the categorical feature (0..25)
-  int dense_count = 0;  // dense: how many of the 13 dense features (the last dim)
+  int feature = -1;     // sparse/lengths/weights: the categorical feature (0..25 for Criteo)
+  int dense_count = 0;  // dense: how many dense features (the last dim): the first of Criteo's 13
+  int label_count = 0;  // label: how many labels (f32[B]: 1, f32[B, k]: k)
+  // A schema layout's file columns: one per dense feature, label or categorical feature, and
+  // where they start among the schema's columns of their kind (schema.h).
+  std::vector<ColumnRef> columns;
+  int first_column = 0;
   int64_t rows = 0;     // sparse: table rows; ids are mapped into [0, rows)
   int hotness = 0;      // sparse, fixed: ids per sample
   int max_hotness = 0;  // sparse, variable length: at most this many ids per sample
@@ -53,6 +73,7 @@ struct InputSpec {
 struct BatchSpec {
   std::vector<InputSpec> inputs;
   std::string batch_symbol = "B";
+  DataLayout layout = DataLayout::Criteo;
 
   const InputSpec* find(const std::string& name) const;
   int indexOf(const std::string& name) const;  // -1 when absent
@@ -61,6 +82,11 @@ struct BatchSpec {
   int targetsIndex() const;                    // -1 when the model has no next-token targets
   bool readsTokens() const { return tokensIndex() >= 0; }
 };
+
+// Whether the data loaders can fill every input of `spec`: the Criteo layout has one label,
+// and its files 13 dense and 26 categorical features (synthetic data makes any number). `kiln
+// check` (--data: files) and every reader ask the same question.
+Status checkReadable(const BatchSpec& spec, bool files);
 
 // Builds the spec from a function's `kiln.input` ops (the trainer-fed scalars `lr` and `step`
 // are not data and are left out). Errors name the input and the attribute at fault.
@@ -112,7 +138,7 @@ struct Batch {
 // Variable-length ids and their weights go with their samples' lengths.
 Expected<Batch> sliceBatch(const Batch& b, const BatchSpec& spec, int64_t first, int64_t n);
 
-// The label of sample i when the spec has a label input (f32 [B] or [B, 1]).
+// The label of sample i when the spec has a label input (f32 [B] or [B, k]: the first of k).
 float batchLabel(const Batch& b, const BatchSpec& spec, int64_t i);
 
 std::string_view roleName(InputRole r);

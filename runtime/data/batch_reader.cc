@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 
+#include "runtime/data/binary_format.h"
 #include "runtime/data/markov_tokens.h"
 
 namespace kiln::data {
@@ -13,6 +14,10 @@ BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<Recor
       opts_(std::move(opts)),
       records_(std::move(records)),
       skips_(std::move(skips)) {}
+
+BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RowSource> rows,
+                         std::shared_ptr<SkipLog> skips)
+    : spec_(std::move(spec)), opts_(std::move(opts)), rows_(std::move(rows)), skips_(std::move(skips)) {}
 
 BatchReader::BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic)
     : spec_(std::move(spec)), opts_(std::move(opts)), synthetic_(std::make_unique<SyntheticGenerator>(std::move(synthetic))) {}
@@ -26,12 +31,13 @@ BatchReader::BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<Token
 
 static bool epochsDone(const StreamPosition& p, int64_t epochs) { return epochs > 0 && p.epoch >= epochs; }
 
-Expected<bool> BatchReader::nextRecord(RawSample& s) {
+template <class Source, class Sample>
+Expected<bool> BatchReader::nextSample(Source& source, Sample& s) {
   for (;;) {
     if (epochsDone(pos_, opts_.epochs)) return false;
-    KILN_ASSIGN_OR_RETURN(auto got, records_->next(s));
+    KILN_ASSIGN_OR_RETURN(auto got, source.next(s));
     if (got) {
-      StreamPosition at = records_->position();
+      StreamPosition at = source.position();
       pos_.file = at.file;
       pos_.offset = at.offset;
       pos_.line = at.line;
@@ -41,11 +47,11 @@ Expected<bool> BatchReader::nextRecord(RawSample& s) {
     if (pos_.sample == 0) return Status::error("the data files hold no samples");
     // Start the next epoch at the first file.
     pos_ = StreamPosition{.epoch = pos_.epoch + 1};
-    if (!epochsDone(pos_, opts_.epochs)) KILN_RETURN_IF_ERROR(records_->seek(pos_));
+    if (!epochsDone(pos_, opts_.epochs)) KILN_RETURN_IF_ERROR(source.seek(pos_));
   }
 }
 
-// As nextRecord, for windows of a token stream.
+// As nextSample, for windows of a token stream.
 Expected<bool> BatchReader::nextWindow(int32_t* window) {
   for (;;) {
     if (epochsDone(pos_, opts_.epochs)) return false;
@@ -127,11 +133,24 @@ Expected<bool> BatchReader::next(Batch& batch) {
     batch.end = pos_;
     return true;
   }
-  samples_.resize(static_cast<size_t>(b));
+  if (rows_)
+    return nextFileBatch(*rows_, row_samples_, batch, [&](const Record* r, int64_t n) {
+      assembleRecords(spec_, r, n, batch);
+    });
+  return nextFileBatch(*records_, samples_, batch, [&](const RawSample* r, int64_t n) {
+    assembleBatch(spec_, r, n, batch);
+  });
+}
+
+template <class Source, class Sample, class Assemble>
+Expected<bool> BatchReader::nextFileBatch(Source& source, std::vector<Sample>& samples, Batch& batch,
+                                          Assemble assemble) {
+  const int64_t b = opts_.batch_size;
+  samples.resize(static_cast<size_t>(b));
   int64_t got = 0;
   std::vector<SkippedLine> skipped;
   while (got < b) {
-    auto ok = nextRecord(samples_[static_cast<size_t>(got)]);
+    auto ok = nextSample(source, samples[static_cast<size_t>(got)]);
     takeSkips(got, skipped);
     if (!ok) {
       if (!defer_reports_) reportSkipped(skipped);  // the lines before the error, as they were read
@@ -146,7 +165,7 @@ Expected<bool> BatchReader::next(Batch& batch) {
     if (!defer_reports_) reportSkipped(skipped_at_end_);
     return false;
   }
-  assembleBatch(spec_, samples_.data(), got, batch);
+  assemble(samples.data(), got);
   batch.end = pos_;
   batch.skipped = std::move(skipped);
   if (!defer_reports_) reportSkipped(batch.skipped);
@@ -161,7 +180,7 @@ Status BatchReader::seek(const StreamPosition& pos) {
       return Status::errorf("data position sample {} is beyond the synthetic epoch of {}", pos.sample, opts_.synthetic_samples);
     return Status::ok();
   }
-  return records_->seek(pos);
+  return rows_ ? rows_->seek(pos) : records_->seek(pos);
 }
 
 namespace {
@@ -196,15 +215,10 @@ Expected<std::unique_ptr<BatchReader>> openTokenReader(const BatchSpec& spec, Da
 Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, DataOptions opts) {
   if (opts.batch_size <= 0) return Status::errorf("batch size must be positive, got {}", opts.batch_size);
   if (opts.epochs < 0) return Status::errorf("epochs must be >= 0, got {}", opts.epochs);
-  for (const InputSpec& in : spec.inputs)
-    if (in.role == InputRole::Dense && in.dense_count > kNumDense)
-      return Status::errorf(
-          "input '{}' has {} dense features, but Criteo-layout and synthetic data have {}: feed such an "
-          "input "
-          "from your own program (as bench/moe_bench does), or declare at most {}",
-          in.name, in.dense_count, kNumDense, kNumDense);
+  const bool synthetic = opts.paths.size() == 1 && opts.paths[0] == "synthetic";
+  KILN_RETURN_IF_ERROR(checkReadable(spec, !synthetic));
   if (spec.readsTokens()) return openTokenReader(spec, std::move(opts));
-  if (opts.paths.size() == 1 && opts.paths[0] == "synthetic") {
+  if (synthetic) {
     if (opts.synthetic_samples <= 0) return Status::error("a synthetic epoch needs at least one sample");
     SyntheticGenerator gen(spec, opts.synthetic);
     return std::make_unique<BatchReader>(spec, std::move(opts), std::move(gen));
@@ -214,6 +228,15 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
   TsvOptions tsv;
   tsv.strict = opts.strict;
   tsv.on_skip = [skips](const Status& s) { skips->push_back(s); };
+  if (spec.layout != DataLayout::Criteo) {
+    for (const std::string& p : opts.paths)
+      if (isBinaryFile(p))
+        return Status::errorf("'{}' is a Kiln binary file of the Criteo layout, but the model reads its own "
+                              "schema (columns(...)): read the text files it came from",
+                              p);
+    KILN_ASSIGN_OR_RETURN(auto rows, openSchemaText(spec, opts.paths, std::move(tsv)));
+    return std::make_unique<BatchReader>(spec, std::move(opts), std::move(rows), std::move(skips));
+  }
   KILN_ASSIGN_OR_RETURN(auto records, openRecords(opts.paths, std::move(tsv)));
   return std::make_unique<BatchReader>(spec, std::move(opts), std::move(records), std::move(skips));
 }

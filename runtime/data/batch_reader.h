@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "runtime/data/record_source.h"
+#include "runtime/data/schema.h"
 #include "runtime/data/synthetic.h"
 #include "runtime/data/token_source.h"
 
@@ -40,6 +41,8 @@ class BatchReader {
   // `skips` (optional) is the log the records' TsvOptions::on_skip appends to.
   BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
               std::shared_ptr<SkipLog> skips = nullptr);
+  // A model with its own schema: records from files under it.
+  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RowSource> rows, std::shared_ptr<SkipLog> skips);
   BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic);
   // A model that reads tokens: each sample is one window of the source. `entropy_floor` is the
   // per-token cross entropy no model can beat on it, when known (synthetic data).
@@ -53,7 +56,7 @@ class BatchReader {
   StreamPosition position() const { return pos_; }
   Status seek(const StreamPosition& pos);
   // Malformed lines read so far (read, not necessarily handed out: see Prefetcher::malformed).
-  int64_t malformed() const { return records_ ? records_->malformed() : 0; }
+  int64_t malformed() const { return records_ ? records_->malformed() : rows_ ? rows_->malformed() : 0; }
   const BatchSpec& spec() const { return spec_; }
   std::optional<double> entropyFloor() const { return entropy_floor_; }
 
@@ -66,7 +69,12 @@ class BatchReader {
   void reportSkipped(const std::vector<SkippedLine>& lines) const;
 
  private:
-  Expected<bool> nextRecord(RawSample& s);
+  // The next sample of a file source (RecordSource or RowSource), across epochs.
+  template <class Source, class Sample>
+  Expected<bool> nextSample(Source& source, Sample& s);
+  // A batch of the file source's samples, assembled into `batch` by `assemble`.
+  template <class Source, class Sample, class Assemble>
+  Expected<bool> nextFileBatch(Source& source, std::vector<Sample>& samples, Batch& batch, Assemble assemble);
   Expected<bool> nextWindow(int32_t* window);
   Expected<bool> nextTokens(Batch& batch);
   // Moves the lines skipped since the last call into `out`, located before sample `before`.
@@ -75,6 +83,7 @@ class BatchReader {
   BatchSpec spec_;
   DataOptions opts_;
   std::unique_ptr<RecordSource> records_;
+  std::unique_ptr<RowSource> rows_;
   std::shared_ptr<SkipLog> skips_;
   std::vector<SkippedLine> skipped_at_end_;
   bool defer_reports_ = false;
@@ -83,6 +92,7 @@ class BatchReader {
   std::optional<double> entropy_floor_;
   StreamPosition pos_;
   std::vector<RawSample> samples_;
+  std::vector<Record> row_samples_;
   std::vector<int32_t> windows_;
 };
 

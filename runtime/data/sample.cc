@@ -7,7 +7,8 @@ namespace {
 std::vector<int64_t> concreteShape(const InputSpec& in, int64_t n) {
   switch (in.role) {
     case InputRole::Dense: return {n, in.dense_count};
-    case InputRole::Label: return in.type.rank() == 2 ? std::vector<int64_t>{n, 1} : std::vector<int64_t>{n};
+    case InputRole::Label:
+      return in.type.rank() == 2 ? std::vector<int64_t>{n, in.label_count} : std::vector<int64_t>{n};
     case InputRole::Lengths: return {n};
     case InputRole::Sparse:
       return in.variableLength() ? std::vector<int64_t>{n * in.max_hotness} : std::vector<int64_t>{n, in.hotness};
@@ -96,15 +97,14 @@ void assembleBatch(const BatchSpec& spec, const RawSample* s, int64_t n, Batch& 
         break;  // token streams fill these (token_source.h), not Criteo samples
     }
   }
-  for (size_t i = 0; i < spec.inputs.size(); ++i) {
-    const InputSpec& in = spec.inputs[i];
-    if (in.role != InputRole::Weights) continue;
-    ir::HostTensor& t = batch.tensors[i];
-    const int ids_index = [&] {
-      for (size_t j = 0; j < spec.inputs.size(); ++j)
-        if (spec.inputs[j].role == InputRole::Sparse && spec.inputs[j].feature == in.feature) return static_cast<int>(j);
-      return -1;
-    }();
+  fillUnitWeights(spec, batch);
+}
+
+void fillUnitWeights(const BatchSpec& spec, Batch& batch) {
+  for (const InputSpec& ids : spec.inputs) {
+    if (ids.role != InputRole::Sparse || ids.weights_input < 0) continue;
+    const int ids_index = spec.indexOf(ids.name);
+    ir::HostTensor& t = batch.tensors[static_cast<size_t>(ids.weights_input)];
     t.reset(ir::DType::f32, batch.tensors[static_cast<size_t>(ids_index)].view.shape);
     float* w = t.as<float>();
     for (int64_t k = 0; k < t.numel(); ++k) w[k] = 1.0f;

@@ -51,4 +51,7 @@ void allocateBatch(const BatchSpec& spec, int64_t n, Batch& batch);
 // per-id weights of 1.
 void assembleBatch(const BatchSpec& spec, const RawSample* samples, int64_t n, Batch& batch);
 
+// Sets the weights of every weighted feature to 1, shaped like its ids (once they are sized).
+void fillUnitWeights(const BatchSpec& spec, Batch& batch);
+
 }  // namespace kiln::data

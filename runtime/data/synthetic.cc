@@ -1,5 +1,6 @@
 #include "runtime/data/synthetic.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 
@@ -30,17 +31,39 @@ inline float gaussian(uint64_t h) {
 
 SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions opts) : spec_(spec), opts_(opts) {
   const uint64_t model_key = mix64(opts_.seed ^ 0x6b696c6e5f68696dull);  // the hidden model: seed only
+  const bool criteo = spec_.layout == DataLayout::Criteo;
   int dense_count = 0;
-  for (const InputSpec& in : spec_.inputs)
-    if (in.role == InputRole::Dense) dense_count = std::max(dense_count, in.dense_count);
-  for (int j = 0; j < kNumDense; ++j) {
+  if (!criteo) {
+    dense_ = labels_ = 0;
+    for (const InputSpec& in : spec_.inputs) {
+      dense_ += in.role == InputRole::Dense ? in.dense_count : 0;
+      labels_ += in.role == InputRole::Label ? in.label_count : 0;
+    }
+    labels_ = std::max(labels_, 1);
+    dense_count = dense_;
+  } else {
+    for (const InputSpec& in : spec_.inputs)
+      if (in.role == InputRole::Dense) dense_count = std::max(dense_count, in.dense_count);
+    dense_ = std::max(dense_, dense_count);  // wider than Criteo's 13: more of the same kind
+  }
+  dense_weight_.resize(static_cast<size_t>(dense_ * labels_));
+  dense_center_.assign(static_cast<size_t>(dense_), 0.0f);
+  dense_scale_.assign(static_cast<size_t>(dense_), 0.0f);
+  for (int j = 0; j < dense_; ++j) {
     uint64_t h = mix64(model_key + 101 + static_cast<uint64_t>(j));
-    // Dense value = log(1 + E * scale), E ~ Exp(1), scale log-uniform in [1, 1000] (Criteo-like
-    // counts after the loader's log transform); c_j centers it near its mean.
-    dense_scale_[j] = static_cast<float>(std::exp(uniform(h) * std::log(1000.0)));
-    dense_center_[j] = static_cast<float>(std::log1p(dense_scale_[j]) - 0.5772);
-    dense_weight_[j] = static_cast<float>(gaussian(mix64(h)) * opts_.dense_strength / std::sqrt(std::max(dense_count, 1)) /
-                                          1.28);  // log(E) has std pi/sqrt(6) ~ 1.28
+    double spread = 1.0;
+    if (criteo) {
+      // Dense value = log(1 + E * scale), E ~ Exp(1), scale log-uniform in [1, 1000] (Criteo-like
+      // counts after the loader's log transform); c_j centers it near its mean.
+      dense_scale_[j] = static_cast<float>(std::exp(uniform(h) * std::log(1000.0)));
+      dense_center_[j] = static_cast<float>(std::log1p(dense_scale_[j]) - 0.5772);
+      spread = 1.28;  // log(E) has std pi/sqrt(6) ~ 1.28
+    }
+    for (int l = 0; l < labels_; ++l) {
+      const uint64_t hl = l == 0 ? mix64(h) : mix64(h + 0x51ed27u * static_cast<uint64_t>(l));
+      dense_weight_[static_cast<size_t>(l * dense_ + j)] =
+          static_cast<float>(gaussian(hl) * opts_.dense_strength / std::sqrt(std::max(dense_count, 1)) / spread);
+    }
   }
   int num_tables = 0;
   for (const InputSpec& in : spec_.inputs) num_tables += in.role == InputRole::Sparse;
@@ -79,33 +102,51 @@ int64_t SyntheticGenerator::drawRow(const Table& t, uint64_t bits) const {
   return static_cast<int64_t>((static_cast<unsigned __int128>(rank) * t.mult + t.shift) % rows);
 }
 
-float SyntheticGenerator::hiddenWeight(const Table& t, int64_t row) const {
-  return gaussian(mix64(t.key + static_cast<uint64_t>(row))) * t.weight_scale;
+float SyntheticGenerator::hiddenWeight(const Table& t, int64_t row, int label) const {
+  const uint64_t key = label == 0 ? t.key : mix64(t.key + 0x7a5e11ull * static_cast<uint64_t>(label));
+  return gaussian(mix64(key + static_cast<uint64_t>(row))) * t.weight_scale;
 }
 
 void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::vector<float>* logits) const {
   allocateBatch(spec_, n, batch);
   // Variable-length ids: draw lengths first so the id tensors can be sized exactly.
   const uint64_t stream_key = mix64(opts_.seed * 0xd1b54a32d192ed03ull + opts_.stream * 0x8cb92ba72f3d8dd7ull + 7);
-  std::vector<float> logit(static_cast<size_t>(n), static_cast<float>(opts_.bias));
+  // logit[i * labels_ + l]: label l of sample i.
+  const auto L = static_cast<size_t>(labels_);
+  std::vector<float> logit(static_cast<size_t>(n) * L, static_cast<float>(opts_.bias));
   std::vector<Bits> rng(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) rng[i].state = mix64(stream_key ^ static_cast<uint64_t>(first + i) * 0xa0761d6478bd642full);
 
-  // Dense features: all 13 feed the hidden logit, whatever the model reads.
-  std::vector<std::pair<float*, int>> dense_out;
-  for (size_t k = 0; k < spec_.inputs.size(); ++k)
-    if (spec_.inputs[k].role == InputRole::Dense) dense_out.emplace_back(batch.tensors[k].as<float>(), spec_.inputs[k].dense_count);
+  // Dense features: every one feeds the hidden logits, whatever the model reads (the Criteo
+  // layout's inputs each read the first of its 13; a schema's read their own columns).
+  struct DenseOut {
+    float* out;
+    int count, first;
+  };
+  std::vector<DenseOut> dense_out;
+  for (size_t k = 0; k < spec_.inputs.size(); ++k) {
+    const InputSpec& in = spec_.inputs[k];
+    if (in.role == InputRole::Dense)
+      dense_out.push_back({batch.tensors[k].as<float>(), in.dense_count,
+                           spec_.layout == DataLayout::Criteo ? 0 : in.first_column});
+  }
+  std::vector<float> v(static_cast<size_t>(dense_));
   for (int64_t i = 0; i < n; ++i) {
     Bits r{rng[i].state};
-    float v[kNumDense];
-    float acc = 0;
-    for (int j = 0; j < kNumDense; ++j) {
-      float e = -std::log(static_cast<float>(uniform(r.next())));
-      v[j] = std::log1p(e * dense_scale_[j]);
-      acc += dense_weight_[j] * (v[j] - dense_center_[j]);
+    for (int j = 0; j < dense_; ++j) {
+      if (dense_scale_[j] > 0) {
+        float e = -std::log(static_cast<float>(uniform(r.next())));
+        v[j] = std::log1p(e * dense_scale_[j]);
+      } else {
+        v[j] = gaussian(r.next());
+      }
     }
-    logit[static_cast<size_t>(i)] += acc;
-    for (auto [out, count] : dense_out) std::copy(v, v + count, out + i * count);
+    for (size_t l = 0; l < L; ++l) {
+      float acc = 0;
+      for (int j = 0; j < dense_; ++j) acc += dense_weight_[l * dense_ + j] * (v[j] - dense_center_[j]);
+      logit[static_cast<size_t>(i) * L + l] += acc;
+    }
+    for (const DenseOut& d : dense_out) std::copy_n(v.data() + d.first, d.count, d.out + i * d.count);
   }
 
   for (const Table& t : tables_) {
@@ -133,30 +174,44 @@ void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::v
       w = wt.as<float>();
     }
     int64_t pos = 0;
+    std::vector<float> acc(L);  // per label
     for (int64_t i = 0; i < n; ++i) {
       Bits r{rng[i].state ^ (0x100000000ull * static_cast<uint64_t>(in.feature + 1))};
       r.next();  // the length draw
       if (lengths) lengths[i] = len[i];
-      float acc = 0;
+      std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < len[i]; ++k, ++pos) {
         int64_t row = drawRow(t, r.next());
         float wk = 1.0f;
         if (w) w[pos] = wk = 0.5f + static_cast<float>(uniform(r.next()));
         if (i64) ids.as<int64_t>()[pos] = row;
         else ids.as<int32_t>()[pos] = static_cast<int32_t>(row);
-        acc += wk * hiddenWeight(t, row);
+        for (size_t l = 0; l < L; ++l) acc[l] += wk * hiddenWeight(t, row, static_cast<int>(l));
       }
-      logit[static_cast<size_t>(i)] += acc / static_cast<float>(len[i]);
+      for (size_t l = 0; l < L; ++l) logit[static_cast<size_t>(i) * L + l] += acc[l] / static_cast<float>(len[i]);
     }
   }
 
-  int li = spec_.labelIndex();
-  for (int64_t i = 0; i < n; ++i) {
-    Bits r{rng[i].state ^ 0xfeedfacecafebeefull};
-    float p = 1.0f / (1.0f + std::exp(-logit[static_cast<size_t>(i)]));
-    if (li >= 0) batch.tensors[static_cast<size_t>(li)].as<float>()[i] = uniform(r.next()) < p ? 1.0f : 0.0f;
+  // Each label input reads its labels (a Criteo-layout model has one, label 0).
+  for (size_t k = 0; k < spec_.inputs.size(); ++k) {
+    const InputSpec& in = spec_.inputs[k];
+    if (in.role != InputRole::Label) continue;
+    float* out = batch.tensors[k].as<float>();
+    for (int64_t i = 0; i < n; ++i) {
+      Bits r{rng[i].state ^ 0xfeedfacecafebeefull};
+      for (size_t l = 0; l < L; ++l) {
+        const float p = 1.0f / (1.0f + std::exp(-logit[static_cast<size_t>(i) * L + l]));
+        const float y = uniform(r.next()) < p ? 1.0f : 0.0f;
+        const auto j = static_cast<int64_t>(l) - in.first_column;
+        if (j >= 0 && j < in.label_count) out[i * in.label_count + j] = y;
+      }
+    }
   }
-  if (logits) *logits = std::move(logit);
+  if (logits) {
+    // The first label's logits.
+    logits->resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) (*logits)[static_cast<size_t>(i)] = logit[static_cast<size_t>(i) * L];
+  }
 }
 
 }  // namespace kiln::data

@@ -4,7 +4,7 @@
 // ranks scattered over the table's rows). A hidden model decides the label:
 //   logit = bias + sum_j a_j (dense_j - c_j) + sum_f (1/n_f) sum_k w_k * h_f(id_k)
 // with a_j and h_f(row) Gaussian values derived from the seed by hashing (no tables stored),
-// and label ~ Bernoulli(sigmoid(logit)). Sample i of a stream is a pure function of
+// and label ~ Bernoulli(sigmoid(logit)); a schema with several labels has one hidden model each. Sample i of a stream is a pure function of
 // (seed, stream, i): streams differ between training and evaluation (held out), the hidden
 // model is shared, any batch size sees the same samples, and resuming needs only the index.
 #pragma once
@@ -48,12 +48,17 @@ class SyntheticGenerator {
   };
 
   int64_t drawRow(const Table& t, uint64_t bits) const;
-  float hiddenWeight(const Table& t, int64_t row) const;
+  // h_f(row) of label `label`'s hidden model.
+  float hiddenWeight(const Table& t, int64_t row, int label) const;
 
   BatchSpec spec_;
   SyntheticOptions opts_;
   std::vector<Table> tables_;
-  float dense_weight_[kNumDense] = {}, dense_center_[kNumDense] = {}, dense_scale_[kNumDense] = {};
+  // The Criteo layout has 13 dense features, log(1 + E * scale_j); a schema's dense columns are
+  // standard normal (scale 0). a_j of label l is dense_weight_[l * dense + j].
+  int dense_ = kNumDense;
+  int labels_ = 1;
+  std::vector<float> dense_weight_, dense_center_, dense_scale_;
 };
 
 }  // namespace kiln::data
