@@ -77,7 +77,8 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
 
 int runEval(const std::vector<std::string>& args) {
   ArgParser p("eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
-              "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'.");
+              "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'; a\n"
+              "multi-task model (a label of k columns) also each task's 'auc.NAME' and 'accuracy.NAME'.");
   EvalSetup setup;
   if (int code = setUp("eval", p, args, setup); code >= 0) return code;
   auto r = evaluateModel(*setup.session, setup.data);
@@ -91,15 +92,18 @@ int runEval(const std::vector<std::string>& args) {
     std::printf("samples: %lld\n", static_cast<long long>(r->samples));
     return kExitOk;
   }
-  std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\nsamples: %lld\n", r->loss, r->auc, r->accuracy,
-              static_cast<long long>(r->samples));
+  std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\n", r->loss, r->auc, r->accuracy);
+  for (const TaskResult& t : r->tasks)
+    std::printf("auc.%s: %.17g\naccuracy.%s: %.17g\n", t.name.c_str(), t.auc, t.name.c_str(), t.accuracy);
+  std::printf("samples: %lld\n", static_cast<long long>(r->samples));
   if (r->malformed) std::fprintf(stderr, "skipped %lld malformed lines\n", static_cast<long long>(r->malformed));
   return kExitOk;
 }
 
 int runPredict(const std::vector<std::string>& raw_args) {
   ArgParser p("predict", "kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]",
-              "Writes one score (the predicted probability) per input sample, one per line, in input order.\n"
+              "Writes one score (the predicted probability) per input sample, one per line, in input order\n"
+              "(a multi-task model: one tab-separated column per task, in its label's order).\n"
               "A malformed TSV line gets the score 'nan' and a warning naming its file and line (with\n"
               "--strict it is an error instead), so line k of the output belongs to line k of the input\n"
               "(the files taken in order) and the two join back by line.");
@@ -129,13 +133,19 @@ int runPredict(const std::vector<std::string>& raw_args) {
                  why.message().c_str());
   };
   // Each batch's scores with its malformed lines in their places: one output line per input line.
+  // A multi-task model writes one tab-separated column per task.
+  const size_t tasks = std::max<size_t>(taskNames(setup.session->forwardSpec()).size(), 1);
+  std::string nan_line;
+  for (size_t j = 0; j < tasks; ++j) nan_line += j + 1 < tasks ? "nan\t" : "nan\n";
   auto write = [&](const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped) {
     size_t k = 0;
-    for (size_t i = 0; i <= scores.size(); ++i) {
+    const size_t samples = scores.size() / tasks;
+    for (size_t i = 0; i <= samples; ++i) {
       for (; k < skipped.size() && skipped[k].before == static_cast<int64_t>(i); ++k)
-        if (std::fputs("nan\n", out) < 0) return Status::error("write failed");
-      if (i < scores.size() && std::fprintf(out, "%.9g\n", static_cast<double>(scores[i])) < 0)
-        return Status::error("write failed");
+        if (std::fputs(nan_line.c_str(), out) < 0) return Status::error("write failed");
+      for (size_t j = 0; i < samples && j < tasks; ++j)
+        if (std::fprintf(out, j + 1 < tasks ? "%.9g\t" : "%.9g\n", static_cast<double>(scores[i * tasks + j])) < 0)
+          return Status::error("write failed");
     }
     return Status::ok();
   };

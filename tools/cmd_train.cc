@@ -120,6 +120,7 @@ class Trainer {
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
+  std::vector<TaskResult> last_tasks_;  // a multi-task model's last evaluation, per task
   std::optional<double> entropy_floor_;  // synthetic tokens: the loss no model can beat
   Clock::time_point start_, window_start_;
   int64_t window_samples_ = 0;
@@ -330,6 +331,7 @@ void Trainer::noteEvaluation(const EvalResult& ev) {
     last_perplexity_ = ev.perplexity;
   else
     last_auc_ = ev.auc;
+  last_tasks_ = ev.tasks;
 }
 
 void Trainer::progress(bool final_line) {
@@ -340,6 +342,10 @@ void Trainer::progress(bool final_line) {
   std::string left = "?";
   if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
   std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
+  if (!last_tasks_.empty()) {
+    auc = " | eval auc";
+    for (const TaskResult& t : last_tasks_) auc += fmt::format(" {} {:.4f}", t.name, t.auc);
+  }
   if (last_perplexity_) auc = fmt::format(" | eval ppl {:.4f}", *last_perplexity_);
   // On N ranks: the global rate, each rank's share, what a step sends and the time in collectives.
   std::string ranks =
@@ -524,6 +530,10 @@ int Trainer::run() {
           r.auc = last_auc_;
           r.eval_loss = last_eval_loss_;
           if (last_perplexity_) r.extra["perplexity"] = *last_perplexity_;
+          for (const TaskResult& t : last_tasks_) {
+            r.extra["auc." + t.name] = t.auc;
+            r.extra["accuracy." + t.name] = t.accuracy;
+          }
         }
         Status st = metrics_->write(r);
         if (!st) return fail(st);
@@ -569,6 +579,7 @@ int Trainer::run() {
   std::printf("final train loss: %.6f\n", last_loss_);
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
+  for (const TaskResult& t : last_tasks_) std::printf("eval auc.%s: %.6f\n", t.name.c_str(), t.auc);
   if (last_perplexity_) std::printf("eval perplexity: %.6f\n", *last_perplexity_);
   if (entropy_floor_) std::printf("entropy floor: %.6f nats\n", *entropy_floor_);
   if (!f_.checkpoint_dir.empty())

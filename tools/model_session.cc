@@ -539,9 +539,11 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
     const ir::HostTensor& p = (*results)[static_cast<size_t>(prediction_index)];
     if (p.view.dtype != ir::DType::f32)
       return Status::errorf("the prediction output must be f32, got {}", ir::dtypeName(p.view.dtype));
-    // One score per sample (a click model's logit) or a whole tensor (a layer's output, a
-    // language model's logits).
-    std::vector<float>& dst = p.numel() == batch.size ? out.logits : out.prediction;
+    // One score per sample and task (a click model's logit; a multi-task model's [B, k] for a
+    // label of k columns) or a whole tensor (a layer's output, a language model's logits).
+    const int label = forwardSpec().labelIndex();
+    const int64_t tasks = label >= 0 ? forwardSpec().inputs[static_cast<size_t>(label)].label_count : 1;
+    std::vector<float>& dst = p.numel() == batch.size * tasks ? out.logits : out.prediction;
     dst.assign(p.as<float>(), p.as<float>() + p.numel());
   }
   return out;

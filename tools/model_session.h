@@ -133,7 +133,7 @@ class StepInputs {
 
 struct StepOutputs {
   double loss = 0;
-  std::vector<float> logits;      // the prediction output when it holds one value per sample
+  std::vector<float> logits;      // the prediction output when it holds one value per sample (and task)
   std::vector<float> prediction;  // the prediction output otherwise, all its values in order
   // The step statistics kiln.train's `stats` names (a MoE layer's per-expert counts and
   // balancing losses), in that order, as doubles.

@@ -31,7 +31,10 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   const data::BatchSpec& spec = s.forwardSpec();
   // A language model is scored by its loss alone: it has no per-sample score.
   const bool scored = !spec.readsTokens();
-  runtime::AucAccumulator auc;
+  const std::vector<std::string> tasks = taskNames(spec);
+  const auto k = static_cast<int64_t>(std::max<size_t>(tasks.size(), 1));
+  std::vector<runtime::AucAccumulator> auc(static_cast<size_t>(k));
+  std::vector<float> task_scores, task_labels;
   runtime::RunningMean loss;
   data::Batch batch, share;
   EvalResult r;
@@ -66,18 +69,22 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
       r.samples += local * ranks;
       continue;
     }
+    if (k > 1 && static_cast<int64_t>(out.logits.size()) != local * k)
+      return Status::errorf("the label '{}' has {} tasks, but the prediction has {} values for {} samples, not {} "
+                            "per sample",
+                            spec.inputs[static_cast<size_t>(spec.labelIndex())].name, k, out.logits.size(), local, k);
     scores.resize(out.logits.size());
     for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
     if (spec.labelIndex() >= 0) {
-      labels.resize(static_cast<size_t>(local));
-      for (int64_t i = 0; i < local; ++i) labels[static_cast<size_t>(i)] = data::batchLabel(*mine, spec, i);
+      const ir::HostTensor& t = mine->tensors[static_cast<size_t>(spec.labelIndex())];
+      labels.assign(t.as<float>(), t.as<float>() + local * k);
     }
     if (ranks > 1) {
-      std::vector<float> all(static_cast<size_t>(local * ranks));
+      std::vector<float> all(static_cast<size_t>(local * k * ranks));
       KILN_RETURN_IF_ERROR(c->allGatherSync(scores.data(), all.data(), scores.size(), comm::DataType::f32));
       scores.swap(all);
       if (spec.labelIndex() >= 0) {
-        all.assign(static_cast<size_t>(local * ranks), 0.0f);
+        all.assign(static_cast<size_t>(local * k * ranks), 0.0f);
         KILN_RETURN_IF_ERROR(c->allGatherSync(labels.data(), all.data(), labels.size(), comm::DataType::f32));
         labels.swap(all);
       }
@@ -86,7 +93,22 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
       batch_loss = sum / ranks;  // equal shares: the mean of the ranks' means
     }
     loss.add(batch_loss, static_cast<double>(local * ranks));
-    if (spec.labelIndex() >= 0) auc.add(scores, labels);
+    if (spec.labelIndex() >= 0) {
+      if (k == 1) {
+        auc[0].add(scores, labels);
+      } else {
+        const size_t n = labels.size() / static_cast<size_t>(k);
+        task_scores.resize(n);
+        task_labels.resize(n);
+        for (int64_t j = 0; j < k; ++j) {
+          for (size_t i = 0; i < n; ++i) {
+            task_scores[i] = scores[i * static_cast<size_t>(k) + static_cast<size_t>(j)];
+            task_labels[i] = labels[i * static_cast<size_t>(k) + static_cast<size_t>(j)];
+          }
+          auc[static_cast<size_t>(j)].add(task_scores, task_labels);
+        }
+      }
+    }
     if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores, batch.skipped));
     r.samples += local * ranks;
   }
@@ -95,13 +117,29 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   r.malformed = prefetch.malformed();
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;
-  r.auc = auc.size() ? auc.auc() : NAN;
-  r.accuracy = auc.size() ? auc.accuracy() : NAN;
+  r.auc = auc[0].size() ? auc[0].auc() : NAN;
+  r.accuracy = auc[0].size() ? auc[0].accuracy() : NAN;
+  if (k > 1)
+    for (int64_t j = 0; j < k; ++j) {
+      const runtime::AucAccumulator& a = auc[static_cast<size_t>(j)];
+      r.tasks.push_back({tasks[static_cast<size_t>(j)], a.size() ? a.auc() : NAN, a.size() ? a.accuracy() : NAN});
+    }
   if (!scored) {
     r.perplexity = std::exp(r.loss);
     r.entropy_floor = entropy_floor;
   }
   return r;
+}
+
+std::vector<std::string> taskNames(const data::BatchSpec& spec) {
+  std::vector<std::string> names;
+  if (spec.labelIndex() < 0) return names;
+  const data::InputSpec& label = spec.inputs[static_cast<size_t>(spec.labelIndex())];
+  for (int j = 0; j < label.label_count; ++j) {
+    const bool named = static_cast<size_t>(j) < label.columns.size() && label.columns[static_cast<size_t>(j)].named();
+    names.push_back(named ? label.columns[static_cast<size_t>(j)].name : fmt::format("task{}", j));
+  }
+  return names;
 }
 
 namespace {

@@ -26,10 +26,19 @@ struct EvalDataOptions {
   data::DiagnosticSink on_skip;  // told about each malformed line skipped (default: stderr)
 };
 
+// One task of a multi-task model: a column of its label and of its prediction.
+struct TaskResult {
+  std::string name;  // the label's file column (or "task<j>")
+  double auc = 0;
+  double accuracy = 0;
+};
+
 struct EvalResult {
   double loss = 0;      // mean over samples (NaN when the model has no loss)
-  double auc = 0;       // ROC AUC of sigmoid(prediction) against the labels
-  double accuracy = 0;  // at threshold 0.5
+  double auc = 0;       // ROC AUC of sigmoid(prediction) against the labels (the first task's)
+  double accuracy = 0;  // at threshold 0.5 (the first task's)
+  // A label of k > 1 columns (f32[B, k]) and a prediction of as many: each task's metrics.
+  std::vector<TaskResult> tasks;
   // A model that reads tokens: exp(loss), the loss being the mean per-token cross entropy (and
   // AUC and accuracy NaN).
   double perplexity = NAN;
@@ -40,7 +49,11 @@ struct EvalResult {
   int64_t left_out = 0;
 };
 
-// Receives each batch's scores in order with the malformed lines skipped among its samples
+// The names of the tasks of `spec`'s label: its file columns, or task0 .. task<k-1>; one entry for
+// a label of one column (or none).
+std::vector<std::string> taskNames(const data::BatchSpec& spec);
+
+// Receives each batch's scores in order (k per sample for k tasks, sample-major) with the malformed lines skipped among its samples
 // (SkippedLine::before places each), and last, with no scores, the lines skipped after the last
 // sample: together one entry per input line.
 using ScoreSink =
