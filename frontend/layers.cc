@@ -528,7 +528,8 @@ Val fnDice(ModelLowering& L, CallArgs& a) {
   double eps = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "eps") : 1e-8;
   if (!(eps > 0)) L.fail(b.locs[1], fmt::format("dice's eps must be positive, got {}", eps));
   if (x->type().rank() < 2)
-    L.fail(b.locs[0], fmt::format("dice needs a [B, ..., C] input of rank 2 or more, got {}", typeStr(x->type())));
+    L.fail(b.locs[0],
+           fmt::format("dice needs a [B, ..., C] input of rank 2 or more, got {}", typeStr(x->type())));
   std::string name = L.layerName(a, "dice", b.get(2));
   ir::Value* alpha = channelParam(L, x, name + ".alpha", 0.0, false, a.loc, "dice");
   L.builder().setLocation(a.loc);

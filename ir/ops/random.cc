@@ -7,13 +7,14 @@
 //       training = true (@train_step; the autodiff pass sets it and adds the step operand):
 //       keep element i with probability 1 - p and scale it by 1 / (1 - p) (inverted dropout),
 //       else 0; the mask is dropoutKeeps(seed, step, salt, i).
+#include "ir/random.h"
+
 #include <cmath>
 
 #include "ir/builder.h"
 #include "ir/op_def.h"
 #include "ir/ops/grad_util.h"
 #include "ir/ops/kernel_util.h"
-#include "ir/random.h"
 
 namespace kiln::ir {
 
@@ -57,7 +58,8 @@ Status verifyDropout(const Op& op) {
   if (!isFloat(x.dtype())) return Status::errorf("'kiln.dropout' needs a float operand, got {}", x.str());
   const double p = op.floatAttr("p", 0.0);
   if (!(p >= 0 && p < 1)) return Status::errorf("'kiln.dropout': p must lie in [0, 1), got {}", p);
-  if (op.intAttr("seed", 0) < 0) return Status::errorf("'kiln.dropout': seed must be >= 0, got {}", op.intAttr("seed", 0));
+  if (op.intAttr("seed", 0) < 0)
+    return Status::errorf("'kiln.dropout': seed must be >= 0, got {}", op.intAttr("seed", 0));
   if (isTraining(op)) {
     if (op.numOperands() != 2)
       return Status::error("'kiln.dropout' in training needs the step operand (the autodiff pass adds it)");
@@ -124,7 +126,8 @@ OpCost costDropout(const Op& op, const SymbolBindings& symbols) { return element
 
 void registerRandomOps(OpRegistry& r) {
   r.add({.name = "kiln.dropout",
-         .summary = "inverted dropout in training (a counter-based mask of (seed, step, salt, element)), else x",
+         .summary =
+             "inverted dropout in training (a counter-based mask of (seed, step, salt, element)), else x",
          .min_operands = 1,
          .max_operands = 2,
          .attrs = {{"p", Attribute::Kind::Float, true},

@@ -2,9 +2,10 @@
 // of about p zeros, the kept elements scaled by 1 / (1 - p), the same mask for the same (seed,
 // step, salt) and another for another step. The random numbers are checked against splitmix64
 // written out here from its published definition, and its published first output.
+#include "ir/random.h"
+
 #include <cmath>
 
-#include "ir/random.h"
 #include "tests/ops/op_test_util.h"
 
 namespace kiln::ir::testing {
@@ -17,7 +18,10 @@ HostTensor ones(int64_t n) { return f32({n}, std::vector<double>(static_cast<siz
 OpCall trainingDropout(HostTensor x, double p, double step, int64_t seed = 11, int64_t salt = 3) {
   return {"kiln.dropout",
           {std::move(x), stepTensor(step)},
-          {{"p", Attribute(p)}, {"seed", Attribute(seed)}, {"salt", Attribute(salt)}, {"training", Attribute(true)}}};
+          {{"p", Attribute(p)},
+           {"seed", Attribute(seed)},
+           {"salt", Attribute(salt)},
+           {"training", Attribute(true)}}};
 }
 
 // Sebastiano Vigna's splitmix64 step: state += gamma, then the two xor-shift-multiply rounds.
@@ -46,8 +50,9 @@ TEST(Dropout, IsTheIdentityOutsideTraining) {
   HostTensor x = f32({2, 3}, {1, -2, 3, -4, 5, -6});
   expectTensor(runOk({"kiln.dropout", {x}, {{"p", Attribute(0.5)}}}), {2, 3}, {1, -2, 3, -4, 5, -6}, 0);
   // training = false with a step operand, and p = 0 in training, too.
-  expectTensor(runOk({"kiln.dropout", {x, stepTensor(4)}, {{"p", Attribute(0.9)}, {"training", Attribute(false)}}}),
-               {2, 3}, {1, -2, 3, -4, 5, -6}, 0);
+  expectTensor(
+      runOk({"kiln.dropout", {x, stepTensor(4)}, {{"p", Attribute(0.9)}, {"training", Attribute(false)}}}),
+      {2, 3}, {1, -2, 3, -4, 5, -6}, 0);
   expectTensor(runOk(trainingDropout(x, 0.0, 4)), {2, 3}, {1, -2, 3, -4, 5, -6}, 0);
 }
 
