@@ -485,15 +485,81 @@ Val norm(ModelLowering& L, CallArgs& a, bool rms) {
 Val fnLayernorm(ModelLowering& L, CallArgs& a) { return norm(L, a, false); }
 Val fnRmsnorm(ModelLowering& L, CallArgs& a) { return norm(L, a, true); }
 
-// Dropout is the identity: the IR has no random-number op for training yet, so lowering it to
-// a mask would need a mask input the data loader cannot fill. Warn instead of silently ignoring.
+// elu(x, alpha): x > 0 ? x : alpha (e^x - 1), alpha a scalar operand of kiln.elu.
+Val fnElu(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "alpha"}, 1);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "elu's input");
+  double alpha = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "alpha") : 1.0;
+  if (!std::isfinite(alpha)) L.fail(b.locs[1], fmt::format("elu's alpha must be finite, got {}", alpha));
+  L.builder().setLocation(a.loc);
+  return Val::ofTensor(L.emit(ir::OpCode::Elu, {x, L.scalarConstant(alpha, x->type().dtype())}));
+}
+
+// The learned per-channel vector of prelu and dice: one value per entry of x's static last dim
+// (or one value in all when shared).
+ir::Value* channelParam(ModelLowering& L, ir::Value* x, const std::string& name, double init, bool shared,
+                        const Location& loc, const char* what) {
+  int64_t c = shared ? 1 : staticLastDim(L, x, loc, what);
+  Val rec = L.recordArg(Val::builtin("constant"), loc, "init");
+  rec.fields = {{"value", Val::number(init)}};
+  return L.makeParam(name, ir::TensorType(x->type().dtype(), {ir::Dim::fixed(c)}), rec, loc);
+}
+
+// prelu(x): x > 0 ? x : a x with a learned slope a per channel (the last dim), 0.25 at first as
+// in PyTorch's nn.PReLU; shared = true learns one slope for every channel.
+Val fnPrelu(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "init", "shared", "name"}, 1);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "prelu's input");
+  double init = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "init") : 0.25;
+  bool shared = b.get(2) ? L.boolArg(*b.get(2), b.locs[2], "shared") : false;
+  std::string name = L.layerName(a, "prelu", b.get(3));
+  ir::Value* slope = channelParam(L, x, name + ".weight", init, shared, a.loc, "prelu");
+  L.builder().setLocation(a.loc);
+  return Val::ofTensor(L.emit(ir::OpCode::Prelu, {x, slope}));
+}
+
+// dice(x) of DIN (Zhou et al. 2018): p = sigmoid((x - E[x]) / sqrt(Var[x] + eps)) with the mean
+// and biased variance over every axis but the channel axis (the last), and
+// out = p x + (1 - p) alpha x = x (alpha + p (1 - alpha)), alpha learned per channel from 0.
+// The statistics are always the batch's, in training and in @forward alike (no running averages).
+Val fnDice(ModelLowering& L, CallArgs& a) {
+  auto b = L.bindArgs(a, {"x", "eps", "name"}, 1);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "dice's input");
+  double eps = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "eps") : 1e-8;
+  if (!(eps > 0)) L.fail(b.locs[1], fmt::format("dice's eps must be positive, got {}", eps));
+  if (x->type().rank() < 2)
+    L.fail(b.locs[0],
+           fmt::format("dice needs a [B, ..., C] input of rank 2 or more, got {}", typeStr(x->type())));
+  std::string name = L.layerName(a, "dice", b.get(2));
+  ir::Value* alpha = channelParam(L, x, name + ".alpha", 0.0, false, a.loc, "dice");
+  L.builder().setLocation(a.loc);
+  ir::DType dt = x->type().dtype();
+  std::vector<int64_t> axes;
+  for (int64_t i = 0; i + 1 < x->type().rank(); ++i) axes.push_back(i);
+  ir::Value* centered = L.emit(ir::OpCode::Sub, {x, reduce(L, x, "mean", axes, true)});
+  ir::Value* var = reduce(L, L.emit(ir::OpCode::Mul, {centered, centered}), "mean", axes, true);
+  ir::Value* inv = L.emit(ir::OpCode::Rsqrt, {L.emit(ir::OpCode::Add, {var, L.scalarConstant(eps, dt)})});
+  ir::Value* p = L.emit(ir::OpCode::Sigmoid, {L.emit(ir::OpCode::Mul, {centered, inv})});
+  ir::Value* one_minus_alpha = L.emit(ir::OpCode::Sub, {L.scalarConstant(1.0, dt), alpha});
+  ir::Value* gate = L.emit(ir::OpCode::Add, {alpha, L.emit(ir::OpCode::Mul, {p, one_minus_alpha})});
+  return Val::ofTensor(L.emit(ir::OpCode::Mul, {x, gate}));
+}
+
+// dropout(x, p): kiln.dropout, the identity in @forward (eval, predict); the autodiff pass makes
+// @train_step's copy draw its mask. The salt, a hash of the layer's name, gives each dropout its
+// own stream and stays the same when the model is compiled again (a resumed run).
 Val fnDropout(ModelLowering& L, CallArgs& a) {
-  auto b = L.bindArgs(a, {"x", "p"}, 1);
-  ir::Value* x = L.tensorArg(*b.get(0), b.locs[0], "dropout's input");
+  auto b = L.bindArgs(a, {"x", "p", "name"}, 1);
+  ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "dropout's input");
   double p = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "p") : 0.5;
-  if (p < 0 || p >= 1) L.fail(b.locs[1], fmt::format("dropout's p must lie in [0, 1), got {}", p));
-  if (p > 0) L.warn(a.loc, "dropout is the identity for now: Kiln has no training random-number op yet");
-  return Val::ofTensor(x);
+  if (!(p >= 0 && p < 1)) L.fail(b.locs[1], fmt::format("dropout's p must lie in [0, 1), got {}", p));
+  std::string name = L.layerName(a, "dropout", b.get(2));
+  if (p == 0) return Val::ofTensor(x);
+  uint64_t salt = 0xcbf29ce484222325ull;  // FNV-1a of the name
+  for (unsigned char c : name) salt = (salt ^ c) * 0x100000001b3ull;
+  L.builder().setLocation(a.loc);
+  return Val::ofTensor(L.emit(ir::OpCode::Dropout, {x},
+                              {{"p", p}, {"salt", static_cast<int64_t>(salt & 0x7fffffffffffffffull)}}));
 }
 
 Val fnEmbeddings(ModelLowering& L, CallArgs& a) {
@@ -679,7 +745,10 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"fm", {fnFm, "factorization machine, second order"}},
         {"layernorm", {fnLayernorm, "layer normalization"}},
         {"rmsnorm", {fnRmsnorm, "RMS normalization"}},
-        {"dropout", {fnDropout, "dropout (the identity for now)"}},
+        {"dropout", {fnDropout, "inverted dropout in training, the identity in eval and predict"}},
+        {"elu", {fnElu, "x > 0 ? x : alpha (e^x - 1)"}},
+        {"prelu", {fnPrelu, "x > 0 ? x : a x, a learned per channel"}},
+        {"dice", {fnDice, "DIN's data-adaptive activation, batch statistics"}},
         {"embeddings", {fnEmbeddings, "a collection of embedding tables"}},
         {"bce_with_logits", {fnBce, "binary cross entropy on logits"}},
         {"softmax_cross_entropy", {fnSoftmaxCE, "cross entropy of a softmax"}},

@@ -23,6 +23,7 @@ OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerRoutingOps(*this);
   registerExpertOps(*this);
   registerExpertParallelOps(*this);
+  registerRandomOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {

@@ -114,6 +114,7 @@ class TrainStepBuilder {
     return op->result();
   }
   Expected<Value*> scalarInput(const std::string& name);
+  Status enterTrainingMode(const AttrDict& train);
   void markNeedsGrad();
   Status accumulate(Value* v, Value* g, const Op& from);
   Status backward(Value* loss);
@@ -136,6 +137,25 @@ class TrainStepBuilder {
   Value* lr_ = nullptr;
   Value* step_ = nullptr;
 };
+
+// Ops that act differently in training: kiln.dropout {training = false} of @forward (the
+// identity) draws its mask here, from the run's seed (kiln.train's `seed`, set by the session
+// from --seed; 0 without one) and the step input.
+Status TrainStepBuilder::enterTrainingMode(const AttrDict& train) {
+  int64_t seed = 0;
+  if (auto it = train.find("seed"); it != train.end()) {
+    if (!it->second.isInt() || it->second.asInt() < 0)
+      return Status::errorf("kiln.train: seed must be an integer >= 0, got {}", it->second.str());
+    seed = it->second.asInt();
+  }
+  for (Op* op : forward_ops_) {
+    if (!op->is(ir::OpCode::Dropout) || op->boolAttr("training", false)) continue;
+    op->setAttr("training", true);
+    op->setAttr("seed", seed);
+    op->addOperand(step_);
+  }
+  return Status::ok();
+}
 
 Expected<Value*> TrainStepBuilder::scalarInput(const std::string& name) {
   for (Op* op : func_.entry().opList())
@@ -432,6 +452,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   lr_ = lr;
   step_ = step;
   builder_.setInsertionPointToEnd(body);
+  KILN_RETURN_IF_ERROR(enterTrainingMode(train));
 
   markNeedsGrad();
   KILN_RETURN_IF_ERROR(backward(loss));

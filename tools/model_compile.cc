@@ -71,6 +71,12 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
     for (const auto& [key, value] : options.train_overrides) merged[key] = value;
     m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
   }
+  if (has_train) {
+    // The run seed, for the masks of dropout (docs/autodiff.md, "Training mode"); 63 bits.
+    ir::AttrDict merged = m.attrs().at("kiln.train").asDict();
+    merged["seed"] = static_cast<int64_t>(options.seed & 0x7fffffffffffffffull);
+    m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
+  }
   if (options.training && !has_train)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
 

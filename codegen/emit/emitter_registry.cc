@@ -118,6 +118,8 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "expert parallelism's counting and chunk sorting run in sharded steps only; the CUDA "
                   "backend does not run sharded steps yet");
+  r.addNoKernel(ir::OpCode::Dropout, NoKernel::kNotLowered,
+                "its counter-based mask has no CUDA lowering yet: the CPU backend runs it");
 }
 
 }  // namespace kiln::codegen::emit

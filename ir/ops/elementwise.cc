@@ -278,6 +278,54 @@ Status gradPow(GradContext& ctx, const Op& op) {
   return setSummed(ctx, 1, gb, op);
 }
 
+// elu(x, alpha) and prelu(x, slope) share the form x > 0 ? x : h(x, b). Where x > 0 the gradient
+// goes to x alone; elsewhere `dx(g)` goes to x and `db(g)` to b.
+template <class DxFormula, class DbFormula>
+Status gradPiecewiseLinearAbove(GradContext& ctx, const Op& op, DxFormula dx, DbFormula db) {
+  grads::resetOperandGrads(ctx, op);
+  Value* g = ctx.result_grads[0];
+  if (!g || !isFloat(g->type().dtype())) return Status::ok();
+  Builder& b = ctx.builder;
+  Value* x = op.operand(0);
+  KILN_GRAD_VALUE(zero, grads::scalar(b, g->type().dtype(), 0.0));
+  KILN_GRAD_VALUE(above, b.createValue("kiln.compare", {x, zero}, {{"predicate", Attribute("gt")}}));
+  KILN_GRAD_VALUE(gx_below, dx(b, g));
+  KILN_GRAD_VALUE(gx, b.createValue("kiln.select", {above, g, gx_below}));
+  KILN_RETURN_IF_ERROR(setSummed(ctx, 0, gx, op));
+  KILN_GRAD_VALUE(gb_below, db(b, g));
+  KILN_GRAD_VALUE(gb, b.createValue("kiln.select", {above, zero, gb_below}));
+  return setSummed(ctx, 1, gb, op);
+}
+
+// y = alpha (e^x - 1) below 0: dx = g alpha e^x = g (y + alpha), dalpha = g (e^x - 1).
+Status gradElu(GradContext& ctx, const Op& op) {
+  Value* x = op.operand(0);
+  Value* alpha = op.operand(1);
+  Value* y = op.result();
+  return gradPiecewiseLinearAbove(
+      ctx, op,
+      [&](Builder& b, Value* g) -> Expected<Value*> {
+        KILN_GRAD_VALUE(slope, binary(b, "kiln.add", y, alpha));
+        return binary(b, "kiln.mul", g, slope);
+      },
+      [&](Builder& b, Value* g) -> Expected<Value*> {
+        KILN_GRAD_VALUE(ex, unary(b, "kiln.exp", x));
+        KILN_GRAD_VALUE(one, grads::scalar(b, g->type().dtype(), 1.0));
+        KILN_GRAD_VALUE(em1, binary(b, "kiln.sub", ex, one));
+        return binary(b, "kiln.mul", g, em1);
+      });
+}
+
+// y = slope x below 0: dx = g slope, dslope = g x (summed over the broadcast dims: a
+// per-channel slope gets the sum over the batch).
+Status gradPrelu(GradContext& ctx, const Op& op) {
+  Value* x = op.operand(0);
+  Value* slope = op.operand(1);
+  return gradPiecewiseLinearAbove(
+      ctx, op, [&](Builder& b, Value* g) { return binary(b, "kiln.mul", g, slope); },
+      [&](Builder& b, Value* g) { return binary(b, "kiln.mul", g, x); });
+}
+
 // Unary rules: operand_grads[0] = g * f'(x), written with the op's result y where shorter.
 // `formula(builder, g, x, y)` builds it.
 template <class Formula>

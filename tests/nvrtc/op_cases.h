@@ -166,6 +166,16 @@ inline std::vector<OpCase> allOpCases() {
     add(b);
   }
   {
+    CaseBuilder b("binary_elu");
+    b.op("kiln.elu", {b.input("x", f32, S({3, 5})), b.input("alpha", f32, S({}), Fill::Positive)});
+    add(b);
+  }
+  {
+    CaseBuilder b("binary_prelu");
+    b.op("kiln.prelu", {b.input("x", f32, S({3, 5})), b.param("slope", f32, S({5}))});
+    add(b);
+  }
+  {
     CaseBuilder b("compare_select");
     Value* x = b.input("x", f32, S({4, 4}));
     Value* y = b.input("y", f32, S({4}));

@@ -38,6 +38,19 @@ TEST(ElementwiseCpu, Arithmetic) {
   expectTensor(runOk(binary("kiln.pow", f64({3}, {2, 9, 4}), f64({3}, {3, 0.5, -1}))), {3}, {8, 3, 0.25});
 }
 
+TEST(ElementwiseCpu, EluAndPrelu) {
+  // alpha (e^x - 1) = 0.5 (e^-1 - 1) below zero; 0 at zero from either branch.
+  expectTensor(runOk(binary("kiln.elu", f64({3}, {-1, 0, 2}), f64({}, {0.5}))), {3},
+               {-0.31606027941427883, 0, 2});
+  expectTensor(runOk(binary("kiln.elu", f32({2}, {-20, 1.5}), f32({}, {1}))), {2},
+               {-0.9999999979388464, 1.5});
+  // A per-channel slope along the last dim.
+  expectTensor(runOk(binary("kiln.prelu", f64({2, 3}, {-2, 0.5, -1, 3, -4, 0}), f64({3}, {0.25, 0.1, 2}))),
+               {2, 3}, {-0.5, 0.5, -2, 3, -0.4, 0});
+  // One shared slope.
+  expectTensor(runOk(binary("kiln.prelu", f32({3}, {-8, 8, -0.5}), f32({1}, {0.25}))), {3}, {-2, 8, -0.125});
+}
+
 TEST(ElementwiseCpu, UnaryMath) {
   auto x = f64({3}, {-1, 0, 2});
   expectTensor(runOk(unary("kiln.neg", x)), {3}, {1, 0, -2});

@@ -80,6 +80,20 @@ std::vector<GradCase> gradCases() {
   c.push_back({"Min", "kiln.min", {a, b}});
   c.push_back({"Pow", "kiln.pow", {uniform({2, 3}, 0.5, 2), uniform({3}, -1.5, 1.5)}});
   c.push_back({"Neg", "kiln.neg", {uniform({2, 3})}});
+  // Dropout: linear in x for a fixed (seed, step, salt); the step gets no gradient.
+  c.push_back(
+      {"DropoutTraining",
+       "kiln.dropout",
+       {uniform({4, 5}), tensor(DType::f32, {}, {7})},
+       attrs({{"p", A(0.4)}, {"seed", A(int64_t{3})}, {"salt", A(int64_t{99})}, {"training", A(true)}}),
+       {},
+       {1}});
+  c.push_back({"DropoutEval", "kiln.dropout", {uniform({2, 3})}, attrs({{"p", A(0.4)}})});
+  // Away from the kink at 0; the scalar alpha and the per-channel slope get their gradients
+  // summed over the broadcast dims.
+  c.push_back({"Elu", "kiln.elu", {awayFromZero({2, 3}), uniform({}, 0.5, 1.5)}});
+  c.push_back({"PreluPerChannel", "kiln.prelu", {awayFromZero({3, 4}), uniform({4}, 0.1, 0.5)}});
+  c.push_back({"PreluShared", "kiln.prelu", {awayFromZero({2, 3}), uniform({1}, -0.5, 0.5)}});
   c.push_back({"Abs", "kiln.abs", {awayFromZero({2, 3})}});
   c.push_back({"Exp", "kiln.exp", {uniform({2, 3})}});
   c.push_back({"Log", "kiln.log", {uniform({2, 3}, 0.5, 2)}});
