@@ -10,8 +10,13 @@
 #include <filesystem>
 #include <memory>
 
+#include <iostream>
+
+#include "frontend/frontend.h"
+#include "runtime/data/batch_reader.h"
 #include "runtime/data/binary_format.h"
 #include "runtime/data/markov_tokens.h"
+#include "runtime/data/schema.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
@@ -31,10 +36,14 @@ data::TsvOptions tsvOptions(const ArgParser& p) {
 }
 
 int runConvert(const std::vector<std::string>& args) {
-  ArgParser p("data convert", "kiln data convert IN.tsv... OUT.bin [--strict]",
+  ArgParser p("data convert", "kiln data convert IN.tsv... OUT.bin [--model MODEL.kiln] [--strict]",
               "Converts Criteo TSV files (label, 13 integer and 26 hex categorical features per line) into\n"
-              "one Kiln binary data file, which trains read without parsing text. Malformed lines are\n"
-              "reported with file:line and skipped, or stop the conversion with --strict.");
+              "one Kiln binary data file, which trains read without parsing text; with --model, text files\n"
+              "(TSV or CSV) under that model's schema (its inputs' columns(...)) into a version-2 file that\n"
+              "names its columns. Malformed lines are reported with file:line and skipped, or stop the\n"
+              "conversion with --strict.");
+  p.addOption("model", "MODEL.kiln", "read the inputs under this model's schema (its columns(...))");
+  p.addOption("set", "NAME=VALUE", "with --model: override a model param", std::nullopt, true);
   p.addFlag("strict", "stop at the first malformed line (exit 1, no output written)");
   p.addFlag("quiet", "do not report each skipped line");
   p.setPositionals("IN.tsv... OUT.bin", 2, -1, "the TSV files, read in order, then the binary file to write");
@@ -46,15 +55,35 @@ int runConvert(const std::vector<std::string>& args) {
     if (in == output) return p.usageError(fmt::format("the output '{}' is also an input", output));
   data::TsvOptions opts = tsvOptions(p);
   auto start = std::chrono::steady_clock::now();
-  auto stats = data::convertToBinary(inputs, output, std::move(opts));
+  Expected<data::ConvertStats> stats = Status::error("unset");
+  if (p.has("model")) {
+    frontend::ParamOverrides overrides;
+    for (const std::string& s : p.getAll("set"))
+      if (Status st = frontend::addOverride(s, overrides); !st.isOk()) return p.usageError(st.message());
+    frontend::DiagnosticEngine diags(&std::cerr);
+    auto m = frontend::compileModelFile(p.get("model"), overrides, diags);
+    if (!m) {
+      std::fprintf(stderr, "kiln data convert: error: %s: the model has errors\n", p.get("model").c_str());
+      return kExitError;
+    }
+    auto spec = data::fromFunction(*(*m)->lookup("forward"));
+    if (spec && spec->layout == data::DataLayout::Criteo)
+      return p.usageError(fmt::format("'{}' reads the Criteo layout (no columns(...)): convert without --model",
+                                      p.get("model")));
+    stats = spec ? data::convertSchemaToBinary(*spec, inputs, output, std::move(opts))
+                 : Expected<data::ConvertStats>(spec.status());
+  } else {
+    stats = data::convertToBinary(inputs, output, std::move(opts));
+  }
   if (!stats) {
     std::fprintf(stderr, "%s\n", stats.status().str().c_str());
     return kExitError;
   }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::error_code ec;
+  const auto bytes = std::filesystem::file_size(output, ec);
   std::printf("wrote %s: %lld records (%lld bytes), %lld malformed lines skipped, %.2f s\n", output.c_str(),
-              static_cast<long long>(stats->records),
-              static_cast<long long>(data::kBinaryHeaderBytes + stats->records * data::kBinaryRecordBytes),
+              static_cast<long long>(stats->records), static_cast<long long>(ec ? 0 : bytes),
               static_cast<long long>(stats->malformed), secs);
   return kExitOk;
 }
@@ -73,6 +102,12 @@ int runInfo(const std::vector<std::string>& args) {
   if (!p.parse(args, &code)) return code;
   for (const auto& f : p.positionals()) {
     const bool binary = data::isBinaryFile(f);
+    if (binary && data::schemaBinaryInfo(f).isOk()) {
+      // A model's own schema: its records are read under a model (kiln check MODEL --data FILE).
+      std::printf("%s: %s (header checked; kiln check MODEL --data FILE reads its records)\n", f.c_str(),
+                  data::schemaBinaryInfo(f)->c_str());
+      continue;
+    }
     if (binary && p.flag("header-only")) {
       auto n = data::checkBinaryFile(f);
       if (!n) {

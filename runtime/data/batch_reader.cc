@@ -229,12 +229,17 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
   tsv.strict = opts.strict;
   tsv.on_skip = [skips](const Status& s) { skips->push_back(s); };
   if (spec.layout != DataLayout::Criteo) {
+    const bool binary = isBinaryFile(opts.paths[0]);
     for (const std::string& p : opts.paths)
-      if (isBinaryFile(p))
-        return Status::errorf("'{}' is a Kiln binary file of the Criteo layout, but the model reads its own "
-                              "schema (columns(...)): read the text files it came from",
-                              p);
-    KILN_ASSIGN_OR_RETURN(auto rows, openSchemaText(spec, opts.paths, std::move(tsv)));
+      if (isBinaryFile(p) != binary)
+        return Status::errorf("'{}' and '{}' are of different kinds (binary and text): give files of one kind",
+                              opts.paths[0], p);
+    std::unique_ptr<RowSource> rows;
+    if (binary) {
+      KILN_ASSIGN_OR_RETURN(rows, openSchemaBinary(spec, opts.paths));
+    } else {
+      KILN_ASSIGN_OR_RETURN(rows, openSchemaText(spec, opts.paths, std::move(tsv)));
+    }
     return std::make_unique<BatchReader>(spec, std::move(opts), std::move(rows), std::move(skips));
   }
   KILN_ASSIGN_OR_RETURN(auto records, openRecords(opts.paths, std::move(tsv)));

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "runtime/data/batch.h"
+#include "runtime/data/binary_format.h"
 #include "runtime/data/record_source.h"
 
 namespace kiln::data {
@@ -100,6 +101,17 @@ class RowSource {
 // file's first line as its header. Malformed lines are skipped and counted as TSV's are.
 Expected<std::unique_ptr<RowSource>> openSchemaText(const BatchSpec& spec, std::vector<std::string> files,
                                                     TsvOptions opts = {});
+
+// Kiln binary data, version 2 (docs/data.md): a schema's records. The header names every column
+// (its key: the name, or "#k" for position k), so a model reads by key the columns it needs.
+inline constexpr uint32_t kSchemaBinaryVersion = 2;
+Expected<std::unique_ptr<RowSource>> openSchemaBinary(const BatchSpec& spec, std::vector<std::string> files);
+// A version-2 file's header, checked, in words: its record count and columns.
+Expected<std::string> schemaBinaryInfo(const std::string& path);
+// Reads text files under the schema of `spec` into one version-2 binary file (written to
+// OUT.tmp, fsynced and renamed; nothing is left behind on an error).
+Expected<ConvertStats> convertSchemaToBinary(const BatchSpec& spec, const std::vector<std::string>& inputs,
+                                             const std::string& output, TsvOptions opts = {});
 
 // Fills `batch` with `n` records: labels, dense features, ids (mapped into each table's rows),
 // lengths of variable-length features and per-id weights of 1.

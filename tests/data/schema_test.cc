@@ -165,6 +165,69 @@ TEST(Schema, CsvReadsQuotedListsAndResumesAtAPosition) {
   EXPECT_EQ(floats(c, "dense")[0], 4.0f);
 }
 
+TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
+  TempDir dir;
+  std::string text = "pair\tclick\tlike\td0\td1\td2\titem\thist\textra\n";
+  for (int i = 0; i < 9; ++i)
+    text += fmt::format("{},{}\t{}\t{}\t{}\t0.5\t-1\t{}\t{}\tz\n", i, i + 1, i % 2, (i / 3) % 2, i, i * 7,
+                        i % 3 ? fmt::format("{},{}", i, i * 2) : "");
+  std::string tsv = dir.write("u.tsv", text), bin = dir.file("u.bin");
+  BatchSpec spec = namedSpec();
+  auto stats = convertSchemaToBinary(spec, {tsv}, bin);
+  ASSERT_TRUE(stats.isOk()) << stats.status().str();
+  EXPECT_EQ(stats->records, 9);
+  EXPECT_TRUE(isBinaryFile(bin));
+  Batch from_text = readOne(spec, tsv, 9), from_bin = readOne(spec, bin, 9);
+  for (const std::string& name : {"labels", "dense"}) EXPECT_EQ(floats(from_bin, name), floats(from_text, name)) << name;
+  for (const std::string& name : {"item", "hist", "hist.lengths", "pair"})
+    EXPECT_EQ(ids(from_bin, name), ids(from_text, name)) << name;
+  EXPECT_EQ(ids(from_bin, "hist.lengths"), (std::vector<int64_t>{0, 2, 2, 0, 2, 2, 0, 2, 2}));
+
+  // Another model reads the columns it needs by name: here only 'like' and 'item'.
+  std::vector<std::pair<ir::AttrDict, ir::TensorType>> in;
+  in.push_back({{{"name", "y"}, {"role", "label"}, {"columns", names({"like"})}}, tt(ir::DType::f32, {B()})});
+  in.push_back({{{"name", "item"}, {"role", "sparse"}, {"feature", 0}, {"rows", 5}, {"hotness", 1},
+                 {"columns", names({"item"})}},
+                tt(ir::DType::i64, {B(), ir::Dim::fixed(1)})});
+  auto other = fromInputs(in);
+  ASSERT_TRUE(other.isOk());
+  Batch part = readOne(*other, bin, 9);
+  EXPECT_EQ(floats(part, "y"), (std::vector<float>{0, 0, 0, 1, 1, 1, 0, 0, 0}));
+  EXPECT_EQ(ids(part, "item"), (std::vector<int64_t>{0, 2, 4, 1, 3, 0, 2, 4, 1}));  // 7i mod 5
+
+  // Resume at a batch's end position.
+  DataOptions o;
+  o.paths = {bin};
+  o.batch_size = 4;
+  auto r = openBatchReader(spec, o);
+  ASSERT_TRUE(r.isOk());
+  Batch b;
+  ASSERT_TRUE(*(*r)->next(b));
+  auto again = openBatchReader(spec, o);
+  ASSERT_TRUE((*again)->seek(b.end).isOk());
+  Batch c;
+  ASSERT_TRUE(*(*again)->next(c));
+  EXPECT_EQ(floats(c, "dense")[0], 4.0f);
+
+  // Missing columns, the other layout, and a cut file are clear errors.
+  in[0].first["columns"] = names({"share"});
+  auto missing = fromInputs(in);
+  DataOptions om;
+  om.paths = {bin};
+  auto m = openBatchReader(*missing, om);
+  ASSERT_FALSE(m.isOk());
+  EXPECT_NE(m.status().str().find("has no label 'share' of input 'y'; it has 'click', 'like'"), std::string::npos)
+      << m.status().str();
+  auto criteo = openBatchReader(testing::criteoSpec(), om);
+  ASSERT_FALSE(criteo.isOk());
+  EXPECT_NE(criteo.status().str().find("holds a model's own schema (binary version 2)"), std::string::npos);
+  std::string bytes = testing::readFile(bin);
+  std::string cut = dir.write("cut.bin", bytes.substr(0, bytes.size() - 3));
+  Status error;
+  readOne(spec, cut, 9, &error);
+  EXPECT_NE(error.str().find("corrupt record 8"), std::string::npos) << error.str();
+}
+
 TEST(Schema, BadLinesAreLocatedErrors) {
   TempDir dir;
   const std::string header = "click\tlike\td0\td1\td2\titem\thist\tpair\n";
