@@ -6,6 +6,9 @@
 #include <fmt/format.h>
 
 #include "frontend/frontend.h"
+#include "ir/checked.h"
+#include "runtime/memory.h"
+#include "runtime/parameter_store.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
@@ -33,7 +36,16 @@ int runCheck(const std::vector<std::string>& args) {
     }
     if (!p.flag("quiet")) {
       size_t ops = (*m)->lookup("forward")->numOps();
-      std::printf("%s: ok (%zu ops, %d warning(s))\n", path.c_str(), ops, diags.warningCount());
+      // The weights' bytes from their types (the count `kiln train` checks before allocating;
+      // the optimizer state and activations need the passes: `kiln dump --stats`).
+      std::string weights;
+      if (auto specs = runtime::parameterSpecs(**m, {})) {
+        uint64_t bytes = 0;
+        for (const runtime::ParameterSpec& s : *specs)
+          bytes = checkedAddU(bytes, static_cast<uint64_t>(s.bytes)).value_or(UINT64_MAX);
+        weights = fmt::format(", weights {}", runtime::formatBytes(bytes));
+      }
+      std::printf("%s: ok (%zu ops, %d warning(s)%s)\n", path.c_str(), ops, diags.warningCount(), weights.c_str());
     }
   }
   return all_ok ? kExitOk : kExitError;

@@ -47,12 +47,8 @@ int main(int argc, char** argv) {
     // gets a message and exit 1, never std::terminate's abort.
     try {
       return c.run(args);
-    } catch (const std::bad_alloc&) {
-      std::fprintf(stderr, "kiln %s: error: out of memory\n", c.name);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln %s: internal error: %s\n", c.name, e.what());
     } catch (...) {
-      std::fprintf(stderr, "kiln %s: internal error: an unknown exception\n", c.name);
+      std::fprintf(stderr, "kiln %s: %s\n", c.name, uncaughtExceptionMessage(std::current_exception()).c_str());
     }
     return kExitError;
   }

@@ -167,10 +167,9 @@ int main(int argc, char** argv) {
   installSessionOpener(std::move(opener));
   try {
     return it->second.second(args);
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "%s %s: error: out of memory\n", name.c_str(), command.c_str());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s %s: internal error: %s\n", name.c_str(), command.c_str(), e.what());
+  } catch (...) {
+    std::fprintf(stderr, "%s %s: %s\n", name.c_str(), command.c_str(),
+                 uncaughtExceptionMessage(std::current_exception()).c_str());
   }
   return kExitError;
 }
