@@ -1,9 +1,9 @@
 // `kiln check FILE...`: parses and lowers each model, verifies its IR, and prints every error
 // and warning. Exit 0 when every file is clean of errors, 1 otherwise.
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <iostream>
-
-#include <fmt/format.h>
 
 #include "frontend/frontend.h"
 #include "ir/checked.h"
@@ -45,7 +45,8 @@ int runCheck(const std::vector<std::string>& args) {
           bytes = checkedAddU(bytes, static_cast<uint64_t>(s.bytes)).value_or(UINT64_MAX);
         weights = fmt::format(", weights {}", runtime::formatBytes(bytes));
       }
-      std::printf("%s: ok (%zu ops, %d warning(s)%s)\n", path.c_str(), ops, diags.warningCount(), weights.c_str());
+      std::printf("%s: ok (%zu ops, %d warning(s)%s)\n", path.c_str(), ops, diags.warningCount(),
+                  weights.c_str());
     }
   }
   return all_ok ? kExitOk : kExitError;

@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
     try {
       return c.run(args);
     } catch (...) {
-      std::fprintf(stderr, "kiln %s: %s\n", c.name, uncaughtExceptionMessage(std::current_exception()).c_str());
+      std::fprintf(stderr, "kiln %s: %s\n", c.name,
+                   uncaughtExceptionMessage(std::current_exception()).c_str());
     }
     return kExitError;
   }
