@@ -209,6 +209,17 @@ std::string uncaughtExceptionMessage(const std::exception_ptr& e) {
   }
 }
 
+int runCommandGuarded(const std::string& program, const std::string& command,
+                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args) {
+  try {
+    return run(args);
+  } catch (...) {
+    std::fprintf(stderr, "%s %s: %s\n", program.c_str(), command.c_str(),
+                 uncaughtExceptionMessage(std::current_exception()).c_str());
+  }
+  return kExitError;
+}
+
 int runSubcommands(const std::string& group, const std::vector<Command>& subcommands,
                    const std::vector<std::string>& args) {
   std::string usage = fmt::format("usage: kiln {} SUBCOMMAND [ARGS...]\n\nsubcommands:\n", group);

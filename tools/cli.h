@@ -84,6 +84,10 @@ void printError(const std::string& command, const Status& status);
 // is "error: out of memory ...", anything else an internal error. Errors are Status values; an
 // exception there is a bug or an exhausted machine, and ends in exit 1, never std::terminate.
 std::string uncaughtExceptionMessage(const std::exception_ptr& e);
+// Runs `run(args)` as the command `program` `command` (`kiln train`); an exception that escapes it
+// is printed by uncaughtExceptionMessage and returns kExitError.
+int runCommandGuarded(const std::string& program, const std::string& command,
+                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args);
 
 // A subcommand: `kiln NAME ...`.
 struct Command {

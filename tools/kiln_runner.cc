@@ -165,11 +165,5 @@ int main(int argc, char** argv) {
     return ModelSession::fromCompiled(compiled, options, diag);
   };
   installSessionOpener(std::move(opener));
-  try {
-    return it->second.second(args);
-  } catch (...) {
-    std::fprintf(stderr, "%s %s: %s\n", name.c_str(), command.c_str(),
-                 uncaughtExceptionMessage(std::current_exception()).c_str());
-  }
-  return kExitError;
+  return runCommandGuarded(name, command, it->second.second, args);
 }
