@@ -4,9 +4,12 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <new>
 #include <set>
+#include <stdexcept>
 
 #include "runtime/cpu/thread_pool.h"
+#include "runtime/memory.h"
 #include "runtime/random.h"
 
 namespace kiln::runtime {
@@ -126,6 +129,13 @@ int64_t ParameterStore::totalBytes() const {
   return n;
 }
 
+std::string allocationFailure(const ParameterSpec& spec) {
+  return fmt::format("out of memory: cannot allocate parameter \"{}\" {}[{}] ({}, {} bytes){}", spec.name,
+                     ir::dtypeName(spec.dtype), fmt::join(spec.shape, ", "),
+                     formatBytes(static_cast<uint64_t>(spec.bytes)), spec.bytes,
+                     spec.optimizer_state ? ", an optimizer state" : "");
+}
+
 Expected<ParameterSpec> parameterSpec(const ir::Op& op, const ir::SymbolBindings& symbols) {
   ParameterSpec p;
   p.name = op.strAttr("name");
@@ -193,7 +203,18 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
       status = init.status();
       return;
     }
-    ir::HostTensor t(type.dtype(), spec->shape);
+    // The memory check ran before (tools/model_session.cc), but what it read may have changed or
+    // another process may take it first: a failed allocation names the parameter, not bad_alloc.
+    ir::HostTensor t;
+    try {
+      t.reset(type.dtype(), spec->shape);
+    } catch (const std::bad_alloc&) {
+      status = Status::error(allocationFailure(*spec), op.location());
+      return;
+    } catch (const std::length_error&) {
+      status = Status::error(allocationFailure(*spec), op.location());
+      return;
+    }
     if (!values) {
       set(name, std::move(t));
       return;

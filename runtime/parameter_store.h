@@ -52,6 +52,8 @@ struct ParameterSpec {
 // The spec of one kiln.parameter op under `symbols`; an error, located at the op, names an
 // unbound or bounded dim or a size beyond int64 (e.g. a table of more than 2^63 bytes).
 Expected<ParameterSpec> parameterSpec(const ir::Op& op, const ir::SymbolBindings& symbols);
+// The message of a failed allocation of `spec`: its name, type and bytes.
+std::string allocationFailure(const ParameterSpec& spec);
 // Every kiln.parameter of `m`, each name once, in the order the store creates them.
 Expected<std::vector<ParameterSpec>> parameterSpecs(const ir::Module& m, const ir::SymbolBindings& symbols);
 

@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <new>
+#include <stdexcept>
 
 #include "ir/checked.h"
 #include "ir/status.h"
@@ -190,6 +192,32 @@ void printError(const std::string& command, const Status& status) {
     std::fprintf(stderr, "%s\n", status.str().c_str());
   else
     std::fprintf(stderr, "kiln %s: error: %s\n", command.c_str(), status.message().c_str());
+}
+
+std::string uncaughtExceptionMessage(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::bad_alloc&) {
+    return "error: out of memory: an allocation failed (std::bad_alloc); lower --batch or the model's sizes, "
+           "or see what else uses the machine's memory";
+  } catch (const std::length_error& l) {
+    return fmt::format("error: out of memory: a size too large to allocate ({})", l.what());
+  } catch (const std::exception& x) {
+    return fmt::format("internal error: {}", x.what());
+  } catch (...) {
+    return "internal error: an unknown exception";
+  }
+}
+
+int runCommandGuarded(const std::string& program, const std::string& command,
+                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args) {
+  try {
+    return run(args);
+  } catch (...) {
+    std::fprintf(stderr, "%s %s: %s\n", program.c_str(), command.c_str(),
+                 uncaughtExceptionMessage(std::current_exception()).c_str());
+  }
+  return kExitError;
 }
 
 int runSubcommands(const std::string& group, const std::vector<Command>& subcommands,

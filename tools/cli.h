@@ -2,6 +2,7 @@
 // generated from the declarations, and one-line errors with exit code 2 for anything unknown.
 #pragma once
 
+#include <exception>
 #include <functional>
 #include <map>
 #include <optional>
@@ -78,6 +79,15 @@ bool readTargetFlag(const ArgParser& p, std::optional<Target>* target, int* exit
 // Prints a failed Status for command `command`: "file:line:col: error: msg" when it is located,
 // "kiln COMMAND: error: msg" otherwise.
 void printError(const std::string& command, const Status& status);
+// What an exception that reached a command's boundary says after "kiln COMMAND: ": an
+// allocation that failed (std::bad_alloc, or std::length_error for a size no vector can take)
+// is "error: out of memory ...", anything else an internal error. Errors are Status values; an
+// exception there is a bug or an exhausted machine, and ends in exit 1, never std::terminate.
+std::string uncaughtExceptionMessage(const std::exception_ptr& e);
+// Runs `run(args)` as the command `program` `command` (`kiln train`); an exception that escapes it
+// is printed by uncaughtExceptionMessage and returns kExitError.
+int runCommandGuarded(const std::string& program, const std::string& command,
+                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args);
 
 // A subcommand: `kiln NAME ...`.
 struct Command {

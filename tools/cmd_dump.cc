@@ -170,7 +170,10 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("output", "OUT", "write to OUT instead of stdout");
   p.addOption("function", "forward|train_step", "with --stage=memory|program: which function", "forward");
   p.addOption("batch", "B", "the batch size B bound before planning (memory, program, cuda, --stats, --explain)", "1024");
-  p.addFlag("stats", "print kernels, peak_bytes, flops, recompute_flops of one training step at --batch");
+  p.addFlag("stats",
+            "print kernels, the memory (param_bytes, optimizer_bytes, activation_peak_bytes, "
+            "workspace_bytes, data_bytes, "
+            "peak_bytes: what kiln train checks), flops and recompute_flops of one training step at --batch");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
   p.addOption("memory-budget", "BYTES|N%",
               "training step: recompute activations until the peak fits (remat{budget=...})");

@@ -40,17 +40,37 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     return kExitError;
   }
   ir::SymbolBindings symbols = {{"B", o.batch}};
-  // The same count as the --memory-budget warning and the memory check of kiln train.
-  auto peak = plannedPeakBytes(*f, o.batch);
-  if (!peak) {
-    err << peak.status().str() << "\n";
+  // The memory check of `kiln train --batch B` on the CPU counts exactly this: one estimate, so
+  // that `--memory-limit <peak_bytes>` fits and one byte less does not.
+  auto spec = data::fromFunction(*f);
+  if (!spec) {
+    err << spec.status().str() << "\n";
     return kExitError;
   }
+  SessionOptions session;
+  session.batch = o.batch;
+  session.training = true;
+  session.device = "cpu";
+  auto need = estimateSessionMemory(m, session, *spec);
+  if (!need) {
+    err << need.status().str() << "\n";
+    return kExitError;
+  }
+  const MemoryTotals memory = memoryTotals(*need);
   passes::CostModel cost(o.target, symbols);
   double flops = 0;
   for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;
   out << fmt::format("kernels: {}\n", passes::countLaunches(*f));
-  out << fmt::format("peak_bytes: {}\n", *peak);
+  out << fmt::format("param_bytes: {}\n", memory.param_bytes);
+  out << fmt::format("optimizer_bytes: {}\n", memory.optimizer_bytes);
+  // The planned arena of the step: what the --memory-budget warning compares with the budget.
+  out << fmt::format("activation_peak_bytes: {}\n", memory.activation_peak_bytes);
+  out << fmt::format("workspace_bytes: {}\n", memory.workspace_bytes);
+  out << fmt::format("data_bytes: {}\n", memory.data_bytes);
+  if (memory.peak_bytes)
+    out << fmt::format("peak_bytes: {}\n", *memory.peak_bytes);
+  else
+    out << "peak_bytes: more than 2^64-1\n";
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
   // A sharded step's communication: what the schedule's order hides behind compute, played on

@@ -26,8 +26,10 @@ struct OptimizeOptions {
 // target, remat under the memory budget, up to (not including) the pass `stop` unless it is empty.
 Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& options, std::string_view stop = "");
 
-// Prints `kernels: N`, `peak_bytes: N`, `flops: N`, `recompute_flops: N` for @train_step.
-// Errors go to `err`; returns an exit code.
+// Prints for @train_step at options.batch: `kernels: N`; the memory `kiln train` checks, by kind
+// (`param_bytes`, `optimizer_bytes`, `activation_peak_bytes` (the planned arena), `workspace_bytes`,
+// `data_bytes`) and in all (`peak_bytes`: everything resident at once); `flops: N`,
+// `recompute_flops: N`, and a sharded step's communication. Errors go to `err`; returns an exit code.
 int printOptimizeStats(ir::Module& m, const OptimizeOptions& options, std::ostream& out, std::ostream& err);
 // Prints the fusion pass's groups and refused pairs (after the passes before fusion).
 int printFusionExplanation(ir::Module& m, const OptimizeOptions& options, std::ostream& out, std::ostream& err);

@@ -45,16 +45,7 @@ int main(int argc, char** argv) {
     if (c.name != std::string(argv[1])) continue;
     // Errors are Status values; an exception reaching here is a bug or an exhausted machine. It
     // gets a message and exit 1, never std::terminate's abort.
-    try {
-      return c.run(args);
-    } catch (const std::bad_alloc&) {
-      std::fprintf(stderr, "kiln %s: error: out of memory\n", c.name);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "kiln %s: internal error: %s\n", c.name, e.what());
-    } catch (...) {
-      std::fprintf(stderr, "kiln %s: internal error: an unknown exception\n", c.name);
-    }
-    return kExitError;
+    return runCommandGuarded("kiln", c.name, c.run, args);
   }
   std::fprintf(stderr, "kiln: error: unknown command '%s' (see 'kiln --help')\n", argv[1]);
   return kExitUsage;

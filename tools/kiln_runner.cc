@@ -165,12 +165,5 @@ int main(int argc, char** argv) {
     return ModelSession::fromCompiled(compiled, options, diag);
   };
   installSessionOpener(std::move(opener));
-  try {
-    return it->second.second(args);
-  } catch (const std::bad_alloc&) {
-    std::fprintf(stderr, "%s %s: error: out of memory\n", name.c_str(), command.c_str());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s %s: internal error: %s\n", name.c_str(), command.c_str(), e.what());
-  }
-  return kExitError;
+  return runCommandGuarded(name, command, it->second.second, args);
 }

@@ -1,10 +1,12 @@
 #include "tools/model_session.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <sstream>
@@ -23,9 +25,10 @@ namespace kiln::cli {
 void addModelFlags(ArgParser& p) {
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
-  p.addOption("memory-limit", "SIZE",
-              "the most memory the run may use, e.g. 8G, 512M, 1.5GiB (default: what the machine has: "
-              "MemAvailable, the cgroup limit, ulimit -v); a run that needs more stops before it starts");
+  p.addOption("memory-limit", "SIZE|N%",
+              "the most memory the run may use, e.g. 8G, 512M, 1.5GiB, or 80% of what the machine has "
+              "(default: all the machine has: MemAvailable, the cgroup limit, ulimit -v); a run that needs "
+              "more stops before it allocates, naming the largest tables and the shortfall");
   if (sessionOpener().add_compile_flags) sessionOpener().add_compile_flags(p);
 }
 
@@ -47,7 +50,18 @@ bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
     return false;
   }
   o.seed = static_cast<uint64_t>(*seed);
-  if (p.has("memory-limit")) {
+  if (p.has("memory-limit") && !p.get("memory-limit").empty() && p.get("memory-limit").back() == '%') {
+    // A share of what the machine has, measured when the session checks.
+    const std::string text = p.get("memory-limit");
+    char* end = nullptr;
+    const double percent = std::strtod(text.c_str(), &end);
+    if (end != text.c_str() + text.size() - 1 || !std::isfinite(percent) || percent <= 0 || percent > 100) {
+      *exit_code =
+          p.usageError(fmt::format("--memory-limit: a percentage must be in (0%, 100%], got '{}'", text));
+      return false;
+    }
+    o.memory_limit_percent = percent;
+  } else if (p.has("memory-limit")) {
     auto limit = runtime::parseByteSize(p.get("memory-limit"));
     if (!limit) {
       *exit_code = p.usageError(fmt::format("--memory-limit: {}", limit.status().message()));
@@ -112,9 +126,10 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   runtime::MemoryNeed need;
   const ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
+  // Named with the concrete type, so that a table too big to fit shows its rows and dim.
   for (const runtime::ParameterSpec& p : params)
-    need.add(fmt::format("parameter \"{}\"", p.name), p.optimizer_state ? "optimizer state" : "weights",
-             static_cast<uint64_t>(p.bytes));
+    need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
+             p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
 
   const std::string function = options.training ? "train_step" : "forward";
   const ir::Function* f = m.lookup(function);
@@ -123,7 +138,7 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   if (options.device != "cuda") {
     KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*f, options.batch));
     need.add(fmt::format("@{}'s activations (planned arena at batch {})", function, options.batch),
-             "activations", static_cast<uint64_t>(peak));
+             kActivationsKind, static_cast<uint64_t>(peak));
   }
   // Workspace: the results each step copies out of the arena. (Thread stacks and the kernels'
   // scratch are reserved address space or small; they are not counted.)
@@ -133,7 +148,7 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
       KILN_ASSIGN_OR_RETURN(int64_t b, v->type().checkedBytes(symbols));
       results = checkedAddU(results, static_cast<uint64_t>(b)).value_or(UINT64_MAX);
     }
-  need.add(fmt::format("@{}'s results", function), "workspace", results);
+  need.add(fmt::format("@{}'s results", function), kWorkspaceKind, results);
 
   // Data: the prefetcher's queue, the batch the reader fills and the batch the step reads.
   uint64_t batch_bytes = 0;
@@ -145,7 +160,7 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
     batch_bytes = checkedAddU(batch_bytes, static_cast<uint64_t>(*b)).value_or(UINT64_MAX);
   }
   const int batches = (options.training ? kTrainPrefetchDepth : kEvalPrefetchDepth) + 2;
-  need.add(fmt::format("{} batches of {} samples", batches, options.batch), "data buffers",
+  need.add(fmt::format("{} batches of {} samples", batches, options.batch), kDataBuffersKind,
            checkedMulU(batch_bytes, static_cast<uint64_t>(batches)).value_or(UINT64_MAX));
 
   if (!options.checkpoint_path.empty()) {
@@ -160,14 +175,52 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
         const uintmax_t bytes = std::filesystem::file_size(entry.path(), ec);
         if (!ec) size += bytes;
       }
-      need.add(fmt::format("sharded checkpoint {} being loaded", path.string()), "checkpoint", size);
+      need.add(fmt::format("sharded checkpoint {} being loaded", path.string()), kCheckpointKind, size);
     } else {
       if (std::filesystem::is_directory(path, ec)) path /= "checkpoint.safetensors";
       const uintmax_t size = std::filesystem::file_size(path, ec);
-      if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), "checkpoint", size);
+      if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), kCheckpointKind, size);
     }
   }
   return need;
+}
+
+MemoryTotals memoryTotals(const runtime::MemoryNeed& need) {
+  MemoryTotals t;
+  for (const auto& [kind, bytes] : need.byKind()) {
+    uint64_t* slot = kind == kWeightsKind          ? &t.param_bytes
+                     : kind == kOptimizerStateKind ? &t.optimizer_bytes
+                     : kind == kActivationsKind    ? &t.activation_peak_bytes
+                     : kind == kWorkspaceKind      ? &t.workspace_bytes
+                     : kind == kDataBuffersKind    ? &t.data_bytes
+                     : kind == kCheckpointKind     ? &t.checkpoint_bytes
+                                                   : nullptr;
+    if (slot) *slot = bytes;
+  }
+  t.peak_bytes = need.total();
+  return t;
+}
+
+runtime::MemoryLimit sessionMemoryLimit(const SessionOptions& options) {
+  runtime::MemoryLimit limit;
+  if (options.memory_limit_percent > 0) {
+    limit = runtime::availableMemory(std::nullopt);
+    if (limit.bytes) {
+      const uint64_t machine = *limit.bytes;
+      *limit.bytes =
+          static_cast<uint64_t>(static_cast<long double>(machine) * options.memory_limit_percent / 100.0L);
+      limit.source = fmt::format("--memory-limit {:g}% of {} ({})", options.memory_limit_percent,
+                                 runtime::formatBytes(machine), limit.source);
+    }
+  } else {
+    limit = runtime::availableMemory(options.memory_limit);
+  }
+  if (options.memory_shares > 1 && limit.bytes) {
+    // In-process ranks share one process's memory: each may use its share.
+    *limit.bytes /= static_cast<uint64_t>(options.memory_shares);
+    limit.source += fmt::format(", shared by {} in-process ranks", options.memory_shares);
+  }
+  return limit;
 }
 
 namespace {
@@ -268,12 +321,7 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::Paramete
   }
   // Before the first large allocation: a run that cannot fit stops here, naming what it needs.
   KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, train_spec_));
-  runtime::MemoryLimit limit = runtime::availableMemory(options.memory_limit);
-  if (options.memory_shares > 1 && limit.bytes) {
-    // In-process ranks share one process's memory: each may use its share.
-    *limit.bytes /= static_cast<uint64_t>(options.memory_shares);
-    limit.source += fmt::format(", shared by {} in-process ranks", options.memory_shares);
-  }
+  const runtime::MemoryLimit limit = sessionMemoryLimit(options);
   if (Status fits = runtime::checkMemoryFits(need, limit); !fits)
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),

@@ -46,6 +46,8 @@ struct SessionOptions {
   std::string memory_budget;  // "" = none; "60%" or bytes of the training step's planned peak
   // --memory-limit: the most the run may allocate, besides what the machine has (runtime/memory.h).
   std::optional<uint64_t> memory_limit;
+  // --memory-limit N%: that share of what the machine has (0 = not given).
+  double memory_limit_percent = 0;
   // A checkpoint the caller loads after create() (kiln eval, kiln train --resume): loading reads
   // it whole, so the memory check counts its size. A directory means DIR/checkpoint.safetensors.
   std::string checkpoint_path;
@@ -113,9 +115,32 @@ Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch);
 // What a session compiled from `m` allocates, by the compiler's own count: each parameter and
 // optimizer state (from its type), the planned arena of the function it runs (@train_step when
 // training, else @forward), the results copied out of it, the data batches in flight (`spec` at
-// options.batch, prefetch depth + 2) and a checkpoint to be loaded.
+// options.batch, prefetch depth + 2) and a checkpoint to be loaded. The one count: the memory
+// check of train, eval, predict and compile --checkpoint, and `kiln dump --stats`.
 Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const SessionOptions& options,
                                                     const data::BatchSpec& spec);
+
+// The kinds of estimateSessionMemory's consumers.
+inline constexpr const char* kWeightsKind = "weights";
+inline constexpr const char* kOptimizerStateKind = "optimizer state";
+inline constexpr const char* kActivationsKind = "activations";
+inline constexpr const char* kWorkspaceKind = "workspace";
+inline constexpr const char* kDataBuffersKind = "data buffers";
+inline constexpr const char* kCheckpointKind = "checkpoint";
+
+// A MemoryNeed summed by kind, as `kiln dump --stats` prints it (param_bytes, optimizer_bytes,
+// activation_peak_bytes, workspace_bytes, data_bytes, peak_bytes).
+struct MemoryTotals {
+  uint64_t param_bytes = 0, optimizer_bytes = 0, activation_peak_bytes = 0, workspace_bytes = 0,
+           data_bytes = 0, checkpoint_bytes = 0;
+  // Everything resident at once: the sum of all of them; nullopt past 2^64-1.
+  std::optional<uint64_t> peak_bytes;
+};
+MemoryTotals memoryTotals(const runtime::MemoryNeed& need);
+
+// What `options` lets the run have: --memory-limit SIZE or N% of the machine, and the machine's
+// own limits (runtime::availableMemory), shared by options.memory_shares in-process ranks.
+runtime::MemoryLimit sessionMemoryLimit(const SessionOptions& options);
 
 // A step's inputs as the executors take them: views of a batch's tensors and named f32 scalars
 // (the training step's "lr" and "step"), which this object holds.

@@ -188,10 +188,8 @@ kiln_status guarded(F&& f) {
   try {
     last_error.clear();
     return f();
-  } catch (const std::bad_alloc&) {
-    return failWith(KILN_RUNTIME_ERROR, "out of memory");
-  } catch (const std::exception& e) {
-    return failWith(KILN_RUNTIME_ERROR, e.what());
+  } catch (...) {
+    return failWith(KILN_RUNTIME_ERROR, uncaughtExceptionMessage(std::current_exception()));
   }
 }
 
