@@ -1,25 +1,17 @@
-<<<<<<< HEAD
 // `kiln check FILE...`: parses and lowers each model, verifies its IR, checks that the data
 // loaders can fill its inputs (as `kiln train` does before it reads a sample), and prints every
-// error and warning; with --data, reads the first lines of data files under the model's inputs.
-// Exit 0 when every file is clean of errors, 1 otherwise.
-=======
-// `kiln check FILE...`: parses and lowers each model, verifies its IR, and prints every error
-// and warning. Exit 0 when every file is clean of errors, 1 otherwise.
+// error and warning with the weights' bytes; with --data, reads the first lines of data files
+// under the model's inputs. Exit 0 when every file is clean of errors, 1 otherwise.
 #include <fmt/format.h>
 
->>>>>>> mem-17
 #include <cstdio>
 #include <iostream>
 
 #include "frontend/frontend.h"
-<<<<<<< HEAD
-#include "runtime/data/batch_reader.h"
-=======
 #include "ir/checked.h"
+#include "runtime/data/batch_reader.h"
 #include "runtime/memory.h"
 #include "runtime/parameter_store.h"
->>>>>>> mem-17
 #include "tools/cli.h"
 
 namespace kiln::cli {
@@ -103,11 +95,7 @@ int runCheck(const std::vector<std::string>& args) {
       if (!p.flag("quiet")) std::printf("%s: data ok (%lld samples read)\n", path.c_str(), static_cast<long long>(samples));
     }
     if (!p.flag("quiet")) {
-<<<<<<< HEAD
       size_t ops = forward.numOps();
-      std::printf("%s: ok (%zu ops, %d warning(s))\n", path.c_str(), ops, diags.warningCount());
-=======
-      size_t ops = (*m)->lookup("forward")->numOps();
       // The weights' bytes from their types (the count `kiln train` checks before allocating;
       // the optimizer state and activations need the passes: `kiln dump --stats`).
       std::string weights;
@@ -119,7 +107,6 @@ int runCheck(const std::vector<std::string>& args) {
       }
       std::printf("%s: ok (%zu ops, %d warning(s)%s)\n", path.c_str(), ops, diags.warningCount(),
                   weights.c_str());
->>>>>>> mem-17
     }
   }
   return all_ok ? kExitOk : kExitError;
