@@ -220,7 +220,8 @@ TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
       << m.status().str();
   auto criteo = openBatchReader(testing::criteoSpec(), om);
   ASSERT_FALSE(criteo.isOk());
-  EXPECT_NE(criteo.status().str().find("holds a model's own schema (binary version 2)"), std::string::npos);
+  EXPECT_NE(criteo.status().str().find("holds a model's own schema (binary version 2)"), std::string::npos)
+      << criteo.status().str();
   std::string bytes = testing::readFile(bin);
   std::string cut = dir.write("cut.bin", bytes.substr(0, bytes.size() - 3));
   Status error;
