@@ -804,7 +804,25 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
     }
     bool listed = false;
     for (const auto& o : outputs_) listed |= o.first == train_.prediction;
-    if (!listed) {
+    if (train_.prediction_value) {
+      if (listed) {
+        diags_.error(train_.prediction_loc, "an output is named 'prediction', the name 'prediction = [...]' takes");
+        return nullptr;
+      }
+      outputs_.push_back({train_.prediction, train_.prediction_value});
+      // Column j of the prediction is scored against column j of the label.
+      auto label = frames_.front().vars.find(train_.label);
+      if (label != frames_.front().vars.end() && label->second.value.kind == Val::Kind::Tensor) {
+        const ir::TensorType& lt = label->second.value.tensor->type();
+        const int64_t tasks = lt.rank() == 2 && lt.dim(1).isStatic() ? lt.dim(1).size() : 1;
+        const int64_t listed_tasks = train_.prediction_value->type().dim(1).size();
+        if (tasks != listed_tasks) {
+          diags_.error(train_.prediction_loc, fmt::format("prediction lists {} task(s) but the label '{}' has {} column(s)",
+                                                          listed_tasks, train_.label, tasks));
+          return nullptr;
+        }
+      }
+    } else if (!listed) {
       auto it = frames_.front().vars.find(train_.prediction);
       if (it == frames_.front().vars.end() || it->second.value.kind != Val::Kind::Tensor) {
         diags_.error(train_.prediction_loc, fmt::format("prediction '{}' is not a tensor of the model", train_.prediction));

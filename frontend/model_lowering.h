@@ -147,10 +147,20 @@ class ModelLowering {
     ir::Value* loss = nullptr;
     std::string prediction;
     Location prediction_loc;
+    // `prediction = [a, b]`: the tasks' logits side by side, [B, k] (output "prediction").
+    ir::Value* prediction_value = nullptr;
+    // `loss = [l0, l1]`: each task's loss, reported as statistic task_loss.<i>; `loss` is their
+    // sum weighted by `loss_weights`.
+    std::vector<ir::Value*> task_losses;
     std::string label = "label";
     ir::AttrDict attrs;  // optimizer, embedding_optimizer, lr_schedule, grad_clip, precision, metrics
   };
   TrainConfig& train() { return train_; }
+  // The train block's parts (train_config.cc).
+  ir::Value* scalarLoss(const Val& v, const Location& loc, const std::string& what);
+  ir::Value* taskPredictions(const ast::Expr& list);
+  void weightTaskLosses(const std::vector<double>& weights, const Location& weights_loc, bool has_weights,
+                        const Location& loss_loc);
   // A loss a layer adds to the training loss (a MoE balancing loss), once, by name; it is also
   // a step statistic.
   void addAuxLoss(const std::string& name, ir::Value* loss);

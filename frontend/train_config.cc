@@ -1,5 +1,6 @@
 // The train block: the loss (lowered into @forward and returned as the output "loss") and the
 // training settings, written as the module attribute kiln.train (docs/model-ir.md).
+#include <cmath>
 #include <map>
 
 #include <fmt/format.h>
@@ -92,6 +93,64 @@ ir::Attribute scheduleAttr(ModelLowering& L, const Val& v, const Location& loc) 
 ir::Attribute denseOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc) { return optimizerAttr(L, v, loc, false); }
 ir::Attribute embeddingOptimizerAttr(ModelLowering& L, const Val& v, const Location& loc) { return optimizerAttr(L, v, loc, true); }
 
+ir::Value* ModelLowering::scalarLoss(const Val& v, const Location& loc, const std::string& what) {
+  ir::Value* loss = tensorArg(v, loc, what.c_str());
+  if (loss->type().rank() != 0 || loss->type().dtype() != ir::DType::f32)
+    fail(loc, fmt::format("{} must be a scalar f32[], got {}", what, typeStr(loss->type())));
+  return loss;
+}
+
+// `prediction = [a, b, ...]`: each task's logits, [B] or [B, 1], side by side as [B, k] in the
+// order listed, so that column j is scored against column j of a k-column label.
+ir::Value* ModelLowering::taskPredictions(const ast::Expr& list) {
+  if (list.items.empty()) fail(list.loc, "prediction = [...] needs at least one value");
+  std::vector<ir::Value*> columns;
+  for (const auto& item : list.items) {
+    if (item->kind != ast::Expr::Kind::Name) fail(item->loc, "prediction = [A, B] lists the names of values");
+    ir::Value* x = tensorArg(eval(*item), item->loc, "a task's prediction");
+    const ir::TensorType& t = x->type();
+    const bool column = t.rank() == 2 && t.dim(1) == ir::Dim::fixed(1);
+    if (t.dtype() != ir::DType::f32 || !(t.rank() == 1 || column))
+      fail(item->loc, fmt::format("a task's prediction is one f32 logit per sample, [B] or [B, 1]; '{}' is {}",
+                                  item->text, typeStr(t)));
+    builder_.setLocation(item->loc);
+    columns.push_back(column ? x : reshape(x, {t.dim(0), ir::Dim::fixed(1)}));
+  }
+  for (size_t i = 1; i < columns.size(); ++i)
+    if (!(columns[i]->type().dim(0) == columns[0]->type().dim(0)))
+      fail(list.items[i]->loc, fmt::format("the tasks' predictions have different batches: {} and {}",
+                                           typeStr(columns[0]->type()), typeStr(columns[i]->type())));
+  builder_.setLocation(list.loc);
+  ir::Value* p = columns.size() == 1 ? columns[0] : emit(ir::OpCode::Concat, columns, {{"axis", int64_t{1}}});
+  p->setNameHint("prediction");
+  return p;
+}
+
+// The total loss of `loss = [l0, l1, ...]`: sum_i w_i l_i (weights default to 1); each task's
+// own loss is a step statistic, task_loss.<i>, for the progress line and the metrics file.
+void ModelLowering::weightTaskLosses(const std::vector<double>& weights, const Location& weights_loc,
+                                     bool has_weights, const Location& loss_loc) {
+  const std::vector<ir::Value*>& losses = train_.task_losses;
+  if (losses.empty()) {
+    if (has_weights) fail(weights_loc, "loss_weights weigh a list of losses: loss = [a, b] with loss_weights = [1, 0.5]");
+    train_.loss->setNameHint("loss");
+    return;
+  }
+  if (has_weights && weights.size() != losses.size())
+    fail(weights_loc, fmt::format("{} loss weights for {} losses; give one per loss", weights.size(), losses.size()));
+  builder_.setLocation(loss_loc);
+  ir::Value* total = nullptr;
+  for (size_t i = 0; i < losses.size(); ++i) {
+    const double w = has_weights ? weights[i] : 1.0;
+    ir::Value* term = w == 1.0 ? losses[i] : emit(ir::OpCode::Mul, {losses[i], scalarConstant(w, ir::DType::f32)});
+    total = total ? emit(ir::OpCode::Add, {total, term}) : term;
+    addStat(fmt::format("task_loss.{}", i), losses[i]);
+  }
+  if (losses.size() == 1 && total == losses[0]) total = emit(ir::OpCode::Mul, {total, scalarConstant(1.0, ir::DType::f32)});
+  total->setNameHint("loss");
+  train_.loss = total;
+}
+
 void ModelLowering::execTrain(const ast::Stmt& s) {
   if (frame().is_function) fail(s.loc, "'train' belongs in a model, not in a function");
   if (train_.present) fail(s.loc, "a model has one train block");
@@ -100,6 +159,8 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
   ir::AttrDict& t = train_.attrs;
   bool has_optimizer = false, has_emb = false;
   std::map<std::string, Location> seen;
+  std::vector<double> weights;
+  Location weights_loc, loss_loc;
   for (const auto& st : s.body) {
     try {
       if (st->kind != ast::Stmt::Kind::Assign)
@@ -114,22 +175,40 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         continue;
       }
       if (key == "prediction") {
-        if (st->value->kind != ast::Expr::Kind::Name) fail(st->value->loc, "prediction names a value: prediction = NAME");
+        train_.prediction_loc = st->value->loc;
+        if (st->value->kind == ast::Expr::Kind::List) {
+          train_.prediction = "prediction";
+          train_.prediction_value = taskPredictions(*st->value);
+          continue;
+        }
+        if (st->value->kind != ast::Expr::Kind::Name)
+          fail(st->value->loc, "prediction names a value or a list of them: prediction = NAME or [A, B]");
         Val v = eval(*st->value);
         tensorArg(v, st->value->loc, "the prediction");
         train_.prediction = st->value->text;
-        train_.prediction_loc = st->value->loc;
         continue;
       }
       Val v = eval(*st->value, key);
       checkNotError(v);
       const Location& vloc = st->value->loc;
       if (key == "loss") {
-        ir::Value* loss = tensorArg(v, vloc, "the loss");
-        if (loss->type().rank() != 0 || loss->type().dtype() != ir::DType::f32)
-          fail(vloc, fmt::format("the loss must be a scalar f32[], got {}", typeStr(loss->type())));
-        loss->setNameHint("loss");
-        train_.loss = loss;
+        if (v.kind == Val::Kind::List) {
+          if (v.items.empty()) fail(vloc, "a list of losses needs at least one: loss = [a, b]");
+          for (size_t i = 0; i < v.items.size(); ++i)
+            train_.task_losses.push_back(scalarLoss(v.items[i], vloc, fmt::format("loss {} of the list", i)));
+          loss_loc = vloc;
+          train_.loss = train_.task_losses[0];  // replaced by the weighted sum below
+        } else {
+          train_.loss = scalarLoss(v, vloc, "the loss");
+        }
+      } else if (key == "loss_weights") {
+        std::vector<Val> items = v.kind == Val::Kind::List ? v.items : std::vector<Val>{v};
+        for (const Val& x : items) {
+          const double w = numberArg(x, vloc, "a loss weight");
+          if (!(w >= 0) || !std::isfinite(w)) fail(vloc, fmt::format("loss weights must be finite and >= 0, got {}", w));
+          weights.push_back(w);
+        }
+        weights_loc = vloc;
       } else if (key == "optimizer") {
         t["optimizer"] = denseOptimizerAttr(*this, v, vloc);
         has_optimizer = true;
@@ -158,7 +237,7 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         }
         t["metrics"] = m;
       } else {
-        fail(kloc, fmt::format("unknown train setting '{}' (use loss, prediction, label, optimizer, "
+        fail(kloc, fmt::format("unknown train setting '{}' (use loss, loss_weights, prediction, label, optimizer, "
                                "embedding_optimizer, lr_schedule, grad_clip, precision, metrics)", key));
       }
     } catch (EvalError&) {
@@ -166,6 +245,7 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
   }
   if (!train_.loss && !seen.count("loss")) fail(s.loc, "the train block needs a loss: loss = bce_with_logits(logit, label)");
   if (!train_.loss) throw EvalError{};
+  weightTaskLosses(weights, weights_loc, seen.count("loss_weights") > 0, loss_loc);
   if (!has_optimizer) t["optimizer"] = denseOptimizerAttr(*this, Val::builtin("sgd"), s.loc);
   if (!has_emb) {
     // Embeddings follow the dense optimizer unless told otherwise (adamw's decoupled decay has

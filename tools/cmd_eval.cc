@@ -1,6 +1,7 @@
 // `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model (of a
 // language model: its held-out cross entropy and perplexity).
 // `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per input line.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -93,8 +94,10 @@ int runEval(const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\n", r->loss, r->auc, r->accuracy);
-  for (const TaskResult& t : r->tasks)
+  for (const TaskResult& t : r->tasks) {
     std::printf("auc.%s: %.17g\naccuracy.%s: %.17g\n", t.name.c_str(), t.auc, t.name.c_str(), t.accuracy);
+    if (!std::isnan(t.loss)) std::printf("loss.%s: %.17g\n", t.name.c_str(), t.loss);
+  }
   std::printf("samples: %lld\n", static_cast<long long>(r->samples));
   if (r->malformed) std::fprintf(stderr, "skipped %lld malformed lines\n", static_cast<long long>(r->malformed));
   return kExitOk;

@@ -117,6 +117,12 @@ class Trainer {
   bool resumed_ = false;
   runtime::RunningMean window_loss_;
   MoeStatsWindow moe_window_;  // the global batch's MoE load over the logging window
+  // `loss = [a, b]`: each task's train loss (statistic task_loss.<i>) over the logging window,
+  // named as the label's columns name the tasks.
+  std::vector<runtime::RunningMean> task_loss_window_;
+  std::vector<double> task_losses_;  // the last window's means
+  std::string taskLossText() const;
+  void addTaskLosses(const std::vector<std::pair<std::string, std::vector<double>>>& stats);
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
@@ -334,6 +340,30 @@ void Trainer::noteEvaluation(const EvalResult& ev) {
   last_tasks_ = ev.tasks;
 }
 
+void Trainer::addTaskLosses(const std::vector<std::pair<std::string, std::vector<double>>>& stats) {
+  static constexpr std::string_view kPrefix = "task_loss.";
+  for (const auto& [name, values] : stats) {
+    if (name.compare(0, kPrefix.size(), kPrefix) != 0 || values.size() != 1) continue;
+    const auto i = static_cast<size_t>(std::atoi(name.c_str() + kPrefix.size()));
+    if (task_loss_window_.size() <= i) task_loss_window_.resize(i + 1);
+    task_loss_window_[i].add(values[0]);
+  }
+}
+
+// The tasks' names for their losses: the label's columns when there is one per loss.
+static std::string taskLossName(const std::vector<std::string>& tasks, size_t i, size_t losses) {
+  return tasks.size() == losses ? tasks[i] : fmt::format("task{}", i);
+}
+
+std::string Trainer::taskLossText() const {
+  if (task_losses_.empty()) return "";
+  const std::vector<std::string> tasks = taskNames(s_.trainSpec());
+  std::string text = " (";
+  for (size_t i = 0; i < task_losses_.size(); ++i)
+    text += fmt::format("{}{} {:.5f}", i ? " " : "", taskLossName(tasks, i, task_losses_.size()), task_losses_[i]);
+  return text + ")";
+}
+
 void Trainer::progress(bool final_line) {
   if (!loud()) return;
   double elapsed = secondsSince(start_);
@@ -354,8 +384,8 @@ void Trainer::progress(bool final_line) {
           : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives", window_rate_ / ranks_,
                         runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
                         100 * comm_fraction_);
-  std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{} | elapsed {} | left {}",
-                                 step_, total, window_rate_, ranks, last_loss_, moe_text_, auc,
+  std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{}{} | elapsed {} | left {}",
+                                 step_, total, window_rate_, ranks, last_loss_, taskLossText(), moe_text_, auc,
                                  formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
@@ -484,6 +514,7 @@ int Trainer::run() {
     window_loss_.add(out->loss);
     // The shard pass all-reduces the counts: they are the global batch's on any rank count.
     moe_window_.add(out->stats, batch.size);
+    addTaskLosses(out->stats);
     if (!std::isfinite(out->loss))
       return fail(Status::error(fmt::format("the loss is {} at step {}; lower the learning rate", out->loss, step_)));
 
@@ -509,6 +540,15 @@ int Trainer::run() {
       }
       const std::vector<MoeLayerStats> moe = moe_window_.take();
       moe_text_ = MoeStatsWindow::progressText(moe);
+      task_losses_.assign(task_loss_window_.size(), 0.0);
+      for (size_t i = 0; i < task_loss_window_.size(); ++i) task_losses_[i] = task_loss_window_[i].mean();
+      if (ranks_ > 1 && !task_losses_.empty()) {
+        // Each rank's mean over its equal share: the global batch's is the mean of the ranks'.
+        std::vector<double> sum(task_losses_.size());
+        if (Status st = comm_->allReduceSync(task_losses_.data(), sum.data(), sum.size(), comm::DataType::f64); !st)
+          return fail(st);
+        for (size_t i = 0; i < sum.size(); ++i) task_losses_[i] = sum[i] / ranks_;
+      }
       progress(false);
       logged_step_ = step_;
       if (metrics_) {
@@ -526,6 +566,11 @@ int Trainer::run() {
           r.extra["comm_wait_fraction"] = comm_fraction_;
         }
         MoeStatsWindow::addToMetrics(moe, r.extra);
+        if (!task_losses_.empty()) {
+          const std::vector<std::string> tasks = taskNames(s_.trainSpec());
+          for (size_t i = 0; i < task_losses_.size(); ++i)
+            r.extra["loss." + taskLossName(tasks, i, task_losses_.size())] = task_losses_[i];
+        }
         if (evaluated) {
           r.auc = last_auc_;
           r.eval_loss = last_eval_loss_;
@@ -539,6 +584,7 @@ int Trainer::run() {
         if (!st) return fail(st);
       }
       window_loss_.reset();
+      for (runtime::RunningMean& m : task_loss_window_) m.reset();
       window_samples_ = 0;
       window_start_ = last_log = Clock::now();
     }

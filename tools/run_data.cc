@@ -36,6 +36,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   std::vector<runtime::AucAccumulator> auc(static_cast<size_t>(k));
   std::vector<float> task_scores, task_labels;
   runtime::RunningMean loss;
+  std::vector<runtime::RunningMean> task_loss;  // `loss = [a, b]`: each task's own
   data::Batch batch, share;
   EvalResult r;
   std::vector<float> scores, labels;
@@ -93,6 +94,18 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
       batch_loss = sum / ranks;  // equal shares: the mean of the ranks' means
     }
     loss.add(batch_loss, static_cast<double>(local * ranks));
+    for (const auto& [name, values] : out.stats) {
+      if (name.rfind("task_loss.", 0) != 0 || values.size() != 1) continue;
+      const auto j = static_cast<size_t>(std::atoi(name.c_str() + 10));
+      if (task_loss.size() <= j) task_loss.resize(j + 1);
+      double v = values[0];
+      if (ranks > 1) {
+        double sum = 0;
+        KILN_RETURN_IF_ERROR(c->allReduceSync(&v, &sum, 1, comm::DataType::f64));
+        v = sum / ranks;
+      }
+      task_loss[j].add(v, static_cast<double>(local * ranks));
+    }
     if (spec.labelIndex() >= 0) {
       if (k == 1) {
         auc[0].add(scores, labels);
@@ -122,7 +135,8 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   if (k > 1)
     for (int64_t j = 0; j < k; ++j) {
       const runtime::AucAccumulator& a = auc[static_cast<size_t>(j)];
-      r.tasks.push_back({tasks[static_cast<size_t>(j)], a.size() ? a.auc() : NAN, a.size() ? a.accuracy() : NAN});
+      const double task = task_loss.size() == static_cast<size_t>(k) ? task_loss[static_cast<size_t>(j)].mean() : NAN;
+      r.tasks.push_back({tasks[static_cast<size_t>(j)], a.size() ? a.auc() : NAN, a.size() ? a.accuracy() : NAN, task});
     }
   if (!scored) {
     r.perplexity = std::exp(r.loss);

@@ -31,6 +31,7 @@ struct TaskResult {
   std::string name;  // the label's file column (or "task<j>")
   double auc = 0;
   double accuracy = 0;
+  double loss = NAN;  // `loss = [a, b]`: this task's own loss (its statistic task_loss.<j>)
 };
 
 struct EvalResult {
