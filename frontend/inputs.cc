@@ -250,9 +250,10 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
   // EmbeddingBagConfig(feature_names = [...])): one lookup per feature, one update of the table.
   const bool shared = tables.tables.size() == 1 && ids.sparse.size() > 1;
   if (ids.sparse.size() != tables.tables.size() && !shared)
-    L.fail(args.loc, fmt::format("{} table(s) applied to {} sparse feature(s); the counts must match (or apply one "
-                                 "table to share it)",
-                                 tables.tables.size(), ids.sparse.size()));
+    L.fail(args.loc,
+           fmt::format("{} table(s) applied to {} sparse feature(s); the counts must match (or apply one "
+                       "table to share it)",
+                       tables.tables.size(), ids.sparse.size()));
   std::vector<Val> pooled;
   for (size_t i = 0; i < ids.sparse.size(); ++i) {
     const SparseFeature& f = ids.sparse[i];
@@ -271,10 +272,11 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
                              (f.ids->type().rank() == 1 || other->type().dim(1) == f.ids->type().dim(1)) &&
                              other_weighted == (f.weights != nullptr);
       if (!same_form)
-        L.fail(args.loc, fmt::format("table '{}' is shared by features of different forms: '{}' is {}{} but an earlier "
-                                     "lookup reads {}{}; a shared table's features need one hotness and weighting",
-                                     t.name, f.name, typeStr(f.ids->type()), f.weights ? " weighted" : "",
-                                     typeStr(other->type()), other_weighted ? " weighted" : ""));
+        L.fail(args.loc,
+               fmt::format("table '{}' is shared by features of different forms: '{}' is {}{} but an earlier "
+                           "lookup reads {}{}; a shared table's features need one hotness and weighting",
+                           t.name, f.name, typeStr(f.ids->type()), f.weights ? " weighted" : "",
+                           typeStr(other->type()), other_weighted ? " weighted" : ""));
       break;
     }
     f.ids_op->setAttr("rows", t.rows);

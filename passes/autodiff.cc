@@ -236,9 +236,9 @@ Status TrainStepBuilder::backward(Value* loss) {
                            "(its update is sparse, applied to the parameter in place)",
                            op->location());
     if (sparse)
-      sparse_[op->operand(0)].push_back({std::vector<Value*>(op->operands().begin() + 1, op->operands().end()),
-                                         result_grads[0], op->strAttr("mode", "sum"), isWeightedLookup(*op),
-                                         op->location()});
+      sparse_[op->operand(0)].push_back(
+          {std::vector<Value*>(op->operands().begin() + 1, op->operands().end()), result_grads[0],
+           op->strAttr("mode", "sum"), isWeightedLookup(*op), op->location()});
     // Only the per-id weights can still need a gradient from the generic rule.
     bool generic = !sparse;
     if (sparse)
@@ -274,17 +274,17 @@ Status TrainStepBuilder::combineSharedLookups() {
     std::reverse(uses.begin(), uses.end());
     const SparseUse& first = uses[0];
     for (const SparseUse& u : uses) {
-      const bool same_form = u.inputs.size() == first.inputs.size() && u.weighted == first.weighted &&
-                             u.mode == first.mode &&
-                             u.inputs[0]->type().rank() == first.inputs[0]->type().rank() &&
-                             (u.inputs[0]->type().rank() == 1 ||
-                              u.inputs[0]->type().dim(1) == first.inputs[0]->type().dim(1));
+      const bool same_form =
+          u.inputs.size() == first.inputs.size() && u.weighted == first.weighted && u.mode == first.mode &&
+          u.inputs[0]->type().rank() == first.inputs[0]->type().rank() &&
+          (u.inputs[0]->type().rank() == 1 || u.inputs[0]->type().dim(1) == first.inputs[0]->type().dim(1));
       if (!same_form)
         return Status::error(
-            fmt::format("embedding table '{}' is shared by lookups of different forms ({} and {}); a shared table's "
-                        "lookups need one hotness and weighting",
-                        table->definingOp()->strAttr("name"), first.inputs[0]->type().str(),
-                        u.inputs[0]->type().str()),
+            fmt::format(
+                "embedding table '{}' is shared by lookups of different forms ({} and {}); a shared table's "
+                "lookups need one hotness and weighting",
+                table->definingOp()->strAttr("name"), first.inputs[0]->type().str(),
+                u.inputs[0]->type().str()),
             u.loc);
     }
     builder_.setLocation(first.loc);
@@ -404,8 +404,9 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
                                          name),
                              param->location());
       if (sparse->second.size() != 1)  // combineSharedLookups leaves one per table
-        return Status::error(fmt::format("embedding table '{}': {} sparse updates", name, sparse->second.size()),
-                             param->location());
+        return Status::error(
+            fmt::format("embedding table '{}': {} sparse updates", name, sparse->second.size()),
+            param->location());
       // The table's own optimizer overrides the model's embedding optimizer.
       AttrDict opt = sparse_opt;
       if (const Attribute* own = param->attr("optimizer")) {

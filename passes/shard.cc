@@ -455,9 +455,10 @@ Status Sharder::run(ir::Function& f) {
     if (!op->is(OpCode::EmbeddingBag)) continue;
     const TablePlan* t = plan_.find(op->strAttr("table"));
     if (t && t->type != ShardingType::data_parallel && ++lookups[t->table] == 2)
-      return located(*op, Status::errorf("table '{}' is shared by several features and cannot be {} yet: a shared "
-                                         "table trains on many ranks as data_parallel (shard = data_parallel)",
-                                         t->table, shardingName(t->type)));
+      return located(*op,
+                     Status::errorf("table '{}' is shared by several features and cannot be {} yet: a shared "
+                                    "table trains on many ranks as data_parallel (shard = data_parallel)",
+                                    t->table, shardingName(t->type)));
   }
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;

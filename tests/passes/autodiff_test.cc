@@ -238,15 +238,20 @@ std::unique_ptr<Module> buildSharedTableModel(ModelBuilder& mb, AttrDict train) 
   DType f = mb.dtype_;
   Dim B = Dim::symbol("B");
   Value* label = mb.input("label", f, {B}, values(f, {3}, {0, 1, 1}));
-  Value* ids0 = mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 4, 4, 4, 0, 1}));
-  Value* ids1 = mb.input("cats.1", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {4, 5, 1, 1, 2, 4}));
-  Value* ids2 = mb.input("cats.2", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {4}, {2, 3, 2, 0}));
+  Value* ids0 =
+      mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 4, 4, 4, 0, 1}));
+  Value* ids1 =
+      mb.input("cats.1", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {4, 5, 1, 1, 2, 4}));
+  Value* ids2 =
+      mb.input("cats.2", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {4}, {2, 3, 2, 0}));
   Value* len2 = mb.input("cats.2.lengths", DType::i32, {B}, values(DType::i32, {3}, {2, 0, 2}));
-  Value* w2 = mb.input("cats.2.weights", f, {Dim::bounded(B.times(3))}, values(f, {4}, {0.5, 2.0, -1.0, 1.5}));
-  Value* ids3 = mb.input("cats.3", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {5}, {3, 2, 1, 1, 3}));
+  Value* w2 =
+      mb.input("cats.2.weights", f, {Dim::bounded(B.times(3))}, values(f, {4}, {0.5, 2.0, -1.0, 1.5}));
+  Value* ids3 =
+      mb.input("cats.3", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {5}, {3, 2, 1, 1, 3}));
   Value* len3 = mb.input("cats.3.lengths", DType::i32, {B}, values(DType::i32, {3}, {1, 3, 1}));
-  Value* w3 = mb.input("cats.3.weights", f, {Dim::bounded(B.times(3))},
-                       values(f, {5}, {1.0, -0.5, 0.75, 1.25, 2.0}));
+  Value* w3 =
+      mb.input("cats.3.weights", f, {Dim::bounded(B.times(3))}, values(f, {5}, {1.0, -0.5, 0.75, 1.25, 2.0}));
   Value* t0 = mb.param("tables.0", {6, 3}, 0.5, {{"embedding", true}});
   Value* t1 = mb.param("tables.1", {4, 3}, 0.5, {{"embedding", true}});
   Value* e0 = mb.op("kiln.embedding_bag", {t0, ids0}, {{"mode", "sum"}});
@@ -277,15 +282,16 @@ TEST(Autodiff, SharedTableTakesOneAdagradStepWithTheSummedGradient) {
   ModelBuilder mb;
   const double lr = 0.1, acc0 = 0.1;
   auto m = buildSharedTableModel(
-      mb, {{"embedding_optimizer", AttrDict{{"kind", "adagrad"}, {"lr", lr}, {"initial_accumulator", acc0}}}});
+      mb,
+      {{"embedding_optimizer", AttrDict{{"kind", "adagrad"}, {"lr", lr}, {"initial_accumulator", acc0}}}});
   ASSERT_TRUE(buildTrainStep(*m).isOk());
   const Function& step = *m->lookup("train_step");
   std::map<std::string, int> updates;
   for (const auto& op : step.entry().ops())
     if (op->name() == "kiln.embedding_bag_update") {
       ++updates[op->strAttr("table")];
-      EXPECT_EQ(op->operand(1)->type().str(), op->strAttr("table") == "tables.0" ? "!kiln.tensor<2*Bx2xi64>"
-                                                                                 : "!kiln.tensor<?(6*B)xi32>");
+      EXPECT_EQ(op->operand(1)->type().str(),
+                op->strAttr("table") == "tables.0" ? "!kiln.tensor<2*Bx2xi64>" : "!kiln.tensor<?(6*B)xi32>");
     }
   EXPECT_EQ(updates, (std::map<std::string, int>{{"tables.0", 1}, {"tables.1", 1}}));
 
@@ -313,7 +319,9 @@ TEST(Autodiff, SharedTableTakesOneAdagradStepWithTheSummedGradient) {
   }
   // Rows 1 and 4 of tables.0 are read by cats.0 and cats.1: two sequential adagrad steps would
   // move them elsewhere, so the check above distinguishes one combined step.
-  for (int64_t r : {1, 4}) rows_with_both += ModelBuilder::get(after.at("tables.0"), r * 3) != ModelBuilder::get(mb.tensors.at("tables.0"), r * 3);
+  for (int64_t r : {1, 4})
+    rows_with_both +=
+        ModelBuilder::get(after.at("tables.0"), r * 3) != ModelBuilder::get(mb.tensors.at("tables.0"), r * 3);
   EXPECT_EQ(rows_with_both, 2);
 }
 
@@ -594,7 +602,8 @@ TEST(Autodiff, Errors) {
     ModelBuilder mb;
     Dim B = Dim::symbol("B");
     Value* label = mb.input("label", mb.dtype_, {B}, values(mb.dtype_, {3}, {0, 1, 1}));
-    Value* a = mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 2, 3, 4, 5, 0}));
+    Value* a =
+        mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 2, 3, 4, 5, 0}));
     Value* c = mb.input("cats.1", DType::i64, {B, Dim::fixed(1)}, values(DType::i64, {3, 1}, {1, 2, 3}));
     Value* t = mb.param("tables.0", {6, 1}, 0.5, {{"embedding", true}});
     Value* sum = mb.op("kiln.add", {mb.op("kiln.embedding_bag", {t, a}, {{"mode", "sum"}}),
