@@ -277,12 +277,14 @@ Status TrainStepBuilder::combineSharedLookups() {
       const bool same_form =
           u.inputs.size() == first.inputs.size() && u.weighted == first.weighted && u.mode == first.mode &&
           u.inputs[0]->type().rank() == first.inputs[0]->type().rank() &&
+          std::equal(u.inputs.begin(), u.inputs.end(), first.inputs.begin(),
+                     [](const Value* a, const Value* b) { return a->type().dtype() == b->type().dtype(); }) &&
           (u.inputs[0]->type().rank() == 1 || u.inputs[0]->type().dim(1) == first.inputs[0]->type().dim(1));
       if (!same_form)
         return Status::error(
             fmt::format(
                 "embedding table '{}' is shared by lookups of different forms ({} and {}); a shared table's "
-                "lookups need one hotness and weighting",
+                "lookups need one hotness, weighting and id type",
                 table->definingOp()->strAttr("name"), first.inputs[0]->type().str(),
                 u.inputs[0]->type().str()),
             u.loc);

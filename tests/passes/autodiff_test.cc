@@ -613,7 +613,7 @@ TEST(Autodiff, Errors) {
                        {{"optimizer", sgd()}, {"embedding_optimizer", sgd()}});
     EXPECT_EQ(message(std::move(m)),
               "embedding table 'tables.0' is shared by lookups of different forms (!kiln.tensor<Bx2xi64> and "
-              "!kiln.tensor<Bx1xi64>); a shared table's lookups need one hotness and weighting");
+              "!kiln.tensor<Bx1xi64>); a shared table's lookups need one hotness, weighting and id type");
   }
 }
 

@@ -34,4 +34,4 @@ module attributes {kiln.outputs = ["logit", "loss"], kiln.train = {embedding_opt
 // CHECK-NOT:     "kiln.embedding_bag_update"
 // CHECK:         return
 
-// BAD: autodiff_shared_hotness.mlir:8:{{[0-9]+}}: error: {{.*}}embedding table 'city.0' is shared by lookups of different forms (!kiln.tensor<Bx2xi64> and !kiln.tensor<Bx1xi64>); a shared table's lookups need one hotness and weighting
+// BAD: autodiff_shared_hotness.mlir:8:{{[0-9]+}}: error: {{.*}}embedding table 'city.0' is shared by lookups of different forms (!kiln.tensor<Bx2xi64> and !kiln.tensor<Bx1xi64>); a shared table's lookups need one hotness, weighting and id type
