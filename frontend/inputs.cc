@@ -246,16 +246,39 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
   L.checkNotError(ids);
   if (ids.kind != Val::Kind::Sparse)
     L.fail(b.locs[0], fmt::format("an embedding collection is applied to sparse ids, got {}", describe(ids)));
-  if (ids.sparse.size() != tables.tables.size())
-    L.fail(args.loc, fmt::format("{} table(s) applied to {} sparse feature(s); the counts must match",
-                                 tables.tables.size(), ids.sparse.size()));
+  // One table applied to several features is shared by them (TorchRec's
+  // EmbeddingBagConfig(feature_names = [...])): one lookup per feature, one update of the table.
+  const bool shared = tables.tables.size() == 1 && ids.sparse.size() > 1;
+  if (ids.sparse.size() != tables.tables.size() && !shared)
+    L.fail(args.loc,
+           fmt::format("{} table(s) applied to {} sparse feature(s); the counts must match (or apply one "
+                       "table to share it)",
+                       tables.tables.size(), ids.sparse.size()));
   std::vector<Val> pooled;
   for (size_t i = 0; i < ids.sparse.size(); ++i) {
     const SparseFeature& f = ids.sparse[i];
-    const EmbeddingTable& t = tables.tables[i];
+    const EmbeddingTable& t = tables.tables[shared ? 0 : i];
     // The loader maps raw ids into [0, rows) of the table that reads them.
     if (const ir::Attribute* r = f.ids_op->attr("rows"); r && r->asInt() != t.rows)
       L.fail(args.loc, fmt::format("feature '{}' is read by tables of {} and {} rows", f.name, r->asInt(), t.rows));
+    // The lookups of a shared table are combined into one sparse update (passes/autodiff.cc),
+    // which needs them of one form: ids [B, H] of one hotness H, or variable length; weighted
+    // or not.
+    for (const ir::Use& u : t.table->uses()) {
+      if (!u.user->is(ir::OpCode::EmbeddingBag) || u.operand_index != 0) continue;
+      const ir::Value* other = u.user->operand(1);
+      const bool other_weighted = u.user->numOperands() == (other->type().rank() == 1 ? 4u : 3u);
+      const bool same_form = other->type().rank() == f.ids->type().rank() &&
+                             (f.ids->type().rank() == 1 || other->type().dim(1) == f.ids->type().dim(1)) &&
+                             other_weighted == (f.weights != nullptr);
+      if (!same_form)
+        L.fail(args.loc,
+               fmt::format("table '{}' is shared by features of different forms: '{}' is {}{} but an earlier "
+                           "lookup reads {}{}; a shared table's features need one hotness and weighting",
+                           t.name, f.name, typeStr(f.ids->type()), f.weights ? " weighted" : "",
+                           typeStr(other->type()), other_weighted ? " weighted" : ""));
+      break;
+    }
     f.ids_op->setAttr("rows", t.rows);
     std::vector<ir::Value*> operands{t.table, f.ids};
     if (f.lengths) operands.push_back(f.lengths);

@@ -10,6 +10,7 @@
 //      loss and the prediction.
 #include "passes/autodiff.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -123,10 +124,16 @@ class TrainStepBuilder {
   Status emitUpdates(const AttrDict& train, Value* scale);
   Status emitExpertBiasUpdates(const std::map<std::string, Value*>& stats);
 
+  // The lookups of one table as its update reads them: the operands after the table (ids,
+  // lengths when variable-length, weights when weighted) and the pooled-output gradient.
   struct SparseUse {
-    Op* lookup;       // the kiln.embedding_bag
-    Value* grad_out;  // gradient of its pooled result
+    std::vector<Value*> inputs;
+    Value* grad_out;
+    std::string mode;
+    bool weighted;
+    Location loc;
   };
+  Status combineSharedLookups();
 
   ir::Function& func_;
   Builder builder_;
@@ -228,7 +235,10 @@ Status TrainStepBuilder::backward(Value* loss) {
       return Status::error("the table of a kiln.embedding_bag that is trained must be a kiln.parameter itself "
                            "(its update is sparse, applied to the parameter in place)",
                            op->location());
-    if (sparse) sparse_[op->operand(0)].push_back({op, result_grads[0]});
+    if (sparse)
+      sparse_[op->operand(0)].push_back(
+          {std::vector<Value*>(op->operands().begin() + 1, op->operands().end()), result_grads[0],
+           op->strAttr("mode", "sum"), isWeightedLookup(*op), op->location()});
     // Only the per-id weights can still need a gradient from the generic rule.
     bool generic = !sparse;
     if (sparse)
@@ -247,6 +257,51 @@ Status TrainStepBuilder::backward(Value* loss) {
       if (sparse && i == 0) continue;  // the table's dense gradient is never used (DCE drops it)
       KILN_RETURN_IF_ERROR(accumulate(op->operand(i), g, *op));
     }
+  }
+  builder_.setLocation({});
+  return Status::ok();
+}
+
+// A table looked up by several features (a shared table) gets one sparse update: its lookups'
+// ids, lengths, weights and pooled-output gradients side by side along the bag axis, as if one
+// lookup read k * B bags. The update combines the gradients of rows hit more than once, whatever
+// lookup they came from, so a row read by two features takes one optimizer step with the sum of
+// their gradients (PyTorch's accumulated .grad); the gradient norm of grad_clip counts it so too.
+Status TrainStepBuilder::combineSharedLookups() {
+  for (auto& [table, uses] : sparse_) {
+    if (uses.size() < 2) continue;
+    // The backward walks the ops in reverse: put the lookups back in program order.
+    std::reverse(uses.begin(), uses.end());
+    const SparseUse& first = uses[0];
+    for (const SparseUse& u : uses) {
+      const bool same_form =
+          u.inputs.size() == first.inputs.size() && u.weighted == first.weighted && u.mode == first.mode &&
+          u.inputs[0]->type().rank() == first.inputs[0]->type().rank() &&
+          std::equal(u.inputs.begin(), u.inputs.end(), first.inputs.begin(),
+                     [](const Value* a, const Value* b) { return a->type().dtype() == b->type().dtype(); }) &&
+          (u.inputs[0]->type().rank() == 1 || u.inputs[0]->type().dim(1) == first.inputs[0]->type().dim(1));
+      if (!same_form)
+        return Status::error(
+            fmt::format(
+                "embedding table '{}' is shared by lookups of different forms ({} and {}); a shared table's "
+                "lookups need one hotness, weighting and id type",
+                table->definingOp()->strAttr("name"), first.inputs[0]->type().str(),
+                u.inputs[0]->type().str()),
+            u.loc);
+    }
+    builder_.setLocation(first.loc);
+    SparseUse combined{{}, nullptr, first.mode, first.weighted, first.loc};
+    auto sideBySide = [&](auto pick) -> Expected<Value*> {
+      std::vector<Value*> parts;
+      for (const SparseUse& u : uses) parts.push_back(pick(u));
+      return builder_.createValue(ir::OpCode::Concat, parts, {{"axis", Attribute(int64_t{0})}});
+    };
+    for (size_t i = 0; i < first.inputs.size(); ++i) {
+      KILN_ASSIGN_OR_RETURN(Value * v, sideBySide([&](const SparseUse& u) { return u.inputs[i]; }));
+      combined.inputs.push_back(v);
+    }
+    KILN_ASSIGN_OR_RETURN(combined.grad_out, sideBySide([](const SparseUse& u) { return u.grad_out; }));
+    uses = {combined};
   }
   builder_.setLocation({});
   return Status::ok();
@@ -276,9 +331,9 @@ Expected<Value*> TrainStepBuilder::clipScale(double max_norm) {
   }
   for (const auto& [table, uses] : sparse_) {
     for (const SparseUse& u : uses) {
-      std::vector<Value*> operands(u.lookup->operands().begin() + 1, u.lookup->operands().end());
+      std::vector<Value*> operands = u.inputs;
       operands.push_back(u.grad_out);
-      AttrDict attrs{{"mode", u.lookup->strAttr("mode", "sum")}, {"weighted", isWeightedLookup(*u.lookup)}};
+      AttrDict attrs{{"mode", u.mode}, {"weighted", u.weighted}};
       KILN_ASSIGN_OR_RETURN(auto sq,
                             builder_.createValue(ir::OpCode::EmbeddingBagGradSqnorm, operands, attrs));
       squares.push_back(sq);
@@ -350,11 +405,10 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
                                          "update must be sparse",
                                          name),
                              param->location());
-      if (sparse->second.size() > 1)
-        return Status::error(fmt::format("embedding table '{}' is looked up by {} kiln.embedding_bag ops; a shared "
-                                         "table is not supported yet",
-                                         name, sparse->second.size()),
-                             param->location());
+      if (sparse->second.size() != 1)  // combineSharedLookups leaves one per table
+        return Status::error(
+            fmt::format("embedding table '{}': {} sparse updates", name, sparse->second.size()),
+            param->location());
       // The table's own optimizer overrides the model's embedding optimizer.
       AttrDict opt = sparse_opt;
       if (const Attribute* own = param->attr("optimizer")) {
@@ -367,18 +421,19 @@ Status TrainStepBuilder::emitUpdates(const AttrDict& train, Value* scale) {
       KILN_ASSIGN_OR_RETURN(
           auto state, stateFor(param, ir::sparseOptimizerState((*attrs)["optimizer"].asString(), *attrs)));
       const SparseUse& use = sparse->second[0];
-      std::vector<Value*> operands = use.lookup->operands();
-      bool weighted = isWeightedLookup(*use.lookup);
+      std::vector<Value*> operands{p};
+      operands.insert(operands.end(), use.inputs.begin(), use.inputs.end());
+      bool weighted = use.weighted;
       operands.push_back(use.grad_out);
       operands.insert(operands.end(), state.begin(), state.end());
       operands.push_back(lr_);
       operands.push_back(step_);
       if (scale) operands.push_back(scale);
-      (*attrs)["mode"] = use.lookup->strAttr("mode", "sum");
+      (*attrs)["mode"] = use.mode;
       (*attrs)["weighted"] = weighted;
       (*attrs)["scaled"] = scale != nullptr;
       (*attrs)["table"] = name;
-      builder_.setLocation(use.lookup->location());
+      builder_.setLocation(use.loc);
       KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::EmbeddingBagUpdate, operands, *attrs));
       continue;
     }
@@ -456,6 +511,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
 
   markNeedsGrad();
   KILN_RETURN_IF_ERROR(backward(loss));
+  KILN_RETURN_IF_ERROR(combineSharedLookups());
 
   Value* scale = nullptr;
   auto clip_it = train.find("grad_clip");

@@ -448,6 +448,18 @@ Status Sharder::run(ir::Function& f) {
   KILN_RETURN_IF_ERROR(retypeParameters(f));
   // MoE layers: experts over ranks, global-batch balancing (passes/shard_experts.cc).
   KILN_ASSIGN_OR_RETURN(experts_, shardExperts(f, o_, grad_scale_));
+  // A shared table's update reads the lookups of every feature side by side, which only a
+  // replicated table can apply as it is (autodiff's combineSharedLookups).
+  std::map<std::string, int> lookups;
+  for (Op* op : f.entry().opList()) {
+    if (!op->is(OpCode::EmbeddingBag)) continue;
+    const TablePlan* t = plan_.find(op->strAttr("table"));
+    if (t && t->type != ShardingType::data_parallel && ++lookups[t->table] == 2)
+      return located(*op,
+                     Status::errorf("table '{}' is shared by several features and cannot be {} yet: a shared "
+                                    "table trains on many ranks as data_parallel (shard = data_parallel)",
+                                    t->table, shardingName(t->type)));
+  }
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;
     const TablePlan* t = plan_.find(op->strAttr("table"));

@@ -98,21 +98,29 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
     if (!bytes || type.rank() < 1 || !type.dim(0).isStatic() || type.dim(0).size() == 0) continue;
     info.state_bytes_per_row += *bytes / type.dim(0).size();
   }
+  std::vector<int> lookups(out.size(), 0);
   for (const ir::Op* bag : bags) {
     auto it = index.find(bag->strAttr("table"));
     if (it == index.end()) continue;
     TableInfo& info = out[it->second];
+    double per_sample = 1;
     if (const ir::Op* in = idsInput(*bag)) {
       if (in->hasAttr("hotness"))
-        info.lookups_per_sample = static_cast<double>(in->intAttr("hotness"));
+        per_sample = static_cast<double>(in->intAttr("hotness"));
       else if (in->hasAttr("max_hotness"))
-        info.lookups_per_sample = static_cast<double>(in->intAttr("max_hotness"));
+        per_sample = static_cast<double>(in->intAttr("max_hotness"));
     } else {
       const ir::TensorType& ids = bag->operand(1)->type();
-      if (ids.rank() == 2 && ids.dim(1).isStatic())
-        info.lookups_per_sample = static_cast<double>(ids.dim(1).size());
+      if (ids.rank() == 2 && ids.dim(1).isStatic()) per_sample = static_cast<double>(ids.dim(1).size());
     }
+    // A shared table reads the ids of every feature it is applied to.
+    info.lookups_per_sample = lookups[it->second]++ == 0 ? per_sample : info.lookups_per_sample + per_sample;
   }
+  // A shared table trains by one update of all its lookups, which the shard pass routes only
+  // for a replicated table (docs/distributed.md, "Shared tables"): the planner keeps it
+  // data_parallel unless the model pins another type, which the shard pass then rejects.
+  for (size_t i = 0; i < out.size(); ++i)
+    if (lookups[i] > 1 && !out[i].pinned) out[i].pinned = ShardingType::data_parallel;
   return out;
 }
 

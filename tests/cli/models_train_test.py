@@ -18,7 +18,8 @@ TINY = {"dlrm": ["emb_dim=8", "top=[64, 32, 1]"],
         "dlrm_dcnv2": ["emb_dim=8", "cross_rank=16", "top=[64, 32, 1]", "hot=1"],
         "dcn": ["emb_dim=4", "cross_layers=2"],
         "deepfm": ["emb_dim=4", "deep_widths=[64, 32, 1]"],
-        "wide_deep": ["deep_widths=[64, 32, 1]"]}
+        "wide_deep": ["deep_widths=[64, 32, 1]"],
+        "shared_tables": ["emb_dim=8", "top=[64, 32, 1]"]}
 
 
 def write_tsv(path, lines, seed):

@@ -36,5 +36,37 @@ TEST(ShardedTrajectory, TwentyStepsAgree) {
   }
 }
 
+// Shared tables (models/shared_tables.kiln) train on many ranks as data_parallel: the automatic
+// plan keeps them so (and shards the other tables), and the step equals one rank's. Pinning a
+// shared table to another type is a located error of the shard pass, not a wrong update.
+TEST(ShardedSharedTables, AutomaticPlanEqualsOneRank) {
+  const Model m{"shared_tables",
+                "models/shared_tables.kiln",
+                {{"rows_cap", "97"}, {"emb_dim", "8"}, {"top", "[16, 1]"}}};
+  const Trajectory want = singleRank(m, 1);
+  for (const char* sharding : {"", "data_parallel"})
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} ranks, {}", ranks, *sharding ? sharding : "the automatic plan"));
+      expectLossesMatch(runRanks(m, sharding, ranks, 1, want), want);
+    }
+  comm::LocalGroup group(2);
+  Status st = group.run([&](comm::Communicator& c) -> Status {
+    std::ostringstream diag;
+    SessionOptions o = options(m, kGlobalBatch / 2);
+    o.comm = &c;
+    o.sharding = "row_wise";
+    auto s = ModelSession::create(o, diag);
+    EXPECT_FALSE(s);
+    if (!s)
+      EXPECT_NE(s.status().str().find(
+                    "shared_tables.kiln:26:38: error: in pass 'shard': table 'city.0' is shared by "
+                    "several features and cannot be row_wise yet"),
+                std::string::npos)
+          << s.status().str();
+    return Status::ok();
+  });
+  EXPECT_TRUE(st) << st.str();
+}
+
 }  // namespace
 }  // namespace kiln::cli::testing

@@ -232,6 +232,134 @@ TEST(Autodiff, EmbeddingModelMatchesFiniteDifferences) {
   checkGradients(*m, mb.tensors);
 }
 
+// One table shared by three features: fixed-hotness cats.0 and cats.1 (rows 1 and 4 hit by
+// both), and variable-length weighted cats.2 and cats.3 sharing a second table.
+std::unique_ptr<Module> buildSharedTableModel(ModelBuilder& mb, AttrDict train) {
+  DType f = mb.dtype_;
+  Dim B = Dim::symbol("B");
+  Value* label = mb.input("label", f, {B}, values(f, {3}, {0, 1, 1}));
+  Value* ids0 =
+      mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 4, 4, 4, 0, 1}));
+  Value* ids1 =
+      mb.input("cats.1", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {4, 5, 1, 1, 2, 4}));
+  Value* ids2 =
+      mb.input("cats.2", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {4}, {2, 3, 2, 0}));
+  Value* len2 = mb.input("cats.2.lengths", DType::i32, {B}, values(DType::i32, {3}, {2, 0, 2}));
+  Value* w2 =
+      mb.input("cats.2.weights", f, {Dim::bounded(B.times(3))}, values(f, {4}, {0.5, 2.0, -1.0, 1.5}));
+  Value* ids3 =
+      mb.input("cats.3", DType::i32, {Dim::bounded(B.times(3))}, values(DType::i32, {5}, {3, 2, 1, 1, 3}));
+  Value* len3 = mb.input("cats.3.lengths", DType::i32, {B}, values(DType::i32, {3}, {1, 3, 1}));
+  Value* w3 =
+      mb.input("cats.3.weights", f, {Dim::bounded(B.times(3))}, values(f, {5}, {1.0, -0.5, 0.75, 1.25, 2.0}));
+  Value* t0 = mb.param("tables.0", {6, 3}, 0.5, {{"embedding", true}});
+  Value* t1 = mb.param("tables.1", {4, 3}, 0.5, {{"embedding", true}});
+  Value* e0 = mb.op("kiln.embedding_bag", {t0, ids0}, {{"mode", "sum"}});
+  Value* e1 = mb.op("kiln.embedding_bag", {t0, ids1}, {{"mode", "sum"}});
+  Value* e2 = mb.op("kiln.embedding_bag", {t1, ids2, len2, w2}, {{"mode", "mean"}});
+  Value* e3 = mb.op("kiln.embedding_bag", {t1, ids3, len3, w3}, {{"mode", "mean"}});
+  Value* x = mb.op("kiln.concat", {e0, e1, e2, e3}, {{"axis", 1}});
+  Value* wt = mb.param("top.weight", {1, 12});
+  Value* y = mb.op("kiln.matmul", {mb.op("kiln.tanh", {x}), wt}, {{"transpose_b", true}});
+  Value* logit = mb.typed("kiln.reshape", y, TensorType(f, {B}));
+  Value* loss = mb.op("kiln.bce_with_logits", {logit, label});
+  train.emplace("optimizer", sgd());
+  if (!train.count("embedding_optimizer")) train.emplace("embedding_optimizer", sgd());
+  return mb.finish(logit, loss, train);
+}
+
+// SGD at lr 1: each table's step is its whole gradient, the sum over the features sharing it.
+TEST(Autodiff, SharedTableMatchesFiniteDifferences) {
+  ModelBuilder mb;
+  auto m = buildSharedTableModel(mb, {});
+  checkGradients(*m, mb.tensors);
+}
+
+// Adagrad: a shared table gets one update, fed by the lookups side by side, and a row hit by
+// both features takes one step with the summed gradient (not one step per feature). The
+// gradient comes from central differences of the forward loss, independent of the pass.
+TEST(Autodiff, SharedTableTakesOneAdagradStepWithTheSummedGradient) {
+  ModelBuilder mb;
+  const double lr = 0.1, acc0 = 0.1;
+  auto m = buildSharedTableModel(
+      mb,
+      {{"embedding_optimizer", AttrDict{{"kind", "adagrad"}, {"lr", lr}, {"initial_accumulator", acc0}}}});
+  ASSERT_TRUE(buildTrainStep(*m).isOk());
+  const Function& step = *m->lookup("train_step");
+  std::map<std::string, int> updates;
+  for (const auto& op : step.entry().ops())
+    if (op->name() == "kiln.embedding_bag_update") {
+      ++updates[op->strAttr("table")];
+      EXPECT_EQ(op->operand(1)->type().str(),
+                op->strAttr("table") == "tables.0" ? "!kiln.tensor<2*Bx2xi64>" : "!kiln.tensor<?(6*B)xi32>");
+    }
+  EXPECT_EQ(updates, (std::map<std::string, int>{{"tables.0", 1}, {"tables.1", 1}}));
+
+  std::map<std::string, HostTensor> after = mb.tensors;
+  addStepTensors(step, after);
+  for (const auto& op : step.entry().ops())  // the adagrad sums start at initial_accumulator
+    if (op->name() == "kiln.parameter" && op->hasAttr("state_of"))
+      for (int64_t i = 0; i < after.at(op->strAttr("name")).numel(); ++i)
+        ModelBuilder::set(after[op->strAttr("name")], i, acc0);
+  ASSERT_TRUE(interpretInPlace(step, after, kSymbols).isOk());
+  const double h = 1e-6;
+  int rows_with_both = 0;
+  for (const char* name : {"tables.0", "tables.1"}) {
+    const HostTensor& p0 = mb.tensors.at(name);
+    for (int64_t i = 0; i < p0.numel(); ++i) {
+      std::map<std::string, HostTensor> t = mb.tensors;
+      const double x = ModelBuilder::get(p0, i);
+      ModelBuilder::set(t[name], i, x + h);
+      const double up = forwardLoss(*m, t);
+      ModelBuilder::set(t[name], i, x - h);
+      const double g = (up - forwardLoss(*m, t)) / (2 * h);
+      const double expected = x - lr * g / (std::sqrt(acc0 + g * g) + 1e-10);
+      EXPECT_NEAR(ModelBuilder::get(after.at(name), i), expected, 1e-7) << name << "[" << i << "]";
+    }
+  }
+  // Rows 1 and 4 of tables.0 are read by cats.0 and cats.1: two sequential adagrad steps would
+  // move them elsewhere, so the check above distinguishes one combined step.
+  for (int64_t r : {1, 4})
+    rows_with_both +=
+        ModelBuilder::get(after.at("tables.0"), r * 3) != ModelBuilder::get(mb.tensors.at("tables.0"), r * 3);
+  EXPECT_EQ(rows_with_both, 2);
+}
+
+// grad_clip counts a shared table's rows once, with their combined gradient: the same scale as
+// the gradient norm computed from finite differences.
+TEST(Autodiff, SharedTableGradientNormCombinesItsLookups) {
+  ModelBuilder mb;
+  auto m = buildSharedTableModel(mb, {{"grad_clip", 1e-3}});
+  ASSERT_TRUE(buildTrainStep(*m).isOk());
+  const Function& step = *m->lookup("train_step");
+  std::map<std::string, HostTensor> after = mb.tensors;
+  addStepTensors(step, after);
+  ASSERT_TRUE(interpretInPlace(step, after, kSymbols).isOk());
+  const double h = 1e-6;
+  double sq = 0;
+  std::map<std::string, std::vector<double>> grads;
+  for (const std::string& name : trainableNames(*m)) {
+    const HostTensor& p0 = mb.tensors.at(name);
+    for (int64_t i = 0; i < p0.numel(); ++i) {
+      std::map<std::string, HostTensor> t = mb.tensors;
+      const double x = ModelBuilder::get(p0, i);
+      ModelBuilder::set(t[name], i, x + h);
+      const double up = forwardLoss(*m, t);
+      ModelBuilder::set(t[name], i, x - h);
+      grads[name].push_back((up - forwardLoss(*m, t)) / (2 * h));
+      sq += grads[name].back() * grads[name].back();
+    }
+  }
+  const double scale = std::min(1.0, 1e-3 / std::sqrt(sq));
+  ASSERT_LT(scale, 1.0);
+  for (const auto& [name, g] : grads)
+    for (size_t i = 0; i < g.size(); ++i)
+      EXPECT_NEAR(ModelBuilder::get(mb.tensors.at(name), static_cast<int64_t>(i)) -
+                      ModelBuilder::get(after.at(name), static_cast<int64_t>(i)),
+                  scale * g[i], 1e-9)
+          << name << "[" << i << "]";
+}
+
 // The table's gradient is never dense: tables are read only by their lookup and its fused
 // update, and rows no id selects keep their values.
 TEST(Autodiff, EmbeddingUpdatesAreSparse) {
@@ -468,6 +596,24 @@ TEST(Autodiff, Errors) {
     auto m = buildEmbeddingModel(mb, {{"embedding_optimizer", AttrDict{{"kind", "adamw"}, {"lr", 0.1}}}});
     EXPECT_EQ(message(std::move(m)),
               "parameter 'tables.0': unknown optimizer 'adamw'; expected one of sgd, adagrad, rowwise_adagrad, adam");
+  }
+  {
+    // A shared table's lookups of two hotnesses cannot sit side by side in one update.
+    ModelBuilder mb;
+    Dim B = Dim::symbol("B");
+    Value* label = mb.input("label", mb.dtype_, {B}, values(mb.dtype_, {3}, {0, 1, 1}));
+    Value* a =
+        mb.input("cats.0", DType::i64, {B, Dim::fixed(2)}, values(DType::i64, {3, 2}, {1, 2, 3, 4, 5, 0}));
+    Value* c = mb.input("cats.1", DType::i64, {B, Dim::fixed(1)}, values(DType::i64, {3, 1}, {1, 2, 3}));
+    Value* t = mb.param("tables.0", {6, 1}, 0.5, {{"embedding", true}});
+    Value* sum = mb.op("kiln.add", {mb.op("kiln.embedding_bag", {t, a}, {{"mode", "sum"}}),
+                                    mb.op("kiln.embedding_bag", {t, c}, {{"mode", "sum"}})});
+    Value* logit = mb.typed("kiln.reshape", sum, TensorType(mb.dtype_, {B}));
+    auto m = mb.finish(logit, mb.op("kiln.bce_with_logits", {logit, label}),
+                       {{"optimizer", sgd()}, {"embedding_optimizer", sgd()}});
+    EXPECT_EQ(message(std::move(m)),
+              "embedding table 'tables.0' is shared by lookups of different forms (!kiln.tensor<Bx2xi64> and "
+              "!kiln.tensor<Bx1xi64>); a shared table's lookups need one hotness, weighting and id type");
   }
 }
 
