@@ -240,6 +240,41 @@ void ModelLowering::execInput(const ast::Stmt& s) {
   bind(name, std::move(group), s.name_locs[0], "input");
 }
 
+namespace {
+
+// A pool = none lookup: the rows of `t` picked by the ids of `f`, unpooled. Variable-length ids
+// are padded to [B, L] (L = max_hotness) by kiln.jagged_to_padded, looked up by a dense
+// kiln.gather and multiplied by the sequence mask, so padding rows are zero (and get no
+// gradient); the result carries the lengths. Fixed hotness H gives [B, H, D]. The ids input
+// names the table that reads it (attribute `table`): the synthetic generator pairs a history
+// with a candidate read by one table (docs/data.md).
+Val sequenceLookup(ModelLowering& L, const EmbeddingTable& t, const SparseFeature& f, const Location& loc) {
+  if (f.weights)
+    L.fail(loc, fmt::format("feature '{}' is weighted: pool = none looks rows up unweighted", f.name));
+  if (const ir::Attribute* other = f.ids_op->attr("table"); other && other->asString() != t.name)
+    L.fail(loc, fmt::format("feature '{}' is read by tables '{}' and '{}'", f.name, other->asString(), t.name));
+  f.ids_op->setAttr("table", t.name);
+  L.builder().setLocation(loc);
+  if (!f.lengths) {
+    ir::Value* rows = L.emit(ir::OpCode::Gather, {t.table, f.ids}, {{"axis", int64_t{0}}});
+    rows->setNameHint(t.name + ".rows");
+    return Val::ofTensor(rows);
+  }
+  const int64_t len = f.ids_op->intAttr("max_hotness");
+  ir::Value* padded = L.emit(ir::OpCode::JaggedToPadded, {f.ids, f.lengths}, {{"length", len}});
+  ir::Value* rows = L.emit(ir::OpCode::Gather, {t.table, padded}, {{"axis", int64_t{0}}});  // [B, L, D]
+  const ir::Dim batch = f.lengths->type().dim(0);
+  ir::Value* mask = sequenceMask(L, f.lengths, len, rows->type().dtype());
+  mask = L.reshape(mask, {batch, ir::Dim::fixed(len), ir::Dim::fixed(1)});
+  ir::Value* seq = L.emit(ir::OpCode::Mul, {rows, mask});
+  seq->setNameHint(t.name + ".sequence");
+  Val v = Val::ofTensor(seq);
+  v.lengths = f.lengths;
+  return v;
+}
+
+}  // namespace
+
 Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs& args) {
   auto b = L.bindArgs(args, {"ids"}, 1);
   const Val& ids = *b.get(0);
@@ -280,6 +315,10 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
       break;
     }
     f.ids_op->setAttr("rows", t.rows);
+    if (t.pool == "none") {
+      pooled.push_back(sequenceLookup(L, t, f, args.loc));
+      continue;
+    }
     std::vector<ir::Value*> operands{t.table, f.ids};
     if (f.lengths) operands.push_back(f.lengths);
     if (f.weights) operands.push_back(f.weights);

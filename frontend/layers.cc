@@ -572,14 +572,22 @@ Val fnEmbeddings(ModelLowering& L, CallArgs& a) {
   std::vector<int64_t> rows = L.intsArg(*b.get(0), b.locs[0], "rows", n);
   std::vector<int64_t> dims = L.intsArg(*b.get(1), b.locs[1], "dim", n);
   std::string pool = b.get(2) ? L.wordArg(*b.get(2), b.locs[2], "pool") : "sum";
-  if (pool != "sum" && pool != "mean") L.fail(b.locs[2], fmt::format("pool must be sum or mean, got '{}'", pool));
+  if (pool != "sum" && pool != "mean" && pool != "none")
+    L.fail(b.locs[2], fmt::format("pool must be sum, mean or none, got '{}'", pool));
+  // pool = none: sequence lookups (inputs.cc) through a dense kiln.gather, so the tables are
+  // dense parameters trained by the model's optimizer, replicated on every rank.
+  const bool sequence = pool == "none";
+  if (sequence && b.get(5))
+    L.fail(b.locs[5], "pool = none tables are dense parameters: they train with the model's optimizer");
+  if (sequence && b.get(8)) L.fail(b.locs[8], "pool = none tables are dense parameters and are not sharded");
   ir::DType dt = ir::DType::f32;
   if (b.get(3)) {
     auto p = ir::parseDType(L.wordArg(*b.get(3), b.locs[3], "dtype"));
     if (!p || !ir::isFloat(*p) || *p == ir::DType::f64) L.fail(b.locs[3], "a table's dtype must be f32, bf16 or f16");
     dt = *p;
   }
-  ir::AttrDict extra{{"embedding", true}};
+  ir::AttrDict extra;
+  if (!sequence) extra["embedding"] = true;
   if (b.get(5)) extra["optimizer"] = embeddingOptimizerAttr(L, *b.get(5), b.locs[5]);
   // A sharding pin: the planner (passes/auto_plan.h) keeps this type for every table of the
   // collection when the model trains on many ranks.
@@ -767,6 +775,7 @@ const std::map<std::string, BuiltinInfo>& builtins() {
     for (const auto& [name, fields] : recordFields()) m[name] = {fnRecord, "a setting"};
     addTensorBuiltins(m);
     addTransformerBuiltins(m);
+    addSequenceBuiltins(m);
     return m;
   }();
   return k;

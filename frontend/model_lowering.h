@@ -208,6 +208,8 @@ const BuiltinInfo* findBuiltin(const std::string& name);
 // (embedding, swiglu, attention), added to the table of layers.cc.
 void addTensorBuiltins(std::map<std::string, BuiltinInfo>& table);
 void addTransformerBuiltins(std::map<std::string, BuiltinInfo>& table);
+// The sequence builtins of sequence.cc (lengths, sequence_mask, sequence_pool, din_attention).
+void addSequenceBuiltins(std::map<std::string, BuiltinInfo>& table);
 
 // Helpers shared by the builtin files (layers.cc): each reports a located error on bad input.
 int64_t staticLastDim(ModelLowering& L, ir::Value* x, const Location& loc, const char* what);
@@ -225,6 +227,14 @@ ir::Value* linearLayer(ModelLowering& L, ir::Value* x, int64_t out, bool bias, c
 std::optional<ir::Dim> dimProduct(const ir::Dim& a, const ir::Dim& b);
 // kiln.transpose by perm, or x itself for the identity.
 ir::Value* transposeTo(ModelLowering& L, ir::Value* x, const std::vector<int64_t>& perm);
+// The f32 (or dt) mask [B, len] of padded sequences with `lengths` (integer [B]): 1 at positions
+// below the sample's length, else 0. `inside` gets the i1 form when given.
+ir::Value* sequenceMask(ModelLowering& L, ir::Value* lengths, int64_t len, ir::DType dt, ir::Value** inside = nullptr);
+// The lengths of a sequence argument: `explicit_lengths` when given (an integer [B] tensor, a
+// variable-length sparse input, or a sequence carrying lengths), else those `x` carries; an
+// error at `loc` when there are none.
+ir::Value* sequenceLengths(ModelLowering& L, const Val& x, const Val* explicit_lengths, const Location& loc,
+                           const char* what);
 // Bare words that name settings rather than functions: dtypes, metrics, id maps.
 bool isWord(const std::string& name);
 // Optimizer settings as the attribute dictionaries of docs/model-ir.md, every field filled in

@@ -157,7 +157,7 @@ AttentionShape attentionShape(ModelLowering& L, CallArgs& a, const ModelLowering
 // 1/sqrt(head_dim), masked and soft-maxed in f32.
 Val fnAttention(ModelLowering& L, CallArgs& a) {
   auto b =
-      L.bindArgs(a, {"x", "heads", "kv_heads", "causal", "rope", "rope_base", "head_dim", "init", "name"}, 2);
+      L.bindArgs(a, {"x", "heads", "kv_heads", "causal", "rope", "rope_base", "head_dim", "init", "name", "lengths"}, 2);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "attention's input");
   AttentionShape s = attentionShape(L, a, b, x);
   bool causal = b.get(3) ? L.boolArg(*b.get(3), b.locs[3], "causal") : true;
@@ -169,6 +169,14 @@ Val fnAttention(ModelLowering& L, CallArgs& a) {
   std::string name = L.layerName(a, "attention", b.get(8));
   const ir::DType dt = x->type().dtype();
   const int64_t group = s.heads / s.kv_heads;
+  // A padded sequence (its own lengths, or lengths = ...) masks the keys at and past each
+  // sample's length (PyTorch's key_padding_mask) and zeroes the padded rows of the result.
+  ir::Value* lengths = nullptr;
+  if (b.get(9) || b.get(0)->lengths) {
+    lengths = sequenceLengths(L, *b.get(0), b.get(9), b.get(9) ? b.locs[9] : b.locs[0], "attention");
+    if (!(lengths->type().dim(0) == s.batch))
+      L.fail(a.loc, fmt::format("attention's lengths {} do not match x {}", typeStr(lengths->type()), typeStr(x->type())));
+  }
 
   ir::Value* q =
       splitHeads(L, linearLayer(L, x, s.heads * s.head_dim, false, init, name + ".q", a.loc), s, s.heads);
@@ -193,6 +201,13 @@ Val fnAttention(ModelLowering& L, CallArgs& a) {
       L.emit(ir::OpCode::Mul,
              {scores, L.scalarConstant(1.0 / std::sqrt(static_cast<double>(s.head_dim)), ir::DType::f32)});
   if (causal) scores = causalMask(L, scores, s.seq);
+  ir::Value* row_mask = nullptr;
+  if (lengths) {
+    ir::Value* inside = nullptr;
+    row_mask = sequenceMask(L, lengths, s.seq, dt, &inside);  // [B, T]
+    ir::Value* keys = L.reshape(inside, {s.batch, ir::Dim::fixed(1), ir::Dim::fixed(1), T});
+    scores = L.emit(ir::OpCode::Select, {keys, scores, L.scalarConstant(-1e30, ir::DType::f32)});
+  }
   ir::Value* probs = L.emit(ir::OpCode::Softmax, {scores}, {{"axis", int64_t{-1}}});
   if (dt != ir::DType::f32)
     probs = L.emit(ir::OpCode::Cast, {probs}, {{"to", std::string(ir::dtypeName(dt))}});
@@ -201,7 +216,12 @@ Val fnAttention(ModelLowering& L, CallArgs& a) {
   ctx = L.reshape(ctx, {s.batch, ir::Dim::fixed(s.heads), T, hd});
   ctx = transposeTo(L, ctx, {0, 2, 1, 3});
   ctx = L.reshape(ctx, {s.batch, T, ir::Dim::fixed(s.heads * s.head_dim)});
-  return Val::ofTensor(linearLayer(L, ctx, s.model_dim, false, init, name + ".o", a.loc));
+  ir::Value* out = linearLayer(L, ctx, s.model_dim, false, init, name + ".o", a.loc);
+  if (!lengths) return Val::ofTensor(out);
+  L.builder().setLocation(a.loc);
+  Val r = Val::ofTensor(L.emit(ir::OpCode::Mul, {out, L.reshape(row_mask, {s.batch, T, ir::Dim::fixed(1)})}));
+  r.lengths = lengths;
+  return r;
 }
 
 }  // namespace

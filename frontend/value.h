@@ -47,6 +47,10 @@ struct Val {
   std::vector<Val> items;                       // List
   std::vector<Field> fields;                    // Record
   ir::Value* tensor = nullptr;
+  // Tensor: a padded sequence [B, L, ...]'s lengths i32[B] (embeddings with pool = none, the
+  // attention of a padded sequence): the consumers of docs/language.md's sequence builtins
+  // mask the positions at and past them. Arithmetic on the tensor drops it; lengths(x) reads it.
+  ir::Value* lengths = nullptr;
   ir::Dim dim;
   const ast::FnDecl* fn = nullptr;              // Func: a user function (else builtin `s`)
   std::vector<SparseFeature> sparse;

@@ -181,6 +181,30 @@ Status lowerEmbeddingWeightGrad(GroupLowering& gl, const std::vector<const Op*>&
   return gl.finish(kb);
 }
 
+// kiln.jagged_to_padded: the BagOffsets scan, then one Pointwise kernel over [B, L]: out[b, j] =
+// ids[offsets[b] + j] while j < lengths[b], else 0 (a bag longer than L keeps its first L ids,
+// as the CPU reference does).
+Status lowerJaggedToPadded(GroupLowering& gl, const std::vector<const Op*>& ops) {
+  const Op& op = *ops.back();
+  const Value* ids = op.operand(0);
+  KILN_ASSIGN_OR_RETURN(auto bag, gl.bagIds(op, ids, op.operand(1)));
+  KILN_ASSIGN_OR_RETURN(auto rs, gl.shapeOf(op.result()));
+  KILN_RETURN_IF_ERROR(gl.scanLengths({bag}));
+  KernelBuilder kb = KernelBuilder::pointwise("jagged_to_padded", rs);
+  ExprGraph& g = kb.g();
+  const int b = g.coord(0), j = g.coord(1);
+  const int offsets = gl.bind(kb, gl.offsetsOf(bag.lengths), false);
+  const int begin = g.load(offsets, DType::i64, b);
+  const int end = g.load(offsets, DType::i64, g.binary(ExprOp::Add, b, g.intConstant(1)));
+  const int pos = g.binary(ExprOp::Add, begin, g.cast(j, DType::i64));
+  const int live = g.binary(ExprOp::Lt, pos, end);
+  KILN_ASSIGN_OR_RETURN(auto id, gl.valueAt(kb, ids, {g.select(live, pos, g.intConstant(0))}));
+  const DType rt = op.result()->type().dtype();
+  const int v = g.select(live, g.cast(id, rt), g.intConstant(0, rt));
+  kb.k.stores.push_back({gl.bindValue(kb, op.result(), true), rowMajorOffset(g, kb.spaceCoords(), rs), v, -1});
+  return gl.finish(kb);
+}
+
 }  // namespace
 
 void registerEmbeddingLookupEmitters(EmitterRegistry& r) {
@@ -188,6 +212,7 @@ void registerEmbeddingLookupEmitters(EmitterRegistry& r) {
                  {"embedding_lookup", lowerEmbeddingForward, GroupForm::kManyOfTheOp});
   r.addOpEmitter(ir::OpCode::EmbeddingBagWeightGrad, {"embedding_lookup", lowerEmbeddingWeightGrad});
   r.addFusedEmitter("embedding", lowerEmbeddingConcat);
+  r.addOpEmitter(ir::OpCode::JaggedToPadded, {"embedding_lookup", lowerJaggedToPadded});
 }
 
 }  // namespace kiln::codegen::emit

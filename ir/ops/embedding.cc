@@ -16,6 +16,11 @@
 // weights get theirs from
 //   kiln.embedding_bag_weight_grad(table, ids[, lengths], grad_out) {mode}  -> shaped like ids:
 //     d out[b] / d w_j = table[ids_j] (divided by the bag's count for mean), dotted with grad_out[b].
+//
+// Sequence features (`embeddings(..., pool = none)`, docs/language.md) pad jagged ids first:
+//   kiln.jagged_to_padded(ids[N], lengths[B]) {length = L}  -> ids' dtype [B, L]
+//     out[b, j] = ids[offset_b + j] for j < min(lengths[b], L), else 0 (fbgemm's
+//     jagged_to_padded_dense: a bag longer than L keeps its first L ids). Integer: no gradient.
 #include <cmath>
 
 #include "ir/op_def.h"
@@ -255,6 +260,50 @@ OpCost costEmbeddingBagWeightGrad(const Op& op, const SymbolBindings& symbols) {
   return {2 * row_elems, bytes};
 }
 
+Status inferJaggedToPadded(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& ids = op.operand(0)->type();
+  const TensorType& lengths = op.operand(1)->type();
+  if (ids.rank() != 1 || !isInteger(ids.dtype()))
+    return Status::errorf("'kiln.jagged_to_padded' ids must be flat integer [N], got {}", ids.str());
+  if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
+    return Status::errorf("'kiln.jagged_to_padded' lengths must be a 1-d integer tensor, got {}", lengths.str());
+  const int64_t length = op.intAttr("length");
+  if (length < 1) return Status::errorf("'kiln.jagged_to_padded' length must be positive, got {}", length);
+  out = {TensorType(ids.dtype(), {lengths.dim(0), Dim::fixed(length)})};
+  return Status::ok();
+}
+
+Status cpuJaggedToPadded(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& ids = *in[0];
+  const TensorView& lengths = *in[1];
+  TensorView& r = *out[0];
+  const int64_t batch = lengths.numel(), length = op.intAttr("length");
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, {batch, length}));
+  int64_t offset = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = loadIndex(lengths, b);
+    if (len < 0) return Status::errorf("'{}': length {} of sample {} is negative", op.name(), len, b);
+    if (offset + len > ids.numel())
+      return Status::errorf("'{}': the lengths of samples 0..{} add up to {} but there are {} ids", op.name(), b,
+                            offset + len, ids.numel());
+    for (int64_t j = 0; j < length; ++j) {
+      const int64_t id = j < len ? loadIndex(ids, offset + j) : 0;
+      if (r.dtype == DType::i32)
+        static_cast<int32_t*>(r.data)[b * length + j] = static_cast<int32_t>(id);
+      else
+        static_cast<int64_t*>(r.data)[b * length + j] = id;
+    }
+    offset += len;
+  }
+  return Status::ok();
+}
+
+// Reads the lengths and at most B*L ids, writes B*L ids.
+OpCost costJaggedToPadded(const Op& op, const SymbolBindings& symbols) {
+  const double written = typeBytes(op.result()->type(), symbols);
+  return {0, 2 * written + typeBytes(op.operand(1)->type(), symbols)};
+}
+
 }  // namespace
 
 void registerEmbeddingOps(OpRegistry& r) {
@@ -274,6 +323,12 @@ void registerEmbeddingOps(OpRegistry& r) {
                    {"table", K::String}},
          .traits = kPure | kNonDifferentiable, .infer = inferEmbeddingBagWeightGrad,
          .cost = costEmbeddingBagWeightGrad, .cpu = cpuEmbeddingBagWeightGrad});
+  r.add({.name = "kiln.jagged_to_padded",
+         .summary = "Jagged ids (flat ids and per-sample lengths) to a zero-padded [B, length] tensor",
+         .min_operands = 2, .max_operands = 2,
+         .attrs = {{"length", K::Int, true}},
+         .traits = kPure | kNonDifferentiable, .infer = inferJaggedToPadded,
+         .cost = costJaggedToPadded, .cpu = cpuJaggedToPadded});
 }
 
 }  // namespace kiln::ir

@@ -244,6 +244,10 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
         KILN_ASSIGN_OR_RETURN(auto rows, intAttr(attrs, in.name, "rows", true));
         if (rows <= 0) return inputError(in.name, fmt::format("rows must be positive, got {}", rows));
         in.rows = rows;
+        if (const ir::Attribute* t = get(attrs, "table")) {
+          if (!t->isString()) return inputError(in.name, fmt::format("table must be a string, got {}", t->str()));
+          in.table = t->asString();
+        }
         if (const ir::Attribute* m = get(attrs, "id_map")) {
           if (!m->isString() || (m->asString() != "modulo" && m->asString() != "hash"))
             return inputError(in.name, fmt::format("id_map must be \"modulo\" or \"hash\", got {}", m->str()));

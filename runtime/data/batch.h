@@ -57,6 +57,9 @@ struct InputSpec {
   int hotness = 0;      // sparse, fixed: ids per sample
   int max_hotness = 0;  // sparse, variable length: at most this many ids per sample
   IdMap id_map = IdMap::Modulo;
+  // Sparse: the embedding table reading the ids when the model names it (attribute `table`, set
+  // for pool = none lookups); the synthetic generator pairs a history with a candidate by it.
+  std::string table;
   // Sparse, variable length: indices into BatchSpec::inputs of the feature's lengths and
   // weights inputs (-1 when absent). Fixed hotness may have weights too.
   int lengths_input = -1;

@@ -10,6 +10,14 @@ namespace kiln::data {
 
 namespace {
 
+// The sequence task (synthetic.h): hidden categories, the share of history items drawn from
+// the sample's interests, and the logit term's weight, cap and center.
+constexpr int64_t kSequenceCategories = 16;
+constexpr double kSequenceInterest = 0.8;
+constexpr float kSequenceWeight = 0.9f;
+constexpr int kSequenceCap = 5;
+constexpr float kSequenceCenter = 2.0f;
+
 // A small counter-based stream of random bits: each call mixes the next counter value.
 struct Bits {
   uint64_t state;
@@ -89,6 +97,80 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
     t.key = mix64(h ^ 0x5eed);
     tables_.push_back(t);
   }
+  // Sequence pairs: a variable-length input and a single-id input named with one table.
+  for (size_t hi = 0; hi < tables_.size(); ++hi) {
+    const InputSpec& h = spec_.inputs[static_cast<size_t>(tables_[hi].input)];
+    if (h.table.empty() || !h.variableLength() || tables_[hi].weights >= 0) continue;
+    for (size_t ci = 0; ci < tables_.size(); ++ci) {
+      const InputSpec& c = spec_.inputs[static_cast<size_t>(tables_[ci].input)];
+      if (c.table != h.table || c.variableLength() || c.hotness != 1 || tables_[ci].weights >= 0) continue;
+      bool taken = false;
+      for (const SequencePair& q : pairs_) taken |= q.candidate == static_cast<int>(ci);
+      if (taken) continue;
+      SequencePair p;
+      p.history = static_cast<int>(hi);
+      p.candidate = static_cast<int>(ci);
+      p.categories = std::min<int64_t>(kSequenceCategories, h.rows);
+      p.key = mix64(model_key ^ (0xca7e6012ull + static_cast<uint64_t>(h.feature)));
+      pairs_.push_back(p);
+      break;
+    }
+  }
+}
+
+int64_t SyntheticGenerator::category(const SequencePair& p, int64_t row) const {
+  return static_cast<int64_t>(mix64(p.key + static_cast<uint64_t>(row)) % static_cast<uint64_t>(p.categories));
+}
+
+int64_t SyntheticGenerator::drawRowOf(const SequencePair& p, const Table& t, int64_t c, uint64_t& state) const {
+  int64_t row = 0;
+  for (int tries = 0; tries < 1024; ++tries) {
+    row = drawRow(t, mix64(state += 0x9e3779b97f4a7c15ull));
+    if (category(p, row) == c) return row;
+  }
+  return row;
+}
+
+void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const std::vector<uint64_t>& seeds,
+                                      Batch& batch, std::vector<float>& logit) const {
+  const Table& ht = tables_[static_cast<size_t>(p.history)];
+  const Table& ct = tables_[static_cast<size_t>(p.candidate)];
+  const InputSpec& hin = spec_.inputs[static_cast<size_t>(ht.input)];
+  ir::HostTensor& hist = batch.tensors[static_cast<size_t>(ht.input)];
+  ir::HostTensor& cand = batch.tensors[static_cast<size_t>(ct.input)];
+  ir::HostTensor& lt = batch.tensors[static_cast<size_t>(ht.lengths)];
+  lt.reset(ir::DType::i32, {n});
+  std::vector<int64_t> ids;
+  ids.reserve(static_cast<size_t>(n * hin.max_hotness));
+  const auto L = static_cast<size_t>(labels_);
+  auto store = [](ir::HostTensor& t, int64_t at, int64_t row) {
+    if (t.view.dtype == ir::DType::i64) t.as<int64_t>()[at] = row;
+    else t.as<int32_t>()[at] = static_cast<int32_t>(row);
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t state = mix64(seeds[static_cast<size_t>(i)] ^ p.key);
+    auto next = [&] { return mix64(state += 0x9e3779b97f4a7c15ull); };
+    const int len = 1 + static_cast<int>(next() % static_cast<uint64_t>(hin.max_hotness));
+    const int64_t interest[2] = {static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories)),
+                                 static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories))};
+    // The candidate: one of the interests half the time, else any category.
+    const int64_t cc = uniform(next()) < 0.5 ? interest[next() & 1]
+                                              : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
+    store(cand, i, drawRowOf(p, ct, cc, state));
+    int matches = 0;
+    for (int k = 0; k < len; ++k) {
+      const int64_t c = uniform(next()) < kSequenceInterest
+                            ? interest[next() & 1]
+                            : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
+      ids.push_back(drawRowOf(p, ht, c, state));
+      matches += c == cc;
+    }
+    lt.as<int32_t>()[i] = len;
+    const float term = kSequenceWeight * (static_cast<float>(std::min(matches, kSequenceCap)) - kSequenceCenter);
+    for (size_t l = 0; l < L; ++l) logit[static_cast<size_t>(i) * L + l] += term;
+  }
+  hist.reset(hin.type.dtype(), {static_cast<int64_t>(ids.size())});
+  for (size_t k = 0; k < ids.size(); ++k) store(hist, static_cast<int64_t>(k), ids[k]);
 }
 
 int64_t SyntheticGenerator::drawRow(const Table& t, uint64_t bits) const {
@@ -149,7 +231,18 @@ void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::v
     for (const DenseOut& d : dense_out) std::copy_n(v.data() + d.first, d.count, d.out + i * d.count);
   }
 
-  for (const Table& t : tables_) {
+  std::vector<bool> in_pair(tables_.size(), false);
+  if (!pairs_.empty()) {
+    std::vector<uint64_t> seeds(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) seeds[static_cast<size_t>(i)] = rng[static_cast<size_t>(i)].state;
+    for (const SequencePair& p : pairs_) {
+      generatePair(p, n, seeds, batch, logit);
+      in_pair[static_cast<size_t>(p.history)] = in_pair[static_cast<size_t>(p.candidate)] = true;
+    }
+  }
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    if (in_pair[ti]) continue;
+    const Table& t = tables_[ti];
     const InputSpec& in = spec_.inputs[static_cast<size_t>(t.input)];
     ir::HostTensor& ids = batch.tensors[static_cast<size_t>(t.input)];
     const bool i64 = in.type.dtype() == ir::DType::i64;

@@ -4,7 +4,17 @@
 // ranks scattered over the table's rows). A hidden model decides the label:
 //   logit = bias + sum_j a_j (dense_j - c_j) + sum_f (1/n_f) sum_k w_k * h_f(id_k)
 // with a_j and h_f(row) Gaussian values derived from the seed by hashing (no tables stored),
-// and label ~ Bernoulli(sigmoid(logit)); a schema with several labels has one hidden model each. Sample i of a stream is a pure function of
+// and label ~ Bernoulli(sigmoid(logit)).
+//
+// A sequence task (docs/data.md, "Synthetic sequences"): a variable-length history and a
+// single-id candidate read by one embedding table (a model's `embeddings(..., pool = none)`)
+// get ids from hidden item categories instead: each sample has two interest categories, its
+// history mostly holds items of them, and its candidate is of one of them half the time. The
+// pair's term of the logit grows with how many history items share the candidate's category:
+//   logit += kSequenceWeight * (min(matches, kSequenceCap) - kSequenceCenter)
+// (no h_f term for the pair). The count, not the fraction, decides: target attention can
+// weigh each history item by its match, mean pooling sees only the mix.
+// A schema with several labels has one hidden model each. Sample i of a stream is a pure function of
 // (seed, stream, i): streams differ between training and evaluation (held out), the hidden
 // model is shared, any batch size sees the same samples, and resuming needs only the index.
 #pragma once
@@ -47,13 +57,27 @@ class SyntheticGenerator {
     uint64_t key = 0;                 // hashing key of h_f
   };
 
+  // A history and its candidate (indices into tables_), read by one table.
+  struct SequencePair {
+    int history = -1, candidate = -1;
+    int64_t categories = 0;
+    uint64_t key = 0;  // hashing key of the hidden item categories
+  };
+
   int64_t drawRow(const Table& t, uint64_t bits) const;
+  int64_t category(const SequencePair& p, int64_t row) const;
+  // A row of category c, drawn from the table's power law until one has it (after 1024
+  // misses, the last draw: a table of fewer rows than categories has categories with none).
+  int64_t drawRowOf(const SequencePair& p, const Table& t, int64_t c, uint64_t& state) const;
+  void generatePair(const SequencePair& p, int64_t n, const std::vector<uint64_t>& seeds, Batch& batch,
+                    std::vector<float>& logit) const;
   // h_f(row) of label `label`'s hidden model.
   float hiddenWeight(const Table& t, int64_t row, int label) const;
 
   BatchSpec spec_;
   SyntheticOptions opts_;
   std::vector<Table> tables_;
+  std::vector<SequencePair> pairs_;
   // The Criteo layout has 13 dense features, log(1 + E * scale_j); a schema's dense columns are
   // standard normal (scale 0). a_j of label l is dense_weight_[l * dense + j].
   int dense_ = kNumDense;
