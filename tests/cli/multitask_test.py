@@ -18,9 +18,9 @@ BATCH = 128
 WEIGHTS = (1.0, 0.5)  # models/mmoe.kiln's loss_weights
 
 
-def run(cmd, expect_ok=True):
+def run(cmd, expect_ok=True, merge=True):
     print(" ".join(cmd), flush=True)
-    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else None, text=True)
     print(r.stdout)
     if expect_ok and r.returncode != 0:
         sys.exit(f"FAIL: exit {r.returncode}")
@@ -73,7 +73,7 @@ def main():
         if f"\n{key}: " not in "\n" + ev:
             fail(f"kiln eval does not print {key}")
 
-    pred = run([kiln, "predict", model, "--checkpoint", ckpt, "--data", "synthetic", "--samples", "64"]).stdout
+    pred = run([kiln, "predict", model, "--checkpoint", ckpt, "--data", "synthetic", "--samples", "64"], merge=False).stdout
     rows = [l.split("\t") for l in pred.splitlines() if l.strip()]
     if len(rows) != 64 or any(len(row) != 2 for row in rows):
         fail("kiln predict should write 64 lines of 2 columns")
