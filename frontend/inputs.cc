@@ -37,7 +37,8 @@ bool isTokenInput(const Val& v) {
 // Each entry is an Attribute: an integer position or a string name.
 ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
   if (m.args.empty() || !m.args[0].name.empty())
-    fail(m.loc, "'columns' takes the file columns: a position, a list of positions, a name or a list of names");
+    fail(m.loc,
+         "'columns' takes the file columns: a position, a list of positions, a name or a list of names");
   int64_t first = 0;
   for (size_t i = 1; i < m.args.size(); ++i) {
     if (m.args[i].name != "first") fail(m.args[i].value->loc, "'columns' takes one value and first = k");
@@ -57,15 +58,18 @@ ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
   } else if (v.kind == Val::Kind::Str) {
     const size_t at = v.s.find("{}");
     if (at == std::string::npos && n != 1)
-      fail(loc, fmt::format("one column name for {} features: write a pattern such as \"{}{{}}\" or a list of {} names",
-                              n, v.s, n));
+      fail(loc,
+           fmt::format(
+               "one column name for {} features: write a pattern such as \"{}{{}}\" or a list of {} names", n,
+               v.s, n));
     for (size_t i = 0; i < n; ++i)
       out.push_back(at == std::string::npos
                         ? ir::Attribute(v.s)
                         : ir::Attribute(v.s.substr(0, at) + std::to_string(first + static_cast<int64_t>(i)) +
                                         v.s.substr(at + 2)));
   } else if (v.kind == Val::Kind::List) {
-    if (v.items.size() != n) fail(loc, fmt::format("{} column(s) given for {} feature(s)", v.items.size(), n));
+    if (v.items.size() != n)
+      fail(loc, fmt::format("{} column(s) given for {} feature(s)", v.items.size(), n));
     for (const Val& x : v.items) {
       if (x.kind == Val::Kind::Str) {
         if (x.s.empty()) fail(loc, "a column name is not empty");
@@ -78,8 +82,7 @@ ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
     fail(loc, fmt::format("'columns' takes a position, a name or a list of them, got {}", describe(v)));
   }
   for (size_t i = 1; i < out.size(); ++i)
-    if (out[i].isString() != out[0].isString())
-      fail(loc, "columns are all names or all positions");
+    if (out[i].isString() != out[0].isString()) fail(loc, "columns are all names or all positions");
   return out;
 }
 
@@ -125,8 +128,11 @@ void ModelLowering::execInput(const ast::Stmt& s) {
         continue;
       }
       if (m.name != "vocab")
-        fail(m.loc, fmt::format("'{}' applies only to sparse inputs (ids[...]); a dense input takes vocab(n) or columns(...)",
-                                m.name));
+        fail(
+            m.loc,
+            fmt::format(
+                "'{}' applies only to sparse inputs (ids[...]); a dense input takes vocab(n) or columns(...)",
+                m.name));
       if (vocab) fail(m.loc, "'vocab' is given twice");
       if (m.args.size() != 1 || !m.args[0].name.empty()) fail(m.loc, "'vocab' takes 1 argument(s)");
       if (!ir::isInteger(dt))
@@ -201,7 +207,8 @@ void ModelLowering::execInput(const ast::Stmt& s) {
       columns = columnsArg(m, n);
     } else {
       fail(m.loc,
-           fmt::format("unknown input option '{}' (use hotness, max_hotness, weighted, id_map, columns)", m.name));
+           fmt::format("unknown input option '{}' (use hotness, max_hotness, weighted, id_map, columns)",
+                       m.name));
     }
   }
 
@@ -252,7 +259,8 @@ Val sequenceLookup(ModelLowering& L, const EmbeddingTable& t, const SparseFeatur
   if (f.weights)
     L.fail(loc, fmt::format("feature '{}' is weighted: pool = none looks rows up unweighted", f.name));
   if (const ir::Attribute* other = f.ids_op->attr("table"); other && other->asString() != t.name)
-    L.fail(loc, fmt::format("feature '{}' is read by tables '{}' and '{}'", f.name, other->asString(), t.name));
+    L.fail(loc,
+           fmt::format("feature '{}' is read by tables '{}' and '{}'", f.name, other->asString(), t.name));
   f.ids_op->setAttr("table", t.name);
   L.builder().setLocation(loc);
   if (!f.lengths) {

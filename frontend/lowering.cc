@@ -806,7 +806,8 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
     for (const auto& o : outputs_) listed |= o.first == train_.prediction;
     if (train_.prediction_value) {
       if (listed) {
-        diags_.error(train_.prediction_loc, "an output is named 'prediction', the name 'prediction = [...]' takes");
+        diags_.error(train_.prediction_loc,
+                     "an output is named 'prediction', the name 'prediction = [...]' takes");
         return nullptr;
       }
       outputs_.push_back({train_.prediction, train_.prediction_value});
@@ -817,8 +818,9 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
         const int64_t tasks = lt.rank() == 2 && lt.dim(1).isStatic() ? lt.dim(1).size() : 1;
         const int64_t listed_tasks = train_.prediction_value->type().dim(1).size();
         if (tasks != listed_tasks) {
-          diags_.error(train_.prediction_loc, fmt::format("prediction lists {} task(s) but the label '{}' has {} column(s)",
-                                                          listed_tasks, train_.label, tasks));
+          diags_.error(train_.prediction_loc,
+                       fmt::format("prediction lists {} task(s) but the label '{}' has {} column(s)",
+                                   listed_tasks, train_.label, tasks));
           return nullptr;
         }
       }

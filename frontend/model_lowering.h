@@ -229,7 +229,8 @@ std::optional<ir::Dim> dimProduct(const ir::Dim& a, const ir::Dim& b);
 ir::Value* transposeTo(ModelLowering& L, ir::Value* x, const std::vector<int64_t>& perm);
 // The f32 (or dt) mask [B, len] of padded sequences with `lengths` (integer [B]): 1 at positions
 // below the sample's length, else 0. `inside` gets the i1 form when given.
-ir::Value* sequenceMask(ModelLowering& L, ir::Value* lengths, int64_t len, ir::DType dt, ir::Value** inside = nullptr);
+ir::Value* sequenceMask(ModelLowering& L, ir::Value* lengths, int64_t len, ir::DType dt,
+                        ir::Value** inside = nullptr);
 // The lengths of a sequence argument: `explicit_lengths` when given (an integer [B] tensor, a
 // variable-length sparse input, or a sequence carrying lengths), else those `x` carries; an
 // error at `loc` when there are none.

@@ -15,8 +15,9 @@ ir::Value* sequenceMask(ModelLowering& L, ir::Value* lengths, int64_t len, ir::D
   const ir::DType it = lengths->type().dtype();
   ir::AttrArray pos;
   for (int64_t t = 0; t < len; ++t) pos.push_back(t);
-  ir::Value* iota = L.emitTyped(ir::OpCode::Constant, {}, ir::TensorType(it, {ir::Dim::fixed(1), ir::Dim::fixed(len)}),
-                                {{"value", ir::Attribute(std::move(pos))}});
+  ir::Value* iota =
+      L.emitTyped(ir::OpCode::Constant, {}, ir::TensorType(it, {ir::Dim::fixed(1), ir::Dim::fixed(len)}),
+                  {{"value", ir::Attribute(std::move(pos))}});
   ir::Value* column = L.reshape(lengths, {lengths->type().dim(0), ir::Dim::fixed(1)});
   ir::Value* in = L.emit(ir::OpCode::Compare, {iota, column}, {{"predicate", "lt"}});  // [B, len]
   if (inside) *inside = in;
@@ -52,7 +53,8 @@ ir::Value* sequenceArg(ModelLowering& L, const Val& v, const Location& loc, cons
   ir::Value* x = floatTensor(L, v, loc, what);
   const auto& t = x->type();
   if (t.rank() != 3 || !t.dim(1).isStatic() || !t.dim(2).isStatic())
-    L.fail(loc, fmt::format("{} must be a padded sequence [B, L, D] with L and D static, got {}", what, typeStr(t)));
+    L.fail(loc, fmt::format("{} must be a padded sequence [B, L, D] with L and D static, got {}", what,
+                            typeStr(t)));
   return x;
 }
 
@@ -83,7 +85,8 @@ Val fnSequenceMask(ModelLowering& L, CallArgs& a) {
   ir::DType dt = ir::DType::f32;
   if (b.get(2)) {
     auto p = ir::parseDType(L.wordArg(*b.get(2), b.locs[2], "dtype"));
-    if (!p || !ir::isFloat(*p) || *p == ir::DType::f64) L.fail(b.locs[2], "sequence_mask's dtype must be f32, bf16 or f16");
+    if (!p || !ir::isFloat(*p) || *p == ir::DType::f64)
+      L.fail(b.locs[2], "sequence_mask's dtype must be f32, bf16 or f16");
     dt = *p;
   }
   L.builder().setLocation(a.loc);
@@ -96,7 +99,8 @@ Val fnSequenceMask(ModelLowering& L, CallArgs& a) {
 Val fnSequencePool(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"x", "lengths", "mode"}, 1);
   ir::Value* x = sequenceArg(L, *b.get(0), b.locs[0], "sequence_pool's input");
-  ir::Value* lengths = sequenceLengths(L, *b.get(0), b.get(1), b.get(1) ? b.locs[1] : b.locs[0], "sequence_pool");
+  ir::Value* lengths =
+      sequenceLengths(L, *b.get(0), b.get(1), b.get(1) ? b.locs[1] : b.locs[0], "sequence_pool");
   checkBatch(L, x, lengths, a.loc);
   std::string mode = b.get(2) ? L.wordArg(*b.get(2), b.locs[2], "mode") : "mean";
   if (mode != "mean" && mode != "sum" && mode != "max")
@@ -106,8 +110,8 @@ Val fnSequencePool(ModelLowering& L, CallArgs& a) {
   const int64_t len = x->type().dim(1).size();
   const ir::DType dt = x->type().dtype();
   ir::Value* inside = nullptr;
-  ir::Value* mask = sequenceMask(L, lengths, len, dt, &inside);             // [B, L]
-  ir::Value* count = reduce(L, mask, "sum", {1}, true);                      // [B, 1], min(length, L)
+  ir::Value* mask = sequenceMask(L, lengths, len, dt, &inside);  // [B, L]
+  ir::Value* count = reduce(L, mask, "sum", {1}, true);          // [B, 1], min(length, L)
   if (mode == "max") {
     ir::Value* in3 = L.reshape(inside, {batch, ir::Dim::fixed(len), ir::Dim::fixed(1)});
     ir::Value* kept = L.emit(ir::OpCode::Select, {in3, x, L.scalarConstant(-1e30, dt)});
@@ -130,7 +134,8 @@ Val fnDinAttention(ModelLowering& L, CallArgs& a) {
   auto b = L.bindArgs(a, {"query", "keys", "lengths", "hidden", "act", "softmax", "name"}, 2);
   ir::Value* q = floatTensor(L, *b.get(0), b.locs[0], "din_attention's query");
   ir::Value* keys = sequenceArg(L, *b.get(1), b.locs[1], "din_attention's keys");
-  ir::Value* lengths = sequenceLengths(L, *b.get(1), b.get(2), b.get(2) ? b.locs[2] : b.locs[1], "din_attention");
+  ir::Value* lengths =
+      sequenceLengths(L, *b.get(1), b.get(2), b.get(2) ? b.locs[2] : b.locs[1], "din_attention");
   checkBatch(L, keys, lengths, a.loc);
   const ir::Dim batch = keys->type().dim(0);
   const int64_t len = keys->type().dim(1).size(), dim = keys->type().dim(2).size();
@@ -138,21 +143,24 @@ Val fnDinAttention(ModelLowering& L, CallArgs& a) {
   if (q->type().rank() != 2 || !(q->type().dim(0) == batch) || !(q->type().dim(1) == ir::Dim::fixed(dim)) ||
       q->type().dtype() != dt)
     L.fail(b.locs[0], fmt::format("din_attention's query must be {} for keys {}, got {}",
-                                  typeStr(ir::TensorType(dt, {batch, ir::Dim::fixed(dim)})), typeStr(keys->type()),
-                                  typeStr(q->type())));
-  std::vector<int64_t> hidden = b.get(3) ? L.intsArg(*b.get(3), b.locs[3], "hidden") : std::vector<int64_t>{80, 40};
+                                  typeStr(ir::TensorType(dt, {batch, ir::Dim::fixed(dim)})),
+                                  typeStr(keys->type()), typeStr(q->type())));
+  std::vector<int64_t> hidden =
+      b.get(3) ? L.intsArg(*b.get(3), b.locs[3], "hidden") : std::vector<int64_t>{80, 40};
   for (int64_t h : hidden) positiveInt(L, Val::integer(h), b.locs[3], "a hidden size");
   Val act = b.get(4) ? *b.get(4) : Val::builtin("dice");
   L.checkNotError(act);
-  if (act.kind != Val::Kind::Func) L.fail(b.locs[4], fmt::format("act must be a function, got {}", describe(act)));
+  if (act.kind != Val::Kind::Func)
+    L.fail(b.locs[4], fmt::format("act must be a function, got {}", describe(act)));
   const bool normalize = b.get(5) ? L.boolArg(*b.get(5), b.locs[5], "softmax") : false;
   std::string name = L.layerName(a, "din_attention", b.get(6));
   Val init = initRecord(L, nullptr, a.loc, "xavier_uniform");
 
   L.builder().setLocation(a.loc);
   const ir::Shape seq{batch, ir::Dim::fixed(len), ir::Dim::fixed(dim)};
-  ir::Value* qt = L.emitTyped(ir::OpCode::Broadcast, {L.reshape(q, {batch, ir::Dim::fixed(1), ir::Dim::fixed(dim)})},
-                              ir::TensorType(dt, seq));
+  ir::Value* qt =
+      L.emitTyped(ir::OpCode::Broadcast, {L.reshape(q, {batch, ir::Dim::fixed(1), ir::Dim::fixed(dim)})},
+                  ir::TensorType(dt, seq));
   ir::Value* h = L.emit(ir::OpCode::Concat,
                         {qt, keys, L.emit(ir::OpCode::Sub, {qt, keys}), L.emit(ir::OpCode::Mul, {qt, keys})},
                         {{"axis", int64_t{2}}});  // [B, L, 4D]
@@ -160,7 +168,8 @@ Val fnDinAttention(ModelLowering& L, CallArgs& a) {
     h = linearLayer(L, h, hidden[i], true, init, fmt::format("{}.{}", name, i), a.loc);
     h = L.activate(act, h, a.loc);
   }
-  ir::Value* score = linearLayer(L, h, 1, true, init, fmt::format("{}.{}", name, hidden.size()), a.loc);  // [B, L, 1]
+  ir::Value* score =
+      linearLayer(L, h, 1, true, init, fmt::format("{}.{}", name, hidden.size()), a.loc);  // [B, L, 1]
   L.builder().setLocation(a.loc);
   ir::Value* inside = nullptr;
   ir::Value* mask = rowMask(L, sequenceMask(L, lengths, len, dt, &inside), batch, len);

@@ -1,9 +1,9 @@
 // The train block: the loss (lowered into @forward and returned as the output "loss") and the
 // training settings, written as the module attribute kiln.train (docs/model-ir.md).
+#include <fmt/format.h>
+
 #include <cmath>
 #include <map>
-
-#include <fmt/format.h>
 
 #include "frontend/model_lowering.h"
 
@@ -111,8 +111,9 @@ ir::Value* ModelLowering::taskPredictions(const ast::Expr& list) {
     const ir::TensorType& t = x->type();
     const bool column = t.rank() == 2 && t.dim(1) == ir::Dim::fixed(1);
     if (t.dtype() != ir::DType::f32 || !(t.rank() == 1 || column))
-      fail(item->loc, fmt::format("a task's prediction is one f32 logit per sample, [B] or [B, 1]; '{}' is {}",
-                                  item->text, typeStr(t)));
+      fail(item->loc,
+           fmt::format("a task's prediction is one f32 logit per sample, [B] or [B, 1]; '{}' is {}",
+                       item->text, typeStr(t)));
     builder_.setLocation(item->loc);
     columns.push_back(column ? x : reshape(x, {t.dim(0), ir::Dim::fixed(1)}));
   }
@@ -132,21 +133,25 @@ void ModelLowering::weightTaskLosses(const std::vector<double>& weights, const L
                                      bool has_weights, const Location& loss_loc) {
   const std::vector<ir::Value*>& losses = train_.task_losses;
   if (losses.empty()) {
-    if (has_weights) fail(weights_loc, "loss_weights weigh a list of losses: loss = [a, b] with loss_weights = [1, 0.5]");
+    if (has_weights)
+      fail(weights_loc, "loss_weights weigh a list of losses: loss = [a, b] with loss_weights = [1, 0.5]");
     train_.loss->setNameHint("loss");
     return;
   }
   if (has_weights && weights.size() != losses.size())
-    fail(weights_loc, fmt::format("{} loss weights for {} losses; give one per loss", weights.size(), losses.size()));
+    fail(weights_loc,
+         fmt::format("{} loss weights for {} losses; give one per loss", weights.size(), losses.size()));
   builder_.setLocation(loss_loc);
   ir::Value* total = nullptr;
   for (size_t i = 0; i < losses.size(); ++i) {
     const double w = has_weights ? weights[i] : 1.0;
-    ir::Value* term = w == 1.0 ? losses[i] : emit(ir::OpCode::Mul, {losses[i], scalarConstant(w, ir::DType::f32)});
+    ir::Value* term =
+        w == 1.0 ? losses[i] : emit(ir::OpCode::Mul, {losses[i], scalarConstant(w, ir::DType::f32)});
     total = total ? emit(ir::OpCode::Add, {total, term}) : term;
     addStat(fmt::format("task_loss.{}", i), losses[i]);
   }
-  if (losses.size() == 1 && total == losses[0]) total = emit(ir::OpCode::Mul, {total, scalarConstant(1.0, ir::DType::f32)});
+  if (losses.size() == 1 && total == losses[0])
+    total = emit(ir::OpCode::Mul, {total, scalarConstant(1.0, ir::DType::f32)});
   total->setNameHint("loss");
   train_.loss = total;
 }
@@ -205,7 +210,8 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         std::vector<Val> items = v.kind == Val::Kind::List ? v.items : std::vector<Val>{v};
         for (const Val& x : items) {
           const double w = numberArg(x, vloc, "a loss weight");
-          if (!(w >= 0) || !std::isfinite(w)) fail(vloc, fmt::format("loss weights must be finite and >= 0, got {}", w));
+          if (!(w >= 0) || !std::isfinite(w))
+            fail(vloc, fmt::format("loss weights must be finite and >= 0, got {}", w));
           weights.push_back(w);
         }
         weights_loc = vloc;
@@ -237,8 +243,10 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         }
         t["metrics"] = m;
       } else {
-        fail(kloc, fmt::format("unknown train setting '{}' (use loss, loss_weights, prediction, label, optimizer, "
-                               "embedding_optimizer, lr_schedule, grad_clip, precision, metrics)", key));
+        fail(kloc,
+             fmt::format("unknown train setting '{}' (use loss, loss_weights, prediction, label, optimizer, "
+                         "embedding_optimizer, lr_schedule, grad_clip, precision, metrics)",
+                         key));
       }
     } catch (EvalError&) {
     }

@@ -156,8 +156,8 @@ AttentionShape attentionShape(ModelLowering& L, CallArgs& a, const ModelLowering
 // without biases. Query head h reads kv head h / (heads / kv_heads); scores are scaled by
 // 1/sqrt(head_dim), masked and soft-maxed in f32.
 Val fnAttention(ModelLowering& L, CallArgs& a) {
-  auto b =
-      L.bindArgs(a, {"x", "heads", "kv_heads", "causal", "rope", "rope_base", "head_dim", "init", "name", "lengths"}, 2);
+  auto b = L.bindArgs(
+      a, {"x", "heads", "kv_heads", "causal", "rope", "rope_base", "head_dim", "init", "name", "lengths"}, 2);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "attention's input");
   AttentionShape s = attentionShape(L, a, b, x);
   bool causal = b.get(3) ? L.boolArg(*b.get(3), b.locs[3], "causal") : true;
@@ -175,7 +175,8 @@ Val fnAttention(ModelLowering& L, CallArgs& a) {
   if (b.get(9) || b.get(0)->lengths) {
     lengths = sequenceLengths(L, *b.get(0), b.get(9), b.get(9) ? b.locs[9] : b.locs[0], "attention");
     if (!(lengths->type().dim(0) == s.batch))
-      L.fail(a.loc, fmt::format("attention's lengths {} do not match x {}", typeStr(lengths->type()), typeStr(x->type())));
+      L.fail(a.loc, fmt::format("attention's lengths {} do not match x {}", typeStr(lengths->type()),
+                                typeStr(x->type())));
   }
 
   ir::Value* q =

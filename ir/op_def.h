@@ -138,7 +138,7 @@ void registerExpertOps(
     OpRegistry& r);  // ops/experts.cc: moe_permute, moe_unpermute, moe_row_dot, grouped_matmul
 void registerExpertParallelOps(
     OpRegistry& r);  // ops/expert_parallel.cc: moe_route_counts, moe_ep_split, moe_sort_chunks, ...
-void registerRandomOps(OpRegistry& r);       // ops/random.cc: dropout
+void registerRandomOps(OpRegistry& r);  // ops/random.cc: dropout
 
 // The operands `op` writes in place: none for ops without kSideEffect; the op's `written` hook
 // (an optimizer update writes its parameter and state, not its gradient or lr); else all.

@@ -20,8 +20,8 @@ namespace {
 
 // Reads up to `lines` samples of `paths` as training would; each malformed line is printed.
 // Returns the samples read and the malformed lines, or the first fatal error.
-Expected<std::pair<int64_t, int64_t>> checkData(const data::BatchSpec& spec, const std::vector<std::string>& paths,
-                                                int64_t lines) {
+Expected<std::pair<int64_t, int64_t>> checkData(const data::BatchSpec& spec,
+                                                const std::vector<std::string>& paths, int64_t lines) {
   data::DataOptions opts;
   opts.paths = paths;
   opts.batch_size = std::min<int64_t>(lines, 4096);
@@ -48,8 +48,10 @@ int runCheck(const std::vector<std::string>& args) {
               "Checks model files: syntax, names, types and shapes, and that each lowers to IR that verifies.");
   p.setPositionals("FILE.kiln", 1, -1, "the models to check");
   p.addOption("set", "NAME=VALUE", "override a model param (a Kiln value: 1000, [1, 2], 0.5)", std::nullopt, true);
-  p.addOption("data", "FILE", "also read the first --lines samples of these data files under each model (TSV, CSV or "
-              "binary), as training reads them", std::nullopt, true);
+  p.addOption("data", "FILE",
+              "also read the first --lines samples of these data files under each model (TSV, CSV or "
+              "binary), as training reads them",
+              std::nullopt, true);
   p.addOption("lines", "N", "with --data: how many lines to read", "1000");
   p.addFlag("quiet", "print nothing on success");
   int code;
@@ -92,7 +94,8 @@ int runCheck(const std::vector<std::string>& args) {
                                  samples + malformed);
         continue;
       }
-      if (!p.flag("quiet")) std::printf("%s: data ok (%lld samples read)\n", path.c_str(), static_cast<long long>(samples));
+      if (!p.flag("quiet"))
+        std::printf("%s: data ok (%lld samples read)\n", path.c_str(), static_cast<long long>(samples));
     }
     if (!p.flag("quiet")) {
       size_t ops = forward.numOps();

@@ -8,9 +8,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <memory>
-
 #include <iostream>
+#include <memory>
 
 #include "frontend/frontend.h"
 #include "runtime/data/batch_reader.h"
@@ -68,8 +67,8 @@ int runConvert(const std::vector<std::string>& args) {
     }
     auto spec = data::fromFunction(*(*m)->lookup("forward"));
     if (spec && spec->layout == data::DataLayout::Criteo)
-      return p.usageError(fmt::format("'{}' reads the Criteo layout (no columns(...)): convert without --model",
-                                      p.get("model")));
+      return p.usageError(fmt::format(
+          "'{}' reads the Criteo layout (no columns(...)): convert without --model", p.get("model")));
     stats = spec ? data::convertSchemaToBinary(*spec, inputs, output, std::move(opts))
                  : Expected<data::ConvertStats>(spec.status());
   } else {

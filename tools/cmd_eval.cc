@@ -1,12 +1,12 @@
 // `kiln eval MODEL.kiln --checkpoint DIR --data PATH...`: loss and AUC of a trained model (of a
 // language model: its held-out cross entropy and perplexity).
 // `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per input line.
+#include <fmt/format.h>
+
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
-
-#include <fmt/format.h>
 
 #include "tools/cli.h"
 #include "tools/model_session.h"
@@ -147,7 +147,8 @@ int runPredict(const std::vector<std::string>& raw_args) {
       for (; k < skipped.size() && skipped[k].before == static_cast<int64_t>(i); ++k)
         if (std::fputs(nan_line.c_str(), out) < 0) return Status::error("write failed");
       for (size_t j = 0; i < samples && j < tasks; ++j)
-        if (std::fprintf(out, j + 1 < tasks ? "%.9g\t" : "%.9g\n", static_cast<double>(scores[i * tasks + j])) < 0)
+        if (std::fprintf(out, j + 1 < tasks ? "%.9g\t" : "%.9g\n",
+                         static_cast<double>(scores[i * tasks + j])) < 0)
           return Status::error("write failed");
     }
     return Status::ok();

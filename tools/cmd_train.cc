@@ -126,7 +126,7 @@ class Trainer {
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
-  std::vector<TaskResult> last_tasks_;  // a multi-task model's last evaluation, per task
+  std::vector<TaskResult> last_tasks_;   // a multi-task model's last evaluation, per task
   std::optional<double> entropy_floor_;  // synthetic tokens: the loss no model can beat
   Clock::time_point start_, window_start_;
   int64_t window_samples_ = 0;
@@ -360,7 +360,8 @@ std::string Trainer::taskLossText() const {
   const std::vector<std::string> tasks = taskNames(s_.trainSpec());
   std::string text = " (";
   for (size_t i = 0; i < task_losses_.size(); ++i)
-    text += fmt::format("{}{} {:.5f}", i ? " " : "", taskLossName(tasks, i, task_losses_.size()), task_losses_[i]);
+    text += fmt::format("{}{} {:.5f}", i ? " " : "", taskLossName(tasks, i, task_losses_.size()),
+                        task_losses_[i]);
   return text + ")";
 }
 
@@ -385,8 +386,8 @@ void Trainer::progress(bool final_line) {
                         runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
                         100 * comm_fraction_);
   std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{}{} | elapsed {} | left {}",
-                                 step_, total, window_rate_, ranks, last_loss_, taskLossText(), moe_text_, auc,
-                                 formatDuration(elapsed), final_line ? "0:00" : left);
+                                 step_, total, window_rate_, ranks, last_loss_, taskLossText(), moe_text_,
+                                 auc, formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else
@@ -545,7 +546,9 @@ int Trainer::run() {
       if (ranks_ > 1 && !task_losses_.empty()) {
         // Each rank's mean over its equal share: the global batch's is the mean of the ranks'.
         std::vector<double> sum(task_losses_.size());
-        if (Status st = comm_->allReduceSync(task_losses_.data(), sum.data(), sum.size(), comm::DataType::f64); !st)
+        if (Status st =
+                comm_->allReduceSync(task_losses_.data(), sum.data(), sum.size(), comm::DataType::f64);
+            !st)
           return fail(st);
         for (size_t i = 0; i < sum.size(); ++i) task_losses_[i] = sum[i] / ranks_;
       }

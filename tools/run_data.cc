@@ -71,9 +71,10 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
       continue;
     }
     if (k > 1 && static_cast<int64_t>(out.logits.size()) != local * k)
-      return Status::errorf("the label '{}' has {} tasks, but the prediction has {} values for {} samples, not {} "
-                            "per sample",
-                            spec.inputs[static_cast<size_t>(spec.labelIndex())].name, k, out.logits.size(), local, k);
+      return Status::errorf(
+          "the label '{}' has {} tasks, but the prediction has {} values for {} samples, not {} "
+          "per sample",
+          spec.inputs[static_cast<size_t>(spec.labelIndex())].name, k, out.logits.size(), local, k);
     scores.resize(out.logits.size());
     for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
     if (spec.labelIndex() >= 0) {
@@ -135,8 +136,10 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   if (k > 1)
     for (int64_t j = 0; j < k; ++j) {
       const runtime::AucAccumulator& a = auc[static_cast<size_t>(j)];
-      const double task = task_loss.size() == static_cast<size_t>(k) ? task_loss[static_cast<size_t>(j)].mean() : NAN;
-      r.tasks.push_back({tasks[static_cast<size_t>(j)], a.size() ? a.auc() : NAN, a.size() ? a.accuracy() : NAN, task});
+      const double task =
+          task_loss.size() == static_cast<size_t>(k) ? task_loss[static_cast<size_t>(j)].mean() : NAN;
+      r.tasks.push_back(
+          {tasks[static_cast<size_t>(j)], a.size() ? a.auc() : NAN, a.size() ? a.accuracy() : NAN, task});
     }
   if (!scored) {
     r.perplexity = std::exp(r.loss);
@@ -150,7 +153,8 @@ std::vector<std::string> taskNames(const data::BatchSpec& spec) {
   if (spec.labelIndex() < 0) return names;
   const data::InputSpec& label = spec.inputs[static_cast<size_t>(spec.labelIndex())];
   for (int j = 0; j < label.label_count; ++j) {
-    const bool named = static_cast<size_t>(j) < label.columns.size() && label.columns[static_cast<size_t>(j)].named();
+    const bool named =
+        static_cast<size_t>(j) < label.columns.size() && label.columns[static_cast<size_t>(j)].named();
     names.push_back(named ? label.columns[static_cast<size_t>(j)].name : fmt::format("task{}", j));
   }
   return names;

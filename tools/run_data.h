@@ -54,9 +54,9 @@ struct EvalResult {
 // a label of one column (or none).
 std::vector<std::string> taskNames(const data::BatchSpec& spec);
 
-// Receives each batch's scores in order (k per sample for k tasks, sample-major) with the malformed lines skipped among its samples
-// (SkippedLine::before places each), and last, with no scores, the lines skipped after the last
-// sample: together one entry per input line.
+// Receives each batch's scores in order (k per sample for k tasks, sample-major) with the malformed lines
+// skipped among its samples (SkippedLine::before places each), and last, with no scores, the lines skipped
+// after the last sample: together one entry per input line.
 using ScoreSink =
     std::function<Status(const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped)>;
 

@@ -201,7 +201,8 @@ Status lowerJaggedToPadded(GroupLowering& gl, const std::vector<const Op*>& ops)
   KILN_ASSIGN_OR_RETURN(auto id, gl.valueAt(kb, ids, {g.select(live, pos, g.intConstant(0))}));
   const DType rt = op.result()->type().dtype();
   const int v = g.select(live, g.cast(id, rt), g.intConstant(0, rt));
-  kb.k.stores.push_back({gl.bindValue(kb, op.result(), true), rowMajorOffset(g, kb.spaceCoords(), rs), v, -1});
+  kb.k.stores.push_back(
+      {gl.bindValue(kb, op.result(), true), rowMajorOffset(g, kb.spaceCoords(), rs), v, -1});
   return gl.finish(kb);
 }
 

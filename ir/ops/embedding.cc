@@ -266,7 +266,8 @@ Status inferJaggedToPadded(const Op& op, std::vector<TensorType>& out) {
   if (ids.rank() != 1 || !isInteger(ids.dtype()))
     return Status::errorf("'kiln.jagged_to_padded' ids must be flat integer [N], got {}", ids.str());
   if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
-    return Status::errorf("'kiln.jagged_to_padded' lengths must be a 1-d integer tensor, got {}", lengths.str());
+    return Status::errorf("'kiln.jagged_to_padded' lengths must be a 1-d integer tensor, got {}",
+                          lengths.str());
   const int64_t length = op.intAttr("length");
   if (length < 1) return Status::errorf("'kiln.jagged_to_padded' length must be positive, got {}", length);
   out = {TensorType(ids.dtype(), {lengths.dim(0), Dim::fixed(length)})};
@@ -284,8 +285,8 @@ Status cpuJaggedToPadded(const Op& op, const CpuOperands& in, const CpuResults& 
     const int64_t len = loadIndex(lengths, b);
     if (len < 0) return Status::errorf("'{}': length {} of sample {} is negative", op.name(), len, b);
     if (offset + len > ids.numel())
-      return Status::errorf("'{}': the lengths of samples 0..{} add up to {} but there are {} ids", op.name(), b,
-                            offset + len, ids.numel());
+      return Status::errorf("'{}': the lengths of samples 0..{} add up to {} but there are {} ids", op.name(),
+                            b, offset + len, ids.numel());
     for (int64_t j = 0; j < length; ++j) {
       const int64_t id = j < len ? loadIndex(ids, offset + j) : 0;
       if (r.dtype == DType::i32)
@@ -325,10 +326,13 @@ void registerEmbeddingOps(OpRegistry& r) {
          .cost = costEmbeddingBagWeightGrad, .cpu = cpuEmbeddingBagWeightGrad});
   r.add({.name = "kiln.jagged_to_padded",
          .summary = "Jagged ids (flat ids and per-sample lengths) to a zero-padded [B, length] tensor",
-         .min_operands = 2, .max_operands = 2,
+         .min_operands = 2,
+         .max_operands = 2,
          .attrs = {{"length", K::Int, true}},
-         .traits = kPure | kNonDifferentiable, .infer = inferJaggedToPadded,
-         .cost = costJaggedToPadded, .cpu = cpuJaggedToPadded});
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferJaggedToPadded,
+         .cost = costJaggedToPadded,
+         .cpu = cpuJaggedToPadded});
 }
 
 }  // namespace kiln::ir

@@ -79,7 +79,9 @@ int BatchSpec::targetsIndex() const {
   return -1;
 }
 
-std::string ColumnRef::str() const { return named() ? fmt::format("'{}'", name) : fmt::format("#{}", position); }
+std::string ColumnRef::str() const {
+  return named() ? fmt::format("'{}'", name) : fmt::format("#{}", position);
+}
 
 const ir::HostTensor* Batch::find(const std::string& name) const {
   for (size_t i = 0; i < names.size(); ++i)
@@ -156,14 +158,16 @@ Status assignLayout(BatchSpec& spec) {
   for (InputSpec& in : spec.inputs) {
     if (in.role != InputRole::Dense && in.role != InputRole::Label && in.role != InputRole::Sparse) continue;
     if (in.columns.empty())
-      return inputError(in.name, fmt::format("binds no file columns, but '{}' does (columns(...)): when one input "
-                                             "names its columns every input read from the files does",
-                                             bound->name));
+      return inputError(in.name,
+                        fmt::format("binds no file columns, but '{}' does (columns(...)): when one input "
+                                    "names its columns every input read from the files does",
+                                    bound->name));
     for (const ColumnRef& c : in.columns)
       if (c.named() != bound->columns[0].named())
-        return inputError(in.name, fmt::format("reads column {} but '{}' reads column {}: bind every column by "
-                                               "name (a header line) or every one by position",
-                                               c.str(), bound->name, bound->columns[0].str()));
+        return inputError(in.name,
+                          fmt::format("reads column {} but '{}' reads column {}: bind every column by "
+                                      "name (a header line) or every one by position",
+                                      c.str(), bound->name, bound->columns[0].str()));
     int& next = in.role == InputRole::Label ? labels : in.role == InputRole::Dense ? dense : cats;
     in.first_column = next;
     next += static_cast<int>(in.columns.size());
@@ -222,8 +226,9 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
       KILN_ASSIGN_OR_RETURN(in.columns, columnsAttr(attrs, in.name, in.dense_count));
     } else if (role == "label") {
       in.role = InputRole::Label;
-      bool shape_ok = (s.size() == 1 && isBatchDim(s[0], spec.batch_symbol)) ||
-                      (s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1].isStatic() && s[1].size() >= 1);
+      bool shape_ok =
+          (s.size() == 1 && isBatchDim(s[0], spec.batch_symbol)) ||
+          (s.size() == 2 && isBatchDim(s[0], spec.batch_symbol) && s[1].isStatic() && s[1].size() >= 1);
       KILN_RETURN_IF_ERROR(need(type.dtype() == ir::DType::f32 && shape_ok,
                                 fmt::format("a label must be f32[B] or f32[Bxk], got {}", type.str())));
       in.label_count = s.size() == 2 ? static_cast<int>(s[1].size()) : 1;
@@ -245,7 +250,8 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
         if (rows <= 0) return inputError(in.name, fmt::format("rows must be positive, got {}", rows));
         in.rows = rows;
         if (const ir::Attribute* t = get(attrs, "table")) {
-          if (!t->isString()) return inputError(in.name, fmt::format("table must be a string, got {}", t->str()));
+          if (!t->isString())
+            return inputError(in.name, fmt::format("table must be a string, got {}", t->str()));
           in.table = t->asString();
         }
         if (const ir::Attribute* m = get(attrs, "id_map")) {
@@ -342,19 +348,22 @@ Status checkReadable(const BatchSpec& spec, bool files) {
   int labels = 0;
   for (const InputSpec& in : spec.inputs) {
     if (in.role == InputRole::Dense && in.dense_count > kNumDense && files)
-      return inputError(in.name,
-                        fmt::format("reads {} dense features, but the Criteo layout has {}: bind the model's inputs "
-                                    "to the columns of your files with columns(...) (docs/data.md, \"Schemas\"), or "
-                                    "feed the input from your own program (as bench/moe_bench does)",
-                                    in.dense_count, kNumDense));
+      return inputError(
+          in.name,
+          fmt::format("reads {} dense features, but the Criteo layout has {}: bind the model's inputs "
+                      "to the columns of your files with columns(...) (docs/data.md, \"Schemas\"), or "
+                      "feed the input from your own program (as bench/moe_bench does)",
+                      in.dense_count, kNumDense));
     if (in.role == InputRole::Label && (in.label_count != 1 || ++labels > 1))
-      return inputError(in.name, "the Criteo layout has one label: bind several labels to the columns of your files "
-                                 "with columns(...) (docs/data.md, \"Schemas\")");
+      return inputError(in.name,
+                        "the Criteo layout has one label: bind several labels to the columns of your files "
+                        "with columns(...) (docs/data.md, \"Schemas\")");
     if (in.role == InputRole::Sparse && in.feature >= kNumSparse && files)
-      return inputError(in.name, fmt::format("reads categorical feature {}, but the Criteo layout has {}: bind the "
-                                             "model's inputs to the columns of your files with columns(...) "
-                                             "(docs/data.md, \"Schemas\")",
-                                             in.feature + 1, kNumSparse));
+      return inputError(in.name,
+                        fmt::format("reads categorical feature {}, but the Criteo layout has {}: bind the "
+                                    "model's inputs to the columns of your files with columns(...) "
+                                    "(docs/data.md, \"Schemas\")",
+                                    in.feature + 1, kNumSparse));
   }
   return Status::ok();
 }

@@ -134,12 +134,10 @@ Expected<bool> BatchReader::next(Batch& batch) {
     return true;
   }
   if (rows_)
-    return nextFileBatch(*rows_, row_samples_, batch, [&](const Record* r, int64_t n) {
-      assembleRecords(spec_, r, n, batch);
-    });
-  return nextFileBatch(*records_, samples_, batch, [&](const RawSample* r, int64_t n) {
-    assembleBatch(spec_, r, n, batch);
-  });
+    return nextFileBatch(*rows_, row_samples_, batch,
+                         [&](const Record* r, int64_t n) { assembleRecords(spec_, r, n, batch); });
+  return nextFileBatch(*records_, samples_, batch,
+                       [&](const RawSample* r, int64_t n) { assembleBatch(spec_, r, n, batch); });
 }
 
 template <class Source, class Sample, class Assemble>
@@ -232,8 +230,9 @@ Expected<std::unique_ptr<BatchReader>> openBatchReader(const BatchSpec& spec, Da
     const bool binary = isBinaryFile(opts.paths[0]);
     for (const std::string& p : opts.paths)
       if (isBinaryFile(p) != binary)
-        return Status::errorf("'{}' and '{}' are of different kinds (binary and text): give files of one kind",
-                              opts.paths[0], p);
+        return Status::errorf(
+            "'{}' and '{}' are of different kinds (binary and text): give files of one kind", opts.paths[0],
+            p);
     std::unique_ptr<RowSource> rows;
     if (binary) {
       KILN_ASSIGN_OR_RETURN(rows, openSchemaBinary(spec, opts.paths));

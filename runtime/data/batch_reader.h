@@ -42,7 +42,8 @@ class BatchReader {
   BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RecordSource> records,
               std::shared_ptr<SkipLog> skips = nullptr);
   // A model with its own schema: records from files under it.
-  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RowSource> rows, std::shared_ptr<SkipLog> skips);
+  BatchReader(BatchSpec spec, DataOptions opts, std::unique_ptr<RowSource> rows,
+              std::shared_ptr<SkipLog> skips);
   BatchReader(BatchSpec spec, DataOptions opts, SyntheticGenerator synthetic);
   // A model that reads tokens: each sample is one window of the source. `entropy_floor` is the
   // per-token cross entropy no model can beat on it, when known (synthetic data).

@@ -60,9 +60,10 @@ Expected<int64_t> checkHeader(std::FILE* fp, const std::string& path) {
   if (std::memcmp(h, kBinaryMagic, 8) != 0) return Status::errorf("'{}': not a Kiln binary data file (bad magic)", path);
   // Version 2 checksums its whole (longer) header: named before this version's checksum is read.
   if (take<uint32_t>(h + 8) == 2)
-    return Status::errorf("'{}' holds a model's own schema (binary version 2), but the model reads the Criteo layout: "
-                          "a model whose inputs bind its columns (columns(...)) reads it",
-                          path);
+    return Status::errorf(
+        "'{}' holds a model's own schema (binary version 2), but the model reads the Criteo layout: "
+        "a model whose inputs bind its columns (columns(...)) reads it",
+        path);
   if (take<uint64_t>(h + 40) != runtime::fnv1a64(h, 40))
     return Status::errorf("'{}': corrupt header (checksum mismatch)", path);
   if (uint32_t v = take<uint32_t>(h + 8); v != kBinaryVersion)

@@ -50,7 +50,8 @@ Status LineReader::open(size_t file, int64_t offset, int64_t line) {
     if (fseeko(fp_, 0, SEEK_END) != 0 || ftello(fp_) < offset)
       return Status::errorf("cannot seek to byte {} of '{}': the file is shorter", offset, files_[file_]);
     if (fseeko(fp_, offset, SEEK_SET) != 0)
-      return Status::errorf("cannot seek to byte {} of '{}': {}", offset, files_[file_], std::strerror(errno));
+      return Status::errorf("cannot seek to byte {} of '{}': {}", offset, files_[file_],
+                            std::strerror(errno));
   }
   return Status::ok();
 }
@@ -82,7 +83,8 @@ Expected<bool> LineReader::next(std::string_view* line) {
     if (buf_end_ == buf_.size()) buf_.resize(buf_.size() * 2);
     size_t n = std::fread(buf_.data() + buf_end_, 1, buf_.size() - buf_end_, fp_);
     if (n == 0) {
-      if (std::ferror(fp_)) return Status::errorf("cannot read '{}': {}", files_[file_], std::strerror(errno));
+      if (std::ferror(fp_))
+        return Status::errorf("cannot read '{}': {}", files_[file_], std::strerror(errno));
       eof_ = true;
     }
     buf_end_ += n;
@@ -90,8 +92,7 @@ Expected<bool> LineReader::next(std::string_view* line) {
 }
 
 Status LineReader::tooLong() const {
-  return locatedError(fmt::format("line {} is longer than {} bytes: {}", line_ + 1,
-                                  max_line_bytes_, what_),
+  return locatedError(fmt::format("line {} is longer than {} bytes: {}", line_ + 1, max_line_bytes_, what_),
                       files_[file_], line_ + 1, max_line_bytes_ + 1);
 }
 

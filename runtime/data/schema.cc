@@ -16,13 +16,15 @@ namespace {
 
 std::string_view kindName(ColumnKind k) {
   switch (k) {
-    case ColumnKind::Label: return "label";
-    case ColumnKind::Dense: return "dense column";
-    case ColumnKind::Categorical: return "categorical column";
+    case ColumnKind::Label:
+      return "label";
+    case ColumnKind::Dense:
+      return "dense column";
+    case ColumnKind::Categorical:
+      return "categorical column";
   }
   return "column";
 }
-
 
 bool isListSeparator(char c) { return c == ',' || c == ';' || c == '|' || c == ' '; }
 
@@ -35,7 +37,8 @@ std::string_view trim(std::string_view s) {
 }  // namespace
 
 std::string SchemaColumn::describe(const BatchSpec& spec) const {
-  return fmt::format("{} {} of input '{}'", kindName(kind), ref.str(), spec.inputs[static_cast<size_t>(input)].name);
+  return fmt::format("{} {} of input '{}'", kindName(kind), ref.str(),
+                     spec.inputs[static_cast<size_t>(input)].name);
 }
 
 Schema Schema::of(const BatchSpec& spec) {
@@ -43,14 +46,14 @@ Schema Schema::of(const BatchSpec& spec) {
   s.layout = spec.layout;
   for (size_t i = 0; i < spec.inputs.size(); ++i) {
     const InputSpec& in = spec.inputs[i];
-    std::vector<SchemaColumn>* into = in.role == InputRole::Label   ? &s.labels
-                                      : in.role == InputRole::Dense ? &s.dense
+    std::vector<SchemaColumn>* into = in.role == InputRole::Label    ? &s.labels
+                                      : in.role == InputRole::Dense  ? &s.dense
                                       : in.role == InputRole::Sparse ? &s.cats
                                                                      : nullptr;
     if (!into) continue;
     for (const ColumnRef& ref : in.columns) {
       SchemaColumn c{.ref = ref, .input = static_cast<int>(i)};
-      c.kind = in.role == InputRole::Label ? ColumnKind::Label
+      c.kind = in.role == InputRole::Label   ? ColumnKind::Label
                : in.role == InputRole::Dense ? ColumnKind::Dense
                                              : ColumnKind::Categorical;
       if (in.role == InputRole::Sparse) {
@@ -101,7 +104,8 @@ void SchemaParser::split(std::string_view line) {
     if (delimiter_ == ',' && i < line.size() && line[i] == '"') {
       // A quoted CSV field: up to the closing quote (a doubled quote is part of the text).
       size_t j = i + 1;
-      while (j < line.size() && !(line[j] == '"' && (j + 1 == line.size() || line[j + 1] != '"'))) j += line[j] == '"' ? 2 : 1;
+      while (j < line.size() && !(line[j] == '"' && (j + 1 == line.size() || line[j + 1] != '"')))
+        j += line[j] == '"' ? 2 : 1;
       fields_.emplace_back(i + 1, std::min(j, line.size()));
       i = std::min(j + 1, line.size());
       size_t next = line.find(delimiter_, i);
@@ -130,8 +134,9 @@ Status SchemaParser::bindHeader(std::string_view line) {
     if (it == field_of_name.end()) {
       std::string names;
       for (size_t f = 0; f < fields_.size() && f < 12; ++f)
-        names += fmt::format("{}'{}'", f ? ", " : "",
-                             printableField(trim(line.substr(fields_[f].first, fields_[f].second - fields_[f].first))));
+        names += fmt::format(
+            "{}'{}'", f ? ", " : "",
+            printableField(trim(line.substr(fields_[f].first, fields_[f].second - fields_[f].first))));
       if (fields_.size() > 12) names += fmt::format(", ... ({} in all)", fields_.size());
       return Status::errorf("the header line has no column '{}', the {} of input '{}'; it has {}",
                             columns_[i]->ref.name, kindName(columns_[i]->kind),
@@ -149,7 +154,8 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
   const char* sep = delimiter_ == ',' ? "comma" : "tab";
   if (expected_fields_ >= 0 && got != expected_fields_) {
     *col = static_cast<int64_t>(line.size() + 1);
-    return Status::errorf("expected {} {}-separated fields (as the header has), got {}", expected_fields_, sep, got);
+    return Status::errorf("expected {} {}-separated fields (as the header has), got {}", expected_fields_,
+                          sep, got);
   }
   r.labels.resize(schema_.labels.size());
   r.dense.resize(schema_.dense.size());
@@ -161,8 +167,8 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
     const int64_t field = field_of_[i];
     if (field >= got) {
       *col = static_cast<int64_t>(line.size() + 1);
-      return Status::errorf("expected at least {} {}-separated fields (the {} is field {}), got {}", field + 1,
-                            sep, c.describe(spec_), field + 1, got);
+      return Status::errorf("expected at least {} {}-separated fields (the {} is field {}), got {}",
+                            field + 1, sep, c.describe(spec_), field + 1, got);
     }
     const auto [b, e] = fields_[static_cast<size_t>(field)];
     std::string_view text = line.substr(b, e - b);
@@ -196,8 +202,8 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
           if (stop > k) {
             if (++count > c.max_values) {
               if (c.list)
-                return Status::errorf("{} holds more than its bound of {} values (max_hotness)", c.describe(spec_),
-                                      c.max_values);
+                return Status::errorf("{} holds more than its bound of {} values (max_hotness)",
+                                      c.describe(spec_), c.max_values);
               return Status::errorf("{} holds more than {} value(s){}", c.describe(spec_), c.max_values,
                                     c.max_values == 1 ? ": declare a list with max_hotness(n)" : "");
             }
@@ -206,9 +212,10 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
           k = stop + 1;
         }
         if (!c.list && count != 0 && count != c.hotness)
-          return Status::errorf("{} holds {} value(s), but its input has hotness {} (leave the field empty when "
-                                "missing)",
-                                c.describe(spec_), count, c.hotness);
+          return Status::errorf(
+              "{} holds {} value(s), but its input has hotness {} (leave the field empty when "
+              "missing)",
+              c.describe(spec_), count, c.hotness);
         r.ends[cat++] = static_cast<int32_t>(r.values.size());
         break;
       }
@@ -270,7 +277,8 @@ void assembleRecords(const BatchSpec& spec, const Record* recs, int64_t n, Batch
         }
         break;
       }
-      default: break;  // lengths are written with their ids, weights below
+      default:
+        break;  // lengths are written with their ids, weights below
     }
   }
   fillUnitWeights(spec, batch);

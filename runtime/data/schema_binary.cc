@@ -1,7 +1,6 @@
 // Kiln binary data, version 2: a schema's records behind a checked header that names every
 // column, so that any model whose columns the file holds reads it by name (docs/data.md).
 #include <fmt/format.h>
-
 #include <unistd.h>
 
 #include <bit>
@@ -37,8 +36,8 @@ std::string columnKey(const ColumnRef& r) { return r.named() ? r.name : fmt::for
 // The header: the fixed 48 bytes (magic, version, header bytes, label, dense and categorical
 // counts, flags, records, checksum) then per column: u8 kind, u8 list, u16 name bytes, u32
 // max values, the name; zero-padded to a multiple of 8. The checksum covers all but itself.
-std::vector<unsigned char> encodeHeader(const std::vector<SchemaColumn>& cols, uint32_t labels, uint32_t dense,
-                                        uint32_t cats, int64_t records) {
+std::vector<unsigned char> encodeHeader(const std::vector<SchemaColumn>& cols, uint32_t labels,
+                                        uint32_t dense, uint32_t cats, int64_t records) {
   std::vector<unsigned char> h(kBinaryMagic, kBinaryMagic + 8);
   append<uint32_t>(h, kSchemaBinaryVersion);
   append<uint32_t>(h, 0);  // header bytes, below
@@ -81,14 +80,17 @@ Expected<FileSchema> readHeader(std::FILE* fp, const std::string& path, int64_t 
   unsigned char fixed[48];
   if (size < 48 || std::fread(fixed, 1, 48, fp) != 48)
     return Status::errorf("'{}': truncated binary data file: {} bytes, less than a header", path, size);
-  if (std::memcmp(fixed, kBinaryMagic, 8) != 0) return Status::errorf("'{}': not a Kiln binary data file (bad magic)", path);
+  if (std::memcmp(fixed, kBinaryMagic, 8) != 0)
+    return Status::errorf("'{}': not a Kiln binary data file (bad magic)", path);
   if (uint32_t v = take<uint32_t>(fixed + 8); v != kSchemaBinaryVersion) {
     if (v == kBinaryVersion)
-      return Status::errorf("'{}' is a Kiln binary file of the Criteo layout (version 1), but the model reads its own "
-                            "schema (columns(...)): convert its text files with kiln data convert --model",
-                            path);
-    return Status::errorf("'{}': binary data version {} is not supported (this build reads versions {} and {})", path,
-                          v, kBinaryVersion, kSchemaBinaryVersion);
+      return Status::errorf(
+          "'{}' is a Kiln binary file of the Criteo layout (version 1), but the model reads its own "
+          "schema (columns(...)): convert its text files with kiln data convert --model",
+          path);
+    return Status::errorf(
+        "'{}': binary data version {} is not supported (this build reads versions {} and {})", path, v,
+        kBinaryVersion, kSchemaBinaryVersion);
   }
   FileSchema s;
   s.header_bytes = take<uint32_t>(fixed + 12);
@@ -96,12 +98,14 @@ Expected<FileSchema> readHeader(std::FILE* fp, const std::string& path, int64_t 
   s.dense = take<uint32_t>(fixed + 20);
   s.cats = take<uint32_t>(fixed + 24);
   if (s.header_bytes < 48 || s.header_bytes > size || s.header_bytes > (1 << 26))
-    return Status::errorf("'{}': corrupt header: it says {} header bytes in a file of {}", path, s.header_bytes, size);
+    return Status::errorf("'{}': corrupt header: it says {} header bytes in a file of {}", path,
+                          s.header_bytes, size);
   std::vector<unsigned char> h(static_cast<size_t>(s.header_bytes));
   std::memcpy(h.data(), fixed, 48);
   if (std::fread(h.data() + 48, 1, h.size() - 48, fp) != h.size() - 48)
     return Status::errorf("cannot read '{}': {}", path, std::strerror(errno));
-  if (take<uint64_t>(h.data() + 40) != (runtime::fnv1a64(h.data(), 40) ^ runtime::fnv1a64(h.data() + 48, h.size() - 48)))
+  if (take<uint64_t>(h.data() + 40) !=
+      (runtime::fnv1a64(h.data(), 40) ^ runtime::fnv1a64(h.data() + 48, h.size() - 48)))
     return Status::errorf("'{}': corrupt header (checksum mismatch)", path);
   s.records = static_cast<int64_t>(take<uint64_t>(h.data() + 32));
   size_t at = 48;
@@ -121,22 +125,28 @@ Expected<FileSchema> readHeader(std::FILE* fp, const std::string& path, int64_t 
   // Every record has at least its fixed part: the count cannot exceed what the file holds.
   const int64_t min_record = 4 * (int64_t{s.labels} + s.dense + s.cats);
   if (s.records < 0 || (min_record > 0 && s.records > (size - s.header_bytes) / min_record))
-    return Status::errorf("'{}': truncated file: the header says {} records, but {} bytes hold at most {}", path,
-                          s.records, size - s.header_bytes, min_record ? (size - s.header_bytes) / min_record : 0);
+    return Status::errorf("'{}': truncated file: the header says {} records, but {} bytes hold at most {}",
+                          path, s.records, size - s.header_bytes,
+                          min_record ? (size - s.header_bytes) / min_record : 0);
   return s;
 }
 
 Expected<int64_t> fileSize(std::FILE* fp, const std::string& path) {
-  if (fseeko(fp, 0, SEEK_END) != 0) return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
+  if (fseeko(fp, 0, SEEK_END) != 0)
+    return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
   int64_t size = ftello(fp);
-  if (fseeko(fp, 0, SEEK_SET) != 0) return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
+  if (fseeko(fp, 0, SEEK_SET) != 0)
+    return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
   return size;
 }
 
 class SchemaBinarySource final : public RowSource {
  public:
   SchemaBinarySource(BatchSpec spec, std::vector<std::string> files)
-      : spec_(std::move(spec)), schema_(Schema::of(spec_)), columns_(schema_.all()), files_(std::move(files)) {}
+      : spec_(std::move(spec)),
+        schema_(Schema::of(spec_)),
+        columns_(schema_.all()),
+        files_(std::move(files)) {}
   ~SchemaBinarySource() override { close(); }
 
   // Opens file `file` at byte `offset` (0: its first record), `record` records before it.
@@ -154,8 +164,10 @@ class SchemaBinarySource final : public RowSource {
     KILN_RETURN_IF_ERROR(bind(path));
     offset_ = offset == 0 ? file_schema_.header_bytes : offset;
     if (offset_ < file_schema_.header_bytes || offset_ > size_ || record_ > file_schema_.records)
-      return Status::errorf("'{}': data position byte {} (record {}) is outside the file", path, offset_, record_);
-    if (fseeko(fp_, offset_, SEEK_SET) != 0) return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
+      return Status::errorf("'{}': data position byte {} (record {}) is outside the file", path, offset_,
+                            record_);
+    if (fseeko(fp_, offset_, SEEK_SET) != 0)
+      return Status::errorf("cannot seek in '{}': {}", path, std::strerror(errno));
     return Status::ok();
   }
 
@@ -164,8 +176,8 @@ class SchemaBinarySource final : public RowSource {
       if (!fp_) return false;
       if (record_ < file_schema_.records) break;
       if (offset_ != size_)
-        return Status::errorf("'{}': corrupt file: {} bytes follow its {} records", files_[file_], size_ - offset_,
-                              file_schema_.records);
+        return Status::errorf("'{}': corrupt file: {} bytes follow its {} records", files_[file_],
+                              size_ - offset_, file_schema_.records);
       KILN_RETURN_IF_ERROR(open(file_ + 1, 0, 0));
     }
     KILN_RETURN_IF_ERROR(readRecord(r));
@@ -175,7 +187,8 @@ class SchemaBinarySource final : public RowSource {
 
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > files_.size())
-      return Status::errorf("data position names file {} but the stream has {} files", pos.file, files_.size());
+      return Status::errorf("data position names file {} but the stream has {} files", pos.file,
+                            files_.size());
     return open(static_cast<size_t>(pos.file), pos.offset, pos.line);
   }
 
@@ -208,8 +221,8 @@ class SchemaBinarySource final : public RowSource {
         return Status::errorf("'{}' has no {}; it has {}", path, columns_[i]->describe(spec_), keys);
       }
       if (file_of_[it->second] >= 0)
-        return Status::errorf("'{}': the model reads column '{}' twice, which a binary file serves once", path,
-                              it->first.first);
+        return Status::errorf("'{}': the model reads column '{}' twice, which a binary file serves once",
+                              path, it->first.first);
       file_of_[it->second] = static_cast<int>(i);
     }
     return Status::ok();
@@ -250,7 +263,8 @@ class SchemaBinarySource final : public RowSource {
       if (std::fread(&count, 4, 1, fp_) != 1) return fail("the file ends inside it");
       offset_ += 4;
       if (count > fc.max_values)
-        return fail(fmt::format("column '{}' holds {} values, more than its bound {}", fc.key, count, fc.max_values));
+        return fail(
+            fmt::format("column '{}' holds {} values, more than its bound {}", fc.key, count, fc.max_values));
       std::vector<uint64_t>* into = mine >= 0 ? &pending_[static_cast<size_t>(mine) - first_cat] : &skip_;
       into->resize(count);
       if (count && std::fread(into->data(), 8, count, fp_) != count) return fail("the file ends inside it");
@@ -258,10 +272,11 @@ class SchemaBinarySource final : public RowSource {
       if (mine >= 0) {
         // The model's own bounds, as the text reader checks them.
         const SchemaColumn& c = *columns_[static_cast<size_t>(mine)];
-        if (static_cast<int>(count) > c.max_values || (!c.list && count != 0 && static_cast<int>(count) != c.hotness))
-          return Status::errorf("'{}': record {}: {} holds {} value(s), but its input reads {} {}", files_[file_],
-                                record_, c.describe(spec_), count, c.list ? "at most" : "exactly",
-                                c.list ? c.max_values : c.hotness);
+        if (static_cast<int>(count) > c.max_values ||
+            (!c.list && count != 0 && static_cast<int>(count) != c.hotness))
+          return Status::errorf("'{}': record {}: {} holds {} value(s), but its input reads {} {}",
+                                files_[file_], record_, c.describe(spec_), count,
+                                c.list ? "at most" : "exactly", c.list ? c.max_values : c.hotness);
       }
     }
     for (size_t c = 0; c < pending_.size(); ++c) {
@@ -294,10 +309,11 @@ Expected<std::string> schemaBinaryInfo(const std::string& path) {
   std::fclose(fp);
   if (!fs) return fs.status();
   std::string names;
-  for (size_t i = 0; i < fs->columns.size() && i < 8; ++i) names += fmt::format("{}'{}'", i ? ", " : "", fs->columns[i].key);
+  for (size_t i = 0; i < fs->columns.size() && i < 8; ++i)
+    names += fmt::format("{}'{}'", i ? ", " : "", fs->columns[i].key);
   if (fs->columns.size() > 8) names += ", ...";
-  return fmt::format("{} records, version {}: {} label, {} dense and {} categorical columns ({})", fs->records,
-                     kSchemaBinaryVersion, fs->labels, fs->dense, fs->cats, names);
+  return fmt::format("{} records, version {}: {} label, {} dense and {} categorical columns ({})",
+                     fs->records, kSchemaBinaryVersion, fs->labels, fs->dense, fs->cats, names);
 }
 
 Expected<std::unique_ptr<RowSource>> openSchemaBinary(const BatchSpec& spec, std::vector<std::string> files) {
@@ -340,7 +356,8 @@ Expected<ConvertStats> convertSchemaToBinary(const BatchSpec& spec, const std::v
     for (float v : r.dense) append<float>(rec, v);
     for (size_t c = 0; c < C; ++c) {
       append<uint32_t>(rec, static_cast<uint32_t>(r.ends[c] - r.begin(c)));
-      for (int32_t k = r.begin(c); k < r.ends[c]; ++k) append<uint64_t>(rec, r.values[static_cast<size_t>(k)]);
+      for (int32_t k = r.begin(c); k < r.ends[c]; ++k)
+        append<uint64_t>(rec, r.values[static_cast<size_t>(k)]);
     }
     if (std::fwrite(rec.data(), 1, rec.size(), fp) != rec.size())
       return failed(Status::errorf("cannot write '{}': {}", tmp, std::strerror(errno)));
@@ -348,8 +365,9 @@ Expected<ConvertStats> convertSchemaToBinary(const BatchSpec& spec, const std::v
   }
   stats.malformed = source->malformed();
   header = encodeHeader(cols, L, D, C, stats.records);
-  bool ok = std::fseek(fp, 0, SEEK_SET) == 0 && std::fwrite(header.data(), 1, header.size(), fp) == header.size() &&
-            std::fflush(fp) == 0 && ::fsync(fileno(fp)) == 0;
+  bool ok = std::fseek(fp, 0, SEEK_SET) == 0 &&
+            std::fwrite(header.data(), 1, header.size(), fp) == header.size() && std::fflush(fp) == 0 &&
+            ::fsync(fileno(fp)) == 0;
   ok = std::fclose(fp) == 0 && ok;
   if (!ok || std::rename(tmp.c_str(), output.c_str()) != 0) {
     std::remove(tmp.c_str());

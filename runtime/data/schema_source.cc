@@ -14,7 +14,8 @@ class SchemaTextSource final : public RowSource {
   SchemaTextSource(const BatchSpec& spec, std::vector<std::string> files, TsvOptions opts)
       : spec_(spec),
         paths_(files),
-        lines_(std::move(files), opts.max_line_bytes, "not a line of a data file (is this a TSV or CSV file?)"),
+        lines_(std::move(files), opts.max_line_bytes,
+               "not a line of a data file (is this a TSV or CSV file?)"),
         opts_(std::move(opts)) {}
 
   // Opens file `file` at `offset` (0: its start, past the header line of a named schema).
@@ -25,7 +26,9 @@ class SchemaTextSource final : public RowSource {
       KILN_RETURN_IF_ERROR(lines_.open(file, 0, 0));
       std::string_view header;
       KILN_ASSIGN_OR_RETURN(bool got, lines_.next(&header));
-      if (!got) return locatedError("the file is empty, but the model's columns are found by its header line", paths_[file], 1, 1);
+      if (!got)
+        return locatedError("the file is empty, but the model's columns are found by its header line",
+                            paths_[file], 1, 1);
       if (Status s = parser_->bindHeader(header); !s) return locatedError(s.message(), paths_[file], 1, 1);
       if (offset == 0) return Status::ok();
     }
@@ -34,13 +37,15 @@ class SchemaTextSource final : public RowSource {
 
   Expected<bool> next(Record& r) override {
     return nextParsedLine(
-        lines_, opts_, malformed_, [&](std::string_view line, int64_t* col) { return parser_->parse(line, r, col); },
+        lines_, opts_, malformed_,
+        [&](std::string_view line, int64_t* col) { return parser_->parse(line, r, col); },
         [&](size_t file) { return openAt(file, 0, 0); });
   }
 
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > paths_.size())
-      return Status::errorf("data position names file {} but the stream has {} files", pos.file, paths_.size());
+      return Status::errorf("data position names file {} but the stream has {} files", pos.file,
+                            paths_.size());
     return openAt(static_cast<size_t>(pos.file), pos.offset, pos.line);
   }
 

@@ -69,8 +69,8 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
     }
     for (int l = 0; l < labels_; ++l) {
       const uint64_t hl = l == 0 ? mix64(h) : mix64(h + 0x51ed27u * static_cast<uint64_t>(l));
-      dense_weight_[static_cast<size_t>(l * dense_ + j)] =
-          static_cast<float>(gaussian(hl) * opts_.dense_strength / std::sqrt(std::max(dense_count, 1)) / spread);
+      dense_weight_[static_cast<size_t>(l * dense_ + j)] = static_cast<float>(
+          gaussian(hl) * opts_.dense_strength / std::sqrt(std::max(dense_count, 1)) / spread);
     }
   }
   int num_tables = 0;
@@ -119,10 +119,12 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
 }
 
 int64_t SyntheticGenerator::category(const SequencePair& p, int64_t row) const {
-  return static_cast<int64_t>(mix64(p.key + static_cast<uint64_t>(row)) % static_cast<uint64_t>(p.categories));
+  return static_cast<int64_t>(mix64(p.key + static_cast<uint64_t>(row)) %
+                              static_cast<uint64_t>(p.categories));
 }
 
-int64_t SyntheticGenerator::drawRowOf(const SequencePair& p, const Table& t, int64_t c, uint64_t& state) const {
+int64_t SyntheticGenerator::drawRowOf(const SequencePair& p, const Table& t, int64_t c,
+                                      uint64_t& state) const {
   int64_t row = 0;
   for (int tries = 0; tries < 1024; ++tries) {
     row = drawRow(t, mix64(state += 0x9e3779b97f4a7c15ull));
@@ -144,8 +146,10 @@ void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const st
   ids.reserve(static_cast<size_t>(n * hin.max_hotness));
   const auto L = static_cast<size_t>(labels_);
   auto store = [](ir::HostTensor& t, int64_t at, int64_t row) {
-    if (t.view.dtype == ir::DType::i64) t.as<int64_t>()[at] = row;
-    else t.as<int32_t>()[at] = static_cast<int32_t>(row);
+    if (t.view.dtype == ir::DType::i64)
+      t.as<int64_t>()[at] = row;
+    else
+      t.as<int32_t>()[at] = static_cast<int32_t>(row);
   };
   for (int64_t i = 0; i < n; ++i) {
     uint64_t state = mix64(seeds[static_cast<size_t>(i)] ^ p.key);
@@ -154,8 +158,9 @@ void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const st
     const int64_t interest[2] = {static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories)),
                                  static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories))};
     // The candidate: one of the interests half the time, else any category.
-    const int64_t cc = uniform(next()) < 0.5 ? interest[next() & 1]
-                                              : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
+    const int64_t cc = uniform(next()) < 0.5
+                           ? interest[next() & 1]
+                           : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
     store(cand, i, drawRowOf(p, ct, cc, state));
     int matches = 0;
     for (int k = 0; k < len; ++k) {
@@ -166,7 +171,8 @@ void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const st
       matches += c == cc;
     }
     lt.as<int32_t>()[i] = len;
-    const float term = kSequenceWeight * (static_cast<float>(std::min(matches, kSequenceCap)) - kSequenceCenter);
+    const float term =
+        kSequenceWeight * (static_cast<float>(std::min(matches, kSequenceCap)) - kSequenceCenter);
     for (size_t l = 0; l < L; ++l) logit[static_cast<size_t>(i) * L + l] += term;
   }
   hist.reset(hin.type.dtype(), {static_cast<int64_t>(ids.size())});
@@ -281,7 +287,8 @@ void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::v
         else ids.as<int32_t>()[pos] = static_cast<int32_t>(row);
         for (size_t l = 0; l < L; ++l) acc[l] += wk * hiddenWeight(t, row, static_cast<int>(l));
       }
-      for (size_t l = 0; l < L; ++l) logit[static_cast<size_t>(i) * L + l] += acc[l] / static_cast<float>(len[i]);
+      for (size_t l = 0; l < L; ++l)
+        logit[static_cast<size_t>(i) * L + l] += acc[l] / static_cast<float>(len[i]);
     }
   }
 

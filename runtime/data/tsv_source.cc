@@ -50,7 +50,6 @@ inline bool parseHex(std::string_view f, uint64_t* out) {
   return true;
 }
 
-
 }  // namespace
 
 Status parseTsvLine(std::string_view line, RawSample& s, int64_t* col) {
@@ -81,7 +80,8 @@ Status parseTsvLine(std::string_view line, RawSample& s, int64_t* col) {
         s.missing |= 1u << c;
         s.cats[c] = 0;
       } else if (!parseHex(f, &s.cats[c])) {
-        return Status::errorf("categorical feature {} is not a hex value of at most 16 digits: '{}'", c + 1, printableField(f));
+        return Status::errorf("categorical feature {} is not a hex value of at most 16 digits: '{}'", c + 1,
+                              printableField(f));
       }
     }
     start = tab + 1;
@@ -94,19 +94,22 @@ namespace {
 class TsvSource final : public RecordSource {
  public:
   TsvSource(std::vector<std::string> files, TsvOptions opts)
-      : lines_(std::move(files), opts.max_line_bytes, "not a Criteo TSV line (is this a TSV file?)"), opts_(std::move(opts)) {}
+      : lines_(std::move(files), opts.max_line_bytes, "not a Criteo TSV line (is this a TSV file?)"),
+        opts_(std::move(opts)) {}
 
   Status open() { return lines_.open(0, 0, 0); }
 
   Expected<bool> next(RawSample& s) override {
     return nextParsedLine(
-        lines_, opts_, malformed_, [&](std::string_view line, int64_t* col) { return parseTsvLine(line, s, col); },
+        lines_, opts_, malformed_,
+        [&](std::string_view line, int64_t* col) { return parseTsvLine(line, s, col); },
         [&](size_t file) { return lines_.open(file, 0, 0); });
   }
 
   Status seek(const StreamPosition& pos) override {
     if (pos.file < 0 || static_cast<size_t>(pos.file) > lines_.files())
-      return Status::errorf("data position names file {} but the stream has {} files", pos.file, lines_.files());
+      return Status::errorf("data position names file {} but the stream has {} files", pos.file,
+                            lines_.files());
     return lines_.open(static_cast<size_t>(pos.file), pos.offset, pos.line);
   }
 

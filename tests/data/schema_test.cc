@@ -1,10 +1,11 @@
 // Schemas: a model's inputs bound to file columns (by header name or position), the TSV and CSV
 // readers under them, list fields, several labels, resume, and the synthetic data of a schema.
+#include "runtime/data/schema.h"
+
 #include <cmath>
 
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/sample.h"
-#include "runtime/data/schema.h"
 #include "test_util.h"
 
 namespace kiln::data {
@@ -28,14 +29,26 @@ std::vector<std::pair<ir::AttrDict, ir::TensorType>> namedInputs() {
                 tt(ir::DType::f32, {B(), ir::Dim::fixed(2)})});
   in.push_back({{{"name", "dense"}, {"role", "dense"}, {"columns", names({"d0", "d1", "d2"})}},
                 tt(ir::DType::f32, {B(), ir::Dim::fixed(3)})});
-  in.push_back({{{"name", "item"}, {"role", "sparse"}, {"feature", 0}, {"rows", 100}, {"hotness", 1},
+  in.push_back({{{"name", "item"},
+                 {"role", "sparse"},
+                 {"feature", 0},
+                 {"rows", 100},
+                 {"hotness", 1},
                  {"columns", names({"item"})}},
                 tt(ir::DType::i64, {B(), ir::Dim::fixed(1)})});
-  in.push_back({{{"name", "hist"}, {"role", "sparse"}, {"feature", 1}, {"rows", 50}, {"max_hotness", 4},
+  in.push_back({{{"name", "hist"},
+                 {"role", "sparse"},
+                 {"feature", 1},
+                 {"rows", 50},
+                 {"max_hotness", 4},
                  {"columns", names({"hist"})}},
                 tt(ir::DType::i64, {ir::Dim::bounded(B().times(4))})});
   in.push_back({{{"name", "hist.lengths"}, {"role", "lengths"}, {"feature", 1}}, tt(ir::DType::i32, {B()})});
-  in.push_back({{{"name", "pair"}, {"role", "sparse"}, {"feature", 2}, {"rows", 1000}, {"hotness", 2},
+  in.push_back({{{"name", "pair"},
+                 {"role", "sparse"},
+                 {"feature", 2},
+                 {"rows", 1000},
+                 {"hotness", 2},
                  {"columns", names({"pair"})}},
                 tt(ir::DType::i64, {B(), ir::Dim::fixed(2)})});
   return in;
@@ -69,8 +82,10 @@ Batch readOne(const BatchSpec& spec, const std::string& path, int64_t batch, Sta
   EXPECT_TRUE(r.isOk()) << r.status().str();
   Batch b;
   auto got = (*r)->next(b);
-  if (error) *error = got ? Status::ok() : got.status();
-  else EXPECT_TRUE(got.isOk() && *got) << (got ? "no batch" : got.status().str());
+  if (error)
+    *error = got ? Status::ok() : got.status();
+  else
+    EXPECT_TRUE(got.isOk() && *got) << (got ? "no batch" : got.status().str());
   return b;
 }
 
@@ -94,11 +109,12 @@ TEST(Schema, EveryInputBindsColumnsAllByNameOrAllByPosition) {
   in[1].first.erase("columns");
   auto s = fromInputs(in);
   ASSERT_FALSE(s.isOk());
-  EXPECT_NE(s.status().message().find("input 'dense': binds no file columns, but 'labels' does"), std::string::npos)
+  EXPECT_NE(s.status().message().find("input 'dense': binds no file columns, but 'labels' does"),
+            std::string::npos)
       << s.status().message();
   in = namedInputs();
-  in[1].first["columns"] = ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{3}), ir::Attribute(int64_t{4}),
-                                                       ir::Attribute(int64_t{5})});
+  in[1].first["columns"] = ir::Attribute(
+      ir::AttrArray{ir::Attribute(int64_t{3}), ir::Attribute(int64_t{4}), ir::Attribute(int64_t{5})});
   s = fromInputs(in);
   ASSERT_FALSE(s.isOk());
   EXPECT_NE(s.status().message().find("reads column #3 but 'labels' reads column 'click'"), std::string::npos)
@@ -139,7 +155,8 @@ TEST(Schema, CsvReadsQuotedListsAndResumesAtAPosition) {
   TempDir dir;
   std::string text = "click,like,d0,d1,d2,item,hist,pair\n";
   for (int i = 0; i < 10; ++i)
-    text += fmt::format("{},{},{},0,0,{},\"{},{}\",{}|{}\n", i % 2, (i / 2) % 2, i, i * 3, i, i + 1, 2 * i, 3 * i);
+    text += fmt::format("{},{},{},0,0,{},\"{},{}\",{}|{}\n", i % 2, (i / 2) % 2, i, i * 3, i, i + 1, 2 * i,
+                        3 * i);
   std::string path = dir.write("u.csv", text);
   BatchSpec spec = namedSpec();
   DataOptions o;
@@ -178,7 +195,8 @@ TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
   EXPECT_EQ(stats->records, 9);
   EXPECT_TRUE(isBinaryFile(bin));
   Batch from_text = readOne(spec, tsv, 9), from_bin = readOne(spec, bin, 9);
-  for (const std::string& name : {"labels", "dense"}) EXPECT_EQ(floats(from_bin, name), floats(from_text, name)) << name;
+  for (const std::string& name : {"labels", "dense"})
+    EXPECT_EQ(floats(from_bin, name), floats(from_text, name)) << name;
   for (const std::string& name : {"item", "hist", "hist.lengths", "pair"})
     EXPECT_EQ(ids(from_bin, name), ids(from_text, name)) << name;
   EXPECT_EQ(ids(from_bin, "hist.lengths"), (std::vector<int64_t>{0, 2, 2, 0, 2, 2, 0, 2, 2}));
@@ -186,7 +204,11 @@ TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
   // Another model reads the columns it needs by name: here only 'like' and 'item'.
   std::vector<std::pair<ir::AttrDict, ir::TensorType>> in;
   in.push_back({{{"name", "y"}, {"role", "label"}, {"columns", names({"like"})}}, tt(ir::DType::f32, {B()})});
-  in.push_back({{{"name", "item"}, {"role", "sparse"}, {"feature", 0}, {"rows", 5}, {"hotness", 1},
+  in.push_back({{{"name", "item"},
+                 {"role", "sparse"},
+                 {"feature", 0},
+                 {"rows", 5},
+                 {"hotness", 1},
                  {"columns", names({"item"})}},
                 tt(ir::DType::i64, {B(), ir::Dim::fixed(1)})});
   auto other = fromInputs(in);
@@ -216,7 +238,8 @@ TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
   om.paths = {bin};
   auto m = openBatchReader(*missing, om);
   ASSERT_FALSE(m.isOk());
-  EXPECT_NE(m.status().str().find("has no label 'share' of input 'y'; it has 'click', 'like'"), std::string::npos)
+  EXPECT_NE(m.status().str().find("has no label 'share' of input 'y'; it has 'click', 'like'"),
+            std::string::npos)
       << m.status().str();
   auto criteo = openBatchReader(testing::criteoSpec(), om);
   ASSERT_FALSE(criteo.isOk());
@@ -237,14 +260,18 @@ TEST(Schema, BadLinesAreLocatedErrors) {
   };
   std::vector<Case> cases = {
       {"2\t0\t0\t0\t0\t1\t1\t1,2\n", ":2:1: error: label 'click' of input 'labels' must be 0 or 1, got '2'"},
-      {"1\t0\t0\tx\t0\t1\t1\t1,2\n", ":2:7: error: dense column 'd1' of input 'dense' is not a finite number: 'x'"},
+      {"1\t0\t0\tx\t0\t1\t1\t1,2\n",
+       ":2:7: error: dense column 'd1' of input 'dense' is not a finite number: 'x'"},
       {"1\t0\t0\t0\t0\t1\t1,2,3,4,5\t1,2\n",
-       ":2:13: error: categorical column 'hist' of input 'hist' holds more than its bound of 4 values (max_hotness)"},
+       ":2:13: error: categorical column 'hist' of input 'hist' holds more than its bound of 4 values "
+       "(max_hotness)"},
       {"1\t0\t0\t0\t0\t1,2\t1\t1,2\n",
-       ":2:11: error: categorical column 'item' of input 'item' holds more than 1 value(s): declare a list with "
+       ":2:11: error: categorical column 'item' of input 'item' holds more than 1 value(s): declare a list "
+       "with "
        "max_hotness(n)"},
       {"1\t0\t0\t0\t0\t1\t1\t7\n",
-       ":2:15: error: categorical column 'pair' of input 'pair' holds 1 value(s), but its input has hotness 2"},
+       ":2:15: error: categorical column 'pair' of input 'pair' holds 1 value(s), but its input has hotness "
+       "2"},
       {"1\t0\t0\t0\n", ":2:8: error: expected 8 tab-separated fields (as the header has), got 4"},
   };
   BatchSpec spec = namedSpec();
@@ -270,13 +297,20 @@ TEST(Schema, BadLinesAreLocatedErrors) {
 TEST(Schema, PositionsNeedNoHeader) {
   // dense f32[B, 2] from columns 2 and 0, the label from column 1, one id from column 3.
   std::vector<std::pair<ir::AttrDict, ir::TensorType>> in;
-  in.push_back({{{"name", "y"}, {"role", "label"}, {"columns", ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{1})})}},
+  in.push_back({{{"name", "y"},
+                 {"role", "label"},
+                 {"columns", ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{1})})}},
                 tt(ir::DType::f32, {B()})});
-  in.push_back({{{"name", "x"},
-                 {"role", "dense"},
-                 {"columns", ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{2}), ir::Attribute(int64_t{0})})}},
-                tt(ir::DType::f32, {B(), ir::Dim::fixed(2)})});
-  in.push_back({{{"name", "c"}, {"role", "sparse"}, {"feature", 0}, {"rows", 10}, {"hotness", 1},
+  in.push_back(
+      {{{"name", "x"},
+        {"role", "dense"},
+        {"columns", ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{2}), ir::Attribute(int64_t{0})})}},
+       tt(ir::DType::f32, {B(), ir::Dim::fixed(2)})});
+  in.push_back({{{"name", "c"},
+                 {"role", "sparse"},
+                 {"feature", 0},
+                 {"rows", 10},
+                 {"hotness", 1},
                  {"columns", ir::Attribute(ir::AttrArray{ir::Attribute(int64_t{3})})}},
                 tt(ir::DType::i64, {B(), ir::Dim::fixed(1)})});
   auto spec = fromInputs(in);

@@ -409,8 +409,9 @@ inline std::vector<OpCase> allOpCases() {
   {  // Sequence ids padded to [B, 3] (bags longer than 3 keep their first 3): a scan, then one
      // pointwise launch.
     CaseBuilder b("jagged_to_padded");
-    b.op("kiln.jagged_to_padded", {b.input("hist", DType::i64, S({13}), Fill::Ids, 10),
-                                   b.input("hist.lengths", DType::i32, S({6}), Fill::Lengths, 13)},
+    b.op("kiln.jagged_to_padded",
+         {b.input("hist", DType::i64, S({13}), Fill::Ids, 10),
+          b.input("hist.lengths", DType::i32, S({6}), Fill::Lengths, 13)},
          {{"length", Attribute(int64_t{3})}});
     b.kernels(2);
     add(b);

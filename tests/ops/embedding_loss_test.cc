@@ -69,18 +69,23 @@ TEST(EmbeddingBagCpu, LengthsThatDoNotCoverTheIdsAreAnError) {
 
 TEST(JaggedToPaddedCpu, PadsWithZerosAndKeepsTheFirstLengthIds) {
   // Bags {5, 6}, {}, {7, 8, 9}: the third is longer than 2 and keeps 7, 8.
-  OpCall call{"kiln.jagged_to_padded", {i64({5}, {5, 6, 7, 8, 9}), i32({3}, {2, 0, 3})}, {{"length", Attribute(int64_t{2})}}};
+  OpCall call{"kiln.jagged_to_padded",
+              {i64({5}, {5, 6, 7, 8, 9}), i32({3}, {2, 0, 3})},
+              {{"length", Attribute(int64_t{2})}}};
   expectTensor(runOk(call), {3, 2}, {5, 6, 0, 0, 7, 8});
-  OpCall wide{"kiln.jagged_to_padded", {i64({3}, {4, 1, 2}), i32({2}, {1, 2})}, {{"length", Attribute(int64_t{3})}}};
+  OpCall wide{
+      "kiln.jagged_to_padded", {i64({3}, {4, 1, 2}), i32({2}, {1, 2})}, {{"length", Attribute(int64_t{3})}}};
   expectTensor(runOk(wide), {2, 3}, {4, 0, 0, 1, 2, 0});
 }
 
 TEST(JaggedToPaddedCpu, BadLengthsAreErrors) {
-  auto neg = run({"kiln.jagged_to_padded", {i64({2}, {1, 2}), i32({2}, {-1, 3})}, {{"length", Attribute(int64_t{2})}}});
+  auto neg = run(
+      {"kiln.jagged_to_padded", {i64({2}, {1, 2}), i32({2}, {-1, 3})}, {{"length", Attribute(int64_t{2})}}});
   ASSERT_FALSE(neg);
   EXPECT_NE(neg.status().message().find("length -1 of sample 0 is negative"), std::string::npos)
       << neg.status().message();
-  auto over = run({"kiln.jagged_to_padded", {i64({2}, {1, 2}), i32({2}, {1, 2})}, {{"length", Attribute(int64_t{2})}}});
+  auto over = run(
+      {"kiln.jagged_to_padded", {i64({2}, {1, 2}), i32({2}, {1, 2})}, {{"length", Attribute(int64_t{2})}}});
   ASSERT_FALSE(over);
   EXPECT_NE(over.status().message().find("add up to 3 but there are 2 ids"), std::string::npos)
       << over.status().message();

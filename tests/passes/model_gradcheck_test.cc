@@ -34,7 +34,12 @@ namespace {
 const std::map<std::string, frontend::ParamOverrides>& tinyOverrides() {
   static const std::map<std::string, frontend::ParamOverrides> k = {
       {"dlrm", {{"rows_cap", "5"}, {"emb_dim", "4"}, {"top", "[16, 8, 1]"}}},
-      {"dlrm_dcnv2", {{"rows_cap", "5"}, {"emb_dim", "4"}, {"cross_rank", "8"}, {"top", "[16, 8, 1]"}, {"hot", "[2, 1, 3, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]"}}},
+      {"dlrm_dcnv2",
+       {{"rows_cap", "5"},
+        {"emb_dim", "4"},
+        {"cross_rank", "8"},
+        {"top", "[16, 8, 1]"},
+        {"hot", "[2, 1, 3, 1, 1, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2]"}}},
       {"dcn", {{"rows_cap", "5"}, {"emb_dim", "3"}, {"cross_layers", "2"}}},
       {"deepfm", {{"rows_cap", "5"}, {"emb_dim", "3"}, {"deep_widths", "[8, 8, 1]"}}},
       {"wide_deep", {{"rows_cap", "5"}, {"deep_widths", "[16, 8, 1]"}}},
