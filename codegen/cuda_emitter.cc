@@ -59,6 +59,20 @@ __device__ __forceinline__ float rem(float a, float b) { return ::fmodf(a, b); }
 __device__ __forceinline__ double rem(double a, double b) { return ::fmod(a, b); }
 __device__ __forceinline__ int rem(int a, int b) { return b ? a % b : 0; }
 __device__ __forceinline__ long long rem(long long a, long long b) { return b ? a % b : 0; }
+__device__ __forceinline__ unsigned long long splitmix64(unsigned long long z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ long long hash_mix(long long a, long long b) {
+  return (long long)splitmix64((unsigned long long)a ^ (unsigned long long)b);
+}
+__device__ __forceinline__ long long counter_bits(long long stream, long long index) {
+  return (long long)(splitmix64((unsigned long long)stream + 0x9e3779b97f4a7c15ull * (unsigned long long)index) >> 11);
+}
+template <class T> __device__ __forceinline__ T hash_mix(T a, T b) { return (T)hash_mix((long long)a, (long long)b); }
+template <class T> __device__ __forceinline__ T counter_bits(T a, T b) { return (T)counter_bits((long long)a, (long long)b); }
 template <class T> __device__ __forceinline__ T lowest();
 template <> __device__ __forceinline__ float lowest<float>() { return __uint_as_float(0xff800000u); }
 template <> __device__ __forceinline__ double lowest<double>() { return (double)__uint_as_float(0xff800000u); }

@@ -261,7 +261,7 @@ Val sequenceLookup(ModelLowering& L, const EmbeddingTable& t, const SparseFeatur
   if (const ir::Attribute* other = f.ids_op->attr("table"); other && other->asString() != t.name)
     L.fail(loc,
            fmt::format("feature '{}' is read by tables '{}' and '{}'", f.name, other->asString(), t.name));
-  f.ids_op->setAttr("table", t.name);
+  if (f.ids_op->is(ir::OpCode::Input)) f.ids_op->setAttr("table", t.name);
   L.builder().setLocation(loc);
   if (!f.lengths) {
     ir::Value* rows = L.emit(ir::OpCode::Gather, {t.table, f.ids}, {{"axis", int64_t{0}}});
@@ -301,9 +301,17 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
   for (size_t i = 0; i < ids.sparse.size(); ++i) {
     const SparseFeature& f = ids.sparse[i];
     const EmbeddingTable& t = tables.tables[shared ? 0 : i];
-    // The loader maps raw ids into [0, rows) of the table that reads them.
-    if (const ir::Attribute* r = f.ids_op->attr("rows"); r && r->asInt() != t.rows)
+    if (f.ids_op->is(ir::OpCode::HashCross)) {
+      // A cross (cross_ids) hashes into its buckets, one per row of the table reading it.
+      if (f.ids_op->intAttr("buckets") != t.rows)
+        L.fail(args.loc,
+               fmt::format("the cross '{}' hashes into {} buckets but is read by table '{}' of {} rows",
+                           f.name, f.ids_op->intAttr("buckets"), t.name, t.rows));
+    } else if (const ir::Attribute* r = f.ids_op->attr("rows");
+               r && r->asInt() != t.rows && r->asInt() != kRawIdRows) {
+      // The loader maps raw ids into [0, rows) of the table that reads them.
       L.fail(args.loc, fmt::format("feature '{}' is read by tables of {} and {} rows", f.name, r->asInt(), t.rows));
+    }
     // The lookups of a shared table are combined into one sparse update (passes/autodiff.cc),
     // which needs them of one form: ids [B, H] of one hotness H, or variable length; weighted
     // or not.
@@ -322,7 +330,7 @@ Val applyEmbeddings(ModelLowering& L, const Val& tables, ModelLowering::CallArgs
                            typeStr(other->type()), other_weighted ? " weighted" : ""));
       break;
     }
-    f.ids_op->setAttr("rows", t.rows);
+    if (f.ids_op->is(ir::OpCode::Input)) f.ids_op->setAttr("rows", t.rows);
     if (t.pool == "none") {
       pooled.push_back(sequenceLookup(L, t, f, args.loc));
       continue;

@@ -521,25 +521,26 @@ Val fnPrelu(ModelLowering& L, CallArgs& a) {
 // dice(x) of DIN (Zhou et al. 2018): p = sigmoid((x - E[x]) / sqrt(Var[x] + eps)) with the mean
 // and biased variance over every axis but the channel axis (the last), and
 // out = p x + (1 - p) alpha x = x (alpha + p (1 - alpha)), alpha learned per channel from 0.
-// The statistics are always the batch's, in training and in @forward alike (no running averages).
+// As in the paper, the statistics are the batch's in training and running averages in eval and
+// predict (normStatistics: `name.running_mean`, `name.running_var`).
 Val fnDice(ModelLowering& L, CallArgs& a) {
-  auto b = L.bindArgs(a, {"x", "eps", "name"}, 1);
+  auto b = L.bindArgs(a, {"x", "eps", "momentum", "name"}, 1);
   ir::Value* x = floatTensor(L, *b.get(0), b.locs[0], "dice's input");
   double eps = b.get(1) ? L.numberArg(*b.get(1), b.locs[1], "eps") : 1e-8;
   if (!(eps > 0)) L.fail(b.locs[1], fmt::format("dice's eps must be positive, got {}", eps));
+  const double momentum = b.get(2) ? L.numberArg(*b.get(2), b.locs[2], "momentum") : 0.1;
+  if (!(momentum >= 0 && momentum <= 1))
+    L.fail(b.locs[2], fmt::format("dice's momentum must lie in [0, 1], got {}", momentum));
   if (x->type().rank() < 2)
     L.fail(b.locs[0],
            fmt::format("dice needs a [B, ..., C] input of rank 2 or more, got {}", typeStr(x->type())));
-  std::string name = L.layerName(a, "dice", b.get(2));
+  std::string name = L.layerName(a, "dice", b.get(3));
   ir::Value* alpha = channelParam(L, x, name + ".alpha", 0.0, false, a.loc, "dice");
-  L.builder().setLocation(a.loc);
+  NormStatistics s = normStatistics(L, x, name, momentum, a.loc);
   ir::DType dt = x->type().dtype();
-  std::vector<int64_t> axes;
-  for (int64_t i = 0; i + 1 < x->type().rank(); ++i) axes.push_back(i);
-  ir::Value* centered = L.emit(ir::OpCode::Sub, {x, reduce(L, x, "mean", axes, true)});
-  ir::Value* var = reduce(L, L.emit(ir::OpCode::Mul, {centered, centered}), "mean", axes, true);
-  ir::Value* inv = L.emit(ir::OpCode::Rsqrt, {L.emit(ir::OpCode::Add, {var, L.scalarConstant(eps, dt)})});
-  ir::Value* p = L.emit(ir::OpCode::Sigmoid, {L.emit(ir::OpCode::Mul, {centered, inv})});
+  ir::Value* inv = L.emit(ir::OpCode::Rsqrt, {L.emit(ir::OpCode::Add, {s.var, L.scalarConstant(eps, dt)})});
+  ir::Value* p =
+      L.emit(ir::OpCode::Sigmoid, {L.emit(ir::OpCode::Mul, {L.emit(ir::OpCode::Sub, {x, s.mean}), inv})});
   ir::Value* one_minus_alpha = L.emit(ir::OpCode::Sub, {L.scalarConstant(1.0, dt), alpha});
   ir::Value* gate = L.emit(ir::OpCode::Add, {alpha, L.emit(ir::OpCode::Mul, {p, one_minus_alpha})});
   return Val::ofTensor(L.emit(ir::OpCode::Mul, {x, gate}));
@@ -756,7 +757,7 @@ const std::map<std::string, BuiltinInfo>& builtins() {
         {"dropout", {fnDropout, "inverted dropout in training, the identity in eval and predict"}},
         {"elu", {fnElu, "x > 0 ? x : alpha (e^x - 1)"}},
         {"prelu", {fnPrelu, "x > 0 ? x : a x, a learned per channel"}},
-        {"dice", {fnDice, "DIN's data-adaptive activation, batch statistics"}},
+        {"dice", {fnDice, "DIN's data-adaptive activation (batch statistics, running ones in eval)"}},
         {"embeddings", {fnEmbeddings, "a collection of embedding tables"}},
         {"bce_with_logits", {fnBce, "binary cross entropy on logits"}},
         {"softmax_cross_entropy", {fnSoftmaxCE, "cross entropy of a softmax"}},
@@ -776,6 +777,7 @@ const std::map<std::string, BuiltinInfo>& builtins() {
     addTensorBuiltins(m);
     addTransformerBuiltins(m);
     addSequenceBuiltins(m);
+    addRecsysBuiltins(m);
     return m;
   }();
   return k;

@@ -233,6 +233,9 @@ std::vector<ir::Value*> ModelLowering::tensorList(const Val& v, const Location& 
 
 void ModelLowering::warnUnused(const Binding& b, const std::string& name) {
   if (b.used || name.empty() || name[0] == '_') return;
+  // A statistic the step reports (in_batch_recall's metric) is used by the report.
+  for (const auto& stat : stats_)
+    if (b.value.kind == Val::Kind::Tensor && stat.second == b.value.tensor) return;
   bool interesting = b.value.kind == Val::Kind::Tensor || b.value.kind == Val::Kind::Sparse ||
                      b.value.kind == Val::Kind::Tables || std::string(b.what) == "param";
   if (interesting) warn(b.loc, fmt::format("{} '{}' is never used", b.what, name));

@@ -210,6 +210,22 @@ void addTensorBuiltins(std::map<std::string, BuiltinInfo>& table);
 void addTransformerBuiltins(std::map<std::string, BuiltinInfo>& table);
 // The sequence builtins of sequence.cc (lengths, sequence_mask, sequence_pool, din_attention).
 void addSequenceBuiltins(std::map<std::string, BuiltinInfo>& table);
+// The recommendation builtins of recsys.cc (cross_ids, batch_norm, in_batch_softmax, in_batch_recall).
+void addRecsysBuiltins(std::map<std::string, BuiltinInfo>& table);
+
+// The rows a sparse input that only cross_ids reads declares: its raw ids feed the hash. A
+// table that reads it too sets its own.
+constexpr int64_t kRawIdRows = int64_t{1} << 62;
+
+// Per-channel statistics of x [B, ..., C] over every axis but the last, each [C]: the batch's in
+// training, the running averages `name.running_mean` and `name.running_var` (non-trainable,
+// moved by `momentum` each train step) in eval and predict (recsys.cc; batch_norm and dice).
+struct NormStatistics {
+  ir::Value* mean = nullptr;
+  ir::Value* var = nullptr;
+};
+NormStatistics normStatistics(ModelLowering& L, ir::Value* x, const std::string& name, double momentum,
+                              const Location& loc);
 
 // Helpers shared by the builtin files (layers.cc): each reports a located error on bad input.
 int64_t staticLastDim(ModelLowering& L, ir::Value* x, const Location& loc, const char* what);

@@ -24,6 +24,7 @@ OpRegistry::OpRegistry() : by_code_(kNumOpCodes, nullptr) {
   registerExpertOps(*this);
   registerExpertParallelOps(*this);
   registerRandomOps(*this);
+  registerRunningStateOps(*this);
 }
 
 OpRegistry& OpRegistry::get() {
@@ -90,6 +91,12 @@ bool isPointwise(const Op& op) {
     case OpCode::Gather:
     case OpCode::Cast:
     case OpCode::BceWithLogitsGrad:
+    // Per element of their result too: a counter-based mask, a hash of ids, a statistic's
+    // selection, a state row read by id (codegen/emit/random_state.cc).
+    case OpCode::Dropout:
+    case OpCode::HashCross:
+    case OpCode::RunningStat:
+    case OpCode::LogFrequency:
       return true;
     default:
       return op.hasTrait(kElementwise) && !op.hasTrait(kSideEffect) && op.numResults() == 1;

@@ -138,7 +138,8 @@ void registerExpertOps(
     OpRegistry& r);  // ops/experts.cc: moe_permute, moe_unpermute, moe_row_dot, grouped_matmul
 void registerExpertParallelOps(
     OpRegistry& r);  // ops/expert_parallel.cc: moe_route_counts, moe_ep_split, moe_sort_chunks, ...
-void registerRandomOps(OpRegistry& r);  // ops/random.cc: dropout
+void registerRandomOps(OpRegistry& r);        // ops/random.cc: dropout, hash_cross
+void registerRunningStateOps(OpRegistry& r);  // ops/running_state.cc: running_stat, log_frequency, updates
 
 // The operands `op` writes in place: none for ops without kSideEffect; the op's `written` hook
 // (an optimizer update writes its parameter and state, not its gradient or lr); else all.
@@ -150,9 +151,9 @@ std::vector<unsigned> writtenOperands(const Op& op);
 bool isWideningCast(const Op& matmul, const Op& cast);
 
 // Whether one pointwise kernel computes `op` per element of its result: elementwise math and
-// data movement (broadcast, reshape, transpose, slice, pad, concat, gather, cast), and the backward
-// ops that are elementwise in effect. Fusion's pointwise groups and codegen's Pointwise kernels
-// are both this set.
+// data movement (broadcast, reshape, transpose, slice, pad, concat, gather, cast), the backward
+// ops that are elementwise in effect, and dropout, hash_cross, running_stat and log_frequency.
+// Fusion's pointwise groups and codegen's Pointwise kernels are both this set.
 bool isPointwise(const Op& op);
 
 // The scalar function an elementwise op applies: its table entry's, or for kiln.compare the

@@ -16,4 +16,11 @@ double uniformAt(uint64_t stream, int64_t index);
 // Whether dropout with probability p keeps element `index`: uniformAt(stream, index) >= p.
 bool dropoutKeeps(uint64_t stream, int64_t index, double p);
 
+// Hashed id crosses (kiln.hash_cross): the running hash starts at hashCrossStart(salt) and takes
+// each feature's id by h = hashMix(h, id); the crossed id is crossBucket(h, buckets), in
+// [0, buckets). The CUDA lowering computes the same numbers with the kernel function HashMix.
+uint64_t hashCrossStart(int64_t salt);
+uint64_t hashMix(uint64_t h, int64_t id);
+int64_t crossBucket(uint64_t h, int64_t buckets);
+
 }  // namespace kiln::ir

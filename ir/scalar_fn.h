@@ -12,6 +12,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "ir/random.h"
+
 namespace kiln::ir {
 
 // Every scalar function, in the order of scalar_fn.def. An activation is followed by its
@@ -164,6 +166,19 @@ T rem(T a, T b) {
     return std::fmod(a, b);
   else
     return b ? a % b : T(0);
+}
+// The hashing primitives of HashMix and CounterBits (ir/random.h), meaningful over i64; other
+// types go through i64 (kernels use them on i64 alone).
+template <class T>
+T hash_mix(T a, T b) {
+  return static_cast<T>(static_cast<int64_t>(splitMix64(static_cast<uint64_t>(static_cast<int64_t>(a)) ^
+                                                        static_cast<uint64_t>(static_cast<int64_t>(b)))));
+}
+template <class T>
+T counter_bits(T stream, T index) {
+  const uint64_t z = static_cast<uint64_t>(static_cast<int64_t>(stream)) +
+                     0x9e3779b97f4a7c15ull * static_cast<uint64_t>(static_cast<int64_t>(index));
+  return static_cast<T>(static_cast<int64_t>(splitMix64(z) >> 11));
 }
 // The smallest value of T: -infinity for floats.
 template <class T>

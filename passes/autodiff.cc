@@ -123,6 +123,7 @@ class TrainStepBuilder {
   Expected<std::vector<Value*>> stateFor(Op* param, const std::vector<ir::OptimizerStateSlot>& slots);
   Status emitUpdates(const AttrDict& train, Value* scale);
   Status emitExpertBiasUpdates(const std::map<std::string, Value*>& stats);
+  Status emitRunningStateUpdates();
 
   // The lookups of one table as its update reads them: the operands after the table (ids,
   // lengths when variable-length, weights when weighted) and the pooled-output gradient.
@@ -147,7 +148,7 @@ class TrainStepBuilder {
 
 // Ops that act differently in training: kiln.dropout {training = false} of @forward (the
 // identity) draws its mask here, from the run's seed (kiln.train's `seed`, set by the session
-// from --seed; 0 without one) and the step input.
+// from --seed; 0 without one) and the step input; kiln.running_stat takes the batch's statistic.
 Status TrainStepBuilder::enterTrainingMode(const AttrDict& train) {
   int64_t seed = 0;
   if (auto it = train.find("seed"); it != train.end()) {
@@ -156,11 +157,31 @@ Status TrainStepBuilder::enterTrainingMode(const AttrDict& train) {
     seed = it->second.asInt();
   }
   for (Op* op : forward_ops_) {
+    if (op->is(ir::OpCode::RunningStat)) op->setAttr("training", true);
     if (!op->is(ir::OpCode::Dropout) || op->boolAttr("training", false)) continue;
     op->setAttr("training", true);
     op->setAttr("seed", seed);
     op->addOperand(step_);
   }
+  return Status::ok();
+}
+
+// Running state (ir/ops/running_state.cc) moves after the gradient's updates: each batch norm
+// statistic toward the batch's, each log-Q estimator over the batch's ids at this step.
+Status TrainStepBuilder::emitRunningStateUpdates() {
+  for (Op* op : forward_ops_) {
+    builder_.setLocation(op->location());
+    if (op->is(ir::OpCode::RunningStat)) {
+      KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::RunningStatUpdate, {op->operand(1), op->operand(0)},
+                                           {{"momentum", op->floatAttr("momentum", 0.1)}}));
+    } else if (op->is(ir::OpCode::LogFrequency)) {
+      const Attribute* alpha = op->attr("alpha");
+      KILN_RETURN_IF_ERROR(builder_.create(ir::OpCode::FrequencyUpdate,
+                                           {op->operand(1), op->operand(0), step_},
+                                           {{"alpha", alpha ? alpha->asDouble() : 0.01}}));
+    }
+  }
+  builder_.setLocation({});
   return Status::ok();
 }
 
@@ -523,6 +544,7 @@ Status TrainStepBuilder::run(const AttrDict& train, size_t loss_index, std::opti
   }
   KILN_RETURN_IF_ERROR(emitUpdates(train, scale));
   KILN_RETURN_IF_ERROR(emitExpertBiasUpdates(stat_values));
+  KILN_RETURN_IF_ERROR(emitRunningStateUpdates());
 
   std::vector<Value*> results{loss};
   if (prediction) results.push_back(prediction);

@@ -5,7 +5,9 @@
 //     type, so that a broadcast is never dropped), neg(neg x) -> x;
 //   - reshape to the same type -> x; reshape(reshape x) -> reshape x;
 //   - transpose(transpose x) -> one transpose (none when the perms cancel), identity perm -> x;
-//   - cast to the operand's own element type -> x.
+//   - cast to the operand's own element type -> x;
+//   - kiln.running_stat -> the operand its mode selects (the batch's statistic in training; the
+//     running one in eval, except in a @forward the autodiff pass has yet to differentiate).
 // Pure ops left unused by these rewrites are removed; other dead code is DCE's job.
 #include <algorithm>
 #include <cmath>
@@ -73,6 +75,11 @@ std::optional<double> foldFunction(const Op& op, const std::vector<double>& in) 
 
 class Rewriter {
  public:
+  // Whether an eval-mode kiln.running_stat may fold into its running operand: not in the
+  // @forward that the autodiff pass has yet to clone into @train_step (the clone's training
+  // form needs the batch's statistic).
+  bool fold_eval_stats = true;
+
   // Replaces op's single result with v and erases op.
   void replace(Op* op, Value* v) {
     op->result()->replaceAllUsesWith(v);
@@ -142,7 +149,7 @@ Value* foldConstant(Op* op, Rewriter& rw) {
 }
 
 // x op identity -> x, when that does not drop a broadcast.
-Value* foldIdentity(Op* op) {
+Value* foldIdentity(Op* op, const Rewriter& rw) {
   if (op->numOperands() != 2) return nullptr;
   Value* a = op->operand(0);
   Value* b = op->operand(1);
@@ -158,6 +165,9 @@ Value* foldIdentity(Op* op) {
     if (isSplat(b, 0)) return keep(a);
   } else if (op->is(ir::OpCode::Div)) {
     if (isSplat(b, 1)) return keep(a);
+  } else if (op->is(ir::OpCode::RunningStat)) {
+    const bool training = op->boolAttr("training", false);
+    if (training || rw.fold_eval_stats) return keep(op->operand(training ? 0 : 1));
   }
   return nullptr;
 }
@@ -176,7 +186,7 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
   if ((op->hasTrait(ir::kElementwise) || op->is(ir::OpCode::Cast)) && op->numOperands() > 0) {
     if (Value* c = foldConstant(op, rw)) return rw.replace(op, c);
   }
-  if (Value* x = foldIdentity(op)) return rw.replace(op, x);
+  if (Value* x = foldIdentity(op, rw)) return rw.replace(op, x);
 
   Value* in = op->numOperands() == 1 ? op->operand(0) : nullptr;
   if (!in) return;
@@ -236,11 +246,13 @@ class CanonicalizePass : public RegisteredPass<CanonicalizePass> {
 
   Expected<bool> run(ir::Module& m) override {
     bool changed = false;
+    const bool before_autodiff = m.attrs().count("kiln.train") && !m.lookup("train_step");
     for (auto& f : m.functions()) {
       // Each sweep shrinks the graph or moves an operand closer to its source, so this ends;
       // the bound guards against a rewrite pair that would undo each other.
       for (int sweep = 0; sweep < 64; ++sweep) {
         Rewriter rw;
+        rw.fold_eval_stats = !(before_autodiff && f->name() == "forward");
         canonicalizeBlock(f->entry(), rw);
         if (!rw.changed) break;
         changed = true;

@@ -77,9 +77,11 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
 }  // namespace
 
 int runEval(const std::vector<std::string>& args) {
-  ArgParser p("eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
-              "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'; a\n"
-              "multi-task model (a label of k columns) also each task's 'auc.NAME' and 'accuracy.NAME'.");
+  ArgParser p(
+      "eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
+      "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'; a\n"
+      "multi-task model (a label of k columns) also each task's 'auc.NAME' and 'accuracy.NAME', and a\n"
+      "model's own metrics (in_batch_recall's 'recall@K') by name.");
   EvalSetup setup;
   if (int code = setUp("eval", p, args, setup); code >= 0) return code;
   auto r = evaluateModel(*setup.session, setup.data);
@@ -94,6 +96,7 @@ int runEval(const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\n", r->loss, r->auc, r->accuracy);
+  for (const auto& [name, value] : r->metrics) std::printf("%s: %.17g\n", name.c_str(), value);
   for (const TaskResult& t : r->tasks) {
     std::printf("auc.%s: %.17g\naccuracy.%s: %.17g\n", t.name.c_str(), t.auc, t.name.c_str(), t.accuracy);
     if (!std::isnan(t.loss)) std::printf("loss.%s: %.17g\n", t.name.c_str(), t.loss);

@@ -126,6 +126,7 @@ class Trainer {
   std::string moe_text_;       // its last summary, for the progress line
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
+  std::vector<std::pair<std::string, double>> last_metrics_;  // the model's metric.<name> statistics
   std::vector<TaskResult> last_tasks_;   // a multi-task model's last evaluation, per task
   std::optional<double> entropy_floor_;  // synthetic tokens: the loss no model can beat
   Clock::time_point start_, window_start_;
@@ -335,9 +336,10 @@ void Trainer::noteEvaluation(const EvalResult& ev) {
   last_eval_loss_ = ev.loss;
   if (s_.trainSpec().readsTokens())
     last_perplexity_ = ev.perplexity;
-  else
+  else if (std::isfinite(ev.auc))  // a model without a prediction (two towers) has no AUC
     last_auc_ = ev.auc;
   last_tasks_ = ev.tasks;
+  last_metrics_ = ev.metrics;
 }
 
 void Trainer::addTaskLosses(const std::vector<std::pair<std::string, std::vector<double>>>& stats) {
@@ -378,6 +380,10 @@ void Trainer::progress(bool final_line) {
     for (const TaskResult& t : last_tasks_) auc += fmt::format(" {} {:.4f}", t.name, t.auc);
   }
   if (last_perplexity_) auc = fmt::format(" | eval ppl {:.4f}", *last_perplexity_);
+  if (!last_metrics_.empty()) {
+    auc += " | eval";
+    for (const auto& [name, value] : last_metrics_) auc += fmt::format(" {} {:.4f}", name, value);
+  }
   // On N ranks: the global rate, each rank's share, what a step sends and the time in collectives.
   std::string ranks =
       ranks_ == 1
@@ -582,6 +588,7 @@ int Trainer::run() {
             r.extra["auc." + t.name] = t.auc;
             r.extra["accuracy." + t.name] = t.accuracy;
           }
+          for (const auto& [name, value] : last_metrics_) r.extra[name] = value;
         }
         Status st = metrics_->write(r);
         if (!st) return fail(st);
@@ -630,6 +637,7 @@ int Trainer::run() {
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
   for (const TaskResult& t : last_tasks_) std::printf("eval auc.%s: %.6f\n", t.name.c_str(), t.auc);
   if (last_perplexity_) std::printf("eval perplexity: %.6f\n", *last_perplexity_);
+  for (const auto& [name, value] : last_metrics_) std::printf("eval %s: %.6f\n", name.c_str(), value);
   if (entropy_floor_) std::printf("entropy floor: %.6f nats\n", *entropy_floor_);
   if (!f_.checkpoint_dir.empty())
     std::printf("checkpoint: %s\n",

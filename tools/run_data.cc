@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 
@@ -36,6 +37,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   std::vector<runtime::AucAccumulator> auc(static_cast<size_t>(k));
   std::vector<float> task_scores, task_labels;
   runtime::RunningMean loss;
+  std::vector<std::pair<std::string, runtime::RunningMean>> metrics;  // metric.<name> statistics
   std::vector<runtime::RunningMean> task_loss;  // `loss = [a, b]`: each task's own
   data::Batch batch, share;
   EvalResult r;
@@ -60,6 +62,21 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
     }
     KILN_ASSIGN_OR_RETURN(auto out, s.forward(*mine));
     double batch_loss = out.loss;
+    for (const auto& [name, values] : out.stats) {
+      const std::string_view metric = metricStatName(name);
+      if (metric.empty() || values.size() != 1) continue;
+      double v = values[0];
+      if (ranks > 1) {
+        double sum = 0;
+        KILN_RETURN_IF_ERROR(c->allReduceSync(&v, &sum, 1, comm::DataType::f64));
+        v = sum / ranks;
+      }
+      auto it =
+          std::find_if(metrics.begin(), metrics.end(), [&](const auto& m) { return m.first == metric; });
+      if (it == metrics.end())
+        it = metrics.insert(metrics.end(), {std::string(metric), runtime::RunningMean()});
+      it->second.add(v, static_cast<double>(local * ranks));
+    }
     if (!scored) {
       if (ranks > 1) {
         double sum = 0;
@@ -131,6 +148,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   r.malformed = prefetch.malformed();
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;
+  for (const auto& [name, mean] : metrics) r.metrics.push_back({name, mean.mean()});
   r.auc = auc[0].size() ? auc[0].auc() : NAN;
   r.accuracy = auc[0].size() ? auc[0].accuracy() : NAN;
   if (k > 1)
@@ -146,6 +164,11 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
     r.entropy_floor = entropy_floor;
   }
   return r;
+}
+
+std::string_view metricStatName(std::string_view stat) {
+  static constexpr std::string_view kPrefix = "metric.";
+  return stat.substr(0, kPrefix.size()) == kPrefix ? stat.substr(kPrefix.size()) : std::string_view();
 }
 
 std::vector<std::string> taskNames(const data::BatchSpec& spec) {

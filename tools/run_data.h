@@ -8,6 +8,8 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "runtime/data/batch.h"
@@ -48,7 +50,13 @@ struct EvalResult {
   int64_t malformed = 0;  // TSV lines skipped
   // On N ranks: the samples of an indivisible last batch that no rank evaluated.
   int64_t left_out = 0;
+  // The model's own batch metrics (statistics named metric.<name>, e.g. in_batch_recall's
+  // metric.recall@10), averaged over samples: (name, mean), in the model's order.
+  std::vector<std::pair<std::string, double>> metrics;
 };
+
+// The statistics a model reports as batch metrics: "metric.<name>"; the name, or empty.
+std::string_view metricStatName(std::string_view stat);
 
 // The names of the tasks of `spec`'s label: its file columns, or task0 .. task<k-1>; one entry for
 // a label of one column (or none).

@@ -14,6 +14,7 @@ EmitterRegistry::EmitterRegistry() {
   registerScatterEmitters(*this);
   registerGemmEmitters(*this);
   registerMoeEmitters(*this);
+  registerRandomStateEmitters(*this);
   registerNoKernelOps(*this);
 }
 
@@ -118,8 +119,6 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "expert parallelism's counting and chunk sorting run in sharded steps only; the CUDA "
                   "backend does not run sharded steps yet");
-  r.addNoKernel(ir::OpCode::Dropout, NoKernel::kNotLowered,
-                "its counter-based mask has no CUDA lowering yet: the CPU backend runs it");
 }
 
 }  // namespace kiln::codegen::emit

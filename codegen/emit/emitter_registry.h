@@ -117,6 +117,7 @@ void registerOptimizerEmitters(EmitterRegistry& r);        // optimizer.cc: dens
 void registerScatterEmitters(EmitterRegistry& r);          // scatter.cc: scatter_add
 void registerGemmEmitters(EmitterRegistry& r);             // gemm.cc: matmul (+ epilogue) on cuBLASLt
 void registerMoeEmitters(EmitterRegistry& r);              // moe.cc: routing, dispatch, grouped GEMMs
+void registerRandomStateEmitters(EmitterRegistry& r);      // random_state.cc: dropout, crosses, running state
 void registerNoKernelOps(EmitterRegistry& r);              // emitter_registry.cc: sources, terminators, gaps
 
 }  // namespace kiln::codegen::emit

@@ -1,4 +1,4 @@
-// Random ops. Their randomness is counter-based: every random bit is a pure function of (run
+// Random and hashing ops. The randomness is counter-based: every random bit is a pure function of (run
 // seed, training step, the op's salt, element index), so a step recomputes exactly, a resumed
 // run draws what the uninterrupted run drew, and the backward recomputes a mask instead of
 // storing it.
@@ -7,6 +7,10 @@
 //       training = true (@train_step; the autodiff pass sets it and adds the step operand):
 //       keep element i with probability 1 - p and scale it by 1 / (1 - p) (inverted dropout),
 //       else 0; the mask is dropoutKeeps(seed, step, salt, i).
+//   kiln.hash_cross(ids_0, ..., ids_k) {buckets, salt}  -> i64, shaped like each ids_j
+//       Wide & Deep's crossed columns (Cheng et al. 2016; TensorFlow's crossed_column): element
+//       i hashes (ids_0[i], ..., ids_k[i]) with splitmix64 into [0, buckets), a new feature's id.
+//       Integer: no gradient.
 #include "ir/random.h"
 
 #include <cmath>
@@ -39,6 +43,16 @@ double uniformAt(uint64_t stream, int64_t index) {
 }
 
 bool dropoutKeeps(uint64_t stream, int64_t index, double p) { return uniformAt(stream, index) >= p; }
+
+uint64_t hashCrossStart(int64_t salt) { return splitMix64(static_cast<uint64_t>(salt)); }
+
+uint64_t hashMix(uint64_t h, int64_t id) { return splitMix64(h ^ static_cast<uint64_t>(id)); }
+
+// The signed remainder, moved into [0, buckets): the same integer arithmetic a kernel does.
+int64_t crossBucket(uint64_t h, int64_t buckets) {
+  const auto s = static_cast<int64_t>(h);
+  return (s % buckets + buckets) % buckets;
+}
 
 namespace {
 
@@ -122,6 +136,47 @@ Status gradDropout(GradContext& ctx, const Op& op) {
 
 OpCost costDropout(const Op& op, const SymbolBindings& symbols) { return elementwiseCost(op, symbols, 8); }
 
+Status inferHashCross(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& first = op.operand(0)->type();
+  for (unsigned j = 0; j < op.numOperands(); ++j) {
+    const TensorType& t = op.operand(j)->type();
+    if (!isInteger(t.dtype()))
+      return Status::errorf("'kiln.hash_cross' crosses integer ids, but operand #{} is {}", j, t.str());
+    if (t.shape() != first.shape())
+      return Status::errorf("'kiln.hash_cross' operands must have one shape: #0 is {}, #{} is {}",
+                            first.str(), j, t.str());
+  }
+  out = {TensorType(DType::i64, first.shape())};
+  return Status::ok();
+}
+
+Status verifyHashCross(const Op& op) {
+  if (op.intAttr("buckets", 0) < 1)
+    return Status::errorf("'kiln.hash_cross': buckets must be positive, got {}", op.intAttr("buckets", 0));
+  return Status::ok();
+}
+
+Status cpuHashCross(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  TensorView& r = *out[0];
+  KILN_RETURN_IF_ERROR(setResultShape(op, r, in[0]->shape));
+  const int64_t buckets = op.intAttr("buckets");
+  const uint64_t start = hashCrossStart(op.intAttr("salt", 0));
+  auto* pr = static_cast<int64_t*>(r.data);
+  for (int64_t i = 0, n = in[0]->numel(); i < n; ++i) {
+    uint64_t h = start;
+    for (const TensorView* ids : in) h = hashMix(h, loadIndex(*ids, i));
+    pr[i] = crossBucket(h, buckets);
+  }
+  return Status::ok();
+}
+
+// Reads every operand, writes the result; a few multiplies per feature.
+OpCost costHashCross(const Op& op, const SymbolBindings& symbols) {
+  double bytes = typeBytes(op.result()->type(), symbols);
+  for (const Value* v : op.operands()) bytes += typeBytes(v->type(), symbols);
+  return {6.0 * op.numOperands() * typeBytes(op.result()->type(), symbols) / 8, bytes};
+}
+
 }  // namespace
 
 void registerRandomOps(OpRegistry& r) {
@@ -140,6 +195,17 @@ void registerRandomOps(OpRegistry& r) {
          .cost = costDropout,
          .grad = gradDropout,
          .cpu = cpuDropout});
+  r.add({.name = "kiln.hash_cross",
+         .summary = "Hashed cross of two or more id features into [0, buckets) (splitmix64 of the ids)",
+         .min_operands = 2,
+         .max_operands = -1,
+         .attrs = {{"buckets", Attribute::Kind::Int, true},
+                   {"salt", Attribute::Kind::Int, false, Attribute(int64_t{0})}},
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferHashCross,
+         .verify = verifyHashCross,
+         .cost = costHashCross,
+         .cpu = cpuHashCross});
 }
 
 }  // namespace kiln::ir

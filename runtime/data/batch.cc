@@ -254,6 +254,8 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
             return inputError(in.name, fmt::format("table must be a string, got {}", t->str()));
           in.table = t->asString();
         }
+        if (const ir::Attribute* t = get(attrs, "retrieval"))
+          in.retrieval_candidate = t->isString() && t->asString() == "candidate";
         if (const ir::Attribute* m = get(attrs, "id_map")) {
           if (!m->isString() || (m->asString() != "modulo" && m->asString() != "hash"))
             return inputError(in.name, fmt::format("id_map must be \"modulo\" or \"hash\", got {}", m->str()));

@@ -60,6 +60,9 @@ struct InputSpec {
   // Sparse: the embedding table reading the ids when the model names it (attribute `table`, set
   // for pool = none lookups); the synthetic generator pairs a history with a candidate by it.
   std::string table;
+  // Sparse: the candidates' ids of an in-batch retrieval loss (attribute `retrieval` =
+  // "candidate", set by in_batch_softmax); the synthetic generator draws them for the query.
+  bool retrieval_candidate = false;
   // Sparse, variable length: indices into BatchSpec::inputs of the feature's lengths and
   // weights inputs (-1 when absent). Fixed hotness may have weights too.
   int lengths_input = -1;

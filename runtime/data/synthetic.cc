@@ -17,6 +17,9 @@ constexpr double kSequenceInterest = 0.8;
 constexpr float kSequenceWeight = 0.9f;
 constexpr int kSequenceCap = 5;
 constexpr float kSequenceCenter = 2.0f;
+// The retrieval task (synthetic.h): hidden categories and the share of candidates of the user's.
+constexpr int64_t kRetrievalCategories = 16;
+constexpr double kRetrievalInterest = 0.8;
 
 // A small counter-based stream of random bits: each call mixes the next counter value.
 struct Bits {
@@ -116,21 +119,58 @@ SyntheticGenerator::SyntheticGenerator(const BatchSpec& spec, SyntheticOptions o
       break;
     }
   }
+  // A retrieval task: the candidates' feature and the first other single-id feature.
+  for (size_t ci = 0; ci < tables_.size() && !retrieval_; ++ci) {
+    const InputSpec& c = spec_.inputs[static_cast<size_t>(tables_[ci].input)];
+    if (!c.retrieval_candidate || c.variableLength() || c.hotness != 1) continue;
+    for (size_t qi = 0; qi < tables_.size(); ++qi) {
+      const InputSpec& q = spec_.inputs[static_cast<size_t>(tables_[qi].input)];
+      if (qi == ci || q.variableLength() || q.hotness != 1 || q.retrieval_candidate) continue;
+      RetrievalPair p;
+      p.query = static_cast<int>(qi);
+      p.candidate = static_cast<int>(ci);
+      p.categories = std::min<int64_t>(kRetrievalCategories, c.rows);
+      p.query_key = mix64(model_key ^ (0x05e12ca7ull + static_cast<uint64_t>(q.feature)));
+      p.candidate_key = mix64(model_key ^ (0x17e3ca7ull + static_cast<uint64_t>(c.feature)));
+      retrieval_ = p;
+      break;
+    }
+  }
 }
 
-int64_t SyntheticGenerator::category(const SequencePair& p, int64_t row) const {
-  return static_cast<int64_t>(mix64(p.key + static_cast<uint64_t>(row)) %
-                              static_cast<uint64_t>(p.categories));
+int64_t SyntheticGenerator::category(uint64_t key, int64_t categories, int64_t row) {
+  return static_cast<int64_t>(mix64(key + static_cast<uint64_t>(row)) % static_cast<uint64_t>(categories));
 }
 
-int64_t SyntheticGenerator::drawRowOf(const SequencePair& p, const Table& t, int64_t c,
+int64_t SyntheticGenerator::drawRowOf(uint64_t key, int64_t categories, const Table& t, int64_t c,
                                       uint64_t& state) const {
   int64_t row = 0;
   for (int tries = 0; tries < 1024; ++tries) {
     row = drawRow(t, mix64(state += 0x9e3779b97f4a7c15ull));
-    if (category(p, row) == c) return row;
+    if (category(key, categories, row) == c) return row;
   }
   return row;
+}
+
+void SyntheticGenerator::generateRetrieval(const RetrievalPair& p, int64_t n,
+                                           const std::vector<uint64_t>& seeds, Batch& batch) const {
+  const Table& qt = tables_[static_cast<size_t>(p.query)];
+  const Table& ct = tables_[static_cast<size_t>(p.candidate)];
+  const ir::HostTensor& query = batch.tensors[static_cast<size_t>(qt.input)];
+  ir::HostTensor& cand = batch.tensors[static_cast<size_t>(ct.input)];
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t state = mix64(seeds[static_cast<size_t>(i)] ^ p.candidate_key);
+    const int64_t user = query.view.dtype == ir::DType::i64 ? query.as<int64_t>()[i] : query.as<int32_t>()[i];
+    const int64_t c = uniform(mix64(state += 0x9e3779b97f4a7c15ull)) < kRetrievalInterest
+                          ? category(p.query_key, p.categories, user)
+                          : static_cast<int64_t>(mix64(state += 0x9e3779b97f4a7c15ull) %
+                                                 static_cast<uint64_t>(p.categories));
+    const int64_t item = drawRowOf(p.candidate_key, p.categories, ct, c, state);
+    if (cand.view.dtype == ir::DType::i64)
+      cand.as<int64_t>()[i] = item;
+    else
+      cand.as<int32_t>()[i] = static_cast<int32_t>(item);
+  }
 }
 
 void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const std::vector<uint64_t>& seeds,
@@ -161,13 +201,13 @@ void SyntheticGenerator::generatePair(const SequencePair& p, int64_t n, const st
     const int64_t cc = uniform(next()) < 0.5
                            ? interest[next() & 1]
                            : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
-    store(cand, i, drawRowOf(p, ct, cc, state));
+    store(cand, i, drawRowOf(p.key, p.categories, ct, cc, state));
     int matches = 0;
     for (int k = 0; k < len; ++k) {
       const int64_t c = uniform(next()) < kSequenceInterest
                             ? interest[next() & 1]
                             : static_cast<int64_t>(next() % static_cast<uint64_t>(p.categories));
-      ids.push_back(drawRowOf(p, ht, c, state));
+      ids.push_back(drawRowOf(p.key, p.categories, ht, c, state));
       matches += c == cc;
     }
     lt.as<int32_t>()[i] = len;
@@ -290,6 +330,13 @@ void SyntheticGenerator::generate(int64_t first, int64_t n, Batch& batch, std::v
       for (size_t l = 0; l < L; ++l)
         logit[static_cast<size_t>(i) * L + l] += acc[l] / static_cast<float>(len[i]);
     }
+  }
+
+  // The candidates of a retrieval task follow the query ids drawn above.
+  if (retrieval_) {
+    std::vector<uint64_t> seeds(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) seeds[static_cast<size_t>(i)] = rng[static_cast<size_t>(i)].state;
+    generateRetrieval(*retrieval_, n, seeds, batch);
   }
 
   // Each label input reads its labels (a Criteo-layout model has one, label 0).

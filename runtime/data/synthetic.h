@@ -14,12 +14,18 @@
 //   logit += kSequenceWeight * (min(matches, kSequenceCap) - kSequenceCenter)
 // (no h_f term for the pair). The count, not the fraction, decides: target attention can
 // weigh each history item by its match, mean pooling sees only the mix.
+// A retrieval task (docs/data.md, "Synthetic retrieval"): the candidates' ids of an in-batch
+// retrieval loss (in_batch_softmax) and the query, the first other single-id feature (the user).
+// Users and items have hidden categories; a sample's candidate is an item of its user's
+// category with probability kRetrievalInterest, else any item, drawn by popularity either way,
+// so a model that learns the categories ranks the positive high among the batch's candidates.
 // A schema with several labels has one hidden model each. Sample i of a stream is a pure function of
 // (seed, stream, i): streams differ between training and evaluation (held out), the hidden
 // model is shared, any batch size sees the same samples, and resuming needs only the index.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "runtime/data/batch.h"
@@ -64,11 +70,21 @@ class SyntheticGenerator {
     uint64_t key = 0;  // hashing key of the hidden item categories
   };
 
+  // The query and candidate (indices into tables_) of a retrieval task.
+  struct RetrievalPair {
+    int query = -1, candidate = -1;
+    int64_t categories = 0;
+    uint64_t query_key = 0, candidate_key = 0;  // hashing keys of the hidden categories
+  };
+
   int64_t drawRow(const Table& t, uint64_t bits) const;
-  int64_t category(const SequencePair& p, int64_t row) const;
+  // The hidden category of a row: its hash under `key`, in [0, categories).
+  static int64_t category(uint64_t key, int64_t categories, int64_t row);
   // A row of category c, drawn from the table's power law until one has it (after 1024
   // misses, the last draw: a table of fewer rows than categories has categories with none).
-  int64_t drawRowOf(const SequencePair& p, const Table& t, int64_t c, uint64_t& state) const;
+  int64_t drawRowOf(uint64_t key, int64_t categories, const Table& t, int64_t c, uint64_t& state) const;
+  void generateRetrieval(const RetrievalPair& p, int64_t n, const std::vector<uint64_t>& seeds,
+                         Batch& batch) const;
   void generatePair(const SequencePair& p, int64_t n, const std::vector<uint64_t>& seeds, Batch& batch,
                     std::vector<float>& logit) const;
   // h_f(row) of label `label`'s hidden model.
@@ -78,6 +94,7 @@ class SyntheticGenerator {
   SyntheticOptions opts_;
   std::vector<Table> tables_;
   std::vector<SequencePair> pairs_;
+  std::optional<RetrievalPair> retrieval_;
   // The Criteo layout has 13 dense features, log(1 + E * scale_j); a schema's dense columns are
   // standard normal (scale 0). a_j of label l is dense_weight_[l * dense + j].
   int dense_ = kNumDense;

@@ -457,6 +457,59 @@ inline std::vector<OpCase> allOpCases() {
     b.tol(1e-4);
     add(b);
   }
+  {  // Training dropout after an activation: the counter-based mask inline, one launch.
+    CaseBuilder b("dropout_training");
+    Value* r = b.op("kiln.relu", {b.input("x", f32, S({6, 40}))})->result();
+    b.op("kiln.dropout", {r, b.input("step", f32, {}, Fill::Ids, 50)},
+         {{"p", Attribute(0.3)},
+          {"seed", Attribute(int64_t{7})},
+          {"salt", Attribute(int64_t{12345})},
+          {"training", Attribute(true)}});
+    b.kernels(1);
+    add(b);
+  }
+  {  // Hashed crosses of ids of two integer types.
+    CaseBuilder b("hash_cross");
+    b.op("kiln.hash_cross",
+         {b.input("a", DType::i64, S({9, 1}), Fill::Ids, 1000),
+          b.input("b", DType::i32, S({9, 1}), Fill::Ids, 40),
+          b.input("c", DType::i64, S({9, 1}), Fill::Ids, 7)},
+         {{"buckets", Attribute(int64_t{97})}, {"salt", Attribute(int64_t{31})}});
+    b.kernels(1);
+    add(b);
+  }
+  {  // Batch norm's statistic in training (the batch's) and the running update, in place.
+    CaseBuilder b("running_stat_update");
+    Value* batch = b.input("mean", f32, S({7}));
+    Value* running = b.param("bn.running_mean", f32, S({7}));
+    b.op("kiln.running_stat", {batch, running}, {{"training", Attribute(true)}});
+    add(b);
+    CaseBuilder u("running_stat_update_in_place");
+    u.op(
+        "kiln.running_stat_update",
+        {u.param("bn.running_var", f32, S({7}), Fill::Positive), u.input("var", f32, S({7}), Fill::Positive)},
+        {{"momentum", Attribute(0.25)}});
+    u.kernels(1);
+    add(u);
+  }
+  {  // log q of ids from the estimator's state; rows of period <= 0 take the prior.
+    CaseBuilder b("log_frequency");
+    b.op("kiln.log_frequency",
+         {b.input("ids", DType::i64, S({10, 1}), Fill::Ids, 30), b.param("freq", f32, S({8, 2}))},
+         {{"prior", Attribute(50.0)}});
+    b.kernels(1);
+    add(b);
+  }
+  {  // The estimator's step: 16 ids over 6 state rows, duplicates counted together.
+    CaseBuilder b("frequency_update");
+    b.op("kiln.frequency_update",
+         {b.param("freq", f32, S({6, 2})), b.input("ids", DType::i32, S({16}), Fill::Ids, 24),
+          b.input("step", f32, {}, Fill::Ids, 9)},
+         {{"alpha", Attribute(0.2)}});
+    b.kernels(1);
+    b.tol(1e-5);
+    add(b);
+  }
   return cases;
 }
 

@@ -89,6 +89,14 @@ std::vector<GradCase> gradCases() {
        {},
        {1}});
   c.push_back({"DropoutEval", "kiln.dropout", {uniform({2, 3})}, attrs({{"p", A(0.4)}})});
+  // Batch norm's statistic: the gradient goes to the operand the mode selects.
+  c.push_back({"RunningStatTraining",
+               "kiln.running_stat",
+               {uniform({4}), uniform({4})},
+               attrs({{"training", A(true)}}),
+               {},
+               {1}});
+  c.push_back({"RunningStatEval", "kiln.running_stat", {uniform({4}), uniform({4})}, {}, {}, {0}});
   // Away from the kink at 0; the scalar alpha and the per-channel slope get their gradients
   // summed over the broadcast dims.
   c.push_back({"Elu", "kiln.elu", {awayFromZero({2, 3}), uniform({}, 0.5, 1.5)}});
