@@ -343,10 +343,10 @@ void Trainer::noteEvaluation(const EvalResult& ev) {
 }
 
 void Trainer::addTaskLosses(const std::vector<std::pair<std::string, std::vector<double>>>& stats) {
-  static constexpr std::string_view kPrefix = "task_loss.";
   for (const auto& [name, values] : stats) {
-    if (name.compare(0, kPrefix.size(), kPrefix) != 0 || values.size() != 1) continue;
-    const auto i = static_cast<size_t>(std::atoi(name.c_str() + kPrefix.size()));
+    const std::optional<size_t> task = taskLossIndex(name);
+    if (!task || values.size() != 1) continue;
+    const size_t i = *task;
     if (task_loss_window_.size() <= i) task_loss_window_.resize(i + 1);
     task_loss_window_[i].add(values[0]);
   }

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 
@@ -113,8 +114,9 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
     }
     loss.add(batch_loss, static_cast<double>(local * ranks));
     for (const auto& [name, values] : out.stats) {
-      if (name.rfind("task_loss.", 0) != 0 || values.size() != 1) continue;
-      const auto j = static_cast<size_t>(std::atoi(name.c_str() + 10));
+      const std::optional<size_t> task = taskLossIndex(name);
+      if (!task || values.size() != 1) continue;
+      const size_t j = *task;
       if (task_loss.size() <= j) task_loss.resize(j + 1);
       double v = values[0];
       if (ranks > 1) {
@@ -181,6 +183,16 @@ std::vector<std::string> taskNames(const data::BatchSpec& spec) {
     names.push_back(named ? label.columns[static_cast<size_t>(j)].name : fmt::format("task{}", j));
   }
   return names;
+}
+
+std::optional<size_t> taskLossIndex(std::string_view stat_name) {
+  static constexpr std::string_view kPrefix = "task_loss.";
+  if (stat_name.substr(0, kPrefix.size()) != kPrefix) return std::nullopt;
+  const std::string_view digits = stat_name.substr(kPrefix.size());
+  size_t j = 0;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), j);
+  if (digits.empty() || ec != std::errc() || end != digits.data() + digits.size()) return std::nullopt;
+  return j;
 }
 
 namespace {

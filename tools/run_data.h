@@ -62,6 +62,10 @@ std::string_view metricStatName(std::string_view stat);
 // a label of one column (or none).
 std::vector<std::string> taskNames(const data::BatchSpec& spec);
 
+// The task j of a step statistic named `task_loss.<j>` (each task's own loss under `loss = [a,
+// b]`); none for any other name, `task_loss.` followed by anything but a decimal number included.
+std::optional<size_t> taskLossIndex(std::string_view stat_name);
+
 // Receives each batch's scores in order (k per sample for k tasks, sample-major) with the malformed lines
 // skipped among its samples (SkippedLine::before places each), and last, with no scores, the lines skipped
 // after the last sample: together one entry per input line.

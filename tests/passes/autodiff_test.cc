@@ -137,6 +137,25 @@ std::set<std::string> trainableNames(const Module& m) {
   return out;
 }
 
+// d loss / d name[i] for every entry i of parameter `name`: central differences of the forward
+// loss, independent of the autodiff pass.
+std::vector<double> centralDifferences(const Module& m, const std::map<std::string, HostTensor>& tensors,
+                                       const std::string& name, double h = 1e-6) {
+  const HostTensor& p0 = tensors.at(name);
+  std::vector<double> grad;
+  std::map<std::string, HostTensor> t = tensors;
+  for (int64_t i = 0; i < p0.numel(); ++i) {
+    const double x = ModelBuilder::get(p0, i);
+    ModelBuilder::set(t[name], i, x + h);
+    const double up = forwardLoss(m, t);
+    ModelBuilder::set(t[name], i, x - h);
+    const double down = forwardLoss(m, t);
+    ModelBuilder::set(t[name], i, x);
+    grad.push_back((up - down) / (2 * h));
+  }
+  return grad;
+}
+
 // Builds @train_step with SGD at lr 1, runs one step, and compares old - new of every trainable
 // parameter with central differences of the forward loss.
 void checkGradients(Module& m, const std::map<std::string, HostTensor>& tensors, double tol = 1e-6) {
@@ -151,20 +170,13 @@ void checkGradients(Module& m, const std::map<std::string, HostTensor>& tensors,
   double loss = forwardLoss(m, tensors);
   EXPECT_NEAR(ModelBuilder::get((*out)[0], 0), loss, 1e-12) << "train_step's loss is the forward loss";
 
-  const double h = 1e-6;
   double largest = 0;
   ASSERT_FALSE(trainableNames(m).empty());
   for (const std::string& name : trainableNames(m)) {
-    const HostTensor& p0 = tensors.at(name);
-    for (int64_t i = 0; i < p0.numel(); ++i) {
-      std::map<std::string, HostTensor> t = tensors;
-      double x = ModelBuilder::get(p0, i);
-      ModelBuilder::set(t[name], i, x + h);
-      double up = forwardLoss(m, t);
-      ModelBuilder::set(t[name], i, x - h);
-      double down = forwardLoss(m, t);
-      double fd = (up - down) / (2 * h);
-      double applied = x - ModelBuilder::get(after.at(name), i);
+    const std::vector<double> grad = centralDifferences(m, tensors, name);
+    for (int64_t i = 0; i < static_cast<int64_t>(grad.size()); ++i) {
+      const double fd = grad[static_cast<size_t>(i)];
+      const double applied = ModelBuilder::get(tensors.at(name), i) - ModelBuilder::get(after.at(name), i);
       EXPECT_NEAR(applied, fd, tol * std::max(1.0, std::abs(fd))) << name << "[" << i << "]";
       largest = std::max(largest, std::abs(fd));
     }
@@ -302,17 +314,11 @@ TEST(Autodiff, SharedTableTakesOneAdagradStepWithTheSummedGradient) {
       for (int64_t i = 0; i < after.at(op->strAttr("name")).numel(); ++i)
         ModelBuilder::set(after[op->strAttr("name")], i, acc0);
   ASSERT_TRUE(interpretInPlace(step, after, kSymbols).isOk());
-  const double h = 1e-6;
   int rows_with_both = 0;
   for (const char* name : {"tables.0", "tables.1"}) {
-    const HostTensor& p0 = mb.tensors.at(name);
-    for (int64_t i = 0; i < p0.numel(); ++i) {
-      std::map<std::string, HostTensor> t = mb.tensors;
-      const double x = ModelBuilder::get(p0, i);
-      ModelBuilder::set(t[name], i, x + h);
-      const double up = forwardLoss(*m, t);
-      ModelBuilder::set(t[name], i, x - h);
-      const double g = (up - forwardLoss(*m, t)) / (2 * h);
+    const std::vector<double> grad = centralDifferences(*m, mb.tensors, name);
+    for (int64_t i = 0; i < static_cast<int64_t>(grad.size()); ++i) {
+      const double x = ModelBuilder::get(mb.tensors.at(name), i), g = grad[static_cast<size_t>(i)];
       const double expected = x - lr * g / (std::sqrt(acc0 + g * g) + 1e-10);
       EXPECT_NEAR(ModelBuilder::get(after.at(name), i), expected, 1e-7) << name << "[" << i << "]";
     }
@@ -335,20 +341,11 @@ TEST(Autodiff, SharedTableGradientNormCombinesItsLookups) {
   std::map<std::string, HostTensor> after = mb.tensors;
   addStepTensors(step, after);
   ASSERT_TRUE(interpretInPlace(step, after, kSymbols).isOk());
-  const double h = 1e-6;
   double sq = 0;
   std::map<std::string, std::vector<double>> grads;
   for (const std::string& name : trainableNames(*m)) {
-    const HostTensor& p0 = mb.tensors.at(name);
-    for (int64_t i = 0; i < p0.numel(); ++i) {
-      std::map<std::string, HostTensor> t = mb.tensors;
-      const double x = ModelBuilder::get(p0, i);
-      ModelBuilder::set(t[name], i, x + h);
-      const double up = forwardLoss(*m, t);
-      ModelBuilder::set(t[name], i, x - h);
-      grads[name].push_back((up - forwardLoss(*m, t)) / (2 * h));
-      sq += grads[name].back() * grads[name].back();
-    }
+    grads[name] = centralDifferences(*m, mb.tensors, name);
+    for (double g : grads[name]) sq += g * g;
   }
   const double scale = std::min(1.0, 1e-3 / std::sqrt(sq));
   ASSERT_LT(scale, 1.0);
