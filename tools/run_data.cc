@@ -39,7 +39,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   std::vector<float> task_scores, task_labels;
   runtime::RunningMean loss;
   std::vector<std::pair<std::string, runtime::RunningMean>> metrics;  // metric.<name> statistics
-  std::vector<runtime::RunningMean> task_loss;  // `loss = [a, b]`: each task's own
+  std::vector<runtime::RunningMean> task_loss;                        // `loss = [a, b]`: each task's own
   data::Batch batch, share;
   EvalResult r;
   std::vector<float> scores, labels;

@@ -103,6 +103,10 @@ Expected<Checked> prepare(const std::string& model) {
   KILN_RETURN_IF_ERROR(pm.addPipeline("autodiff"));
   auto r = pm.run(**m);
   if (!r) return r.status();
+  // The step differentiates the loss with the batch's statistics (Dice, batch norm): difference
+  // the same function, not @forward's eval form with running ones.
+  for (ir::Op* op : (*m)->lookup("forward")->entry().opList())
+    if (op->is(ir::OpCode::RunningStat)) op->setAttr("training", true);
   Checked c;
   const ir::AttrArray& outputs = (*m)->attrs().at("kiln.outputs").asArray();
   for (size_t i = 0; i < outputs.size(); ++i)
