@@ -22,9 +22,12 @@
 #include "frontend/frontend.h"
 #include "ir/interpreter.h"
 #include "passes/autodiff.h"
+#include "tests/frontend/numerics_util.h"
 
 namespace kiln::frontend {
 namespace {
+
+using testing::randomF32;
 
 using Tensors = std::map<std::string, ir::HostTensor>;
 using Weights = std::map<std::string, std::vector<double>>;
@@ -38,20 +41,6 @@ std::unique_ptr<ir::Module> compile(const std::string& src) {
   auto m = compileModelSource("t.kiln", src, {}, d);
   EXPECT_TRUE(m) << d.str();
   return m ? m.take() : nullptr;
-}
-
-// An f32 tensor of random values; `values` gets them as stored (rounded to f32), so the loops
-// below compute on exactly what the interpreter reads.
-ir::HostTensor randomF32(const std::vector<int64_t>& shape, std::mt19937& rng, double scale,
-                         std::vector<double>& values) {
-  ir::HostTensor t(ir::DType::f32, shape);
-  std::normal_distribution<double> n(0.0, scale);
-  values.resize(static_cast<size_t>(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    t.as<float>()[i] = static_cast<float>(n(rng));
-    values[static_cast<size_t>(i)] = t.as<float>()[i];
-  }
-  return t;
 }
 
 template <typename T>
