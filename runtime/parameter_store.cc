@@ -180,7 +180,8 @@ Expected<std::vector<ParameterSpec>> parameterSpecs(const ir::Module& m, const i
 }
 
 Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
-                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values) {
+                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values,
+                                      const std::set<std::string, std::less<>>* leave_out) {
   Status status;
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
     if (!status.isOk() || !op.is(ir::OpCode::Parameter)) return;
@@ -190,6 +191,7 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
       return;
     }
     const std::string& name = spec->name;
+    if (leave_out && leave_out->count(name)) return;
     const ir::TensorType& type = op.result()->type();
     if (const ir::HostTensor* have = find(name)) {
       if (have->view.dtype != type.dtype() || have->view.shape != spec->shape)
@@ -232,9 +234,10 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
 }
 
 Status ParameterStore::initializeFrom(const ir::Module& m, uint64_t run_seed,
-                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values) {
+                                      const ir::SymbolBindings& symbols, ThreadPool* pool, bool values,
+                                      const std::set<std::string, std::less<>>* leave_out) {
   for (const auto& f : m.functions())
-    KILN_RETURN_IF_ERROR(initializeFrom(*f, run_seed, symbols, pool, values));
+    KILN_RETURN_IF_ERROR(initializeFrom(*f, run_seed, symbols, pool, values, leave_out));
   return Status::ok();
 }
 

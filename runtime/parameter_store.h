@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -72,11 +73,15 @@ class ParameterStore {
   // Parameters already present are checked against the declared type and kept.
   // With `values` false they are allocated (zeros) but not initialized: a caller that loads
   // every value from a checkpoint next.
+  // Parameters named in `leave_out` are neither allocated nor initialized (a serving session's
+  // tables, which a store holds).
   Status initializeFrom(const ir::Function& f, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
-                        ThreadPool* pool = nullptr, bool values = true);
+                        ThreadPool* pool = nullptr, bool values = true,
+                        const std::set<std::string, std::less<>>* leave_out = nullptr);
   // Same over every function of a module.
   Status initializeFrom(const ir::Module& m, uint64_t run_seed, const ir::SymbolBindings& symbols = {},
-                        ThreadPool* pool = nullptr, bool values = true);
+                        ThreadPool* pool = nullptr, bool values = true,
+                        const std::set<std::string, std::less<>>* leave_out = nullptr);
 
  private:
   std::map<std::string, ir::HostTensor, std::less<>> params_;

@@ -14,6 +14,9 @@ PACKAGES=(
   clang-14 libclang-rt-14-dev      # libFuzzer for the fuzz tests (tests/fuzz)
   mlir-19-tools                    # mlir-opt-19, to check our IR text parses as MLIR
   openmpi-bin libopenmpi-dev       # MPI ranks (runtime/comm) and the mpirun tests
+  libcpp-httplib-dev               # HTTP for kiln serve (docs/serving.md)
+  librocksdb-dev                   # the persistent tier of the serving embedding store
+  wrk                              # load generator of bench/serve.sh
 )
 
 missing=()

@@ -16,7 +16,10 @@
 #include "runtime/data/binary_format.h"
 #include "runtime/data/markov_tokens.h"
 #include "runtime/data/schema.h"
+#include "runtime/checkpoint.h"
 #include "tools/cli.h"
+#include "tools/model_session.h"
+#include "tools/serve_http.h"
 
 namespace kiln::cli {
 namespace {
@@ -218,6 +221,73 @@ int runTokens(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+// `kiln data requests MODEL.kiln --data ... -o FILE`: infer request bodies of the data as the
+// model reads it, one per line, for kiln serve's clients, tests and bench/serve.sh.
+int runRequests(const std::vector<std::string>& raw_args) {
+  ArgParser p("data requests", "kiln data requests MODEL.kiln --data synthetic|PATH... [-o FILE] [flags]",
+              "Writes KServe v2 infer request bodies (JSON, one per line) holding the samples of the data as\n"
+              "MODEL reads them, --batch samples each: what a client of kiln serve sends.");
+  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  p.addOption("data", "synthetic|PATH", "the data (synthetic: its held-out stream)", std::nullopt, true);
+  p.addOption("batch", "B", "samples per request", "1");
+  p.addOption("samples", "N", "samples of the synthetic stream, or at most this many of the files", "1024");
+  p.addOption("output", "FILE", "where to write them (also -o FILE; default stdout)");
+  addModelFlags(p);
+  int code;
+  if (!p.parse(expandOutputShorthand(raw_args), &code)) return code;
+  auto batch = p.getInt("batch");
+  auto samples = p.getInt("samples");
+  if (!batch || !samples) return kExitUsage;
+  if (*batch < 1 || *samples < 1) return p.usageError("--batch and --samples must be positive");
+  SessionOptions so;
+  so.model_path = p.positionals()[0];
+  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  so.batch = *batch;
+  so.training = false;
+  so.external_tables = true;  // the spec is all this needs: leave the tables unallocated
+  if (!readModelFlags(p, so, &code)) return code;
+  auto session = openSession(so, std::cerr);
+  if (!session) {
+    printError("data requests", session.status());
+    return kExitError;
+  }
+  data::DataOptions opts;
+  opts.paths = p.getAll("data");
+  opts.batch_size = *batch;
+  opts.epochs = 1;
+  opts.synthetic.seed = so.seed + 1;  // the held-out stream of the task kiln train learns
+  opts.synthetic.stream = 1;
+  opts.synthetic_samples = *samples;
+  auto reader = data::openBatchReader((*session)->forwardSpec(), opts);
+  if (!reader) {
+    printError("data requests", reader.status());
+    return kExitError;
+  }
+  std::string out;
+  data::Batch b;
+  int64_t written = 0;
+  while (written < *samples) {
+    auto more = (*reader)->next(b);
+    if (!more) {
+      printError("data requests", more.status());
+      return kExitError;
+    }
+    if (!*more) break;
+    out += inferRequestBody(b, (*session)->forwardSpec());
+    out += '\n';
+    written += b.size;
+  }
+  const std::string path = p.get("output");
+  if (path.empty()) {
+    std::fwrite(out.data(), 1, out.size(), stdout);
+  } else if (Status st = runtime::writeFileAtomically(path, out); !st) {
+    printError("data requests", st);
+    return kExitError;
+  }
+  std::fprintf(stderr, "wrote %lld samples\n", static_cast<long long>(written));
+  return kExitOk;
+}
+
 }  // namespace
 
 int runData(const std::vector<std::string>& args) {
@@ -225,6 +295,7 @@ int runData(const std::vector<std::string>& args) {
       "data",
       {{"convert", "Convert Criteo TSV files into one Kiln binary data file", runConvert},
        {"info", "Check data files as training reads them and print their record counts", runInfo},
+       {"requests", "Write infer request bodies for kiln serve from data, as the model reads it", runRequests},
        {"tokens", "Write a token file of the synthetic Markov chain (for language models)", runTokens}},
       args);
 }

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <set>
 
 #include "passes/lr_schedule.h"
 #include "runtime/checkpoint.h"
@@ -22,6 +23,7 @@
 #include "runtime/metrics.h"
 #include "runtime/run_inputs.h"
 #include "runtime/sharded_checkpoint.h"
+#include "runtime/serving/update_file.h"
 #include "runtime/trace.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
@@ -56,6 +58,10 @@ struct TrainFlags {
   std::string trace_path;
   int64_t trace_first = 2, trace_last = 4;
   int64_t ep = 1;  // --ep: MoE experts over groups of this many ranks
+  // --publish DIR: every publish_every steps (and at the end) the changed rows and the dense
+  // weights, as update files kiln serve --watch applies (runtime/serving/update_file.h).
+  std::string publish_dir;
+  int64_t publish_every = 100;
 };
 
 // One rank's training loop (the only one on one rank). On N ranks every rank runs it in step:
@@ -113,6 +119,8 @@ class Trainer {
   runtime::RunInputs inputs_;  // recorded in every checkpoint, checked on resume
   int64_t step_ = 0, start_step_ = 0;
   int64_t samples_ = 0;
+  std::unique_ptr<serving::UpdatePublisher> publisher_;  // --publish
+  Status publish();
   data::StreamPosition resume_position_;
   bool resumed_ = false;
   runtime::RunningMean window_loss_;
@@ -401,6 +409,12 @@ void Trainer::progress(bool final_line) {
   std::fflush(stderr);
 }
 
+Status Trainer::publish() {
+  runtime::Tracer::Scope scope(tracer_, "publish", runtime::TraceCategory::Host, rank_, runtime::kHostTrack,
+                               {{"step", step_}});
+  return publisher_->publish(step_, s_.params());
+}
+
 int Trainer::run() {
   auto inputs = runtime::RunInputs::describe(s_.modelName(), seed_, f_.batch, f_.data);
   if (!inputs) {
@@ -474,6 +488,21 @@ int Trainer::run() {
     return kExitError;
   };
 
+  if (!f_.publish_dir.empty()) {
+    // The served tables' rows a step reads are the rows it may change (embedding updates are
+    // sparse); every other parameter of @forward goes whole.
+    const ir::Function* fwd = s_.module().lookup("forward");
+    std::vector<serving::ServedTable> tables = serving::findServedTables(*fwd);
+    std::set<std::string> table_names, dense;
+    for (const serving::ServedTable& t : tables) table_names.insert(t.name);
+    const_cast<ir::Function*>(fwd)->walk([&](ir::Op& op) {
+      if (op.is(ir::OpCode::Parameter) && !table_names.count(op.strAttr("name"))) dense.insert(op.strAttr("name"));
+    });
+    publisher_ = std::make_unique<serving::UpdatePublisher>(f_.publish_dir, s_.modelName(), std::move(tables),
+                                                            std::vector<std::string>(dense.begin(), dense.end()),
+                                                            step_);
+  }
+
   start_ = window_start_ = Clock::now();
   data::Batch batch;
   data::StreamPosition position = resume_position_;
@@ -514,6 +543,7 @@ int Trainer::run() {
       out->loss = sum / ranks_;
     }
     ++step_;
+    if (publisher_) publisher_->noteBatch(batch);
     position = batch.end;
     samples_ += batch.size;
     window_samples_ += batch.size;
@@ -598,6 +628,9 @@ int Trainer::run() {
       window_samples_ = 0;
       window_start_ = last_log = Clock::now();
     }
+    if (publisher_ && step_ % f_.publish_every == 0) {
+      if (Status st = publish(); !st) return fail(st);
+    }
     if (!f_.checkpoint_dir.empty() && f_.checkpoint_every > 0 && step_ % f_.checkpoint_every == 0) {
       runtime::Tracer::Scope save_scope(tracer, "checkpoint save", runtime::TraceCategory::Host, rank_,
                                         runtime::kHostTrack, {{"step", step_}});
@@ -616,6 +649,9 @@ int Trainer::run() {
     noteEvaluation(*ev);
   }
   if (tty_ || logged_step_ != step_) progress(true);
+  if (publisher_ && step_ % f_.publish_every != 0 && step_ > start_step_) {
+    if (Status st = publish(); !st) return fail(st);
+  }
   if (!f_.checkpoint_dir.empty()) {
     Status st = saveCheckpoint(position);
     if (!st) return fail(st);
@@ -682,6 +718,9 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("log-every", "N", "log every N steps (default: about once a second)");
   p.addOption("checkpoint", "DIR", "save a checkpoint into DIR at the end (and every --checkpoint-every steps)");
   p.addOption("checkpoint-every", "N", "also save every N steps", "0");
+  p.addOption("publish", "DIR",
+              "write the changed rows and dense weights every --publish-every steps to DIR, for kiln serve --watch");
+  p.addOption("publish-every", "N", "steps between published updates", "100");
   p.addFlag("resume", "continue from the checkpoint in --checkpoint DIR (same model, data, seed and batch)");
   p.addFlag("resume-anyway",
             "like --resume, but where the model's data files, seed or batch differ from the checkpoint's, "
@@ -748,6 +787,15 @@ int runTrain(const std::vector<std::string>& args) {
     return p.usageError(
         fmt::format("--{} needs --checkpoint DIR", f.resume_anyway ? "resume-anyway" : "resume"));
   if (f.checkpoint_every > 0 && f.checkpoint_dir.empty()) return p.usageError("--checkpoint-every needs --checkpoint DIR");
+  f.publish_dir = p.get("publish");
+  if (!intFlag("publish-every", f.publish_every, 1)) return kExitUsage;
+  if (!f.publish_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(f.publish_dir, ec);
+    if (!std::filesystem::is_directory(f.publish_dir))
+      return p.usageError(fmt::format("--publish: cannot make the directory '{}'", f.publish_dir));
+    if (ranks > 1) return p.usageError("--publish runs on one rank (the sharded tables are not gathered yet)");
+  }
   f.metrics_path = p.get("metrics");
   f.strict = p.flag("strict");
   f.token_dtype = p.get("token-dtype");

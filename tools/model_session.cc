@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <set>
 #include <sstream>
 
 #include "codegen/lower_cpu.h"
@@ -116,6 +117,19 @@ std::string formatDuration(double seconds) {
   return fmt::format("{}:{:02}", s / 60, s % 60);
 }
 
+namespace {
+
+// The tables a serving session leaves to its store (SessionOptions::external_tables).
+std::set<std::string, std::less<>> externalTables(const ir::Module& m, const SessionOptions& options) {
+  std::set<std::string, std::less<>> names;
+  const ir::Function* fwd = options.external_tables ? m.lookup("forward") : nullptr;
+  if (fwd)
+    for (const serving::ServedTable& t : serving::findServedTables(*fwd)) names.insert(t.name);
+  return names;
+}
+
+}  // namespace
+
 Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch) {
   KILN_ASSIGN_OR_RETURN(auto program, codegen::lowerForCpu(f, {{"B", batch}}));
   return program.peak_bytes;
@@ -126,10 +140,12 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
   runtime::MemoryNeed need;
   const ir::SymbolBindings symbols{{"B", options.batch}};
   KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
+  const std::set<std::string, std::less<>> external = externalTables(m, options);
   // Named with the concrete type, so that a table too big to fit shows its rows and dim.
   for (const runtime::ParameterSpec& p : params)
-    need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
-             p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
+    if (!external.count(p.name))
+      need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
+               p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
 
   const std::string function = options.training ? "train_step" : "forward";
   const ir::Function* f = m.lookup(function);
@@ -332,7 +348,9 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::Paramete
   // value (an evaluation: kiln eval and predict load one whole; a training run may start fresh).
   params_ = std::move(preset);
   const bool values_follow = !options.training && !options.checkpoint_path.empty();
-  KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols, nullptr, !values_follow));
+  if (options.external_tables) served_tables_ = serving::findServedTables(*fwd);
+  const std::set<std::string, std::less<>> external = externalTables(m, options);
+  KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols, nullptr, !values_follow, &external));
   if (cuda_) KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
   return Status::ok();
 }
@@ -358,6 +376,15 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
     const ir::Function* f = module_->lookup(function);
     if (!f) return Status::error(fmt::format("the model has no @{}", function));
     KILN_ASSIGN_OR_RETURN(program, codegen::lowerForCpu(*f, {{"B", batch}}));
+  }
+  if (function == "forward" && !served_tables_.empty()) {
+    // Each batch brings its own rows of the served tables: at most the table's rows of them.
+    for (codegen::Buffer& b : program.buffers) {
+      if (b.kind != codegen::BufferKind::Parameter) continue;
+      for (const serving::ServedTable& t : served_tables_)
+        if (t.name == b.name)
+          b.type = b.type.withShape({ir::Dim::bounded(ir::Dim::fixed(t.rows)), ir::Dim::fixed(t.dim)});
+    }
   }
   runtime::cpu::ExecutorOptions eo;
   eo.threads = options_.threads;
@@ -602,5 +629,29 @@ Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, double l
 }
 
 Expected<StepOutputs> ModelSession::forward(const data::Batch& batch) { return run("forward", batch, {}); }
+
+Expected<StepOutputs> ModelSession::forwardWithRows(const data::Batch& batch, const serving::GatheredRows& rows) {
+  if (cuda_) return Status::error("serving from a store runs on the CPU (--device cpu)");
+  if (rows.rows.size() != served_tables_.size())
+    return Status::errorf("{} gathered tables for {} served ones", rows.rows.size(), served_tables_.size());
+  // The batch as views, its id inputs replaced by the remapped ones.
+  data::Batch views;
+  views.size = batch.size;
+  views.names = batch.names;
+  for (size_t i = 0; i < batch.tensors.size(); ++i) {
+    const ir::TensorView* v = &batch.tensors[i].view;
+    for (const auto& [name, t] : rows.remapped_inputs)
+      if (name == batch.names[i]) v = &t.view;
+    views.tensors.push_back(ir::HostTensor::external(v->dtype, v->shape, v->data, nullptr));
+  }
+  for (size_t t = 0; t < served_tables_.size(); ++t) {
+    const ir::TensorView& r = rows.rows[t].view;
+    params_.set(served_tables_[t].name, ir::HostTensor::external(r.dtype, r.shape, r.data, nullptr));
+  }
+  auto out = run("forward", views, {});
+  // The views die with `rows`: leave no parameter pointing at them.
+  for (const serving::ServedTable& t : served_tables_) params_.set(t.name, ir::HostTensor());
+  return out;
+}
 
 }  // namespace kiln::cli

@@ -25,6 +25,7 @@
 #include "runtime/parameter_store.h"
 #include "runtime/sharded_checkpoint.h"
 #include "tools/cli.h"
+#include "runtime/serving/served_tables.h"
 #include "tools/compiled_model.h"
 
 namespace kiln::cli {
@@ -77,6 +78,9 @@ struct SessionOptions {
   // How many sessions of one process split its memory (kiln train --ranks N): the memory check
   // gives this one 1/N of what the machine (or --memory-limit) allows.
   int memory_shares = 1;
+  // kiln serve: the tables a serving store holds (serving::findServedTables of @forward) are not
+  // allocated here; forwardWithRows is given each batch's rows of them instead.
+  bool external_tables = false;
 };
 
 class ModelSession;
@@ -202,6 +206,11 @@ class ModelSession {
   Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step);
   // The forward pass: the loss (when the model has one and the batch has labels) and logits.
   Expected<StepOutputs> forward(const data::Batch& batch);
+  // With SessionOptions::external_tables: the tables this session does not hold, and the forward
+  // pass over one batch's gathered rows of them (serving::gatherRows): `batch`'s id inputs are
+  // read from `rows.remapped_inputs`.
+  const std::vector<serving::ServedTable>& servedTables() const { return served_tables_; }
+  Expected<StepOutputs> forwardWithRows(const data::Batch& batch, const serving::GatheredRows& rows);
 
   // Names of the tensors a checkpoint holds: every parameter and optimizer state.
   std::vector<std::string> checkpointNames() const { return params_.names(); }
@@ -248,6 +257,7 @@ class ModelSession {
   runtime::ParameterStore params_;
   std::unique_ptr<comm::CommunicatorRankGroup> rank_group_;  // with SessionOptions::comm
   data::BatchSpec train_spec_, forward_spec_;
+  std::vector<serving::ServedTable> served_tables_;  // with SessionOptions::external_tables
   std::map<std::pair<std::string, int64_t>, std::unique_ptr<runtime::cpu::CpuExecutor>> executors_;
   // --device cuda: the GPU, its executors, and which copy of the parameters is newer.
   std::shared_ptr<cuda::CudaSession> cuda_;

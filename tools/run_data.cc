@@ -94,7 +94,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
           "per sample",
           spec.inputs[static_cast<size_t>(spec.labelIndex())].name, k, out.logits.size(), local, k);
     scores.resize(out.logits.size());
-    for (size_t i = 0; i < scores.size(); ++i) scores[i] = 1.0f / (1.0f + std::exp(-out.logits[i]));
+    for (size_t i = 0; i < scores.size(); ++i) scores[i] = clickProbability(out.logits[i]);
     if (spec.labelIndex() >= 0) {
       const ir::HostTensor& t = mine->tensors[static_cast<size_t>(spec.labelIndex())];
       labels.assign(t.as<float>(), t.as<float>() + local * k);
@@ -195,8 +195,6 @@ std::optional<size_t> taskLossIndex(std::string_view stat_name) {
   return j;
 }
 
-namespace {
-
 // A sharded checkpoint (a directory with an index) is merged in memory, as `kiln checkpoint
 // merge` would write it; otherwise the directory's checkpoint.safetensors, or the file given.
 Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std::string& path) {
@@ -211,8 +209,6 @@ Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std
   if (!std::filesystem::exists(path)) return Status::error(fmt::format("no checkpoint at '{}'", path));
   return runtime::loadCheckpoint(path);
 }
-
-}  // namespace
 
 Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
   std::string path;

@@ -62,6 +62,13 @@ std::string_view metricStatName(std::string_view stat);
 // a label of one column (or none).
 std::vector<std::string> taskNames(const data::BatchSpec& spec);
 
+// A click model's score: the probability of its logit, as kiln predict writes and kiln serve answers.
+inline float clickProbability(float logit) { return 1.0f / (1.0f + std::exp(-logit)); }
+
+// The checkpoint at `dir_or_file`: a directory's checkpoint.safetensors, the file given, or a
+// sharded checkpoint merged in memory. `path` is set to the file read.
+Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std::string& path);
+
 // The task j of a step statistic named `task_loss.<j>` (each task's own loss under `loss = [a,
 // b]`); none for any other name, `task_loss.` followed by anything but a decimal number included.
 std::optional<size_t> taskLossIndex(std::string_view stat_name);

@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""End-to-end tests of `kiln serve` on loopback (docs/serving.md).
+
+A small DLRM trains 10 steps (checkpoint C10, update file of step 10) and 10 more (checkpoint
+C20, update of step 20). Then:
+- every endpoint of the protocol answers; /metrics has the counters;
+- concurrent clients each get their own samples' scores, equal bit for bit to `kiln predict` on
+  the same checkpoint, and requests really merge into batches;
+- a server whose tables sit in RocksDB behind a 1% cache and a 2% host tier (LFU) gives the same
+  scores, and its persistent tier is read;
+- a published update is applied while serving: every response equals predict of the version it
+  names, and the version moves from 10 to 20 between batches only;
+- malformed requests get a 4xx with a message and do not disturb others;
+- SIGTERM drains in-flight requests and exits 0; a missing or corrupt store is an error at start.
+
+usage: serve_test.py KILN MODELS_DIR WORK_DIR
+"""
+import http.client
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+SET = ["--set", "rows_cap=3000"]
+MODEL = "dlrm"
+
+
+def fail(msg):
+    sys.exit("FAIL: " + msg)
+
+
+def run(cmd, expect_ok=True):
+    print(" ".join(cmd), flush=True)
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(r.stdout[-3000:])
+    if expect_ok and r.returncode != 0:
+        fail(f"exit {r.returncode}")
+    return r
+
+
+def f32(x):
+    return struct.unpack("f", struct.pack("f", float(x)))[0]
+
+
+class Server:
+    def __init__(self, kiln, model, args):
+        cmd = [kiln, "serve", model, "--port", "0"] + SET + args
+        print(" ".join(cmd), flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            fail(f"no 'listening on' line: {line!r} {self.proc.stderr.read()}")
+        self.port = int(line.strip().rsplit(":", 1)[1])
+
+    def request(self, method, path, body=None, headers=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        data = r.read()
+        c.close()
+        return r.status, data
+
+    def infer(self, body, model=MODEL):
+        status, data = self.request("POST", f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
+        return status, json.loads(data) if data else None
+
+    def metrics(self):
+        status, data = self.request("GET", "/metrics")
+        if status != 200:
+            fail(f"/metrics: {status}")
+        out = {}
+        for line in data.decode().splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            fail("the server did not stop within 60 s of SIGTERM")
+        err = self.proc.stderr.read()
+        print(err[-2000:])
+        return code
+
+
+def predict(kiln, model, ckpt, work, name):
+    out = os.path.join(work, name)
+    run([kiln, "predict", model, "--checkpoint", ckpt, "--data", "synthetic", "--samples", "192",
+         "--batch", "64", "-o", out] + SET)
+    with open(out) as f:
+        return [f32(x) for x in f.read().split()]
+
+
+def check_scores(responses, expected_by_version, what):
+    for i, (status, body) in responses.items():
+        if status != 200:
+            fail(f"{what}: request {i} got {status}: {body}")
+        version = int(body["model_version"])
+        want = expected_by_version[version][i]
+        got = f32(body["outputs"][0]["data"][0])
+        if got != want:
+            fail(f"{what}: sample {i} scored {got!r} at version {version}; kiln predict says {want!r}")
+
+
+def concurrent(server, bodies, clients):
+    out = {}
+    lock = threading.Lock()
+
+    def worker(k):
+        for i in range(k, len(bodies), clients):
+            r = server.infer(bodies[i])
+            with lock:
+                out[i] = r
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def main():
+    kiln, models, work = sys.argv[1:4]
+    model = os.path.join(models, "dlrm.kiln")
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(work)
+    ckpt, c10, publish = (os.path.join(work, d) for d in ("ckpt", "c10", "publish"))
+    train = [kiln, "train", model, "--batch", "64", "--checkpoint", ckpt, "--publish", publish,
+             "--publish-every", "10", "--seed", "3"] + SET
+    run(train + ["--steps", "10"])
+    shutil.copytree(ckpt, c10)
+    run(train + ["--steps", "20", "--resume"])
+    updates = sorted(os.listdir(publish))
+    if updates != ["update-000000000010.safetensors", "update-000000000020.safetensors"]:
+        fail(f"published {updates}")
+    expected = {10: predict(kiln, model, c10, work, "p10.txt"), 20: predict(kiln, model, ckpt, work, "p20.txt")}
+    if expected[10] == expected[20]:
+        fail("training did not change the scores")
+    reqs = os.path.join(work, "requests.jsonl")
+    run([kiln, "data", "requests", model, "--data", "synthetic", "--samples", "192", "--batch", "1", "-o", reqs] + SET)
+    with open(reqs) as f:
+        bodies = f.read().splitlines()
+    if len(bodies) != 192:
+        fail(f"{len(bodies)} request bodies")
+
+    # 1. Endpoints, batching, exact scores, bad requests, SIGTERM.
+    s = Server(kiln, model, ["--checkpoint", c10, "--max-batch", "64", "--max-queue-delay-us", "20000",
+                             "--instances", "2", "--cache-fraction", "0.05", "--max-request-bytes", "200000"])
+    for path, want in [("/v2/health/live", 200), ("/v2/health/ready", 200), ("/v2", 200),
+                       (f"/v2/models/{MODEL}", 200), (f"/v2/models/{MODEL}/ready", 200),
+                       ("/v2/models/nope", 404), ("/v2/models/nope/ready", 404), ("/nothing", 404)]:
+        status, data = s.request("GET", path)
+        if status != want:
+            fail(f"GET {path}: {status}, expected {want}: {data}")
+    meta = json.loads(s.request("GET", f"/v2/models/{MODEL}")[1])
+    names = {i["name"] for i in meta["inputs"]}
+    if "dense" not in names or meta["outputs"][0]["name"] != "score" or meta["versions"] != ["10"]:
+        fail(f"model metadata: {meta}")
+    responses = concurrent(s, bodies, 16)
+    check_scores(responses, expected, "concurrent clients")
+    m = s.metrics()
+    if m["kiln_batches_total"] >= len(bodies) or m["kiln_samples_total"] != len(bodies):
+        fail(f"requests did not merge: {m['kiln_batches_total']} batches for {len(bodies)} requests")
+    print(f"batching: {len(bodies)} requests in {m['kiln_batches_total']:.0f} batches")
+    if m['kiln_requests_total{code="200"}'] != len(bodies):
+        fail("kiln_requests_total does not count the answered requests")
+    # A request of 4 samples gets its 4 scores, in order.
+    good = json.loads(bodies[0])
+    multi = {"id": "four", "inputs": []}
+    for inp in good["inputs"]:
+        parts = [json.loads(bodies[i])["inputs"] for i in range(4)]
+        data = [v for p in parts for x in p if x["name"] == inp["name"] for v in x["data"]]
+        shape = [4] + inp["shape"][1:]
+        multi["inputs"].append({"name": inp["name"], "shape": shape, "datatype": inp["datatype"], "data": data})
+    status, body = s.infer(json.dumps(multi))
+    if status != 200 or body.get("id") != "four" or [f32(x) for x in body["outputs"][0]["data"]] != expected[10][:4]:
+        fail(f"a 4-sample request: {status} {body}")
+
+    def bad(name, body, want, model=MODEL):
+        status, resp = s.infer(body, model)
+        if status != want or not resp or "error" not in resp:
+            fail(f"{name}: got {status} {resp}, expected {want} with an error message")
+        print(f"{name}: {status} {resp['error']}")
+
+    def with_input(name, **changes):
+        b = json.loads(bodies[0])
+        for x in b["inputs"]:
+            if x["name"] == name:
+                x.update(changes)
+        return json.dumps(b)
+
+    bad("bad json", "{not json", 400)
+    bad("not an object", "[1, 2]", 400)
+    bad("unknown model", bodies[0], 404, model="nope")
+    bad("wrong shape", with_input("dense", shape=[1, 12]), 400)
+    bad("wrong dtype", with_input("dense", datatype="INT64"), 400)
+    bad("id out of range", with_input("cats", data=[10**9] + json.loads(bodies[0])["inputs"][1]["data"][1:]), 400)
+    bad("negative id", with_input("cats", data=[-1] + json.loads(bodies[0])["inputs"][1]["data"][1:]), 400)
+    bad("too few values", with_input("dense", data=[0.5]), 400)
+    bad("a string value", with_input("dense", data=["x"] * 13), 400)
+    bad("missing input", json.dumps({"inputs": [x for x in good["inputs"] if x["name"] != "dense"]}), 400)
+    bad("unknown input", json.dumps({"inputs": good["inputs"] + [{"name": "zz", "shape": [1], "datatype": "FP32", "data": [1]}]}), 400)
+    big = dict(multi)
+    big["inputs"] = [dict(x, shape=[65] + x["shape"][1:], data=x["data"][:1] * (65 * (len(x["data"]) // 4)))
+                     for x in multi["inputs"]]
+    bad("over --max-batch", json.dumps(big), 400)
+    bad("body over --max-request-bytes", json.dumps({"inputs": [], "pad": "x" * 300000}), 413)
+    status, body = s.infer(bodies[5])
+    if status != 200 or f32(body["outputs"][0]["data"][0]) != expected[10][5]:
+        fail("a good request after the bad ones")
+    # SIGTERM while requests are in flight: each is answered, then the server exits 0.
+    inflight = {}
+    threads = []
+    for k in range(8):
+        t = threading.Thread(target=lambda k=k: inflight.__setitem__(k, s.infer(bodies[k])))
+        t.start()
+        threads.append(t)
+    time.sleep(0.005)
+    code = s.stop()
+    for t in threads:
+        t.join()
+    if code != 0:
+        fail(f"SIGTERM: exit {code}")
+    for k, (status, body) in inflight.items():
+        if status == 200 and f32(body["outputs"][0]["data"][0]) != expected[10][k]:
+            fail("a request answered during the drain has a wrong score")
+    print(f"drain: {sum(1 for v in inflight.values() if v[0] == 200)} of 8 in-flight requests answered, exit 0")
+
+    # 2. Tables in RocksDB behind small cache and host tiers; live updates on top.
+    store = os.path.join(work, "store")
+    r = run([kiln, "store", "import", c10, store, "--model", model] + SET)
+    watch = os.path.join(work, "watch")
+    os.makedirs(watch)
+    s = Server(kiln, model, ["--checkpoint", c10, "--store", store, "--cache-fraction", "0.01",
+                             "--host-fraction", "0.02", "--eviction", "lfu", "--watch", watch,
+                             "--poll-ms", "20", "--max-queue-delay-us", "2000"])
+    check_scores(concurrent(s, bodies, 8), expected, "tiered store")
+    m = s.metrics()
+    persistent_hits = sum(v for k, v in m.items() if k.startswith("kiln_embedding_hits_total") and 'tier="persistent"' in k)
+    if persistent_hits == 0:
+        fail("the persistent tier was never read")
+    print(f"tiers: hit rates cache {m['kiln_embedding_hit_rate{tier=\"cache\"}']:.3f} host "
+          f"{m['kiln_embedding_hit_rate{tier=\"host\"}']:.3f}, {persistent_hits:.0f} rows from RocksDB")
+    # Publish step 20 while clients run: each answer equals predict at the version it names.
+    stop = threading.Event()
+    seen = []
+
+    def client(k):
+        i = k
+        while not stop.is_set():
+            status, body = s.infer(bodies[i % len(bodies)])
+            seen.append((i % len(bodies), status, body))
+            i += 4
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    shutil.copy(os.path.join(publish, "update-000000000020.safetensors"), watch)
+    deadline = time.time() + 30
+    while s.metrics()["kiln_model_version"] != 20:
+        if time.time() > deadline:
+            fail("the update was not applied within 30 s")
+        time.sleep(0.05)
+    time.sleep(0.2)
+    stop.set()
+    for t in threads:
+        t.join()
+    versions = [int(b["model_version"]) for _, st, b in seen if st == 200]
+    if 10 not in versions or 20 not in versions:
+        fail(f"the clients did not see both versions: {sorted(set(versions))}")
+    for i, status, body in seen:
+        check_scores({i: (status, body)}, expected, "during the update")
+    check_scores(concurrent(s, bodies, 4), {20: expected[20], 10: [None] * len(bodies)}, "after the update")
+    if s.stop() != 0:
+        fail("the store server did not exit 0")
+    print(f"updates: {len(seen)} answers during the switch, {versions.count(10)} at version 10, "
+          f"{versions.count(20)} at version 20, each equal to predict of its version")
+    # The store now holds version 20: it serves checkpoint 20 and refuses checkpoint 10.
+    s = Server(kiln, model, ["--checkpoint", ckpt, "--store", store, "--cache-fraction", "0.01",
+                             "--host-fraction", "0.02"])
+    check_scores(concurrent(s, bodies[:32], 4), {20: expected[20]}, "restarted on the updated store")
+    s.stop()
+    r = run([kiln, "serve", model, "--checkpoint", c10, "--store", store] + SET, expect_ok=False)
+    if r.returncode == 0 or "version 20" not in r.stdout:
+        fail("a store of another version than the checkpoint must be refused")
+    # 3. Bad stores are errors at start.
+    r = run([kiln, "serve", model, "--checkpoint", c10, "--store", os.path.join(work, "none")] + SET, expect_ok=False)
+    if r.returncode == 0 or "none" not in r.stdout:
+        fail("a missing store must be a clear error")
+    junk = os.path.join(work, "junk")
+    os.makedirs(junk)
+    with open(os.path.join(junk, "CURRENT"), "w") as f:
+        f.write("garbage\n")
+    r = run([kiln, "serve", model, "--checkpoint", c10, "--store", junk] + SET, expect_ok=False)
+    if r.returncode == 0 or "junk" not in r.stdout:
+        fail("a corrupt store must be a clear error")
+    r = run([kiln, "serve", model, "--checkpoint", c10, "--host-fraction", "0.5"] + SET, expect_ok=False)
+    if r.returncode != 2:
+        fail("--host-fraction without --store is a usage error")
+    print("PASS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+// `kiln serve MODEL.kiln --checkpoint CKPT [--store DIR] [--watch DIR]`: an inference server
+// (docs/serving.md). `kiln store import CKPT DIR --model MODEL.kiln`: fills a persistent
+// embedding store from a checkpoint.
+#include <fmt/format.h>
+#include <pthread.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include "runtime/checkpoint.h"
+#include "runtime/serving/rocksdb_store.h"
+#include "tools/cli.h"
+#include "tools/model_server.h"
+#include "tools/model_session.h"
+#include "tools/run_data.h"
+#include "tools/serve_http.h"
+
+namespace kiln::cli {
+namespace {
+
+// Rows read from a checkpoint at once while filling a store.
+constexpr int64_t kImportChunkRows = 1 << 16;
+
+// The checkpoint file of a checkpoint directory (or the file given). A sharded checkpoint is an
+// error: merge it first.
+Expected<std::string> checkpointFile(const std::string& dir_or_file) {
+  std::filesystem::path p(dir_or_file);
+  if (std::filesystem::is_directory(p)) {
+    if (runtime::ShardedCheckpoint::isShardedDir(p.string()))
+      return Status::errorf("'{}' is a sharded checkpoint: merge it first (kiln checkpoint merge)", dir_or_file);
+    p /= "checkpoint.safetensors";
+  }
+  if (!std::filesystem::is_regular_file(p)) return Status::errorf("no checkpoint at '{}'", p.string());
+  return p.string();
+}
+
+int64_t checkpointStep(const runtime::CheckpointHeader& h) {
+  auto it = h.metadata.find("step");
+  return it == h.metadata.end() ? 0 : std::atoll(it->second.c_str());
+}
+
+// Copies table `t`'s rows from the checkpoint to `sink`, a chunk at a time.
+Status streamTable(const std::string& path, const runtime::CheckpointHeader& h, const serving::ServedTable& t,
+                   const std::function<Status(int64_t first, int64_t count, const float* rows)>& sink) {
+  const runtime::CheckpointEntry* e = h.find(t.name);
+  if (!e) return Status::errorf("the checkpoint '{}' has no table '{}'", path, t.name);
+  if (e->dtype != ir::DType::f32 || e->shape != std::vector<int64_t>{t.rows, t.dim})
+    return Status::errorf("table '{}' is {}[{}] in the checkpoint but f32[{}, {}] in the model", t.name,
+                          ir::dtypeName(e->dtype), fmt::join(e->shape, ", "), t.rows, t.dim);
+  std::vector<float> chunk;
+  for (int64_t first = 0; first < t.rows; first += kImportChunkRows) {
+    const int64_t count = std::min(kImportChunkRows, t.rows - first);
+    chunk.resize(static_cast<size_t>(count * t.dim));
+    const uint64_t row_bytes = static_cast<uint64_t>(t.dim) * sizeof(float);
+    KILN_RETURN_IF_ERROR(runtime::readCheckpointBytes(path, e->file_offset + static_cast<uint64_t>(first) * row_bytes,
+                                                      static_cast<uint64_t>(count) * row_bytes, chunk.data(), t.name));
+    KILN_RETURN_IF_ERROR(sink(first, count, chunk.data()));
+  }
+  return Status::ok();
+}
+
+// Loads the session's own parameters (all but the served tables) from the checkpoint.
+Status loadDense(ModelSession& s, const std::string& path, const runtime::CheckpointHeader& h) {
+  for (const std::string& name : s.checkpointNames()) {
+    const runtime::CheckpointEntry* e = h.find(name);
+    if (!e) return Status::errorf("the checkpoint '{}' has no parameter '{}'", path, name);
+    ir::HostTensor* t = s.params().find(name);
+    if (e->dtype != t->view.dtype || e->shape != t->view.shape)
+      return Status::errorf("parameter '{}' is {}[{}] in the checkpoint but {}[{}] in the model", name,
+                            ir::dtypeName(e->dtype), fmt::join(e->shape, ", "), ir::dtypeName(t->view.dtype),
+                            fmt::join(t->view.shape, ", "));
+    KILN_RETURN_IF_ERROR(runtime::readCheckpointBytes(path, e->file_offset, e->bytes, t->view.data, name));
+  }
+  return Status::ok();
+}
+
+std::vector<serving::TableInfo> tableInfos(const std::vector<serving::ServedTable>& tables) {
+  std::vector<serving::TableInfo> out;
+  for (const serving::ServedTable& t : tables) out.push_back({t.name, t.rows, t.dim});
+  return out;
+}
+
+bool parseSizes(const std::string& text, std::vector<int64_t>& out) {
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    char* end = nullptr;
+    const long long v = std::strtoll(item.c_str(), &end, 10);
+    if (item.empty() || *end || v < 1) return false;
+    out.push_back(v);
+  }
+  std::sort(out.begin(), out.end());
+  return !out.empty();
+}
+
+// Opens a forward-only session whose served tables a store holds.
+Expected<std::unique_ptr<ModelSession>> openServingSession(SessionOptions so) {
+  so.training = false;
+  so.external_tables = true;
+  return openSession(so, std::cerr);
+}
+
+}  // namespace
+
+int runServe(const std::vector<std::string>& args) {
+  ArgParser p("serve", "kiln serve MODEL.kiln --checkpoint CKPT [flags]",
+              "Serves a trained model over HTTP: the Open Inference Protocol (KServe v2) with dynamic\n"
+              "batching, its embedding tables in a cache over host memory over an optional RocksDB store,\n"
+              "and updates published by `kiln train --publish` applied while serving (docs/serving.md).\n"
+              "SIGTERM or SIGINT stops taking requests, answers those in flight and exits 0.");
+  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  p.addOption("checkpoint", "CKPT", "the checkpoint to serve (a directory written by kiln train, or a .safetensors file)");
+  p.addOption("host", "ADDR", "the address to listen on", "127.0.0.1");
+  p.addOption("port", "N", "the port to listen on (0: any free port; the bound one is printed)", "8000");
+  p.addOption("max-batch", "N", "most samples per computed batch (and per request)", "256");
+  p.addOption("max-queue-delay-us", "US", "longest a request waits for others to batch with", "1000");
+  p.addOption("preferred-batch-sizes", "LIST", "batch sizes to dispatch at once when reached (e.g. 64,128,256)");
+  p.addOption("instances", "N", "executors sharing the queue (each with --threads threads)", "1");
+  p.addOption("request-timeout-ms", "MS", "a request not scheduled within this time gets 504", "10000");
+  p.addOption("max-request-bytes", "N", "larger request bodies get 413", "16777216");
+  p.addOption("http-threads", "N", "connections served at once", "16");
+  p.addOption("cache-fraction", "F", "rows of each table in the cache tier, as a fraction of its rows", "1");
+  p.addOption("host-fraction", "H", "rows of each table in the host tier (with --store; without, all)", "1");
+  p.addOption("store", "DIR", "the persistent tier: a RocksDB store filled by kiln store import");
+  p.addOption("eviction", "lru|lfu", "which row a full tier drops", "lru");
+  p.addOption("watch", "DIR", "apply the update files kiln train --publish writes to DIR");
+  p.addOption("poll-ms", "MS", "how often --watch looks for updates", "200");
+  addModelFlags(p);
+  int code;
+  if (!p.parse(args, &code)) return code;
+  const bool embedded = sessionOpener().compiled && !sessionOpener().compiled->weights.empty();
+  if (!p.has("checkpoint")) return p.usageError(embedded ? "--checkpoint CKPT is required (kiln serve reads the tables from a checkpoint file)" : "--checkpoint CKPT is required");
+  auto intOpt = [&](const char* name, int64_t lo, int64_t hi, int64_t& out) {
+    auto v = p.getInt(name);
+    if (!v) return false;
+    if (*v < lo || *v > hi) {
+      p.usageError(fmt::format("--{} must be in [{}, {}], got {}", name, lo, hi, *v));
+      return false;
+    }
+    out = *v;
+    return true;
+  };
+  ServeOptions so;
+  HttpOptions ho;
+  int64_t port = 0, instances = 1, max_bytes = 0, http_threads = 16;
+  if (!intOpt("port", 0, 65535, port) || !intOpt("max-batch", 1, 1 << 20, so.max_batch) ||
+      !intOpt("max-queue-delay-us", 0, 60000000, so.max_queue_delay_us) || !intOpt("instances", 1, 256, instances) ||
+      !intOpt("request-timeout-ms", 1, 3600000, so.request_timeout_ms) ||
+      !intOpt("max-request-bytes", 1024, int64_t{1} << 32, max_bytes) || !intOpt("http-threads", 2, 1024, http_threads) ||
+      !intOpt("poll-ms", 1, 3600000, so.poll_ms))
+    return kExitUsage;
+  if (p.has("preferred-batch-sizes") && !parseSizes(p.get("preferred-batch-sizes"), so.preferred_batch_sizes))
+    return p.usageError("--preferred-batch-sizes must be a list of positive sizes such as 64,128,256");
+  for (int64_t s : so.preferred_batch_sizes)
+    if (s > so.max_batch) return p.usageError(fmt::format("preferred batch size {} is over --max-batch {}", s, so.max_batch));
+  serving::StoreOptions store_options;
+  auto cache = p.getDouble("cache-fraction");
+  auto host = p.getDouble("host-fraction");
+  if (!cache || !host) return kExitUsage;
+  if (!(*cache >= 0 && *cache <= 1) || !(*host > 0 && *host <= 1))
+    return p.usageError("--cache-fraction must be in [0, 1] and --host-fraction in (0, 1]");
+  store_options.cache_fraction = *cache;
+  store_options.host_fraction = *host;
+  const std::string eviction = p.get("eviction");
+  if (eviction != "lru" && eviction != "lfu") return p.usageError(fmt::format("--eviction must be lru or lfu, got '{}'", eviction));
+  store_options.policy = eviction == "lfu" ? serving::EvictionPolicy::Lfu : serving::EvictionPolicy::Lru;
+  const std::string store_dir = p.get("store");
+  if (store_dir.empty() && *host != 1) return p.usageError("--host-fraction below 1 needs --store DIR (the rows must live somewhere)");
+  so.watch_dir = p.get("watch");
+  if (!so.watch_dir.empty() && !std::filesystem::is_directory(so.watch_dir))
+    return p.usageError(fmt::format("--watch: no such directory '{}'", so.watch_dir));
+  ho.host = p.get("host");
+  ho.port = static_cast<int>(port);
+  ho.max_request_bytes = max_bytes;
+  ho.threads = static_cast<int>(http_threads);
+#ifdef KILN_VERSION
+  ho.version = KILN_VERSION;
+#endif
+
+  SessionOptions session_options;
+  session_options.model_path = p.positionals()[0];
+  if (!std::filesystem::exists(session_options.model_path))
+    return p.usageError(fmt::format("no such model file '{}'", session_options.model_path));
+  session_options.batch = so.max_batch;
+  if (!readModelFlags(p, session_options, &code)) return code;
+  auto fail = [](const Status& st) {
+    printError("serve", st);
+    return kExitError;
+  };
+  auto ckpt_path = checkpointFile(p.get("checkpoint"));
+  if (!ckpt_path) return fail(ckpt_path.status());
+  auto header = runtime::readCheckpointHeader(*ckpt_path);
+  if (!header) return fail(header.status());
+  const int64_t step = checkpointStep(*header);
+
+  std::vector<std::unique_ptr<ModelSession>> sessions;
+  for (int64_t i = 0; i < instances; ++i) {
+    auto s = openServingSession(session_options);
+    if (!s) return fail(s.status());
+    if (Status st = loadDense(**s, *ckpt_path, *header); !st) return fail(st);
+    sessions.push_back(s.take());
+  }
+  ModelSession& first = *sessions[0];
+  if (first.forwardSpec().readsTokens())
+    return fail(Status::error("a language model (a token input) has no per-sample score to serve"));
+  const std::vector<serving::ServedTable>& tables = first.servedTables();
+  std::unique_ptr<serving::EmbeddingStore> store;
+  if (store_dir.empty()) {
+    auto s = serving::EmbeddingStore::inMemory(tableInfos(tables), store_options);
+    if (!s) return fail(s.status());
+    store = s.take();
+    for (size_t t = 0; t < tables.size(); ++t) {
+      Status st = streamTable(*ckpt_path, *header, tables[t], [&](int64_t first_id, int64_t count, const float* rows) {
+        return store->loadRows(static_cast<int>(t), first_id, count, rows);
+      });
+      if (!st) return fail(st);
+    }
+    if (Status st = store->setVersion(step); !st) return fail(st);
+  } else {
+    auto rocks = serving::RocksDbStore::open(store_dir);
+    if (!rocks) return fail(rocks.status());
+    if ((*rocks)->version() != step)
+      return fail(Status::errorf("the store '{}' holds version {} but the checkpoint is of step {}: serve the checkpoint "
+                                 "of the store's step, or import this one (kiln store import)",
+                                 store_dir, (*rocks)->version(), step));
+    auto s = serving::EmbeddingStore::overStore(rocks.take(), store_options);
+    if (!s) return fail(s.status());
+    store = s.take();
+  }
+  auto server = ModelServer::create(std::move(sessions), std::move(store), so);
+  if (!server) return fail(server.status());
+
+  // SIGTERM and SIGINT go to one thread that stops the server; every other thread blocks them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  InferenceHttpServer http(**server, ho);
+  auto bound = http.bind();
+  if (!bound) return fail(bound.status());
+  std::fprintf(stderr, "kiln serve: %s version %lld (%zu served tables, %lld instance(s)) on http://%s:%d\n",
+               (*server)->modelName().c_str(), static_cast<long long>(step), tables.size(),
+               static_cast<long long>(instances), ho.host.c_str(), *bound);
+  std::printf("listening on %s:%d\n", ho.host.c_str(), *bound);
+  std::fflush(stdout);
+  std::atomic<bool> stopped{false};
+  std::thread waiter([&] {
+    int sig = 0;
+    sigwait(&stop_signals, &sig);
+    if (stopped) return;
+    std::fprintf(stderr, "kiln serve: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+    (*server)->drain();
+    http.stop();
+  });
+  http.run();
+  stopped = true;
+  // run() returned: every accepted request was answered. Wake the waiter if no signal came.
+  pthread_kill(waiter.native_handle(), SIGTERM);
+  waiter.join();
+  std::fprintf(stderr, "kiln serve: stopped\n");
+  return kExitOk;
+}
+
+int runStore(const std::vector<std::string>& args) {
+  ArgParser p("store", "kiln store import CKPT DIR --model MODEL.kiln [--set ...]",
+              "Fills a persistent embedding store (RocksDB) with the served tables of MODEL from a\n"
+              "checkpoint, for kiln serve --store DIR. The store records the checkpoint's step as its version.");
+  p.setPositionals("import CKPT DIR", 3, 3, "the action, the checkpoint and the store directory (must not hold a store)");
+  p.addOption("model", "MODEL.kiln", "the model whose tables to import");
+  addModelFlags(p);
+  int code;
+  if (!p.parse(args, &code)) return code;
+  if (p.positionals()[0] != "import") return p.usageError(fmt::format("unknown action '{}' (expected import)", p.positionals()[0]));
+  if (!p.has("model")) return p.usageError("--model MODEL.kiln is required (it says which tensors are tables)");
+  SessionOptions so;
+  so.model_path = p.get("model");
+  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  so.batch = 1;
+  if (!readModelFlags(p, so, &code)) return code;
+  auto fail = [](const Status& st) {
+    printError("store", st);
+    return kExitError;
+  };
+  auto ckpt_path = checkpointFile(p.positionals()[1]);
+  if (!ckpt_path) return fail(ckpt_path.status());
+  auto header = runtime::readCheckpointHeader(*ckpt_path);
+  if (!header) return fail(header.status());
+  auto session = openServingSession(so);
+  if (!session) return fail(session.status());
+  const auto& tables = (*session)->servedTables();
+  auto store = serving::RocksDbStore::create(p.positionals()[2], tableInfos(tables));
+  if (!store) return fail(store.status());
+  int64_t rows = 0;
+  std::vector<int64_t> ids;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    Status st = streamTable(*ckpt_path, *header, tables[t], [&](int64_t first_id, int64_t count, const float* data) {
+      ids.resize(static_cast<size_t>(count));
+      for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = first_id + i;
+      rows += count;
+      return (*store)->putRows(static_cast<int>(t), ids, data);
+    });
+    if (!st) return fail(st);
+  }
+  if (Status st = (*store)->setVersion(checkpointStep(*header)); !st) return fail(st);
+  std::printf("imported %zu tables, %lld rows, version %lld into %s\n", tables.size(), static_cast<long long>(rows),
+              static_cast<long long>(checkpointStep(*header)), p.positionals()[2].c_str());
+  return kExitOk;
+}
+
+}  // namespace kiln::cli

@@ -1,0 +1,313 @@
+#include "tools/serve_http.h"
+
+#include <fmt/ranges.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "runtime/json.h"
+
+namespace kiln::cli {
+namespace {
+
+using json::Json;
+
+const char* datatypeOf(ir::DType t) {
+  switch (t) {
+    case ir::DType::f32: return "FP32";
+    case ir::DType::i32: return "INT32";
+    case ir::DType::i64: return "INT64";
+    default: return "BYTES";
+  }
+}
+
+// Appends the numbers of `v` (nested arrays flattened, row-major) to `out`, at most `limit`.
+Status flatten(const Json& v, std::vector<double>& out, size_t limit, int depth) {
+  if (v.is_array()) {
+    if (depth > 8) return Status::error("data is nested too deeply");
+    for (const Json& x : v) KILN_RETURN_IF_ERROR(flatten(x, out, limit, depth + 1));
+    return Status::ok();
+  }
+  if (!v.is_number()) return Status::errorf("data holds {}, not a number", v.type_name());
+  if (out.size() >= limit) return Status::errorf("data holds more than the {} values its shape has", limit);
+  out.push_back(v.get<double>());
+  return Status::ok();
+}
+
+// What one input of the spec looks like in a request of n samples.
+std::vector<int64_t> expectedShape(const data::BatchSpec& spec, const data::InputSpec& in, int64_t n,
+                                   int64_t flat_ids) {
+  const bool flat = (in.role == data::InputRole::Sparse && in.variableLength()) ||
+                    (in.role == data::InputRole::Weights && in.type.rank() == 1);
+  if (flat) return {flat_ids};
+  std::vector<int64_t> shape{n};
+  for (size_t d = 1; d < in.type.shape().size(); ++d) shape.push_back(in.type.dim(static_cast<int64_t>(d)).size());
+  (void)spec;
+  return shape;
+}
+
+Json error(const std::string& message) { return Json{{"error", message}}; }
+
+}  // namespace
+
+Expected<data::Batch> parseInferRequest(std::string_view body, const data::BatchSpec& spec, int64_t max_batch,
+                                        std::string* request_id) {
+  KILN_ASSIGN_OR_RETURN(Json req, json::parse(body));
+  if (!req.is_object()) return Status::error("the request body must be a JSON object");
+  if (auto it = req.find("id"); it != req.end() && it->is_string() && request_id) *request_id = it->get<std::string>();
+  auto inputs = req.find("inputs");
+  if (inputs == req.end() || !inputs->is_array()) return Status::error("the request has no \"inputs\" array");
+  if (spec.readsTokens()) return Status::error("this model reads tokens; kiln serve serves per-sample scores");
+  // Each request input by name, checked for form.
+  std::map<std::string, const Json*> given;
+  for (const Json& in : *inputs) {
+    if (!in.is_object()) return Status::error("each of \"inputs\" must be an object");
+    auto name = in.find("name");
+    if (name == in.end() || !name->is_string()) return Status::error("an input has no \"name\"");
+    const std::string n = name->get<std::string>();
+    if (!spec.find(n)) return Status::errorf("the model has no input '{}'", n);
+    if (!given.emplace(n, &in).second) return Status::errorf("input '{}' is given twice", n);
+  }
+  // The shapes first: n samples, and the flat ids of variable-length features.
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, in] : given) {
+    auto shape = in->find("shape");
+    if (shape == in->end() || !shape->is_array() || shape->empty() || shape->size() > 4)
+      return Status::errorf("input '{}' needs a \"shape\" of 1 to 4 dims", name);
+    std::vector<int64_t> s;
+    for (const Json& d : *shape) {
+      auto v = json::asInt64(d);
+      if (!v || *v < 0) return Status::errorf("input '{}': shape {} must hold sizes >= 0", name, shape->dump());
+      s.push_back(*v);
+    }
+    shapes[name] = s;
+  }
+  int64_t n = -1;
+  for (const data::InputSpec& in : spec.inputs) {
+    const bool flat = (in.role == data::InputRole::Sparse && in.variableLength()) ||
+                      (in.role == data::InputRole::Weights && in.type.rank() == 1);
+    if (flat || !shapes.count(in.name)) continue;
+    const int64_t rows = shapes[in.name][0];
+    if (n >= 0 && rows != n)
+      return Status::errorf("input '{}' holds {} samples but another input {}", in.name, rows, n);
+    n = rows;
+  }
+  if (n < 0) return Status::error("no input says how many samples the request holds");
+  if (n < 1) return Status::error("the request holds no samples");
+  if (n > max_batch) return Status::errorf("the request holds {} samples, over --max-batch {}", n, max_batch);
+
+  data::Batch batch;
+  batch.size = n;
+  // Variable-length ids: the lengths come first, so the ids' count is known.
+  std::vector<int64_t> flat_ids(spec.inputs.size(), 0);
+  for (size_t i = 0; i < spec.inputs.size(); ++i) {
+    const data::InputSpec& in = spec.inputs[i];
+    batch.names.push_back(in.name);
+    auto it = given.find(in.name);
+    if (it == given.end()) {
+      if (in.role != data::InputRole::Label) return Status::errorf("input '{}' is missing", in.name);
+      std::vector<int64_t> shape = expectedShape(spec, in, n, 0);
+      batch.tensors.emplace_back(in.type.dtype(), shape);
+      std::memset(batch.tensors.back().view.data, 0, static_cast<size_t>(batch.tensors.back().view.bytes()));
+      continue;
+    }
+    const Json& j = *it->second;
+    int64_t ids = 0;
+    if (in.role == data::InputRole::Sparse && in.variableLength()) {
+      ids = shapes[in.name][0];
+      if (ids > n * in.max_hotness)
+        return Status::errorf("input '{}' holds {} ids, over {} samples of at most {}", in.name, ids, n, in.max_hotness);
+    } else if (in.role == data::InputRole::Weights && in.type.rank() == 1) {
+      ids = shapes[in.name][0];
+      if (ids > n * static_cast<int64_t>(std::numeric_limits<int32_t>::max())) ids = -1;
+    }
+    const std::vector<int64_t> want = expectedShape(spec, in, n, ids);
+    if (shapes[in.name] != want)
+      return Status::errorf("input '{}' must be shaped [{}], got [{}]", in.name, fmt::join(want, ", "),
+                            fmt::join(shapes[in.name], ", "));
+    const std::string datatype = j.value("datatype", "");
+    const bool integer = ir::isInteger(in.type.dtype());
+    const bool ok = integer ? (datatype == "INT64" || datatype == "INT32" || datatype == "UINT32" ||
+                               datatype == "UINT64" || datatype == "INT16" || datatype == "INT8")
+                            : (datatype == "FP32" || datatype == "FP64");
+    if (!ok)
+      return Status::errorf("input '{}' must be of datatype {}, got \"{}\"", in.name, datatypeOf(in.type.dtype()),
+                            datatype);
+    int64_t count = 1;
+    for (int64_t d : want) count *= d;
+    auto data = j.find("data");
+    if (data == j.end()) return Status::errorf("input '{}' has no \"data\"", in.name);
+    std::vector<double> values;
+    values.reserve(static_cast<size_t>(count));
+    if (Status st = flatten(*data, values, static_cast<size_t>(count), 0); !st)
+      return Status::errorf("input '{}': {}", in.name, st.message());
+    if (static_cast<int64_t>(values.size()) != count)
+      return Status::errorf("input '{}' has {} values; its shape [{}] needs {}", in.name, values.size(),
+                            fmt::join(want, ", "), count);
+    ir::HostTensor t(in.type.dtype(), want);
+    for (int64_t k = 0; k < count; ++k) {
+      const double v = values[static_cast<size_t>(k)];
+      if (integer) {
+        if (v != std::floor(v) || !std::isfinite(v))
+          return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, v, k);
+        if (in.role == data::InputRole::Sparse && (v < 0 || v >= static_cast<double>(in.rows)))
+          return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name,
+                                static_cast<int64_t>(v), k, in.rows);
+        if (in.role == data::InputRole::Lengths && (v < 0 || v > std::numeric_limits<int32_t>::max()))
+          return Status::errorf("input '{}': length {} at position {} is out of range", in.name, v, k);
+        if (in.type.dtype() == ir::DType::i32)
+          t.view.as<int32_t>()[k] = static_cast<int32_t>(v);
+        else
+          t.view.as<int64_t>()[k] = static_cast<int64_t>(v);
+      } else {
+        t.view.as<float>()[k] = static_cast<float>(v);
+      }
+    }
+    batch.tensors.push_back(std::move(t));
+  }
+  // Variable-length features: lengths within the bound and summing to the ids given.
+  for (size_t i = 0; i < spec.inputs.size(); ++i) {
+    const data::InputSpec& in = spec.inputs[i];
+    if (in.role != data::InputRole::Sparse || !in.variableLength()) continue;
+    const ir::TensorView& lengths = batch.tensors[static_cast<size_t>(in.lengths_input)].view;
+    int64_t total = 0;
+    for (int64_t b = 0; b < n; ++b) {
+      const int64_t len = lengths.as<int32_t>()[b];
+      if (len > in.max_hotness)
+        return Status::errorf("input '{}': sample {} has {} ids, over the feature's {}",
+                              spec.inputs[static_cast<size_t>(in.lengths_input)].name, b, len, in.max_hotness);
+      total += len;
+    }
+    if (total != batch.tensors[i].view.shape[0])
+      return Status::errorf("input '{}' holds {} ids but its lengths sum to {}", in.name,
+                            batch.tensors[i].view.shape[0], total);
+  }
+  return batch;
+}
+
+std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& spec) {
+  Json inputs = Json::array();
+  for (size_t i = 0; i < spec.inputs.size() && i < batch.tensors.size(); ++i) {
+    const data::InputSpec& in = spec.inputs[i];
+    if (in.role == data::InputRole::Label) continue;
+    const ir::TensorView& v = batch.tensors[i].view;
+    Json values = Json::array();
+    for (int64_t k = 0, n = v.numel(); k < n; ++k) {
+      switch (v.dtype) {
+        case ir::DType::f32: values.push_back(v.as<float>()[k]); break;
+        case ir::DType::i32: values.push_back(v.as<int32_t>()[k]); break;
+        default: values.push_back(v.as<int64_t>()[k]); break;
+      }
+    }
+    inputs.push_back(Json{{"name", in.name}, {"shape", v.shape}, {"datatype", datatypeOf(v.dtype)}, {"data", values}});
+  }
+  return Json{{"inputs", inputs}}.dump();
+}
+
+InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions options)
+    : server_(server), options_(std::move(options)), http_(std::make_unique<httplib::Server>()) {
+  httplib::Server& h = *http_;
+  const int threads = std::max(options_.threads, 2);
+  h.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  h.set_payload_max_length(static_cast<size_t>(options_.max_request_bytes));
+  h.set_read_timeout(options_.read_timeout_s, 0);
+  h.set_write_timeout(options_.read_timeout_s, 0);
+  h.set_keep_alive_timeout(options_.read_timeout_s);
+  h.set_tcp_nodelay(true);
+
+  auto reply = [](httplib::Response& res, int status, const Json& body) {
+    res.status = status;
+    res.set_content(body.dump(), "application/json");
+  };
+  const std::string model = server_.modelName();
+  auto knownModel = [this, model, reply](const httplib::Request& req, httplib::Response& res) {
+    const std::string name = req.matches[1];
+    if (name == model) return true;
+    reply(res, 404, error(fmt::format("unknown model '{}'; this server serves '{}'", name, model)));
+    return false;
+  };
+
+  h.Get("/v2/health/live", [reply](const httplib::Request&, httplib::Response& res) { reply(res, 200, Json{{"live", true}}); });
+  h.Get("/v2/health/ready", [this, reply](const httplib::Request&, httplib::Response& res) {
+    reply(res, server_.ready() ? 200 : 503, Json{{"ready", server_.ready()}});
+  });
+  h.Get("/v2", [this, reply](const httplib::Request&, httplib::Response& res) {
+    reply(res, 200, Json{{"name", "kiln"}, {"version", options_.version}, {"extensions", Json::array()}});
+  });
+  h.Get(R"(/v2/models/([^/]+)/ready)", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+    if (!knownModel(req, res)) return;
+    reply(res, server_.ready() ? 200 : 503, Json{{"name", server_.modelName()}, {"ready", server_.ready()}});
+  });
+  h.Get(R"(/v2/models/([^/]+))", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+    if (!knownModel(req, res)) return;
+    const data::BatchSpec& spec = server_.spec();
+    Json inputs = Json::array();
+    for (const data::InputSpec& in : spec.inputs) {
+      std::vector<int64_t> shape = expectedShape(spec, in, -1, -1);
+      Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
+      if (in.role == data::InputRole::Label) one["optional"] = true;
+      if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
+      inputs.push_back(std::move(one));
+    }
+    std::vector<int64_t> out_shape{-1};
+    if (server_.tasks() > 1) out_shape.push_back(static_cast<int64_t>(server_.tasks()));
+    reply(res, 200,
+          Json{{"name", server_.modelName()},
+               {"versions", Json::array({std::to_string(server_.version())})},
+               {"platform", "kiln"},
+               {"max_batch_size", server_.options().max_batch},
+               {"inputs", inputs},
+               {"outputs", Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", out_shape}}})}});
+  });
+  h.Post(R"(/v2/models/([^/]+)/infer)", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+    const auto start = std::chrono::steady_clock::now();
+    auto finish = [&](int status, const Json& body) {
+      reply(res, status, body);
+      server_.noteRequest(status, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    };
+    if (!knownModel(req, res)) {
+      server_.noteRequest(404, 0);
+      return;
+    }
+    std::string id;
+    auto batch = parseInferRequest(req.body, server_.spec(), server_.options().max_batch, &id);
+    if (!batch) return finish(400, error(batch.status().message()));
+    const int64_t n = batch->size;
+    InferOutcome out = server_.infer(batch.take());
+    if (out.status != 200) return finish(out.status, error(out.error));
+    std::vector<int64_t> shape{n};
+    if (server_.tasks() > 1) shape.push_back(static_cast<int64_t>(server_.tasks()));
+    Json body{{"model_name", server_.modelName()}, {"model_version", std::to_string(out.version)}};
+    if (!id.empty()) body["id"] = id;
+    body["outputs"] = Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", shape}, {"data", out.scores}}});
+    finish(200, body);
+  });
+  h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(server_.metricsText(), "text/plain; version=0.0.4");
+  });
+  h.set_error_handler([reply](const httplib::Request&, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    const char* why = res.status == 413 ? "the request body is over --max-request-bytes"
+                      : res.status == 404 ? "no such endpoint"
+                                          : "bad request";
+    reply(res, res.status, error(why));
+  });
+}
+
+InferenceHttpServer::~InferenceHttpServer() = default;
+
+Expected<int> InferenceHttpServer::bind() {
+  int port = options_.port == 0 ? http_->bind_to_any_port(options_.host)
+                                : (http_->bind_to_port(options_.host, options_.port) ? options_.port : -1);
+  if (port < 0) return Status::errorf("cannot listen on {}:{} (in use, or not an address of this machine)", options_.host, options_.port);
+  return port;
+}
+
+void InferenceHttpServer::run() { http_->listen_after_bind(); }
+
+void InferenceHttpServer::stop() { http_->stop(); }
+
+}  // namespace kiln::cli
