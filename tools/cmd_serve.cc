@@ -2,8 +2,9 @@
 // (docs/serving.md). `kiln store import CKPT DIR --model MODEL.kiln`: fills a persistent
 // embedding store from a checkpoint.
 #include <fmt/format.h>
-#include <pthread.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <csignal>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,14 @@
 
 namespace kiln::cli {
 namespace {
+
+// The write end of the pipe the stop signals are reported to.
+int g_stop_pipe = -1;
+
+void onStopSignal(int sig) {
+  const unsigned char b = static_cast<unsigned char>(sig);
+  (void)!::write(g_stop_pipe, &b, 1);
+}
 
 // Rows read from a checkpoint at once while filling a store.
 constexpr int64_t kImportChunkRows = 1 << 16;
@@ -234,12 +243,16 @@ int runServe(const std::vector<std::string>& args) {
   auto server = ModelServer::create(std::move(sessions), std::move(store), so);
   if (!server) return fail(server.status());
 
-  // SIGTERM and SIGINT go to one thread that stops the server; every other thread blocks them.
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGTERM);
-  sigaddset(&stop_signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  // SIGTERM and SIGINT write their number to a pipe (whichever thread they land on: OpenBLAS
+  // starts threads of its own before main); one thread reads it and stops the server.
+  int fds[2];
+  if (::pipe(fds) != 0) return fail(Status::errorf("pipe: {}", std::strerror(errno)));
+  g_stop_pipe = fds[1];
+  struct sigaction sa {};
+  sa.sa_handler = onStopSignal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
   InferenceHttpServer http(**server, ho);
   auto bound = http.bind();
   if (!bound) return fail(bound.status());
@@ -248,19 +261,19 @@ int runServe(const std::vector<std::string>& args) {
                static_cast<long long>(instances), ho.host.c_str(), *bound);
   std::printf("listening on %s:%d\n", ho.host.c_str(), *bound);
   std::fflush(stdout);
-  std::atomic<bool> stopped{false};
   std::thread waiter([&] {
-    int sig = 0;
-    sigwait(&stop_signals, &sig);
-    if (stopped) return;
+    unsigned char sig = 0;
+    while (::read(fds[0], &sig, 1) < 0 && errno == EINTR) {
+    }
+    if (sig == 0) return;  // the server stopped by itself
     std::fprintf(stderr, "kiln serve: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
     (*server)->drain();
     http.stop();
   });
   http.run();
-  stopped = true;
   // run() returned: every accepted request was answered. Wake the waiter if no signal came.
-  pthread_kill(waiter.native_handle(), SIGTERM);
+  const unsigned char none = 0;
+  (void)!::write(fds[1], &none, 1);
   waiter.join();
   std::fprintf(stderr, "kiln serve: stopped\n");
   return kExitOk;

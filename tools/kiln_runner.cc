@@ -26,7 +26,6 @@ namespace kiln::cli {
 int runTrain(const std::vector<std::string>& args);
 int runEval(const std::vector<std::string>& args);
 int runPredict(const std::vector<std::string>& args);
-int runServe(const std::vector<std::string>& args);
 
 namespace {
 
@@ -89,7 +88,6 @@ void printHelp(const std::string& name, const CompiledModel& c) {
     std::printf("  train      Train it (synthetic data or Criteo files), with eval, checkpoints, resume\n");
   if (c.has("eval")) std::printf("  eval       Evaluate it on data: loss and AUC\n");
   if (c.has("predict")) std::printf("  predict    Write one score per input sample\n");
-  if (c.has("predict")) std::printf("  serve      Serve it over HTTP (KServe v2; docs/serving.md)\n");
   std::printf("  info       Its inputs, parameters, architectures, max batch and payload version\n");
   std::printf("\nRun '%s COMMAND --help' for a command's flags (those of kiln's, without MODEL.kiln).\n",
               name.c_str());
@@ -125,10 +123,7 @@ int main(int argc, char** argv) {
   if (command == "info") return info(c, *self);
   using Run = int (*)(const std::vector<std::string>&);
   const std::map<std::string, std::pair<std::string, Run>> commands{
-      {"train", {"train", runTrain}},
-      {"eval", {"eval", runEval}},
-      {"predict", {"predict", runPredict}},
-      {"serve", {"predict", runServe}}};
+      {"train", {"train", runTrain}}, {"eval", {"eval", runEval}}, {"predict", {"predict", runPredict}}};
   auto it = commands.find(command);
   if (it == commands.end()) {
     std::fprintf(stderr, "%s: error: unknown command '%s' (see '%s --help')\n", name.c_str(), command.c_str(),
@@ -154,7 +149,7 @@ int main(int argc, char** argv) {
   // The commands read MODEL first: the runner itself stands for it. Without --batch a run takes
   // the batch the model was compiled for.
   args.insert(args.begin(), *self);
-  if (!has_batch && command != "serve" && args.size() > 1 && args[1] != "--help") {
+  if (!has_batch && args.size() > 1 && args[1] != "--help") {
     args.push_back("--batch");
     args.push_back(std::to_string(c.max_batch));
   }

@@ -393,6 +393,9 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   eo.rank = rank();  // the trace's pid: each rank's kernels on its own tracks
   eo.ranks = rank_group_.get();
   eo.overlap_collectives = !options_.no_overlap;
+  // A forward pass scores each sample alone: its bits do not depend on its batch (kiln serve
+  // merges requests into batches of any size and must equal kiln predict).
+  eo.batch_invariant = function == "forward";
   KILN_ASSIGN_OR_RETURN(auto exec, runtime::cpu::CpuExecutor::create(std::move(program), eo));
   runtime::cpu::CpuExecutor* raw = exec.get();
   executors_[key] = std::move(exec);

@@ -293,7 +293,7 @@ Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
     issuing = std::make_unique<IssuingGroup>(*options_.ranks, operands, results, issued);
     ref_ctx.ranks = issuing.get();
   }
-  KernelContext fast_ctx{pool_.get(), &program_.symbols};
+  KernelContext fast_ctx{pool_.get(), &program_.symbols, options_.batch_invariant};
   Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
   const bool timed = options_.profile || tracer;
   auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();

@@ -45,6 +45,9 @@ struct ExecutorOptions {
   // false (kiln train --no-overlap): wait on each collective right after issuing it, as a
   // baseline for the overlap.
   bool overlap_collectives = true;
+  // Run f32 matmuls through the batch-invariant GEMM (kernels/invariant_gemm.h): a sample's
+  // results then do not depend on its batch (the forward pass of eval, predict and serve).
+  bool batch_invariant = false;
 };
 
 // Where one run waited on one collective: the seq of the launch that issued it and of the

@@ -17,7 +17,8 @@ struct EmbeddingStore::Table {
 namespace {
 
 Status checkFraction(const char* name, double fraction) {
-  if (!(fraction >= 0.0 && fraction <= 1.0)) return Status::errorf("{} must be in [0, 1], not {}", name, fraction);
+  if (!(fraction >= 0.0 && fraction <= 1.0))
+    return Status::errorf("{} must be in [0, 1], not {}", name, fraction);
   return Status::ok();
 }
 
@@ -31,8 +32,7 @@ int64_t tierRows(double fraction, int64_t rows) {
 
 // Copies rows from[i] (dim floats each) of `from` to rows at[i] of `to`.
 void scatterRows(const float* from, std::span<const size_t> at, int64_t dim, float* to) {
-  for (size_t i = 0; i < at.size(); ++i)
-    std::copy_n(from + i * dim, dim, to + at[i] * dim);
+  for (size_t i = 0; i < at.size(); ++i) std::copy_n(from + i * dim, dim, to + at[i] * dim);
 }
 
 }  // namespace
@@ -50,17 +50,19 @@ Expected<std::unique_ptr<EmbeddingStore>> EmbeddingStore::make(std::vector<Table
   KILN_RETURN_IF_ERROR(checkFraction("host_fraction", options.host_fraction));
   if (!persistent && options.host_fraction != 1.0)
     return Status::errorf(
-        "host_fraction is {}, but without a persistent store (--store) the host tier holds every row: it must be 1",
+        "host_fraction is {}, but without a persistent store (--store) the host tier holds every row: it "
+        "must be 1",
         options.host_fraction);
-  if (options.shards < 0) return Status::errorf("shards must be 0 (automatic) or positive, not {}", options.shards);
+  if (options.shards < 0)
+    return Status::errorf("shards must be 0 (automatic) or positive, not {}", options.shards);
   std::unique_ptr<EmbeddingStore> store(new EmbeddingStore(std::move(tables), std::move(persistent)));
   for (const TableInfo& t : store->tables_) {
     auto tiers = std::make_unique<Table>();
     tiers->cache = std::make_unique<RowCache>(tierRows(options.cache_fraction, t.rows), t.dim, options.policy,
                                               options.shards);
     if (store->persistent_)
-      tiers->host = std::make_unique<HostRowStore>(tierRows(options.host_fraction, t.rows), t.dim, options.policy,
-                                                   options.shards);
+      tiers->host = std::make_unique<HostRowStore>(tierRows(options.host_fraction, t.rows), t.dim,
+                                                   options.policy, options.shards);
     else
       tiers->host = HostRowStore::wholeTable(t.rows, t.dim, options.shards);
     store->tiers_.push_back(std::move(tiers));
@@ -100,14 +102,15 @@ Status EmbeddingStore::checkIds(int table, std::span<const int64_t> ids) const {
 Status EmbeddingStore::loadRows(int table, int64_t first_id, int64_t count, const float* rows) {
   std::unique_lock lock(update_mu_);
   if (persistent_)
-    return Status::errorf("loadRows fills in-memory stores; the rows of the store in {} are written with apply",
-                          persistent_->dir());
+    return Status::errorf(
+        "loadRows fills in-memory stores; the rows of the store in {} are written with apply",
+        persistent_->dir());
   if (table < 0 || table >= static_cast<int>(tables_.size()))
     return Status::errorf("no embedding table {} (there are {})", table, tables_.size());
   const TableInfo& t = tables_[table];
   if (first_id < 0 || count < 0 || count > t.rows - first_id)
-    return Status::errorf("table '{}': rows [{}, {} + {}) are out of range [0, {})", t.name, first_id, first_id,
-                          count, t.rows);
+    return Status::errorf("table '{}': rows [{}, {} + {}) are out of range [0, {})", t.name, first_id,
+                          first_id, count, t.rows);
   std::vector<int64_t> ids(count);
   std::iota(ids.begin(), ids.end(), first_id);
   Table& tiers = *tiers_[table];
@@ -142,7 +145,8 @@ Status EmbeddingStore::lookup(int table, std::span<const int64_t> ids, float* ou
   for (size_t i = 0; i < miss_at.size(); ++i)
     if (!miss_found[i]) deep_at.push_back(i);
   if (!deep_at.empty()) {
-    if (!persistent_) return Status::errorf("table '{}': row {} was never loaded", info.name, miss_ids[deep_at[0]]);
+    if (!persistent_)
+      return Status::errorf("table '{}': row {} was never loaded", info.name, miss_ids[deep_at[0]]);
     std::vector<int64_t> deep_ids(deep_at.size());
     for (size_t i = 0; i < deep_at.size(); ++i) deep_ids[i] = miss_ids[deep_at[i]];
     std::vector<float> deep_rows(deep_at.size() * dim);
@@ -170,8 +174,8 @@ Status EmbeddingStore::apply(const std::vector<RowUpdate>& updates, int64_t vers
     KILN_RETURN_IF_ERROR(checkIds(u.table, u.ids));
     const TableInfo& t = tables_[u.table];
     if (u.rows.size() != u.ids.size() * static_cast<size_t>(t.dim))
-      return Status::errorf("update of table '{}': {} ids need {} floats (dim {}), not {}", t.name, u.ids.size(),
-                            u.ids.size() * t.dim, t.dim, u.rows.size());
+      return Status::errorf("update of table '{}': {} ids need {} floats (dim {}), not {}", t.name,
+                            u.ids.size(), u.ids.size() * t.dim, t.dim, u.rows.size());
   }
   if (persistent_) {
     std::vector<RowWrite> writes;

@@ -17,23 +17,23 @@ namespace kiln::serving {
 // ahead-of-time runner must start on machines without RocksDB, as it does without CUDA: only
 // `kiln serve --store` needs it, so the library is opened with dlopen when a store is created or
 // opened, and its absence is an error there, not a loader failure at start-up.
-#define KILN_ROCKSDB_FUNCTIONS(X) \
-  X(options_create)               \
-  X(options_destroy)              \
+#define KILN_ROCKSDB_FUNCTIONS(X)  \
+  X(options_create)                \
+  X(options_destroy)               \
   X(options_set_create_if_missing) \
-  X(options_set_error_if_exists)  \
-  X(open)                         \
-  X(close)                        \
-  X(readoptions_create)           \
-  X(readoptions_destroy)          \
-  X(writeoptions_create)          \
-  X(writeoptions_destroy)         \
-  X(writebatch_create)            \
-  X(writebatch_destroy)           \
-  X(writebatch_put)               \
-  X(write)                        \
-  X(get)                          \
-  X(multi_get)                    \
+  X(options_set_error_if_exists)   \
+  X(open)                          \
+  X(close)                         \
+  X(readoptions_create)            \
+  X(readoptions_destroy)           \
+  X(writeoptions_create)           \
+  X(writeoptions_destroy)          \
+  X(writebatch_create)             \
+  X(writebatch_destroy)            \
+  X(writebatch_put)                \
+  X(write)                         \
+  X(get)                           \
+  X(multi_get)                     \
   X(free)
 
 struct RocksDbApi {
@@ -62,18 +62,20 @@ Expected<RocksDbApi> loadRocksDb() {
     const char* why = dlerror();
     tried += fmt::format("\n  {}: {}", name, why ? why : "not found");
   }
-  if (!lib) return Status::errorf("kiln serve --store needs librocksdb (Debian: librocksdb7.8); tried:{}", tried);
+  if (!lib)
+    return Status::errorf("kiln serve --store needs librocksdb (Debian: librocksdb7.8); tried:{}", tried);
   RocksDbApi api;
   std::string missing;
-#define KILN_ROCKSDB_RESOLVE(fn)                                                   \
-  api.fn = reinterpret_cast<decltype(api.fn)>(dlsym(lib, "rocksdb_" #fn));         \
+#define KILN_ROCKSDB_RESOLVE(fn)                                           \
+  api.fn = reinterpret_cast<decltype(api.fn)>(dlsym(lib, "rocksdb_" #fn)); \
   if (!api.fn) missing += " rocksdb_" #fn;
   KILN_ROCKSDB_FUNCTIONS(KILN_ROCKSDB_RESOLVE)
 #undef KILN_ROCKSDB_RESOLVE
   if (!missing.empty()) {
     dlclose(lib);
-    return Status::errorf("kiln serve --store needs librocksdb 7.8 (Debian: librocksdb7.8); the librocksdb found lacks:{}",
-                          missing);
+    return Status::errorf(
+        "kiln serve --store needs librocksdb 7.8 (Debian: librocksdb7.8); the librocksdb found lacks:{}",
+        missing);
   }
   // The library stays loaded for the life of the process.
   return api;
@@ -183,7 +185,8 @@ struct RocksDbStore::Handles {
     api->options_destroy(options);
     if (err) {
       if (db) api->close(db);
-      return Status::errorf("cannot {} the store in {}: {}", create ? "create" : "open", dir, takeError(*api, err));
+      return Status::errorf("cannot {} the store in {}: {}", create ? "create" : "open", dir,
+                            takeError(*api, err));
     }
     auto handles = std::make_unique<Handles>();
     handles->api = api;
@@ -217,11 +220,13 @@ RocksDbStore::~RocksDbStore() = default;
 Expected<std::unique_ptr<RocksDbStore>> RocksDbStore::create(const std::string& dir,
                                                              const std::vector<TableInfo>& tables) {
   KILN_ASSIGN_OR_RETURN(const RocksDbApi* api, rocksDb());
-  if (Status s = checkTables(tables); !s) return Status::errorf("cannot create a store in {}: {}", dir, s.message());
+  if (Status s = checkTables(tables); !s)
+    return Status::errorf("cannot create a store in {}: {}", dir, s.message());
   namespace fs = std::filesystem;
   std::error_code ec;
   if (fs::exists(fs::path(dir) / "CURRENT", ec))
-    return Status::errorf("{} already holds a RocksDB database; open it, or remove it to create a new store", dir);
+    return Status::errorf("{} already holds a RocksDB database; open it, or remove it to create a new store",
+                          dir);
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec))
     return Status::errorf("cannot create a store in {}: it is not a directory", dir);
   fs::create_directories(dir, ec);
@@ -251,9 +256,12 @@ Expected<std::unique_ptr<RocksDbStore>> RocksDbStore::open(const std::string& di
     return Status::errorf("no store in {}: it is not a RocksDB database (no CURRENT file)", dir);
   KILN_ASSIGN_OR_RETURN(std::unique_ptr<Handles> handles, Handles::open(api, dir, /*create=*/false));
   KILN_ASSIGN_OR_RETURN(std::optional<std::string> metadata, handles->get(kMetadataKey, dir));
-  if (!metadata) return Status::errorf("{} is a RocksDB database but not a Kiln store (it has no {} record)", dir, kMetadataKey);
+  if (!metadata)
+    return Status::errorf("{} is a RocksDB database but not a Kiln store (it has no {} record)", dir,
+                          kMetadataKey);
   Expected<std::vector<TableInfo>> tables = parseMetadata(*metadata);
-  if (!tables) return Status::errorf("{}: garbled {} record: {}", dir, kMetadataKey, tables.status().message());
+  if (!tables)
+    return Status::errorf("{}: garbled {} record: {}", dir, kMetadataKey, tables.status().message());
   KILN_ASSIGN_OR_RETURN(std::optional<std::string> version_text, handles->get(kVersionKey, dir));
   int64_t version = 0;
   if (!version_text || !parseInt(*version_text, version))
@@ -297,7 +305,8 @@ Status RocksDbStore::write(const std::vector<RowWrite>& writes, std::optional<in
   std::string version_text;
   if (version) {
     version_text = std::to_string(*version);
-    api.writebatch_put(batch, kVersionKey.data(), kVersionKey.size(), version_text.data(), version_text.size());
+    api.writebatch_put(batch, kVersionKey.data(), kVersionKey.size(), version_text.data(),
+                       version_text.size());
   }
   char* err = nullptr;
   api.write(handles_->db, handles_->write, batch, &err);
@@ -309,7 +318,8 @@ Status RocksDbStore::write(const std::vector<RowWrite>& writes, std::optional<in
 
 Status RocksDbStore::setVersion(int64_t version) { return write({}, version); }
 
-Status RocksDbStore::getRows(int table, std::span<const int64_t> ids, float* out, std::vector<uint8_t>& found) {
+Status RocksDbStore::getRows(int table, std::span<const int64_t> ids, float* out,
+                             std::vector<uint8_t>& found) {
   KILN_RETURN_IF_ERROR(checkRows(table, ids));
   found.assign(ids.size(), 0);
   if (ids.empty()) return Status::ok();
@@ -327,8 +337,8 @@ Status RocksDbStore::getRows(int table, std::span<const int64_t> ids, float* out
   std::vector<char*> values(n, nullptr);
   std::vector<size_t> value_sizes(n, 0);
   std::vector<char*> errs(n, nullptr);
-  api.multi_get(handles_->db, handles_->read, n, keys.data(), key_sizes.data(), values.data(), value_sizes.data(),
-                errs.data());
+  api.multi_get(handles_->db, handles_->read, n, keys.data(), key_sizes.data(), values.data(),
+                value_sizes.data(), errs.data());
   // Every value and error is the caller's to free, whatever goes wrong.
   Status status;
   for (size_t i = 0; i < n; ++i) {
@@ -339,8 +349,8 @@ Status RocksDbStore::getRows(int table, std::span<const int64_t> ids, float* out
     if (!values[i]) continue;
     if (value_sizes[i] != row_bytes) {
       if (status)
-        status = Status::errorf("{}: corrupt store: table '{}' row {} holds {} bytes, expected {}", dir_, t.name,
-                                ids[i], value_sizes[i], row_bytes);
+        status = Status::errorf("{}: corrupt store: table '{}' row {} holds {} bytes, expected {}", dir_,
+                                t.name, ids[i], value_sizes[i], row_bytes);
     } else {
       std::memcpy(out + i * t.dim, values[i], row_bytes);
       found[i] = 1;

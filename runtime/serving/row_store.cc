@@ -215,8 +215,8 @@ RowTier::RowTier(int64_t capacity, int64_t dim, EvictionPolicy policy, bool evic
   for (int64_t s = 0; s < count; ++s) {
     // A tier that does not evict holds whatever lands in a shard: its capacity is checked for the
     // whole tier, as hashing does not spread ids evenly.
-    int64_t share = evict_ ? capacity_ / count + (s < capacity_ % count ? 1 : 0)
-                           : std::numeric_limits<int64_t>::max();
+    int64_t share =
+        evict_ ? capacity_ / count + (s < capacity_ % count ? 1 : 0) : std::numeric_limits<int64_t>::max();
     shards_.push_back(std::make_unique<detail::RowShard>(share, dim_, policy, evict_, preallocate));
   }
 }
@@ -239,17 +239,18 @@ size_t RowTier::lookup(std::span<const int64_t> ids, float* out, std::span<uint8
   std::fill(found.begin(), found.end(), 0);
   if (!enabled() || ids.empty()) return 0;
   size_t hits = 0;
-  forEachShard(ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
-               [&](size_t s, std::span<const size_t> positions) {
-                 detail::RowShard& shard = *shards_[s];
-                 std::lock_guard<std::mutex> lock(shard.mu);
-                 for (size_t i : positions) {
-                   if (shard.lookup(ids[i], out + i * dim_)) {
-                     found[i] = 1;
-                     ++hits;
-                   }
-                 }
-               });
+  forEachShard(
+      ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
+      [&](size_t s, std::span<const size_t> positions) {
+        detail::RowShard& shard = *shards_[s];
+        std::lock_guard<std::mutex> lock(shard.mu);
+        for (size_t i : positions) {
+          if (shard.lookup(ids[i], out + i * dim_)) {
+            found[i] = 1;
+            ++hits;
+          }
+        }
+      });
   lookups_.fetch_add(ids.size(), std::memory_order_relaxed);
   hits_.fetch_add(hits, std::memory_order_relaxed);
   return hits;
@@ -259,32 +260,33 @@ bool RowTier::insert(std::span<const int64_t> ids, const float* rows) {
   if (!enabled()) return ids.empty();
   bool all_stored = true;
   uint64_t evicted = 0;
-  forEachShard(ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
-               [&](size_t s, std::span<const size_t> positions) {
-                 detail::RowShard& shard = *shards_[s];
-                 std::lock_guard<std::mutex> lock(shard.mu);
-                 for (size_t i : positions) {
-                   const float* values = rows + i * dim_;
-                   if (shard.overwrite(ids[i], values)) continue;
-                   if (!evict_ && size_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
-                     size_.fetch_sub(1, std::memory_order_relaxed);
-                     all_stored = false;
-                     continue;
-                   }
-                   switch (shard.insertAbsent(ids[i], values)) {
-                     case detail::RowShard::Inserted::Fresh:
-                       if (evict_) size_.fetch_add(1, std::memory_order_relaxed);
-                       break;
-                     case detail::RowShard::Inserted::Evicted:
-                       ++evicted;
-                       break;
-                     case detail::RowShard::Inserted::Full:
-                       if (!evict_) size_.fetch_sub(1, std::memory_order_relaxed);
-                       all_stored = false;
-                       break;
-                   }
-                 }
-               });
+  forEachShard(
+      ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
+      [&](size_t s, std::span<const size_t> positions) {
+        detail::RowShard& shard = *shards_[s];
+        std::lock_guard<std::mutex> lock(shard.mu);
+        for (size_t i : positions) {
+          const float* values = rows + i * dim_;
+          if (shard.overwrite(ids[i], values)) continue;
+          if (!evict_ && size_.fetch_add(1, std::memory_order_relaxed) >= capacity_) {
+            size_.fetch_sub(1, std::memory_order_relaxed);
+            all_stored = false;
+            continue;
+          }
+          switch (shard.insertAbsent(ids[i], values)) {
+            case detail::RowShard::Inserted::Fresh:
+              if (evict_) size_.fetch_add(1, std::memory_order_relaxed);
+              break;
+            case detail::RowShard::Inserted::Evicted:
+              ++evicted;
+              break;
+            case detail::RowShard::Inserted::Full:
+              if (!evict_) size_.fetch_sub(1, std::memory_order_relaxed);
+              all_stored = false;
+              break;
+          }
+        }
+      });
   evictions_.fetch_add(evicted, std::memory_order_relaxed);
   return all_stored;
 }
@@ -292,13 +294,14 @@ bool RowTier::insert(std::span<const int64_t> ids, const float* rows) {
 size_t RowTier::update(std::span<const int64_t> ids, const float* rows) {
   if (!enabled()) return 0;
   size_t updated = 0;
-  forEachShard(ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
-               [&](size_t s, std::span<const size_t> positions) {
-                 detail::RowShard& shard = *shards_[s];
-                 std::lock_guard<std::mutex> lock(shard.mu);
-                 for (size_t i : positions)
-                   if (shard.overwrite(ids[i], rows + i * dim_)) ++updated;
-               });
+  forEachShard(
+      ids, shards_.size(), [this](int64_t id) { return shardOf(id); },
+      [&](size_t s, std::span<const size_t> positions) {
+        detail::RowShard& shard = *shards_[s];
+        std::lock_guard<std::mutex> lock(shard.mu);
+        for (size_t i : positions)
+          if (shard.overwrite(ids[i], rows + i * dim_)) ++updated;
+      });
   return updated;
 }
 

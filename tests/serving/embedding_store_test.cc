@@ -1,6 +1,8 @@
 // The tiered embedding store of `kiln serve`: the row cache and host tier (eviction, counters,
 // concurrency), the RocksDB tier (layout, errors, atomic writes) and the store over all three.
 // Every row is checked bit for bit against a plain copy of the table kept by the test.
+#include "runtime/serving/embedding_store.h"
+
 #include <dlfcn.h>
 #include <gtest/gtest.h>
 #include <rocksdb/c.h>
@@ -16,8 +18,6 @@
 #include <random>
 #include <thread>
 
-#include "runtime/serving/embedding_store.h"
-
 namespace kiln::serving {
 namespace {
 
@@ -32,7 +32,8 @@ std::vector<float> randomTable(int64_t rows, int64_t dim, uint32_t seed) {
   const uint32_t awkward[] = {0x80000000u /* -0.0 */, 0x7fc12345u /* quiet NaN, payload */,
                               0x7f800001u /* signalling NaN */, 0xffbfffffu /* negative NaN */,
                               0x00000001u /* smallest subnormal */};
-  for (size_t i = 0; i < std::size(awkward) && i < table.size(); ++i) table[i] = std::bit_cast<float>(awkward[i]);
+  for (size_t i = 0; i < std::size(awkward) && i < table.size(); ++i)
+    table[i] = std::bit_cast<float>(awkward[i]);
   return table;
 }
 
@@ -51,19 +52,23 @@ std::vector<int64_t> uniqueIds(std::mt19937& rng, int64_t rows, size_t count) {
 // The rows of `ids` gathered from `table`.
 std::vector<float> gather(const std::vector<float>& table, int64_t dim, std::span<const int64_t> ids) {
   std::vector<float> rows(ids.size() * dim);
-  for (size_t i = 0; i < ids.size(); ++i) std::copy_n(table.data() + ids[i] * dim, dim, rows.data() + i * dim);
+  for (size_t i = 0; i < ids.size(); ++i)
+    std::copy_n(table.data() + ids[i] * dim, dim, rows.data() + i * dim);
   return rows;
 }
 
 // How many of the rows in `got` (row i for ids[i]) differ in any bit from the table's.
-size_t mismatches(const std::vector<float>& table, int64_t dim, std::span<const int64_t> ids, const float* got) {
+size_t mismatches(const std::vector<float>& table, int64_t dim, std::span<const int64_t> ids,
+                  const float* got) {
   size_t bad = 0;
   for (size_t i = 0; i < ids.size(); ++i)
     if (std::memcmp(got + i * dim, table.data() + ids[i] * dim, dim * sizeof(float)) != 0) ++bad;
   return bad;
 }
 
-bool sameBits(const float* a, const float* b, int64_t dim) { return std::memcmp(a, b, dim * sizeof(float)) == 0; }
+bool sameBits(const float* a, const float* b, int64_t dim) {
+  return std::memcmp(a, b, dim * sizeof(float)) == 0;
+}
 
 std::vector<float> rowOf(float seed, int64_t dim) {
   std::vector<float> row(dim);
@@ -105,7 +110,7 @@ TEST(RowCacheTest, LfuEvictsTheLeastFrequentlyUsedRow) {
   for (int64_t id : {1, 2, 3}) ASSERT_TRUE(cache.put(id, rowOf(id, 2).data()));  // uses 1 1 1
   ASSERT_TRUE(cache.get(1, out.data()));
   ASSERT_TRUE(cache.get(1, out.data()));
-  ASSERT_TRUE(cache.get(2, out.data()));  // uses: 1:3 2:2 3:1
+  ASSERT_TRUE(cache.get(2, out.data()));          // uses: 1:3 2:2 3:1
   ASSERT_TRUE(cache.put(4, rowOf(4, 2).data()));  // evicts 3, the least used
   EXPECT_FALSE(cache.contains(3));
   ASSERT_TRUE(cache.get(4, out.data()));
@@ -302,10 +307,10 @@ class TempDir {
   fs::path path_;
 };
 
-#define SKIP_WITHOUT_ROCKSDB()                                                  \
-  do {                                                                          \
-    if (Status available = RocksDbStore::available(); !available)               \
-      GTEST_SKIP() << "librocksdb cannot be loaded: " << available.message();   \
+#define SKIP_WITHOUT_ROCKSDB()                                                \
+  do {                                                                        \
+    if (Status available = RocksDbStore::available(); !available)             \
+      GTEST_SKIP() << "librocksdb cannot be loaded: " << available.message(); \
   } while (0)
 
 // A RocksDB database written directly, for what a Kiln store never writes: no metadata, garbled
@@ -323,7 +328,8 @@ class RawRocksDb {
     open_ = reinterpret_cast<decltype(open_)>(dlsym(lib_, "rocksdb_open"));
     close_ = reinterpret_cast<decltype(close_)>(dlsym(lib_, "rocksdb_close"));
     put_ = reinterpret_cast<decltype(put_)>(dlsym(lib_, "rocksdb_put"));
-    write_options_create_ = reinterpret_cast<decltype(write_options_create_)>(dlsym(lib_, "rocksdb_writeoptions_create"));
+    write_options_create_ =
+        reinterpret_cast<decltype(write_options_create_)>(dlsym(lib_, "rocksdb_writeoptions_create"));
     write_options_destroy_ =
         reinterpret_cast<decltype(write_options_destroy_)>(dlsym(lib_, "rocksdb_writeoptions_destroy"));
     rocksdb_options_t* options = options_create_();
@@ -419,9 +425,11 @@ TEST(RocksDbStoreTest, RowsRoundTripBitExactAcrossReopen) {
     for (size_t i = 0; i < ids.size(); ++i) {
       bool written = ids[i] < infos[t].rows - 10;
       EXPECT_EQ(found[i] != 0, written) << "table " << t << " row " << ids[i];
-      if (written)
-        EXPECT_TRUE(sameBits(out.data() + i * infos[t].dim, tables[t].data() + ids[i] * infos[t].dim, infos[t].dim))
+      if (written) {
+        EXPECT_TRUE(
+            sameBits(out.data() + i * infos[t].dim, tables[t].data() + ids[i] * infos[t].dim, infos[t].dim))
             << "table " << t << " row " << ids[i];
+      }
     }
   }
   // The awkward values at the start of table 0 (-0.0, NaN payloads) came back as written.
@@ -446,7 +454,8 @@ TEST(RocksDbStoreTest, RowsRoundTripBitExactAcrossReopen) {
 TEST(RocksDbStoreTest, MultiTableWriteIsOneAtomicUpdate) {
   SKIP_WITHOUT_ROCKSDB();
   TempDir dir;
-  Expected<std::unique_ptr<RocksDbStore>> created = RocksDbStore::create(dir.str(), {{"a", 100, 4}, {"b", 50, 2}});
+  Expected<std::unique_ptr<RocksDbStore>> created =
+      RocksDbStore::create(dir.str(), {{"a", 100, 4}, {"b", 50, 2}});
   ASSERT_TRUE(created) << created.status().message();
   RocksDbStore& db = **created;
   std::vector<int64_t> a_ids = {3, 1, 99}, b_ids = {0, 49};
@@ -503,8 +512,9 @@ TEST(RocksDbStoreTest, OpenErrorsNameTheDirectory) {
   }
   expectError(foreign.str(), "not a Kiln store");
 
-  for (std::string garbage : {"hello", "kiln.store 1\ntable x 4 t\n", "kiln.store 1\ntable 10 4 t\ntable 10 4 t\n",
-                              "kiln.store 2\ntable 10 4 t\n", "kiln.store 1\ntable 10 4 t"}) {
+  for (std::string garbage :
+       {"hello", "kiln.store 1\ntable x 4 t\n", "kiln.store 1\ntable 10 4 t\ntable 10 4 t\n",
+        "kiln.store 2\ntable 10 4 t\n", "kiln.store 1\ntable 10 4 t"}) {
     TempDir garbled;
     {
       Expected<std::unique_ptr<RocksDbStore>> store = RocksDbStore::create(garbled.str(), {{"t", 10, 4}});
@@ -723,7 +733,8 @@ TEST_P(TieredStoreTest, UpdatesReachEveryTier) {
   EXPECT_EQ(mismatches(tables_[0], 16, one, out.data()), 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Policies, TieredStoreTest, ::testing::Values(EvictionPolicy::Lru, EvictionPolicy::Lfu),
+INSTANTIATE_TEST_SUITE_P(Policies, TieredStoreTest,
+                         ::testing::Values(EvictionPolicy::Lru, EvictionPolicy::Lfu),
                          [](const ::testing::TestParamInfo<EvictionPolicy>& info) {
                            return std::string(evictionPolicyName(info.param));
                          });

@@ -20,6 +20,8 @@ namespace kiln::runtime::cpu {
 struct KernelContext {
   ThreadPool* pool = nullptr;  // never null when called by the executor
   const ir::SymbolBindings* symbols = nullptr;
+  // f32 matmuls through the batch-invariant GEMM (invariant_gemm.h) instead of the BLAS.
+  bool batch_invariant = false;
 };
 
 using KernelFn = Status (*)(const ir::Op& op, const std::vector<const ir::TensorView*>& operands,

@@ -1,12 +1,14 @@
 // Matrix products through the CPU BLAS (OpenBLAS from Debian, or any CBLAS): f32 by sgemm,
 // f64 by dgemm, bf16 storage by f32 sgemm over converted copies. Batch dims broadcast; when
-// only `a` is batched and not transposed, the batch folds into M for one large GEMM.
+// only `a` is batched and not transposed, the batch folds into M for one large GEMM. With
+// KernelContext::batch_invariant f32 products go through invariant_gemm.h instead.
 #include <cblas.h>
 
 #include <algorithm>
 #include <vector>
 
 #include "runtime/cpu/kernels/broadcast.h"
+#include "runtime/cpu/kernels/invariant_gemm.h"
 #include "runtime/cpu/kernels/kernels.h"
 
 namespace kiln::runtime::cpu {
@@ -37,7 +39,10 @@ Expected<MatmulDims> matmulDims(const ir::Op& op, const ir::TensorView& a, const
 }
 
 template <typename T>
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* c) {
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* c, const KernelContext& ctx) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (ctx.batch_invariant) return invariantSgemm(ta, tb, m, n, k, a, b, c, *ctx.pool);
+  }
   auto tra = ta ? CblasTrans : CblasNoTrans, trb = tb ? CblasTrans : CblasNoTrans;
   int lda = static_cast<int>(ta ? m : k), ldb = static_cast<int>(tb ? k : n), ldc = static_cast<int>(n);
   if (m == 0 || n == 0) return;
@@ -54,14 +59,14 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, const T
 }
 
 template <typename T>
-void batchedGemm(const ir::Op& op, const MatmulDims& d, const T* a, const T* b, T* c) {
+void batchedGemm(const ir::Op& op, const MatmulDims& d, const T* a, const T* b, T* c, const KernelContext& ctx) {
   bool ta = op.boolAttr("transpose_a"), tb = op.boolAttr("transpose_b");
   int64_t nbatch = 1;
   for (int64_t x : d.batch) nbatch *= x;
   int64_t b_count = 1;
   for (int64_t x : d.b_batch) b_count *= x;
   if (!ta && b_count == 1) {  // fold a's batch into M: one GEMM
-    gemm<T>(false, tb, nbatch * d.m, d.n, d.k, a, b, c);
+    gemm<T>(false, tb, nbatch * d.m, d.n, d.k, a, b, c, ctx);
     return;
   }
   BroadcastIter it(d.batch, {&d.a_batch, &d.b_batch});
@@ -74,7 +79,7 @@ void batchedGemm(const ir::Op& op, const MatmulDims& d, const T* a, const T* b, 
     for (int64_t j = 0; j < inner; ++j, ++idx) {
       int64_t ia = d.batch.empty() ? 0 : offs[0] + j * it.innerStride(0);
       int64_t ib = d.batch.empty() ? 0 : offs[1] + j * it.innerStride(1);
-      gemm<T>(ta, tb, d.m, d.n, d.k, a + ia * d.m * d.k, b + ib * d.k * d.n, c + idx * d.m * d.n);
+      gemm<T>(ta, tb, d.m, d.n, d.k, a + ia * d.m * d.k, b + ib * d.k * d.n, c + idx * d.m * d.n, ctx);
     }
   }
 }
@@ -89,10 +94,10 @@ Status runMatmul(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
   out[0]->shape = shape;
   switch (out[0]->dtype) {
     case ir::DType::f32:
-      batchedGemm<float>(op, *d, in[0]->as<float>(), in[1]->as<float>(), out[0]->as<float>());
+      batchedGemm<float>(op, *d, in[0]->as<float>(), in[1]->as<float>(), out[0]->as<float>(), ctx);
       break;
     case ir::DType::f64:
-      batchedGemm<double>(op, *d, in[0]->as<double>(), in[1]->as<double>(), out[0]->as<double>());
+      batchedGemm<double>(op, *d, in[0]->as<double>(), in[1]->as<double>(), out[0]->as<double>(), ctx);
       break;
     case ir::DType::bf16: {
       // bf16 storage, f32 compute: widen, multiply, round once.
@@ -105,7 +110,7 @@ Status runMatmul(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
         return f;
       };
       std::vector<float> a = widen(*in[0]), b = widen(*in[1]), c(static_cast<size_t>(out[0]->numel()));
-      batchedGemm<float>(op, *d, a.data(), b.data(), c.data());
+      batchedGemm<float>(op, *d, a.data(), b.data(), c.data(), ctx);
       uint16_t* o = out[0]->as<uint16_t>();
       ctx.pool->parallelFor(out[0]->numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) o[i] = ir::floatToBf16(c[static_cast<size_t>(i)]);
