@@ -48,8 +48,8 @@ def f32(x):
 
 
 class Server:
-    def __init__(self, kiln, model, args):
-        cmd = [kiln, "serve", model, "--port", "0"] + SET + args
+    def __init__(self, kiln, model, args, sets=None):
+        cmd = [kiln, "serve", model, "--port", "0"] + (SET if sets is None else sets) + args
         print(" ".join(cmd), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -57,6 +57,7 @@ class Server:
             self.proc.kill()
             fail(f"no 'listening on' line: {line!r} {self.proc.stderr.read()}")
         self.port = int(line.strip().rsplit(":", 1)[1])
+        self.model = os.path.splitext(os.path.basename(model))[0]
 
     def request(self, method, path, body=None, headers=None):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -66,7 +67,8 @@ class Server:
         c.close()
         return r.status, data
 
-    def infer(self, body, model=MODEL):
+    def infer(self, body, model=None):
+        model = model or self.model
         status, data = self.request("POST", f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
         return status, json.loads(data) if data else None
 
@@ -267,7 +269,9 @@ def main():
     for t in threads:
         t.start()
     time.sleep(0.2)
-    shutil.copy(os.path.join(publish, "update-000000000020.safetensors"), watch)
+    # As the trainer publishes: written beside its place, then renamed into it.
+    shutil.copy(os.path.join(publish, "update-000000000020.safetensors"), os.path.join(watch, "incoming.tmp"))
+    os.rename(os.path.join(watch, "incoming.tmp"), os.path.join(watch, "update-000000000020.safetensors"))
     deadline = time.time() + 30
     while s.metrics()["kiln_model_version"] != 20:
         if time.time() > deadline:
@@ -295,7 +299,43 @@ def main():
     r = run([kiln, "serve", model, "--checkpoint", c10, "--store", store] + SET, expect_ok=False)
     if r.returncode == 0 or "version 20" not in r.stdout:
         fail("a store of another version than the checkpoint must be refused")
-    # 3. Bad stores are errors at start.
+    # 3. Batching options: a preferred size dispatches at once; a request past its timeout gets 504.
+    s = Server(kiln, model, ["--checkpoint", c10, "--max-batch", "64", "--max-queue-delay-us", "5000000",
+                             "--preferred-batch-sizes", "4", "--request-timeout-ms", "60000"])
+    t0 = time.time()
+    check_scores(concurrent(s, bodies[:4], 4), {10: expected[10]}, "preferred batch size")
+    if time.time() - t0 > 2.5:
+        fail(f"4 requests with --preferred-batch-sizes 4 waited {time.time() - t0:.1f} s (the queue delay is 5 s)")
+    if s.metrics()['kiln_batch_size_bucket{le="4"}'] < 1:
+        fail("no batch of 4")
+    s.stop()
+    s = Server(kiln, model, ["--checkpoint", c10, "--max-queue-delay-us", "300000", "--request-timeout-ms", "50"])
+    status, body = s.infer(bodies[0])
+    if status != 504 or "request-timeout-ms" not in body["error"]:
+        fail(f"a request past --request-timeout-ms: {status} {body}")
+    s.stop()
+    print("batching options: preferred size dispatched at once, timeout answered 504")
+
+    # 4. A model with hashed crosses: the crossed tables stay in the session, the rest are served.
+    wd = os.path.join(models, "wide_deep.kiln")
+    wd_set = ["--set", "rows_cap=2000", "--set", "crosses=1"]
+    wd_ckpt = os.path.join(work, "wd")
+    run([kiln, "train", wd, "--batch", "64", "--steps", "5", "--checkpoint", wd_ckpt] + wd_set)
+    wd_scores = os.path.join(work, "wd.txt")
+    run([kiln, "predict", wd, "--checkpoint", wd_ckpt, "--data", "synthetic", "--samples", "64", "--batch", "64",
+         "-o", wd_scores] + wd_set)
+    with open(wd_scores) as f:
+        wd_expected = [f32(x) for x in f.read().split()]
+    wd_reqs = os.path.join(work, "wd.jsonl")
+    run([kiln, "data", "requests", wd, "--data", "synthetic", "--samples", "64", "-o", wd_reqs] + wd_set)
+    with open(wd_reqs) as f:
+        wd_bodies = f.read().splitlines()
+    s = Server(kiln, wd, ["--checkpoint", wd_ckpt, "--cache-fraction", "0.1"], sets=wd_set)
+    check_scores(concurrent(s, wd_bodies, 4), {0: [None] * 64, 5: wd_expected}, "wide & deep with crosses")
+    s.stop()
+    print("wide & deep with crosses: scores equal kiln predict")
+
+    # 5. Bad stores are errors at start.
     r = run([kiln, "serve", model, "--checkpoint", c10, "--store", os.path.join(work, "none")] + SET, expect_ok=False)
     if r.returncode == 0 or "none" not in r.stdout:
         fail("a missing store must be a clear error")
