@@ -28,11 +28,16 @@ struct ServedTable {
   int64_t dim = 0;
   // The sparse inputs whose ids index it (several for a shared table), in declaration order.
   std::vector<std::string> id_inputs;
+  // Tables whose lookups read the same inputs share a group (Wide & Deep reads a feature with a
+  // wide and a deep table): one batch gathers the group's distinct ids for each of its tables, and
+  // rewrites each input once. Groups are numbered 0, 1, ...
+  int group = 0;
 };
 
 // The f32 tables of `forward` that a store can serve: read only as the table of
-// kiln.embedding_bag lookups whose ids are a kiln.input read by nothing else. Any other table
-// (a cross's ids, a sequence lookup, a bf16 table) stays a parameter of the session.
+// kiln.embedding_bag lookups whose ids are kiln.inputs read by nothing but such lookups. Any
+// other table (a cross's ids, a sequence lookup, a bf16 table, one that shares ids with those)
+// stays a parameter of the session.
 std::vector<ServedTable> findServedTables(const ir::Function& forward);
 
 // Writes the rows of `ids` (distinct, ascending, each in [0, rows)) of table `table` (an index
@@ -43,7 +48,7 @@ using RowSource = std::function<Status(size_t table, std::span<const int64_t> id
 struct GatheredRows {
   // Per served table: [distinct ids of the batch, dim], rows in ascending id order.
   std::vector<ir::HostTensor> rows;
-  // Per served table: the distinct ids (ascending), what `rows` holds.
+  // Per served table: the distinct ids of its group (ascending), what `rows` holds.
   std::vector<std::vector<int64_t>> ids;
   // The batch's id inputs by name, each id replaced by its row's position in `rows`.
   std::vector<std::pair<std::string, ir::HostTensor>> remapped_inputs;

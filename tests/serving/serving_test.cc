@@ -38,7 +38,7 @@ float fmaChain(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a
 }
 
 TEST(InvariantGemm, EveryElementIsOneFmaChainWhateverTheShape) {
-  runtime::cpu::ThreadPool pool(2);
+  runtime::ThreadPool pool(2);
   for (bool ta : {false, true})
     for (bool tb : {false, true})
       for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 33, 13}, {64, 16, 200},
@@ -55,7 +55,7 @@ TEST(InvariantGemm, EveryElementIsOneFmaChainWhateverTheShape) {
 }
 
 TEST(InvariantGemm, ARowScoresTheSameAloneAndInAnyBatch) {
-  runtime::cpu::ThreadPool one(1), three(3);
+  runtime::ThreadPool one(1), three(3);
   const int64_t k = 300, n = 40;
   auto w = randomFloats(static_cast<size_t>(n * k), 3);
   auto x = randomFloats(static_cast<size_t>(50 * k), 4);
@@ -93,30 +93,6 @@ struct ForwardBuilder {
   }
 };
 
-TEST(ServedTables, OnlyTablesReadByInputIdsAlone) {
-  ForwardBuilder f;
-  ir::Value* t0 = f.param("t0", 100, 4);
-  ir::Value* shared = f.param("shared", 50, 4);
-  ir::Value* other = f.param("other", 30, 4);
-  ir::Value* w = f.param("w", 4, 4);
-  ir::Value* bf = f.param("bf", 20, 4, ir::DType::bf16);
-  f.lookup(t0, f.ids("c0", 0, 100));
-  f.lookup(shared, f.ids("c1", 1, 50));
-  f.lookup(shared, f.ids("c2", 2, 50));
-  // The ids of 'other' also feed a second table: rewriting them per batch would break it.
-  ir::Value* c3 = f.ids("c3", 3, 30);
-  ir::Value* pooled = f.lookup(other, c3);
-  f.lookup(f.param("other2", 30, 4), c3);
-  f.lookup(bf, f.ids("c4", 4, 20));
-  ASSERT_TRUE(f.b.create(ir::OpCode::Matmul, {pooled, w}).isOk());
-  std::vector<ServedTable> served = findServedTables(f.fn);
-  std::map<std::string, std::vector<std::string>> got;
-  for (const ServedTable& t : served) got[t.name] = t.id_inputs;
-  EXPECT_EQ(got, (std::map<std::string, std::vector<std::string>>{{"t0", {"c0"}}, {"shared", {"c1", "c2"}}}));
-  for (const ServedTable& t : served)
-    if (t.name == "t0") EXPECT_EQ(std::make_pair(t.rows, t.dim), std::make_pair(int64_t{100}, int64_t{4}));
-}
-
 data::Batch idsBatch(const std::vector<std::pair<std::string, std::vector<int64_t>>>& inputs) {
   data::Batch b;
   for (const auto& [name, ids] : inputs) {
@@ -129,8 +105,55 @@ data::Batch idsBatch(const std::vector<std::pair<std::string, std::vector<int64_
   return b;
 }
 
+TEST(ServedTables, OnlyTablesReadByInputIdsAlone) {
+  ForwardBuilder f;
+  ir::Value* t0 = f.param("t0", 100, 4);
+  ir::Value* shared = f.param("shared", 50, 4);
+  ir::Value* wide = f.param("wide", 30, 1);
+  ir::Value* deep = f.param("deep", 30, 4);
+  ir::Value* dense_too = f.param("dense_too", 20, 4);
+  ir::Value* beside = f.param("beside", 20, 4);
+  ir::Value* bf = f.param("bf", 20, 4, ir::DType::bf16);
+  f.lookup(t0, f.ids("c0", 0, 100));
+  f.lookup(shared, f.ids("c1", 1, 50));
+  f.lookup(shared, f.ids("c2", 2, 50));
+  // Wide & Deep: one feature read by two tables, which then share the batch's distinct ids.
+  ir::Value* c3 = f.ids("c3", 3, 30);
+  f.lookup(wide, c3);
+  f.lookup(deep, c3);
+  // A table also read whole (here by a matmul) stays, and so does the table sharing its ids.
+  ir::Value* c4 = f.ids("c4", 4, 20);
+  ir::Value* pooled = f.lookup(dense_too, c4);
+  f.lookup(beside, c4);
+  ASSERT_TRUE(f.b.create(ir::OpCode::Matmul, {pooled, dense_too}, {{"transpose_b", true}}).isOk());
+  f.lookup(bf, f.ids("c5", 5, 20));
+  std::vector<ServedTable> served = findServedTables(f.fn);
+  std::map<std::string, std::pair<std::vector<std::string>, int>> got;
+  for (const ServedTable& t : served) got[t.name] = {t.id_inputs, t.group};
+  using Want = std::map<std::string, std::pair<std::vector<std::string>, int>>;
+  EXPECT_EQ(got, (Want{{"t0", {{"c0"}, 0}}, {"shared", {{"c1", "c2"}, 1}}, {"wide", {{"c3"}, 2}}, {"deep", {{"c3"}, 2}}}));
+  for (const ServedTable& t : served)
+    if (t.name == "t0") {
+      EXPECT_EQ(std::make_pair(t.rows, t.dim), std::make_pair(int64_t{100}, int64_t{4}));
+    }
+}
+
+TEST(GatherRows, AGroupSharesItsDistinctIds) {
+  const std::vector<ServedTable> tables = {{"wide", 10, 1, {"a"}, 0}, {"deep", 10, 2, {"a"}, 0}};
+  auto g = gatherRows(tables, idsBatch({{"a", {4, 2, 4}}}), [](size_t t, std::span<const int64_t> ids, float* out) {
+    for (size_t i = 0; i < ids.size() * (t == 0 ? 1 : 2); ++i) out[i] = static_cast<float>(t * 100) + static_cast<float>(i);
+    return Status::ok();
+  });
+  ASSERT_TRUE(g.isOk()) << g.status().str();
+  EXPECT_EQ(g->ids[0], (std::vector<int64_t>{2, 4}));
+  EXPECT_EQ(g->ids[1], g->ids[0]);
+  ASSERT_EQ(g->remapped_inputs.size(), 1u);
+  const int64_t* r = g->remapped_inputs[0].second.view.as<int64_t>();
+  EXPECT_EQ(std::vector<int64_t>(r, r + 3), (std::vector<int64_t>{1, 0, 1}));
+}
+
 TEST(GatherRows, DistinctIdsOnceRemappedOntoTheirRows) {
-  const std::vector<ServedTable> tables = {{"shared", 10, 2, {"a", "b"}}};
+  const std::vector<ServedTable> tables = {{"shared", 10, 2, {"a", "b"}, 0}};
   const data::Batch batch = idsBatch({{"a", {7, 3, 7}}, {"b", {3, 9, 0}}});
   std::vector<std::vector<int64_t>> asked;
   auto g = gatherRows(tables, batch, [&](size_t t, std::span<const int64_t> ids, float* out) {
@@ -156,7 +179,7 @@ TEST(GatherRows, DistinctIdsOnceRemappedOntoTheirRows) {
 }
 
 TEST(GatherRows, AnIdOutOfRangeNamesTheInputAndSample) {
-  const std::vector<ServedTable> tables = {{"t", 10, 2, {"a"}}};
+  const std::vector<ServedTable> tables = {{"t", 10, 2, {"a"}, 0}};
   auto g = gatherRows(tables, idsBatch({{"a", {1, 10}}}),
                       [](size_t, std::span<const int64_t>, float*) { return Status::ok(); });
   ASSERT_FALSE(g.isOk());
@@ -181,7 +204,7 @@ TEST_F(UpdateFiles, ThePublisherWritesTheRowsTrainingReadAndTheDenseWeights) {
   for (int i = 0; i < 12; ++i) table.view.as<float>()[i] = static_cast<float>(i);
   ir::HostTensor& w = params.set("w", ir::HostTensor(ir::DType::f32, {3}));
   for (int i = 0; i < 3; ++i) w.view.as<float>()[i] = 0.5f * static_cast<float>(i);
-  UpdatePublisher pub(dir_.string(), "m", {{"t", 6, 2, {"ids"}}}, {"w"}, 100);
+  UpdatePublisher pub(dir_.string(), "m", {{"t", 6, 2, {"ids"}, 0}}, {"w"}, 100);
   pub.noteBatch(idsBatch({{"ids", {4, 1, 4}}}));
   pub.noteBatch(idsBatch({{"ids", {5}}}));
   ASSERT_TRUE(pub.publish(110, params).isOk());
