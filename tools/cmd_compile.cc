@@ -56,7 +56,14 @@ Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledMo
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : session->checkpointNames())
     tensors.emplace_back(name, session->params().find(name)->view);
-  return runtime::serializeCheckpoint(tensors, {{"source", checkpoint}});
+  // The training step the weights are of: kiln serve reports it as the model's version.
+  std::map<std::string, std::string> metadata{{"source", checkpoint}};
+  std::filesystem::path file(checkpoint);
+  if (std::filesystem::is_directory(file)) file /= "checkpoint.safetensors";
+  if (std::filesystem::is_regular_file(file))
+    if (auto header = runtime::readCheckpointHeader(file.string()); header && header->metadata.count("step"))
+      metadata["step"] = header->metadata.at("step");
+  return runtime::serializeCheckpoint(tensors, metadata);
 }
 
 // NAME.h: the C API's header after the model's own constants (its max batch and each input's
@@ -109,6 +116,9 @@ int runCompile(const std::vector<std::string>& raw_args) {
   p.addOption("output", "NAME",
               "the executable to write (also -o NAME); with --emit lib, libNAME.so and NAME.h");
   p.addOption("emit", "exe|lib", "a standalone executable or a shared library with a C API", "exe");
+  p.addFlag("serve",
+            "the executable also serves over HTTP (./NAME serve, docs/serving.md); it then needs Debian's "
+            "libcpp-httplib at run time");
   p.addOption("device", "cpu|cuda|all", "the devices the payload runs on", "all");
   p.addOption("arch", "LIST", "CUDA architectures, e.g. sm_80,sm_90,compute_90 (PTX for newer GPUs)",
               "sm_80,sm_90,compute_90");
@@ -124,6 +134,7 @@ int runCompile(const std::vector<std::string>& raw_args) {
   const std::string emit = p.get("emit"), device = p.get("device");
   if (emit != "exe" && emit != "lib")
     return p.usageError(fmt::format("--emit must be exe or lib, got '{}'", emit));
+  if (emit == "lib" && p.flag("serve")) return p.usageError("--serve makes an executable (--emit exe)");
   if (device != "cpu" && device != "cuda" && device != "all")
     return p.usageError(fmt::format("--device must be cpu, cuda or all, got '{}'", device));
   auto max_batch = p.getInt("max-batch");
@@ -232,7 +243,8 @@ int runCompile(const std::vector<std::string>& raw_args) {
   payload.add(std::string(kMetaSection), compiledMetaJson(*compiled));
   payload.add(std::string(kModuleSection), compiled->module_text);
 
-  const std::string runner_file = emit == "exe" ? "kiln-runner" : "libkiln-aot.so";
+  const std::string runner_file = emit == "exe" ? (p.flag("serve") ? "kiln-serve-runner" : "kiln-runner")
+                                                : "libkiln-aot.so";
   auto runner = runnerBeside(runner_file);
   if (!runner) return fail(runner.status());
   const std::string name = out.filename().string();

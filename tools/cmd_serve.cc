@@ -15,6 +15,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/serving/rocksdb_store.h"
 #include "tools/cli.h"
+#include "tools/compiled_model.h"
 #include "tools/model_server.h"
 #include "tools/model_session.h"
 #include "tools/run_data.h"
@@ -141,8 +142,9 @@ int runServe(const std::vector<std::string>& args) {
   addModelFlags(p);
   int code;
   if (!p.parse(args, &code)) return code;
+  // A compiled model with embedded weights (./NAME serve) needs no checkpoint.
   const bool embedded = sessionOpener().compiled && !sessionOpener().compiled->weights.empty();
-  if (!p.has("checkpoint")) return p.usageError(embedded ? "--checkpoint CKPT is required (kiln serve reads the tables from a checkpoint file)" : "--checkpoint CKPT is required");
+  if (!p.has("checkpoint") && !embedded) return p.usageError("--checkpoint CKPT is required");
   auto intOpt = [&](const char* name, int64_t lo, int64_t hi, int64_t& out) {
     auto v = p.getInt(name);
     if (!v) return false;
@@ -200,17 +202,33 @@ int runServe(const std::vector<std::string>& args) {
     printError("serve", st);
     return kExitError;
   };
-  auto ckpt_path = checkpointFile(p.get("checkpoint"));
-  if (!ckpt_path) return fail(ckpt_path.status());
-  auto header = runtime::readCheckpointHeader(*ckpt_path);
-  if (!header) return fail(header.status());
-  const int64_t step = checkpointStep(*header);
+  // The weights: a checkpoint file read piece by piece, or the executable's embedded ones.
+  const bool from_checkpoint = p.has("checkpoint");
+  std::string ckpt_path;
+  runtime::CheckpointHeader header;
+  int64_t step = 0;
+  if (from_checkpoint) {
+    auto path = checkpointFile(p.get("checkpoint"));
+    if (!path) return fail(path.status());
+    ckpt_path = *path;
+    auto h = runtime::readCheckpointHeader(ckpt_path);
+    if (!h) return fail(h.status());
+    header = h.take();
+    step = checkpointStep(header);
+  } else {
+    const CompiledModel& c = *sessionOpener().compiled;
+    auto weights = runtime::viewCheckpoint(c.weights, "the embedded weights", c.payload);
+    if (!weights) return fail(weights.status());
+    auto it = weights->metadata.find("step");
+    step = it == weights->metadata.end() ? 0 : std::atoll(it->second.c_str());
+  }
 
   std::vector<std::unique_ptr<ModelSession>> sessions;
   for (int64_t i = 0; i < instances; ++i) {
     auto s = openServingSession(session_options);
     if (!s) return fail(s.status());
-    if (Status st = loadDense(**s, *ckpt_path, *header); !st) return fail(st);
+    if (from_checkpoint)
+      if (Status st = loadDense(**s, ckpt_path, header); !st) return fail(st);
     sessions.push_back(s.take());
   }
   ModelSession& first = *sessions[0];
@@ -223,9 +241,17 @@ int runServe(const std::vector<std::string>& args) {
     if (!s) return fail(s.status());
     store = s.take();
     for (size_t t = 0; t < tables.size(); ++t) {
-      Status st = streamTable(*ckpt_path, *header, tables[t], [&](int64_t first_id, int64_t count, const float* rows) {
+      auto sink = [&](int64_t first_id, int64_t count, const float* rows) {
         return store->loadRows(static_cast<int>(t), first_id, count, rows);
-      });
+      };
+      Status st = Status::ok();
+      if (from_checkpoint) {
+        st = streamTable(ckpt_path, header, tables[t], sink);
+      } else if (const ir::HostTensor* whole = first.params().find(tables[t].name)) {
+        st = sink(0, tables[t].rows, whole->view.as<float>());  // the embedded weights, in place
+      } else {
+        st = Status::errorf("the embedded weights have no table '{}'", tables[t].name);
+      }
       if (!st) return fail(st);
     }
     if (Status st = store->setVersion(step); !st) return fail(st);
@@ -233,7 +259,7 @@ int runServe(const std::vector<std::string>& args) {
     auto rocks = serving::RocksDbStore::open(store_dir);
     if (!rocks) return fail(rocks.status());
     if ((*rocks)->version() != step)
-      return fail(Status::errorf("the store '{}' holds version {} but the checkpoint is of step {}: serve the checkpoint "
+      return fail(Status::errorf("the store '{}' holds version {} but the weights are of step {}: serve the checkpoint "
                                  "of the store's step, or import this one (kiln store import)",
                                  store_dir, (*rocks)->version(), step));
     auto s = serving::EmbeddingStore::overStore(rocks.take(), store_options);

@@ -26,6 +26,9 @@ namespace kiln::cli {
 int runTrain(const std::vector<std::string>& args);
 int runEval(const std::vector<std::string>& args);
 int runPredict(const std::vector<std::string>& args);
+#ifdef KILN_RUNNER_SERVE
+int runServe(const std::vector<std::string>& args);
+#endif
 
 namespace {
 
@@ -88,6 +91,9 @@ void printHelp(const std::string& name, const CompiledModel& c) {
     std::printf("  train      Train it (synthetic data or Criteo files), with eval, checkpoints, resume\n");
   if (c.has("eval")) std::printf("  eval       Evaluate it on data: loss and AUC\n");
   if (c.has("predict")) std::printf("  predict    Write one score per input sample\n");
+#ifdef KILN_RUNNER_SERVE
+  if (c.has("predict")) std::printf("  serve      Serve it over HTTP: KServe v2, dynamic batching (docs/serving.md)\n");
+#endif
   std::printf("  info       Its inputs, parameters, architectures, max batch and payload version\n");
   std::printf("\nRun '%s COMMAND --help' for a command's flags (those of kiln's, without MODEL.kiln).\n",
               name.c_str());
@@ -123,7 +129,13 @@ int main(int argc, char** argv) {
   if (command == "info") return info(c, *self);
   using Run = int (*)(const std::vector<std::string>&);
   const std::map<std::string, std::pair<std::string, Run>> commands{
-      {"train", {"train", runTrain}}, {"eval", {"eval", runEval}}, {"predict", {"predict", runPredict}}};
+      {"train", {"train", runTrain}},
+      {"eval", {"eval", runEval}},
+      {"predict", {"predict", runPredict}},
+#ifdef KILN_RUNNER_SERVE
+      {"serve", {"predict", runServe}},
+#endif
+  };
   auto it = commands.find(command);
   if (it == commands.end()) {
     std::fprintf(stderr, "%s: error: unknown command '%s' (see '%s --help')\n", name.c_str(), command.c_str(),
@@ -149,7 +161,8 @@ int main(int argc, char** argv) {
   // The commands read MODEL first: the runner itself stands for it. Without --batch a run takes
   // the batch the model was compiled for.
   args.insert(args.begin(), *self);
-  if (!has_batch && args.size() > 1 && args[1] != "--help") {
+  // `serve` plans for its --max-batch instead.
+  if (!has_batch && command != "serve" && args.size() > 1 && args[1] != "--help") {
     args.push_back("--batch");
     args.push_back(std::to_string(c.max_batch));
   }

@@ -48,8 +48,12 @@ def f32(x):
 
 
 class Server:
-    def __init__(self, kiln, model, args, sets=None):
-        cmd = [kiln, "serve", model, "--port", "0"] + (SET if sets is None else sets) + args
+    def __init__(self, kiln, model, args, sets=None, name=None):
+        # A compiled executable (model None) takes neither MODEL nor --set.
+        if model is None:
+            cmd = [kiln, "serve", "--port", "0"] + args
+        else:
+            cmd = [kiln, "serve", model, "--port", "0"] + (SET if sets is None else sets) + args
         print(" ".join(cmd), flush=True)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
@@ -57,7 +61,7 @@ class Server:
             self.proc.kill()
             fail(f"no 'listening on' line: {line!r} {self.proc.stderr.read()}")
         self.port = int(line.strip().rsplit(":", 1)[1])
-        self.model = os.path.splitext(os.path.basename(model))[0]
+        self.model = name or os.path.splitext(os.path.basename(model))[0]
 
     def request(self, method, path, body=None, headers=None):
         c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -335,7 +339,20 @@ def main():
     s.stop()
     print("wide & deep with crosses: scores equal kiln predict")
 
-    # 5. Bad stores are errors at start.
+    # 5. A compiled executable serves too: with its embedded weights, and with a checkpoint.
+    exe = os.path.join(work, "dlrm_server")
+    run([kiln, "compile", model, "--serve", "--device", "cpu", "--checkpoint", c10, "-o", exe] + SET)
+    s = Server(exe, None, ["--cache-fraction", "0.1"], name=MODEL)
+    check_scores(concurrent(s, bodies[:64], 4), {10: expected[10]}, "./NAME serve, embedded weights")
+    if s.stop() != 0:
+        fail("./NAME serve did not exit 0")
+    s = Server(exe, None, ["--checkpoint", ckpt, "--store", store, "--cache-fraction", "0.01",
+                           "--host-fraction", "0.02"], name=MODEL)
+    check_scores(concurrent(s, bodies[:64], 4), {20: expected[20]}, "./NAME serve --store")
+    s.stop()
+    print("./NAME serve: scores equal kiln predict")
+
+    # 6. Bad stores are errors at start.
     r = run([kiln, "serve", model, "--checkpoint", c10, "--store", os.path.join(work, "none")] + SET, expect_ok=False)
     if r.returncode == 0 or "none" not in r.stdout:
         fail("a missing store must be a clear error")
