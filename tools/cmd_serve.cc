@@ -41,7 +41,8 @@ Expected<std::string> checkpointFile(const std::string& dir_or_file) {
   std::filesystem::path p(dir_or_file);
   if (std::filesystem::is_directory(p)) {
     if (runtime::ShardedCheckpoint::isShardedDir(p.string()))
-      return Status::errorf("'{}' is a sharded checkpoint: merge it first (kiln checkpoint merge)", dir_or_file);
+      return Status::errorf("'{}' is a sharded checkpoint: merge it first (kiln checkpoint merge)",
+                            dir_or_file);
     p /= "checkpoint.safetensors";
   }
   if (!std::filesystem::is_regular_file(p)) return Status::errorf("no checkpoint at '{}'", p.string());
@@ -66,8 +67,9 @@ Status streamTable(const std::string& path, const runtime::CheckpointHeader& h, 
     const int64_t count = std::min(kImportChunkRows, t.rows - first);
     chunk.resize(static_cast<size_t>(count * t.dim));
     const uint64_t row_bytes = static_cast<uint64_t>(t.dim) * sizeof(float);
-    KILN_RETURN_IF_ERROR(runtime::readCheckpointBytes(path, e->file_offset + static_cast<uint64_t>(first) * row_bytes,
-                                                      static_cast<uint64_t>(count) * row_bytes, chunk.data(), t.name));
+    KILN_RETURN_IF_ERROR(
+        runtime::readCheckpointBytes(path, e->file_offset + static_cast<uint64_t>(first) * row_bytes,
+                                     static_cast<uint64_t>(count) * row_bytes, chunk.data(), t.name));
     KILN_RETURN_IF_ERROR(sink(first, count, chunk.data()));
   }
   return Status::ok();
@@ -123,12 +125,14 @@ int runServe(const std::vector<std::string>& args) {
               "and updates published by `kiln train --publish` applied while serving (docs/serving.md).\n"
               "SIGTERM or SIGINT stops taking requests, answers those in flight and exits 0.");
   p.setPositionals("MODEL.kiln", 1, 1, "the model");
-  p.addOption("checkpoint", "CKPT", "the checkpoint to serve (a directory written by kiln train, or a .safetensors file)");
+  p.addOption("checkpoint", "CKPT",
+              "the checkpoint to serve (a directory written by kiln train, or a .safetensors file)");
   p.addOption("host", "ADDR", "the address to listen on", "127.0.0.1");
   p.addOption("port", "N", "the port to listen on (0: any free port; the bound one is printed)", "8000");
   p.addOption("max-batch", "N", "most samples per computed batch (and per request)", "256");
   p.addOption("max-queue-delay-us", "US", "longest a request waits for others to batch with", "1000");
-  p.addOption("preferred-batch-sizes", "LIST", "batch sizes to dispatch at once when reached (e.g. 64,128,256)");
+  p.addOption("preferred-batch-sizes", "LIST",
+              "batch sizes to dispatch at once when reached (e.g. 64,128,256)");
   p.addOption("instances", "N", "executors sharing the queue (each with --threads threads)", "1");
   p.addOption("request-timeout-ms", "MS", "a request not scheduled within this time gets 504", "10000");
   p.addOption("max-request-bytes", "N", "larger request bodies get 413", "16777216");
@@ -159,15 +163,17 @@ int runServe(const std::vector<std::string>& args) {
   HttpOptions ho;
   int64_t port = 0, instances = 1, max_bytes = 0, http_threads = 16;
   if (!intOpt("port", 0, 65535, port) || !intOpt("max-batch", 1, 1 << 20, so.max_batch) ||
-      !intOpt("max-queue-delay-us", 0, 60000000, so.max_queue_delay_us) || !intOpt("instances", 1, 256, instances) ||
+      !intOpt("max-queue-delay-us", 0, 60000000, so.max_queue_delay_us) ||
+      !intOpt("instances", 1, 256, instances) ||
       !intOpt("request-timeout-ms", 1, 3600000, so.request_timeout_ms) ||
-      !intOpt("max-request-bytes", 1024, int64_t{1} << 32, max_bytes) || !intOpt("http-threads", 2, 1024, http_threads) ||
-      !intOpt("poll-ms", 1, 3600000, so.poll_ms))
+      !intOpt("max-request-bytes", 1024, int64_t{1} << 32, max_bytes) ||
+      !intOpt("http-threads", 2, 1024, http_threads) || !intOpt("poll-ms", 1, 3600000, so.poll_ms))
     return kExitUsage;
   if (p.has("preferred-batch-sizes") && !parseSizes(p.get("preferred-batch-sizes"), so.preferred_batch_sizes))
     return p.usageError("--preferred-batch-sizes must be a list of positive sizes such as 64,128,256");
   for (int64_t s : so.preferred_batch_sizes)
-    if (s > so.max_batch) return p.usageError(fmt::format("preferred batch size {} is over --max-batch {}", s, so.max_batch));
+    if (s > so.max_batch)
+      return p.usageError(fmt::format("preferred batch size {} is over --max-batch {}", s, so.max_batch));
   serving::StoreOptions store_options;
   auto cache = p.getDouble("cache-fraction");
   auto host = p.getDouble("host-fraction");
@@ -177,10 +183,12 @@ int runServe(const std::vector<std::string>& args) {
   store_options.cache_fraction = *cache;
   store_options.host_fraction = *host;
   const std::string eviction = p.get("eviction");
-  if (eviction != "lru" && eviction != "lfu") return p.usageError(fmt::format("--eviction must be lru or lfu, got '{}'", eviction));
+  if (eviction != "lru" && eviction != "lfu")
+    return p.usageError(fmt::format("--eviction must be lru or lfu, got '{}'", eviction));
   store_options.policy = eviction == "lfu" ? serving::EvictionPolicy::Lfu : serving::EvictionPolicy::Lru;
   const std::string store_dir = p.get("store");
-  if (store_dir.empty() && *host != 1) return p.usageError("--host-fraction below 1 needs --store DIR (the rows must live somewhere)");
+  if (store_dir.empty() && *host != 1)
+    return p.usageError("--host-fraction below 1 needs --store DIR (the rows must live somewhere)");
   so.watch_dir = p.get("watch");
   if (!so.watch_dir.empty() && !std::filesystem::is_directory(so.watch_dir))
     return p.usageError(fmt::format("--watch: no such directory '{}'", so.watch_dir));
@@ -259,9 +267,10 @@ int runServe(const std::vector<std::string>& args) {
     auto rocks = serving::RocksDbStore::open(store_dir);
     if (!rocks) return fail(rocks.status());
     if ((*rocks)->version() != step)
-      return fail(Status::errorf("the store '{}' holds version {} but the weights are of step {}: serve the checkpoint "
-                                 "of the store's step, or import this one (kiln store import)",
-                                 store_dir, (*rocks)->version(), step));
+      return fail(Status::errorf(
+          "the store '{}' holds version {} but the weights are of step {}: serve the checkpoint "
+          "of the store's step, or import this one (kiln store import)",
+          store_dir, (*rocks)->version(), step));
     auto s = serving::EmbeddingStore::overStore(rocks.take(), store_options);
     if (!s) return fail(s.status());
     store = s.take();
@@ -306,19 +315,24 @@ int runServe(const std::vector<std::string>& args) {
 }
 
 int runStore(const std::vector<std::string>& args) {
-  ArgParser p("store", "kiln store import CKPT DIR --model MODEL.kiln [--set ...]",
-              "Fills a persistent embedding store (RocksDB) with the served tables of MODEL from a\n"
-              "checkpoint, for kiln serve --store DIR. The store records the checkpoint's step as its version.");
-  p.setPositionals("import CKPT DIR", 3, 3, "the action, the checkpoint and the store directory (must not hold a store)");
+  ArgParser p(
+      "store", "kiln store import CKPT DIR --model MODEL.kiln [--set ...]",
+      "Fills a persistent embedding store (RocksDB) with the served tables of MODEL from a\n"
+      "checkpoint, for kiln serve --store DIR. The store records the checkpoint's step as its version.");
+  p.setPositionals("import CKPT DIR", 3, 3,
+                   "the action, the checkpoint and the store directory (must not hold a store)");
   p.addOption("model", "MODEL.kiln", "the model whose tables to import");
   addModelFlags(p);
   int code;
   if (!p.parse(args, &code)) return code;
-  if (p.positionals()[0] != "import") return p.usageError(fmt::format("unknown action '{}' (expected import)", p.positionals()[0]));
-  if (!p.has("model")) return p.usageError("--model MODEL.kiln is required (it says which tensors are tables)");
+  if (p.positionals()[0] != "import")
+    return p.usageError(fmt::format("unknown action '{}' (expected import)", p.positionals()[0]));
+  if (!p.has("model"))
+    return p.usageError("--model MODEL.kiln is required (it says which tensors are tables)");
   SessionOptions so;
   so.model_path = p.get("model");
-  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  if (!std::filesystem::exists(so.model_path))
+    return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = 1;
   if (!readModelFlags(p, so, &code)) return code;
   auto fail = [](const Status& st) {
@@ -337,17 +351,19 @@ int runStore(const std::vector<std::string>& args) {
   int64_t rows = 0;
   std::vector<int64_t> ids;
   for (size_t t = 0; t < tables.size(); ++t) {
-    Status st = streamTable(*ckpt_path, *header, tables[t], [&](int64_t first_id, int64_t count, const float* data) {
-      ids.resize(static_cast<size_t>(count));
-      for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = first_id + i;
-      rows += count;
-      return (*store)->putRows(static_cast<int>(t), ids, data);
-    });
+    Status st =
+        streamTable(*ckpt_path, *header, tables[t], [&](int64_t first_id, int64_t count, const float* data) {
+          ids.resize(static_cast<size_t>(count));
+          for (int64_t i = 0; i < count; ++i) ids[static_cast<size_t>(i)] = first_id + i;
+          rows += count;
+          return (*store)->putRows(static_cast<int>(t), ids, data);
+        });
     if (!st) return fail(st);
   }
   if (Status st = (*store)->setVersion(checkpointStep(*header)); !st) return fail(st);
-  std::printf("imported %zu tables, %lld rows, version %lld into %s\n", tables.size(), static_cast<long long>(rows),
-              static_cast<long long>(checkpointStep(*header)), p.positionals()[2].c_str());
+  std::printf("imported %zu tables, %lld rows, version %lld into %s\n", tables.size(),
+              static_cast<long long>(rows), static_cast<long long>(checkpointStep(*header)),
+              p.positionals()[2].c_str());
   return kExitOk;
 }
 

@@ -30,13 +30,14 @@ std::string Histogram::prometheus(const std::string& name, const std::string& he
     cumulative += counts_[i];
     out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[i], cumulative);
   }
-  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count_, name, sum_, name, count_);
+  out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count_, name, sum_, name,
+                     count_);
   return out;
 }
 
-Expected<std::unique_ptr<ModelServer>> ModelServer::create(std::vector<std::unique_ptr<ModelSession>> sessions,
-                                                           std::unique_ptr<serving::EmbeddingStore> store,
-                                                           const ServeOptions& options) {
+Expected<std::unique_ptr<ModelServer>> ModelServer::create(
+    std::vector<std::unique_ptr<ModelSession>> sessions, std::unique_ptr<serving::EmbeddingStore> store,
+    const ServeOptions& options) {
   if (sessions.empty()) return Status::error("kiln serve needs at least one instance");
   std::unique_ptr<ModelServer> s(new ModelServer());
   s->options_ = options;
@@ -48,11 +49,12 @@ Expected<std::unique_ptr<ModelServer>> ModelServer::create(std::vector<std::uniq
     if (at < 0) return Status::errorf("the embedding store has no table '{}'", t.name);
     const serving::TableInfo& info = s->store_->tables()[static_cast<size_t>(at)];
     if (info.rows != t.rows || info.dim != t.dim)
-      return Status::errorf("table '{}' is [{}, {}] in the store but [{}, {}] in the model", t.name, info.rows,
-                            info.dim, t.rows, t.dim);
+      return Status::errorf("table '{}' is [{}, {}] in the store but [{}, {}] in the model", t.name,
+                            info.rows, info.dim, t.rows, t.dim);
     s->store_index_.push_back(at);
   }
-  for (size_t i = 0; i < s->sessions_.size(); ++i) s->instances_.emplace_back([p = s.get(), i] { p->instanceLoop(i); });
+  for (size_t i = 0; i < s->sessions_.size(); ++i)
+    s->instances_.emplace_back([p = s.get(), i] { p->instanceLoop(i); });
   if (!options.watch_dir.empty()) s->watcher_ = std::thread([p = s.get()] { p->watchLoop(); });
   return s;
 }
@@ -65,9 +67,7 @@ ModelServer::~ModelServer() {
   }
   queue_cv_.notify_all();
   for (std::thread& t : instances_) t.join();
-  {
-    std::lock_guard<std::mutex> lock(watch_mu_);
-  }
+  { std::lock_guard<std::mutex> lock(watch_mu_); }
   watch_cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
 }
@@ -95,7 +95,8 @@ InferOutcome ModelServer::infer(data::Batch samples) {
   return done.get();
 }
 
-std::vector<std::unique_ptr<ModelServer::Pending>> ModelServer::nextBatch(std::unique_lock<std::mutex>& lock) {
+std::vector<std::unique_ptr<ModelServer::Pending>> ModelServer::nextBatch(
+    std::unique_lock<std::mutex>& lock) {
   const auto delay = std::chrono::microseconds(options_.max_queue_delay_us);
   for (;;) {
     queue_cv_.wait(lock, [&] { return instances_exit_ || !queue_.empty(); });
@@ -217,8 +218,8 @@ void ModelServer::runBatch(ModelSession& session, std::vector<std::unique_ptr<Pe
   }
   const size_t expected = static_cast<size_t>(merged.size) * tasks_;
   if (out && out->logits.size() != expected)
-    out = Status::errorf("the model gave {} scores for {} samples of {} task(s)", out->logits.size(), merged.size,
-                         tasks_);
+    out = Status::errorf("the model gave {} scores for {} samples of {} task(s)", out->logits.size(),
+                         merged.size, tasks_);
   ++batches_;
   samples_ += static_cast<uint64_t>(samples);
   size_t offset = 0;
@@ -247,8 +248,8 @@ Status ModelServer::applyUpdate(const serving::ModelUpdate& u) {
     if (at < 0) return Status::errorf("the update has rows of '{}', which the store does not hold", t.table);
     const serving::TableInfo& info = store_->tables()[static_cast<size_t>(at)];
     if (t.rows.view.shape[1] != info.dim)
-      return Status::errorf("the update's rows of '{}' have dim {}, the store's {}", t.table, t.rows.view.shape[1],
-                            info.dim);
+      return Status::errorf("the update's rows of '{}' have dim {}, the store's {}", t.table,
+                            t.rows.view.shape[1], info.dim);
     for (int64_t id : t.ids)
       if (id < 0 || id >= info.rows)
         return Status::errorf("the update's id {} of '{}' is out of range [0, {})", id, t.table, info.rows);
@@ -262,7 +263,8 @@ Status ModelServer::applyUpdate(const serving::ModelUpdate& u) {
     for (const auto& s : sessions_) {
       const ir::HostTensor* have = s->params().find(name);
       if (!have || have->view.dtype != t.view.dtype || have->view.shape != t.view.shape)
-        return Status::errorf("the update's parameter '{}' is not one of the model's, or of another shape", name);
+        return Status::errorf("the update's parameter '{}' is not one of the model's, or of another shape",
+                              name);
     }
   std::unique_lock<std::shared_mutex> lock(version_mu_);
   KILN_RETURN_IF_ERROR(store_->apply(rows, u.version));
@@ -281,9 +283,10 @@ Expected<int> ModelServer::applyPendingUpdates() {
     if (version <= store_->version()) continue;
     KILN_ASSIGN_OR_RETURN(auto u, serving::readUpdate(path));
     if (u.base > store_->version())
-      return Status::errorf("'{}' follows version {} but the server is at version {}: an update between them is "
-                            "missing",
-                            path, u.base, store_->version());
+      return Status::errorf(
+          "'{}' follows version {} but the server is at version {}: an update between them is "
+          "missing",
+          path, u.base, store_->version());
     if (Status st = applyUpdate(u); !st) return Status::errorf("'{}': {}", path, st.message());
     std::error_code ec;
     const auto written = std::filesystem::last_write_time(path, ec);
@@ -325,21 +328,30 @@ std::string ModelServer::metricsText() const {
   std::string out;
   {
     std::lock_guard<std::mutex> lock(metrics_mu_);
-    out += "# HELP kiln_requests_total Inference requests answered, by HTTP status.\n# TYPE kiln_requests_total counter\n";
+    out +=
+        "# HELP kiln_requests_total Inference requests answered, by HTTP status.\n# TYPE kiln_requests_total "
+        "counter\n";
     for (const auto& [status, n] : requests_by_status_)
       out += fmt::format("kiln_requests_total{{code=\"{}\"}} {}\n", status, n);
   }
-  out += latency_.prometheus("kiln_request_duration_seconds", "Inference request latency, from its body read to its answer.");
+  out += latency_.prometheus("kiln_request_duration_seconds",
+                             "Inference request latency, from its body read to its answer.");
   out += batch_size_.prometheus("kiln_batch_size", "Samples per computed batch.");
   out += queue_delay_.prometheus("kiln_queue_delay_seconds", "Time requests waited in the queue.");
   out += fmt::format("# TYPE kiln_samples_total counter\nkiln_samples_total {}\n", samples_.load());
   out += fmt::format("# TYPE kiln_batches_total counter\nkiln_batches_total {}\n", batches_.load());
   const auto counters = store_->counters();
   const auto residency = store_->residency();
-  out += "# HELP kiln_embedding_lookups_total Rows asked of each tier.\n# TYPE kiln_embedding_lookups_total counter\n";
-  std::string hits = "# HELP kiln_embedding_hits_total Rows a tier held.\n# TYPE kiln_embedding_hits_total counter\n";
-  std::string rate = "# HELP kiln_embedding_hit_rate Hits over lookups of each tier, all tables.\n# TYPE kiln_embedding_hit_rate gauge\n";
-  std::string resident = "# HELP kiln_embedding_resident_rows Rows held by a tier.\n# TYPE kiln_embedding_resident_rows gauge\n";
+  out +=
+      "# HELP kiln_embedding_lookups_total Rows asked of each tier.\n# TYPE kiln_embedding_lookups_total "
+      "counter\n";
+  std::string hits =
+      "# HELP kiln_embedding_hits_total Rows a tier held.\n# TYPE kiln_embedding_hits_total counter\n";
+  std::string rate =
+      "# HELP kiln_embedding_hit_rate Hits over lookups of each tier, all tables.\n# TYPE "
+      "kiln_embedding_hit_rate gauge\n";
+  std::string resident =
+      "# HELP kiln_embedding_resident_rows Rows held by a tier.\n# TYPE kiln_embedding_resident_rows gauge\n";
   uint64_t tier_lookups[3] = {0, 0, 0}, tier_hits[3] = {0, 0, 0};
   const char* tier_names[3] = {"cache", "host", "persistent"};
   for (size_t t = 0; t < counters.size(); ++t) {
@@ -347,8 +359,8 @@ std::string ModelServer::metricsText() const {
     const serving::EmbeddingStore::TierCounters* tiers[3] = {&counters[t].cache, &counters[t].host,
                                                              &counters[t].persistent};
     for (int k = 0; k < 3; ++k) {
-      out += fmt::format("kiln_embedding_lookups_total{{table=\"{}\",tier=\"{}\"}} {}\n", table, tier_names[k],
-                         tiers[k]->lookups);
+      out += fmt::format("kiln_embedding_lookups_total{{table=\"{}\",tier=\"{}\"}} {}\n", table,
+                         tier_names[k], tiers[k]->lookups);
       hits += fmt::format("kiln_embedding_hits_total{{table=\"{}\",tier=\"{}\"}} {}\n", table, tier_names[k],
                           tiers[k]->hits);
       tier_lookups[k] += tiers[k]->lookups;
@@ -360,15 +372,22 @@ std::string ModelServer::metricsText() const {
                             residency[t].host_rows);
   }
   for (int k = 0; k < 3; ++k)
-    rate += fmt::format("kiln_embedding_hit_rate{{tier=\"{}\"}} {}\n", tier_names[k],
-                        tier_lookups[k] ? static_cast<double>(tier_hits[k]) / static_cast<double>(tier_lookups[k]) : 0.0);
+    rate += fmt::format(
+        "kiln_embedding_hit_rate{{tier=\"{}\"}} {}\n", tier_names[k],
+        tier_lookups[k] ? static_cast<double>(tier_hits[k]) / static_cast<double>(tier_lookups[k]) : 0.0);
   out += hits + rate + resident;
-  out += fmt::format("# HELP kiln_model_version The training step of the served weights.\n# TYPE kiln_model_version gauge\nkiln_model_version {}\n",
-                     store_->version());
-  out += fmt::format("# HELP kiln_update_lag_seconds From the last applied update's publication to its application.\n# TYPE kiln_update_lag_seconds gauge\nkiln_update_lag_seconds {}\n",
-                     update_lag_seconds_.load());
-  out += fmt::format("# TYPE kiln_updates_applied_total counter\nkiln_updates_applied_total {}\n", updates_applied_.load());
-  out += fmt::format("# TYPE kiln_update_errors_total counter\nkiln_update_errors_total {}\n", update_errors_.load());
+  out += fmt::format(
+      "# HELP kiln_model_version The training step of the served weights.\n# TYPE kiln_model_version "
+      "gauge\nkiln_model_version {}\n",
+      store_->version());
+  out += fmt::format(
+      "# HELP kiln_update_lag_seconds From the last applied update's publication to its application.\n# TYPE "
+      "kiln_update_lag_seconds gauge\nkiln_update_lag_seconds {}\n",
+      update_lag_seconds_.load());
+  out += fmt::format("# TYPE kiln_updates_applied_total counter\nkiln_updates_applied_total {}\n",
+                     updates_applied_.load());
+  out += fmt::format("# TYPE kiln_update_errors_total counter\nkiln_update_errors_total {}\n",
+                     update_errors_.load());
   return out;
 }
 

@@ -17,10 +17,14 @@ using json::Json;
 
 const char* datatypeOf(ir::DType t) {
   switch (t) {
-    case ir::DType::f32: return "FP32";
-    case ir::DType::i32: return "INT32";
-    case ir::DType::i64: return "INT64";
-    default: return "BYTES";
+    case ir::DType::f32:
+      return "FP32";
+    case ir::DType::i32:
+      return "INT32";
+    case ir::DType::i64:
+      return "INT64";
+    default:
+      return "BYTES";
   }
 }
 
@@ -44,7 +48,8 @@ std::vector<int64_t> expectedShape(const data::BatchSpec& spec, const data::Inpu
                     (in.role == data::InputRole::Weights && in.type.rank() == 1);
   if (flat) return {flat_ids};
   std::vector<int64_t> shape{n};
-  for (size_t d = 1; d < in.type.shape().size(); ++d) shape.push_back(in.type.dim(static_cast<int64_t>(d)).size());
+  for (size_t d = 1; d < in.type.shape().size(); ++d)
+    shape.push_back(in.type.dim(static_cast<int64_t>(d)).size());
   (void)spec;
   return shape;
 }
@@ -57,10 +62,12 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
                                         std::string* request_id) {
   KILN_ASSIGN_OR_RETURN(Json req, json::parse(body));
   if (!req.is_object()) return Status::error("the request body must be a JSON object");
-  if (auto it = req.find("id"); it != req.end() && it->is_string() && request_id) *request_id = it->get<std::string>();
+  if (auto it = req.find("id"); it != req.end() && it->is_string() && request_id)
+    *request_id = it->get<std::string>();
   auto inputs = req.find("inputs");
   if (inputs == req.end() || !inputs->is_array()) return Status::error("the request has no \"inputs\" array");
-  if (spec.readsTokens()) return Status::error("this model reads tokens; kiln serve serves per-sample scores");
+  if (spec.readsTokens())
+    return Status::error("this model reads tokens; kiln serve serves per-sample scores");
   // Each request input by name, checked for form.
   std::map<std::string, const Json*> given;
   for (const Json& in : *inputs) {
@@ -80,7 +87,8 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     std::vector<int64_t> s;
     for (const Json& d : *shape) {
       auto v = json::asInt64(d);
-      if (!v || *v < 0) return Status::errorf("input '{}': shape {} must hold sizes >= 0", name, shape->dump());
+      if (!v || *v < 0)
+        return Status::errorf("input '{}': shape {} must hold sizes >= 0", name, shape->dump());
       s.push_back(*v);
     }
     shapes[name] = s;
@@ -119,7 +127,8 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     if (in.role == data::InputRole::Sparse && in.variableLength()) {
       ids = shapes[in.name][0];
       if (ids > n * in.max_hotness)
-        return Status::errorf("input '{}' holds {} ids, over {} samples of at most {}", in.name, ids, n, in.max_hotness);
+        return Status::errorf("input '{}' holds {} ids, over {} samples of at most {}", in.name, ids, n,
+                              in.max_hotness);
     } else if (in.role == data::InputRole::Weights && in.type.rank() == 1) {
       ids = shapes[in.name][0];
       if (ids > n * static_cast<int64_t>(std::numeric_limits<int32_t>::max())) ids = -1;
@@ -134,8 +143,8 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
                                datatype == "UINT64" || datatype == "INT16" || datatype == "INT8")
                             : (datatype == "FP32" || datatype == "FP64");
     if (!ok)
-      return Status::errorf("input '{}' must be of datatype {}, got \"{}\"", in.name, datatypeOf(in.type.dtype()),
-                            datatype);
+      return Status::errorf("input '{}' must be of datatype {}, got \"{}\"", in.name,
+                            datatypeOf(in.type.dtype()), datatype);
     int64_t count = 1;
     for (int64_t d : want) count *= d;
     auto data = j.find("data");
@@ -178,7 +187,8 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
       const int64_t len = lengths.as<int32_t>()[b];
       if (len > in.max_hotness)
         return Status::errorf("input '{}': sample {} has {} ids, over the feature's {}",
-                              spec.inputs[static_cast<size_t>(in.lengths_input)].name, b, len, in.max_hotness);
+                              spec.inputs[static_cast<size_t>(in.lengths_input)].name, b, len,
+                              in.max_hotness);
       total += len;
     }
     if (total != batch.tensors[i].view.shape[0])
@@ -197,12 +207,19 @@ std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& sp
     Json values = Json::array();
     for (int64_t k = 0, n = v.numel(); k < n; ++k) {
       switch (v.dtype) {
-        case ir::DType::f32: values.push_back(v.as<float>()[k]); break;
-        case ir::DType::i32: values.push_back(v.as<int32_t>()[k]); break;
-        default: values.push_back(v.as<int64_t>()[k]); break;
+        case ir::DType::f32:
+          values.push_back(v.as<float>()[k]);
+          break;
+        case ir::DType::i32:
+          values.push_back(v.as<int32_t>()[k]);
+          break;
+        default:
+          values.push_back(v.as<int64_t>()[k]);
+          break;
       }
     }
-    inputs.push_back(Json{{"name", in.name}, {"shape", v.shape}, {"datatype", datatypeOf(v.dtype)}, {"data", values}});
+    inputs.push_back(
+        Json{{"name", in.name}, {"shape", v.shape}, {"datatype", datatypeOf(v.dtype)}, {"data", values}});
   }
   return Json{{"inputs", inputs}}.dump();
 }
@@ -230,43 +247,50 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     return false;
   };
 
-  h.Get("/v2/health/live", [reply](const httplib::Request&, httplib::Response& res) { reply(res, 200, Json{{"live", true}}); });
+  h.Get("/v2/health/live", [reply](const httplib::Request&, httplib::Response& res) {
+    reply(res, 200, Json{{"live", true}});
+  });
   h.Get("/v2/health/ready", [this, reply](const httplib::Request&, httplib::Response& res) {
     reply(res, server_.ready() ? 200 : 503, Json{{"ready", server_.ready()}});
   });
   h.Get("/v2", [this, reply](const httplib::Request&, httplib::Response& res) {
     reply(res, 200, Json{{"name", "kiln"}, {"version", options_.version}, {"extensions", Json::array()}});
   });
-  h.Get(R"(/v2/models/([^/]+)/ready)", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+  h.Get(R"(/v2/models/([^/]+)/ready)", [this, reply, knownModel](const httplib::Request& req,
+                                                                 httplib::Response& res) {
     if (!knownModel(req, res)) return;
     reply(res, server_.ready() ? 200 : 503, Json{{"name", server_.modelName()}, {"ready", server_.ready()}});
   });
-  h.Get(R"(/v2/models/([^/]+))", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
-    if (!knownModel(req, res)) return;
-    const data::BatchSpec& spec = server_.spec();
-    Json inputs = Json::array();
-    for (const data::InputSpec& in : spec.inputs) {
-      std::vector<int64_t> shape = expectedShape(spec, in, -1, -1);
-      Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
-      if (in.role == data::InputRole::Label) one["optional"] = true;
-      if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
-      inputs.push_back(std::move(one));
-    }
-    std::vector<int64_t> out_shape{-1};
-    if (server_.tasks() > 1) out_shape.push_back(static_cast<int64_t>(server_.tasks()));
-    reply(res, 200,
-          Json{{"name", server_.modelName()},
-               {"versions", Json::array({std::to_string(server_.version())})},
-               {"platform", "kiln"},
-               {"max_batch_size", server_.options().max_batch},
-               {"inputs", inputs},
-               {"outputs", Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", out_shape}}})}});
-  });
-  h.Post(R"(/v2/models/([^/]+)/infer)", [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+  h.Get(R"(/v2/models/([^/]+))",
+        [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
+          if (!knownModel(req, res)) return;
+          const data::BatchSpec& spec = server_.spec();
+          Json inputs = Json::array();
+          for (const data::InputSpec& in : spec.inputs) {
+            std::vector<int64_t> shape = expectedShape(spec, in, -1, -1);
+            Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
+            if (in.role == data::InputRole::Label) one["optional"] = true;
+            if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
+            inputs.push_back(std::move(one));
+          }
+          std::vector<int64_t> out_shape{-1};
+          if (server_.tasks() > 1) out_shape.push_back(static_cast<int64_t>(server_.tasks()));
+          reply(res, 200,
+                Json{{"name", server_.modelName()},
+                     {"versions", Json::array({std::to_string(server_.version())})},
+                     {"platform", "kiln"},
+                     {"max_batch_size", server_.options().max_batch},
+                     {"inputs", inputs},
+                     {"outputs",
+                      Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", out_shape}}})}});
+        });
+  h.Post(R"(/v2/models/([^/]+)/infer)", [this, reply, knownModel](const httplib::Request& req,
+                                                                  httplib::Response& res) {
     const auto start = std::chrono::steady_clock::now();
     auto finish = [&](int status, const Json& body) {
       reply(res, status, body);
-      server_.noteRequest(status, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      server_.noteRequest(status,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     };
     if (!knownModel(req, res)) {
       server_.noteRequest(404, 0);
@@ -282,7 +306,8 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     if (server_.tasks() > 1) shape.push_back(static_cast<int64_t>(server_.tasks()));
     Json body{{"model_name", server_.modelName()}, {"model_version", std::to_string(out.version)}};
     if (!id.empty()) body["id"] = id;
-    body["outputs"] = Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", shape}, {"data", out.scores}}});
+    body["outputs"] =
+        Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", shape}, {"data", out.scores}}});
     finish(200, body);
   });
   h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
@@ -290,7 +315,7 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
   });
   h.set_error_handler([reply](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
-    const char* why = res.status == 413 ? "the request body is over --max-request-bytes"
+    const char* why = res.status == 413   ? "the request body is over --max-request-bytes"
                       : res.status == 404 ? "no such endpoint"
                                           : "bad request";
     reply(res, res.status, error(why));
@@ -302,7 +327,9 @@ InferenceHttpServer::~InferenceHttpServer() = default;
 Expected<int> InferenceHttpServer::bind() {
   int port = options_.port == 0 ? http_->bind_to_any_port(options_.host)
                                 : (http_->bind_to_port(options_.host, options_.port) ? options_.port : -1);
-  if (port < 0) return Status::errorf("cannot listen on {}:{} (in use, or not an address of this machine)", options_.host, options_.port);
+  if (port < 0)
+    return Status::errorf("cannot listen on {}:{} (in use, or not an address of this machine)", options_.host,
+                          options_.port);
   return port;
 }
 

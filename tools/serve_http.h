@@ -23,9 +23,9 @@ struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (the bound one is printed)
   int64_t max_request_bytes = 16 << 20;
-  int threads = 16;            // connections served at once
-  int read_timeout_s = 5;      // a client that sends nothing for this long is dropped
-  std::string version;         // of Kiln, for GET /v2
+  int threads = 16;        // connections served at once
+  int read_timeout_s = 5;  // a client that sends nothing for this long is dropped
+  std::string version;     // of Kiln, for GET /v2
 };
 
 // An infer request's body as a batch of the model's inputs (the label, when the model has one

@@ -52,7 +52,8 @@ std::vector<ServedTable> findServedTables(const ir::Function& forward) {
   std::map<const ir::Op*, std::vector<const ir::Op*>> tables_of_input;
   for (const ir::Op* p : params) {
     const ir::TensorType& t = p->result()->type();
-    if (t.dtype() != ir::DType::f32 || t.rank() != 2 || !t.dim(0).isStatic() || !t.dim(1).isStatic()) continue;
+    if (t.dtype() != ir::DType::f32 || t.rank() != 2 || !t.dim(0).isStatic() || !t.dim(1).isStatic())
+      continue;
     std::vector<ir::Use> uses;
     leafUses(p->result(), uses);
     ServedTable table{p->strAttr("name"), t.dim(0).size(), t.dim(1).size(), {}, -1};
@@ -87,7 +88,7 @@ std::vector<ServedTable> findServedTables(const ir::Function& forward) {
   std::set<const ir::Op*> bad;  // roots of groups that cannot be served
   for (const auto& [input, tables] : tables_of_input) {
     for (const ir::Op* t : tables) {
-      const ir::Op* a = root(tables[0]), *b = root(t);
+      const ir::Op *a = root(tables[0]), *b = root(t);
       if (a != b) parent[b] = a;
     }
     std::vector<ir::Use> id_uses;
@@ -131,19 +132,21 @@ Expected<GatheredRows> gatherRows(const std::vector<ServedTable>& tables, const 
         for (const auto& in : inputs) seen |= *in.first == name;
         if (seen) continue;
         const ir::HostTensor* in = batch.find(name);
-        if (!in) return Status::errorf("the batch has no input '{}' (the ids of table '{}')", name, table.name);
+        if (!in)
+          return Status::errorf("the batch has no input '{}' (the ids of table '{}')", name, table.name);
         const ir::TensorView& v = in->view;
         if (v.dtype != ir::DType::i32 && v.dtype != ir::DType::i64)
-          return Status::errorf("input '{}' holds {} ids; it must be i32 or i64", name, ir::dtypeName(v.dtype));
+          return Status::errorf("input '{}' holds {} ids; it must be i32 or i64", name,
+                                ir::dtypeName(v.dtype));
         const int64_t per_sample = v.rank() == 2 ? v.shape[1] : 0;
         for (int64_t i = 0, n = v.numel(); i < n; ++i) {
           const int64_t id = v.dtype == ir::DType::i32 ? v.as<int32_t>()[i] : v.as<int64_t>()[i];
           if (id < 0 || id >= table.rows) {
             if (per_sample > 0)
-              return Status::errorf("input '{}': id {} of sample {} is out of range [0, {}) of table '{}'", name, id,
-                                    i / per_sample, table.rows, table.name);
-            return Status::errorf("input '{}': id {} (position {}) is out of range [0, {}) of table '{}'", name, id,
-                                  i, table.rows, table.name);
+              return Status::errorf("input '{}': id {} of sample {} is out of range [0, {}) of table '{}'",
+                                    name, id, i / per_sample, table.rows, table.name);
+            return Status::errorf("input '{}': id {} (position {}) is out of range [0, {}) of table '{}'",
+                                  name, id, i, table.rows, table.name);
           }
           ids.push_back(id);
         }

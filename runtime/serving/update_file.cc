@@ -59,7 +59,8 @@ Status writeUpdate(const std::string& dir, const ModelUpdate& u) {
                                                    {"version", std::to_string(u.version)},
                                                    {"base", std::to_string(u.base)},
                                                    {"model", u.model}};
-  return runtime::saveCheckpoint((std::filesystem::path(dir) / updateFileName(u.version)).string(), tensors, meta);
+  return runtime::saveCheckpoint((std::filesystem::path(dir) / updateFileName(u.version)).string(), tensors,
+                                 meta);
 }
 
 Expected<ModelUpdate> readUpdate(const std::string& path) {
@@ -68,7 +69,8 @@ Expected<ModelUpdate> readUpdate(const std::string& path) {
     auto it = ckpt.metadata.find(key);
     return it == ckpt.metadata.end() ? std::nullopt : std::optional<std::string>(it->second);
   };
-  if (meta("kiln.update") != "1") return Status::errorf("'{}' is not a Kiln update file (no kiln.update metadata)", path);
+  if (meta("kiln.update") != "1")
+    return Status::errorf("'{}' is not a Kiln update file (no kiln.update metadata)", path);
   ModelUpdate u;
   auto version = parseInt(meta("version").value_or(""));
   auto base = parseInt(meta("base").value_or(""));
@@ -97,13 +99,14 @@ Expected<ModelUpdate> readUpdate(const std::string& path) {
     const ir::TensorView& rv = r->second.view;
     if (iv.dtype != ir::DType::i64 || iv.rank() != 1 || rv.dtype != ir::DType::f32 || rv.rank() != 2 ||
         rv.shape[0] != iv.shape[0])
-      return Status::errorf("'{}': table '{}' needs ids i64[n] and rows f32[n, dim], got [{}] and [{}]", path, table,
-                            fmt::join(iv.shape, ", "), fmt::join(rv.shape, ", "));
+      return Status::errorf("'{}': table '{}' needs ids i64[n] and rows f32[n, dim], got [{}] and [{}]", path,
+                            table, fmt::join(iv.shape, ", "), fmt::join(rv.shape, ", "));
     TableRows tr;
     tr.table = table;
     tr.ids.assign(iv.as<int64_t>(), iv.as<int64_t>() + iv.shape[0]);
     for (size_t i = 1; i < tr.ids.size(); ++i)
-      if (tr.ids[i] <= tr.ids[i - 1]) return Status::errorf("'{}': table '{}' ids are not ascending", path, table);
+      if (tr.ids[i] <= tr.ids[i - 1])
+        return Status::errorf("'{}': table '{}' ids are not ascending", path, table);
     tr.rows = std::move(r->second);
     rows.erase(r);
     u.tables.push_back(std::move(tr));
@@ -116,7 +119,8 @@ Expected<std::vector<std::pair<int64_t, std::string>>> listUpdates(const std::st
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
   for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (auto v = parseUpdateFileName(it->path().filename().string())) out.emplace_back(*v, it->path().string());
+    if (auto v = parseUpdateFileName(it->path().filename().string()))
+      out.emplace_back(*v, it->path().string());
   if (ec) return Status::errorf("cannot list the update folder '{}': {}", dir, ec.message());
   std::sort(out.begin(), out.end());
   return out;
@@ -160,7 +164,8 @@ Status UpdatePublisher::publish(int64_t version, const runtime::ParameterStore& 
     const auto row_bytes = static_cast<size_t>(table.dim) * sizeof(float);
     for (size_t i = 0; i < tr.ids.size(); ++i)
       std::memcpy(tr.rows.view.as<float>() + i * static_cast<size_t>(table.dim),
-                  whole->view.as<float>() + static_cast<size_t>(tr.ids[i]) * static_cast<size_t>(table.dim), row_bytes);
+                  whole->view.as<float>() + static_cast<size_t>(tr.ids[i]) * static_cast<size_t>(table.dim),
+                  row_bytes);
     u.tables.push_back(std::move(tr));
   }
   for (const std::string& name : dense_) {

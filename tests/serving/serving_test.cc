@@ -41,16 +41,21 @@ TEST(InvariantGemm, EveryElementIsOneFmaChainWhateverTheShape) {
   runtime::ThreadPool pool(2);
   for (bool ta : {false, true})
     for (bool tb : {false, true})
-      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1}, {7, 33, 13}, {64, 16, 200},
-                             {13, 5, 1}, {6, 17, 64}}) {
+      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 1, 1},
+                             {7, 33, 13},
+                             {64, 16, 200},
+                             {13, 5, 1},
+                             {6, 17, 64}}) {
         auto a = randomFloats(static_cast<size_t>(m * k), 1);
         auto b = randomFloats(static_cast<size_t>(k * n), 2);
         std::vector<float> c(static_cast<size_t>(m * n), NAN);
         runtime::cpu::invariantSgemm(ta, tb, m, n, k, a.data(), b.data(), c.data(), pool);
         for (int64_t i = 0; i < m; ++i)
           for (int64_t j = 0; j < n; ++j)
-            ASSERT_TRUE(sameBits(c[static_cast<size_t>(i * n + j)], fmaChain(ta, tb, m, n, k, a.data(), b.data(), i, j)))
-                << "ta=" << ta << " tb=" << tb << " m=" << m << " n=" << n << " k=" << k << " at " << i << "," << j;
+            ASSERT_TRUE(sameBits(c[static_cast<size_t>(i * n + j)],
+                                 fmaChain(ta, tb, m, n, k, a.data(), b.data(), i, j)))
+                << "ta=" << ta << " tb=" << tb << " m=" << m << " n=" << n << " k=" << k << " at " << i << ","
+                << j;
       }
 }
 
@@ -64,7 +69,8 @@ TEST(InvariantGemm, ARowScoresTheSameAloneAndInAnyBatch) {
   for (int64_t row : {0, 5, 6, 31, 49}) {
     std::vector<float> alone(static_cast<size_t>(n));
     runtime::cpu::invariantSgemm(false, true, 1, n, k, x.data() + row * k, w.data(), alone.data(), one);
-    for (int64_t j = 0; j < n; ++j) ASSERT_TRUE(sameBits(alone[static_cast<size_t>(j)], all[static_cast<size_t>(row * n + j)]));
+    for (int64_t j = 0; j < n; ++j)
+      ASSERT_TRUE(sameBits(alone[static_cast<size_t>(j)], all[static_cast<size_t>(row * n + j)]));
   }
 }
 
@@ -74,7 +80,8 @@ struct ForwardBuilder {
   ir::Function& fn = m.addFunction("forward");
   ir::Builder b{fn.entry()};
   ir::Value* param(const std::string& name, int64_t rows, int64_t dim, ir::DType t = ir::DType::f32) {
-    auto op = b.createWithTypes("kiln.parameter", {}, {ir::TensorType(t, {ir::Dim::fixed(rows), ir::Dim::fixed(dim)})},
+    auto op = b.createWithTypes("kiln.parameter", {},
+                                {ir::TensorType(t, {ir::Dim::fixed(rows), ir::Dim::fixed(dim)})},
                                 {{"name", name}, {"init", "zeros"}});
     EXPECT_TRUE(op.isOk()) << op.status().str();
     return (*op)->result();
@@ -131,7 +138,10 @@ TEST(ServedTables, OnlyTablesReadByInputIdsAlone) {
   std::map<std::string, std::pair<std::vector<std::string>, int>> got;
   for (const ServedTable& t : served) got[t.name] = {t.id_inputs, t.group};
   using Want = std::map<std::string, std::pair<std::vector<std::string>, int>>;
-  EXPECT_EQ(got, (Want{{"t0", {{"c0"}, 0}}, {"shared", {{"c1", "c2"}, 1}}, {"wide", {{"c3"}, 2}}, {"deep", {{"c3"}, 2}}}));
+  EXPECT_EQ(
+      got,
+      (Want{
+          {"t0", {{"c0"}, 0}}, {"shared", {{"c1", "c2"}, 1}}, {"wide", {{"c3"}, 2}}, {"deep", {{"c3"}, 2}}}));
   for (const ServedTable& t : served)
     if (t.name == "t0") {
       EXPECT_EQ(std::make_pair(t.rows, t.dim), std::make_pair(int64_t{100}, int64_t{4}));
@@ -140,10 +150,12 @@ TEST(ServedTables, OnlyTablesReadByInputIdsAlone) {
 
 TEST(GatherRows, AGroupSharesItsDistinctIds) {
   const std::vector<ServedTable> tables = {{"wide", 10, 1, {"a"}, 0}, {"deep", 10, 2, {"a"}, 0}};
-  auto g = gatherRows(tables, idsBatch({{"a", {4, 2, 4}}}), [](size_t t, std::span<const int64_t> ids, float* out) {
-    for (size_t i = 0; i < ids.size() * (t == 0 ? 1 : 2); ++i) out[i] = static_cast<float>(t * 100) + static_cast<float>(i);
-    return Status::ok();
-  });
+  auto g = gatherRows(tables, idsBatch({{"a", {4, 2, 4}}}),
+                      [](size_t t, std::span<const int64_t> ids, float* out) {
+                        for (size_t i = 0; i < ids.size() * (t == 0 ? 1 : 2); ++i)
+                          out[i] = static_cast<float>(t * 100) + static_cast<float>(i);
+                        return Status::ok();
+                      });
   ASSERT_TRUE(g.isOk()) << g.status().str();
   EXPECT_EQ(g->ids[0], (std::vector<int64_t>{2, 4}));
   EXPECT_EQ(g->ids[1], g->ids[0]);
@@ -183,7 +195,8 @@ TEST(GatherRows, AnIdOutOfRangeNamesTheInputAndSample) {
   auto g = gatherRows(tables, idsBatch({{"a", {1, 10}}}),
                       [](size_t, std::span<const int64_t>, float*) { return Status::ok(); });
   ASSERT_FALSE(g.isOk());
-  EXPECT_NE(g.status().message().find("input 'a': id 10 of sample 1 is out of range [0, 10)"), std::string::npos)
+  EXPECT_NE(g.status().message().find("input 'a': id 10 of sample 1 is out of range [0, 10)"),
+            std::string::npos)
       << g.status().message();
 }
 

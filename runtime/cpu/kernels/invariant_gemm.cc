@@ -31,7 +31,7 @@ void packPanel(bool tb, const float* b, int64_t n, int64_t k, int64_t j0, float*
 // One tile of `rows` rows (at most kRows) against one packed panel, written to out[rows][kPanel].
 template <int64_t Rows>
 __attribute__((target("avx2,fma"))) void tileAvx2(bool ta, const float* a, int64_t m, int64_t k, int64_t i0,
-                                                   const float* panel, float* out) {
+                                                  const float* panel, float* out) {
   __m256 lo[Rows], hi[Rows];
   for (int64_t r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < k; ++kk) {
@@ -54,7 +54,8 @@ void tileScalar(bool ta, const float* a, int64_t m, int64_t k, int64_t i0, int64
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < kPanel; ++j) {
       float acc = 0.0f;
-      for (int64_t kk = 0; kk < k; ++kk) acc = std::fma(elemA(ta, a, m, k, i0 + r, kk), panel[kk * kPanel + j], acc);
+      for (int64_t kk = 0; kk < k; ++kk)
+        acc = std::fma(elemA(ta, a, m, k, i0 + r, kk), panel[kk * kPanel + j], acc);
       out[r * kPanel + j] = acc;
     }
 }
@@ -68,14 +69,14 @@ bool haveAvx2Fma() {
 
 }  // namespace
 
-void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c,
-                    ThreadPool& pool) {
+void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b,
+                    float* c, ThreadPool& pool) {
   if (m == 0 || n == 0) return;
   if (k == 0) {
     std::fill(c, c + m * n, 0.0f);
     return;
   }
-  static constexpr TileFn kTiles[kRows + 1] = {nullptr,          tileAvx2<1>, tileAvx2<2>, tileAvx2<3>,
+  static constexpr TileFn kTiles[kRows + 1] = {nullptr,     tileAvx2<1>, tileAvx2<2>, tileAvx2<3>,
                                                tileAvx2<4>, tileAvx2<5>, tileAvx2<6>};
   const bool avx2 = haveAvx2Fma();
   const int64_t panels = (n + kPanel - 1) / kPanel;
@@ -100,8 +101,8 @@ void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const flo
   });
 }
 
-void invariantSgemmReference(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b,
-                             float* c) {
+void invariantSgemmReference(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a,
+                             const float* b, float* c) {
   for (int64_t i = 0; i < m; ++i)
     for (int64_t j = 0; j < n; ++j) {
       float acc = 0.0f;

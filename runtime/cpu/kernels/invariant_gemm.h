@@ -16,11 +16,11 @@ namespace kiln::runtime::cpu {
 // C[m, n] = A · B with A = a[m, k] (ta: a[k, m]) and B = b[k, n] (tb: b[n, k]), row-major, C
 // overwritten. An AVX2/FMA kernel where the CPU has one; elsewhere the same arithmetic in scalar
 // std::fma, so the bits do not depend on the CPU either.
-void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c,
-                    ThreadPool& pool);
+void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b,
+                    float* c, ThreadPool& pool);
 
 // The reference: one std::fma chain per element (tests).
-void invariantSgemmReference(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b,
-                             float* c);
+void invariantSgemmReference(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a,
+                             const float* b, float* c);
 
 }  // namespace kiln::runtime::cpu
