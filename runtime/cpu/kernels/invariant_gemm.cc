@@ -28,21 +28,27 @@ void packPanel(bool tb, const float* b, int64_t n, int64_t k, int64_t j0, float*
   }
 }
 
-// One tile of `rows` rows (at most kRows) against one packed panel, written to out[rows][kPanel].
+// One tile of `Rows` rows (at most kRows) against one packed panel, written to out[Rows][kPanel].
+// A's rows are walked by pointer: `step` apart within a row (1, or m when A is transposed) and
+// `row_step` apart between rows.
 template <int64_t Rows>
-__attribute__((target("avx2,fma"))) void tileAvx2(bool ta, const float* a, int64_t m, int64_t k, int64_t i0,
-                                                  const float* panel, float* out) {
+__attribute__((target("avx2,fma"))) void tileAvx2(const float* a, int64_t step, int64_t row_step, int64_t k,
+                                                   const float* panel, float* out) {
+  // Unrolled, so that the 2 * Rows accumulators live in registers.
   __m256 lo[Rows], hi[Rows];
+#pragma GCC unroll 8
   for (int64_t r = 0; r < Rows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const __m256 b0 = _mm256_loadu_ps(panel + kk * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(panel + kk * kPanel + 8);
+  for (int64_t kk = 0; kk < k; ++kk, a += step, panel += kPanel) {
+    const __m256 b0 = _mm256_loadu_ps(panel);
+    const __m256 b1 = _mm256_loadu_ps(panel + 8);
+#pragma GCC unroll 8
     for (int64_t r = 0; r < Rows; ++r) {
-      const __m256 av = _mm256_set1_ps(elemA(ta, a, m, k, i0 + r, kk));
+      const __m256 av = _mm256_broadcast_ss(a + r * row_step);
       lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
       hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
     }
   }
+#pragma GCC unroll 8
   for (int64_t r = 0; r < Rows; ++r) {
     _mm256_storeu_ps(out + r * kPanel, lo[r]);
     _mm256_storeu_ps(out + r * kPanel + 8, hi[r]);
@@ -60,7 +66,7 @@ void tileScalar(bool ta, const float* a, int64_t m, int64_t k, int64_t i0, int64
     }
 }
 
-using TileFn = void (*)(bool, const float*, int64_t, int64_t, int64_t, const float*, float*);
+using TileFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, float*);
 
 bool haveAvx2Fma() {
   static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -91,7 +97,7 @@ void invariantSgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const flo
       for (int64_t i0 = 0; i0 < m; i0 += kRows) {
         const int64_t rows = std::min(kRows, m - i0);
         if (avx2)
-          kTiles[rows](ta, a, m, k, i0, panel.data(), out);
+          kTiles[rows](ta ? a + i0 : a + i0 * k, ta ? m : 1, ta ? 1 : k, k, panel.data(), out);
         else
           tileScalar(ta, a, m, k, i0, rows, panel.data(), out);
         for (int64_t r = 0; r < rows; ++r)
