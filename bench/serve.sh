@@ -102,21 +102,13 @@ for b in 1 256; do
     --samples "$REQ_SAMPLES" --batch "$b" -o "$OUT/requests_$b.jsonl"
 done
 
-# Raw predict: the difference of a run of PREDICT_SAMPLES and one of a single batch leaves out
-# start-up (compiling, loading the checkpoint).
-predict_s() {
-  local t0 t1
-  t0=$(date +%s.%N)
-  quiet "$OUT/predict.log" "$KILN" predict "$MODEL" "${SET[@]}" --checkpoint "$OUT/ckpt" --data synthetic \
-    --samples "$1" --batch 256 --threads "$THREADS" -o "$OUT/scores.txt"
-  t1=$(date +%s.%N)
-  awk -v a="$t0" -v b="$t1" 'BEGIN { print b - a }'
-}
+# Raw predict: kiln predict's own rate (reading and scoring, start-up left out), at the batch the
+# server computes at saturation.
 log "kiln predict: $PREDICT_SAMPLES samples at batch 256"
-small=$(predict_s 256)
-big=$(predict_s "$PREDICT_SAMPLES")
-predict_rate=$(awk -v n="$PREDICT_SAMPLES" -v s="$small" -v b="$big" \
-  'BEGIN { if (b <= s) { print "nan" } else { printf "%.0f", (n - 256) / (b - s) } }')
+quiet "$OUT/predict.log" "$KILN" predict "$MODEL" "${SET[@]}" --checkpoint "$OUT/ckpt" --data synthetic \
+  --samples "$PREDICT_SAMPLES" --batch 256 --threads "$THREADS" -o "$OUT/scores.txt"
+predict_rate=$(sed -n 's/.*s, \([0-9]*\) samples\/s).*/\1/p' "$OUT/predict.log" | tail -1)
+[ -n "$predict_rate" ] || predict_rate=nan
 
 # start_server FRACTION: starts kiln serve in the background; sets SERVER_PID, PORT and URL.
 start_server() {
@@ -124,7 +116,7 @@ start_server() {
   if [ "$1" != 1.0 ]; then tiers=(--store "$OUT/store" --host-fraction 0.25); fi
   : > "$OUT/serve.out"
   "$KILN" serve "$MODEL" "${SET[@]}" --checkpoint "$OUT/ckpt" --port 0 --threads "$THREADS" \
-    --http-threads 256 --cache-fraction "$1" "${tiers[@]}" > "$OUT/serve.out" 2> "$OUT/serve_$1.err" &
+    --http-threads 256 --max-queue-delay-us 2000 --cache-fraction "$1" "${tiers[@]}" > "$OUT/serve.out" 2> "$OUT/serve_$1.err" &
   SERVER_PID=$!
   PORT=""
   for _ in $(seq 1200); do

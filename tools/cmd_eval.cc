@@ -3,6 +3,7 @@
 // `kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]`: one score per input line.
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -156,7 +157,9 @@ int runPredict(const std::vector<std::string>& raw_args) {
     }
     return Status::ok();
   };
+  const auto started = std::chrono::steady_clock::now();
   auto r = evaluateModel(*setup.session, setup.data, write);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));
   if (!r) {
     if (!tmp_path.empty()) std::filesystem::remove(tmp_path);
@@ -164,11 +167,14 @@ int runPredict(const std::vector<std::string>& raw_args) {
     return kExitError;
   }
   if (!tmp_path.empty()) std::filesystem::rename(tmp_path, out_path);
+  // The time of reading and scoring, without start-up (compiling, loading the checkpoint).
+  const std::string rate = fmt::format(" ({:.2f} s, {:.0f} samples/s)", seconds,
+                                       seconds > 0 ? static_cast<double>(r->samples) / seconds : 0.0);
   if (unscored)
-    std::fprintf(stderr, "wrote %lld scores and %lld nan for malformed lines\n",
-                 static_cast<long long>(r->samples), static_cast<long long>(unscored));
+    std::fprintf(stderr, "wrote %lld scores and %lld nan for malformed lines%s\n",
+                 static_cast<long long>(r->samples), static_cast<long long>(unscored), rate.c_str());
   else
-    std::fprintf(stderr, "wrote %lld scores\n", static_cast<long long>(r->samples));
+    std::fprintf(stderr, "wrote %lld scores%s\n", static_cast<long long>(r->samples), rate.c_str());
   return kExitOk;
 }
 

@@ -233,6 +233,9 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
   h.set_read_timeout(options_.read_timeout_s, 0);
   h.set_write_timeout(options_.read_timeout_s, 0);
   h.set_keep_alive_timeout(options_.read_timeout_s);
+  // cpp-httplib closes a connection after 5 requests by default; clients of a model server keep
+  // theirs open (reconnecting costs a handshake, and a full listen backlog drops SYNs for seconds).
+  h.set_keep_alive_max_count(std::numeric_limits<int>::max());
   h.set_tcp_nodelay(true);
 
   auto reply = [](httplib::Response& res, int status, const Json& body) {
