@@ -10,7 +10,8 @@ C20, update of step 20). Then:
   scores, and its persistent tier is read;
 - a published update is applied while serving: every response equals predict of the version it
   names, and the version moves from 10 to 20 between batches only;
-- malformed requests get a 4xx with a message and do not disturb others;
+- malformed requests get a 4xx with a message and do not disturb others, nor do clients that
+  stall halfway through a request;
 - SIGTERM drains in-flight requests and exits 0; a missing or corrupt store is an error at start.
 
 usage: serve_test.py KILN MODELS_DIR WORK_DIR
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -225,6 +227,21 @@ def main():
     status, body = s.infer(bodies[5])
     if status != 200 or f32(body["outputs"][0]["data"][0]) != expected[10][5]:
         fail("a good request after the bad ones")
+    # Slow clients: connections that send half a request and stall hold an HTTP thread each, never
+    # the batcher; everyone else is answered at once.
+    slow = []
+    for _ in range(3):
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 5000\r\n\r\n{{\"inputs\": [".encode())
+        slow.append(sock)
+    t0 = time.time()
+    check_scores(concurrent(s, bodies[:32], 4), {10: expected[10]}, "beside stalled clients")
+    if time.time() - t0 > 3:
+        fail(f"stalled clients slowed the others: 32 requests took {time.time() - t0:.1f} s")
+    for sock in slow:
+        sock.close()
+    print(f"slow clients: 32 requests answered in {time.time() - t0:.2f} s beside 3 stalled connections")
     # SIGTERM while requests are in flight: each is answered, then the server exits 0.
     inflight = {}
     threads = []
