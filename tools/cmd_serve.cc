@@ -303,7 +303,7 @@ int runServe(const std::vector<std::string>& args) {
     if (sig == 0) return;  // the server stopped by itself
     std::fprintf(stderr, "kiln serve: %s: draining\n", sig == SIGTERM ? "SIGTERM" : "SIGINT");
     (*server)->drain();
-    http.stop();
+    http.stop();  // no new connections; those open finish the request they are in
   });
   http.run();
   // run() returned: every accepted request was answered. Wake the waiter if no signal came.

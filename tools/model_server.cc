@@ -60,7 +60,9 @@ Expected<std::unique_ptr<ModelServer>> ModelServer::create(
 }
 
 ModelServer::~ModelServer() {
-  drain();
+  stopping_ = true;
+  queue_cv_.notify_all();
+  watch_cv_.notify_all();
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     instances_exit_ = true;
@@ -70,12 +72,6 @@ ModelServer::~ModelServer() {
   { std::lock_guard<std::mutex> lock(watch_mu_); }
   watch_cv_.notify_all();
   if (watcher_.joinable()) watcher_.join();
-}
-
-void ModelServer::drain() {
-  stopping_ = true;
-  queue_cv_.notify_all();
-  watch_cv_.notify_all();
 }
 
 InferOutcome ModelServer::infer(data::Batch samples) {

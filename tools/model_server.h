@@ -74,7 +74,7 @@ class ModelServer {
   size_t tasks() const { return tasks_; }
   int64_t version() const { return store_->version(); }
   const ServeOptions& options() const { return options_; }
-  bool ready() const { return !stopping_.load(); }
+  bool ready() const { return !draining_.load() && !stopping_.load(); }
 
   // Queues one request's samples (validated: every input of spec() but the label, at most
   // max_batch samples) and waits for its scores.
@@ -88,8 +88,9 @@ class ModelServer {
   void noteRequest(int status, double seconds);
   std::string metricsText() const;
 
-  // Stops taking requests; the queued ones are still computed and answered.
-  void drain();
+  // Shutting down: readiness turns false (so load balancers move away) while requests are still
+  // taken and answered; the HTTP layer stops accepting connections meanwhile.
+  void drain() { draining_ = true; }
 
  private:
   struct Pending {
@@ -114,7 +115,8 @@ class ModelServer {
   std::mutex queue_mu_;
   std::condition_variable queue_cv_;
   std::deque<std::unique_ptr<Pending>> queue_;
-  std::atomic<bool> stopping_{false};
+  std::atomic<bool> draining_{false};
+  std::atomic<bool> stopping_{false};  // the destructor: no more requests, the queued ones answered
   bool instances_exit_ = false;  // under queue_mu_
   std::vector<std::thread> instances_;
 
