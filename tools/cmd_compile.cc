@@ -58,10 +58,8 @@ Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledMo
     tensors.emplace_back(name, session->params().find(name)->view);
   // The training step the weights are of: kiln serve reports it as the model's version.
   std::map<std::string, std::string> metadata{{"source", checkpoint}};
-  std::filesystem::path file(checkpoint);
-  if (std::filesystem::is_directory(file)) file /= "checkpoint.safetensors";
-  if (std::filesystem::is_regular_file(file))
-    if (auto header = runtime::readCheckpointHeader(file.string()); header && header->metadata.count("step"))
+  if (auto file = checkpointFile(checkpoint); file)  // a sharded checkpoint's step is not recorded
+    if (auto header = runtime::readCheckpointHeader(*file); header && header->metadata.count("step"))
       metadata["step"] = header->metadata.at("step");
   return runtime::serializeCheckpoint(tensors, metadata);
 }

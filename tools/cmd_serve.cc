@@ -35,20 +35,6 @@ void onStopSignal(int sig) {
 // Rows read from a checkpoint at once while filling a store.
 constexpr int64_t kImportChunkRows = 1 << 16;
 
-// The checkpoint file of a checkpoint directory (or the file given). A sharded checkpoint is an
-// error: merge it first.
-Expected<std::string> checkpointFile(const std::string& dir_or_file) {
-  std::filesystem::path p(dir_or_file);
-  if (std::filesystem::is_directory(p)) {
-    if (runtime::ShardedCheckpoint::isShardedDir(p.string()))
-      return Status::errorf("'{}' is a sharded checkpoint: merge it first (kiln checkpoint merge)",
-                            dir_or_file);
-    p /= "checkpoint.safetensors";
-  }
-  if (!std::filesystem::is_regular_file(p)) return Status::errorf("no checkpoint at '{}'", p.string());
-  return p.string();
-}
-
 int64_t checkpointStep(const runtime::CheckpointHeader& h) {
   auto it = h.metadata.find("step");
   return it == h.metadata.end() ? 0 : std::atoll(it->second.c_str());

@@ -349,7 +349,8 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::Paramete
   params_ = std::move(preset);
   const bool values_follow = !options.training && !options.checkpoint_path.empty();
   if (options.external_tables) served_tables_ = serving::findServedTables(*fwd);
-  const std::set<std::string, std::less<>> external = externalTables(m, options);
+  std::set<std::string, std::less<>> external;
+  for (const serving::ServedTable& t : served_tables_) external.insert(t.name);
   KILN_RETURN_IF_ERROR(params_.initializeFrom(m, options.seed, symbols, nullptr, !values_follow, &external));
   if (cuda_) KILN_RETURN_IF_ERROR(cuda_->uploadParameters(params_));
   return Status::ok();

@@ -197,16 +197,24 @@ std::optional<size_t> taskLossIndex(std::string_view stat_name) {
 
 // A sharded checkpoint (a directory with an index) is merged in memory, as `kiln checkpoint
 // merge` would write it; otherwise the directory's checkpoint.safetensors, or the file given.
+Expected<std::string> checkpointFile(const std::string& dir_or_file) {
+  std::filesystem::path p(dir_or_file);
+  if (std::filesystem::is_directory(p)) {
+    if (runtime::ShardedCheckpoint::isShardedDir(p.string()))
+      return Status::errorf("'{}' is a sharded checkpoint: merge it first (kiln checkpoint merge)", dir_or_file);
+    p /= "checkpoint.safetensors";
+  }
+  if (!std::filesystem::exists(p)) return Status::errorf("no checkpoint at '{}'", p.string());
+  return p.string();
+}
+
 Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std::string& path) {
   path = dir_or_file;
-  if (std::filesystem::is_directory(path)) {
-    if (runtime::ShardedCheckpoint::isShardedDir(path)) {
-      KILN_ASSIGN_OR_RETURN(auto sharded, runtime::ShardedCheckpoint::open(path));
-      return sharded.merge();
-    }
-    path = (std::filesystem::path(path) / "checkpoint.safetensors").string();
+  if (std::filesystem::is_directory(path) && runtime::ShardedCheckpoint::isShardedDir(path)) {
+    KILN_ASSIGN_OR_RETURN(auto sharded, runtime::ShardedCheckpoint::open(path));
+    return sharded.merge();
   }
-  if (!std::filesystem::exists(path)) return Status::error(fmt::format("no checkpoint at '{}'", path));
+  KILN_ASSIGN_OR_RETURN(path, checkpointFile(dir_or_file));
   return runtime::loadCheckpoint(path);
 }
 

@@ -65,6 +65,10 @@ std::vector<std::string> taskNames(const data::BatchSpec& spec);
 // A click model's score: the probability of its logit, as kiln predict writes and kiln serve answers.
 inline float clickProbability(float logit) { return 1.0f / (1.0f + std::exp(-logit)); }
 
+// The one file of a checkpoint: a directory's checkpoint.safetensors, or the file given. A sharded
+// checkpoint (a directory with an index) is an error: merge it first.
+Expected<std::string> checkpointFile(const std::string& dir_or_file);
+
 // The checkpoint at `dir_or_file`: a directory's checkpoint.safetensors, the file given, or a
 // sharded checkpoint merged in memory. `path` is set to the file read.
 Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std::string& path);

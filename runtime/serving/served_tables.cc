@@ -5,6 +5,7 @@
 #include <map>
 #include <set>
 
+#include "ir/ops/kernel_util.h"
 #include "runtime/data/batch.h"
 
 namespace kiln::serving {
@@ -140,7 +141,7 @@ Expected<GatheredRows> gatherRows(const std::vector<ServedTable>& tables, const 
                                 ir::dtypeName(v.dtype));
         const int64_t per_sample = v.rank() == 2 ? v.shape[1] : 0;
         for (int64_t i = 0, n = v.numel(); i < n; ++i) {
-          const int64_t id = v.dtype == ir::DType::i32 ? v.as<int32_t>()[i] : v.as<int64_t>()[i];
+          const int64_t id = ir::kernels::loadIndex(v, i);
           if (id < 0 || id >= table.rows) {
             if (per_sample > 0)
               return Status::errorf("input '{}': id {} of sample {} is out of range [0, {}) of table '{}'",
@@ -169,7 +170,7 @@ Expected<GatheredRows> gatherRows(const std::vector<ServedTable>& tables, const 
       const ir::TensorView& v = in->view;
       ir::HostTensor remapped(v.dtype, v.shape);
       for (int64_t i = 0, n = v.numel(); i < n; ++i) {
-        const int64_t id = v.dtype == ir::DType::i32 ? v.as<int32_t>()[i] : v.as<int64_t>()[i];
+        const int64_t id = ir::kernels::loadIndex(v, i);
         const auto at = static_cast<int64_t>(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
         if (v.dtype == ir::DType::i32)
           remapped.view.as<int32_t>()[i] = static_cast<int32_t>(at);

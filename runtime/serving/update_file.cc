@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <map>
 
+#include "ir/ops/kernel_util.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data/batch.h"
 
@@ -142,7 +143,7 @@ void UpdatePublisher::noteBatch(const data::Batch& batch) {
       if (!in) continue;
       const ir::TensorView& v = in->view;
       for (int64_t i = 0, n = v.numel(); i < n; ++i) {
-        const int64_t id = v.dtype == ir::DType::i32 ? v.as<int32_t>()[i] : v.as<int64_t>()[i];
+        const int64_t id = ir::kernels::loadIndex(v, i);
         if (id >= 0 && id < tables_[t].rows) touched_[t].insert(id);
       }
     }
