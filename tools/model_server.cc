@@ -181,12 +181,10 @@ void ModelServer::runBatch(ModelSession& session, std::vector<std::unique_ptr<Pe
   merged.size = std::max(samples, std::min(padded, options_.max_batch));
   for (size_t j = 0; j < first.tensors.size(); ++j) {
     const data::InputSpec& in = spec.inputs[j];
-    const bool flat = (in.role == data::InputRole::Sparse && in.variableLength()) ||
-                      (in.role == data::InputRole::Weights && in.type.rank() == 1);
     std::vector<int64_t> shape = first.tensors[j].view.shape;
     shape[0] = 0;
     for (const auto& p : batch) shape[0] += p->samples.tensors[j].view.shape[0];
-    if (!flat) shape[0] = merged.size;
+    if (!liesFlat(in)) shape[0] = merged.size;
     ir::HostTensor t(first.tensors[j].view.dtype, shape);
     auto* at = static_cast<uint8_t*>(t.view.data);
     for (const auto& p : batch) {

@@ -35,6 +35,13 @@ struct ServeOptions {
   int64_t poll_ms = 200;
 };
 
+// The ids of a variable-length feature and their weights lie flat in a batch, [ids of the batch],
+// rather than one row per sample.
+inline bool liesFlat(const data::InputSpec& in) {
+  return (in.role == data::InputRole::Sparse && in.variableLength()) ||
+         (in.role == data::InputRole::Weights && in.type.rank() == 1);
+}
+
 // A fixed-bucket histogram in Prometheus' form (cumulative counts, sum, count).
 class Histogram {
  public:
@@ -117,7 +124,7 @@ class ModelServer {
   std::deque<std::unique_ptr<Pending>> queue_;
   std::atomic<bool> draining_{false};
   std::atomic<bool> stopping_{false};  // the destructor: no more requests, the queued ones answered
-  bool instances_exit_ = false;  // under queue_mu_
+  bool instances_exit_ = false;        // under queue_mu_
   std::vector<std::thread> instances_;
 
   // Batches hold it shared from gathering rows to scores; an update holds it exclusively, so a

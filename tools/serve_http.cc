@@ -41,16 +41,13 @@ Status flatten(const Json& v, std::vector<double>& out, size_t limit, int depth)
   return Status::ok();
 }
 
-// What one input of the spec looks like in a request of n samples.
-std::vector<int64_t> expectedShape(const data::BatchSpec& spec, const data::InputSpec& in, int64_t n,
-                                   int64_t flat_ids) {
-  const bool flat = (in.role == data::InputRole::Sparse && in.variableLength()) ||
-                    (in.role == data::InputRole::Weights && in.type.rank() == 1);
-  if (flat) return {flat_ids};
+// What one input of the spec looks like in a request of n samples (`flat_ids`: the ids of its
+// feature, when it lies flat).
+std::vector<int64_t> expectedShape(const data::InputSpec& in, int64_t n, int64_t flat_ids) {
+  if (liesFlat(in)) return {flat_ids};
   std::vector<int64_t> shape{n};
   for (size_t d = 1; d < in.type.shape().size(); ++d)
     shape.push_back(in.type.dim(static_cast<int64_t>(d)).size());
-  (void)spec;
   return shape;
 }
 
@@ -95,9 +92,7 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
   }
   int64_t n = -1;
   for (const data::InputSpec& in : spec.inputs) {
-    const bool flat = (in.role == data::InputRole::Sparse && in.variableLength()) ||
-                      (in.role == data::InputRole::Weights && in.type.rank() == 1);
-    if (flat || !shapes.count(in.name)) continue;
+    if (liesFlat(in) || !shapes.count(in.name)) continue;
     const int64_t rows = shapes[in.name][0];
     if (n >= 0 && rows != n)
       return Status::errorf("input '{}' holds {} samples but another input {}", in.name, rows, n);
@@ -109,15 +104,13 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
 
   data::Batch batch;
   batch.size = n;
-  // Variable-length ids: the lengths come first, so the ids' count is known.
-  std::vector<int64_t> flat_ids(spec.inputs.size(), 0);
   for (size_t i = 0; i < spec.inputs.size(); ++i) {
     const data::InputSpec& in = spec.inputs[i];
     batch.names.push_back(in.name);
     auto it = given.find(in.name);
     if (it == given.end()) {
       if (in.role != data::InputRole::Label) return Status::errorf("input '{}' is missing", in.name);
-      std::vector<int64_t> shape = expectedShape(spec, in, n, 0);
+      std::vector<int64_t> shape = expectedShape(in, n, 0);
       batch.tensors.emplace_back(in.type.dtype(), shape);
       std::memset(batch.tensors.back().view.data, 0, static_cast<size_t>(batch.tensors.back().view.bytes()));
       continue;
@@ -129,11 +122,13 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
       if (ids > n * in.max_hotness)
         return Status::errorf("input '{}' holds {} ids, over {} samples of at most {}", in.name, ids, n,
                               in.max_hotness);
-    } else if (in.role == data::InputRole::Weights && in.type.rank() == 1) {
-      ids = shapes[in.name][0];
-      if (ids > n * static_cast<int64_t>(std::numeric_limits<int32_t>::max())) ids = -1;
+    } else if (liesFlat(in)) {
+      // Flat weights: one per id of their feature.
+      for (const data::InputSpec& s : spec.inputs)
+        if (s.role == data::InputRole::Sparse && s.weights_input == static_cast<int>(i))
+          ids = shapes.count(s.name) ? shapes[s.name][0] : 0;
     }
-    const std::vector<int64_t> want = expectedShape(spec, in, n, ids);
+    const std::vector<int64_t> want = expectedShape(in, n, ids);
     if (shapes[in.name] != want)
       return Status::errorf("input '{}' must be shaped [{}], got [{}]", in.name, fmt::join(want, ", "),
                             fmt::join(shapes[in.name], ", "));
@@ -270,7 +265,7 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
           const data::BatchSpec& spec = server_.spec();
           Json inputs = Json::array();
           for (const data::InputSpec& in : spec.inputs) {
-            std::vector<int64_t> shape = expectedShape(spec, in, -1, -1);
+            std::vector<int64_t> shape = expectedShape(in, -1, -1);
             Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
             if (in.role == data::InputRole::Label) one["optional"] = true;
             if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
