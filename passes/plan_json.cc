@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -249,6 +250,41 @@ Expected<int> intField(const Parser& p, const Node& n, std::string_view what) {
 
 std::string quote(const std::string& s) { return nlohmann::json(s).dump(); }
 
+// One "tables" entry: its table, sharding and ranks (in [0, nranks)). A plan's entry must list
+// ranks for every type but data_parallel; a constraint's may leave them to the planner.
+Expected<TablePlan> parseEntry(const Parser& p, const Node& e, int nranks, bool require_ranks) {
+  if (e.kind != Node::Kind::Object)
+    return p.error(e.offset, fmt::format("a table entry must be an object, got {}", kindName(e.kind)));
+  TablePlan t;
+  t.loc = p.at(e.offset);
+  const Node* name = e.field("table");
+  if (!name || name->kind != Node::Kind::String)
+    return p.error(name ? name->offset : e.offset, "a table entry needs \"table\": the table's name");
+  t.table = name->str;
+  const Node* sharding = e.field("sharding");
+  if (!sharding || sharding->kind != Node::Kind::String)
+    return p.error(sharding ? sharding->offset : e.offset,
+                   fmt::format("table '{}' needs \"sharding\": one of {}", t.table, shardingNames()));
+  auto type = parseShardingType(sharding->str);
+  if (!type)
+    return p.error(sharding->offset,
+                   fmt::format("table '{}': unknown sharding '{}' (use {})", t.table, sharding->str, shardingNames()));
+  t.type = *type;
+  if (const Node* rs = e.field("ranks")) {
+    if (rs->kind != Node::Kind::Array)
+      return p.error(rs->offset, fmt::format("table '{}': \"ranks\" must be a list of ranks", t.table));
+    for (const Node& r : rs->items) {
+      KILN_ASSIGN_OR_RETURN(int v, intField(p, r, "a rank"));
+      if (v < 0 || v >= nranks)
+        return p.error(r.offset, fmt::format("table '{}': rank {} is out of range [0, {})", t.table, v, nranks));
+      t.ranks.push_back(v);
+    }
+  } else if (require_ranks && t.type != ShardingType::data_parallel) {
+    return p.error(e.offset, fmt::format("table '{}' needs \"ranks\" for {}", t.table, shardingName(t.type)));
+  }
+  return t;
+}
+
 }  // namespace
 
 Expected<ShardPlan> readPlanJson(std::string_view text, std::string_view file, int expected_ranks) {
@@ -280,37 +316,7 @@ Expected<ShardPlan> readPlanJson(std::string_view text, std::string_view file, i
     return p.error(tables->offset, fmt::format("\"tables\" must be a list, got {}", kindName(tables->kind)));
   plan.loc = p.at(tables->offset);
   for (const Node& e : tables->items) {
-    if (e.kind != Node::Kind::Object)
-      return p.error(e.offset, fmt::format("a table entry must be an object, got {}", kindName(e.kind)));
-    TablePlan t;
-    t.loc = p.at(e.offset);
-    const Node* name = e.field("table");
-    if (!name || name->kind != Node::Kind::String)
-      return p.error(name ? name->offset : e.offset, "a table entry needs \"table\": the table's name");
-    t.table = name->str;
-    const Node* sharding = e.field("sharding");
-    if (!sharding || sharding->kind != Node::Kind::String)
-      return p.error(sharding ? sharding->offset : e.offset,
-                     fmt::format("table '{}' needs \"sharding\": one of {}", t.table, shardingNames()));
-    auto type = parseShardingType(sharding->str);
-    if (!type)
-      return p.error(sharding->offset, fmt::format("table '{}': unknown sharding '{}' (use {})", t.table,
-                                                   sharding->str, shardingNames()));
-    t.type = *type;
-    if (const Node* rs = e.field("ranks")) {
-      if (rs->kind != Node::Kind::Array)
-        return p.error(rs->offset, fmt::format("table '{}': \"ranks\" must be a list of ranks", t.table));
-      for (const Node& r : rs->items) {
-        KILN_ASSIGN_OR_RETURN(int v, intField(p, r, "a rank"));
-        if (v < 0 || v >= plan.ranks)
-          return p.error(r.offset,
-                         fmt::format("table '{}': rank {} is out of range [0, {})", t.table, v, plan.ranks));
-        t.ranks.push_back(v);
-      }
-    } else if (t.type != ShardingType::data_parallel) {
-      return p.error(e.offset,
-                     fmt::format("table '{}' needs \"ranks\" for {}", t.table, shardingName(t.type)));
-    }
+    KILN_ASSIGN_OR_RETURN(TablePlan t, parseEntry(p, e, plan.ranks, /*require_ranks=*/true));
     plan.tables.push_back(std::move(t));
   }
   return plan;
@@ -321,6 +327,30 @@ Expected<ShardPlan> loadPlanJson(std::string_view text, std::string_view file,
   KILN_ASSIGN_OR_RETURN(ShardPlan plan, readPlanJson(text, file, expected_ranks));
   KILN_RETURN_IF_ERROR(completePlan(plan, tables));
   return plan;
+}
+
+Expected<std::vector<PlanPin>> readPlanConstraints(std::string_view text, std::string_view file, int ranks) {
+  Parser p(text, file);
+  KILN_ASSIGN_OR_RETURN(Node root, p.document());
+  if (root.kind != Node::Kind::Object) return p.error(root.offset, "a constraints file is a JSON object");
+  const Node* format = root.field("format");
+  if (!format || format->kind != Node::Kind::String || format->str != "kiln-constraints-1")
+    return p.error(format ? format->offset : root.offset, "unknown constraints format (expected \"kiln-constraints-1\")");
+  const Node* tables = root.field("tables");
+  if (!tables || tables->kind != Node::Kind::Array)
+    return p.error(tables ? tables->offset : root.offset, "the constraints need \"tables\": a list of pins");
+  std::vector<PlanPin> pins;
+  for (const Node& e : tables->items) {
+    KILN_ASSIGN_OR_RETURN(TablePlan t, parseEntry(p, e, ranks, /*require_ranks=*/false));
+    PlanPin pin;
+    pin.table = t.table;
+    pin.type = t.type;
+    pin.ranks = t.ranks;
+    std::sort(pin.ranks.begin(), pin.ranks.end());
+    pin.loc = t.loc;
+    pins.push_back(std::move(pin));
+  }
+  return pins;
 }
 
 std::string writePlanJson(const ShardPlan& plan, const PlanCosts* costs) {

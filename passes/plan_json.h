@@ -16,6 +16,7 @@
 namespace kiln::passes {
 
 struct PlanCosts;
+struct PlanPin;
 
 // Parses the text of a plan file named `file` (for the locations). Checks the syntax, the
 // format, the sharding names and the field types; each TablePlan gets its entry's location, the
@@ -26,6 +27,13 @@ Expected<ShardPlan> readPlanJson(std::string_view text, std::string_view file, i
 // readPlanJson, then completePlan against the module's tables.
 Expected<ShardPlan> loadPlanJson(std::string_view text, std::string_view file,
                                  const std::vector<TableInfo>& tables, int expected_ranks);
+
+// A constraints file (`kiln plan --constraints`): pins that fix a table's sharding, and its
+// ranks where they are given, located for the planner's errors and printout:
+//   {"format": "kiln-constraints-1",
+//    "tables": [{"table": "tables.3", "sharding": "table_wise", "ranks": [2]},
+//               {"table": "tables.20", "sharding": "row_wise"}]}
+Expected<std::vector<PlanPin>> readPlanConstraints(std::string_view text, std::string_view file, int ranks);
 
 // The plan as plan.json, one table entry a line; with `costs`, each entry also carries its
 // predictions (bytes_per_rank, lookups_per_step, comm_bytes_per_step, reason) and a "per_rank"

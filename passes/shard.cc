@@ -537,12 +537,11 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
     // Checked and laid out, its errors located in the file.
     return loadPlanJson(text.str(), o.plan_path, tables, o.ranks);
   }
-  PlanRequest req;
+  KILN_ASSIGN_OR_RETURN(PlanRequest req, planRequestFor(o.target));
   req.ranks = o.ranks;
   req.ranks_per_node = o.ranks_per_node;
   req.memory_per_rank = o.memory_per_rank;
   req.global_batch = o.global_batch;
-  req.target = o.target;
   return autoPlan(tables, req);
 }
 

@@ -41,6 +41,18 @@ std::string_view shardingNames() {
   return "data_parallel, table_wise, row_wise, column_wise, table_row_wise";
 }
 
+std::string rankList(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    out += (out.empty() ? "" : ",") +
+           (j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
+    i = j + 1;
+  }
+  return out;
+}
+
 int64_t TableInfo::bytesPerRow() const { return dim * ir::dtypeBytes(dtype) + state_bytes_per_row; }
 
 const TablePlan* ShardPlan::find(std::string_view table) const {

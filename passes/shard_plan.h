@@ -35,6 +35,8 @@ std::string_view shardingName(ShardingType t);
 std::optional<ShardingType> parseShardingType(std::string_view name);
 // "data_parallel, table_wise, row_wise, column_wise, table_row_wise", for error messages.
 std::string_view shardingNames();
+// "0-7", "3", "0-2,5": ascending ranks read at a glance.
+std::string rankList(const std::vector<int>& ranks);
 
 // One piece of a table on one rank: rows [row_begin, row_end) and columns [col_begin, col_end)
 // of the global [rows, dim] table. A data_parallel table has one full piece per rank.

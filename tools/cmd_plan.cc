@@ -1,7 +1,7 @@
 // `kiln plan MODEL --ranks N`: the sharding plan of a model's embedding tables on N ranks (the
-// automatic one, or --plan FILE's) with its predictions, and with -o the plan as plan.json. The
-// model is compiled through autodiff only, for its tables and their optimizer state: nothing is
-// allocated, so a full-size model plans on any machine.
+// search's, a baseline's, or --plan FILE's) with its predictions and the reason for each choice,
+// and with -o the plan as plan.json. The model is compiled through autodiff only, for its tables
+// and their optimizer state: nothing is allocated, so a full-size model plans on any machine.
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -18,19 +18,6 @@
 
 namespace kiln::cli {
 namespace {
-
-// "0-7", "3", "0-2,5": ranks read at a glance.
-std::string rankList(const std::vector<int>& ranks) {
-  std::string out;
-  for (size_t i = 0; i < ranks.size();) {
-    size_t j = i;
-    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
-    out += (out.empty() ? "" : ",") +
-           (j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
-    i = j + 1;
-  }
-  return out;
-}
 
 std::string bytes(double b) { return runtime::formatBytes(static_cast<uint64_t>(b)); }
 
@@ -53,7 +40,7 @@ void printPlan(const passes::ShardPlan& plan, const passes::PlanCosts& costs,
         out, "%s\n",
         fmt::format("{:<{}}  {:>10}  {:>4}  {:<14}  {:<8}  {:>11}  {:>12.0f}  {:>11}  {}", t.table, w,
                     info ? info->rows : 0, info ? info->dim : 0, passes::shardingName(t.type),
-                    rankList(t.ranks), bytes(static_cast<double>(c.bytes_per_rank)), c.lookups_per_step,
+                    passes::rankList(t.ranks), bytes(static_cast<double>(c.bytes_per_rank)), c.lookups_per_step,
                     bytes(c.comm_bytes_per_step), t.reason.empty() ? "from the plan file" : t.reason)
             .c_str());
   }
@@ -71,18 +58,68 @@ void printPlan(const passes::ShardPlan& plan, const passes::PlanCosts& costs,
   }
 }
 
+// The critical path and the imbalance figures, one line each.
+void printSummary(const passes::PlanCosts& costs, std::FILE* out) {
+  const int cr = costs.critical_rank();
+  const auto& c = costs.ranks[static_cast<size_t>(cr)];
+  int64_t lo = costs.ranks[0].memory_bytes, hi = lo;
+  for (const auto& r : costs.ranks) {
+    lo = std::min(lo, r.memory_bytes);
+    hi = std::max(hi, r.memory_bytes);
+  }
+  std::fprintf(out, "%s\n",
+               fmt::format("critical path: rank {}, {:.3f} ms predicted (lookups {:.3f} ms, communication {:.3f} ms)",
+                           cr, c.step_s * 1e3, c.lookup_s * 1e3, c.comm_s * 1e3)
+                   .c_str());
+  std::fprintf(out, "%s\n",
+               fmt::format("imbalance: memory {:.2f}x (fullest {}, emptiest {}), time {:.2f}x (slowest over the mean)",
+                           costs.memory_imbalance(), bytes(static_cast<double>(hi)), bytes(static_cast<double>(lo)),
+                           costs.time_imbalance())
+                   .c_str());
+}
+
+// --explain TABLE: every choice for one table, the rest of the plan fixed.
+void printExplain(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
+                  const passes::PlanRequest& req, size_t index, std::FILE* out) {
+  std::vector<passes::OptionCost> opts = passes::explainTable(plan, tables, req, index);
+  std::fprintf(out, "\n%s\n",
+               fmt::format("{}: every choice, the rest of the plan fixed (best first; * the plan's)",
+                           plan.tables[index].table)
+                   .c_str());
+  std::fprintf(out, "%s\n",
+               fmt::format("  {:<16}  {:<8}  {:>9}  {:>13}  {}", "sharding", "ranks", "step ms", "fullest rank", "fits")
+                   .c_str());
+  for (const auto& o : opts)
+    std::fprintf(out, "%s\n",
+                 fmt::format("{} {:<16}  {:<8}  {:>9.3f}  {:>13}  {}", o.chosen ? "*" : " ",
+                             passes::shardingName(o.option.type), passes::rankList(o.option.ranks), o.step_s * 1e3,
+                             bytes(static_cast<double>(o.max_memory)), o.fits ? "yes" : "no")
+                     .c_str());
+}
+
+Expected<std::string> readText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::errorf("cannot read '{}'", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
 }  // namespace
 
 int runPlan(const std::vector<std::string>& raw_args) {
   ArgParser p(
       "plan",
       "kiln plan MODEL.kiln --ranks N [--ranks-per-node G] [--memory-per-rank BYTES] [--batch B] "
-      "[--target T] [--plan FILE] [--set name=value]... [-o plan.json]",
-      "Plans where each embedding table of the model lives on N ranks (the greedy of the automatic\n"
-      "plan, or --plan FILE's) and prints, per table, its sharding, ranks, bytes per rank (weights\n"
-      "plus optimizer state), lookups and bytes communicated per step and the reason for the choice;\n"
-      "per rank, the embedding memory and the predicted embedding time of one step. Writes the plan\n"
-      "as plan.json only with -o / --output. Nothing is allocated: full-size models plan anywhere.");
+      "[--target T] [--costs FILE] [--strategy S] [--constraints FILE] [--explain TABLE]... [--compare] "
+      "[--plan FILE] [--set name=value]... [-o plan.json]",
+      "Plans where each embedding table of the model lives on N ranks (by searching the choices over\n"
+      "the target's cost table, or by a baseline's rules, or --plan FILE's) and prints, per table, its\n"
+      "sharding, ranks, bytes per rank (weights plus optimizer state), lookups and bytes communicated\n"
+      "per step and the reason for the choice with the runner-up's cost; per rank, the embedding\n"
+      "memory and the predicted embedding time of one step; the critical path and the imbalance.\n"
+      "Writes the plan as plan.json only with -o / --output. Nothing is allocated: full-size models\n"
+      "plan anywhere.");
   p.setPositionals("MODEL.kiln", 1, 1, "the model (it needs a train block)");
   p.addOption("ranks", "N", "the number of ranks");
   p.addOption("ranks-per-node", "G", "ranks per node (default 0: all on one node)");
@@ -90,6 +127,12 @@ int runPlan(const std::vector<std::string>& raw_args) {
               "memory for tables and their state on each rank (80G, 512M, ...; default: unlimited)");
   p.addOption("batch", "B", "the global batch (each rank reads B / N samples)", "4096");
   p.addOption("plan", "FILE", "print the costs of this plan file instead of planning");
+  p.addOption("strategy", "S",
+              "search (the default), greedy (its start), table_row_wise or torchrec (the baselines)", "search");
+  p.addOption("costs", "FILE", "a cost table (kiln calibrate -o) instead of the target's built-in one");
+  p.addOption("constraints", "FILE", "pins: {\"format\": \"kiln-constraints-1\", \"tables\": [...]}");
+  p.addOption("explain", "TABLE", "print every choice for TABLE with its predicted cost", std::nullopt, true);
+  p.addFlag("compare", "also print every strategy's predicted step and imbalance");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "FILE", "write the plan as plan.json to FILE (also -o FILE)");
   addTargetFlag(p, "the H200");
@@ -125,7 +168,39 @@ int runPlan(const std::vector<std::string>& raw_args) {
   }
   std::optional<Target> target;
   if (!readTargetFlag(p, &target, &code)) return code;
-  req.target = target ? *target : h200Target();
+  const Target tgt = target ? *target : h200Target();
+  std::string costs_from = fmt::format("built-in {}", tgt.name);
+  if (p.has("costs")) {
+    auto t = passes::loadCostTable(p.get("costs"));
+    if (!t) {
+      printError("plan", t.status());
+      return kExitError;
+    }
+    req.costs = t.take();
+    costs_from = fmt::format("{} ({})", p.get("costs"), req.costs.target);
+  } else {
+    auto t = passes::builtinCostTable(tgt.name);
+    if (!t) {
+      printError("plan", t.status());
+      return kExitError;
+    }
+    req.costs = t.take();
+  }
+  auto strategy = passes::parseStrategy(p.get("strategy"));
+  if (!strategy)
+    return p.usageError(fmt::format("--strategy: unknown '{}' (use search, greedy, table_row_wise, torchrec)",
+                                    p.get("strategy")));
+  req.strategy = *strategy;
+  if (p.has("constraints")) {
+    auto text = readText(p.get("constraints"));
+    if (!text) return p.usageError(text.status().message());
+    auto pins = passes::readPlanConstraints(*text, p.get("constraints"), req.ranks);
+    if (!pins) {
+      printError("plan", pins.status());
+      return kExitError;
+    }
+    req.pins = pins.take();
+  }
   frontend::ParamOverrides overrides;
   for (const std::string& s : p.getAll("set"))
     if (Status st = frontend::addOverride(s, overrides); !st.isOk()) return p.usageError(st.message());
@@ -140,7 +215,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
   }
   OptimizeOptions o;
   o.batch = std::max<int64_t>(1, req.global_batch / req.ranks);
-  o.target = req.target;
+  o.target = tgt;
   // Through autodiff and its cleanup: the tables and their optimizer state exist, nothing else
   // is needed.
   if (Status s = runTrainingPipeline(**m, o, "remat"); !s) {
@@ -186,10 +261,53 @@ int runPlan(const std::vector<std::string>& raw_args) {
       fmt::format("{}: {} embedding tables ({}) on {} ranks{}, global batch {}, target {}, {} a rank", path,
                   tables->size(), bytes(static_cast<double>(total)), req.ranks,
                   req.ranks_per_node > 0 ? fmt::format(" ({} a node)", req.ranks_per_node) : "",
-                  req.global_batch, req.target.name,
+                  req.global_batch, tgt.name,
                   req.memory_per_rank > 0 ? bytes(static_cast<double>(req.memory_per_rank)) : "unlimited")
           .c_str());
+  std::printf("%s\n", fmt::format("plan: {}; costs: {}", p.has("plan") ? "from " + p.get("plan")
+                                                                         : "strategy " + p.get("strategy"),
+                                   costs_from)
+                          .c_str());
   printPlan(plan, costs, *tables, stdout);
+  std::printf("\n");
+  printSummary(costs, stdout);
+  for (const std::string& name : p.getAll("explain")) {
+    size_t index = plan.tables.size();
+    for (size_t i = 0; i < plan.tables.size(); ++i)
+      if (plan.tables[i].table == name) index = i;
+    if (index == plan.tables.size()) {
+      std::string names;
+      for (const auto& t : plan.tables) names += (names.empty() ? "" : ", ") + t.table;
+      return p.usageError(fmt::format("--explain: unknown table '{}' (the model's tables: {})", name, names));
+    }
+    printExplain(plan, *tables, req, index, stdout);
+  }
+  if (p.has("compare")) {
+    std::printf("\n%s\n", fmt::format("{:<15}  {:>9}  {:>9}  {:>9}  {:>9}  {:>14}", "strategy", "step ms",
+                                       "vs this", "memory", "time", "types")
+                               .c_str());
+    for (auto s : {passes::PlanStrategy::search, passes::PlanStrategy::greedy, passes::PlanStrategy::table_row_wise,
+                   passes::PlanStrategy::torchrec}) {
+      passes::PlanRequest r = req;
+      r.strategy = s;
+      auto other = passes::autoPlan(*tables, r);
+      if (!other) {
+        std::printf("%s\n", fmt::format("{:<15}  {}", passes::strategyName(s), other.status().message()).c_str());
+        continue;
+      }
+      passes::PlanCosts oc = passes::planCosts(*other, *tables, r);
+      int count[5] = {0, 0, 0, 0, 0};
+      for (const auto& t : other->tables) ++count[static_cast<int>(t.type)];
+      std::string types;
+      const char* abbrev[5] = {"dp", "tw", "rw", "cw", "trw"};
+      for (int k = 0; k < 5; ++k)
+        if (count[k]) types += fmt::format("{}{} {}", types.empty() ? "" : ", ", count[k], abbrev[k]);
+      std::printf("%s\n", fmt::format("{:<15}  {:>9.3f}  {:>8.2f}x  {:>8.2f}x  {:>8.2f}x  {}", passes::strategyName(s),
+                                      oc.step_s() * 1e3, oc.step_s() / costs.step_s(), oc.memory_imbalance(),
+                                      oc.time_imbalance(), types)
+                              .c_str());
+    }
+  }
   if (p.has("output")) {
     const std::string out_path = p.get("output");
     const std::string tmp = out_path + ".tmp";
