@@ -96,7 +96,8 @@ enum class LinkScope { intra_node, inter_node };
 // Seconds one collective takes on `target`'s links of the given scope: each of its ring steps
 // pays the link latency, and its bytes on the wire (OpCost::comm_bytes) move at the link rate:
 //     steps * latency_s + comm_bytes / bytes_per_s
-// with 2(N-1) steps for all_reduce (reduce-scatter then all-gather) and N-1 for the others.
+// with 2(N-1) steps for all_reduce (reduce-scatter then all-gather), N-1 for reduce_scatter and
+// all_gather, and 1 for all_to_all and all_to_all_v, whose N-1 messages go at once.
 // 0 for an op that is not a collective or a group of one rank.
 double collectiveSeconds(const Op& op, const SymbolBindings& symbols, const Target& target, LinkScope scope);
 

@@ -142,6 +142,14 @@ Expected<CostTable> parseCostTable(std::string_view text, std::string_view file)
   KILN_ASSIGN_OR_RETURN(t.intra_node, link(*links, file, "intra_node"));
   KILN_ASSIGN_OR_RETURN(t.inter_node, link(*links, file, "inter_node"));
 
+  if (auto c = j.find("compute"); c != j.end()) {
+    if (!c->is_object()) return fieldError(file, "compute", "must be an object");
+    KILN_ASSIGN_OR_RETURN(t.gemm_flops_per_s.f32, positive(*c, file, "compute", "gemm_f32_flops_per_s"));
+    KILN_ASSIGN_OR_RETURN(t.gemm_flops_per_s.bf16, positive(*c, file, "compute", "gemm_bf16_flops_per_s"));
+    KILN_ASSIGN_OR_RETURN(t.vector_flops_per_s.f32, positive(*c, file, "compute", "vector_flops_per_s"));
+    t.vector_flops_per_s.bf16 = t.vector_flops_per_s.f32;
+    KILN_ASSIGN_OR_RETURN(t.launch_s, positive(*c, file, "compute", "launch_s", true));
+  }
   auto le = j.find("lookup_efficiency");
   if (le == j.end() || !le->is_object()) return fieldError(file, "lookup_efficiency", "must be an object");
   KILN_ASSIGN_OR_RETURN(t.lookup_efficiency.x, numbers(*le, file, "lookup_efficiency", "row_bytes", true));
@@ -195,6 +203,11 @@ std::string writeCostTable(const CostTable& t) {
                  {"pcie_bytes_per_s", t.pcie_bytes_per_s}};
   j["links"] = {{"intra_node", {{"bytes_per_s", t.intra_node.bytes_per_s}, {"latency_s", t.intra_node.latency_s}}},
                 {"inter_node", {{"bytes_per_s", t.inter_node.bytes_per_s}, {"latency_s", t.inter_node.latency_s}}}};
+  if (t.gemm_flops_per_s.f32 > 0)
+    j["compute"] = {{"gemm_f32_flops_per_s", t.gemm_flops_per_s.f32},
+                    {"gemm_bf16_flops_per_s", t.gemm_flops_per_s.bf16 > 0 ? t.gemm_flops_per_s.bf16 : t.gemm_flops_per_s.f32},
+                    {"vector_flops_per_s", t.vector_flops_per_s.f32},
+                    {"launch_s", t.launch_s}};
   ordered_json rows = ordered_json::array();
   for (const auto& r : t.lookup_efficiency.z) rows.push_back(curveJson(r));
   j["lookup_efficiency"] = {{"row_bytes", curveJson(t.lookup_efficiency.x)},

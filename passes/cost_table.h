@@ -17,6 +17,8 @@
 //   {"format": "kiln-costs-1", "target": "h200", "source": "...",
 //    "memory": {"device_bytes_per_s": ..., "host_bytes_per_s": ..., "pcie_bytes_per_s": ...},
 //    "links": {"intra_node": {"bytes_per_s": ..., "latency_s": ...}, "inter_node": {...}},
+//    "compute": {"gemm_f32_flops_per_s": ..., "gemm_bf16_flops_per_s": ..., "vector_flops_per_s": ...,
+//                "launch_s": ...},   (optional: the simulator's compute rates)
 //    "lookup_efficiency": {"row_bytes": [...], "pooling": [...], "values": [[...], ...]},
 //    "all_to_all_efficiency": {"message_bytes": [...], "values": [...]}}
 //
@@ -53,6 +55,11 @@ struct CostTable {
   double pcie_bytes_per_s = 0;    // host to device, per direction (0 on a CPU)
   LinkRates intra_node;           // per direction, per rank
   LinkRates inter_node;
+  // Optional, for the simulator (`kiln plan --simulate`): compute rates measured by `kiln
+  // calibrate`; 0 keeps the target's (ir/target.h).
+  FlopRates gemm_flops_per_s;
+  FlopRates vector_flops_per_s;
+  double launch_s = 0;
   Curve2 lookup_efficiency;   // by (row bytes, pooling factor)
   Curve1 a2a_efficiency;      // by bytes per peer
 

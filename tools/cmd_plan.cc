@@ -9,8 +9,14 @@
 #include <iostream>
 #include <sstream>
 
+#include <unistd.h>
+
+#include <algorithm>
+
 #include "frontend/frontend.h"
 #include "passes/auto_plan.h"
+#include "passes/comm_timeline.h"
+#include "passes/cost_model.h"
 #include "passes/plan_json.h"
 #include "runtime/memory.h"
 #include "tools/cli.h"
@@ -97,6 +103,51 @@ void printExplain(const passes::ShardPlan& plan, const std::vector<passes::Table
                      .c_str());
 }
 
+// The target the simulator plays a step on: `base` with the cost table's memory and link rates.
+// Ranks that share a machine's cores (the CPU with more ranks than cores) share its compute.
+Target simulationTarget(Target base, const passes::CostTable& costs, int ranks_per_machine) {
+  base.bytes_per_s = costs.device_bytes_per_s;
+  base.intra_node = costs.intra_node;
+  base.inter_node = costs.inter_node;
+  if (costs.gemm_flops_per_s.f32 > 0) base.gemm_flops_per_s = costs.gemm_flops_per_s;
+  if (costs.vector_flops_per_s.f32 > 0) base.vector_flops_per_s = costs.vector_flops_per_s;
+  if (costs.launch_s > 0) base.launch_s = costs.launch_s;
+  if (base.kind == TargetKind::cpu && base.cores > 0 && ranks_per_machine > base.cores) {
+    const double share = static_cast<double>(base.cores) / ranks_per_machine;
+    base.gemm_flops_per_s.f32 *= share;
+    base.gemm_flops_per_s.bf16 *= share;
+    base.vector_flops_per_s.f32 *= share;
+    base.vector_flops_per_s.bf16 *= share;
+    base.bytes_per_s *= share;
+  }
+  return base;
+}
+
+// One rank's training step as compiled (the shard pass under `plan_path`, fusion, remat, the
+// schedule) and played on `target` by the communication timeline.
+Expected<passes::CommTimeline> simulateRank(const std::string& path, const frontend::ParamOverrides& overrides,
+                                            const std::string& plan_path, const passes::ShardPlan& plan, int rank,
+                                            int64_t global_batch, const Target& target) {
+  frontend::DiagnosticEngine diags(&std::cerr);
+  auto m = frontend::compileModelFile(path, overrides, diags);
+  if (!m) return Status::errorf("{}: the model does not compile", path);
+  OptimizeOptions o;
+  o.batch = std::max<int64_t>(1, global_batch / plan.ranks);
+  o.target = target;
+  if (plan.ranks > 1) {
+    o.shard.set("ranks", std::to_string(plan.ranks));
+    o.shard.set("rank", std::to_string(rank));
+    o.shard.set("plan", plan_path);
+    if (plan.ranks_per_node > 0) o.shard.set("ranks_per_node", std::to_string(plan.ranks_per_node));
+  }
+  KILN_RETURN_IF_ERROR(runTrainingPipeline(**m, o, ""));
+  const ir::Function* f = (*m)->lookup("train_step");
+  if (!f) return Status::error("the model has no training step");
+  passes::CostModel cost(target, {{"B", o.batch}});
+  const bool multi_node = plan.ranks_per_node > 0 && plan.ranks > plan.ranks_per_node;
+  return passes::simulateCommTimeline(*f, cost, multi_node ? ir::LinkScope::inter_node : ir::LinkScope::intra_node);
+}
+
 Expected<std::string> readText(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::errorf("cannot read '{}'", path);
@@ -133,6 +184,9 @@ int runPlan(const std::vector<std::string>& raw_args) {
   p.addOption("constraints", "FILE", "pins: {\"format\": \"kiln-constraints-1\", \"tables\": [...]}");
   p.addOption("explain", "TABLE", "print every choice for TABLE with its predicted cost", std::nullopt, true);
   p.addFlag("compare", "also print every strategy's predicted step and imbalance");
+  p.addFlag("simulate",
+            "also compile the plan's training step for rank 0 and its slowest ranks and play it on the target: "
+            "the whole step's predicted time");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "FILE", "write the plan as plan.json to FILE (also -o FILE)");
   addTargetFlag(p, "the H200");
@@ -307,6 +361,53 @@ int runPlan(const std::vector<std::string>& raw_args) {
                                       oc.time_imbalance(), types)
                               .c_str());
     }
+  }
+  if (p.flag("simulate")) {
+    // The plan as a file the shard pass reads, for the ranks simulated.
+    char tmpl[] = "/tmp/kiln-plan-XXXXXX";
+    int fd = mkstemp(tmpl);
+    if (fd < 0) return p.usageError("--simulate: cannot create a temporary file");
+    close(fd);
+    const std::string plan_path = tmpl;
+    {
+      std::ofstream f(plan_path, std::ios::binary | std::ios::trunc);
+      f << passes::writePlanJson(plan);
+    }
+    const int machine = req.ranks_per_node > 0 ? req.ranks_per_node : req.ranks;
+    const Target sim = simulationTarget(tgt, req.costs, machine);
+    // Rank 0, the slowest two by the embedding prediction.
+    std::vector<int> ranks = {0};
+    std::vector<int> order(costs.ranks.size());
+    for (size_t r = 0; r < order.size(); ++r) order[r] = static_cast<int>(r);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int a, int b) { return costs.ranks[a].step_s > costs.ranks[b].step_s; });
+    for (size_t i = 0; i < order.size() && i < 2; ++i)
+      if (std::find(ranks.begin(), ranks.end(), order[i]) == ranks.end()) ranks.push_back(order[i]);
+    std::printf("\n%s\n", fmt::format("simulated step on {} ({}): compute, communication and overlap from the "
+                                       "scheduled program of each rank",
+                                       tgt.name, costs_from)
+                               .c_str());
+    std::printf("%s\n", fmt::format("{:<4}  {:>11}  {:>9}  {:>11}  {:>10}  {:>11}", "rank", "collectives",
+                                    "comm ms", "exposed ms", "compute ms", "step ms")
+                            .c_str());
+    double slowest = 0;
+    for (int r : ranks) {
+      auto t = simulateRank(path, overrides, plan_path, plan, r, req.global_batch, sim);
+      if (!t) {
+        std::remove(plan_path.c_str());
+        printError("plan", t.status());
+        return kExitError;
+      }
+      slowest = std::max(slowest, t->step_seconds);
+      std::printf("%s\n", fmt::format("{:<4}  {:>11}  {:>9.3f}  {:>11.3f}  {:>10.3f}  {:>11.3f}", r, t->collectives,
+                                      t->comm_seconds * 1e3, t->exposed_comm_seconds * 1e3,
+                                      t->compute_seconds * 1e3, t->step_seconds * 1e3)
+                              .c_str());
+    }
+    std::remove(plan_path.c_str());
+    std::printf("%s\n", fmt::format("predicted step: {:.3f} ms, {:.4g} samples/s", slowest * 1e3,
+                                    static_cast<double>(req.global_batch) / slowest)
+                            .c_str());
   }
   if (p.has("output")) {
     const std::string out_path = p.get("output");

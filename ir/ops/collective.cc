@@ -492,7 +492,11 @@ double collectiveSeconds(const Op& op, const SymbolBindings& symbols, const Targ
   const int64_t n = ranksOf(op);
   if (n <= 1) return 0;
   const LinkRates& link = scope == LinkScope::intra_node ? target.intra_node : target.inter_node;
-  const double steps = static_cast<double>(op.is(OpCode::AllReduce) ? 2 * (n - 1) : n - 1);
+  // A ring pays a latency a step; an all_to_all posts its N-1 messages at once (NCCL's grouped
+  // send/recv, MPI_Alltoallv) and pays one.
+  const double steps = op.isAnyOf(OpCode::AllToAll, OpCode::AllToAllV) ? 1.0
+                       : op.is(OpCode::AllReduce)                       ? 2.0 * static_cast<double>(n - 1)
+                                                                        : static_cast<double>(n - 1);
   const double wire = op.def()->cost(op, symbols).comm_bytes;
   return steps * link.latency_s + (link.bytes_per_s > 0 ? wire / link.bytes_per_s : 0);
 }
