@@ -60,7 +60,13 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   const bool multi_node = rpn > 0 && n > rpn;
   const LinkRates& global_link = multi_node ? costs.inter_node : costs.intra_node;
   const LinkRates& node_link = costs.intra_node;
-  const double ids = 8 * h + 8;  // one sample's ids and its length
+  // Hot rows replicated (TablePlan::hot): only the cold ids travel and are looked up by their
+  // owners, and only the samples with a cold id get a pool back.
+  const bool hybrid = t.hot.rows > 0 && t.type != ShardingType::data_parallel;
+  const double cold_ids = hybrid ? 1 - t.hot.id_share : 1;
+  const double cold_pools = hybrid ? 1 - t.hot.sample_share : 1;
+  const double ids = 8 * h * cold_ids + 8;  // one sample's (cold) ids and its length
+  const double de = d * e * cold_pools;     // one sample's pool (or its gradient), when it travels
   const int k = static_cast<int>(t.ranks.size());
   std::vector<bool> holds(static_cast<size_t>(n), false);
   // Ranks outside [0, n) (a plan completePlan has not checked) hold nothing here.
@@ -91,39 +97,58 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
         break;
       case ShardingType::table_wise:
         if (mine) {
-          lookups(r, G * h, G * h, d);
-          if (n > 1) comm(r, (n - 1) * b * (ids + 2 * d * e), n - 1, global_link, 4);
+          lookups(r, G * h * cold_ids, G * h * cold_ids, d);
+          if (n > 1) comm(r, (n - 1) * b * (ids + 2 * de), n - 1, global_link, 4);
         } else {
-          comm(r, b * (ids + 2 * d * e), 1, global_link, 4);
+          comm(r, b * (ids + 2 * de), 1, global_link, 4);
         }
         break;
       case ShardingType::row_wise:
-        if (mine) lookups(r, G * h / k, G * h / k, d);
+        if (mine) lookups(r, G * h * cold_ids / k, G * h * cold_ids / k, d);
         if (n > 1) {
           if (mine)
-            comm(r, 8 * b * h + 8.0 * n * b + 2.0 * (n - 1) * b * d * e, n - 1, global_link, 4);
+            comm(r, 8 * b * h * cold_ids + 8.0 * n * b + 2.0 * (n - 1) * b * de, n - 1, global_link, 4);
           else
-            comm(r, b * (ids + 2 * d * e), k, global_link, 4);
+            comm(r, b * (ids + 2 * de), k, global_link, 4);
         }
         break;
       case ShardingType::column_wise: {
         const double cols = d / k;
-        if (mine) lookups(r, G * h, G * h, cols);
-        const double grads = s > 0 ? k * b * d * e : b * d * e;
-        if (n > 1) comm(r, k * b * ids + b * d * e + grads, std::max(k, n - 1), global_link, 4);
+        if (mine) lookups(r, G * h * cold_ids, G * h * cold_ids, cols);
+        const double grads = s > 0 ? k * b * de : b * de;
+        if (n > 1) comm(r, k * b * ids + b * de + grads, std::max(k, n - 1), global_link, 4);
         break;
       }
       case ShardingType::table_row_wise:
         if (mine) {
-          lookups(r, G * h / k, G * h / k, d);
+          lookups(r, G * h * cold_ids / k, G * h * cold_ids / k, d);
           // Row-wise inside the group for the whole batch's ids, then pools back to their ranks.
           const double gb = G / k;
-          if (k > 1) comm(r, 8 * gb * h + 8.0 * k * gb + 2.0 * (k - 1) * gb * d * e, k - 1, node_link, 3);
-          if (n > 1) comm(r, b * (ids + 2 * d * e), n - 1, global_link, 2);
+          if (k > 1) comm(r, 8 * gb * h * cold_ids + 8.0 * k * gb + 2.0 * (k - 1) * gb * de, k - 1, node_link, 3);
+          if (n > 1) comm(r, b * (ids + 2 * de), n - 1, global_link, 2);
         } else if (n > 1) {
-          comm(r, b * (ids + 2 * d * e), k, global_link, 4);
+          comm(r, b * (ids + 2 * de), k, global_link, 4);
         }
         break;
+    }
+  }
+  if (hybrid) {
+    // Every rank holds the hot rows, looks up its own samples' hot ids, and applies the hot rows'
+    // update from the global batch's gradients: all-reduced as a dense [hot rows, d] block that
+    // rides in the dense gradients' buckets (no collective of its own), or gathered per sample
+    // (ids and pooled gradients, two collectives), whichever moves fewer bytes.
+    const double H = static_cast<double>(t.hot.rows);
+    const double dense = 2.0 * (n - 1) / n * H * d * e;
+    const double sparse = (n - 1) * b * (8 * h * t.hot.id_share + 8 + d * e);
+    for (int r = 0; r < n; ++r) {
+      out.ranks[static_cast<size_t>(r)].memory_bytes += t.hot.rows * info.bytesPerRow();
+      lookups(r, b * h * t.hot.id_share, dense <= sparse ? H : G * h * t.hot.id_share, d);
+      if (n > 1) {
+        if (dense <= sparse)
+          comm(r, dense, n - 1, global_link, 0);
+        else
+          comm(r, sparse, n - 1, global_link, 2);
+      }
     }
   }
   for (auto& rc : out.ranks) rc.step_s = rc.lookup_s + rc.comm_s;
@@ -261,6 +286,7 @@ TablePlan makePlan(const TableInfo& info, ShardingType type, std::vector<int> ra
   t.type = type;
   t.ranks = std::move(ranks);
   t.shards = layoutShards(t, info);
+  if (type != ShardingType::data_parallel) t.hot = info.hot;
   return t;
 }
 

@@ -117,6 +117,7 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
     TableInfo& info = out[it->second];
     double per_sample = 1;
     if (const ir::Op* in = idsInput(*bag)) {
+      info.ids_inputs.push_back(in->strAttr("name"));
       if (in->hasAttr("hotness"))
         per_sample = static_cast<double>(in->intAttr("hotness"));
       else if (in->hasAttr("max_hotness"))

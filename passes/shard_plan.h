@@ -48,6 +48,16 @@ struct TableShard {
   int64_t cols() const { return col_end - col_begin; }
 };
 
+// The hottest rows of a table replicated on every rank, the rest sharded by the table's type
+// (HugeCTR's hybrid embedding): what a sample of the data says they cover. Only the planner's
+// what-if (`kiln plan --data`, passes/id_frequency.h) sets it so far; the shard pass does not run
+// hybrid tables yet.
+struct HotRows {
+  int64_t rows = 0;         // replicated on every rank
+  double id_share = 0;      // of the table's ids, the share that are hot
+  double sample_share = 0;  // of the samples, the share whose ids for the table are all hot
+};
+
 // What the planner and the shard pass know of one embedding table of a module.
 struct TableInfo {
   std::string name;  // the kiln.parameter's name, e.g. "tables.3"
@@ -56,6 +66,8 @@ struct TableInfo {
   int64_t state_bytes_per_row = 0;     // its sparse optimizer's state (rowwise_adagrad: 4)
   double lookups_per_sample = 1;       // ids per sample (the hotness, or max_hotness)
   std::optional<ShardingType> pinned;  // embeddings(..., shard = row_wise) in the model
+  std::vector<std::string> ids_inputs; // the data inputs whose ids it looks up (kiln.input names)
+  HotRows hot;                         // a what-if's hot rows, given to every model-parallel choice
   int64_t bytesPerRow() const;         // weights plus optimizer state
 };
 
@@ -69,6 +81,7 @@ struct TablePlan {
   std::vector<int> ranks;          // ascending; data_parallel: all ranks
   std::vector<TableShard> shards;  // filled by layoutShards
   std::string reason;              // why the planner chose this ("" for a plan file's entry)
+  HotRows hot;                     // none unless a frequency what-if set it
   Location loc;                    // the plan file's entry, for completePlan's errors
 };
 

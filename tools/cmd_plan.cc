@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include <unistd.h>
@@ -17,7 +18,10 @@
 #include "passes/auto_plan.h"
 #include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
+#include "passes/id_frequency.h"
 #include "passes/plan_json.h"
+#include "ir/ops/kernel_util.h"
+#include "runtime/data/batch_reader.h"
 #include "runtime/memory.h"
 #include "tools/cli.h"
 #include "tools/dump_optimize.h"
@@ -158,12 +162,132 @@ Expected<std::string> readText(const std::string& path) {
 
 }  // namespace
 
+
+// --data: each table's ids over the first `samples` samples of the data (or the synthetic stream),
+// one IdSample per table in module order (empty where the table has no single data input).
+Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std::vector<passes::TableInfo>& tables,
+                                                  const std::vector<std::string>& paths, int64_t samples) {
+  const ir::Function* fwd = m.lookup("forward");
+  if (!fwd) return Status::error("--data: the model has no @forward to read the data's inputs from");
+  KILN_ASSIGN_OR_RETURN(data::BatchSpec spec, data::fromFunction(*fwd));
+  data::DataOptions o;
+  o.paths = paths;
+  o.batch_size = std::min<int64_t>(samples, 4096);
+  o.synthetic_samples = samples;
+  KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(spec, o));
+  std::vector<passes::IdSample> out(tables.size());
+  // Per table: its ids input and that input's lengths (-1: fixed hotness).
+  std::vector<int> ids_of(tables.size(), -1), lengths_of(tables.size(), -1);
+  for (size_t i = 0; i < tables.size(); ++i)
+    if (tables[i].ids_inputs.size() == 1) {
+      ids_of[i] = spec.indexOf(tables[i].ids_inputs[0]);
+      if (ids_of[i] >= 0) lengths_of[i] = spec.inputs[static_cast<size_t>(ids_of[i])].lengths_input;
+    }
+  int64_t read = 0;
+  data::Batch batch;
+  while (read < samples) {
+    KILN_ASSIGN_OR_RETURN(bool more, reader->next(batch));
+    if (!more) break;
+    const int64_t n = std::min(batch.size, samples - read);
+    for (size_t i = 0; i < tables.size(); ++i) {
+      if (ids_of[i] < 0) continue;
+      const ir::TensorView& ids = batch.tensors[static_cast<size_t>(ids_of[i])].view;
+      std::vector<int64_t> row;
+      int64_t at = 0;
+      for (int64_t s = 0; s < n; ++s) {
+        int64_t len = ids.shape.size() == 2 ? ids.shape[1] : 1;
+        if (lengths_of[i] >= 0)
+          len = ir::kernels::loadIndex(batch.tensors[static_cast<size_t>(lengths_of[i])].view, s);
+        row.clear();
+        for (int64_t k = 0; k < len; ++k) row.push_back(ir::kernels::loadIndex(ids, at + k));
+        at += len;
+        out[i].addSample(row.data(), len);
+      }
+    }
+    read += n;
+  }
+  if (read < 2) return Status::errorf("--data: {} sample(s) read; the frequencies need at least 2", read);
+  return out;
+}
+
+// The frequency curves and the hot rows worth replicating for each sharded table of `plan`.
+void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
+                 const std::vector<passes::IdSample>& sample, const passes::PlanRequest& req,
+                 const std::string& source, std::FILE* out) {
+  std::vector<passes::FrequencyCurve> curves;
+  for (const auto& pt : plan.tables) {
+    passes::FrequencyCurve curve;
+    for (size_t j = 0; j < tables.size() && j < sample.size(); ++j)
+      if (tables[j].name == pt.table && sample[j].samples() >= 2) curve = passes::frequencyCurve(sample[j], tables[j].rows);
+    curves.push_back(std::move(curve));
+  }
+  const auto estimates = passes::estimateHybrid(plan, tables, curves, req);
+  int64_t n = 0;
+  for (const auto& x : sample) n = std::max(n, x.samples());
+  std::fprintf(out, "\n%s\n",
+               fmt::format("id frequencies of {} samples of {} (hot rows ranked on the first half, their "
+                           "shares measured on the second):",
+                           n, source)
+                   .c_str());
+  std::fprintf(out, "%s\n",
+               fmt::format("{:<12}  {:>10}  {:>9}  {:>8}  {:>8}  {:>8}  {:>9}  {:>7}  {:>7}  {:>10}  {:>21}", "table",
+                           "rows", "seen", "top .1%", "top 1%", "top 10%", "hot rows", "ids", "samples", "replica",
+                           "link bytes a step")
+                   .c_str());
+  double plain = 0, hybrid = 0;
+  int64_t replicas = 0;
+  for (size_t i = 0; i < estimates.size(); ++i) {
+    const auto& c = curves[i];
+    const auto& e = estimates[i];
+    plain += e.plain_bytes, hybrid += e.hybrid_bytes, replicas += e.replica_bytes;
+    if (c.rows == 0) continue;
+    auto top = [&](double f) {
+      return fmt::format("{:.0f}%", 100 * c.idShare(std::max<int64_t>(1, static_cast<int64_t>(f * c.rows))));
+    };
+    const bool replicated = plan.tables[i].type == passes::ShardingType::data_parallel;
+    std::fprintf(
+        out, "%s\n",
+        fmt::format("{:<12}  {:>10}  {:>9}  {:>8}  {:>8}  {:>8}  {:>9}  {:>7}  {:>7}  {:>10}  {:>21}", e.table, c.rows,
+                    c.distinct, top(0.001), top(0.01), top(0.1), replicated ? "replicated" : fmt::format("{}", e.hot.rows),
+                    e.hot.rows ? fmt::format("{:.0f}%", 100 * e.hot.id_share) : "-",
+                    e.hot.rows ? fmt::format("{:.0f}%", 100 * e.hot.sample_share) : "-",
+                    e.hot.rows ? bytes(static_cast<double>(e.replica_bytes)) : "-",
+                    e.hot.rows ? fmt::format("{} -> {}", bytes(e.plain_bytes), bytes(e.hybrid_bytes)) : bytes(e.plain_bytes))
+            .c_str());
+  }
+  const passes::ShardPlan hot = passes::withHotRows(plan, estimates);
+  const double before = passes::planCosts(plan, tables, req).step_s();
+  const double after = passes::planCosts(hot, tables, req).step_s();
+  std::fprintf(out, "%s\n",
+               fmt::format("hybrid: predicted step {:.3f} ms -> {:.3f} ms ({:.2f}x); link bytes {} -> {} a step "
+                           "({:.0f}% saved); the hot rows take {} on every rank",
+                           before * 1e3, after * 1e3, after > 0 ? before / after : 1.0, bytes(plain), bytes(hybrid),
+                           plain > 0 ? 100 * (plain - hybrid) / plain : 0.0, bytes(static_cast<double>(replicas)))
+                   .c_str());
+  // The search again, every model-parallel choice of a table with its hot rows.
+  std::vector<passes::TableInfo> with_hot = tables;
+  for (auto& t : with_hot)
+    for (const auto& e : estimates)
+      if (e.table == t.name) t.hot = e.hot;
+  passes::PlanRequest r = req;
+  r.strategy = passes::PlanStrategy::search;
+  if (auto searched = passes::autoPlan(with_hot, r)) {
+    const passes::PlanCosts c = passes::planCosts(*searched, with_hot, r);
+    std::fprintf(out, "%s\n",
+                 fmt::format("searched again with those hot rows: {:.3f} ms ({:.2f}x the plan above), memory "
+                             "imbalance {:.2f}x",
+                             c.step_s() * 1e3, c.step_s() > 0 ? before / c.step_s() : 1.0, c.memory_imbalance())
+                     .c_str());
+  }
+  std::fprintf(out, "note: a what-if: the shard pass does not run hybrid tables yet, so -o writes the plan above\n");
+}
+
 int runPlan(const std::vector<std::string>& raw_args) {
   ArgParser p(
       "plan",
       "kiln plan MODEL.kiln --ranks N [--ranks-per-node G] [--memory-per-rank BYTES] [--batch B] "
       "[--target T] [--costs FILE] [--strategy S] [--constraints FILE] [--explain TABLE]... [--compare] "
-      "[--plan FILE] [--set name=value]... [-o plan.json]",
+      "[--simulate] [--data FILE|synthetic]... [--plan FILE] [--set name=value]... [-o plan.json]",
       "Plans where each embedding table of the model lives on N ranks (by searching the choices over\n"
       "the target's cost table, or by a baseline's rules, or --plan FILE's) and prints, per table, its\n"
       "sharding, ranks, bytes per rank (weights plus optimizer state), lookups and bytes communicated\n"
@@ -187,6 +311,11 @@ int runPlan(const std::vector<std::string>& raw_args) {
   p.addFlag("simulate",
             "also compile the plan's training step for rank 0 and its slowest ranks and play it on the target: "
             "the whole step's predicted time");
+  p.addOption("data", "FILE",
+              "sample the ids (synthetic or data files) and print each table's frequency curve and the hot "
+              "rows worth replicating",
+              std::nullopt, true);
+  p.addOption("data-samples", "N", "samples read for --data", "65536");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "FILE", "write the plan as plan.json to FILE (also -o FILE)");
   addTargetFlag(p, "the H200");
@@ -255,6 +384,10 @@ int runPlan(const std::vector<std::string>& raw_args) {
     }
     req.pins = pins.take();
   }
+  auto data_samples = p.getInt("data-samples");
+  if (!data_samples) return kExitUsage;
+  if (*data_samples < 2 || *data_samples > (int64_t{1} << 26))
+    return p.usageError(fmt::format("--data-samples must lie in [2, 2^26], got {}", *data_samples));
   frontend::ParamOverrides overrides;
   for (const std::string& s : p.getAll("set"))
     if (Status st = frontend::addOverride(s, overrides); !st.isOk()) return p.usageError(st.message());
@@ -280,6 +413,16 @@ int runPlan(const std::vector<std::string>& raw_args) {
   if (!tables) {
     printError("plan", tables.status());
     return kExitError;
+  }
+  // --data: the ids first, so that a bad file stops the command before anything is printed.
+  std::optional<std::vector<passes::IdSample>> sample;
+  if (p.has("data")) {
+    auto read = sampleIds(**m, *tables, p.getAll("data"), *data_samples);
+    if (!read) {
+      printError("plan", read.status());
+      return kExitError;
+    }
+    sample = read.take();
   }
   passes::ShardPlan plan;
   if (p.has("plan")) {
@@ -362,6 +505,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
                               .c_str());
     }
   }
+  if (sample) printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")), stdout);
   if (p.flag("simulate")) {
     // The plan as a file the shard pass reads, for the ranks simulated.
     char tmpl[] = "/tmp/kiln-plan-XXXXXX";

@@ -166,7 +166,9 @@ TEST_F(PayloadTest, AFlippedByteIsCaughtByTheTableOrTheSectionChecksum) {
       }
     }
     // Inside the weights every byte counts.
-    if (i >= payload_start + 256 && i < bytes.size() - 40) EXPECT_FALSE(all_intact) << "a data byte at " << i;
+    if (i >= payload_start + 256 && i < bytes.size() - 40) {
+      EXPECT_FALSE(all_intact) << "a data byte at " << i;
+    }
   }
 }
 

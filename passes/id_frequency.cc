@@ -1,0 +1,144 @@
+#include "passes/id_frequency.h"
+
+#include <algorithm>
+#include <unordered_map>
+
+namespace kiln::passes {
+
+void IdSample::addSample(const int64_t* first, int64_t n) {
+  ids.insert(ids.end(), first, first + n);
+  offsets.push_back(static_cast<int64_t>(ids.size()));
+}
+
+namespace {
+
+// How many of the sorted `v` lie below `bound`.
+int64_t countBelow(const std::vector<int64_t>& v, int64_t bound) {
+  return std::lower_bound(v.begin(), v.end(), bound) - v.begin();
+}
+
+double totalTime(const PlanCosts& c) {
+  double t = 0;
+  for (const RankCost& r : c.ranks) t += r.step_s;
+  return t;
+}
+
+// As the search ranks plans: the critical path first (within a relative 1e-3, below which two
+// predictions do not differ), then the time summed over ranks, then the bytes on the links.
+bool better(double step, double total, double bytes, double best_step, double best_total, double best_bytes) {
+  if (step < best_step * (1 - 1e-3)) return true;
+  if (step > best_step * (1 + 1e-3)) return false;
+  if (total != best_total) return total < best_total;
+  return bytes < best_bytes;
+}
+
+bool fits(const PlanCosts& c, const PlanRequest& req) {
+  if (req.memory_per_rank <= 0) return true;
+  for (const RankCost& r : c.ranks)
+    if (r.memory_bytes > req.memory_per_rank) return false;
+  return true;
+}
+
+}  // namespace
+
+double FrequencyCurve::idShare(int64_t hot) const {
+  if (id_ranks.empty() || hot <= 0) return 0;
+  hot = std::min(hot, static_cast<int64_t>(hot_order.size()));  // only rows the ranking half saw
+  return static_cast<double>(countBelow(id_ranks, hot)) / static_cast<double>(id_ranks.size());
+}
+
+double FrequencyCurve::sampleShare(int64_t hot) const {
+  if (sample_max_ranks.empty() || hot <= 0) return 0;
+  hot = std::min(hot, static_cast<int64_t>(hot_order.size()));
+  return static_cast<double>(countBelow(sample_max_ranks, hot)) / static_cast<double>(sample_max_ranks.size());
+}
+
+FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
+  FrequencyCurve c;
+  c.rows = rows;
+  const int64_t n = sample.samples();
+  const int64_t half = n / 2;  // samples [0, half) rank the rows, [half, n) measure them
+  std::unordered_map<int64_t, int64_t> counts, all;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = sample.offsets[static_cast<size_t>(i)]; k < sample.offsets[static_cast<size_t>(i + 1)]; ++k) {
+      const int64_t id = sample.ids[static_cast<size_t>(k)];
+      ++all[id];
+      if (i < half) ++counts[id];
+    }
+  c.distinct = static_cast<int64_t>(all.size());
+  std::vector<std::pair<int64_t, int64_t>> ranked(counts.begin(), counts.end());  // (row, count)
+  std::sort(ranked.begin(), ranked.end(),
+            [](const auto& a, const auto& b) { return a.second != b.second ? a.second > b.second : a.first < b.first; });
+  std::unordered_map<int64_t, int64_t> rank_of;
+  rank_of.reserve(ranked.size());
+  for (size_t r = 0; r < ranked.size(); ++r) {
+    c.hot_order.push_back(ranked[r].first);
+    c.hot_counts.push_back(ranked[r].second);
+    rank_of[ranked[r].first] = static_cast<int64_t>(r);
+  }
+  const int64_t unseen = static_cast<int64_t>(ranked.size());  // no hot set of any size holds it
+  for (int64_t i = half; i < n; ++i) {
+    int64_t worst = -1;
+    for (int64_t k = sample.offsets[static_cast<size_t>(i)]; k < sample.offsets[static_cast<size_t>(i + 1)]; ++k) {
+      auto it = rank_of.find(sample.ids[static_cast<size_t>(k)]);
+      const int64_t r = it == rank_of.end() ? unseen : it->second;
+      c.id_ranks.push_back(r);
+      worst = std::max(worst, r);
+    }
+    c.sample_max_ranks.push_back(worst);
+  }
+  c.samples = n - half;
+  c.ids = static_cast<int64_t>(c.id_ranks.size());
+  std::sort(c.id_ranks.begin(), c.id_ranks.end());
+  std::sort(c.sample_max_ranks.begin(), c.sample_max_ranks.end());
+  return c;
+}
+
+std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vector<TableInfo>& tables,
+                                           const std::vector<FrequencyCurve>& curves, const PlanRequest& req) {
+  std::vector<HybridEstimate> out;
+  ShardPlan trial = plan;
+  for (size_t i = 0; i < plan.tables.size() && i < curves.size(); ++i) {
+    const TablePlan& t = plan.tables[i];
+    const FrequencyCurve& curve = curves[i];
+    HybridEstimate e;
+    e.table = t.table;
+    auto info = std::find_if(tables.begin(), tables.end(), [&](const TableInfo& x) { return x.name == t.table; });
+    trial.tables[i].hot = {};
+    const PlanCosts plain = planCosts(trial, tables, req);
+    e.plain_bytes = e.hybrid_bytes = plain.tables[i].comm_bytes_per_step;
+    if (info == tables.end() || curve.rows == 0 || t.type == ShardingType::data_parallel || plan.ranks < 1) {
+      out.push_back(e);
+      continue;
+    }
+    // The candidates: 0 (the plain table) and powers of two up to a quarter of the rows and the
+    // rows the ranking half saw.
+    double best_step = plain.step_s(), best_total = totalTime(plain), best_bytes = e.plain_bytes;
+    const int64_t most = std::min<int64_t>(info->rows / 4, static_cast<int64_t>(curve.hot_order.size()));
+    for (int64_t h = 1; h <= most; h *= 2) {
+      HotRows hot{h, curve.idShare(h), curve.sampleShare(h)};
+      trial.tables[i].hot = hot;
+      const PlanCosts c = planCosts(trial, tables, req);
+      if (!fits(c, req)) break;  // larger sets take more memory still
+      const double step = c.step_s(), total = totalTime(c), bytes = c.tables[i].comm_bytes_per_step;
+      if (better(step, total, bytes, best_step, best_total, best_bytes)) {
+        best_step = step, best_total = total, best_bytes = bytes;
+        e.hot = hot;
+      }
+    }
+    trial.tables[i].hot = e.hot;  // later tables are scored with this one's hot rows in place
+    e.hybrid_bytes = best_bytes;
+    e.replica_bytes = e.hot.rows * info->bytesPerRow();
+    out.push_back(e);
+  }
+  return out;
+}
+
+ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimates) {
+  for (const HybridEstimate& e : estimates)
+    for (TablePlan& t : plan.tables)
+      if (t.table == e.table) t.hot = e.hot;
+  return plan;
+}
+
+}  // namespace kiln::passes
