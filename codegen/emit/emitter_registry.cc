@@ -109,9 +109,10 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "a collective: it runs through the communicator (NCCL), not a generated kernel; the "
                   "CUDA backend does not issue collectives yet");
-  r.addNoKernel(ir::OpCode::BucketizeIds, NoKernel::kNotLowered,
-                "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
-                "does not run sharded steps yet");
+  for (ir::OpCode op : {ir::OpCode::BucketizeIds, ir::OpCode::SplitHotIds})
+    r.addNoKernel(op, NoKernel::kNotLowered,
+                  "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
+                  "does not run sharded steps yet");
   // Expert parallelism's ops appear only in a sharded step (the shard pass puts them around the
   // all_to_all_v of a MoE layer's dispatch and combine).
   for (ir::OpCode op : {ir::OpCode::MoeRouteCounts, ir::OpCode::MoeEpSplit, ir::OpCode::MoeSortChunks,

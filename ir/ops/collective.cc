@@ -33,6 +33,15 @@
 //                                  every p on a rank in `owners` (it returns one pooled row per
 //                                  sample of every peer), 0 elsewhere. An id outside [0, rows)
 //                                  is a run-time error naming the table.
+//   kiln.split_hot_ids(ids[B, H]) or (ids[M], lengths[B])
+//       -> (hot[M'], hot_lengths[B], cold[M'], cold_lengths[B])   {table, rows, hot_rows}
+//                                  splits a rank's ids by a table's hot rows (a hybrid table's
+//                                  rows replicated on every rank; hot_rows ascending, distinct, in
+//                                  [0, rows)): `hot` holds each hot id's position in hot_rows
+//                                  (its row of the replica), `cold` the other ids unchanged, both
+//                                  in sample order with how many of each sample's ids they hold.
+//                                  M' is bounded by the ids' count. An id outside [0, rows) is a
+//                                  run-time error naming the table.
 // `group` names the ranks; only "world" (all of them) runs today, sub-groups (a node's GPUs for
 // table_row_wise) come with the plans that need them.
 //
@@ -162,6 +171,27 @@ Status verifyAllToAllV(const Op& op) {
 
 // ---- bucketize_ids ---------------------------------------------------------------------------
 
+// The bags of ids [B, H] (one operand) or of ids[M] with lengths[B]: batch and id count.
+Status bagDims(const Op& op, Dim& batch, Dim& count) {
+  const TensorType& ids = op.operand(0)->type();
+  if (!isInteger(ids.dtype())) return Status::errorf("'{}' ids must be integers, got {}", op.name(), ids.str());
+  if (ids.rank() == 2 && op.numOperands() == 1) {
+    if (!ids.dim(1).isStatic()) return Status::errorf("'{}' ids {} need a static hotness", op.name(), ids.str());
+    batch = ids.dim(0);
+    count = ids.dim(0).times(ids.dim(1).size());
+  } else if (ids.rank() == 1 && op.numOperands() == 2) {
+    const TensorType& lengths = op.operand(1)->type();
+    if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
+      return Status::errorf("'{}' lengths must be a 1-d integer tensor, got {}", op.name(), lengths.str());
+    batch = lengths.dim(0);
+    count = ids.dim(0);
+  } else {
+    return Status::errorf("'{}' takes ids[B, H], or ids[M] with lengths[B]", op.name());
+  }
+  return Status::ok();
+}
+
+
 bool replicates(const Op& op) { return op.strAttr("mode", "partition") == "replicate"; }
 
 Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
@@ -180,24 +210,8 @@ Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
       if (starts[j] > starts[j + 1] || starts[j] < 0)
         return Status::errorf("'{}' row_starts {} must rise from 0", op.name(), shapeString(starts));
   }
-  const TensorType& ids = op.operand(0)->type();
-  if (!isInteger(ids.dtype()))
-    return Status::errorf("'{}' ids must be integers, got {}", op.name(), ids.str());
   Dim batch, count;
-  if (ids.rank() == 2 && op.numOperands() == 1) {
-    if (!ids.dim(1).isStatic())
-      return Status::errorf("'{}' ids {} need a static hotness", op.name(), ids.str());
-    batch = ids.dim(0);
-    count = ids.dim(0).times(ids.dim(1).size());
-  } else if (ids.rank() == 1 && op.numOperands() == 2) {
-    const TensorType& lengths = op.operand(1)->type();
-    if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
-      return Status::errorf("'{}' lengths must be a 1-d integer tensor, got {}", op.name(), lengths.str());
-    batch = lengths.dim(0);
-    count = ids.dim(0);
-  } else {
-    return Status::errorf("'{}' takes ids[B, H], or ids[M] with lengths[B]", op.name());
-  }
+  KILN_RETURN_IF_ERROR(bagDims(op, batch, count));
   if (batch.isBounded())
     return Status::errorf("'{}' needs a batch dim that is not data-dependent", op.name());
   if (replicates(op)) count = count.times(static_cast<int64_t>(owners.size()));
@@ -269,6 +283,59 @@ Status cpuBucketizeIds(const Op& op, const CpuOperands& in, const CpuResults& ou
   std::vector<int64_t> shape = out[0]->shape;
   shape[0] = w;
   return setResultShape(op, *out[0], shape);
+}
+
+// ---- split_hot_ids ----------------------------------------------------------------------------
+
+Status inferSplitHotIds(const Op& op, std::vector<TensorType>& out) {
+  const int64_t rows = op.intAttr("rows", 0);
+  const std::vector<int64_t> hot = op.intsAttr("hot_rows");
+  for (size_t i = 0; i < hot.size(); ++i)
+    if (hot[i] < 0 || hot[i] >= rows || (i > 0 && hot[i] <= hot[i - 1]))
+      return Status::errorf("'{}' of table '{}': hot_rows must be distinct rows in [0, {}), ascending; "
+                            "entry {} is {}",
+                            op.name(), op.strAttr("table"), rows, i, hot[i]);
+  Dim batch, count;
+  KILN_RETURN_IF_ERROR(bagDims(op, batch, count));
+  const TensorType ids(DType::i64, {Dim::bounded(count.upperBound())}), lengths(DType::i64, {batch});
+  out = {ids, lengths, ids, lengths};
+  return Status::ok();
+}
+
+Status cpuSplitHotIds(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const std::vector<int64_t> hot = op.intsAttr("hot_rows");
+  const int64_t rows = op.intAttr("rows", 0);
+  const TensorView& ids = *in[0];
+  const int64_t batch = in.size() == 1 ? ids.shape[0] : in[1]->shape[0];
+  const int64_t per_sample = in.size() == 1 ? ids.shape[1] : 0;
+  auto* hot_ids = static_cast<int64_t*>(out[0]->data);
+  auto* hot_len = static_cast<int64_t*>(out[1]->data);
+  auto* cold_ids = static_cast<int64_t*>(out[2]->data);
+  auto* cold_len = static_cast<int64_t*>(out[3]->data);
+  int64_t at = 0, h = 0, c = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = in.size() == 1 ? per_sample : loadIndex(*in[1], b);
+    if (len < 0 || at + len > ids.numel())
+      return Status::errorf("'{}' of table '{}': sample {} has length {} with {} of {} ids left", op.name(),
+                            op.strAttr("table"), b, len, ids.numel() - at, ids.numel());
+    hot_len[b] = cold_len[b] = 0;
+    for (int64_t k = 0; k < len; ++k, ++at) {
+      const int64_t id = loadIndex(ids, at);
+      if (id < 0 || id >= rows)
+        return Status::errorf("'{}': id {} at position {} is out of range for table '{}' of {} rows", op.name(),
+                              id, at, op.strAttr("table"), rows);
+      auto it = std::lower_bound(hot.begin(), hot.end(), id);
+      if (it != hot.end() && *it == id) {
+        hot_ids[h++] = it - hot.begin();
+        ++hot_len[b];
+      } else {
+        cold_ids[c++] = id;
+        ++cold_len[b];
+      }
+    }
+  }
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {h}));
+  return setResultShape(op, *out[2], {c});
 }
 
 // ---- Costs ------------------------------------------------------------------------------------
@@ -568,6 +635,24 @@ void registerCollectiveOps(OpRegistry& r) {
                return c;
              },
          .cpu = cpuBucketizeIds});
+
+  r.add({.name = "kiln.split_hot_ids",
+         .summary = "Splits ids into a hybrid table's hot rows (as replica positions) and the cold rest",
+         .min_operands = 1,
+         .max_operands = 2,
+         .num_results = 4,
+         .attrs = {{"table", K::String, false, Attribute("")},
+                   {"rows", K::Int, true},
+                   {"hot_rows", K::Array, true}},
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferSplitHotIds,
+         .cost =
+             [](const Op& op, const SymbolBindings& symbols) {
+               OpCost c;
+               c.bytes = operandAndResultBytes(op, symbols);
+               return c;
+             },
+         .cpu = cpuSplitHotIds});
 
   r.add({.name = "kiln.all_to_all_v",
          .summary =

@@ -9,6 +9,8 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -710,6 +712,87 @@ TEST(BucketizeIds, BadRoutingIsAVerifierError) {
   EXPECT_NE(
       errorOf(OpCode::BucketizeIds, {i64({2, 1})}, routing("partition", {5}, {0, 9})).find("not a rank"),
       std::string::npos);
+}
+
+
+// ---- split_hot_ids ------------------------------------------------------------------------------
+
+AttrDict hotRows(std::vector<int64_t> hot, int64_t rows = 9) {
+  return {{"table", Attribute("t")}, {"rows", Attribute(rows)}, {"hot_rows", Attribute::ints(hot)}};
+}
+
+TEST(SplitHotIds, HotIdsBecomeReplicaRowsColdIdsStayInSampleOrder) {
+  // 3 samples of 2 ids; rows 2, 5 and 7 hot (replica rows 0, 1, 2).
+  HostTensor ids =
+      hostTensor(DType::i64, {3, 2}, [](int64_t i) { return std::vector<double>{5, 0, 8, 3, 7, 2}[i]; });
+  auto b = buildReturning(OpCode::SplitHotIds, {i64({3, 2})}, hotRows({2, 5, 7}));
+  ASSERT_TRUE(b) << b.status().str();
+  auto out = interpret(*b->module->functions().front(), {{"x0", ids}}, {});
+  ASSERT_TRUE(out) << out.status().str();
+  ASSERT_EQ(out->size(), 4u);
+  EXPECT_EQ(ints((*out)[0]), (std::vector<int64_t>{1, 2, 0}));
+  EXPECT_EQ(ints((*out)[1]), (std::vector<int64_t>{1, 0, 2}));
+  EXPECT_EQ(ints((*out)[2]), (std::vector<int64_t>{0, 8, 3}));
+  EXPECT_EQ(ints((*out)[3]), (std::vector<int64_t>{1, 2, 0}));
+}
+
+TEST(SplitHotIds, FlatIdsAgainstASetMembershipCount) {
+  // Random bags against an independent split: std::set membership and a running rank.
+  std::mt19937_64 rng(11);
+  const int64_t rows = 50, batch = 40;
+  std::set<int64_t> hot_set;
+  while (hot_set.size() < 7) hot_set.insert(static_cast<int64_t>(rng() % rows));
+  std::vector<int64_t> hot(hot_set.begin(), hot_set.end());
+  std::vector<double> lengths, ids;
+  for (int64_t b = 0; b < batch; ++b) {
+    lengths.push_back(static_cast<double>(rng() % 4));
+    for (int k = 0; k < lengths.back(); ++k) ids.push_back(static_cast<double>(rng() % 10 < 6 ? hot[rng() % 7] : rng() % rows));
+  }
+  const int64_t m = static_cast<int64_t>(ids.size());
+  auto b = buildReturning(OpCode::SplitHotIds, {i64({m}), i64({batch})}, hotRows(hot, rows));
+  ASSERT_TRUE(b) << b.status().str();
+  auto out = interpret(*b->module->functions().front(),
+                       {{"x0", hostTensor(DType::i64, {m}, [&](int64_t i) { return ids[static_cast<size_t>(i)]; })},
+                        {"x1", hostTensor(DType::i64, {batch}, [&](int64_t i) { return lengths[static_cast<size_t>(i)]; })}},
+                       {});
+  ASSERT_TRUE(out) << out.status().str();
+  std::vector<int64_t> want_hot, want_hot_len, want_cold, want_cold_len;
+  size_t at = 0;
+  for (int64_t s = 0; s < batch; ++s) {
+    int64_t nh = 0, nc = 0;
+    for (int k = 0; k < lengths[static_cast<size_t>(s)]; ++k, ++at) {
+      const auto id = static_cast<int64_t>(ids[at]);
+      if (hot_set.count(id)) {
+        want_hot.push_back(static_cast<int64_t>(std::distance(hot_set.begin(), hot_set.find(id))));
+        ++nh;
+      } else {
+        want_cold.push_back(id);
+        ++nc;
+      }
+    }
+    want_hot_len.push_back(nh);
+    want_cold_len.push_back(nc);
+  }
+  EXPECT_EQ(ints((*out)[0]), want_hot);
+  EXPECT_EQ(ints((*out)[1]), want_hot_len);
+  EXPECT_EQ(ints((*out)[2]), want_cold);
+  EXPECT_EQ(ints((*out)[3]), want_cold_len);
+}
+
+TEST(SplitHotIds, AnIdOutOfRangeNamesTheTable) {
+  auto b = buildReturning(OpCode::SplitHotIds, {i64({1, 1})}, hotRows({1}));
+  ASSERT_TRUE(b) << b.status().str();
+  auto r = interpret(*b->module->functions().front(),
+                     {{"x0", hostTensor(DType::i64, {1, 1}, [](int64_t) { return -1.0; })}}, {});
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("out of range for table 't' of 9 rows"), std::string::npos)
+      << r.status().str();
+}
+
+TEST(SplitHotIds, HotRowsMustRiseInsideTheTable) {
+  EXPECT_NE(errorOf(OpCode::SplitHotIds, {i64({2, 1})}, hotRows({3, 3})).find("ascending; entry 1 is 3"),
+            std::string::npos);
+  EXPECT_NE(errorOf(OpCode::SplitHotIds, {i64({2, 1})}, hotRows({9})).find("in [0, 9)"), std::string::npos);
 }
 
 }  // namespace

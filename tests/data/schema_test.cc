@@ -195,9 +195,9 @@ TEST(Schema, BinaryVersion2HoldsTheSchemaAndReadsAsTheTextDoes) {
   EXPECT_EQ(stats->records, 9);
   EXPECT_TRUE(isBinaryFile(bin));
   Batch from_text = readOne(spec, tsv, 9), from_bin = readOne(spec, bin, 9);
-  for (const std::string& name : {"labels", "dense"})
+  for (const char* name : {"labels", "dense"})
     EXPECT_EQ(floats(from_bin, name), floats(from_text, name)) << name;
-  for (const std::string& name : {"item", "hist", "hist.lengths", "pair"})
+  for (const char* name : {"item", "hist", "hist.lengths", "pair"})
     EXPECT_EQ(ids(from_bin, name), ids(from_text, name)) << name;
   EXPECT_EQ(ids(from_bin, "hist.lengths"), (std::vector<int64_t>{0, 2, 2, 0, 2, 2, 0, 2, 2}));
 

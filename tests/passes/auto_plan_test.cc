@@ -294,7 +294,9 @@ TEST(PlanSearch, ExplainListsEveryChoice) {
       ++chosen;
       EXPECT_NEAR(opts[i].step_s, planCosts(*p, t, req).step_s(), 1e-12);
     }
-    if (i > 0 && opts[i].fits == opts[i - 1].fits) EXPECT_GE(opts[i].step_s, opts[i - 1].step_s);
+    if (i > 0 && opts[i].fits == opts[i - 1].fits) {
+      EXPECT_GE(opts[i].step_s, opts[i - 1].step_s);
+    }
   }
   EXPECT_EQ(chosen, 1);
 }
