@@ -128,10 +128,15 @@ Target simulationTarget(Target base, const passes::CostTable& costs, int ranks_p
 }
 
 // One rank's training step as compiled (the shard pass under `plan_path`, fusion, remat, the
-// schedule) and played on `target` by the communication timeline.
-Expected<passes::CommTimeline> simulateRank(const std::string& path, const frontend::ParamOverrides& overrides,
-                                            const std::string& plan_path, const passes::ShardPlan& plan, int rank,
-                                            int64_t global_batch, const Target& target) {
+// schedule) and played on `target` by the communication timeline, with its costliest ops.
+struct SimulatedRank {
+  passes::CommTimeline timeline;
+  std::vector<std::pair<double, std::string>> slowest;  // (seconds, what), costliest first
+};
+
+Expected<SimulatedRank> simulateRank(const std::string& path, const frontend::ParamOverrides& overrides,
+                                     const std::string& plan_path, const passes::ShardPlan& plan, int rank,
+                                     int64_t global_batch, const Target& target) {
   frontend::DiagnosticEngine diags(&std::cerr);
   auto m = frontend::compileModelFile(path, overrides, diags);
   if (!m) return Status::errorf("{}: the model does not compile", path);
@@ -147,9 +152,23 @@ Expected<passes::CommTimeline> simulateRank(const std::string& path, const front
   KILN_RETURN_IF_ERROR(runTrainingPipeline(**m, o, ""));
   const ir::Function* f = (*m)->lookup("train_step");
   if (!f) return Status::error("the model has no training step");
-  passes::CostModel cost(target, {{"B", o.batch}});
+  const ir::SymbolBindings symbols{{"B", o.batch}};
+  passes::CostModel cost(target, symbols);
   const bool multi_node = plan.ranks_per_node > 0 && plan.ranks > plan.ranks_per_node;
-  return passes::simulateCommTimeline(*f, cost, multi_node ? ir::LinkScope::inter_node : ir::LinkScope::intra_node);
+  const auto scope = multi_node ? ir::LinkScope::inter_node : ir::LinkScope::intra_node;
+  SimulatedRank out;
+  out.timeline = passes::simulateCommTimeline(*f, cost, scope);
+  for (const auto& op : f->entry().ops()) {
+    const double t = passes::streamSeconds(*op, cost, symbols, scope);
+    if (t <= 0) continue;
+    std::string what(op->name());
+    if (op->hasAttr("table")) what += fmt::format(" '{}'", op->strAttr("table"));
+    if (op->is(ir::OpCode::Fused)) what += fmt::format(" ({})", op->strAttr("kind"));
+    out.slowest.emplace_back(t, std::move(what));
+  }
+  std::sort(out.slowest.begin(), out.slowest.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  if (out.slowest.size() > 6) out.slowest.resize(6);
+  return out;
 }
 
 Expected<std::string> readText(const std::string& path) {
@@ -535,13 +554,16 @@ int runPlan(const std::vector<std::string>& raw_args) {
                                     "comm ms", "exposed ms", "compute ms", "step ms")
                             .c_str());
     double slowest = 0;
+    std::vector<std::pair<double, std::string>> costliest;  // the slowest rank's ops
     for (int r : ranks) {
-      auto t = simulateRank(path, overrides, plan_path, plan, r, req.global_batch, sim);
-      if (!t) {
+      auto sim_rank = simulateRank(path, overrides, plan_path, plan, r, req.global_batch, sim);
+      if (!sim_rank) {
         std::remove(plan_path.c_str());
-        printError("plan", t.status());
+        printError("plan", sim_rank.status());
         return kExitError;
       }
+      const passes::CommTimeline* t = &sim_rank->timeline;
+      if (t->step_seconds >= slowest) costliest = sim_rank->slowest;
       slowest = std::max(slowest, t->step_seconds);
       std::printf("%s\n", fmt::format("{:<4}  {:>11}  {:>9.3f}  {:>11.3f}  {:>10.3f}  {:>11.3f}", r, t->collectives,
                                       t->comm_seconds * 1e3, t->exposed_comm_seconds * 1e3,
@@ -552,6 +574,9 @@ int runPlan(const std::vector<std::string>& raw_args) {
     std::printf("%s\n", fmt::format("predicted step: {:.3f} ms, {:.4g} samples/s", slowest * 1e3,
                                     static_cast<double>(req.global_batch) / slowest)
                             .c_str());
+    std::string ops;
+    for (const auto& [seconds, what] : costliest) ops += fmt::format("{}{} {:.3f} ms", ops.empty() ? "" : ", ", what, seconds * 1e3);
+    std::printf("%s\n", fmt::format("costliest ops of the slowest rank: {}", ops).c_str());
   }
   if (p.has("output")) {
     const std::string out_path = p.get("output");
