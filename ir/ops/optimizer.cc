@@ -263,15 +263,26 @@ OpCost costOptimizerUpdate(const Op& op, const SymbolBindings& symbols) {
 
 OpCost costEmbeddingUpdate(const Op& op, const SymbolBindings& symbols) {
   auto l = embeddingUpdateLayout(op);
-  double ids = numel(op.operand(l->ids), symbols);
-  double dim = static_cast<double>(op.operand(l->table)->type().dim(1).factor());
-  double elem = static_cast<double>(dtypeBytes(op.operand(l->table)->type().dtype()));
-  // At most one touched row per id: each is read and written with its state, and every
-  // occurrence reads its sample's gradient row.
-  double rows_rw = 2.0 * ids * dim * elem * (1 + l->num_state);
-  double grad_read = ids * dim * elem;
-  double id_bytes = ids * static_cast<double>(dtypeBytes(op.operand(l->ids)->type().dtype()));
-  return {ids * dim * (2 + denseFlopsPerElement(op.strAttr("optimizer"))), rows_rw + grad_read + id_bytes};
+  const TensorType& table = op.operand(l->table)->type();
+  const double ids = numel(op.operand(l->ids), symbols);
+  const double dim = static_cast<double>(table.dim(1).factor());
+  const double elem = static_cast<double>(dtypeBytes(table.dtype()));
+  // The touched rows: at most one per id, and no more than the table has (duplicates are
+  // combined first). Each is read and written with its state rows: a per-element state holds a
+  // row of dim values, rowwise_adagrad's one value.
+  const double touched = table.dim(0).isStatic() ? std::min(ids, static_cast<double>(table.dim(0).size())) : ids;
+  double row_bytes = dim * elem;
+  for (int s = 0; s < l->num_state; ++s) {
+    const TensorType& st = op.operand(static_cast<unsigned>(l->state_begin + s))->type();
+    row_bytes += (st.rank() >= 2 ? static_cast<double>(st.dim(1).factor()) : 1.0) *
+                 static_cast<double>(dtypeBytes(st.dtype()));
+  }
+  const TensorType& grad = op.operand(l->grad_out)->type();
+  // Every occurrence reads its sample's gradient row and its id.
+  const double grad_read = ids * static_cast<double>(grad.dim(1).factor()) * static_cast<double>(dtypeBytes(grad.dtype()));
+  const double id_bytes = ids * static_cast<double>(dtypeBytes(op.operand(l->ids)->type().dtype()));
+  return {ids * dim * 2 + touched * dim * denseFlopsPerElement(op.strAttr("optimizer")),
+          2 * touched * row_bytes + grad_read + id_bytes};
 }
 
 OpCost costGradSqnorm(const Op& op, const SymbolBindings& symbols) {

@@ -26,6 +26,36 @@ TEST(CostModel, TimeIsTheSlowerOfComputeAndMemoryPlusLaunches) {
   EXPECT_NEAR(cpu.time({2.0e11, 2.0e11, 0, 0}), 1.0, 1e-12);
 }
 
+// A sparse update reads and writes each touched row with its state once (duplicates combined,
+// never more rows than the table has) and reads every occurrence's gradient row and id.
+double updateBytes(int64_t rows) {
+  ir::Module m;
+  ir::Function& f = m.addFunction("f");
+  ir::Builder b(f.entry());
+  auto value = [&](const char* kind, const char* name, TensorType t) {
+    return (*b.createWithTypes(kind, {}, {std::move(t)}, {{"name", ir::Attribute(name)}}))->result();
+  };
+  ir::Value* table = value("kiln.parameter", "t", TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(8)}));
+  ir::Value* ids = value("kiln.input", "ids", TensorType(DType::i64, {Dim::fixed(4), Dim::fixed(3)}));
+  ir::Value* grad = value("kiln.input", "g", TensorType(DType::f32, {Dim::fixed(4), Dim::fixed(8)}));
+  ir::Value* state = value("kiln.parameter", "t.rowwise_adagrad_sum", TensorType(DType::f32, {Dim::fixed(rows)}));
+  ir::Value* lr = value("kiln.input", "lr", TensorType(DType::f32, {}));
+  ir::Value* step = value("kiln.input", "step", TensorType(DType::f32, {}));
+  ir::AttrDict attrs = {{"optimizer", ir::Attribute("rowwise_adagrad")}, {"lr", ir::Attribute(0.1)}};
+  auto op = b.createWithTypes("kiln.embedding_bag_update", {table, ids, grad, state, lr, step}, {}, attrs);
+  EXPECT_TRUE(op) << op.status().str();
+  if (!op) return 0;
+  return CostModel(h200Target(), {}).opCost(**op).bytes;
+}
+
+TEST(CostModel, ASparseUpdateMovesEachTouchedRowAndItsRowwiseStateOnce) {
+  // 12 ids over 100 rows: 12 rows of 8 f32 and one f32 of state, read and written (864 bytes);
+  // 12 gradient rows (384) and 12 i64 ids (96).
+  EXPECT_DOUBLE_EQ(updateBytes(100), 2 * 12 * 36 + 384 + 96);
+  // Over 5 rows, at most 5 are touched.
+  EXPECT_DOUBLE_EQ(updateBytes(5), 2 * 5 * 36 + 384 + 96);
+}
+
 TEST(CostModel, TargetsByName) {
   EXPECT_EQ(targetByName("h200")->name, "h200");
   EXPECT_EQ(targetByName("cpu")->name, "cpu");
