@@ -60,6 +60,11 @@ echo
 "$KILN" plan "$MODEL" "${MLPERF[@]}" --ranks 8 --ranks-per-node 8 --memory-per-rank 80G --batch 65536 \
   --data synthetic --data-samples 65536 > "$OUT/hybrid.txt"
 sed -n '/^id frequencies/,$p' "$OUT/hybrid.txt"
+echo
+echo "The same within 16 GiB a rank (the search must then balance the memory):"
+"$KILN" plan "$MODEL" "${MLPERF[@]}" --ranks 8 --ranks-per-node 8 --memory-per-rank 16G --batch 65536 \
+  --data synthetic --data-samples 65536 > "$OUT/hybrid16.txt"
+grep -E "^(hybrid|searched again)" "$OUT/hybrid16.txt"
 
 echo
 echo "## 3. The simulator against this machine (rows_cap $ROWS_CAP, $PER_RANK samples a rank, one thread a rank)"
