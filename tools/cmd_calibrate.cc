@@ -145,6 +145,25 @@ struct ComputeResult {
   double launch_s = 0;            // one call of a one-element kernel
 };
 
+// The best of `repeats` timed repeats (after one untimed warm-up) of `calls` runs of `kernel`,
+// in seconds a call.
+Expected<double> bestCallSeconds(runtime::ThreadPool& pool, const runtime::cpu::FastKernel& kernel,
+                                 const ir::Op& op, const std::vector<const ir::TensorView*>& in,
+                                 const std::vector<ir::TensorView*>& res, int repeats, int calls) {
+  ir::SymbolBindings symbols;
+  runtime::cpu::KernelContext ctx;
+  ctx.pool = &pool;
+  ctx.symbols = &symbols;
+  double best = 0;
+  for (int rep = 0; rep <= repeats; ++rep) {
+    auto t0 = Clock::now();
+    for (int c = 0; c < calls; ++c) KILN_RETURN_IF_ERROR(kernel.run(op, in, res, ctx));
+    const double t = secondsSince(t0) / calls;
+    if (rep > 0 && t > 0 && (best == 0 || t < best)) best = t;
+  }
+  return best;
+}
+
 // The best time of `repeats` calls (after one untimed) of the kernel of a `code` op over inputs of
 // `shapes` (f32, filled with small values), on `pool`.
 Expected<double> timeKernel(runtime::ThreadPool& pool, ir::OpCode code, const std::vector<std::vector<int64_t>>& shapes,
@@ -181,19 +200,7 @@ Expected<double> timeKernel(runtime::ThreadPool& pool, ir::OpCode code, const st
   ir::TensorView ov{ir::DType::f32, out_shape, out.data()};
   std::vector<const ir::TensorView*> in;
   for (const auto& v : views) in.push_back(&v);
-  std::vector<ir::TensorView*> res = {&ov};
-  ir::SymbolBindings symbols;
-  runtime::cpu::KernelContext ctx;
-  ctx.pool = &pool;
-  ctx.symbols = &symbols;
-  double best = 0;
-  for (int rep = 0; rep <= repeats; ++rep) {
-    auto t0 = Clock::now();
-    for (int c = 0; c < calls_per_repeat; ++c) KILN_RETURN_IF_ERROR(kernel->run(*op, in, res, ctx));
-    double t = secondsSince(t0) / calls_per_repeat;
-    if (rep > 0 && t > 0 && (best == 0 || t < best)) best = t;
-  }
-  return best;
+  return bestCallSeconds(pool, *kernel, *op, in, {&ov}, repeats, calls_per_repeat);
 }
 
 Expected<ComputeResult> measureCompute(runtime::ThreadPool& pool, int threads, bool quick) {
@@ -235,19 +242,7 @@ Expected<LookupResult> measureLookups(runtime::ThreadPool& pool, int64_t table_b
       ir::TensorView tv{ir::DType::f32, {rows, dim}, table_mem.get()};
       ir::TensorView iv{ir::DType::i64, {batch, pooling}, ids.data()};
       ir::TensorView ov{ir::DType::f32, {batch, dim}, out.data()};
-      std::vector<const ir::TensorView*> in = {&tv, &iv};
-      std::vector<ir::TensorView*> res = {&ov};
-      ir::SymbolBindings symbols;
-      runtime::cpu::KernelContext ctx;
-      ctx.pool = &pool;
-      ctx.symbols = &symbols;
-      double best = 0;
-      for (int rep = 0; rep <= repeats; ++rep) {  // the first call warms up, untimed
-        auto t0 = Clock::now();
-        KILN_RETURN_IF_ERROR(kernel->run(*o.op, in, res, ctx));
-        double t = secondsSince(t0);
-        if (rep > 0 && t > 0 && (best == 0 || t < best)) best = t;
-      }
+      KILN_ASSIGN_OR_RETURN(double best, bestCallSeconds(pool, *kernel, *o.op, {&tv, &iv}, {&ov}, repeats, 1));
       const double gathered = static_cast<double>(batch * pooling * row_bytes);
       row_rates.push_back(best > 0 ? gathered / best : 0);
     }
@@ -370,16 +365,13 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
   }
 
   // mpirun started this process with peers: all_to_all runs between the MPI processes.
-  std::unique_ptr<comm::Communicator> mpi;
-  if (comm::launchedByMpi()) {
-    int argc = 0;
-    char** argv = nullptr;
-    auto c = comm::createMpiCommunicator(&argc, &argv);
-    if (!c) {
-      printError("calibrate", c.status());
-      return kExitError;
-    }
-    mpi = c.take();
+  auto world = comm::mpiWorldIfLaunched();
+  if (!world) {
+    printError("calibrate", world.status());
+    return kExitError;
+  }
+  std::unique_ptr<comm::Communicator> mpi = world.take();
+  if (mpi) {
     if (mpi->size() < 2) {
       mpi.reset();  // one process: in-process ranks as without mpirun
     } else {
@@ -391,7 +383,7 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
   }
   const bool lead = !mpi || mpi->rank() == 0;
 
-  // The sizes of one run (docs/distributed.md, "kiln calibrate").
+  // The sizes of one run (docs/distributed.md, "Calibrating a machine").
   const int64_t copy_bytes = (o.quick ? 64 : 256) * kMiB;
   const int copy_repeats = o.quick ? 3 : 5;
   const int64_t table_bytes = (o.quick ? 128 : 512) * kMiB;

@@ -849,16 +849,13 @@ int runTrain(const std::vector<std::string>& args) {
     return p.usageError(fmt::format("no such plan file '{}'", so.plan_path));
 
   // mpirun started this process: one rank of MPI's processes.
-  std::unique_ptr<comm::Communicator> mpi;
-  if (comm::launchedByMpi()) {
-    int argc = 0;
-    char** argv = nullptr;
-    auto c = comm::createMpiCommunicator(&argc, &argv);
-    if (!c) {
-      printError("train", c.status());
-      return kExitError;
-    }
-    mpi = c.take();
+  auto world = comm::mpiWorldIfLaunched();
+  if (!world) {
+    printError("train", world.status());
+    return kExitError;
+  }
+  std::unique_ptr<comm::Communicator> mpi = world.take();
+  if (mpi) {
     if (p.has("ranks") && ranks != mpi->size())
       return p.usageError(fmt::format("--ranks {} disagrees with mpirun's {} processes", ranks, mpi->size()));
     ranks = mpi->size();

@@ -28,6 +28,13 @@ bool launchedByMpi() {
   return false;
 }
 
+Expected<std::unique_ptr<Communicator>> mpiWorldIfLaunched() {
+  if (!launchedByMpi()) return std::unique_ptr<Communicator>();
+  int argc = 0;
+  char** argv = nullptr;
+  return createMpiCommunicator(&argc, &argv);
+}
+
 #ifndef KILN_HAVE_MPI
 
 bool mpiAvailable() { return false; }

@@ -30,4 +30,8 @@ bool mpiAvailable();
 // Needs MPI_THREAD_SERIALIZED or better. One per process.
 Expected<std::unique_ptr<Communicator>> createMpiCommunicator(int* argc, char*** argv);
 
+// The world communicator of MPI's processes when a launcher started this one (launchedByMpi),
+// created as createMpiCommunicator does; null otherwise.
+Expected<std::unique_ptr<Communicator>> mpiWorldIfLaunched();
+
 }  // namespace kiln::comm
