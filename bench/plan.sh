@@ -72,7 +72,7 @@ echo "## 3. The simulator against this machine (rows_cap $ROWS_CAP, $PER_RANK sa
   { cat "$OUT/cal.out"; exit 1; }
 for np in 2 4; do
   "$KILN" plan "$MODEL" --set rows_cap="$ROWS_CAP" --ranks "$np" --batch $((np * PER_RANK)) \
-    --target cpu --costs "$OUT/cal.json" --simulate > "$OUT/sim$np.txt"
+    --costs "$OUT/cal.json" --simulate > "$OUT/sim$np.txt"
 done
 for rep in $(seq 1 "$REPEATS"); do
   for np in 2 4; do

@@ -337,7 +337,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
   p.addOption("data-samples", "N", "samples read for --data", "65536");
   p.addOption("set", "NAME=VALUE", "override a model param", std::nullopt, true);
   p.addOption("output", "FILE", "write the plan as plan.json to FILE (also -o FILE)");
-  addTargetFlag(p, "the H200");
+  addTargetFlag(p, "the H200; the CPU with a --costs table measured on one");
   std::vector<std::string> args = expandOutputShorthand(raw_args);
   int code;
   if (!p.parse(args, &code)) return code;
@@ -370,7 +370,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
   }
   std::optional<Target> target;
   if (!readTargetFlag(p, &target, &code)) return code;
-  const Target tgt = target ? *target : h200Target();
+  Target tgt = target ? *target : h200Target();
   std::string costs_from = fmt::format("built-in {}", tgt.name);
   if (p.has("costs")) {
     auto t = passes::loadCostTable(p.get("costs"));
@@ -380,6 +380,9 @@ int runPlan(const std::vector<std::string>& raw_args) {
     }
     req.costs = t.take();
     costs_from = fmt::format("{} ({})", p.get("costs"), req.costs.target);
+    // A table measured on a CPU (kiln calibrate's) plans and simulates for the CPU, its ranks
+    // sharing its cores, unless --target says otherwise.
+    if (!target && req.costs.target.rfind("cpu", 0) == 0) tgt = cpuTarget();
   } else {
     auto t = passes::builtinCostTable(tgt.name);
     if (!t) {
