@@ -179,9 +179,6 @@ Expected<std::string> readText(const std::string& path) {
   return text.str();
 }
 
-}  // namespace
-
-
 // --data: each table's ids over the first `samples` samples of the data (or the synthetic stream),
 // one IdSample per table in module order (empty where the table has no single data input).
 Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std::vector<passes::TableInfo>& tables,
@@ -300,6 +297,8 @@ void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableI
   }
   std::fprintf(out, "note: a what-if: the shard pass does not run hybrid tables yet, so -o writes the plan above\n");
 }
+
+}  // namespace
 
 int runPlan(const std::vector<std::string>& raw_args) {
   ArgParser p(
