@@ -114,13 +114,15 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
     // The candidates: 0 (the plain table) and powers of two up to a quarter of the rows and the
     // rows the ranking half saw.
     double best_step = plain.step_s(), best_total = totalTime(plain), best_bytes = e.plain_bytes;
+    e.candidates.push_back({HotRows{}, best_step, best_total, best_bytes, fits(plain, req)});
     const int64_t most = std::min<int64_t>(info->rows / 4, static_cast<int64_t>(curve.hot_order.size()));
     for (int64_t h = 1; h <= most; h *= 2) {
       HotRows hot{h, curve.idShare(h), curve.sampleShare(h)};
       trial.tables[i].hot = hot;
       const PlanCosts c = planCosts(trial, tables, req);
-      if (!fits(c, req)) break;  // larger sets take more memory still
       const double step = c.step_s(), total = totalTime(c), bytes = c.tables[i].comm_bytes_per_step;
+      e.candidates.push_back({hot, step, total, bytes, fits(c, req)});
+      if (!e.candidates.back().fits) break;  // larger sets take more memory still
       if (better(step, total, bytes, best_step, best_total, best_bytes)) {
         best_step = step, best_total = total, best_bytes = bytes;
         e.hot = hot;

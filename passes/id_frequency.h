@@ -44,8 +44,17 @@ struct FrequencyCurve {
 FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows);
 
 // The best hot-row count for each model-parallel table of `plan`, the rest of the plan fixed.
+struct HotCandidate {
+  HotRows hot;
+  double step_s = 0;      // the whole plan's predicted step with these hot rows
+  double total_s = 0;     // its time summed over ranks (the tie-break within 0.1% of a step)
+  double link_bytes = 0;  // the table's bytes on the links a step, summed over ranks
+  bool fits = true;       // within every rank's memory
+};
+
 struct HybridEstimate {
   std::string table;
+  std::vector<HotCandidate> candidates;  // every count considered, 0 first (`kiln plan --explain`)
   HotRows hot;                  // rows 0: replicating none is best (or the table is replicated)
   int64_t replica_bytes = 0;    // the hot rows and their state, on every rank
   double plain_bytes = 0;       // the table's bytes on the links per step, summed over ranks

@@ -229,7 +229,7 @@ Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std
 // The frequency curves and the hot rows worth replicating for each sharded table of `plan`.
 void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
                  const std::vector<passes::IdSample>& sample, const passes::PlanRequest& req,
-                 const std::string& source, std::FILE* out) {
+                 const std::string& source, const std::vector<std::string>& explain, std::FILE* out) {
   std::vector<passes::FrequencyCurve> curves;
   for (const auto& pt : plan.tables) {
     passes::FrequencyCurve curve;
@@ -271,6 +271,22 @@ void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableI
                     e.hot.rows ? fmt::format("{} -> {}", bytes(e.plain_bytes), bytes(e.hybrid_bytes)) : bytes(e.plain_bytes))
             .c_str());
   }
+  // --explain TABLE: every hot-row count considered for it, the chosen starred.
+  for (const std::string& name : explain)
+    for (const auto& e : estimates) {
+      if (e.table != name || e.candidates.empty()) continue;
+      std::fprintf(out, "%s\n", fmt::format("{}: every hot-row count, the rest of the plan fixed (* the chosen)", name).c_str());
+      std::fprintf(out, "%s\n", fmt::format("  {:>10}  {:>7}  {:>7}  {:>9}  {:>13}  {:>12}  {}", "hot rows", "ids",
+                                             "samples", "step ms", "all ranks ms", "link bytes", "fits")
+                                     .c_str());
+      for (const auto& c : e.candidates)
+        std::fprintf(out, "%s\n",
+                     fmt::format("{} {:>10}  {:>6.0f}%  {:>6.0f}%  {:>9.4f}  {:>13.4f}  {:>12}  {}",
+                                 c.hot.rows == e.hot.rows ? "*" : " ", c.hot.rows, 100 * c.hot.id_share,
+                                 100 * c.hot.sample_share, c.step_s * 1e3, c.total_s * 1e3, bytes(c.link_bytes),
+                                 c.fits ? "yes" : "no")
+                         .c_str());
+    }
   const passes::ShardPlan hot = passes::withHotRows(plan, estimates);
   const double before = passes::planCosts(plan, tables, req).step_s();
   const double after = passes::planCosts(hot, tables, req).step_s();
@@ -526,7 +542,9 @@ int runPlan(const std::vector<std::string>& raw_args) {
                               .c_str());
     }
   }
-  if (sample) printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")), stdout);
+  if (sample)
+    printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")), p.getAll("explain"),
+                stdout);
   if (p.flag("simulate")) {
     // The plan as a file the shard pass reads, for the ranks simulated.
     char tmpl[] = "/tmp/kiln-plan-XXXXXX";

@@ -155,11 +155,24 @@ TEST(HybridEstimate, ReplicatesTheHotRowsWhenTheyCarryTheTraffic) {
   EXPECT_LT(est[0].hybrid_bytes, 0.2 * est[0].plain_bytes);
   EXPECT_EQ(est[0].replica_bytes, est[0].hot.rows * t.bytesPerRow());
   EXPECT_LT(planCosts(withHotRows(plan, est), {t}, req).step_s(), planCosts(plan, {t}, req).step_s());
+  // Every count considered is listed, 0 and then the powers of two, and none that fits beats the
+  // chosen one's step.
+  ASSERT_GE(est[0].candidates.size(), 4u);
+  bool listed = false;
+  for (size_t k = 0; k < est[0].candidates.size(); ++k) {
+    const HotCandidate& c = est[0].candidates[k];
+    EXPECT_EQ(c.hot.rows, k == 0 ? 0 : int64_t{1} << (k - 1));
+    listed |= c.hot.rows == est[0].hot.rows;
+    if (c.fits) EXPECT_GE(c.step_s, planCosts(withHotRows(plan, est), {t}, req).step_s() * (1 - 1e-3));
+  }
+  EXPECT_TRUE(listed);
 
   // Without the memory for a replica beside the whole table, nothing is replicated.
   req.memory_per_rank = t.rows * t.bytesPerRow();
   const auto tight = estimateHybrid(plan, {t}, {frequencyCurve(s, t.rows)}, req);
   EXPECT_EQ(tight[0].hot.rows, 0);
+  ASSERT_EQ(tight[0].candidates.size(), 2u);  // none, and one row that does not fit: the end
+  EXPECT_FALSE(tight[0].candidates[1].fits);
   EXPECT_DOUBLE_EQ(tight[0].hybrid_bytes, tight[0].plain_bytes);
 }
 
