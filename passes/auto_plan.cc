@@ -867,11 +867,15 @@ double PlanCosts::memory_imbalance() const {
   return lo > 0 ? static_cast<double>(hi) / static_cast<double>(lo) : (hi > 0 ? INFINITY : 1.0);
 }
 
-double PlanCosts::time_imbalance() const {
-  if (ranks.empty()) return 1;
+double PlanCosts::total_s() const {
   double sum = 0;
   for (const RankCost& r : ranks) sum += r.step_s;
-  double mean = sum / static_cast<double>(ranks.size());
+  return sum;
+}
+
+double PlanCosts::time_imbalance() const {
+  if (ranks.empty()) return 1;
+  double mean = total_s() / static_cast<double>(ranks.size());
   return mean > 0 ? step_s() / mean : 1.0;
 }
 

@@ -96,6 +96,7 @@ struct PlanCosts {
   std::vector<TableCost> tables;  // in plan order
   std::vector<RankCost> ranks;
   double step_s() const;              // the critical path: the slowest rank's step_s
+  double total_s() const;             // every rank's step_s summed
   int critical_rank() const;          // that rank
   double memory_imbalance() const;    // the fullest rank's memory over the emptiest's (1: even)
   double time_imbalance() const;      // the slowest rank's step over the mean

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace kiln::passes {
 
@@ -15,12 +16,6 @@ namespace {
 // How many of the sorted `v` lie below `bound`.
 int64_t countBelow(const std::vector<int64_t>& v, int64_t bound) {
   return std::lower_bound(v.begin(), v.end(), bound) - v.begin();
-}
-
-double totalTime(const PlanCosts& c) {
-  double t = 0;
-  for (const RankCost& r : c.ranks) t += r.step_s;
-  return t;
 }
 
 // As the search ranks plans: the critical path first (within a relative 1e-3, below which two
@@ -58,14 +53,8 @@ FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
   c.rows = rows;
   const int64_t n = sample.samples();
   const int64_t half = n / 2;  // samples [0, half) rank the rows, [half, n) measure them
-  std::unordered_map<int64_t, int64_t> counts, all;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t k = sample.offsets[static_cast<size_t>(i)]; k < sample.offsets[static_cast<size_t>(i + 1)]; ++k) {
-      const int64_t id = sample.ids[static_cast<size_t>(k)];
-      ++all[id];
-      if (i < half) ++counts[id];
-    }
-  c.distinct = static_cast<int64_t>(all.size());
+  std::unordered_map<int64_t, int64_t> counts;
+  for (int64_t k = 0; k < sample.offsets[static_cast<size_t>(half)]; ++k) ++counts[sample.ids[static_cast<size_t>(k)]];
   std::vector<std::pair<int64_t, int64_t>> ranked(counts.begin(), counts.end());  // (row, count)
   std::sort(ranked.begin(), ranked.end(),
             [](const auto& a, const auto& b) { return a.second != b.second ? a.second > b.second : a.first < b.first; });
@@ -77,16 +66,20 @@ FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
     rank_of[ranked[r].first] = static_cast<int64_t>(r);
   }
   const int64_t unseen = static_cast<int64_t>(ranked.size());  // no hot set of any size holds it
+  std::unordered_set<int64_t> new_rows;  // measured rows the ranking half never saw
   for (int64_t i = half; i < n; ++i) {
     int64_t worst = -1;
     for (int64_t k = sample.offsets[static_cast<size_t>(i)]; k < sample.offsets[static_cast<size_t>(i + 1)]; ++k) {
-      auto it = rank_of.find(sample.ids[static_cast<size_t>(k)]);
+      const int64_t id = sample.ids[static_cast<size_t>(k)];
+      auto it = rank_of.find(id);
+      if (it == rank_of.end()) new_rows.insert(id);
       const int64_t r = it == rank_of.end() ? unseen : it->second;
       c.id_ranks.push_back(r);
       worst = std::max(worst, r);
     }
     c.sample_max_ranks.push_back(worst);
   }
+  c.distinct = static_cast<int64_t>(ranked.size() + new_rows.size());
   c.samples = n - half;
   c.ids = static_cast<int64_t>(c.id_ranks.size());
   std::sort(c.id_ranks.begin(), c.id_ranks.end());
@@ -113,14 +106,14 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
     }
     // The candidates: 0 (the plain table) and powers of two up to a quarter of the rows and the
     // rows the ranking half saw.
-    double best_step = plain.step_s(), best_total = totalTime(plain), best_bytes = e.plain_bytes;
+    double best_step = plain.step_s(), best_total = plain.total_s(), best_bytes = e.plain_bytes;
     e.candidates.push_back({HotRows{}, best_step, best_total, best_bytes, fits(plain, req)});
     const int64_t most = std::min<int64_t>(info->rows / 4, static_cast<int64_t>(curve.hot_order.size()));
     for (int64_t h = 1; h <= most; h *= 2) {
       HotRows hot{h, curve.idShare(h), curve.sampleShare(h)};
       trial.tables[i].hot = hot;
       const PlanCosts c = planCosts(trial, tables, req);
-      const double step = c.step_s(), total = totalTime(c), bytes = c.tables[i].comm_bytes_per_step;
+      const double step = c.step_s(), total = c.total_s(), bytes = c.tables[i].comm_bytes_per_step;
       e.candidates.push_back({hot, step, total, bytes, fits(c, req)});
       if (!e.candidates.back().fits) break;  // larger sets take more memory still
       if (better(step, total, bytes, best_step, best_total, best_bytes)) {

@@ -463,11 +463,9 @@ int runPlan(const std::vector<std::string>& raw_args) {
   }
   passes::ShardPlan plan;
   if (p.has("plan")) {
-    std::ifstream in(p.get("plan"), std::ios::binary);
-    if (!in) return p.usageError(fmt::format("cannot read '{}'", p.get("plan")));
-    std::stringstream text;
-    text << in.rdbuf();
-    auto read = passes::loadPlanJson(text.str(), p.get("plan"), *tables, req.ranks);
+    auto text = readText(p.get("plan"));
+    if (!text) return p.usageError(text.status().message());
+    auto read = passes::loadPlanJson(*text, p.get("plan"), *tables, req.ranks);
     if (!read) {
       printError("plan", read.status());
       return kExitError;
