@@ -137,7 +137,10 @@ bool Op::hasTrait(uint32_t trait) const { return def_ && (def_->traits & trait) 
 // ---- Block ------------------------------------------------------------------------------------
 
 Block::~Block() {
-  // Destroy ops back to front so that users go before the values they use.
+  // Operands first: a block a pass left invalid (the verifier's error on its way out) may use a
+  // value before the op that defines it. Then back to front, so that the ops of a region go
+  // before the values outside it that they use.
+  for (auto& op : ops_) op->dropAllOperands();
   while (!ops_.empty()) ops_.pop_back();
 }
 

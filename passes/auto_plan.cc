@@ -61,12 +61,12 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   const LinkRates& global_link = multi_node ? costs.inter_node : costs.intra_node;
   const LinkRates& node_link = costs.intra_node;
   // Hot rows replicated (TablePlan::hot): only the cold ids travel and are looked up by their
-  // owners, and only the samples with a cold id get a pool back.
+  // owners. Pools still come back for every sample, as the shard pass runs it (returning only
+  // the samples with a cold id would save 1 - hot.sample_share of them; not done yet).
   const bool hybrid = t.hot.rows > 0 && t.type != ShardingType::data_parallel;
   const double cold_ids = hybrid ? 1 - t.hot.id_share : 1;
-  const double cold_pools = hybrid ? 1 - t.hot.sample_share : 1;
   const double ids = 8 * h * cold_ids + 8;  // one sample's (cold) ids and its length
-  const double de = d * e * cold_pools;     // one sample's pool (or its gradient), when it travels
+  const double de = d * e;                  // one sample's pool (or its gradient), when it travels
   const int k = static_cast<int>(t.ranks.size());
   std::vector<bool> holds(static_cast<size_t>(n), false);
   // Ranks outside [0, n) (a plan completePlan has not checked) hold nothing here.
@@ -134,20 +134,20 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   }
   if (hybrid) {
     // Every rank holds the hot rows, looks up its own samples' hot ids, and applies the hot rows'
-    // update from the global batch's gradients: all-reduced as a dense [hot rows, d] block that
-    // rides in the dense gradients' buckets (no collective of its own), or gathered per sample
-    // (ids and pooled gradients, two collectives), whichever moves fewer bytes.
+    // update from the global batch's gradients, as the shard pass runs it: all-reduced as a dense
+    // [hot rows, d] block that rides in the dense gradients' buckets (no collective of its own)
+    // where the optimizer leaves zero-gradient rows alone, else gathered per sample (ids and
+    // pooled gradients, two collectives) as a data_parallel table's.
     const double H = static_cast<double>(t.hot.rows);
-    const double dense = 2.0 * (n - 1) / n * H * d * e;
-    const double sparse = (n - 1) * b * (8 * h * t.hot.id_share + 8 + d * e);
+    const bool dense = info.hot_dense_update;
     for (int r = 0; r < n; ++r) {
       out.ranks[static_cast<size_t>(r)].memory_bytes += t.hot.rows * info.bytesPerRow();
-      lookups(r, b * h * t.hot.id_share, dense <= sparse ? H : G * h * t.hot.id_share, d);
+      lookups(r, b * h * t.hot.id_share, dense ? H : G * h * t.hot.id_share, d);
       if (n > 1) {
-        if (dense <= sparse)
-          comm(r, dense, n - 1, global_link, 0);
+        if (dense)
+          comm(r, 2.0 * (n - 1) / n * H * d * e, n - 1, global_link, 0);
         else
-          comm(r, sparse, n - 1, global_link, 2);
+          comm(r, (n - 1) * b * (8 * h * t.hot.id_share + 8 + d * e), n - 1, global_link, 2);
       }
     }
   }

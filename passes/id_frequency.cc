@@ -122,6 +122,9 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
       }
     }
     trial.tables[i].hot = e.hot;  // later tables are scored with this one's hot rows in place
+    // The rows themselves: the ranking's top, ascending (as plan.json and the shard pass hold them).
+    e.hot.ids.assign(curve.hot_order.begin(), curve.hot_order.begin() + e.hot.rows);
+    std::sort(e.hot.ids.begin(), e.hot.ids.end());
     e.hybrid_bytes = best_bytes;
     e.replica_bytes = e.hot.rows * info->bytesPerRow();
     out.push_back(e);

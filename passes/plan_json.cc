@@ -282,6 +282,26 @@ Expected<TablePlan> parseEntry(const Parser& p, const Node& e, int nranks, bool 
   } else if (require_ranks && t.type != ShardingType::data_parallel) {
     return p.error(e.offset, fmt::format("table '{}' needs \"ranks\" for {}", t.table, shardingName(t.type)));
   }
+  // A hybrid table's replicated rows (completePlan checks them against the table), and what the
+  // planner's sample said they cover (for the printed predictions only).
+  if (const Node* hot = e.field("hot_rows")) {
+    if (hot->kind != Node::Kind::Array)
+      return p.error(hot->offset, fmt::format("table '{}': \"hot_rows\" must be a list of rows", t.table));
+    for (const Node& r : hot->items) {
+      if (r.kind != Node::Kind::Number || !r.integral || r.num < 0 || r.num > 9e15)
+        return p.error(r.offset, fmt::format("table '{}': a hot row must be a non-negative integer", t.table));
+      t.hot.ids.push_back(static_cast<int64_t>(r.num));
+    }
+    t.hot.rows = static_cast<int64_t>(t.hot.ids.size());
+    const std::pair<const char*, double*> shares[] = {{"hot_id_share", &t.hot.id_share},
+                                                      {"hot_sample_share", &t.hot.sample_share}};
+    for (auto [key, share] : shares)
+      if (const Node* n = e.field(key)) {
+        if (n->kind != Node::Kind::Number || n->num < 0 || n->num > 1)
+          return p.error(n->offset, fmt::format("table '{}': \"{}\" must be a number in [0, 1]", t.table, key));
+        *share = n->num;
+      }
+  }
   return t;
 }
 
@@ -368,6 +388,9 @@ std::string writePlanJson(const ShardPlan& plan, const PlanCosts* costs) {
           ", \"bytes_per_rank\": {}, \"lookups_per_step\": {:.0f}, \"comm_bytes_per_step\": {:.0f}",
           c->bytes_per_rank, c->lookups_per_step, c->comm_bytes_per_step);
     if (!t.reason.empty()) out += fmt::format(", \"reason\": {}", quote(t.reason));
+    if (!t.hot.ids.empty())
+      out += fmt::format(", \"hot_id_share\": {:.4f}, \"hot_sample_share\": {:.4f}, \"hot_rows\": [{}]",
+                         t.hot.id_share, t.hot.sample_share, fmt::join(t.hot.ids, ", "));
     out += i + 1 < plan.tables.size() ? "},\n" : "}\n";
   }
   out += "  ]";

@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <sstream>
 
 #include "ir/builder.h"
@@ -72,6 +73,16 @@ struct Route {
   Value* lengths = nullptr;        // [N * B]: how many of them each global sample has
   Value* return_counts = nullptr;  // rows of pools this rank returns to each peer
   Value* back_counts = nullptr;    // rows each owner returned here (the gradients go back by them)
+  // A hybrid table's hot ids of this rank's samples, as rows of the replica (split_hot_ids); the
+  // fields above then route its cold ids.
+  Value* hot_ids = nullptr;
+  Value* hot_lengths = nullptr;
+};
+
+// A hybrid table's replica on this rank: the weight and each optimizer state, [hot rows, ...].
+struct HotReplica {
+  Value* weight = nullptr;
+  std::map<const Value*, Value*> of;  // the table's parameter (weight or state) -> its replica
 };
 
 class Sharder {
@@ -105,7 +116,14 @@ class Sharder {
   }
 
   Status retypeParameters(ir::Function& f);
+  Status addHotReplica(Op& param, const TablePlan& t);
   Expected<Route> route(const TablePlan& t, Value* ids, Value* lengths);
+  // Ids to the ranks `owners`: by row blocks starting at `starts` (one more entry, the end), or
+  // every id to every owner when `starts` is empty.
+  Expected<Route> routeTo(const std::string& table, int64_t table_rows, const std::vector<int64_t>& owners,
+                          const std::vector<int64_t>& starts, Value* ids, Value* lengths);
+  Status lowerHotUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
+                        Value* scaled_grad, Value* gathered_grad);
   Status lowerLookup(Op& bag, const TablePlan& t);
   Status lowerUpdate(Op& update, const TablePlan& t);
   Status reduceDenseGradients(ir::Function& f);
@@ -123,6 +141,14 @@ class Sharder {
   // Per (table, ids value) of the forward: its route, for the update of the same lookup.
   std::map<std::pair<std::string, const Value*>, Route> routes_;
   std::vector<Op*> dropped_params_;
+  std::map<std::string, HotReplica> hot_;  // per hybrid table
+  // Gradients all-reduced in the dense buckets besides the dense parameters': a hybrid table's
+  // hot rows (operand `operand` of `user`).
+  struct DenseGrad {
+    Op* user;
+    unsigned operand;
+  };
+  std::vector<DenseGrad> hot_grads_;
   ExpertShardResult experts_;
   int buckets_ = 0;
 };
@@ -153,6 +179,7 @@ Status Sharder::retypeParameters(ir::Function& f) {
     if (table.empty() || !info_.count(table)) table = op->strAttr("name");
     const TablePlan* t = plan_.find(table);
     if (!t || !info_.count(table) || t->type == ShardingType::data_parallel) continue;
+    if (!t->hot.ids.empty()) KILN_RETURN_IF_ERROR(addHotReplica(*op, *t));
     const TableShard* s = mine(*t);
     if (!s) {
       dropped_params_.push_back(op);
@@ -178,8 +205,38 @@ Status Sharder::retypeParameters(ir::Function& f) {
   return Status::ok();
 }
 
+// A hybrid table's replica of `param` (the table or one of its optimizer states), on every rank:
+// row i is row hot_rows[i] of the whole tensor. The initializer and the checkpoint read it through
+// `hot_of` and `hot_rows` (runtime/parameter_store.cc, tools/model_session.cc); it is not a
+// checkpoint tensor of its own.
+Status Sharder::addHotReplica(Op& param, const TablePlan& t) {
+  const TensorType& whole = param.result()->type();
+  const std::string name = param.strAttr("name");
+  ir::Shape shape{Dim::fixed(static_cast<int64_t>(t.hot.ids.size()))};
+  std::vector<int64_t> global;
+  for (int64_t i = 0; i < whole.rank(); ++i) {
+    global.push_back(whole.dim(i).size());
+    if (i > 0) shape.push_back(whole.dim(i));
+  }
+  AttrDict a = param.attrs();
+  for (const char* key : {"embedding", "shard", "offset", "replicated"}) a.erase(key);
+  a["name"] = Attribute(name + ".hot");
+  a["hot_of"] = Attribute(name);
+  a["hot_rows"] = Attribute::ints(t.hot.ids);
+  a["global_shape"] = Attribute::ints(global);
+  HotReplica& h = hot_[t.table];
+  if (param.hasAttr("state_of")) a["state_of"] = Attribute(t.table + ".hot");
+  // Right after the table's parameter (a terminator always follows).
+  b_.setInsertionPoint(std::next(param.parentBlock()->find(&param))->get());
+  b_.setLocation(param.location());
+  KILN_ASSIGN_OR_RETURN(Op * replica, b_.createWithTypes(OpCode::Parameter, {}, {TensorType(whole.dtype(), shape)}, a));
+  replica->result()->setNameHint(name + ".hot");
+  h.of[param.result()] = replica->result();
+  if (!param.hasAttr("state_of")) h.weight = replica->result();
+  return Status::ok();
+}
+
 Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
-  const TableInfo& info = *info_.at(t.table);
   const bool replicate = t.type == ShardingType::column_wise || t.type == ShardingType::data_parallel;
   std::vector<int64_t> owners, starts;
   for (const TableShard& s : t.shards) {
@@ -187,10 +244,16 @@ Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
     if (!replicate) starts.push_back(s.row_begin);
   }
   if (!replicate) starts.push_back(t.shards.back().row_end);
+  return routeTo(t.table, info_.at(t.table)->rows, owners, starts, ids, lengths);
+}
+
+Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, const std::vector<int64_t>& owners,
+                                 const std::vector<int64_t>& starts, Value* ids, Value* lengths) {
+  const bool replicate = starts.empty();
   AttrDict a = group();
   a["rank"] = Attribute(int64_t{o_.rank});
-  a["table"] = Attribute(t.table);
-  a["rows"] = Attribute(info.rows);
+  a["table"] = Attribute(table);
+  a["rows"] = Attribute(table_rows);
   a["mode"] = Attribute(replicate ? "replicate" : "partition");
   a["owners"] = Attribute::ints(owners);
   if (!replicate) a["row_starts"] = Attribute::ints(starts);
@@ -224,7 +287,24 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   Value* lengths = flat ? bag.operand(2) : nullptr;
   b_.setInsertionPoint(&bag);
   b_.setLocation(bag.location());
-  KILN_ASSIGN_OR_RETURN(Route r, route(t, ids, lengths));
+  // A hybrid table: the hot ids are looked up in this rank's replica, only the cold ones travel.
+  Value* hot_pool = nullptr;
+  Value *hot_ids = nullptr, *hot_lengths = nullptr;
+  Value *cold_ids = ids, *cold_lengths = lengths;
+  if (!t.hot.ids.empty()) {
+    std::vector<Value*> in{ids};
+    if (lengths) in.push_back(lengths);
+    KILN_ASSIGN_OR_RETURN(Op * split, b_.create(OpCode::SplitHotIds, in,
+                                                {{"table", Attribute(t.table)},
+                                                 {"rows", Attribute(info_.at(t.table)->rows)},
+                                                 {"hot_rows", Attribute::ints(t.hot.ids)}}));
+    hot_ids = split->result(0), hot_lengths = split->result(1);
+    cold_ids = split->result(2), cold_lengths = split->result(3);
+    KILN_ASSIGN_OR_RETURN(hot_pool, b_.createValue(OpCode::EmbeddingBag, {hot_[t.table].weight, hot_ids, hot_lengths},
+                                                   {{"mode", Attribute("sum")}, {"table", Attribute(t.table + ".hot")}}));
+  }
+  KILN_ASSIGN_OR_RETURN(Route r, route(t, cold_ids, cold_lengths));
+  r.hot_ids = hot_ids, r.hot_lengths = hot_lengths;
   const TensorType& pooled_type = bag.result()->type();
   const Dim batch = pooled_type.dim(0);
   const int64_t dim = info_.at(t.table)->dim;
@@ -262,6 +342,9 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
       KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
                                                    {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
     }
+  }
+  if (hot_pool) {
+    KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Add, {hot_pool, pooled}));
   }
   bag.result()->replaceAllUsesWith(pooled);
   routes_[{t.table, ids}] = r;
@@ -350,7 +433,81 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, attrs);
     if (!applied) return applied.status();
   }
+  if (r.hot_ids)
+    KILN_RETURN_IF_ERROR(lowerHotUpdate(update, l, t, r, grad, returnsByReduceScatter(t) ? grads : nullptr));
   update.parentBlock()->erase(&update);
+  return Status::ok();
+}
+
+// The update of a hybrid table's replica, the same on every rank. Where the optimizer leaves a
+// row without gradient alone (TableInfo::hot_dense_update), each rank's gradient of the hot rows
+// is a dense [hot rows, dim] block, summed over the ranks in the dense gradient buckets, and the
+// update visits every hot row once (row i as sample i, its ids the constant 0 .. hot rows - 1).
+// Otherwise, as a data_parallel table: every rank's hot ids and pooled gradients reach every rank.
+Status Sharder::lowerHotUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
+                               Value* scaled_grad, Value* gathered_grad) {
+  const HotReplica& h = hot_.at(t.table);
+  const int64_t rows = static_cast<int64_t>(t.hot.ids.size());
+  const std::string name = t.table + ".hot";
+  const bool dense = info_.at(t.table)->hot_dense_update;
+  Value *ids = nullptr, *lengths = nullptr, *grads = nullptr;
+  if (dense) {
+    KILN_ASSIGN_OR_RETURN(
+        grads, b_.createValue(OpCode::EmbeddingBagDenseGrad,
+                              {r.hot_ids, r.hot_lengths, update.operand(static_cast<unsigned>(l.grad_out))},
+                              {{"rows", Attribute(rows)}, {"table", Attribute(name)}}));
+    std::vector<int64_t> each(static_cast<size_t>(rows));
+    std::iota(each.begin(), each.end(), int64_t{0});
+    KILN_ASSIGN_OR_RETURN(Op * c, b_.createWithTypes(OpCode::Constant, {},
+                                                     {TensorType(DType::i64, {Dim::fixed(rows), Dim::fixed(1)})},
+                                                     {{"value", Attribute::ints(each)}}));
+    ids = c->result();
+  } else {
+    std::vector<int64_t> everyone(static_cast<size_t>(o_.ranks));
+    std::iota(everyone.begin(), everyone.end(), int64_t{0});
+    KILN_ASSIGN_OR_RETURN(Route hot, routeTo(name, rows, everyone, {}, r.hot_ids, r.hot_lengths));
+    ids = hot.ids, lengths = hot.lengths;
+    if (!gathered_grad) {
+      KILN_ASSIGN_OR_RETURN(gathered_grad, b_.createValue(OpCode::AllGather, {scaled_grad}, groupAxis0()));
+    }
+    grads = gathered_grad;
+  }
+  std::vector<Value*> operands;
+  unsigned grad_at = 0;
+  for (unsigned i = 0; i < update.numOperands(); ++i) {
+    const int idx = static_cast<int>(i);
+    Value* v = update.operand(i);
+    if (idx == l.table) {
+      operands.push_back(h.weight);
+    } else if (idx == l.ids) {
+      operands.push_back(ids);
+      if (lengths) operands.push_back(lengths);
+    } else if (idx == l.lengths) {
+      continue;
+    } else if (idx == l.grad_out) {
+      grad_at = static_cast<unsigned>(operands.size());
+      operands.push_back(grads);
+    } else if (idx >= l.state_begin && idx < l.state_begin + l.num_state) {
+      auto it = h.of.find(v);
+      if (it == h.of.end())
+        return located(update, Status::errorf("table '{}': an optimizer state of its update is not a parameter, so "
+                                              "its hot rows have no replica",
+                                              t.table));
+      operands.push_back(it->second);
+    } else {
+      operands.push_back(v);
+    }
+  }
+  AttrDict attrs = update.attrs();
+  attrs["table"] = Attribute(name);
+  attrs.erase("column_offset");
+  // The dense block's bucket is all-reduced after the last gradient it carries: the update goes
+  // at the end of the step, after every bucket (and every lookup of the replica).
+  Op* at = b_.insertionPoint();
+  if (dense) b_.setInsertionPoint(update.parentBlock()->ops().back().get());
+  KILN_ASSIGN_OR_RETURN(Op * applied, b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, attrs));
+  if (dense) hot_grads_.push_back({applied, grad_at});
+  b_.setInsertionPoint(at);
   return Status::ok();
 }
 
@@ -361,19 +518,24 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
   for (size_t i = 0; i < ops.size(); ++i) pos[ops[i]] = i;
   struct Grad {
     Op* update;
+    unsigned operand;  // of `update`: the gradient
     Value* grad;
     size_t ready;
   };
   std::vector<Grad> grads;
+  auto add = [&](Op* user, unsigned operand) {
+    Value* g = user->operand(operand);
+    const Op* def = g->definingOp();
+    grads.push_back({user, operand, g, def && pos.count(def) ? pos[def] : 0});
+  };
   for (Op* op : ops) {
     // Expert weights are reduced over the ranks that hold the same experts (shard_experts.cc).
     if (!op->is(OpCode::OptimizerUpdate) || experts_.expert_params.count(op->operand(0))) continue;
     if (op->boolAttr("scaled"))
       return located(*op, Status::error("grad_clip is not supported on several ranks yet"));
-    Value* g = op->operand(1);
-    const Op* def = g->definingOp();
-    grads.push_back({op, g, def && pos.count(def) ? pos[def] : 0});
+    add(op, 1);
   }
+  for (const DenseGrad& g : hot_grads_) add(g.user, g.operand);
   std::stable_sort(grads.begin(), grads.end(),
                    [](const Grad& a, const Grad& b) { return a.ready < b.ready; });
   size_t i = 0;
@@ -398,7 +560,7 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
     if (j - i == 1) {
       KILN_ASSIGN_OR_RETURN(Value * sum, b_.createValue(OpCode::AllReduce, {grads[i].grad}, group()));
       KILN_ASSIGN_OR_RETURN(Value * mean, scaled(sum));
-      grads[i].update->setOperand(1, mean);
+      grads[i].update->setOperand(grads[i].operand, mean);
     } else {
       std::vector<Value*> flat;
       std::vector<int64_t> sizes;
@@ -425,7 +587,7 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
         KILN_ASSIGN_OR_RETURN(
             Op * shaped,
             b_.createWithTypes(OpCode::Reshape, {piece}, {grads[g].grad->type().withSharding(std::nullopt)}));
-        grads[g].update->setOperand(1, shaped->result());
+        grads[g].update->setOperand(grads[g].operand, shaped->result());
         at += n;
       }
     }
@@ -437,6 +599,8 @@ Status Sharder::reduceDenseGradients(ir::Function& f) {
 Status Sharder::run(ir::Function& f) {
   routes_.clear();
   dropped_params_.clear();
+  hot_.clear();
+  hot_grads_.clear();
   // The global batch's loss is the mean of the ranks' (a mean over samples, a reduce(mean) as
   // in mse, and whatever is added to it, such as MoE balancing losses); only a loss op that
   // sums over samples makes it their sum.

@@ -67,10 +67,11 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
   if (!f || f->body().empty()) return std::vector<TableInfo>{};
   std::vector<TableInfo> out;
   std::map<std::string, size_t, std::less<>> index;
-  std::vector<const ir::Op*> states, bags;
+  std::vector<const ir::Op*> states, bags, updates;
   for (const auto& up : f->entry().ops()) {
     const ir::Op& op = *up;
     if (op.is(ir::OpCode::EmbeddingBag)) bags.push_back(&op);
+    if (op.is(ir::OpCode::EmbeddingBagUpdate)) updates.push_back(&op);
     if (!op.is(ir::OpCode::Parameter)) continue;
     if (op.hasAttr("state_of")) {
       states.push_back(&op);
@@ -109,6 +110,16 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
     auto bytes = type.bytes({});
     if (!bytes || type.rank() < 1 || !type.dim(0).isStatic() || type.dim(0).size() == 0) continue;
     info.state_bytes_per_row += *bytes / type.dim(0).size();
+  }
+  // A row with zero gradient stays as it is under sgd and the adagrads (g = 0 moves nothing), not
+  // under weight decay or lazy adam's moments: only the former may all-reduce hot rows densely.
+  for (const ir::Op* u : updates) {
+    auto it = index.find(u->strAttr("table"));
+    if (it == index.end()) continue;
+    const std::string kind = u->strAttr("optimizer");
+    out[it->second].hot_dense_update = (kind == "sgd" || kind == "adagrad" || kind == "rowwise_adagrad") &&
+                                       u->floatAttr("weight_decay") == 0 &&
+                                       (kind == "sgd" || u->floatAttr("eps", 1e-8) > 0);
   }
   std::vector<int> lookups(out.size(), 0);
   for (const ir::Op* bag : bags) {
@@ -212,6 +223,17 @@ Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_
       break;
     }
   }
+  const std::vector<int64_t>& hot = t.hot.ids;
+  if (!hot.empty() && t.type == ShardingType::data_parallel)
+    return Status::error(fmt::format("table '{}' is data_parallel: every row is on every rank already, so it "
+                                     "takes no hot_rows",
+                                     t.table));
+  for (size_t i = 0; i < hot.size(); ++i)
+    if (hot[i] < 0 || hot[i] >= info.rows || (i > 0 && hot[i] <= hot[i - 1]))
+      return Status::error(fmt::format("table '{}': hot_rows must be distinct rows in [0, {}), ascending; "
+                                       "entry {} is {}",
+                                       t.table, info.rows, i, hot[i]));
+  if (!hot.empty()) t.hot.rows = static_cast<int64_t>(hot.size());
   return Status::ok();
 }
 

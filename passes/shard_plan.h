@@ -49,13 +49,14 @@ struct TableShard {
 };
 
 // The hottest rows of a table replicated on every rank, the rest sharded by the table's type
-// (HugeCTR's hybrid embedding): what a sample of the data says they cover. Only the planner's
-// what-if (`kiln plan --data`, passes/id_frequency.h) sets it so far; the shard pass does not run
-// hybrid tables yet.
+// (HugeCTR's hybrid embedding): which rows, and what a sample of the data says they cover.
+// `kiln plan --data` (passes/id_frequency.h) chooses them and writes them to plan.json as the
+// entry's "hot_rows"; the shard pass looks them up in a replica on every rank.
 struct HotRows {
-  int64_t rows = 0;         // replicated on every rank
-  double id_share = 0;      // of the table's ids, the share that are hot
-  double sample_share = 0;  // of the samples, the share whose ids for the table are all hot
+  int64_t rows = 0;           // replicated on every rank
+  double id_share = 0;        // of the table's ids, the share that are hot
+  double sample_share = 0;    // of the samples, the share whose ids for the table are all hot
+  std::vector<int64_t> ids;   // the rows, ascending (empty in a what-if that only counts them)
 };
 
 // What the planner and the shard pass know of one embedding table of a module.
@@ -68,6 +69,11 @@ struct TableInfo {
   std::optional<ShardingType> pinned;  // embeddings(..., shard = row_wise) in the model
   std::vector<std::string> ids_inputs; // the data inputs whose ids it looks up (kiln.input names)
   HotRows hot;                         // a what-if's hot rows, given to every model-parallel choice
+  // Its hot rows' gradients can be all-reduced as a dense [hot rows, dim] block: an update that
+  // leaves a row with zero gradient unchanged (sgd, adagrad, rowwise_adagrad without weight
+  // decay). Otherwise (lazy adam) the hot ids and pooled gradients are gathered, as for a
+  // data_parallel table.
+  bool hot_dense_update = true;
   int64_t bytesPerRow() const;         // weights plus optimizer state
 };
 
@@ -105,8 +111,9 @@ std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info);
 // Reorders plan.tables into module order.
 Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables);
 
-// One entry's checks of completePlan (rank count for the type, ranks in range, column split),
-// normalizing its ranks (sorted; data_parallel with none: all ranks). Unlocated.
+// One entry's checks of completePlan (rank count for the type, ranks in range, column split, hot
+// rows ascending within the table and not on a data_parallel table), normalizing its ranks
+// (sorted; data_parallel with none: all ranks). Unlocated.
 Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_per_node);
 
 }  // namespace kiln::passes

@@ -52,6 +52,13 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
   if (place && (place->shape.size() != local.size() || place->offset.size() != local.size()))
     return Status::errorf("a shard of rank {} cannot lie in a tensor of rank {}", local.size(),
                           place->shape.size());
+  if (place && !place->rows.empty()) {
+    if (local.empty() || static_cast<int64_t>(place->rows.size()) != local[0])
+      return Status::errorf("{} rows are placed for a tensor of {}", place->rows.size(), local.empty() ? 0 : local[0]);
+    for (int64_t r : place->rows)
+      if (r < 0 || r >= place->shape[0])
+        return Status::errorf("row {} lies outside the tensor's {} rows", r, place->shape[0]);
+  }
   const auto& shape = place ? place->shape : local;
   // [out, in, receptive...], as PyTorch computes fans.
   double receptive = 1;
@@ -81,7 +88,8 @@ Status initializeTensor(ir::HostTensor& t, const ParameterInit& init, uint64_t s
     if (!place) return static_cast<uint64_t>(i);
     int64_t g = 0, stride = 1;
     for (size_t d = local.size(); d-- > 0;) {
-      g += (place->offset[d] + i % local[d]) * stride;
+      const int64_t at = i % local[d];
+      g += (d == 0 && !place->rows.empty() ? place->rows[static_cast<size_t>(at)] : place->offset[d] + at) * stride;
       i /= local[d];
       stride *= shape[d];
     }
@@ -221,8 +229,10 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
       set(name, std::move(t));
       return;
     }
-    GlobalPlace place{op.intsAttr("global_shape"), op.intsAttr("offset")};
-    Status s = initializeTensor(t, *init, parameterSeed(run_seed, name), pool,
+    GlobalPlace place{op.intsAttr("global_shape"), op.intsAttr("offset"), op.intsAttr("hot_rows")};
+    if (!place.rows.empty()) place.offset.assign(place.shape.size(), 0);
+    const std::string seeded_as = op.hasAttr("hot_of") ? op.strAttr("hot_of") : name;
+    Status s = initializeTensor(t, *init, parameterSeed(run_seed, seeded_as), pool,
                                 place.shape.empty() ? nullptr : &place);
     if (!s.isOk()) {
       status = Status::error(fmt::format("parameter \"{}\": {}", name, s.message()), op.location());

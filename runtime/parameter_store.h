@@ -27,8 +27,11 @@ struct ParameterInit {
 };
 
 // Where a shard lies in its global tensor (the shard pass's global_shape and offset attributes).
+// With `rows`, local row i is global row rows[i] (a hybrid table's replica of its hot rows: the
+// shard pass's hot_rows) and offset[0] is unused.
 struct GlobalPlace {
   std::vector<int64_t> shape, offset;
+  std::vector<int64_t> rows;
 };
 
 // Fills `t` (f32, f64 or bf16) by `init`; xavier uses fan_in/fan_out of the [out, in, ...]
@@ -69,7 +72,8 @@ class ParameterStore {
   int64_t totalBytes() const;
 
   // Creates each kiln.parameter of `f` that the store lacks, shaped by its type (symbols bound
-  // by `symbols`) and initialized from its attributes with parameterSeed(run_seed, name).
+  // by `symbols`) and initialized from its attributes with parameterSeed(run_seed, name) (a
+  // hybrid table's replica, `hot_of` T: as T's hot rows are, with T's seed).
   // Parameters already present are checked against the declared type and kept.
   // With `values` false they are allocated (zeros) but not initialized: a caller that loads
   // every value from a checkpoint next.

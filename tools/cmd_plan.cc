@@ -226,8 +226,10 @@ Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std
   return out;
 }
 
-// The frequency curves and the hot rows worth replicating for each sharded table of `plan`.
-void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
+// The frequency curves and the hot rows worth replicating for each sharded table of `plan`; returns
+// the plan to run: `plan` with those hot rows, or the search rerun with them where that is faster
+// and keeps the memory imbalance within 1.5x (or the plan's own, if that is higher).
+passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
                  const std::vector<passes::IdSample>& sample, const passes::PlanRequest& req,
                  const std::string& source, const std::vector<std::string>& explain, std::FILE* out) {
   std::vector<passes::FrequencyCurve> curves;
@@ -303,6 +305,8 @@ void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableI
       if (e.table == t.name) t.hot = e.hot;
   passes::PlanRequest r = req;
   r.strategy = passes::PlanStrategy::search;
+  passes::ShardPlan chosen = hot;
+  std::string why = "the plan above with its hot rows";
   if (auto searched = passes::autoPlan(with_hot, r)) {
     const passes::PlanCosts c = passes::planCosts(*searched, with_hot, r);
     std::fprintf(out, "%s\n",
@@ -310,8 +314,21 @@ void printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableI
                              "imbalance {:.2f}x",
                              c.step_s() * 1e3, c.step_s() > 0 ? before / c.step_s() : 1.0, c.memory_imbalance())
                      .c_str());
+    const double allowed = std::max(1.5, passes::planCosts(plan, tables, req).memory_imbalance());
+    if (c.step_s() < after && c.memory_imbalance() <= allowed) {
+      chosen = *searched;
+      why = "the search rerun with the hot rows";
+    } else if (c.step_s() < after) {
+      why += fmt::format(" (the rerun's memory imbalance is above {:.2f}x)", allowed);
+    }
   }
-  std::fprintf(out, "note: a what-if: the shard pass does not run hybrid tables yet, so -o writes the plan above\n");
+  int64_t hybrid_tables = 0;
+  for (const auto& t : chosen.tables) hybrid_tables += t.hot.rows > 0;
+  std::fprintf(out, "%s\n",
+               fmt::format("runs: {}, {} hybrid table{} (kiln train --plan with -o's file)", why, hybrid_tables,
+                           hybrid_tables == 1 ? "" : "s")
+                   .c_str());
+  return chosen;
 }
 
 }  // namespace
@@ -540,9 +557,11 @@ int runPlan(const std::vector<std::string>& raw_args) {
                               .c_str());
     }
   }
-  if (sample)
-    printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")), p.getAll("explain"),
-                stdout);
+  if (sample) {
+    plan = printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")),
+                       p.getAll("explain"), stdout);
+    costs = passes::planCosts(plan, *tables, req);
+  }
   if (p.flag("simulate")) {
     // The plan as a file the shard pass reads, for the ranks simulated.
     char tmpl[] = "/tmp/kiln-plan-XXXXXX";

@@ -265,6 +265,12 @@ Status Trainer::resume() {
         return Status::errorf("{}: no tensor '{}' of the model's shape", path, p.name);
       KILN_RETURN_IF_ERROR(runtime::copyRegion(whole->view, p.offset, p.view));
     }
+    KILN_RETURN_IF_ERROR(s_.loadHotRows(
+        [&](const std::string& name, const std::vector<int64_t>& offset, ir::TensorView& row) -> Status {
+          const ir::HostTensor* whole = ckpt.find(name);
+          if (!whole) return Status::errorf("{}: no tensor '{}' for its hot rows", path, name);
+          return runtime::copyRegion(whole->view, offset, row);
+        }));
   }
   std::string step = meta("step");
   auto [end, ec] = std::from_chars(step.data(), step.data() + step.size(), step_);

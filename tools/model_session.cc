@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <set>
@@ -497,9 +498,31 @@ std::map<std::string, const ir::Op*, std::less<>> parameterOps(const ir::Module&
 std::vector<runtime::LocalPiece> ModelSession::localPieces() {
   runtime::ParameterStore& store = params();
   const auto ops = parameterOps(*module_);
+  // Between checkpoints a hybrid table's hot rows train in its replica, the shard's copies of
+  // them lie idle: the replica's values go into the rows this rank's piece holds.
+  for (const auto& [name, op] : ops) {
+    const ir::HostTensor* replica = op->hasAttr("hot_of") ? store.find(name) : nullptr;
+    ir::HostTensor* piece = replica ? store.find(op->strAttr("hot_of")) : nullptr;
+    auto source = replica ? ops.find(op->strAttr("hot_of")) : ops.end();
+    if (!piece || source == ops.end() || piece->view.shape.empty()) continue;  // not on this rank
+    const std::vector<int64_t> rows = op->intsAttr("hot_rows"), offset = source->second->intsAttr("offset");
+    const int64_t row0 = offset.empty() ? 0 : offset[0], col0 = offset.size() > 1 ? offset[1] : 0;
+    const int64_t local_rows = piece->view.shape[0];
+    const int64_t width = local_rows ? piece->numel() / local_rows : 0;  // this piece's columns
+    const int64_t full = rows.empty() ? 0 : replica->numel() / static_cast<int64_t>(rows.size());
+    const size_t elem = ir::dtypeBytes(piece->view.dtype);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const int64_t r = rows[i] - row0;
+      if (r < 0 || r >= local_rows || col0 + width > full) continue;
+      std::memcpy(static_cast<char*>(piece->view.data) + static_cast<size_t>(r * width) * elem,
+                  static_cast<const char*>(replica->view.data) + static_cast<size_t>(i * full + col0) * elem,
+                  static_cast<size_t>(width) * elem);
+    }
+  }
   std::vector<runtime::LocalPiece> pieces;
   for (const std::string& name : store.names()) {
     ir::HostTensor* t = store.find(name);
+    if (auto op = ops.find(name); op != ops.end() && op->second->hasAttr("hot_of")) continue;
     runtime::LocalPiece p;
     p.name = name;
     p.view = t->view;
@@ -527,6 +550,29 @@ Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
           "checkpoint {} has no tensor '{}' (the model's parameters differ from the checkpoint's)",
           ckpt.dir(), p.name);
     KILN_RETURN_IF_ERROR(ckpt.readSlice(p.name, p.offset, p.view));
+  }
+  return loadHotRows([&](const std::string& name, const std::vector<int64_t>& offset, ir::TensorView& view) {
+    return ckpt.readSlice(name, offset, view);
+  });
+}
+
+Status ModelSession::loadHotRows(const RegionReader& read) {
+  runtime::ParameterStore& store = params();
+  for (const auto& [name, op] : parameterOps(*module_)) {
+    ir::HostTensor* replica = op->hasAttr("hot_of") ? store.find(name) : nullptr;
+    if (!replica || replica->view.shape.empty()) continue;
+    const std::vector<int64_t> rows = op->intsAttr("hot_rows");
+    std::vector<int64_t> row_shape = replica->view.shape;
+    row_shape[0] = 1;
+    const int64_t full = rows.empty() ? 0 : replica->numel() / static_cast<int64_t>(rows.size());
+    const size_t elem = ir::dtypeBytes(replica->view.dtype);
+    std::vector<int64_t> offset(row_shape.size(), 0);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      ir::TensorView row{replica->view.dtype, row_shape,
+                         static_cast<char*>(replica->view.data) + static_cast<size_t>(i) * static_cast<size_t>(full) * elem};
+      offset[0] = rows[i];
+      KILN_RETURN_IF_ERROR(read(op->strAttr("hot_of"), offset, row));
+    }
   }
   return Status::ok();
 }

@@ -225,9 +225,17 @@ class ModelSession {
   // What this rank holds of every global tensor (parameters and optimizer states), as the
   // sharded checkpoint writer takes them: a shard's global name, shape and offset, or a
   // replicated whole tensor. The views point into params().
+  // A hybrid table's replica of its hot rows (the shard pass's `hot_of`) is no piece: its values
+  // are first copied into the rows of this rank's piece of the table, which hold them in the
+  // checkpoint.
   std::vector<runtime::LocalPiece> localPieces();
   // Loads this rank's pieces from a sharded checkpoint written under any rank count or plan.
   Status loadPieces(const runtime::ShardedCheckpoint& ckpt);
+  // Reads every hybrid replica's rows from the whole tensors they replicate: `read(name, offset,
+  // view)` fills `view` (one row) from tensor `name` at `offset`.
+  using RegionReader =
+      std::function<Status(const std::string& name, const std::vector<int64_t>& offset, ir::TensorView& view)>;
+  Status loadHotRows(const RegionReader& read);
 
   // With SessionOptions::profile: where the CPU time of `function`'s runs went, one line per op
   // (launches and ms per run, share of the total, fast kernel or reference), slowest first.

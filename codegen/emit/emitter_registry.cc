@@ -109,10 +109,10 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "a collective: it runs through the communicator (NCCL), not a generated kernel; the "
                   "CUDA backend does not issue collectives yet");
-  for (ir::OpCode op : {ir::OpCode::BucketizeIds, ir::OpCode::SplitHotIds})
+  for (ir::OpCode op : {ir::OpCode::BucketizeIds, ir::OpCode::SplitHotIds, ir::OpCode::EmbeddingBagDenseGrad})
     r.addNoKernel(op, NoKernel::kNotLowered,
-                  "the shard pass's id routing runs on the host next to its all_to_all_v; the CUDA backend "
-                  "does not run sharded steps yet");
+                  "the shard pass's id routing (and a hybrid table's dense hot-row gradient) runs on the host "
+                  "next to its collectives; the CUDA backend does not run sharded steps yet");
   // Expert parallelism's ops appear only in a sharded step (the shard pass puts them around the
   // all_to_all_v of a MoE layer's dispatch and combine).
   for (ir::OpCode op : {ir::OpCode::MoeRouteCounts, ir::OpCode::MoeEpSplit, ir::OpCode::MoeSortChunks,

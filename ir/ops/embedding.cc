@@ -17,6 +17,12 @@
 //   kiln.embedding_bag_weight_grad(table, ids[, lengths], grad_out) {mode}  -> shaped like ids:
 //     d out[b] / d w_j = table[ids_j] (divided by the bag's count for mean), dotted with grad_out[b].
 //
+// A hybrid table's hot rows (passes/shard.cc) are all-reduced as a dense block, so their
+// gradient is built densely:
+//   kiln.embedding_bag_dense_grad(ids[, lengths], grad_out[B, D]) {rows, mode}  -> [rows, D]:
+//     out[r] = sum over the ids j equal to r of grad_out[bag of j] (divided by the bag's count for
+//     mean): the gradient of embedding_bag's table, rows no id touches zero.
+//
 // Sequence features (`embeddings(..., pool = none)`, docs/language.md) pad jagged ids first:
 //   kiln.jagged_to_padded(ids[N], lengths[B]) {length = L}  -> ids' dtype [B, L]
 //     out[b, j] = ids[offset_b + j] for j < min(lengths[b], L), else 0 (fbgemm's
@@ -260,6 +266,66 @@ OpCost costEmbeddingBagWeightGrad(const Op& op, const SymbolBindings& symbols) {
   return {2 * row_elems, bytes};
 }
 
+Status inferEmbeddingBagDenseGrad(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& ids = op.operand(0)->type();
+  const TensorType& g = op.operand(op.numOperands() - 1)->type();
+  const int64_t rows = op.intAttr("rows", -1);
+  if (rows < 0) return Status::errorf("'kiln.embedding_bag_dense_grad' needs rows >= 0, got {}", rows);
+  if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
+    return Status::errorf("'kiln.embedding_bag_dense_grad' ids must be integer [B, H] or [N], got {}", ids.str());
+  const unsigned want = ids.rank() == 1 ? 3 : 2;
+  if (op.numOperands() != want)
+    return Status::errorf("'kiln.embedding_bag_dense_grad' takes (ids{}, grad_out)",
+                          ids.rank() == 1 ? ", lengths" : "");
+  const Dim batch = ids.rank() == 2 ? ids.dim(0) : op.operand(1)->type().dim(0);
+  if (!isFloat(g.dtype()) || g.rank() != 2 || !(g.dim(0) == batch))
+    return Status::errorf("'kiln.embedding_bag_dense_grad' grad_out must be float [{}, D], got {}", batch.str(),
+                          g.str());
+  out = {TensorType(g.dtype(), {Dim::fixed(rows), g.dim(1)})};
+  return Status::ok();
+}
+
+Status cpuEmbeddingBagDenseGrad(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& ids = *in[0];
+  const TensorView* lengths = ids.rank() == 1 ? in[1] : nullptr;
+  const TensorView& g = *in.back();
+  TensorView& r = *out[0];
+  const int64_t rows = r.shape[0], dim = g.shape[1];
+  KILN_RETURN_IF_ERROR(checkIds(op, ids, rows));
+  KILN_ASSIGN_OR_RETURN(auto bags, bagsOf(op, ids, lengths));
+  if (g.shape[0] != bags.batch())
+    return Status::errorf("{}: grad_out {} does not match {} bags", tableLabel(op), shapeString(g.shape),
+                          bags.batch());
+  const bool mean = op.strAttr("mode") == "mean";
+  return visitFloat(op, g.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* pg = data<T>(g);
+    std::vector<double> acc(static_cast<size_t>(rows * dim), 0.0);
+    for (int64_t b = 0; b < bags.batch(); ++b) {
+      const int64_t lo = bags.begin[static_cast<size_t>(b)], hi = bags.begin[static_cast<size_t>(b) + 1];
+      const double scale = mean && hi > lo ? 1.0 / static_cast<double>(hi - lo) : 1.0;
+      for (int64_t j = lo; j < hi; ++j) {
+        double* row = acc.data() + loadIndex(ids, j) * dim;
+        for (int64_t d = 0; d < dim; ++d) row[d] += scale * static_cast<double>(T::load(pg[b * dim + d]));
+      }
+    }
+    auto* pr = data<T>(r);
+    for (size_t i = 0; i < acc.size(); ++i) pr[i] = T::store(acc[i]);
+    return Status::ok();
+  });
+}
+
+// Reads the ids and a grad_out row per id, writes the [rows, D] block once.
+OpCost costEmbeddingBagDenseGrad(const Op& op, const SymbolBindings& symbols) {
+  const TensorType& g = op.operand(op.numOperands() - 1)->type();
+  const double ids = typeElements(op.operand(0)->type(), symbols);
+  auto dim = g.dim(1).evaluate(symbols);
+  const double row_elems = ids * static_cast<double>(dim ? *dim : 0);
+  double bytes = typeBytes(op.result()->type(), symbols) + row_elems * static_cast<double>(dtypeBytes(g.dtype()));
+  for (unsigned i = 0; i + 1 < op.numOperands(); ++i) bytes += typeBytes(op.operand(i)->type(), symbols);
+  return {row_elems, bytes};
+}
+
 Status inferJaggedToPadded(const Op& op, std::vector<TensorType>& out) {
   const TensorType& ids = op.operand(0)->type();
   const TensorType& lengths = op.operand(1)->type();
@@ -324,6 +390,14 @@ void registerEmbeddingOps(OpRegistry& r) {
                    {"table", K::String}},
          .traits = kPure | kNonDifferentiable, .infer = inferEmbeddingBagWeightGrad,
          .cost = costEmbeddingBagWeightGrad, .cpu = cpuEmbeddingBagWeightGrad});
+  r.add({.name = "kiln.embedding_bag_dense_grad",
+         .summary = "Gradient of kiln.embedding_bag with respect to its table, as a dense [rows, D] block",
+         .min_operands = 2, .max_operands = 3,
+         .attrs = {{"rows", K::Int, true},
+                   {"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
+                   {"table", K::String}},
+         .traits = kPure | kNonDifferentiable, .infer = inferEmbeddingBagDenseGrad,
+         .cost = costEmbeddingBagDenseGrad, .cpu = cpuEmbeddingBagDenseGrad});
   r.add({.name = "kiln.jagged_to_padded",
          .summary = "Jagged ids (flat ids and per-sample lengths) to a zero-padded [B, length] tensor",
          .min_operands = 2,

@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "passes/plan_json.h"
+#include "passes/shard.h"
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/local_group.h"
 #include "runtime/data/synthetic.h"
@@ -136,13 +138,15 @@ inline std::array<int64_t, 3> asThreeDims(const std::vector<int64_t>& shape) {
 // Rank comm.rank()'s part of a run where every table is `sharding` ("" = the automatic plan):
 // `steps` steps on its slice of the global batches; its losses go to `losses`, and every piece
 // it holds is compared with `want`.
+// (`plan_path`, when given, is the plan instead: a plan file, such as hybridPlanFile's.)
 inline Status checkRank(comm::Communicator& c, const Model& m, const std::string& sharding, int steps,
-                        const Trajectory& want, std::vector<double>& losses) {
+                        const Trajectory& want, std::vector<double>& losses, const std::string& plan_path = "") {
   const int ranks = c.size();
   std::ostringstream diag;
   SessionOptions o = options(m, kGlobalBatch / ranks);
   o.comm = &c;
   o.sharding = sharding;
+  o.plan_path = plan_path;
   o.ep = m.ep;
   KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
   const int64_t b = kGlobalBatch / ranks;
@@ -190,13 +194,13 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
 // checkRank on `ranks` in-process ranks (threads of a LocalGroup); every rank's losses averaged
 // per step: the global batch's loss.
 inline std::vector<double> runRanks(const Model& m, const std::string& sharding, int ranks, int steps,
-                                    const Trajectory& want) {
+                                    const Trajectory& want, const std::string& plan_path = "") {
   std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
   std::mutex mu;
   comm::LocalGroup group(ranks);
   Status st = group.run([&](comm::Communicator& c) -> Status {
     std::vector<double> mine;
-    Status s = checkRank(c, m, sharding, steps, want, mine);
+    Status s = checkRank(c, m, sharding, steps, want, mine, plan_path);
     std::lock_guard<std::mutex> lock(mu);
     losses[static_cast<size_t>(c.rank())] = std::move(mine);
     return s;
@@ -206,6 +210,32 @@ inline std::vector<double> runRanks(const Model& m, const std::string& sharding,
   for (const auto& l : losses)
     for (size_t i = 0; i < l.size() && i < mean.size(); ++i) mean[i] += l[i] / ranks;
   return mean;
+}
+
+// A plan file for `ranks` ranks where every table is `sharding` (laid out as the shard pass's
+// `sharding` option lays it out) and, unless data_parallel, a hybrid table: its even rows are
+// replicated on every rank, so that about half of any id stream is hot and half travels.
+inline std::string hybridPlanFile(const Model& m, const std::string& sharding, int ranks) {
+  std::ostringstream diag;
+  auto s = ModelSession::create(options(m, kGlobalBatch), diag);
+  EXPECT_TRUE(s) << s.status().str() << diag.str();
+  if (!s) return "";
+  auto tables = passes::tablesOf((*s)->module());
+  EXPECT_TRUE(tables) << tables.status().str();
+  if (!tables) return "";
+  passes::ShardOptions o;
+  o.ranks = ranks;
+  o.sharding = sharding;
+  auto plan = passes::planFor(*tables, o);
+  EXPECT_TRUE(plan) << plan.status().str();
+  if (!plan) return "";
+  for (size_t i = 0; i < plan->tables.size(); ++i)
+    if (plan->tables[i].type != passes::ShardingType::data_parallel)
+      for (int64_t row = 0; row < (*tables)[i].rows; row += 2) plan->tables[i].hot.ids.push_back(row);
+  const auto path = std::filesystem::temp_directory_path() /
+                    fmt::format("kiln_hybrid_{}_{}_{}_{}.json", m.name, sharding, ranks, ::getpid());
+  std::ofstream(path) << passes::writePlanJson(*plan);
+  return path.string();
 }
 
 // The global batch's loss of each step against the single-rank run's.

@@ -29,6 +29,26 @@ TEST_P(ShardedStepMpi, EqualsOneRank) {
   }
 }
 
+// Hybrid tables (half their rows replicated, tests/cli/sharded_check.h) through MPI processes:
+// every rank writes the same plan to a file of its own and reads it.
+TEST_P(ShardedStepMpi, HybridEqualsOneRank) {
+  if (std::string(GetParam()) == "data_parallel") return;  // a replicated table has no hot rows
+  for (const Model& m : {models()[0], models()[2]}) {
+    SCOPED_TRACE(fmt::format("{} on {} MPI ranks, every table {} with hot rows", m.name, world->size(), GetParam()));
+    const int steps = 3;
+    const Trajectory want = singleRank(m, steps);
+    const std::string plan = hybridPlanFile(m, GetParam(), world->size());
+    std::vector<double> mine;
+    Status s = checkRank(*world, m, "", steps, want, mine, plan);
+    std::filesystem::remove(plan);
+    ASSERT_TRUE(s) << s.str();
+    std::vector<double> sum(mine.size());
+    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
+    for (double& v : sum) v /= world->size();
+    expectLossesMatch(sum, want);
+  }
+}
+
 // A MoE layer's experts over every MPI rank (ep = N) and, on 4, over pairs (ep = 2).
 TEST(ExpertParallelMpi, EqualsOneRank) {
   const Model one = moeModel("mpi", "shared_experts = 1, aux_loss = 0.01, z_loss = 0.001", 1);

@@ -23,6 +23,23 @@ TEST_P(ShardedStep, EveryShardingEqualsOneRank) {
     }
 }
 
+// Hybrid tables (passes/shard.cc): half of every table's rows replicated, the rest sharded by each
+// type. Every piece compared holds the replica's trained hot rows (localPieces copies them in),
+// so the hot rows' update is checked as well as the cold rows'. The models' embedding optimizers
+// cover both exchanges of the hot gradients: dense all-reduce (sgd, adagrad, rowwise_adagrad) and
+// gathered ids (dcn's lazy adam).
+TEST_P(ShardedStep, HybridTablesEqualOneRank) {
+  const Model m = models()[GetParam()];
+  const Trajectory want = singleRank(m, 1);
+  for (const char* sharding : {"table_wise", "row_wise", "column_wise", "table_row_wise"})
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks, every table {} with hot rows", m.name, ranks, sharding));
+      const std::string plan = hybridPlanFile(m, sharding, ranks);
+      expectLossesMatch(runRanks(m, "", ranks, 1, want, plan), want);
+      std::filesystem::remove(plan);
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, ShardedStep, ::testing::Range<size_t>(0, models().size()),
                          [](const auto& info) { return std::string(models()[info.param].name); });
 
@@ -33,6 +50,12 @@ TEST(ShardedTrajectory, TwentyStepsAgree) {
     SCOPED_TRACE(fmt::format("{} on 4 ranks, {}", m.name,
                              *sharding ? fmt::format("every table {}", sharding) : "the automatic plan"));
     expectLossesMatch(runRanks(m, sharding, 4, 20, want), want);
+  }
+  for (const char* sharding : {"row_wise", "table_wise"}) {
+    SCOPED_TRACE(fmt::format("{} on 4 ranks, every table {} with hot rows", m.name, sharding));
+    const std::string plan = hybridPlanFile(m, sharding, 4);
+    expectLossesMatch(runRanks(m, "", 4, 20, want, plan), want);
+    std::filesystem::remove(plan);
   }
 }
 
