@@ -100,6 +100,53 @@ TEST(EmbeddingBagCpu, WeightGradIsRowDotGradOut) {
                {2, 2}, {-0.5, -0.5, 25.25, 0.25});
 }
 
+TEST(EmbeddingBagCpu, DenseGradSumsEachIdsBagGradient) {
+  // Bags [2], [], [1, 3, 3]: row 2 gets bag 0's gradient, row 1 bag 2's, row 3 twice bag 2's.
+  auto ids = i64({4}, {2, 1, 3, 3});
+  auto lengths = i32({3}, {1, 0, 3});
+  auto g = f32({3, 2}, {1, 2, 5, 5, -1, 0.5});
+  const AttrDict rows{{"rows", Attribute(int64_t{4})}};
+  expectTensor(runOk({"kiln.embedding_bag_dense_grad", {ids, lengths, g}, rows}), {4, 2},
+               {0, 0, -1, 0.5, 1, 2, -2, 1});
+  AttrDict mean = rows;
+  mean["mode"] = Attribute("mean");
+  expectTensor(runOk({"kiln.embedding_bag_dense_grad", {ids, lengths, g}, mean}), {4, 2},
+               {0, 0, -1.0 / 3, 0.5 / 3, 1, 2, -2.0 / 3, 1.0 / 3});
+  // [B, H] ids, and an id beyond the rows.
+  expectTensor(runOk({"kiln.embedding_bag_dense_grad", {i64({2, 1}, {0, 0}), f32({2, 1}, {3, 4})},
+                      {{"rows", Attribute(int64_t{2})}}}),
+               {2, 1}, {7, 0});
+  auto bad = run({"kiln.embedding_bag_dense_grad", {i64({2, 1}, {0, 5}), f32({2, 1}, {3, 4})},
+                  {{"rows", Attribute(int64_t{2})}, {"table", Attribute("t.hot")}}});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("t.hot"), std::string::npos) << bad.status().message();
+}
+
+// The dense gradient is the table's gradient of sum(embedding_bag(table, ids) * g): central
+// differences of the lookup itself, element by element.
+TEST(EmbeddingBagCpu, DenseGradMatchesFiniteDifferencesOfTheLookup) {
+  auto ids = i64({5}, {0, 2, 2, 4, 1});
+  auto lengths = i32({3}, {2, 2, 1});
+  auto g = f64({3, 3}, {0.3, -1, 2, 0.5, 0.25, -0.75, 1.5, 0, -2});
+  std::vector<double> w(15);
+  for (size_t i = 0; i < w.size(); ++i) w[i] = std::sin(1.0 + static_cast<double>(i));
+  for (const char* mode : {"sum", "mean"}) {
+    auto grad = runOk({"kiln.embedding_bag_dense_grad", {ids, lengths, g},
+                       {{"rows", Attribute(int64_t{5})}, {"mode", Attribute(mode)}}});
+    auto loss = [&](const std::vector<double>& table) {
+      auto pooled = runOk({"kiln.embedding_bag", {f64({5, 3}, table), ids, lengths}, {{"mode", Attribute(mode)}}});
+      double l = 0;
+      for (int64_t i = 0; i < 9; ++i) l += pooled.as<double>()[i] * g.as<double>()[i];
+      return l;
+    };
+    for (size_t i = 0; i < w.size(); ++i) {
+      std::vector<double> up = w, down = w;
+      up[i] += 1e-4, down[i] -= 1e-4;
+      EXPECT_NEAR(grad.as<double>()[i], (loss(up) - loss(down)) / 2e-4, 1e-8) << mode << " element " << i;
+    }
+  }
+}
+
 double bce(double x, double y) {
   return -(y * std::log(1 / (1 + std::exp(-x))) + (1 - y) * std::log(1 - 1 / (1 + std::exp(-x))));
 }

@@ -1,6 +1,7 @@
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=0 sharding=row_wise}' | FileCheck %s --check-prefix=ROW
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 sharding=table_wise}' | FileCheck %s --check-prefix=AWAY
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=0 sharding=data_parallel}' | FileCheck %s --check-prefix=DP
+// RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 plan=%S/Inputs/hot_plan.json}' | FileCheck %s --check-prefix=HOT
 // RUN: not %kiln opt %s --passes='shard{ranks=2 rank=2}' 2>&1 | FileCheck %s --check-prefix=BAD
 // RUN: not %kiln opt %s --passes='shard{ranks=2 sharding=diagonal}' 2>&1 | FileCheck %s --check-prefix=BADTYPE
 
@@ -41,6 +42,25 @@
 // DP:        "kiln.bucketize_ids"(%cats.0) {{{.*}}mode = "replicate", owners = [0, 1]
 // DP:        "kiln.all_gather"
 // DP:        "kiln.embedding_bag_update"(%tables.0, {{.*}}) {{.*}} : (!kiln.tensor<10x2xf32>, !kiln.tensor<?(2*B)xi64>, !kiln.tensor<2*Bxi64>, !kiln.tensor<2*Bx2xf32>
+
+// A hybrid table (Inputs/hot_plan.json: row_wise with rows 1, 4, 7 hot): every rank holds a replica
+// of the hot rows and of their state, placed in the whole tensors by hot_of and hot_rows.
+// HOT:       %tables.0.hot = "kiln.parameter"() {global_shape = [10, 2]{{.*}}hot_of = "tables.0", hot_rows = [1, 4, 7]{{.*}} -> !kiln.tensor<3x2xf32>
+// HOT:       %tables.0.rowwise_adagrad_sum.hot = "kiln.parameter"() {global_shape = [10], hot_of = "tables.0.rowwise_adagrad_sum", hot_rows = [1, 4, 7]{{.*}}state_of = "tables.0.hot"{{.*}} -> !kiln.tensor<3xf32>
+// The hot ids are looked up at home; only the cold ones go to their owners; the two pools add.
+// HOT:       %[[SPLIT:.*]]:4 = "kiln.split_hot_ids"(%cats.0) {hot_rows = [1, 4, 7], rows = 10, table = "tables.0"}
+// HOT:       %[[HOTPOOL:.*]] = "kiln.embedding_bag"(%tables.0.hot, %[[SPLIT]]#0, %[[SPLIT]]#1)
+// HOT:       "kiln.bucketize_ids"(%[[SPLIT]]#2, %[[SPLIT]]#3) {{{.*}}mode = "partition"
+// HOT:       %[[COLD:.*]] = "kiln.reduce_scatter"
+// HOT:       "kiln.add"(%[[HOTPOOL]], %[[COLD]])
+// The cold rows' update as before; the hot rows' gradient is a dense [3, 2] block riding in the
+// dense bucket (1 + 4 + 6 floats), and the replica's update visits each hot row once, last.
+// HOT:       "kiln.embedding_bag_update"(%tables.0, {{.*}} -> ()
+// HOT:       %[[DENSE:.*]] = "kiln.embedding_bag_dense_grad"(%[[SPLIT]]#0, %[[SPLIT]]#1, {{.*}}) {mode = "sum", rows = 3, table = "tables.0.hot"}
+// HOT:       "kiln.all_reduce"({{.*}}) {group = "world", ranks = 2} : (!kiln.tensor<11xf32>) -> !kiln.tensor<11xf32>
+// HOT:       %[[ROWS:.*]] = "kiln.constant"() {value = [0, 1, 2]} : () -> !kiln.tensor<3x1xi64>
+// HOT:       "kiln.embedding_bag_update"(%tables.0.hot, %[[ROWS]], {{.*}}, %tables.0.rowwise_adagrad_sum.hot, %lr, %step) {{.*}}table = "tables.0.hot"
+// HOT-NEXT:  return
 
 // BAD: shard: rank 2 is not below ranks = 2
 // BADTYPE: shard: unknown sharding 'diagonal' (use data_parallel, table_wise, row_wise, column_wise, table_row_wise)
