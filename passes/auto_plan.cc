@@ -61,12 +61,13 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   const LinkRates& global_link = multi_node ? costs.inter_node : costs.intra_node;
   const LinkRates& node_link = costs.intra_node;
   // Hot rows replicated (TablePlan::hot): only the cold ids travel and are looked up by their
-  // owners. Pools still come back for every sample, as the shard pass runs it (returning only
-  // the samples with a cold id would save 1 - hot.sample_share of them; not done yet).
+  // owners, and only the samples with a cold id get a pool back (the shard pass compacts the
+  // returned pools; column shards still return every sample's columns).
   const bool hybrid = t.hot.rows > 0 && t.type != ShardingType::data_parallel;
   const double cold_ids = hybrid ? 1 - t.hot.id_share : 1;
+  const double cold_pools = hybrid && t.type != ShardingType::column_wise ? 1 - t.hot.sample_share : 1;
   const double ids = 8 * h * cold_ids + 8;  // one sample's (cold) ids and its length
-  const double de = d * e;                  // one sample's pool (or its gradient), when it travels
+  const double de = d * e * cold_pools;     // one sample's pool (or its gradient), when it travels
   const int k = static_cast<int>(t.ranks.size());
   std::vector<bool> holds(static_cast<size_t>(n), false);
   // Ranks outside [0, n) (a plan completePlan has not checked) hold nothing here.

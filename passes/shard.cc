@@ -77,6 +77,11 @@ struct Route {
   // fields above then route its cold ids.
   Value* hot_ids = nullptr;
   Value* hot_lengths = nullptr;
+  // With `compact`, pools travel only for samples that sent ids (a hybrid table's: those with a
+  // cold id), and `sent_lengths` ([N * B], per owner how many ids of each local sample went
+  // there) says which.
+  bool compact = false;
+  Value* sent_lengths = nullptr;
 };
 
 // A hybrid table's replica on this rank: the weight and each optimizer state, [hot rows, ...].
@@ -101,9 +106,11 @@ class Sharder {
       if (s.rank == o_.rank) return &s;
     return nullptr;
   }
+  // A hybrid table's pools come back by all_to_all_v, compacted (Route::compact).
   bool returnsByReduceScatter(const TablePlan& t) const {
-    return t.type == ShardingType::row_wise && static_cast<int>(t.ranks.size()) == o_.ranks;
+    return t.type == ShardingType::row_wise && static_cast<int>(t.ranks.size()) == o_.ranks && t.hot.ids.empty();
   }
+  static bool compacts(const TablePlan& t) { return !t.hot.ids.empty() && t.type != ShardingType::column_wise; }
   int64_t holders(const TablePlan& t) const { return static_cast<int64_t>(t.shards.size()); }
 
   Status located(const Op& op, Status s) const { return std::move(s).withLocation(op.location()); }
@@ -261,6 +268,7 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   if (lengths) in.push_back(lengths);
   KILN_ASSIGN_OR_RETURN(Op * bucket, b_.create(OpCode::BucketizeIds, in, a));
   Route r;
+  r.sent_lengths = bucket->result(1);
   KILN_ASSIGN_OR_RETURN(r.lengths, b_.createValue(OpCode::AllToAll, {bucket->result(1)}, group()));
   // Each peer sends at most all its ids (once to each holder): N times a rank's ids in all.
   const Dim per_rank = ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
@@ -305,6 +313,7 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   }
   KILN_ASSIGN_OR_RETURN(Route r, route(t, cold_ids, cold_lengths));
   r.hot_ids = hot_ids, r.hot_lengths = hot_lengths;
+  r.compact = compacts(t);
   const TensorType& pooled_type = bag.result()->type();
   const Dim batch = pooled_type.dim(0);
   const int64_t dim = info_.at(t.table)->dim;
@@ -327,13 +336,28 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   if (reduce_scatter) {
     KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ReduceScatter, {partial}, groupAxis0()));
   } else {
-    const TensorType back_type(pooled_type.dtype(), {batch.times(k), Dim::fixed(cols)});
-    KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {partial, r.return_counts},
+    Value *send = partial, *send_counts = r.return_counts;
+    if (r.compact && mine(t)) {
+      // Only the pools of samples that sent ids here go back.
+      KILN_ASSIGN_OR_RETURN(Op * c, b_.create(OpCode::CompactRows, {partial, r.lengths}, group()));
+      send = c->result(0), send_counts = c->result(1);
+    }
+    const Dim back_rows = r.compact ? Dim::bounded(batch.times(k)) : batch.times(k);
+    const TensorType back_type(pooled_type.dtype(), {back_rows, Dim::fixed(cols)});
+    KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {send, send_counts},
                                                         {back_type, countsType()}, group()));
     r.back_counts = back->result(1);
     pooled = back->result(0);
     const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
-    if (k > 1 && t.type == ShardingType::column_wise) {
+    if (r.compact) {
+      // Each sample's partials in place (zeros from the ranks it sent nothing), summed.
+      KILN_ASSIGN_OR_RETURN(Value * placed, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths}));
+      KILN_ASSIGN_OR_RETURN(
+          Op * split, b_.createWithTypes(OpCode::Reshape, {placed},
+                                         {TensorType(pooled_type.dtype(), {Dim::fixed(o_.ranks), batch, Dim::fixed(cols)})}));
+      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
+                                                   {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
+    } else if (k > 1 && t.type == ShardingType::column_wise) {
       // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
       KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));
     } else if (k > 1) {
@@ -391,6 +415,17 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   Value* grads = nullptr;  // the gradient of every global sample this rank's ids belong to
   if (t.type == ShardingType::data_parallel || returnsByReduceScatter(t)) {
     KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::AllGather, {grad}, groupAxis0()));
+  } else if (r.compact) {
+    // The gradients of the samples that sent ids, to the ranks they sent them to.
+    KILN_ASSIGN_OR_RETURN(Op * c, b_.create(OpCode::CompactRows, {grad, r.sent_lengths}, group()));
+    const Dim arrive = mine(t) ? Dim::bounded(batch.times(o_.ranks)) : Dim::fixed(0);
+    KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {c->result(0), c->result(1)},
+                                                        {TensorType(gt.dtype(), {arrive, gt.dim(1)}), countsType()},
+                                                        group()));
+    grads = back->result(0);
+    if (mine(t)) {
+      KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::ExpandRows, {grads, r.lengths}));
+    }
   } else {
     // Back the way the pools came: B rows to each owner (each its columns for column_wise, or
     // whole rows where rowwise_adagrad's statistic needs them).

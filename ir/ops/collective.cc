@@ -42,6 +42,16 @@
 //                                  in sample order with how many of each sample's ids they hold.
 //                                  M' is bounded by the ids' count. An id outside [0, rows) is a
 //                                  run-time error naming the table.
+//   kiln.compact_rows(x[R, D], lengths[L]) -> (rows[?(L), D], counts: i64[N])   {ranks}
+//                                  the rows of x whose sample has ids: lengths splits into N
+//                                  equal blocks (one per rank), entry i standing for row i mod R
+//                                  of x (R = L: each its own row; R = L / N: x again for each
+//                                  block); `rows` packs, block after block, the rows with
+//                                  lengths[i] > 0, and counts[p] is block p's share. The
+//                                  all_to_all_v of a hybrid table's pools sends only these.
+//   kiln.expand_rows(rows[M, D], lengths[L]) -> [L, D]
+//                                  the inverse: row i is the next of `rows` where lengths[i] > 0,
+//                                  zeros elsewhere; every row of `rows` must be used.
 // `group` names the ranks; only "world" (all of them) runs today, sub-groups (a node's GPUs for
 // table_row_wise) come with the plans that need them.
 //
@@ -336,6 +346,82 @@ Status cpuSplitHotIds(const Op& op, const CpuOperands& in, const CpuResults& out
   }
   KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {h}));
   return setResultShape(op, *out[2], {c});
+}
+
+// ---- compact_rows / expand_rows -------------------------------------------------------------
+
+Status checkRowsAndLengths(const Op& op, const TensorType& x, const TensorType& lengths) {
+  if (x.rank() != 2) return Status::errorf("'{}' rows must be [rows, D], got {}", op.name(), x.str());
+  if (lengths.rank() != 1 || !isInteger(lengths.dtype()))
+    return Status::errorf("'{}' lengths must be a 1-d integer tensor, got {}", op.name(), lengths.str());
+  return Status::ok();
+}
+
+Status inferCompactRows(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& x = op.operand(0)->type();
+  const TensorType& lengths = op.operand(1)->type();
+  KILN_RETURN_IF_ERROR(checkGroup(op));
+  KILN_RETURN_IF_ERROR(checkRowsAndLengths(op, x, lengths));
+  const int64_t n = ranksOf(op);
+  if (lengths.dim(0).isStatic() && (lengths.dim(0).size() % n != 0))
+    return Status::errorf("'{}' lengths {} do not split into {} blocks", op.name(), lengths.str(), n);
+  out = {TensorType(x.dtype(), {Dim::bounded(lengths.dim(0).upperBound()), x.dim(1)}),
+         TensorType(DType::i64, {Dim::fixed(n)})};
+  return Status::ok();
+}
+
+Status cpuCompactRows(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& x = *in[0];
+  const TensorView& lengths = *in[1];
+  const int64_t n = ranksOf(op), total = lengths.numel(), rows = x.shape[0];
+  if (total % n != 0 || rows == 0 || total % rows != 0)
+    return Status::errorf("'{}': {} lengths do not split into {} blocks of rows of x's {}", op.name(), total, n, rows);
+  const size_t row_bytes = static_cast<size_t>(x.shape[1]) * dtypeBytes(x.dtype);
+  auto* dst = static_cast<char*>(out[0]->data);
+  auto* counts = static_cast<int64_t*>(out[1]->data);
+  const int64_t block = total / n;
+  int64_t kept = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    counts[p] = 0;
+    for (int64_t i = p * block; i < (p + 1) * block; ++i) {
+      if (loadIndex(lengths, i) <= 0) continue;
+      std::memcpy(dst + static_cast<size_t>(kept++) * row_bytes,
+                  static_cast<const char*>(x.data) + static_cast<size_t>(i % rows) * row_bytes, row_bytes);
+      ++counts[p];
+    }
+  }
+  return setResultShape(op, *out[0], {kept, x.shape[1]});
+}
+
+Status inferExpandRows(const Op& op, std::vector<TensorType>& out) {
+  const TensorType& rows = op.operand(0)->type();
+  const TensorType& lengths = op.operand(1)->type();
+  KILN_RETURN_IF_ERROR(checkRowsAndLengths(op, rows, lengths));
+  if (lengths.dim(0).isBounded())
+    return Status::errorf("'{}' needs lengths whose size is not data-dependent, got {}", op.name(), lengths.str());
+  out = {TensorType(rows.dtype(), {lengths.dim(0), rows.dim(1)})};
+  return Status::ok();
+}
+
+Status cpuExpandRows(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const TensorView& rows = *in[0];
+  const TensorView& lengths = *in[1];
+  TensorView& r = *out[0];
+  const size_t row_bytes = static_cast<size_t>(rows.shape[1]) * dtypeBytes(rows.dtype);
+  int64_t next = 0;
+  for (int64_t i = 0; i < lengths.numel(); ++i) {
+    char* dst = static_cast<char*>(r.data) + static_cast<size_t>(i) * row_bytes;
+    if (loadIndex(lengths, i) <= 0) {
+      std::memset(dst, 0, row_bytes);
+      continue;
+    }
+    if (next == rows.shape[0])
+      return Status::errorf("'{}': {} rows arrived but more samples have ids", op.name(), rows.shape[0]);
+    std::memcpy(dst, static_cast<const char*>(rows.data) + static_cast<size_t>(next++) * row_bytes, row_bytes);
+  }
+  if (next != rows.shape[0])
+    return Status::errorf("'{}': {} rows arrived but only {} samples have ids", op.name(), rows.shape[0], next);
+  return Status::ok();
 }
 
 // ---- Costs ------------------------------------------------------------------------------------
@@ -653,6 +739,27 @@ void registerCollectiveOps(OpRegistry& r) {
                return c;
              },
          .cpu = cpuSplitHotIds});
+
+  // Moves rows by lengths the shard pass's routing computed (it writes the backward itself, after
+  // autodiff): no gradient of their own.
+  r.add({.name = "kiln.compact_rows",
+         .summary = "The rows of samples with ids, packed per rank block, and each block's count",
+         .min_operands = 2,
+         .max_operands = 2,
+         .num_results = 2,
+         .attrs = {ranks, group},
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferCompactRows,
+         .cost = [](const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; },
+         .cpu = cpuCompactRows});
+  r.add({.name = "kiln.expand_rows",
+         .summary = "Packed rows back to one row per sample, zeros for samples without ids",
+         .min_operands = 2,
+         .max_operands = 2,
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferExpandRows,
+         .cost = [](const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; },
+         .cpu = cpuExpandRows});
 
   r.add({.name = "kiln.all_to_all_v",
          .summary =

@@ -795,5 +795,71 @@ TEST(SplitHotIds, HotRowsMustRiseInsideTheTable) {
   EXPECT_NE(errorOf(OpCode::SplitHotIds, {i64({2, 1})}, hotRows({9})).find("in [0, 9)"), std::string::npos);
 }
 
+// ---- compact_rows / expand_rows -------------------------------------------------------------
+
+std::vector<double> floats(const HostTensor& t) {
+  std::vector<double> v;
+  for (int64_t i = 0; i < t.view.numel(); ++i) v.push_back(t.as<float>()[i]);
+  return v;
+}
+
+std::vector<HostTensor> runOp(OpCode code, const std::vector<TensorType>& types, const Tensors& in, AttrDict attrs) {
+  auto b = buildReturning(code, types, std::move(attrs));
+  EXPECT_TRUE(b) << b.status().str();
+  if (!b) return {};
+  auto r = interpret(*b->module->functions().front(), in, {});
+  EXPECT_TRUE(r) << r.status().str();
+  return r ? r.take() : std::vector<HostTensor>{};
+}
+
+AttrDict twoRanks() { return {{"ranks", Attribute(int64_t{2})}, {"group", Attribute("world")}}; }
+
+TEST(CompactRows, KeepsTheRowsOfSamplesWithIdsBlockByBlock) {
+  // An owner's partial pools of 2 peers' 3 samples each: peer 0's samples 0 and 2 sent ids, peer
+  // 1's sample 2.
+  HostTensor x = hostTensor(DType::f32, {6, 2}, [](int64_t i) { return static_cast<double>(i); });
+  HostTensor lengths = hostTensor(DType::i64, {6}, [](int64_t i) { return std::vector<double>{1, 0, 2, 0, 0, 3}[i]; });
+  auto out = runOp(OpCode::CompactRows, {f32({6, 2}), i64({6})}, {{"x0", x}, {"x1", lengths}}, twoRanks());
+  ASSERT_EQ(out.size(), 2u);
+  EXPECT_EQ(out[0].view.shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(floats(out[0]), (std::vector<double>{0, 1, 4, 5, 10, 11}));
+  EXPECT_EQ(ints(out[1]), (std::vector<int64_t>{2, 1}));
+  // A rank's own 3 samples' gradients, for each of 2 owners by the ids it sent each.
+  HostTensor g = hostTensor(DType::f32, {3, 2}, [](int64_t i) { return static_cast<double>(i); });
+  HostTensor sent = hostTensor(DType::i64, {6}, [](int64_t i) { return std::vector<double>{0, 1, 1, 1, 0, 0}[i]; });
+  auto back = runOp(OpCode::CompactRows, {f32({3, 2}), i64({6})}, {{"x0", g}, {"x1", sent}}, twoRanks());
+  ASSERT_EQ(back.size(), 2u);
+  EXPECT_EQ(floats(back[0]), (std::vector<double>{2, 3, 4, 5, 0, 1}));
+  EXPECT_EQ(ints(back[1]), (std::vector<int64_t>{2, 1}));
+}
+
+TEST(ExpandRows, PutsRowsBackAndZerosTheRestAgainstAMaskedCopy) {
+  std::mt19937_64 rng(7);
+  const int64_t n = 40, d = 3;
+  std::vector<double> len(n), x(n * d);
+  for (auto& l : len) l = static_cast<double>(rng() % 3);  // a third of the samples sent nothing
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<double>(rng() % 1000) / 7.0;
+  HostTensor xs = hostTensor(DType::f32, {n, d}, [&](int64_t i) { return x[static_cast<size_t>(i)]; });
+  HostTensor ls = hostTensor(DType::i64, {n}, [&](int64_t i) { return len[static_cast<size_t>(i)]; });
+  auto packed = runOp(OpCode::CompactRows, {f32({n, d}), i64({n})}, {{"x0", xs}, {"x1", ls}}, twoRanks());
+  ASSERT_EQ(packed.size(), 2u);
+  const int64_t m = packed[0].view.shape[0];
+  auto out = runOp(OpCode::ExpandRows, {f32({m, d}), i64({n})}, {{"x0", packed[0]}, {"x1", ls}}, {});
+  ASSERT_EQ(out.size(), 1u);
+  std::vector<double> want(x.size());
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < d; ++j)
+      want[static_cast<size_t>(i * d + j)] = len[static_cast<size_t>(i)] > 0 ? static_cast<float>(x[static_cast<size_t>(i * d + j)]) : 0.0;
+  EXPECT_EQ(floats(out[0]), want);
+  // The rows must match the samples with ids, one for one.
+  auto b = buildReturning(OpCode::ExpandRows, {f32({1, d}), i64({n})}, {});
+  ASSERT_TRUE(b) << b.status().str();
+  auto bad = interpret(*b->module->functions().front(),
+                       {{"x0", hostTensor(DType::f32, {1, d}, [](int64_t) { return 1.0; })}, {"x1", ls}}, {});
+  ASSERT_FALSE(bad);
+  EXPECT_NE(bad.status().message().find("rows arrived but more samples have ids"), std::string::npos)
+      << bad.status().str();
+}
+
 }  // namespace
 }  // namespace kiln::ir

@@ -47,14 +47,23 @@
 // of the hot rows and of their state, placed in the whole tensors by hot_of and hot_rows.
 // HOT:       %tables.0.hot = "kiln.parameter"() {global_shape = [10, 2]{{.*}}hot_of = "tables.0", hot_rows = [1, 4, 7]{{.*}} -> !kiln.tensor<3x2xf32>
 // HOT:       %tables.0.rowwise_adagrad_sum.hot = "kiln.parameter"() {global_shape = [10], hot_of = "tables.0.rowwise_adagrad_sum", hot_rows = [1, 4, 7]{{.*}}state_of = "tables.0.hot"{{.*}} -> !kiln.tensor<3xf32>
-// The hot ids are looked up at home; only the cold ones go to their owners; the two pools add.
+// The hot ids are looked up at home; only the cold ones go to their owners, and only the samples
+// that sent an owner ids get its pools back (compacted, then put back in place); the pools add.
 // HOT:       %[[SPLIT:.*]]:4 = "kiln.split_hot_ids"(%cats.0) {hot_rows = [1, 4, 7], rows = 10, table = "tables.0"}
 // HOT:       %[[HOTPOOL:.*]] = "kiln.embedding_bag"(%tables.0.hot, %[[SPLIT]]#0, %[[SPLIT]]#1)
-// HOT:       "kiln.bucketize_ids"(%[[SPLIT]]#2, %[[SPLIT]]#3) {{{.*}}mode = "partition"
-// HOT:       %[[COLD:.*]] = "kiln.reduce_scatter"
+// HOT:       %[[BUCKET:.*]]:4 = "kiln.bucketize_ids"(%[[SPLIT]]#2, %[[SPLIT]]#3) {{{.*}}mode = "partition"
+// HOT:       %[[ARRIVED:.*]] = "kiln.all_to_all"(%[[BUCKET]]#1)
+// HOT:       "kiln.compact_rows"({{.*}}, %[[ARRIVED]]) {group = "world", ranks = 2} : (!kiln.tensor<2*Bx2xf32>, !kiln.tensor<2*Bxi64>) -> (!kiln.tensor<?(2*B)x2xf32>, !kiln.tensor<2xi64>)
+// HOT:       %[[BACK:.*]]:2 = "kiln.all_to_all_v"
+// HOT:       "kiln.expand_rows"(%[[BACK]]#0, %[[BUCKET]]#1) : (!kiln.tensor<?(2*B)x2xf32>, !kiln.tensor<2*Bxi64>) -> !kiln.tensor<2*Bx2xf32>
+// HOT:       %[[COLD:.*]] = "kiln.reduce"
 // HOT:       "kiln.add"(%[[HOTPOOL]], %[[COLD]])
-// The cold rows' update as before; the hot rows' gradient is a dense [3, 2] block riding in the
-// dense bucket (1 + 4 + 6 floats), and the replica's update visits each hot row once, last.
+// The cold rows' gradients go back the same compacted way; the hot rows' gradient is a dense
+// [3, 2] block riding in the dense bucket (1 + 4 + 6 floats), and the replica's update visits
+// each hot row once, last.
+// HOT:       "kiln.compact_rows"({{.*}}, %[[BUCKET]]#1)
+// HOT:       "kiln.all_to_all_v"
+// HOT:       "kiln.expand_rows"({{.*}}, %[[ARRIVED]])
 // HOT:       "kiln.embedding_bag_update"(%tables.0, {{.*}} -> ()
 // HOT:       %[[DENSE:.*]] = "kiln.embedding_bag_dense_grad"(%[[SPLIT]]#0, %[[SPLIT]]#1, {{.*}}) {mode = "sum", rows = 3, table = "tables.0.hot"}
 // HOT:       "kiln.all_reduce"({{.*}}) {group = "world", ranks = 2} : (!kiln.tensor<11xf32>) -> !kiln.tensor<11xf32>
