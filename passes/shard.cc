@@ -28,6 +28,13 @@
 //   about `bucket_bytes` (DDP's 25 MB), each placed right after the last gradient it carries,
 //   in the order the backward produces them.
 //
+//   hybrid tables (a plan entry's hot_rows): every rank holds a replica of the hot rows (and of
+//   their optimizer state); split_hot_ids pools the hot ids there and sends only the cold ids by
+//   the type's route; pools (and gradients) travel only for samples that sent an owner ids
+//   (compact_rows / expand_rows around the all_to_all_v); the replica's gradient is a dense block
+//   all-reduced in the dense buckets (embedding_bag_dense_grad) and its update visits every hot
+//   row once, or, under lazy adam, is gathered as a data_parallel table's.
+//
 //   MoE layers (passes/shard_experts.cc): with expert parallelism each rank holds E / ep experts
 //   and the rows travel to their owners by all_to_all_v and back; in any case the balancing
 //   losses and the per-expert counts (statistics, the expert-bias update) are the global batch's.

@@ -227,11 +227,13 @@ Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std
 }
 
 // The frequency curves and the hot rows worth replicating for each sharded table of `plan`; returns
-// the plan to run: `plan` with those hot rows, or the search rerun with them where that is faster
-// and keeps the memory imbalance within 1.5x (or the plan's own, if that is higher).
+// the plan to run: `plan` with those hot rows, or (unless `keep_layout`: a --plan file's layout
+// stays) the search rerun with them where that is faster and keeps the memory imbalance within
+// 1.5x (or the plan's own, if that is higher).
 passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
                  const std::vector<passes::IdSample>& sample, const passes::PlanRequest& req,
-                 const std::string& source, const std::vector<std::string>& explain, std::FILE* out) {
+                 const std::string& source, const std::vector<std::string>& explain, bool keep_layout,
+                 std::FILE* out) {
   std::vector<passes::FrequencyCurve> curves;
   for (const auto& pt : plan.tables) {
     passes::FrequencyCurve curve;
@@ -315,7 +317,9 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
                              c.step_s() * 1e3, c.step_s() > 0 ? before / c.step_s() : 1.0, c.memory_imbalance())
                      .c_str());
     const double allowed = std::max(1.5, passes::planCosts(plan, tables, req).memory_imbalance());
-    if (c.step_s() < after && c.memory_imbalance() <= allowed) {
+    if (keep_layout) {
+      why += " (--plan fixes the layout)";
+    } else if (c.step_s() < after && c.memory_imbalance() <= allowed) {
       chosen = *searched;
       why = "the search rerun with the hot rows";
     } else if (c.step_s() < after) {
@@ -559,7 +563,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
   }
   if (sample) {
     plan = printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")),
-                       p.getAll("explain"), stdout);
+                       p.getAll("explain"), p.has("plan"), stdout);
     costs = passes::planCosts(plan, *tables, req);
   }
   if (p.flag("simulate")) {
