@@ -357,13 +357,9 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
     pooled = back->result(0);
     const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
     if (r.compact) {
-      // Each sample's partials in place (zeros from the ranks it sent nothing), summed.
-      KILN_ASSIGN_OR_RETURN(Value * placed, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths}));
-      KILN_ASSIGN_OR_RETURN(
-          Op * split, b_.createWithTypes(OpCode::Reshape, {placed},
-                                         {TensorType(pooled_type.dtype(), {Dim::fixed(o_.ranks), batch, Dim::fixed(cols)})}));
-      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
-                                                   {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
+      // Each sample's partials from the owners it sent ids to, summed in rank order.
+      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths},
+                                                   {{"blocks", Attribute(int64_t{o_.ranks})}}));
     } else if (k > 1 && t.type == ShardingType::column_wise) {
       // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
       KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));

@@ -49,9 +49,12 @@
 //                                  block); `rows` packs, block after block, the rows with
 //                                  lengths[i] > 0, and counts[p] is block p's share. The
 //                                  all_to_all_v of a hybrid table's pools sends only these.
-//   kiln.expand_rows(rows[M, D], lengths[L]) -> [L, D]
-//                                  the inverse: row i is the next of `rows` where lengths[i] > 0,
-//                                  zeros elsewhere; every row of `rows` must be used.
+//   kiln.expand_rows(rows[M, D], lengths[L]) {blocks = K} -> [L / K, D]
+//                                  the inverse, summed over K equal blocks of lengths: entry i
+//                                  takes the next of `rows` where lengths[i] > 0 and adds it to
+//                                  row i mod (L / K); rows no entry takes are zeros; every row of
+//                                  `rows` must be used. K = 1 puts each row back in its place; K
+//                                  = N sums a sample's partial pools from its N possible owners.
 // `group` names the ranks; only "world" (all of them) runs today, sub-groups (a node's GPUs for
 // table_row_wise) come with the plans that need them.
 //
@@ -399,7 +402,18 @@ Status inferExpandRows(const Op& op, std::vector<TensorType>& out) {
   KILN_RETURN_IF_ERROR(checkRowsAndLengths(op, rows, lengths));
   if (lengths.dim(0).isBounded())
     return Status::errorf("'{}' needs lengths whose size is not data-dependent, got {}", op.name(), lengths.str());
-  out = {TensorType(rows.dtype(), {lengths.dim(0), rows.dim(1)})};
+  if (!isFloat(rows.dtype())) return Status::errorf("'{}' sums float rows, got {}", op.name(), rows.str());
+  const int64_t k = op.intAttr("blocks", 1);
+  if (k < 1) return Status::errorf("'{}' needs blocks >= 1, got {}", op.name(), k);
+  Dim per_block = lengths.dim(0);
+  if (k > 1) {
+    // lengths of N * B (the shard pass's), or a static size K divides.
+    const Dim& l = lengths.dim(0);
+    if (l.factor() % k != 0)
+      return Status::errorf("'{}' lengths {} do not split into {} blocks", op.name(), lengths.str(), k);
+    per_block = l.isStatic() ? Dim::fixed(l.size() / k) : Dim::symbol(l.sym(), l.factor() / k);
+  }
+  out = {TensorType(rows.dtype(), {per_block, rows.dim(1)})};
   return Status::ok();
 }
 
@@ -407,21 +421,26 @@ Status cpuExpandRows(const Op& op, const CpuOperands& in, const CpuResults& out,
   const TensorView& rows = *in[0];
   const TensorView& lengths = *in[1];
   TensorView& r = *out[0];
-  const size_t row_bytes = static_cast<size_t>(rows.shape[1]) * dtypeBytes(rows.dtype);
+  const int64_t d = rows.shape[1], per_block = r.shape[0];
   int64_t next = 0;
-  for (int64_t i = 0; i < lengths.numel(); ++i) {
-    char* dst = static_cast<char*>(r.data) + static_cast<size_t>(i) * row_bytes;
-    if (loadIndex(lengths, i) <= 0) {
-      std::memset(dst, 0, row_bytes);
-      continue;
+  return visitFloat(op, rows.dtype, [&](auto tag) -> Status {
+    using T = decltype(tag);
+    const auto* src = data<T>(rows);
+    std::vector<double> acc(static_cast<size_t>(per_block * d), 0.0);
+    for (int64_t i = 0; i < lengths.numel(); ++i) {
+      if (loadIndex(lengths, i) <= 0) continue;
+      if (next == rows.shape[0])
+        return Status::errorf("'{}': {} rows arrived but more samples have ids", op.name(), rows.shape[0]);
+      double* dst = acc.data() + (i % per_block) * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] += static_cast<double>(T::load(src[next * d + j]));
+      ++next;
     }
-    if (next == rows.shape[0])
-      return Status::errorf("'{}': {} rows arrived but more samples have ids", op.name(), rows.shape[0]);
-    std::memcpy(dst, static_cast<const char*>(rows.data) + static_cast<size_t>(next++) * row_bytes, row_bytes);
-  }
-  if (next != rows.shape[0])
-    return Status::errorf("'{}': {} rows arrived but only {} samples have ids", op.name(), rows.shape[0], next);
-  return Status::ok();
+    if (next != rows.shape[0])
+      return Status::errorf("'{}': {} rows arrived but only {} samples have ids", op.name(), rows.shape[0], next);
+    auto* pr = data<T>(r);
+    for (size_t i = 0; i < acc.size(); ++i) pr[i] = T::store(acc[i]);
+    return Status::ok();
+  });
 }
 
 // ---- Costs ------------------------------------------------------------------------------------
@@ -756,6 +775,7 @@ void registerCollectiveOps(OpRegistry& r) {
          .summary = "Packed rows back to one row per sample, zeros for samples without ids",
          .min_operands = 2,
          .max_operands = 2,
+         .attrs = {{"blocks", K::Int, false, Attribute(int64_t{1})}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferExpandRows,
          .cost = [](const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; },

@@ -851,6 +851,13 @@ TEST(ExpandRows, PutsRowsBackAndZerosTheRestAgainstAMaskedCopy) {
     for (int64_t j = 0; j < d; ++j)
       want[static_cast<size_t>(i * d + j)] = len[static_cast<size_t>(i)] > 0 ? static_cast<float>(x[static_cast<size_t>(i * d + j)]) : 0.0;
   EXPECT_EQ(floats(out[0]), want);
+  // blocks = 2: a sample's rows from the two halves of lengths, summed.
+  auto summed = runOp(OpCode::ExpandRows, {f32({m, d}), i64({n})}, {{"x0", packed[0]}, {"x1", ls}},
+                      {{"blocks", Attribute(int64_t{2})}});
+  ASSERT_EQ(summed.size(), 1u);
+  std::vector<double> halves(static_cast<size_t>(n / 2 * d));
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<float>(want[i] + want[i + halves.size()]);
+  EXPECT_EQ(floats(summed[0]), halves);
   // The rows must match the samples with ids, one for one.
   auto b = buildReturning(OpCode::ExpandRows, {f32({1, d}), i64({n})}, {});
   ASSERT_TRUE(b) << b.status().str();

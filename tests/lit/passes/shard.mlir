@@ -55,8 +55,7 @@
 // HOT:       %[[ARRIVED:.*]] = "kiln.all_to_all"(%[[BUCKET]]#1)
 // HOT:       "kiln.compact_rows"({{.*}}, %[[ARRIVED]]) {group = "world", ranks = 2} : (!kiln.tensor<2*Bx2xf32>, !kiln.tensor<2*Bxi64>) -> (!kiln.tensor<?(2*B)x2xf32>, !kiln.tensor<2xi64>)
 // HOT:       %[[BACK:.*]]:2 = "kiln.all_to_all_v"
-// HOT:       "kiln.expand_rows"(%[[BACK]]#0, %[[BUCKET]]#1) : (!kiln.tensor<?(2*B)x2xf32>, !kiln.tensor<2*Bxi64>) -> !kiln.tensor<2*Bx2xf32>
-// HOT:       %[[COLD:.*]] = "kiln.reduce"
+// HOT:       %[[COLD:.*]] = "kiln.expand_rows"(%[[BACK]]#0, %[[BUCKET]]#1) {blocks = 2} : (!kiln.tensor<?(2*B)x2xf32>, !kiln.tensor<2*Bxi64>) -> !kiln.tensor<Bx2xf32>
 // HOT:       "kiln.add"(%[[HOTPOOL]], %[[COLD]])
 // The cold rows' gradients go back the same compacted way; the hot rows' gradient is a dense
 // [3, 2] block riding in the dense bucket (1 + 4 + 6 floats), and the replica's update visits
