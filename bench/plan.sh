@@ -65,6 +65,15 @@ echo "The same within 16 GiB a rank (the search must then balance the memory):"
 "$KILN" plan "$MODEL" "${MLPERF[@]}" --ranks 8 --ranks-per-node 8 --memory-per-rank 16G --batch 65536 \
   --data synthetic --data-samples 65536 > "$OUT/hybrid16.txt"
 grep -E "^(hybrid|searched again)" "$OUT/hybrid16.txt"
+echo
+echo "The whole step simulated (dense layers included), the plain search's plan and the hybrid plan that runs:"
+for v in plain hybrid; do
+  data=()
+  [ "$v" = hybrid ] && data=(--data synthetic --data-samples 65536)
+  "$KILN" plan "$MODEL" "${MLPERF[@]}" --ranks 8 --ranks-per-node 8 --memory-per-rank 80G --batch 65536 \
+    "${data[@]}" --simulate > "$OUT/sim_$v.txt"
+  echo "$v: $(grep -E '^predicted step' "$OUT/sim_$v.txt")"
+done
 
 echo
 echo "## 2b. Hybrid tables run: every table row_wise on 2 MPI ranks, without and with the hot rows"

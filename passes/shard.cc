@@ -89,6 +89,7 @@ struct Route {
   // there) says which.
   bool compact = false;
   Value* sent_lengths = nullptr;
+  double pools_fill = 1;  // the share of samples expected to send ids (the cost model's)
 };
 
 // A hybrid table's replica on this rank: the weight and each optimizer state, [hot rows, ...].
@@ -156,6 +157,7 @@ class Sharder {
   std::map<std::pair<std::string, const Value*>, Route> routes_;
   std::vector<Op*> dropped_params_;
   std::map<std::string, HotReplica> hot_;  // per hybrid table
+  double ids_fill_ = 1;                    // the expected_fill of the ids' all_to_all_v routeTo adds
   // Gradients all-reduced in the dense buckets besides the dense parameters': a hybrid table's
   // hot rows (operand `operand` of `user`).
   struct DenseGrad {
@@ -281,8 +283,10 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   const Dim per_rank = ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
                                                : ids->type().dim(0).upperBound();
   const TensorType rows(DType::i64, {Dim::bounded(per_rank.times(o_.ranks))});
+  AttrDict moved_attrs = group();
+  if (ids_fill_ < 1) moved_attrs["expected_fill"] = Attribute(ids_fill_);
   KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)},
-                                                       {rows, countsType()}, group()));
+                                                       {rows, countsType()}, moved_attrs));
   r.ids = moved->result(0);
   r.return_counts = bucket->result(3);
   return r;
@@ -318,9 +322,13 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
     KILN_ASSIGN_OR_RETURN(hot_pool, b_.createValue(OpCode::EmbeddingBag, {hot_[t.table].weight, hot_ids, hot_lengths},
                                                    {{"mode", Attribute("sum")}, {"table", Attribute(t.table + ".hot")}}));
   }
+  // The cost model's view of the cold exchanges: the shares the plan's data sample measured.
+  ids_fill_ = t.hot.ids.empty() ? 1.0 : 1 - t.hot.id_share;
   KILN_ASSIGN_OR_RETURN(Route r, route(t, cold_ids, cold_lengths));
+  ids_fill_ = 1;
   r.hot_ids = hot_ids, r.hot_lengths = hot_lengths;
   r.compact = compacts(t);
+  r.pools_fill = 1 - t.hot.sample_share;
   const TensorType& pooled_type = bag.result()->type();
   const Dim batch = pooled_type.dim(0);
   const int64_t dim = info_.at(t.table)->dim;
@@ -351,8 +359,10 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
     }
     const Dim back_rows = r.compact ? Dim::bounded(batch.times(k)) : batch.times(k);
     const TensorType back_type(pooled_type.dtype(), {back_rows, Dim::fixed(cols)});
+    AttrDict back_attrs = group();
+    if (r.compact && r.pools_fill < 1) back_attrs["expected_fill"] = Attribute(r.pools_fill);
     KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {send, send_counts},
-                                                        {back_type, countsType()}, group()));
+                                                        {back_type, countsType()}, back_attrs));
     r.back_counts = back->result(1);
     pooled = back->result(0);
     const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
@@ -422,9 +432,11 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     // The gradients of the samples that sent ids, to the ranks they sent them to.
     KILN_ASSIGN_OR_RETURN(Op * c, b_.create(OpCode::CompactRows, {grad, r.sent_lengths}, group()));
     const Dim arrive = mine(t) ? Dim::bounded(batch.times(o_.ranks)) : Dim::fixed(0);
+    AttrDict back_attrs = group();
+    if (r.pools_fill < 1) back_attrs["expected_fill"] = Attribute(r.pools_fill);
     KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {c->result(0), c->result(1)},
                                                         {TensorType(gt.dtype(), {arrive, gt.dim(1)}), countsType()},
-                                                        group()));
+                                                        back_attrs));
     grads = back->result(0);
     if (mine(t)) {
       KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::ExpandRows, {grads, r.lengths}));

@@ -15,7 +15,9 @@
 //                                  packed in peer order, recv_counts[p] of them from p. The
 //                                  counts are known only at run time, so `rows` has a stated
 //                                  type whose dim 0 is bounded (`?(cap)`: more arriving is a
-//                                  run-time error) or exact.
+//                                  run-time error) or exact. `expected_fill` (default 1) is the
+//                                  share of the bound a step is expected to move, for the cost
+//                                  model only.
 //   kiln.bucketize_ids(ids[B, H]) or (ids[M], lengths[B])
 //       -> (ids_out[M'], lengths_out[N*B], send_counts: i64[N], return_counts: i64[N])
 //       {ranks, rank, table, rows, mode, owners, row_starts}
@@ -454,6 +456,13 @@ OpCost costCollective(const Op& op, const SymbolBindings& symbols) {
   const double full =
       typeBytes(op.is(OpCode::AllGather) ? op.result()->type() : op.operand(0)->type(), symbols);
   c.comm_bytes = (op.is(OpCode::AllReduce) ? 2 * share : share) * full;
+  // An all_to_all_v's rows are a bound; the shard pass may say what share of it a step is
+  // expected to fill (a hybrid table's cold ids and pools, from the plan's data sample).
+  if (op.is(OpCode::AllToAllV)) {
+    const double fill = std::clamp(op.floatAttr("expected_fill", 1.0), 0.0, 1.0);
+    c.comm_bytes *= fill;
+    c.bytes *= fill;
+  }
   // A ring's reduce-scatter phase adds (N-1)/N of the elements on each rank.
   if (op.isAnyOf(OpCode::AllReduce, OpCode::ReduceScatter))
     c.flops = share * typeElements(op.operand(0)->type(), symbols);
@@ -787,7 +796,7 @@ void registerCollectiveOps(OpRegistry& r) {
          .min_operands = 2,
          .max_operands = 2,
          .num_results = 2,
-         .attrs = {ranks, group},
+         .attrs = {ranks, group, {"expected_fill", K::Float, false, Attribute(1.0)}},
          .traits = kTypeGiven,
          .verify = verifyAllToAllV,
          .cost = costCollective,
