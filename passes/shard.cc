@@ -35,6 +35,10 @@
 //   all-reduced in the dense buckets (embedding_bag_dense_grad) and its update visits every hot
 //   row once, or, under lazy adam, is gathered as a data_parallel table's.
 //
+//   the pipelined step (ShardOptions::pipeline): each model-parallel lookup's route runs on the
+//   next batch's ids (inputs "next.*") and is returned for the next step; this batch's routed
+//   ids come in as inputs ("pipe.*"); @pipeline_prime routes the first batch.
+//
 //   MoE layers (passes/shard_experts.cc): with expert parallelism each rank holds E / ep experts
 //   and the rows travel to their owners by all_to_all_v and back; in any case the balancing
 //   losses and the per-expert counts (statistics, the expert-bias update) are the global batch's.
@@ -50,6 +54,7 @@
 #include <fstream>
 #include <map>
 #include <numeric>
+#include <set>
 #include <sstream>
 
 #include "ir/builder.h"
@@ -106,7 +111,10 @@ class Sharder {
   }
 
   Status run(ir::Function& f);
+  void setPipelined(bool p) { pipelined_ = p; }
   const ExpertShardResult& experts() const { return experts_; }
+  // The pipelined step's carried values, each with the input of the next step that receives it.
+  const std::vector<std::pair<std::string, Value*>>& carries() const { return carries_; }
 
  private:
   const TableShard* mine(const TablePlan& t) const {
@@ -158,6 +166,13 @@ class Sharder {
   std::vector<Op*> dropped_params_;
   std::map<std::string, HotReplica> hot_;  // per hybrid table
   double ids_fill_ = 1;                    // the expected_fill of the ids' all_to_all_v routeTo adds
+  // The pipelined step: the next batch's input of each data input read, and what this step
+  // hands the next (each carried value and the input that receives it).
+  bool pipelined_ = false;
+  std::map<const Value*, Value*> next_;
+  std::vector<std::pair<std::string, Value*>> carries_;
+  Expected<Value*> nextOf(Value* v, const Op& at);
+  Expected<Value*> carried(const std::string& name, Value* next_value);
   // Gradients all-reduced in the dense buckets besides the dense parameters': a hybrid table's
   // hot rows (operand `operand` of `user`).
   struct DenseGrad {
@@ -292,6 +307,35 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   return r;
 }
 
+// The next batch's value of `v`, a data input: an input "next.<name>" beside it (made once).
+Expected<Value*> Sharder::nextOf(Value* v, const Op& at) {
+  if (auto it = next_.find(v); it != next_.end()) return it->second;
+  Op* in = v->definingOp();
+  if (!in || !in->is(OpCode::Input))
+    return located(at, Status::error("the pipelined step routes the next batch's ids ahead, so a sharded table's "
+                                     "ids must come straight from a data input"));
+  AttrDict a = in->attrs();
+  a["name"] = Attribute("next." + in->strAttr("name"));
+  a["role"] = Attribute("pipeline");
+  Op* before = b_.insertionPoint();
+  b_.setInsertionPoint(std::next(in->parentBlock()->find(in))->get());
+  KILN_ASSIGN_OR_RETURN(Op * next, b_.createWithTypes(OpCode::Input, {}, {v->type()}, a));
+  b_.setInsertionPoint(before);
+  next->result()->setNameHint("next." + in->strAttr("name"));
+  next_[v] = next->result();
+  return next->result();
+}
+
+// An input "pipe.<name>" of `next_value`'s type, which the step returns for the next step.
+Expected<Value*> Sharder::carried(const std::string& name, Value* next_value) {
+  KILN_ASSIGN_OR_RETURN(Op * in, b_.createWithTypes(OpCode::Input, {}, {next_value->type()},
+                                                    {{"name", Attribute("pipe." + name)},
+                                                     {"role", Attribute("pipeline")}}));
+  in->result()->setNameHint("pipe." + name);
+  carries_.push_back({"pipe." + name, next_value});
+  return in->result();
+}
+
 Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   if (bag.strAttr("mode", "sum") != "sum")
     return located(
@@ -324,7 +368,32 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   }
   // The cost model's view of the cold exchanges: the shares the plan's data sample measured.
   ids_fill_ = t.hot.ids.empty() ? 1.0 : 1 - t.hot.id_share;
-  KILN_ASSIGN_OR_RETURN(Route r, route(t, cold_ids, cold_lengths));
+  Route r;
+  if (!pipelined_) {
+    KILN_ASSIGN_OR_RETURN(r, route(t, cold_ids, cold_lengths));
+  } else {
+    // The next batch's (cold) ids take the route now; this batch's routed ids come in as the
+    // previous step left them.
+    KILN_ASSIGN_OR_RETURN(Value * next_ids, nextOf(ids, bag));
+    Value* next_lengths = nullptr;
+    if (lengths) {
+      KILN_ASSIGN_OR_RETURN(next_lengths, nextOf(lengths, bag));
+    }
+    if (!t.hot.ids.empty()) {
+      std::vector<Value*> in{next_ids};
+      if (next_lengths) in.push_back(next_lengths);
+      KILN_ASSIGN_OR_RETURN(Op * split, b_.create(OpCode::SplitHotIds, in,
+                                                  {{"table", Attribute(t.table)},
+                                                   {"rows", Attribute(info_.at(t.table)->rows)},
+                                                   {"hot_rows", Attribute::ints(t.hot.ids)}}));
+      next_ids = split->result(2), next_lengths = split->result(3);
+    }
+    KILN_ASSIGN_OR_RETURN(Route next, route(t, next_ids, next_lengths));
+    KILN_ASSIGN_OR_RETURN(r.ids, carried(t.table + ".ids", next.ids));
+    KILN_ASSIGN_OR_RETURN(r.lengths, carried(t.table + ".lengths", next.lengths));
+    KILN_ASSIGN_OR_RETURN(r.return_counts, carried(t.table + ".return_counts", next.return_counts));
+    KILN_ASSIGN_OR_RETURN(r.sent_lengths, carried(t.table + ".sent_lengths", next.sent_lengths));
+  }
   ids_fill_ = 1;
   r.hot_ids = hot_ids, r.hot_lengths = hot_lengths;
   r.compact = compacts(t);
@@ -651,6 +720,8 @@ Status Sharder::run(ir::Function& f) {
   dropped_params_.clear();
   hot_.clear();
   hot_grads_.clear();
+  next_.clear();
+  carries_.clear();
   // The global batch's loss is the mean of the ranks' (a mean over samples, a reduce(mean) as
   // in mse, and whatever is added to it, such as MoE balancing losses); only a loss op that
   // sums over samples makes it their sum.
@@ -759,6 +830,60 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
   return autoPlan(tables, req);
 }
 
+namespace {
+
+// The pipelined step's hand-over: @train_step returns the carried values right after its loss
+// and prediction (its statistics stay last), and @pipeline_prime, the part of the step that
+// computes them from the "next.*" inputs alone, routes the first batch. kiln.pipeline names the
+// carried inputs in the order both return them.
+Status pipelineStep(ir::Module& m, ir::Function& step, const std::vector<std::pair<std::string, Value*>>& carries) {
+  Op* ret = step.returnOp();
+  if (!ret || ret->numOperands() < 2)
+    return Status::error("the pipelined step needs @train_step to return its loss and prediction");
+  std::vector<Value*> results = ret->operands();
+  std::vector<TensorType> types = step.resultTypes();
+  ir::AttrArray names;
+  for (size_t i = 0; i < carries.size(); ++i) {
+    results.insert(results.begin() + 2 + static_cast<long>(i), carries[i].second);
+    types.insert(types.begin() + 2 + static_cast<long>(i), carries[i].second->type());
+    names.push_back(Attribute(carries[i].first));
+  }
+  ret->setOperands(results);
+  step.setResultTypes(types);
+  m.mutableAttrs()["kiln.pipeline"] = Attribute(ir::AttrDict{{"carried", Attribute(std::move(names))}});
+
+  // The prime: a copy of the step cut down to what the carried values need.
+  const std::vector<Op*> from = step.entry().opList();
+  std::map<const Op*, size_t> at;
+  for (size_t i = 0; i < from.size(); ++i) at[from[i]] = i;
+  m.eraseFunction("pipeline_prime");
+  ir::Function& prime = ir::cloneFunction(step, m, "pipeline_prime");
+  const std::vector<Op*> to = prime.entry().opList();
+  std::vector<Value*> out;
+  std::vector<TensorType> out_types;
+  for (const auto& [name, v] : carries) {
+    const Op* def = v->definingOp();
+    out.push_back(to[at.at(def)]->result(v->index()));
+    out_types.push_back(v->type());
+  }
+  Op* prime_ret = prime.returnOp();
+  prime_ret->setOperands(out);
+  prime.setResultTypes(out_types);
+  std::set<const Op*> live{prime_ret};
+  std::vector<const Op*> work{prime_ret};
+  while (!work.empty()) {
+    const Op* op = work.back();
+    work.pop_back();
+    for (Value* operand : op->operands())
+      if (const Op* d = operand->definingOp(); d && live.insert(d).second) work.push_back(d);
+  }
+  for (auto it = to.rbegin(); it != to.rend(); ++it)
+    if (!live.count(*it)) prime.entry().erase(*it);
+  return Status::ok();
+}
+
+}  // namespace
+
 Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<TableInfo>& tables,
                    const ShardOptions& o) {
   std::map<std::string, int64_t> layer_ep;
@@ -766,8 +891,10 @@ Status shardModule(ir::Module& m, const ShardPlan& plan, const std::vector<Table
     ir::Function* f = m.lookup(name);
     if (!f || f->body().empty()) continue;
     Sharder s(o, plan, tables);
+    s.setPipelined(o.pipeline && f->name() == "train_step");
     KILN_RETURN_IF_ERROR(s.run(*f));
     layer_ep.insert(s.experts().layer_ep.begin(), s.experts().layer_ep.end());
+    if (!s.carries().empty()) KILN_RETURN_IF_ERROR(pipelineStep(m, *f, s.carries()));
   }
   // Each expert-parallel layer's EP size, for its statistics (kiln.train's moe entries).
   auto train = m.attrs().find("kiln.train");
@@ -849,6 +976,8 @@ Expected<std::unique_ptr<Pass>> createShardPass(const PassContext& context, cons
   o.memory_per_rank = memory;
   o.plan_path = options.get("plan");
   o.sharding = options.get("sharding");
+  KILN_ASSIGN_OR_RETURN(int64_t pipeline, integer("pipeline", 0));
+  o.pipeline = pipeline != 0;
   return makePass<ShardPass>(std::move(o));
 }
 

@@ -26,6 +26,10 @@ struct ShardOptions {
   std::string plan_path;            // a plan.json; "" = the automatic plan
   std::string sharding;             // every table this way (tests, kiln opt); overrides plan_path
   int64_t bucket_bytes = 25 << 20;  // dense gradients per all_reduce, as DDP's bucket_cap_mb
+  // The pipelined step (TorchRec's sparse-dist pipeline): @train_step routes the next batch's
+  // ids (inputs "next.<input>") while it computes this batch, whose routed ids arrive as inputs
+  // ("pipe.<table>.<what>") the previous step returned; @pipeline_prime routes the first batch.
+  bool pipeline = false;
   int64_t memory_per_rank = 0;      // for the automatic plan; 0 = unlimited
   int64_t global_batch = 0;         // for the automatic plan; 0 = N times the module's B
   Target target = cpuTarget();

@@ -84,6 +84,7 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
     if (p.has("plan")) o.shard.set("plan", p.get("plan"));
     if (p.has("sharding")) o.shard.set("sharding", p.get("sharding"));
     if (*ep > 1) o.shard.set("ep", std::to_string(*ep));
+    if (p.has("pipeline")) o.shard.set("pipeline", "1");
   }
   std::optional<Target> target;
   int code = kExitOk;
@@ -184,6 +185,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("plan", "FILE", "with --ranks: the plan.json to shard by (default: the automatic plan)");
   p.addOption("sharding", "TYPE", "with --ranks: shard every table this way instead of a plan");
   p.addOption("ep", "N", "with --ranks: spread each MoE layer's experts over groups of N ranks", "1");
+  p.addFlag("pipeline", "with --ranks: the pipelined step (the next batch's ids routed during this one)");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");

@@ -510,7 +510,8 @@ int Trainer::run() {
   }
 
   start_ = window_start_ = Clock::now();
-  data::Batch batch;
+  data::Batch batch, ahead, ahead_share;
+  bool have_ahead = false;  // the pipelined step read the next batch already
   data::StreamPosition position = resume_position_;
   bool data_done = false;
   double log_interval = 1.0;
@@ -520,7 +521,13 @@ int Trainer::run() {
     if (tracer) tracer->setRecording(run_step >= f_.trace_first && run_step <= f_.trace_last);
     runtime::Tracer::Scope data_wait(tracer, "data wait", runtime::TraceCategory::Data, rank_,
                                      runtime::kHostTrack, {{"step", step_ + 1}});
-    auto more = prefetch.next(batch);
+    Expected<bool> more = true;
+    if (have_ahead) {
+      std::swap(batch, ahead);
+      have_ahead = false;
+    } else {
+      more = prefetch.next(batch);
+    }
     data_wait.end();
     if (!more) return fail(more.status());
     if (!*more) {
@@ -539,7 +546,36 @@ int Trainer::run() {
     double lr = passes::learningRateFactor(schedule, step_ + 1);
     runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
                                       rank_, runtime::kHostTrack, {{"step", step_ + 1}});
-    auto out = s_.trainStep(**mine, lr, step_ + 1);
+    Expected<StepOutputs> out = Status::error("not run");
+    if (s_.pipelined()) {
+      // The pipelined step routes the next batch's ids now: read it ahead (not past the last
+      // step). A next batch of another size (the data's short last one) is routed again when
+      // its turn comes, and the last step routes its own batch once more, unused.
+      const data::Batch* next = *mine;
+      bool reroute = false;
+      if (f_.steps == 0 || step_ + 1 < f_.steps) {
+        auto read = prefetch.next(ahead);
+        if (!read) return fail(read.status());
+        have_ahead = *read;
+        if (have_ahead && ahead.size == batch.size) {
+          if (ranks_ == 1) {
+            next = &ahead;
+          } else {
+            const int64_t b = ahead.size / ranks_;
+            auto sliced = data::sliceBatch(ahead, s_.trainSpec(), rank_ * b, b);
+            if (!sliced) return fail(sliced.status());
+            ahead_share = std::move(*sliced);
+            next = &ahead_share;
+          }
+        } else {
+          reroute = have_ahead;
+        }
+      }
+      out = s_.trainStep(**mine, *next, lr, step_ + 1);
+      if (reroute) s_.resetPipeline();
+    } else {
+      out = s_.trainStep(**mine, lr, step_ + 1);
+    }
     step_scope.end();
     if (!out) return fail(out.status());
     if (ranks_ > 1) {
@@ -744,6 +780,9 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("ranks", "N",
               "train on N in-process ranks (one thread each; --batch is the global batch); under mpirun the "
               "ranks are MPI's processes (default: 1)");
+  p.addFlag("pipeline",
+            "on several ranks, route the next batch's ids (its all_to_all) while this batch computes, as "
+            "TorchRec's sparse-dist pipeline does; the numbers are the unpipelined step's");
   p.addFlag("no-overlap",
             "on several ranks, wait on each collective right after issuing it instead of computing while it "
             "moves (a baseline for the overlap)");
@@ -851,6 +890,7 @@ int runTrain(const std::vector<std::string>& args) {
   so.sharding = p.get("sharding");
   so.ranks_per_node = static_cast<int>(ranks_per_node);
   so.no_overlap = p.has("no-overlap");
+  so.pipeline = p.has("pipeline");
   if (!so.plan_path.empty() && !std::filesystem::exists(so.plan_path))
     return p.usageError(fmt::format("no such plan file '{}'", so.plan_path));
 

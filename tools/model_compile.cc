@@ -100,6 +100,7 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
     if (!options.sharding.empty()) shard.set("sharding", options.sharding);
     if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
     if (options.ep > 1) shard.set("ep", std::to_string(options.ep));
+    if (options.pipeline) shard.set("pipeline", "1");
   }
   KILN_RETURN_IF_ERROR(
       pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));

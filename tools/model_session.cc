@@ -324,6 +324,12 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::Paramete
     train_ = &it->second.asDict();
   if (options.training && !train_)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
+  // The pipelined step (the shard pass's kiln.pipeline): the inputs it carries from step to step.
+  if (auto it = m.attrs().find("kiln.pipeline"); it != m.attrs().end() && it->second.isDict())
+    if (auto c = it->second.asDict().find("carried"); c != it->second.asDict().end() && c->second.isArray())
+      for (const auto& a : c->second.asArray()) carried_names_.push_back(a.asString());
+  if (!carried_names_.empty() && options.device != "cpu")
+    return Status::error("the pipelined step (--pipeline) runs on the CPU only so far");
   const ir::Function* fwd = m.lookup("forward");
   if (!fwd) return Status::error(fmt::format("{}: the model has no @forward", options.model_path));
   KILN_ASSIGN_OR_RETURN(auto fspec, data::fromFunction(*fwd));
@@ -587,8 +593,27 @@ StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std
 }
 
 Expected<StepOutputs> ModelSession::run(const std::string& function, const data::Batch& batch,
-                                        const std::vector<std::pair<std::string, float>>& scalars) {
-  const StepInputs step_inputs(batch, scalars);
+                                        const std::vector<std::pair<std::string, float>>& scalars,
+                                        const data::Batch* next) {
+  StepInputs step_inputs(batch, scalars);
+  const bool pipelined_step = function == "train_step" && pipelined();
+  if (pipelined_step) {
+    if (!next) return Status::error("the pipelined step needs the next batch (trainStep(batch, next, ...))");
+    if (next->size != batch.size)
+      return Status::errorf("the pipelined step's next batch holds {} samples, this one {}", next->size, batch.size);
+    if (carried_.empty()) {
+      // The first step (or the first after a resume): this batch's ids are routed first.
+      StepInputs prime_inputs(data::Batch{}, {});
+      for (size_t i = 0; i < batch.names.size(); ++i) prime_inputs.add("next." + batch.names[i], batch.tensors[i].view);
+      KILN_ASSIGN_OR_RETURN(auto prime, executorFor("pipeline_prime", batch.size));
+      KILN_ASSIGN_OR_RETURN(carried_, prime->run(prime_inputs.views(), params_));
+      if (carried_.size() != carried_names_.size())
+        return Status::errorf("@pipeline_prime returned {} values for {} carried inputs", carried_.size(),
+                              carried_names_.size());
+    }
+    for (size_t i = 0; i < next->names.size(); ++i) step_inputs.add("next." + next->names[i], next->tensors[i].view);
+    for (size_t i = 0; i < carried_names_.size(); ++i) step_inputs.add(carried_names_[i], carried_[i].view);
+  }
   const runtime::cpu::Batch& inputs = step_inputs.views();
   Expected<std::vector<ir::HostTensor>> results = Status::error("not run");
   // A compiled model's GPU kernels take the max batch only; a forward pass at another batch (an
@@ -612,6 +637,15 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
     results = (exec)->run(inputs, params_);
   }
   if (!results) return results.status();
+  if (pipelined_step) {
+    // Right after loss and prediction: the next batch's routes, the next call's inputs.
+    if (results->size() < 2 + carried_names_.size())
+      return Status::errorf("@train_step returned {} values, fewer than its {} carried ones", results->size(),
+                            carried_names_.size());
+    auto first = results->begin() + 2, last = first + static_cast<long>(carried_names_.size());
+    carried_.assign(std::make_move_iterator(first), std::make_move_iterator(last));
+    results->erase(first, last);
+  }
 
   // @train_step returns (loss, prediction); @forward returns the outputs kiln.outputs names.
   int loss_index = -1, prediction_index = -1;
@@ -676,6 +710,12 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
 
 Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, double lr_factor, int64_t step) {
   return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}});
+}
+
+Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, const data::Batch& next, double lr_factor,
+                                              int64_t step) {
+  return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}},
+             &next);
 }
 
 Expected<StepOutputs> ModelSession::forward(const data::Batch& batch) { return run("forward", batch, {}); }

@@ -75,6 +75,9 @@ struct SessionOptions {
   bool no_overlap = false;
   // Every table one way (data_parallel, table_wise, ...) instead of a plan (tests, --sharding).
   std::string sharding;
+  // kiln train --pipeline: the training step routes the next batch's ids while it computes this
+  // one (the shard pass's pipeline option); trainStep then takes the next batch too.
+  bool pipeline = false;
   // How many sessions of one process split its memory (kiln train --ranks N): the memory check
   // gives this one 1/N of what the machine (or --memory-limit) allows.
   int memory_shares = 1;
@@ -154,6 +157,8 @@ class StepInputs {
   StepInputs(const StepInputs&) = delete;
   StepInputs& operator=(const StepInputs&) = delete;
   const runtime::cpu::Batch& views() const { return views_; }
+  // One more input (a view the caller keeps alive).
+  void add(const std::string& name, const ir::TensorView& v) { views_[name] = v; }
 
  private:
   std::vector<float> scalars_;
@@ -204,6 +209,14 @@ class ModelSession {
   // One optimizer step on `batch`; `lr_factor` scales the optimizers' learning rates and
   // `step` is 1-based.
   Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step);
+  // The pipelined step (SessionOptions::pipeline): `next` is the batch the following call trains
+  // on (the last step may pass `batch` again); its ids are routed during this step. The first
+  // call routes `batch` itself first (@pipeline_prime), as does the first after a resume.
+  Expected<StepOutputs> trainStep(const data::Batch& batch, const data::Batch& next, double lr_factor,
+                                  int64_t step);
+  bool pipelined() const { return !carried_names_.empty(); }
+  // Forget the routes of the next batch: the next trainStep routes its own batch first.
+  void resetPipeline() { carried_.clear(); }
   // The forward pass: the loss (when the model has one and the batch has labels) and logits.
   Expected<StepOutputs> forward(const data::Batch& batch);
   // With SessionOptions::external_tables: the tables this session does not hold, and the forward
@@ -252,8 +265,13 @@ class ModelSession {
   Status adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStore preset = {});
   Expected<runtime::cpu::CpuExecutor*> executorFor(const std::string& function, int64_t batch);
   Expected<cuda::CudaExecutor*> cudaExecutorFor(const std::string& function, int64_t batch);
+  // The pipelined step's routes of the batch the next call trains on, as its inputs "pipe.*".
+  std::vector<std::string> carried_names_;
+  std::vector<ir::HostTensor> carried_;
+  // `next`: the pipelined step's next batch (its inputs as "next.<name>").
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
-                            const std::vector<std::pair<std::string, float>>& scalars);
+                            const std::vector<std::pair<std::string, float>>& scalars,
+                            const data::Batch* next = nullptr);
 
   SessionOptions options_;
   std::shared_ptr<const CompiledModel> compiled_;  // fromCompiled()

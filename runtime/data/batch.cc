@@ -210,7 +210,9 @@ Expected<BatchSpec> fromInputs(const std::vector<std::pair<ir::AttrDict, ir::Ten
     const ir::Attribute* role_attr = get(attrs, "role");
     if (!role_attr || !role_attr->isString()) return inputError(in.name, "missing string attribute 'role'");
     const std::string& role = role_attr->asString();
-    if (role == "lr" || role == "step") continue;  // fed by the trainer, not by the data
+    // Fed by the trainer, not by the data: the learning rate, the step, and the pipelined step's
+    // next batch and carried routes.
+    if (role == "lr" || role == "step" || role == "pipeline") continue;
     if (spec.find(in.name)) return inputError(in.name, "declared twice");
     const ir::Shape& s = type.shape();
     auto need = [&](bool ok, const std::string& what) { return ok ? Status::ok() : inputError(in.name, what); };

@@ -139,21 +139,27 @@ inline std::array<int64_t, 3> asThreeDims(const std::vector<int64_t>& shape) {
 // `steps` steps on its slice of the global batches; its losses go to `losses`, and every piece
 // it holds is compared with `want`.
 // (`plan_path`, when given, is the plan instead: a plan file, such as hybridPlanFile's.)
+// (`pipeline`: the pipelined step, each step given the next one's batch.)
 inline Status checkRank(comm::Communicator& c, const Model& m, const std::string& sharding, int steps,
-                        const Trajectory& want, std::vector<double>& losses, const std::string& plan_path = "") {
+                        const Trajectory& want, std::vector<double>& losses, const std::string& plan_path = "",
+                        bool pipeline = false) {
   const int ranks = c.size();
   std::ostringstream diag;
   SessionOptions o = options(m, kGlobalBatch / ranks);
   o.comm = &c;
   o.sharding = sharding;
   o.plan_path = plan_path;
+  o.pipeline = pipeline;
   o.ep = m.ep;
   KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
   const int64_t b = kGlobalBatch / ranks;
   std::vector<std::pair<std::string, std::vector<double>>> last_stats;
+  if (pipeline && !s->pipelined()) return Status::error("the session did not build the pipelined step");
   for (int step = 1; step <= steps; ++step) {
-    KILN_ASSIGN_OR_RETURN(auto out,
-                          s->trainStep(batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b), 1.0, step));
+    const data::Batch mine = batchOf(*s, (step - 1) * kGlobalBatch + c.rank() * b, b);
+    KILN_ASSIGN_OR_RETURN(auto out, pipeline ? s->trainStep(mine, batchOf(*s, step * kGlobalBatch + c.rank() * b, b),
+                                                            1.0, step)
+                                             : s->trainStep(mine, 1.0, step));
     losses.push_back(out.loss);
     last_stats = std::move(out.stats);
   }
@@ -194,13 +200,13 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
 // checkRank on `ranks` in-process ranks (threads of a LocalGroup); every rank's losses averaged
 // per step: the global batch's loss.
 inline std::vector<double> runRanks(const Model& m, const std::string& sharding, int ranks, int steps,
-                                    const Trajectory& want, const std::string& plan_path = "") {
+                                    const Trajectory& want, const std::string& plan_path = "", bool pipeline = false) {
   std::vector<std::vector<double>> losses(static_cast<size_t>(ranks));
   std::mutex mu;
   comm::LocalGroup group(ranks);
   Status st = group.run([&](comm::Communicator& c) -> Status {
     std::vector<double> mine;
-    Status s = checkRank(c, m, sharding, steps, want, mine, plan_path);
+    Status s = checkRank(c, m, sharding, steps, want, mine, plan_path, pipeline);
     std::lock_guard<std::mutex> lock(mu);
     losses[static_cast<size_t>(c.rank())] = std::move(mine);
     return s;

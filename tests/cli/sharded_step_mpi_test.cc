@@ -49,6 +49,23 @@ TEST_P(ShardedStepMpi, HybridEqualsOneRank) {
   }
 }
 
+// The pipelined step through MPI processes.
+TEST_P(ShardedStepMpi, PipelinedEqualsOneRank) {
+  if (std::string(GetParam()) == "data_parallel") return;  // nothing routed ahead: no pipelined step
+  for (const Model& m : {models()[0], models()[2]}) {
+    SCOPED_TRACE(fmt::format("{} on {} MPI ranks, every table {}, pipelined", m.name, world->size(), GetParam()));
+    const int steps = 3;
+    const Trajectory want = singleRank(m, steps);
+    std::vector<double> mine;
+    Status s = checkRank(*world, m, GetParam(), steps, want, mine, "", true);
+    ASSERT_TRUE(s) << s.str();
+    std::vector<double> sum(mine.size());
+    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
+    for (double& v : sum) v /= world->size();
+    expectLossesMatch(sum, want);
+  }
+}
+
 // A MoE layer's experts over every MPI rank (ep = N) and, on 4, over pairs (ep = 2).
 TEST(ExpertParallelMpi, EqualsOneRank) {
   const Model one = moeModel("mpi", "shared_experts = 1, aux_loss = 0.01, z_loss = 0.001", 1);

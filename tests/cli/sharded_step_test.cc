@@ -40,6 +40,23 @@ TEST_P(ShardedStep, HybridTablesEqualOneRank) {
     }
 }
 
+// The pipelined step (each step routes the next batch's ids, its own arrive from the step
+// before; the first is routed by @pipeline_prime) trains to the same numbers over 3 steps, every
+// piece compared: plain and hybrid tables, a table on one rank and row blocks on all.
+TEST_P(ShardedStep, PipelinedStepEqualsOneRank) {
+  const Model m = models()[GetParam()];
+  const Trajectory want = singleRank(m, 3);
+  for (const char* sharding : {"table_wise", "row_wise", "column_wise"})
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks, every table {}, pipelined", m.name, ranks, sharding));
+      expectLossesMatch(runRanks(m, sharding, ranks, 3, want, "", true), want);
+    }
+  SCOPED_TRACE(fmt::format("{} on 4 ranks, row_wise with hot rows, pipelined", m.name));
+  const std::string plan = hybridPlanFile(m, "row_wise", 4);
+  expectLossesMatch(runRanks(m, "", 4, 3, want, plan, true), want);
+  std::filesystem::remove(plan);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, ShardedStep, ::testing::Range<size_t>(0, models().size()),
                          [](const auto& info) { return std::string(models()[info.param].name); });
 
