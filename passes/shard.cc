@@ -172,6 +172,7 @@ class Sharder {
   std::map<const Value*, Value*> next_;
   std::vector<std::pair<std::string, Value*>> carries_;
   Expected<Value*> nextOf(Value* v, const Op& at);
+  Expected<Op*> splitHot(const TablePlan& t, Value* ids, Value* lengths);
   Expected<Value*> carried(const std::string& name, Value* next_value);
   // Gradients all-reduced in the dense buckets besides the dense parameters': a hybrid table's
   // hot rows (operand `operand` of `user`).
@@ -307,6 +308,16 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   return r;
 }
 
+// A hybrid table's split of (ids, lengths) into hot replica rows and cold ids.
+Expected<Op*> Sharder::splitHot(const TablePlan& t, Value* ids, Value* lengths) {
+  std::vector<Value*> in{ids};
+  if (lengths) in.push_back(lengths);
+  return b_.create(OpCode::SplitHotIds, in,
+                   {{"table", Attribute(t.table)},
+                    {"rows", Attribute(info_.at(t.table)->rows)},
+                    {"hot_rows", Attribute::ints(t.hot.ids)}});
+}
+
 // The next batch's value of `v`, a data input: an input "next.<name>" beside it (made once).
 Expected<Value*> Sharder::nextOf(Value* v, const Op& at) {
   if (auto it = next_.find(v); it != next_.end()) return it->second;
@@ -355,12 +366,7 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   Value *hot_ids = nullptr, *hot_lengths = nullptr;
   Value *cold_ids = ids, *cold_lengths = lengths;
   if (!t.hot.ids.empty()) {
-    std::vector<Value*> in{ids};
-    if (lengths) in.push_back(lengths);
-    KILN_ASSIGN_OR_RETURN(Op * split, b_.create(OpCode::SplitHotIds, in,
-                                                {{"table", Attribute(t.table)},
-                                                 {"rows", Attribute(info_.at(t.table)->rows)},
-                                                 {"hot_rows", Attribute::ints(t.hot.ids)}}));
+    KILN_ASSIGN_OR_RETURN(Op * split, splitHot(t, ids, lengths));
     hot_ids = split->result(0), hot_lengths = split->result(1);
     cold_ids = split->result(2), cold_lengths = split->result(3);
     KILN_ASSIGN_OR_RETURN(hot_pool, b_.createValue(OpCode::EmbeddingBag, {hot_[t.table].weight, hot_ids, hot_lengths},
@@ -380,12 +386,7 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
       KILN_ASSIGN_OR_RETURN(next_lengths, nextOf(lengths, bag));
     }
     if (!t.hot.ids.empty()) {
-      std::vector<Value*> in{next_ids};
-      if (next_lengths) in.push_back(next_lengths);
-      KILN_ASSIGN_OR_RETURN(Op * split, b_.create(OpCode::SplitHotIds, in,
-                                                  {{"table", Attribute(t.table)},
-                                                   {"rows", Attribute(info_.at(t.table)->rows)},
-                                                   {"hot_rows", Attribute::ints(t.hot.ids)}}));
+      KILN_ASSIGN_OR_RETURN(Op * split, splitHot(t, next_ids, next_lengths));
       next_ids = split->result(2), next_lengths = split->result(3);
     }
     KILN_ASSIGN_OR_RETURN(Route next, route(t, next_ids, next_lengths));

@@ -11,6 +11,14 @@ namespace {
 
 comm::Communicator* world = nullptr;
 
+// The global batch's loss of each step (the mean of the ranks' losses) against the single rank's.
+void expectGlobalLossesMatch(const std::vector<double>& mine, const Trajectory& want) {
+  std::vector<double> sum(mine.size());
+  ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
+  for (double& v : sum) v /= world->size();
+  expectLossesMatch(sum, want);
+}
+
 class ShardedStepMpi : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(ShardedStepMpi, EqualsOneRank) {
@@ -21,11 +29,7 @@ TEST_P(ShardedStepMpi, EqualsOneRank) {
     std::vector<double> mine;
     Status s = checkRank(*world, m, GetParam(), steps, want, mine);
     ASSERT_TRUE(s) << s.str();
-    // The global batch's loss: the mean of the ranks' losses.
-    std::vector<double> sum(mine.size());
-    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
-    for (double& v : sum) v /= world->size();
-    expectLossesMatch(sum, want);
+    expectGlobalLossesMatch(mine, want);
   }
 }
 
@@ -42,10 +46,7 @@ TEST_P(ShardedStepMpi, HybridEqualsOneRank) {
     Status s = checkRank(*world, m, "", steps, want, mine, plan);
     std::filesystem::remove(plan);
     ASSERT_TRUE(s) << s.str();
-    std::vector<double> sum(mine.size());
-    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
-    for (double& v : sum) v /= world->size();
-    expectLossesMatch(sum, want);
+    expectGlobalLossesMatch(mine, want);
   }
 }
 
@@ -59,10 +60,7 @@ TEST_P(ShardedStepMpi, PipelinedEqualsOneRank) {
     std::vector<double> mine;
     Status s = checkRank(*world, m, GetParam(), steps, want, mine, "", true);
     ASSERT_TRUE(s) << s.str();
-    std::vector<double> sum(mine.size());
-    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
-    for (double& v : sum) v /= world->size();
-    expectLossesMatch(sum, want);
+    expectGlobalLossesMatch(mine, want);
   }
 }
 
@@ -80,10 +78,7 @@ TEST(ExpertParallelMpi, EqualsOneRank) {
     std::vector<double> mine;
     Status s = checkRank(*world, m, "", steps, want, mine);
     ASSERT_TRUE(s) << s.str();
-    std::vector<double> sum(mine.size());
-    ASSERT_TRUE(world->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64));
-    for (double& v : sum) v /= world->size();
-    expectLossesMatch(sum, want);
+    expectGlobalLossesMatch(mine, want);
   }
   std::filesystem::remove(one.path);
 }
