@@ -302,6 +302,17 @@ Expected<TablePlan> parseEntry(const Parser& p, const Node& e, int nranks, bool 
         *share = n->num;
       }
   }
+  // De-duplicated routing, and the distinct share of a rank's ids the planner's sample measured.
+  if (const Node* d = e.field("dedup")) {
+    if (d->kind != Node::Kind::Bool)
+      return p.error(d->offset, fmt::format("table '{}': \"dedup\" must be true or false", t.table));
+    t.dedup = d->b;
+  }
+  if (const Node* u = e.field("unique_share")) {
+    if (u->kind != Node::Kind::Number || u->num <= 0 || u->num > 1)
+      return p.error(u->offset, fmt::format("table '{}': \"unique_share\" must be a number in (0, 1]", t.table));
+    t.unique_share = u->num;
+  }
   return t;
 }
 
@@ -391,6 +402,7 @@ std::string writePlanJson(const ShardPlan& plan, const PlanCosts* costs) {
     if (!t.hot.ids.empty())
       out += fmt::format(", \"hot_id_share\": {:.4f}, \"hot_sample_share\": {:.4f}, \"hot_rows\": [{}]",
                          t.hot.id_share, t.hot.sample_share, fmt::join(t.hot.ids, ", "));
+    if (t.dedup) out += fmt::format(", \"dedup\": true, \"unique_share\": {:.4f}", t.unique_share);
     out += i + 1 < plan.tables.size() ? "},\n" : "}\n";
   }
   out += "  ]";

@@ -95,6 +95,15 @@ struct Route {
   bool compact = false;
   Value* sent_lengths = nullptr;
   double pools_fill = 1;  // the share of samples expected to send ids (the cost model's)
+  // De-duplicated (TablePlan::dedup): `ids` are the distinct ids peers sent here (one row back
+  // for each), `return_counts` how many came from each peer; this rank's own ids are `inverse`
+  // (each id's row among the rows brought back) pooled by `own_lengths`, and `send_counts` says
+  // how many distinct ids went to each owner (their rows' gradients go back by them).
+  bool dedup = false;
+  Value* inverse = nullptr;
+  Value* own_lengths = nullptr;
+  Value* send_counts = nullptr;
+  double rows_fill = 1;  // the share of the ids' bound expected to be distinct (the cost model's)
 };
 
 // A hybrid table's replica on this rank: the weight and each optimizer state, [hot rows, ...].
@@ -124,9 +133,12 @@ class Sharder {
   }
   // A hybrid table's pools come back by all_to_all_v, compacted (Route::compact).
   bool returnsByReduceScatter(const TablePlan& t) const {
-    return t.type == ShardingType::row_wise && static_cast<int>(t.ranks.size()) == o_.ranks && t.hot.ids.empty();
+    return t.type == ShardingType::row_wise && static_cast<int>(t.ranks.size()) == o_.ranks && t.hot.ids.empty() &&
+           !t.dedup;
   }
-  static bool compacts(const TablePlan& t) { return !t.hot.ids.empty() && t.type != ShardingType::column_wise; }
+  static bool compacts(const TablePlan& t) {
+    return !t.hot.ids.empty() && t.type != ShardingType::column_wise && !t.dedup;
+  }
   int64_t holders(const TablePlan& t) const { return static_cast<int64_t>(t.shards.size()); }
 
   Status located(const Op& op, Status s) const { return std::move(s).withLocation(op.location()); }
@@ -145,8 +157,22 @@ class Sharder {
   // every id to every owner when `starts` is empty.
   Expected<Route> routeTo(const std::string& table, int64_t table_rows, const std::vector<int64_t>& owners,
                           const std::vector<int64_t>& starts, Value* ids, Value* lengths);
+  // Each distinct id once to its owner (TablePlan::dedup).
+  Expected<Route> routeUnique(const TablePlan& t, Value* ids, Value* lengths);
+  // A de-duplicated lookup: the owners' rows of the distinct ids, pooled here.
+  Expected<Value*> pooledFromUniqueRows(const TablePlan& t, const Route& r, Value* table, const TensorType& pooled);
+  Expected<Value*> pooledByOwners(const TablePlan& t, Route& r, Value* table, const TensorType& pooled);
+  // The route a pipelined step reads: each of `next`'s values handed over by the previous step.
+  Expected<Route> carriedRoute(const TablePlan& t, const Route& next);
+  Status lowerUniqueUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
+                           Value* grad);
   Status lowerHotUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
                         Value* scaled_grad, Value* gathered_grad);
+  // The bound of a rank's (cold) ids of `ids`: [B, H] or flat.
+  static Dim idsBound(const Value* ids) {
+    return ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
+                                   : ids->type().dim(0).upperBound();
+  }
   Status lowerLookup(Op& bag, const TablePlan& t);
   Status lowerUpdate(Op& update, const TablePlan& t);
   Status reduceDenseGradients(ir::Function& f);
@@ -296,9 +322,7 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   r.sent_lengths = bucket->result(1);
   KILN_ASSIGN_OR_RETURN(r.lengths, b_.createValue(OpCode::AllToAll, {bucket->result(1)}, group()));
   // Each peer sends at most all its ids (once to each holder): N times a rank's ids in all.
-  const Dim per_rank = ids->type().rank() == 2 ? ids->type().dim(0).times(ids->type().dim(1).size())
-                                               : ids->type().dim(0).upperBound();
-  const TensorType rows(DType::i64, {Dim::bounded(per_rank.times(o_.ranks))});
+  const TensorType rows(DType::i64, {Dim::bounded(idsBound(ids).times(o_.ranks))});
   AttrDict moved_attrs = group();
   if (ids_fill_ < 1) moved_attrs["expected_fill"] = Attribute(ids_fill_);
   KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {bucket->result(0), bucket->result(2)},
@@ -306,6 +330,56 @@ Expected<Route> Sharder::routeTo(const std::string& table, int64_t table_rows, c
   r.ids = moved->result(0);
   r.return_counts = bucket->result(3);
   return r;
+}
+
+Expected<Route> Sharder::routeUnique(const TablePlan& t, Value* ids, Value* lengths) {
+  AttrDict a = group();
+  a["rank"] = Attribute(int64_t{o_.rank});
+  a["table"] = Attribute(t.table);
+  a["rows"] = Attribute(info_.at(t.table)->rows);
+  std::vector<int64_t> owners, starts;
+  for (const TableShard& s : t.shards) {
+    owners.push_back(s.rank);
+    starts.push_back(s.row_begin);
+  }
+  starts.push_back(t.shards.back().row_end);
+  a["owners"] = Attribute::ints(owners);
+  a["row_starts"] = Attribute::ints(starts);
+  std::vector<Value*> in{ids};
+  if (lengths) in.push_back(lengths);
+  KILN_ASSIGN_OR_RETURN(Op * dedup, b_.create(OpCode::DedupIds, in, a));
+  AttrDict moved_attrs = group();
+  if (ids_fill_ < 1) moved_attrs["expected_fill"] = Attribute(ids_fill_);
+  const TensorType rows(DType::i64, {Dim::bounded(idsBound(ids).times(o_.ranks))});
+  KILN_ASSIGN_OR_RETURN(Op * moved, b_.createWithTypes(OpCode::AllToAllV, {dedup->result(0), dedup->result(2)},
+                                                       {rows, countsType()}, moved_attrs));
+  Route r;
+  r.dedup = true;
+  r.rows_fill = ids_fill_;
+  r.ids = moved->result(0);
+  r.return_counts = moved->result(1);
+  r.inverse = dedup->result(1);
+  r.send_counts = dedup->result(2);
+  return r;
+}
+
+Expected<Value*> Sharder::pooledFromUniqueRows(const TablePlan& t, const Route& r, Value* table,
+                                              const TensorType& pooled) {
+  const Dim cols = pooled.dim(1);
+  Value* rows = nullptr;
+  if (mine(t)) {
+    KILN_ASSIGN_OR_RETURN(rows, b_.createValue(OpCode::Gather, {table, r.ids}, {{"axis", Attribute(int64_t{0})}}));
+  } else {
+    KILN_ASSIGN_OR_RETURN(rows, zeros(TensorType(pooled.dtype(), {Dim::fixed(0), cols})));
+  }
+  AttrDict back_attrs = group();
+  if (r.rows_fill < 1) back_attrs["expected_fill"] = Attribute(r.rows_fill);
+  const TensorType back_type(pooled.dtype(), {Dim::bounded(idsBound(r.inverse)), cols});
+  KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {rows, r.return_counts},
+                                                      {back_type, countsType()}, back_attrs));
+  std::vector<Value*> in{back->result(0), r.inverse};
+  if (r.own_lengths) in.push_back(r.own_lengths);
+  return b_.createValue(OpCode::EmbeddingBag, in, {{"mode", Attribute("sum")}, {"table", Attribute(t.table)}});
 }
 
 // A hybrid table's split of (ids, lengths) into hot replica rows and cold ids.
@@ -347,6 +421,72 @@ Expected<Value*> Sharder::carried(const std::string& name, Value* next_value) {
   return in->result();
 }
 
+Expected<Route> Sharder::carriedRoute(const TablePlan& t, const Route& next) {
+  Route r;
+  r.dedup = next.dedup;
+  r.rows_fill = next.rows_fill;
+  const std::pair<const char*, Value* Route::*> fields[] = {
+      {"ids", &Route::ids},         {"lengths", &Route::lengths},          {"return_counts", &Route::return_counts},
+      {"sent_lengths", &Route::sent_lengths}, {"inverse", &Route::inverse}, {"send_counts", &Route::send_counts}};
+  for (const auto& [name, field] : fields) {
+    if (!(next.*field)) continue;
+    KILN_ASSIGN_OR_RETURN(r.*field, carried(t.table + "." + name, next.*field));
+  }
+  return r;
+}
+
+// The pools of this rank's samples from the owners of their ids: each owner pools the ids it
+// received and sends the pools back (or reduce-scatters them), and the partials of row blocks
+// are summed here.
+Expected<Value*> Sharder::pooledByOwners(const TablePlan& t, Route& r, Value* table, const TensorType& pooled_type) {
+  const Dim batch = pooled_type.dim(0);
+  const int64_t dim = info_.at(t.table)->dim;
+  const int64_t k = holders(t);
+  const int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
+  const bool reduce_scatter = returnsByReduceScatter(t);
+  const TensorType partial_type(pooled_type.dtype(), {batch.times(o_.ranks), Dim::fixed(cols)});
+  Value* partial = nullptr;
+  if (mine(t)) {
+    AttrDict a{{"mode", Attribute("sum")}, {"table", Attribute(t.table)}};
+    KILN_ASSIGN_OR_RETURN(partial, b_.createValue(OpCode::EmbeddingBag, {table, r.ids, r.lengths}, a));
+  } else {
+    // Nothing to look up: an empty contribution (or zeros to the sum of a reduce_scatter).
+    KILN_ASSIGN_OR_RETURN(
+        partial, zeros(reduce_scatter ? partial_type
+                                      : TensorType(pooled_type.dtype(), {Dim::fixed(0), Dim::fixed(cols)})));
+  }
+  if (reduce_scatter) return b_.createValue(OpCode::ReduceScatter, {partial}, groupAxis0());
+  Value *send = partial, *send_counts = r.return_counts;
+  if (r.compact && mine(t)) {
+    // Only the pools of samples that sent ids here go back.
+    KILN_ASSIGN_OR_RETURN(Op * c, b_.create(OpCode::CompactRows, {partial, r.lengths}, group()));
+    send = c->result(0), send_counts = c->result(1);
+  }
+  const Dim back_rows = r.compact ? Dim::bounded(batch.times(k)) : batch.times(k);
+  const TensorType back_type(pooled_type.dtype(), {back_rows, Dim::fixed(cols)});
+  AttrDict back_attrs = group();
+  if (r.compact && r.pools_fill < 1) back_attrs["expected_fill"] = Attribute(r.pools_fill);
+  KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {send, send_counts},
+                                                      {back_type, countsType()}, back_attrs));
+  r.back_counts = back->result(1);
+  Value* pooled = back->result(0);
+  const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
+  if (r.compact) {
+    // Each sample's partials from the owners it sent ids to, summed in rank order.
+    KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths},
+                                                 {{"blocks", Attribute(int64_t{o_.ranks})}}));
+  } else if (k > 1 && t.type == ShardingType::column_wise) {
+    // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
+    KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));
+  } else if (k > 1) {
+    // Row blocks on k owners: each sample's pool is the sum of their partials, in rank order.
+    KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {pooled}, {pieces}));
+    KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
+                                                 {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
+  }
+  return pooled;
+}
+
 Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   if (bag.strAttr("mode", "sum") != "sum")
     return located(
@@ -373,10 +513,15 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
                                                    {{"mode", Attribute("sum")}, {"table", Attribute(t.table + ".hot")}}));
   }
   // The cost model's view of the cold exchanges: the shares the plan's data sample measured.
-  ids_fill_ = t.hot.ids.empty() ? 1.0 : 1 - t.hot.id_share;
+  ids_fill_ = (t.hot.ids.empty() ? 1.0 : 1 - t.hot.id_share) * (t.dedup ? t.unique_share : 1.0);
+  if (t.dedup && t.type != ShardingType::table_wise && t.type != ShardingType::row_wise &&
+      t.type != ShardingType::table_row_wise)
+    return located(bag, Status::errorf("table '{}' is {}: only row blocks (table_wise, row_wise, table_row_wise) "
+                                       "route de-duplicated ids",
+                                       t.table, shardingName(t.type)));
   Route r;
   if (!pipelined_) {
-    KILN_ASSIGN_OR_RETURN(r, route(t, cold_ids, cold_lengths));
+    KILN_ASSIGN_OR_RETURN(r, t.dedup ? routeUnique(t, cold_ids, cold_lengths) : route(t, cold_ids, cold_lengths));
   } else {
     // The next batch's (cold) ids take the route now; this batch's routed ids come in as the
     // previous step left them.
@@ -389,67 +534,21 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
       KILN_ASSIGN_OR_RETURN(Op * split, splitHot(t, next_ids, next_lengths));
       next_ids = split->result(2), next_lengths = split->result(3);
     }
-    KILN_ASSIGN_OR_RETURN(Route next, route(t, next_ids, next_lengths));
-    KILN_ASSIGN_OR_RETURN(r.ids, carried(t.table + ".ids", next.ids));
-    KILN_ASSIGN_OR_RETURN(r.lengths, carried(t.table + ".lengths", next.lengths));
-    KILN_ASSIGN_OR_RETURN(r.return_counts, carried(t.table + ".return_counts", next.return_counts));
-    KILN_ASSIGN_OR_RETURN(r.sent_lengths, carried(t.table + ".sent_lengths", next.sent_lengths));
+    KILN_ASSIGN_OR_RETURN(Route next,
+                          t.dedup ? routeUnique(t, next_ids, next_lengths) : route(t, next_ids, next_lengths));
+    KILN_ASSIGN_OR_RETURN(r, carriedRoute(t, next));
   }
-  ids_fill_ = 1;
   r.hot_ids = hot_ids, r.hot_lengths = hot_lengths;
   r.compact = compacts(t);
   r.pools_fill = 1 - t.hot.sample_share;
-  const TensorType& pooled_type = bag.result()->type();
-  const Dim batch = pooled_type.dim(0);
-  const int64_t dim = info_.at(t.table)->dim;
-  const int64_t k = holders(t);
-  const int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
-  const bool reduce_scatter = returnsByReduceScatter(t);
-  const TensorType partial_type(pooled_type.dtype(), {batch.times(o_.ranks), Dim::fixed(cols)});
-  Value* partial = nullptr;
-  if (mine(t)) {
-    AttrDict a{{"mode", Attribute("sum")}, {"table", Attribute(t.table)}};
-    KILN_ASSIGN_OR_RETURN(partial,
-                          b_.createValue(OpCode::EmbeddingBag, {bag.operand(0), r.ids, r.lengths}, a));
-  } else {
-    // Nothing to look up: an empty contribution (or zeros to the sum of a reduce_scatter).
-    KILN_ASSIGN_OR_RETURN(
-        partial, zeros(reduce_scatter ? partial_type
-                                      : TensorType(pooled_type.dtype(), {Dim::fixed(0), Dim::fixed(cols)})));
-  }
+  r.own_lengths = cold_lengths;
   Value* pooled = nullptr;
-  if (reduce_scatter) {
-    KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ReduceScatter, {partial}, groupAxis0()));
+  if (r.dedup) {
+    KILN_ASSIGN_OR_RETURN(pooled, pooledFromUniqueRows(t, r, bag.operand(0), bag.result()->type()));
   } else {
-    Value *send = partial, *send_counts = r.return_counts;
-    if (r.compact && mine(t)) {
-      // Only the pools of samples that sent ids here go back.
-      KILN_ASSIGN_OR_RETURN(Op * c, b_.create(OpCode::CompactRows, {partial, r.lengths}, group()));
-      send = c->result(0), send_counts = c->result(1);
-    }
-    const Dim back_rows = r.compact ? Dim::bounded(batch.times(k)) : batch.times(k);
-    const TensorType back_type(pooled_type.dtype(), {back_rows, Dim::fixed(cols)});
-    AttrDict back_attrs = group();
-    if (r.compact && r.pools_fill < 1) back_attrs["expected_fill"] = Attribute(r.pools_fill);
-    KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {send, send_counts},
-                                                        {back_type, countsType()}, back_attrs));
-    r.back_counts = back->result(1);
-    pooled = back->result(0);
-    const TensorType pieces(pooled_type.dtype(), {Dim::fixed(k), batch, Dim::fixed(cols)});
-    if (r.compact) {
-      // Each sample's partials from the owners it sent ids to, summed in rank order.
-      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths},
-                                                   {{"blocks", Attribute(int64_t{o_.ranks})}}));
-    } else if (k > 1 && t.type == ShardingType::column_wise) {
-      // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
-      KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));
-    } else if (k > 1) {
-      // Row blocks on k owners: each sample's pool is the sum of their partials, in rank order.
-      KILN_ASSIGN_OR_RETURN(Op * split, b_.createWithTypes(OpCode::Reshape, {pooled}, {pieces}));
-      KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Reduce, {split->result()},
-                                                   {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
-    }
+    KILN_ASSIGN_OR_RETURN(pooled, pooledByOwners(t, r, bag.operand(0), bag.result()->type()));
   }
+  ids_fill_ = 1;
   if (hot_pool) {
     KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::Add, {hot_pool, pooled}));
   }
@@ -496,7 +595,9 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   const Dim batch = gt.dim(0);
   const int64_t k = holders(t);
   Value* grads = nullptr;  // the gradient of every global sample this rank's ids belong to
-  if (t.type == ShardingType::data_parallel || returnsByReduceScatter(t)) {
+  if (r.dedup) {
+    KILN_RETURN_IF_ERROR(lowerUniqueUpdate(update, l, t, r, grad));
+  } else if (t.type == ShardingType::data_parallel || returnsByReduceScatter(t)) {
     KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::AllGather, {grad}, groupAxis0()));
   } else if (r.compact) {
     // The gradients of the samples that sent ids, to the ranks they sent them to.
@@ -532,7 +633,7 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
                                                         group()));
     grads = back->result(0);
   }
-  if (t.type == ShardingType::data_parallel || mine(t)) {
+  if (!r.dedup && (t.type == ShardingType::data_parallel || mine(t))) {
     // The same update over the ids this rank holds rows for, in the flat (ids, lengths) form.
     std::vector<Value*> operands;
     for (unsigned i = 0; i < update.numOperands(); ++i) {
@@ -557,6 +658,43 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     KILN_RETURN_IF_ERROR(lowerHotUpdate(update, l, t, r, grad, returnsByReduceScatter(t) ? grads : nullptr));
   update.parentBlock()->erase(&update);
   return Status::ok();
+}
+
+// The update of a de-duplicated table: each distinct id's gradient (its samples' pooled
+// gradients summed, as embedding_bag's table gradient over the rows brought in) goes back to its
+// owner, which updates the row once per peer that sent it.
+Status Sharder::lowerUniqueUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t,
+                                  const Route& r, Value* grad) {
+  std::vector<Value*> in{r.inverse};
+  if (r.own_lengths) in.push_back(r.own_lengths);
+  in.push_back(grad);
+  KILN_ASSIGN_OR_RETURN(Value * rows_grad,
+                        b_.createValue(OpCode::EmbeddingBagDenseGrad, in, {{"table", Attribute(t.table)}}));
+  const TensorType& gt = rows_grad->type();
+  const Dim arrive = mine(t) ? r.ids->type().dim(0) : Dim::fixed(0);
+  AttrDict back_attrs = group();
+  if (r.rows_fill < 1) back_attrs["expected_fill"] = Attribute(r.rows_fill);
+  KILN_ASSIGN_OR_RETURN(Op * back, b_.createWithTypes(OpCode::AllToAllV, {rows_grad, r.send_counts},
+                                                      {TensorType(gt.dtype(), {arrive, gt.dim(1)}), countsType()},
+                                                      back_attrs));
+  if (!mine(t)) return Status::ok();
+  // Each distinct id a sample of its own: ids [rows, 1].
+  KILN_ASSIGN_OR_RETURN(Op * ids, b_.createWithTypes(OpCode::Reshape, {r.ids},
+                                                     {TensorType(DType::i64, {r.ids->type().dim(0), Dim::fixed(1)})}));
+  std::vector<Value*> operands;
+  for (unsigned i = 0; i < update.numOperands(); ++i) {
+    const int idx = static_cast<int>(i);
+    if (idx == l.ids)
+      operands.push_back(ids->result());
+    else if (idx == l.lengths)
+      continue;
+    else if (idx == l.grad_out)
+      operands.push_back(back->result(0));
+    else
+      operands.push_back(update.operand(i));
+  }
+  auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, update.attrs());
+  return applied ? Status::ok() : applied.status();
 }
 
 // The update of a hybrid table's replica, the same on every rank. Where the optimizer leaves a

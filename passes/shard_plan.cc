@@ -234,6 +234,11 @@ Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_
                                        "entry {} is {}",
                                        t.table, info.rows, i, hot[i]));
   if (!hot.empty()) t.hot.rows = static_cast<int64_t>(hot.size());
+  if (t.dedup && t.type != ShardingType::table_wise && t.type != ShardingType::row_wise &&
+      t.type != ShardingType::table_row_wise)
+    return Status::error(fmt::format("table '{}' is {}: only row blocks (table_wise, row_wise, table_row_wise) "
+                                     "route de-duplicated ids",
+                                     t.table, shardingName(t.type)));
   return Status::ok();
 }
 

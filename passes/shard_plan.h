@@ -88,6 +88,15 @@ struct TablePlan {
   std::vector<TableShard> shards;  // filled by layoutShards
   std::string reason;              // why the planner chose this ("" for a plan file's entry)
   HotRows hot;                     // none unless a frequency what-if set it
+  // De-duplicated routing (kiln.dedup_ids): each rank sends each distinct (cold) id of its batch
+  // once, the owners send back one row per distinct id, and the rank pools its samples itself;
+  // the rows' gradients go back the same way. Worth it where a batch repeats ids more than a
+  // sample holds them (unique_share * ids per sample < 1): `kiln plan --data` measures
+  // unique_share, the distinct share of a rank's batch of (cold) ids, and sets dedup where the
+  // cost model says it is cheaper. Partitioned types only (table_wise, row_wise,
+  // table_row_wise).
+  bool dedup = false;
+  double unique_share = 1;
   Location loc;                    // the plan file's entry, for completePlan's errors
 };
 

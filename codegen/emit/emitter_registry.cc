@@ -109,7 +109,7 @@ void registerNoKernelOps(EmitterRegistry& r) {
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "a collective: it runs through the communicator (NCCL), not a generated kernel; the "
                   "CUDA backend does not issue collectives yet");
-  for (ir::OpCode op : {ir::OpCode::BucketizeIds, ir::OpCode::SplitHotIds, ir::OpCode::CompactRows,
+  for (ir::OpCode op : {ir::OpCode::BucketizeIds, ir::OpCode::SplitHotIds, ir::OpCode::DedupIds, ir::OpCode::CompactRows,
                         ir::OpCode::ExpandRows, ir::OpCode::EmbeddingBagDenseGrad})
     r.addNoKernel(op, NoKernel::kNotLowered,
                   "the shard pass's id routing (and a hybrid table's dense hot-row gradient) runs on the host "

@@ -44,6 +44,19 @@
 //                                  in sample order with how many of each sample's ids they hold.
 //                                  M' is bounded by the ids' count. An id outside [0, rows) is a
 //                                  run-time error naming the table.
+//   kiln.dedup_ids(ids[B, H]) or (ids[M], lengths[B])
+//       -> (unique[?(M)], inverse: i64 shaped like ids, send_counts: i64[N])
+//       {ranks, rank, table, rows, owners, row_starts}
+//                                  a de-duplicating route (TorchRec's input dedup, HugeCTR's
+//                                  unique infrequent ids): each distinct id of the bags once,
+//                                  to the rank of its shard (row_starts as bucketize_ids'
+//                                  partition), made local. `unique` is packed by destination
+//                                  rank, each shard's ids ascending; send_counts[p] is p's
+//                                  segment; inverse[i] is the position in `unique` of id i (0
+//                                  past the lengths' total), so every position of `unique` is
+//                                  some id's. The owners send back one row per unique id and
+//                                  the bags are pooled here, from those rows by `inverse`. An
+//                                  id outside [0, rows) is a run-time error naming the table.
 //   kiln.compact_rows(x[R, D], lengths[L]) -> (rows[?(L), D], counts: i64[N])   {ranks}
 //                                  the rows of x whose sample has ids: lengths splits into N
 //                                  equal blocks (one per rank), entry i standing for row i mod R
@@ -209,22 +222,28 @@ Status bagDims(const Op& op, Dim& batch, Dim& count) {
 
 bool replicates(const Op& op) { return op.strAttr("mode", "partition") == "replicate"; }
 
-Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
+// The owners of a route (ranks of the group) and, partitioning, their row blocks' starts.
+Status checkRouting(const Op& op, bool partition) {
   const int64_t n = ranksOf(op);
   const std::vector<int64_t> owners = op.intsAttr("owners");
   const std::vector<int64_t> starts = op.intsAttr("row_starts");
-  if (n < 1 || owners.empty())
-    return Status::errorf("'{}' needs ranks >= 1 and at least one owner", op.name());
+  if (n < 1 || owners.empty()) return Status::errorf("'{}' needs ranks >= 1 and at least one owner", op.name());
   for (int64_t o : owners)
     if (o < 0 || o >= n) return Status::errorf("'{}' owner {} is not a rank of {}", op.name(), o, n);
-  if (!replicates(op)) {
-    if (starts.size() != owners.size() + 1)
-      return Status::errorf("'{}' has {} owners but {} row_starts (want one more than owners)", op.name(),
-                            owners.size(), starts.size());
-    for (size_t j = 0; j + 1 < starts.size(); ++j)
-      if (starts[j] > starts[j + 1] || starts[j] < 0)
-        return Status::errorf("'{}' row_starts {} must rise from 0", op.name(), shapeString(starts));
-  }
+  if (!partition) return Status::ok();
+  if (starts.size() != owners.size() + 1)
+    return Status::errorf("'{}' has {} owners but {} row_starts (want one more than owners)", op.name(),
+                          owners.size(), starts.size());
+  for (size_t j = 0; j + 1 < starts.size(); ++j)
+    if (starts[j] > starts[j + 1] || starts[j] < 0)
+      return Status::errorf("'{}' row_starts {} must rise from 0", op.name(), shapeString(starts));
+  return Status::ok();
+}
+
+Status inferBucketizeIds(const Op& op, std::vector<TensorType>& out) {
+  const int64_t n = ranksOf(op);
+  const std::vector<int64_t> owners = op.intsAttr("owners");
+  KILN_RETURN_IF_ERROR(checkRouting(op, !replicates(op)));
   Dim batch, count;
   KILN_RETURN_IF_ERROR(bagDims(op, batch, count));
   if (batch.isBounded())
@@ -351,6 +370,78 @@ Status cpuSplitHotIds(const Op& op, const CpuOperands& in, const CpuResults& out
   }
   KILN_RETURN_IF_ERROR(setResultShape(op, *out[0], {h}));
   return setResultShape(op, *out[2], {c});
+}
+
+// ---- dedup_ids --------------------------------------------------------------------------------
+
+Status inferDedupIds(const Op& op, std::vector<TensorType>& out) {
+  KILN_RETURN_IF_ERROR(checkRouting(op, /*partition=*/true));
+  Dim batch, count;
+  KILN_RETURN_IF_ERROR(bagDims(op, batch, count));
+  out = {TensorType(DType::i64, {Dim::bounded(count.upperBound())}),
+         TensorType(DType::i64, op.operand(0)->type().shape()), TensorType(DType::i64, {Dim::fixed(ranksOf(op))})};
+  return Status::ok();
+}
+
+Status cpuDedupIds(const Op& op, const CpuOperands& in, const CpuResults& out, const CpuContext&) {
+  const int64_t n = ranksOf(op), rows = op.intAttr("rows", 0);
+  const std::vector<int64_t> owners = op.intsAttr("owners");
+  const std::vector<int64_t> starts = op.intsAttr("row_starts");
+  const TensorView& ids = *in[0];
+  int64_t total = ids.numel();
+  if (in.size() == 2) {
+    total = 0;
+    for (int64_t b = 0; b < in[1]->numel(); ++b) {
+      const int64_t len = loadIndex(*in[1], b);
+      if (len < 0)
+        return Status::errorf("'{}' of table '{}': sample {} has negative length {}", op.name(), op.strAttr("table"),
+                              b, len);
+      total += len;
+    }
+    if (total > ids.numel())
+      return Status::errorf("'{}' of table '{}': lengths add up to {} ids but the batch has {}", op.name(),
+                            op.strAttr("table"), total, ids.numel());
+  }
+  std::vector<int64_t> distinct(static_cast<size_t>(total));
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t id = loadIndex(ids, i);
+    if (id < 0 || id >= rows)
+      return Status::errorf("'{}': id {} at position {} is out of range for table '{}' of {} rows", op.name(), id, i,
+                            op.strAttr("table"), rows);
+    distinct[static_cast<size_t>(i)] = id;
+  }
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  // Shard j's distinct ids are the run [starts[j], starts[j + 1]) of the sorted ids; the runs go
+  // out in destination order.
+  auto* unique = static_cast<int64_t*>(out[0]->data);
+  auto* send = static_cast<int64_t*>(out[2]->data);
+  std::vector<int64_t> position(distinct.size());
+  int64_t w = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    const int64_t start = w;
+    for (size_t j = 0; j < owners.size(); ++j) {
+      if (owners[j] != p) continue;
+      const auto lo = std::lower_bound(distinct.begin(), distinct.end(), starts[j]);
+      const auto hi = std::lower_bound(distinct.begin(), distinct.end(), starts[j + 1]);
+      for (auto it = lo; it != hi; ++it) {
+        position[static_cast<size_t>(it - distinct.begin())] = w;
+        unique[w++] = *it - starts[j];
+      }
+    }
+    send[p] = w - start;
+  }
+  if (w != static_cast<int64_t>(distinct.size()))
+    return Status::errorf("'{}' of table '{}': row_starts {} do not cover its ids", op.name(), op.strAttr("table"),
+                          shapeString(starts));
+  KILN_RETURN_IF_ERROR(setResultShape(op, *out[1], ids.shape));
+  auto* inverse = static_cast<int64_t*>(out[1]->data);
+  std::fill(inverse, inverse + ids.numel(), int64_t{0});
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t id = loadIndex(ids, i);
+    inverse[i] = position[static_cast<size_t>(std::lower_bound(distinct.begin(), distinct.end(), id) - distinct.begin())];
+  }
+  return setResultShape(op, *out[0], {w});
 }
 
 // ---- compact_rows / expand_rows -------------------------------------------------------------
@@ -767,6 +858,27 @@ void registerCollectiveOps(OpRegistry& r) {
                return c;
              },
          .cpu = cpuSplitHotIds});
+
+  r.add({.name = "kiln.dedup_ids",
+         .summary = "Each distinct id once, to the rank of its shard, and every id's position among them",
+         .min_operands = 1,
+         .max_operands = 2,
+         .num_results = 3,
+         .attrs = {ranks,
+                   {"rank", K::Int, false, Attribute(int64_t{0})},
+                   {"table", K::String, false, Attribute("")},
+                   {"rows", K::Int, true},
+                   {"owners", K::Array, true},
+                   {"row_starts", K::Array, true}},
+         .traits = kPure | kNonDifferentiable,
+         .infer = inferDedupIds,
+         .cost =
+             [](const Op& op, const SymbolBindings& symbols) {
+               OpCost c;
+               c.bytes = operandAndResultBytes(op, symbols);
+               return c;
+             },
+         .cpu = cpuDedupIds});
 
   // Moves rows by lengths the shard pass's routing computed (it writes the backward itself, after
   // autodiff): no gradient of their own.

@@ -21,7 +21,9 @@
 // gradient is built densely:
 //   kiln.embedding_bag_dense_grad(ids[, lengths], grad_out[B, D]) {rows, mode}  -> [rows, D]:
 //     out[r] = sum over the ids j equal to r of grad_out[bag of j] (divided by the bag's count for
-//     mean): the gradient of embedding_bag's table, rows no id touches zero.
+//     mean): the gradient of embedding_bag's table, rows no id touches zero. Without `rows`
+//     the block has max(id) + 1 rows (bounded by the ids' count): the rows a de-duplicated
+//     lookup (kiln.dedup_ids' inverse, which uses every row) brought in.
 //
 // Sequence features (`embeddings(..., pool = none)`, docs/language.md) pad jagged ids first:
 //   kiln.jagged_to_padded(ids[N], lengths[B]) {length = L}  -> ids' dtype [B, L]
@@ -270,7 +272,8 @@ Status inferEmbeddingBagDenseGrad(const Op& op, std::vector<TensorType>& out) {
   const TensorType& ids = op.operand(0)->type();
   const TensorType& g = op.operand(op.numOperands() - 1)->type();
   const int64_t rows = op.intAttr("rows", -1);
-  if (rows < 0) return Status::errorf("'kiln.embedding_bag_dense_grad' needs rows >= 0, got {}", rows);
+  if (op.hasAttr("rows") && rows < 0)
+    return Status::errorf("'kiln.embedding_bag_dense_grad' needs rows >= 0, got {}", rows);
   if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
     return Status::errorf("'kiln.embedding_bag_dense_grad' ids must be integer [B, H] or [N], got {}", ids.str());
   const unsigned want = ids.rank() == 1 ? 3 : 2;
@@ -281,7 +284,8 @@ Status inferEmbeddingBagDenseGrad(const Op& op, std::vector<TensorType>& out) {
   if (!isFloat(g.dtype()) || g.rank() != 2 || !(g.dim(0) == batch))
     return Status::errorf("'kiln.embedding_bag_dense_grad' grad_out must be float [{}, D], got {}", batch.str(),
                           g.str());
-  out = {TensorType(g.dtype(), {Dim::fixed(rows), g.dim(1)})};
+  const Dim count = ids.rank() == 2 ? ids.dim(0).times(ids.dim(1).size()) : ids.dim(0);
+  out = {TensorType(g.dtype(), {rows >= 0 ? Dim::fixed(rows) : Dim::bounded(count.upperBound()), g.dim(1)})};
   return Status::ok();
 }
 
@@ -290,9 +294,16 @@ Status cpuEmbeddingBagDenseGrad(const Op& op, const CpuOperands& in, const CpuRe
   const TensorView* lengths = ids.rank() == 1 ? in[1] : nullptr;
   const TensorView& g = *in.back();
   TensorView& r = *out[0];
-  const int64_t rows = r.shape[0], dim = g.shape[1];
-  KILN_RETURN_IF_ERROR(checkIds(op, ids, rows));
+  const int64_t dim = g.shape[1];
   KILN_ASSIGN_OR_RETURN(auto bags, bagsOf(op, ids, lengths));
+  int64_t rows = r.shape[0];
+  if (!op.hasAttr("rows")) {
+    // As many rows as the ids reach.
+    rows = 0;
+    for (int64_t j = 0; j < bags.begin.back(); ++j) rows = std::max(rows, loadIndex(ids, j) + 1);
+    KILN_RETURN_IF_ERROR(setResultShape(op, r, {rows, dim}));
+  }
+  KILN_RETURN_IF_ERROR(checkIds(op, ids, rows));
   if (g.shape[0] != bags.batch())
     return Status::errorf("{}: grad_out {} does not match {} bags", tableLabel(op), shapeString(g.shape),
                           bags.batch());
@@ -393,7 +404,7 @@ void registerEmbeddingOps(OpRegistry& r) {
   r.add({.name = "kiln.embedding_bag_dense_grad",
          .summary = "Gradient of kiln.embedding_bag with respect to its table, as a dense [rows, D] block",
          .min_operands = 2, .max_operands = 3,
-         .attrs = {{"rows", K::Int, true},
+         .attrs = {{"rows", K::Int, false},
                    {"mode", K::String, false, Attribute("sum"), {"sum", "mean"}},
                    {"table", K::String}},
          .traits = kPure | kNonDifferentiable, .infer = inferEmbeddingBagDenseGrad,

@@ -219,9 +219,10 @@ inline std::vector<double> runRanks(const Model& m, const std::string& sharding,
 }
 
 // A plan file for `ranks` ranks where every table is `sharding` (laid out as the shard pass's
-// `sharding` option lays it out) and, unless data_parallel, a hybrid table: its even rows are
-// replicated on every rank, so that about half of any id stream is hot and half travels.
-inline std::string hybridPlanFile(const Model& m, const std::string& sharding, int ranks) {
+// `sharding` option lays it out) and, unless data_parallel, a hybrid table (`hot`): its even
+// rows are replicated on every rank, so that about half of any id stream is hot and half
+// travels; with `dedup`, row-block tables route de-duplicated ids.
+inline std::string planFile(const Model& m, const std::string& sharding, int ranks, bool hot, bool dedup) {
   std::ostringstream diag;
   auto s = ModelSession::create(options(m, kGlobalBatch), diag);
   EXPECT_TRUE(s) << s.status().str() << diag.str();
@@ -235,13 +236,22 @@ inline std::string hybridPlanFile(const Model& m, const std::string& sharding, i
   auto plan = passes::planFor(*tables, o);
   EXPECT_TRUE(plan) << plan.status().str();
   if (!plan) return "";
-  for (size_t i = 0; i < plan->tables.size(); ++i)
-    if (plan->tables[i].type != passes::ShardingType::data_parallel)
-      for (int64_t row = 0; row < (*tables)[i].rows; row += 2) plan->tables[i].hot.ids.push_back(row);
+  using passes::ShardingType;
+  for (size_t i = 0; i < plan->tables.size(); ++i) {
+    passes::TablePlan& t = plan->tables[i];
+    if (hot && t.type != ShardingType::data_parallel)
+      for (int64_t row = 0; row < (*tables)[i].rows; row += 2) t.hot.ids.push_back(row);
+    t.dedup = dedup && (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
+                        t.type == ShardingType::table_row_wise);
+  }
   const auto path = std::filesystem::temp_directory_path() /
-                    fmt::format("kiln_hybrid_{}_{}_{}_{}.json", m.name, sharding, ranks, ::getpid());
+                    fmt::format("kiln_plan_{}_{}_{}_{}{}_{}.json", m.name, sharding, ranks, hot ? "hot" : "",
+                                dedup ? "dedup" : "", ::getpid());
   std::ofstream(path) << passes::writePlanJson(*plan);
   return path.string();
+}
+inline std::string hybridPlanFile(const Model& m, const std::string& sharding, int ranks) {
+  return planFile(m, sharding, ranks, /*hot=*/true, /*dedup=*/false);
 }
 
 // The global batch's loss of each step against the single-rank run's.

@@ -57,6 +57,32 @@ TEST_P(ShardedStep, PipelinedStepEqualsOneRank) {
   std::filesystem::remove(plan);
 }
 
+// De-duplicated routing (TablePlan::dedup: each rank sends each distinct id once, the owners
+// return one row per distinct id, the rank pools): the same numbers, every piece compared, for
+// each row-block type, with hot rows, and pipelined.
+TEST_P(ShardedStep, DedupIdsEqualOneRank) {
+  const Model m = models()[GetParam()];
+  const Trajectory want = singleRank(m, 3);
+  for (const char* sharding : {"table_wise", "row_wise", "table_row_wise"})
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks, every table {}, de-duplicated ids", m.name, ranks, sharding));
+      const std::string plan = planFile(m, sharding, ranks, /*hot=*/false, /*dedup=*/true);
+      expectLossesMatch(runRanks(m, "", ranks, 3, want, plan), want);
+      std::filesystem::remove(plan);
+    }
+  for (bool pipeline : {false, true}) {
+    SCOPED_TRACE(fmt::format("{} on 4 ranks, row_wise with hot rows, de-duplicated ids{}", m.name,
+                             pipeline ? ", pipelined" : ""));
+    const std::string plan = planFile(m, "row_wise", 4, /*hot=*/true, /*dedup=*/true);
+    expectLossesMatch(runRanks(m, "", 4, 3, want, plan, pipeline), want);
+    std::filesystem::remove(plan);
+  }
+  SCOPED_TRACE(fmt::format("{} on 2 ranks, table_wise, de-duplicated ids, pipelined", m.name));
+  const std::string plan = planFile(m, "table_wise", 2, /*hot=*/false, /*dedup=*/true);
+  expectLossesMatch(runRanks(m, "", 2, 3, want, plan, true), want);
+  std::filesystem::remove(plan);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, ShardedStep, ::testing::Range<size_t>(0, models().size()),
                          [](const auto& info) { return std::string(models()[info.param].name); });
 

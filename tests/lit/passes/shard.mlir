@@ -2,6 +2,8 @@
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 sharding=table_wise}' | FileCheck %s --check-prefix=AWAY
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=0 sharding=data_parallel}' | FileCheck %s --check-prefix=DP
 // RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 plan=%S/Inputs/hot_plan.json}' | FileCheck %s --check-prefix=HOT
+// RUN: %kiln opt %s --passes='shard{ranks=2 rank=1 plan=%S/Inputs/dedup_plan.json}' | FileCheck %s --check-prefix=DEDUP
+// RUN: not %kiln opt %s --passes='shard{ranks=2 rank=1 plan=%S/Inputs/dedup_column.json}' 2>&1 | FileCheck %s --check-prefix=DEDUPCOL
 // RUN: not %kiln opt %s --passes='shard{ranks=2 rank=2}' 2>&1 | FileCheck %s --check-prefix=BAD
 // RUN: not %kiln opt %s --passes='shard{ranks=2 sharding=diagonal}' 2>&1 | FileCheck %s --check-prefix=BADTYPE
 
@@ -102,3 +104,19 @@ module {
     return %loss, %logit : !kiln.tensor<f32>, !kiln.tensor<Bx1xf32>
   }
 }
+
+// De-duplicated ids (Inputs/dedup_plan.json): each distinct id goes once to its owner, which
+// sends back its row; the rank pools its samples from those rows by the inverse index. The
+// gradient of each distinct row goes back the same way, and the owner updates it once per peer.
+// DEDUP:       %[[D:.*]]:3 = "kiln.dedup_ids"(%cats.0) {{{.*}}owners = [0, 1], rank = 1, ranks = 2, row_starts = [0, 5, 10], rows = 10, table = "tables.0"} : (!kiln.tensor<Bx1xi64>) -> (!kiln.tensor<?(B)xi64>, !kiln.tensor<Bx1xi64>, !kiln.tensor<2xi64>)
+// DEDUP:       %[[IDS:.*]]:2 = "kiln.all_to_all_v"(%[[D]]#0, %[[D]]#2) {expected_fill = 0.25
+// DEDUP:       %[[ROWS:.*]] = "kiln.gather"(%tables.0, %[[IDS]]#0) {axis = 0} : (!kiln.tensor<5x2xf32>, !kiln.tensor<?(2*B)xi64>) -> !kiln.tensor<?(2*B)x2xf32>
+// DEDUP:       %[[BACK:.*]]:2 = "kiln.all_to_all_v"(%[[ROWS]], %[[IDS]]#1) {{.*}} -> (!kiln.tensor<?(B)x2xf32>, !kiln.tensor<2xi64>)
+// DEDUP:       "kiln.embedding_bag"(%[[BACK]]#0, %[[D]]#1) {mode = "sum", table = "tables.0"} : (!kiln.tensor<?(B)x2xf32>, !kiln.tensor<Bx1xi64>) -> !kiln.tensor<Bx2xf32>
+// DEDUP-NOT:   "kiln.reduce_scatter"
+// DEDUP:       %[[G:.*]] = "kiln.embedding_bag_dense_grad"(%[[D]]#1, {{.*}}) {mode = "sum", table = "tables.0"} : (!kiln.tensor<Bx1xi64>, !kiln.tensor<Bx2xf32>) -> !kiln.tensor<?(B)x2xf32>
+// DEDUP:       %[[GB:.*]]:2 = "kiln.all_to_all_v"(%[[G]], %[[D]]#2)
+// DEDUP:       %[[UIDS:.*]] = "kiln.reshape"(%[[IDS]]#0) : (!kiln.tensor<?(2*B)xi64>) -> !kiln.tensor<?(2*B)x1xi64>
+// DEDUP:       "kiln.embedding_bag_update"(%tables.0, %[[UIDS]], %[[GB]]#0, %tables.0.rowwise_adagrad_sum, %lr, %step)
+
+// DEDUPCOL: dedup_column.json:2:13: error: in pass 'shard': table 'tables.0' is column_wise: only row blocks (table_wise, row_wise, table_row_wise) route de-duplicated ids
