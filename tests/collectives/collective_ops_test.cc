@@ -715,6 +715,86 @@ TEST(BucketizeIds, BadRoutingIsAVerifierError) {
 }
 
 
+// ---- dedup_ids ----------------------------------------------------------------------------------
+
+TEST(DedupIds, DistinctIdsGoOnceToTheirOwnersInRankOrder) {
+  // Rows [0, 4) on rank 2, [4, 9) on rank 0: rank 0's distinct ids first, each made local.
+  // Bags [7, 2], [7, 3], [8, 2] hold the distinct 2, 3, 7, 8.
+  HostTensor ids =
+      hostTensor(DType::i64, {3, 2}, [](int64_t i) { return std::vector<double>{7, 2, 7, 3, 8, 2}[i]; });
+  auto b = buildReturning(OpCode::DedupIds, {i64({3, 2})}, routing("partition", {2, 0}, {0, 4, 9}));
+  ASSERT_TRUE(b) << b.status().str();
+  auto out = interpret(*b->module->functions().front(), {{"x0", ids}}, {});
+  ASSERT_TRUE(out) << out.status().str();
+  ASSERT_EQ(out->size(), 3u);
+  EXPECT_EQ(ints((*out)[0]), (std::vector<int64_t>{3, 4, 2, 3}));
+  EXPECT_EQ(ints((*out)[1]), (std::vector<int64_t>{0, 2, 0, 3, 1, 2}));
+  EXPECT_EQ(ints((*out)[2]), (std::vector<int64_t>{2, 0, 2}));
+}
+
+TEST(DedupIds, FlatIdsAgainstASetPerOwner) {
+  // Random bags of a skewed stream over 3 owners against std::set per owner: every id comes
+  // back through the inverse, each owner's ids are distinct and ascending, and ids past the
+  // lengths' total are not sent.
+  std::mt19937_64 rng(5);
+  const int64_t batch = 30;
+  const std::vector<int64_t> owners{1, 2, 0}, starts{0, 2, 6, 9};
+  std::vector<double> lengths, ids;
+  for (int64_t s = 0; s < batch; ++s) {
+    lengths.push_back(static_cast<double>(rng() % 4));
+    for (int k = 0; k < lengths.back(); ++k) ids.push_back(static_cast<double>(rng() % 3 ? rng() % 3 : rng() % 9));
+  }
+  const int64_t total = static_cast<int64_t>(ids.size());
+  ids.push_back(8);  // past the total: ignored
+  const int64_t m = total + 1;
+  AttrDict a = routing("partition", owners, starts);
+  auto b = buildReturning(OpCode::DedupIds, {i64({m}), i64({batch})}, a);
+  ASSERT_TRUE(b) << b.status().str();
+  auto out = interpret(*b->module->functions().front(),
+                       {{"x0", hostTensor(DType::i64, {m}, [&](int64_t i) { return ids[static_cast<size_t>(i)]; })},
+                        {"x1", hostTensor(DType::i64, {batch}, [&](int64_t i) { return lengths[static_cast<size_t>(i)]; })}},
+                       {});
+  ASSERT_TRUE(out) << out.status().str();
+  const std::vector<int64_t> unique = ints((*out)[0]), inverse = ints((*out)[1]), send = ints((*out)[2]);
+  std::vector<int64_t> want_unique, want_send;
+  for (int64_t p = 0; p < 3; ++p) {
+    std::set<int64_t> mine;
+    const size_t j = static_cast<size_t>(std::find(owners.begin(), owners.end(), p) - owners.begin());
+    for (int64_t i = 0; i < total; ++i) {
+      const auto id = static_cast<int64_t>(ids[static_cast<size_t>(i)]);
+      if (id >= starts[j] && id < starts[j + 1]) mine.insert(id - starts[j]);
+    }
+    want_unique.insert(want_unique.end(), mine.begin(), mine.end());
+    want_send.push_back(static_cast<int64_t>(mine.size()));
+  }
+  EXPECT_EQ(unique, want_unique);
+  EXPECT_EQ(send, want_send);
+  ASSERT_EQ(inverse.size(), static_cast<size_t>(m));
+  // The id back from its position: its segment's owner's row start plus the local id.
+  std::vector<int64_t> segment_start{0};
+  for (int64_t c : send) segment_start.push_back(segment_start.back() + c);
+  for (int64_t i = 0; i < total; ++i) {
+    const int64_t at = inverse[static_cast<size_t>(i)];
+    const int64_t p = static_cast<int64_t>(std::upper_bound(segment_start.begin(), segment_start.end(), at) -
+                                           segment_start.begin()) - 1;
+    const size_t j = static_cast<size_t>(std::find(owners.begin(), owners.end(), p) - owners.begin());
+    EXPECT_EQ(unique[static_cast<size_t>(at)] + starts[j], static_cast<int64_t>(ids[static_cast<size_t>(i)]))
+        << "id " << i;
+  }
+}
+
+TEST(DedupIds, AnIdOutOfRangeNamesTheTable) {
+  auto b = buildReturning(OpCode::DedupIds, {i64({1, 1})}, routing("partition", {0}, {0, 9}));
+  ASSERT_TRUE(b) << b.status().str();
+  auto r = interpret(*b->module->functions().front(),
+                     {{"x0", hostTensor(DType::i64, {1, 1}, [](int64_t) { return 9.0; })}}, {});
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.status().message().find("out of range for table 't' of 9 rows"), std::string::npos)
+      << r.status().str();
+  EXPECT_NE(errorOf(OpCode::DedupIds, {i64({2, 1})}, routing("partition", {0, 1}, {0, 9})).find("row_starts"),
+            std::string::npos);
+}
+
 // ---- split_hot_ids ------------------------------------------------------------------------------
 
 AttrDict hotRows(std::vector<int64_t> hot, int64_t rows = 9) {

@@ -122,6 +122,16 @@ TEST(EmbeddingBagCpu, DenseGradSumsEachIdsBagGradient) {
   EXPECT_NE(bad.status().message().find("t.hot"), std::string::npos) << bad.status().message();
 }
 
+// Without `rows`, the block has as many rows as the ids reach (a de-duplicated lookup's rows).
+TEST(EmbeddingBagCpu, DenseGradWithoutRowsEndsAtTheLargestId) {
+  auto ids = i64({4}, {2, 1, 0, 2});
+  auto lengths = i32({2}, {1, 3});
+  auto g = f32({2, 2}, {1, 2, 5, -5});
+  // Row 0: bag 1; row 1: bag 1; row 2: bags 0 and 1.
+  expectTensor(runOk({"kiln.embedding_bag_dense_grad", {ids, lengths, g}}), {3, 2}, {5, -5, 5, -5, 6, -3});
+  expectTensor(runOk({"kiln.embedding_bag_dense_grad", {i64({0}, {}), i32({2}, {0, 0}), g}}), {0, 2}, {});
+}
+
 // The dense gradient is the table's gradient of sum(embedding_bag(table, ids) * g): central
 // differences of the lookup itself, element by element.
 TEST(EmbeddingBagCpu, DenseGradMatchesFiniteDifferencesOfTheLookup) {
