@@ -89,7 +89,25 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
     out.ranks[static_cast<size_t>(r)].comm_s += costs.commSeconds(bytes, per_peer, link, collectives);
     out.table.comm_bytes_per_step += bytes;
   };
-  for (int r = 0; r < n; ++r) {
+  // De-duplicated routing (TablePlan::dedup): a rank's distinct (cold) ids go straight to their
+  // owners, one row comes back for each and its gradient returns; three exchanges, no lengths,
+  // no pools. The rank pools its samples from those rows and builds their gradient itself.
+  const bool dedup = t.dedup && (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
+                                 t.type == ShardingType::table_row_wise);
+  const double distinct = h * cold_ids * t.unique_share;  // rows a sample brings in, on average
+  for (int r = 0; r < n && dedup; ++r) {
+    const double moved = b * (8 * distinct + 2 * distinct * d * e);  // a rank's ids, rows and gradients
+    lookups(r, 2 * b * h * cold_ids, 0, d);                           // the pooling and its gradient
+    // The de-duplicating sort: four radix passes over the 8-byte ids and their positions.
+    out.ranks[static_cast<size_t>(r)].lookup_s += b * h * cold_ids * 64 / costs.device_bytes_per_s;
+    if (holds[static_cast<size_t>(r)]) {
+      lookups(r, G * distinct / k, G * distinct / k, d);
+      if (n > 1) comm(r, moved * (k - 1 + n - 1) / k, n - 1, global_link, 3);
+    } else if (n > 1) {
+      comm(r, moved, k, global_link, 3);
+    }
+  }
+  for (int r = 0; r < n && !dedup; ++r) {
     const bool mine = holds[static_cast<size_t>(r)];
     switch (t.type) {
       case ShardingType::data_parallel:

@@ -16,6 +16,11 @@
 //                   per-row state, which needs the full row's gradient)
 //   table_row_wise  the holders: row_wise within the group of k ranks (intra-node), plus b d e
 //                   pooled back by all_to_all; the others as table_wise's.
+// A hybrid table (TablePlan::hot) moves only its cold ids, and pools only for samples with one.
+// De-duplicated (TablePlan::dedup, u its distinct share): a rank moves b u h (8 + 2 d e) (its
+// distinct ids, their rows back, their gradients out); an owner of a k-way split, besides its
+// own, receives the other ranks' share for it: (N-1) / k of that. Its lookups add the rank's own
+// pooling from those rows and their gradient, and the sort that finds the distinct ids.
 //
 // The search (PlanStrategy::search, the default). Each table may be data_parallel, table_wise on
 // any rank, row_wise over all ranks, column_wise over k ranks (k a power of two dividing the dim,

@@ -48,7 +48,15 @@ double FrequencyCurve::sampleShare(int64_t hot) const {
   return static_cast<double>(countBelow(sample_max_ranks, hot)) / static_cast<double>(sample_max_ranks.size());
 }
 
-FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
+double FrequencyCurve::uniqueShare(int64_t hot) const {
+  hot = std::clamp<int64_t>(hot, 0, static_cast<int64_t>(hot_order.size()));
+  const auto cold_ids = static_cast<double>(static_cast<int64_t>(id_ranks.size()) - countBelow(id_ranks, hot));
+  const auto cold_distinct = static_cast<double>(static_cast<int64_t>(batch_distinct_ranks.size()) -
+                                                 countBelow(batch_distinct_ranks, hot));
+  return cold_ids > 0 ? cold_distinct / cold_ids : 1.0;
+}
+
+FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows, int64_t batch_samples) {
   FrequencyCurve c;
   c.rows = rows;
   const int64_t n = sample.samples();
@@ -67,7 +75,13 @@ FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
   }
   const int64_t unseen = static_cast<int64_t>(ranked.size());  // no hot set of any size holds it
   std::unordered_set<int64_t> new_rows;  // measured rows the ranking half never saw
+  if (batch_samples <= 0 || batch_samples > n - half) batch_samples = n - half;
+  std::unordered_map<int64_t, int64_t> in_batch;  // this batch's distinct ids and their ranks
   for (int64_t i = half; i < n; ++i) {
+    if ((i - half) % batch_samples == 0) {
+      for (const auto& [id, r] : in_batch) c.batch_distinct_ranks.push_back(r);
+      in_batch.clear();
+    }
     int64_t worst = -1;
     for (int64_t k = sample.offsets[static_cast<size_t>(i)]; k < sample.offsets[static_cast<size_t>(i + 1)]; ++k) {
       const int64_t id = sample.ids[static_cast<size_t>(k)];
@@ -75,15 +89,18 @@ FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows) {
       if (it == rank_of.end()) new_rows.insert(id);
       const int64_t r = it == rank_of.end() ? unseen : it->second;
       c.id_ranks.push_back(r);
+      in_batch.emplace(id, r);
       worst = std::max(worst, r);
     }
     c.sample_max_ranks.push_back(worst);
   }
+  for (const auto& [id, r] : in_batch) c.batch_distinct_ranks.push_back(r);
   c.distinct = static_cast<int64_t>(ranked.size() + new_rows.size());
   c.samples = n - half;
   c.ids = static_cast<int64_t>(c.id_ranks.size());
   std::sort(c.id_ranks.begin(), c.id_ranks.end());
   std::sort(c.sample_max_ranks.begin(), c.sample_max_ranks.end());
+  std::sort(c.batch_distinct_ranks.begin(), c.batch_distinct_ranks.end());
   return c;
 }
 
@@ -137,6 +154,27 @@ ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimat
     for (TablePlan& t : plan.tables)
       if (t.table == e.table) t.hot = e.hot;
   return plan;
+}
+
+void chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables, const std::vector<FrequencyCurve>& curves,
+                 const PlanRequest& req) {
+  for (size_t i = 0; i < plan.tables.size() && i < curves.size(); ++i) {
+    TablePlan& t = plan.tables[i];
+    t.dedup = false;
+    t.unique_share = 1;
+    if (curves[i].rows == 0 || !(t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
+                                 t.type == ShardingType::table_row_wise))
+      continue;
+    const PlanCosts plain = planCosts(plan, tables, req);
+    t.dedup = true;
+    t.unique_share = std::max(1e-6, curves[i].uniqueShare(t.hot.rows));
+    const PlanCosts c = planCosts(plan, tables, req);
+    if (!better(c.step_s(), c.total_s(), c.tables[i].comm_bytes_per_step, plain.step_s(), plain.total_s(),
+                plain.tables[i].comm_bytes_per_step)) {
+      t.dedup = false;
+      t.unique_share = 1;
+    }
+  }
 }
 
 }  // namespace kiln::passes

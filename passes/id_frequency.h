@@ -35,13 +35,21 @@ struct FrequencyCurve {
   // The measuring half: each id's rank in hot_order (rows the ranking half never saw rank past
   // its end), sorted; and per sample the largest rank among its ids (-1: no ids), sorted.
   std::vector<int64_t> id_ranks, sample_max_ranks;
+  // The measuring half cut into one rank's batches: each batch's distinct ids, by their rank in
+  // hot_order (as id_ranks), sorted.
+  std::vector<int64_t> batch_distinct_ranks;
 
   // Of the measuring half's ids (samples), the share that are (have only) the `hot` top rows.
   double idShare(int64_t hot) const;
   double sampleShare(int64_t hot) const;
+  // Of a rank's batch of ids outside the `hot` top rows, the distinct share (1: no repeats):
+  // what a de-duplicated route sends (TablePlan::unique_share).
+  double uniqueShare(int64_t hot) const;
 };
 
-FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows);
+// `batch_samples`: the samples of one rank's batch (global batch / ranks), over which ids
+// repeat; 0 or more than the measuring half: that half as one batch.
+FrequencyCurve frequencyCurve(const IdSample& sample, int64_t rows, int64_t batch_samples = 0);
 
 // The best hot-row count for each model-parallel table of `plan`, the rest of the plan fixed.
 struct HotCandidate {
@@ -69,5 +77,11 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
 
 // `plan` with every estimate's hot rows set.
 ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimates);
+
+// Sets TablePlan::dedup (and unique_share) on each row-block table of `plan` with a curve where
+// routing de-duplicated ids predicts a faster step (the same order of comparison), table by
+// table in plan order, each with its hot rows as `plan` holds them.
+void chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables, const std::vector<FrequencyCurve>& curves,
+                 const PlanRequest& req);
 
 }  // namespace kiln::passes

@@ -238,7 +238,8 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
   for (const auto& pt : plan.tables) {
     passes::FrequencyCurve curve;
     for (size_t j = 0; j < tables.size() && j < sample.size(); ++j)
-      if (tables[j].name == pt.table && sample[j].samples() >= 2) curve = passes::frequencyCurve(sample[j], tables[j].rows);
+      if (tables[j].name == pt.table && sample[j].samples() >= 2)
+        curve = passes::frequencyCurve(sample[j], tables[j].rows, req.global_batch / std::max(1, plan.ranks));
     curves.push_back(std::move(curve));
   }
   const auto estimates = passes::estimateHybrid(plan, tables, curves, req);
@@ -326,11 +327,32 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
       why += fmt::format(" (the rerun's memory imbalance is above {:.2f}x)", allowed);
     }
   }
+  // De-duplicated routing where the sample's repeats make it cheaper, on the plan that runs.
+  passes::ShardPlan deduped = chosen;
+  passes::chooseDedup(deduped, tables, curves, req);
+  std::vector<std::string> dedup_tables;
+  for (const auto& t : deduped.tables)
+    if (t.dedup) dedup_tables.push_back(fmt::format("{} {:.3g}%", t.table, 100 * t.unique_share));
+  if (!dedup_tables.empty()) {
+    const passes::PlanCosts a = passes::planCosts(chosen, tables, req), b = passes::planCosts(deduped, tables, req);
+    double bytes_a = 0, bytes_b = 0;
+    for (size_t i = 0; i < a.tables.size(); ++i) bytes_a += a.tables[i].comm_bytes_per_step;
+    for (size_t i = 0; i < b.tables.size(); ++i) bytes_b += b.tables[i].comm_bytes_per_step;
+    std::fprintf(out, "%s\n",
+                 fmt::format("de-duplicated ids on {} table{} (each: the distinct share of a rank's batch of its cold "
+                             "ids): {}; predicted step {:.3f} ms -> {:.3f} ms, link bytes {} -> {} a step",
+                             dedup_tables.size(), dedup_tables.size() == 1 ? "" : "s", fmt::join(dedup_tables, ", "),
+                             a.step_s() * 1e3, b.step_s() * 1e3, bytes(bytes_a), bytes(bytes_b))
+                     .c_str());
+  } else {
+    std::fprintf(out, "de-duplicated ids: on no table (the sample's ids repeat too little within a rank's batch)\n");
+  }
+  chosen = std::move(deduped);
   int64_t hybrid_tables = 0;
   for (const auto& t : chosen.tables) hybrid_tables += t.hot.rows > 0;
   std::fprintf(out, "%s\n",
-               fmt::format("runs: {}, {} hybrid table{} (kiln train --plan with -o's file)", why, hybrid_tables,
-                           hybrid_tables == 1 ? "" : "s")
+               fmt::format("runs: {}, {} hybrid table{}, {} de-duplicated (kiln train --plan with -o's file)", why,
+                           hybrid_tables, hybrid_tables == 1 ? "" : "s", dedup_tables.size())
                    .c_str());
   return chosen;
 }

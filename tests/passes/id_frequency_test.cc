@@ -208,5 +208,62 @@ TEST(HybridEstimate, UniformIdsAndReplicatedTablesGetNone) {
   EXPECT_EQ(estimateHybrid(dp, {t}, {frequencyCurve(s, t.rows)}, flatRequest(4, 65536))[0].hot.rows, 0);
 }
 
+TEST(FrequencyCurve, UniqueShareCountsRepeatsWithinARanksBatch) {
+  // Ranking half: 5 three times, 6 once. Measuring half, in batches of 2 samples: {7, 7} and
+  // {7, 8}: 3 distinct of 4 ids; over the whole half as one batch {7, 8}: 2 of 4.
+  const IdSample s = sampleOf({{5}, {5}, {5}, {6}, {7}, {7}, {7}, {8}});
+  EXPECT_DOUBLE_EQ(frequencyCurve(s, 10, 2).uniqueShare(0), 0.75);
+  EXPECT_DOUBLE_EQ(frequencyCurve(s, 10, 0).uniqueShare(0), 0.5);
+  EXPECT_DOUBLE_EQ(frequencyCurve(s, 10, 1).uniqueShare(0), 1.0);
+  // Hot rows leave the cold ids' share alone when none of them is hot ...
+  EXPECT_DOUBLE_EQ(frequencyCurve(s, 10, 2).uniqueShare(2), 0.75);
+  // ... and take their ids out of both counts when they are: 5 hot leaves {6} cold, {6, 6, 9}.
+  const IdSample t = sampleOf({{5}, {5}, {6}, {9}, {5}, {6}, {6}, {9}});
+  EXPECT_DOUBLE_EQ(frequencyCurve(t, 10, 0).uniqueShare(0), 3.0 / 4);  // 5, 6, 9 of 4 ids
+  EXPECT_DOUBLE_EQ(frequencyCurve(t, 10, 0).uniqueShare(1), 2.0 / 3);  // 6, 9 of 3 cold ids
+}
+
+// De-duplicated routing by hand: a rank moves b u h (8 + 2 d e); the owner of a table_wise
+// table receives the other ranks' share: (N - 1) times that.
+TEST(DedupCost, MovesEachRanksDistinctIdsAndTheirRows) {
+  const TableInfo t = table(1000, 8);
+  ShardPlan plan = tableWisePlan(t, 2);
+  plan.tables[0].dedup = true;
+  plan.tables[0].unique_share = 0.25;
+  // 2 ranks of b = 512, one id a sample, dim 8 f32: 512 * 0.25 * (8 + 64) a rank.
+  EXPECT_DOUBLE_EQ(planCosts(plan, {t}, flatRequest(2, 1024)).tables[0].comm_bytes_per_step, 2 * 128 * 72.0);
+  // All distinct: more than the plain route (512 * 80 a rank) only by what the lengths saved.
+  plan.tables[0].unique_share = 1;
+  EXPECT_DOUBLE_EQ(planCosts(plan, {t}, flatRequest(2, 1024)).tables[0].comm_bytes_per_step, 2 * 512 * 72.0);
+}
+
+TEST(ChooseDedup, RepeatedIdsAreDeduplicatedSpreadOnesAreNot) {
+  // One id a sample from 50 rows: a rank's batch of 32768 repeats each many times. Four ids a
+  // sample from 10^8 rows: hardly a repeat, and four rows would come back for each pool.
+  std::mt19937_64 rng(9);
+  IdSample few, spread;
+  for (int i = 0; i < 20000; ++i) {
+    const auto a = static_cast<int64_t>(rng() % 50);
+    few.addSample(&a, 1);
+    int64_t b[4];
+    for (int64_t& id : b) id = static_cast<int64_t>(rng() % 100000000);
+    spread.addSample(b, 4);
+  }
+  TableInfo t = table(100000000, 64);
+  const PlanRequest req = flatRequest(2, 65536);
+  ShardPlan plan = tableWisePlan(t, 2);
+  chooseDedup(plan, {t}, {frequencyCurve(few, t.rows, 32768)}, req);
+  EXPECT_TRUE(plan.tables[0].dedup);
+  EXPECT_NEAR(plan.tables[0].unique_share, 50.0 / 10000, 1e-9);  // 50 distinct of the measured 10000
+  t.lookups_per_sample = 4;
+  chooseDedup(plan, {t}, {frequencyCurve(spread, t.rows, 32768)}, req);
+  EXPECT_FALSE(plan.tables[0].dedup);
+  EXPECT_DOUBLE_EQ(plan.tables[0].unique_share, 1);
+  // A table without a sample keeps the plain route.
+  plan.tables[0].dedup = true;
+  chooseDedup(plan, {t}, {FrequencyCurve{}}, req);
+  EXPECT_FALSE(plan.tables[0].dedup);
+}
+
 }  // namespace
 }  // namespace kiln::passes
