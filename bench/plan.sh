@@ -64,7 +64,7 @@ echo
 echo "The same within 16 GiB a rank (the search must then balance the memory):"
 "$KILN" plan "$MODEL" "${MLPERF[@]}" --ranks 8 --ranks-per-node 8 --memory-per-rank 16G --batch 65536 \
   --data synthetic --data-samples 65536 > "$OUT/hybrid16.txt"
-grep -E "^(hybrid|searched again)" "$OUT/hybrid16.txt"
+grep -E "^(hybrid|searched again|de-duplicated)" "$OUT/hybrid16.txt"
 echo
 echo "The whole step simulated (dense layers included), the plain search's plan and the hybrid plan that runs:"
 for v in plain hybrid; do
@@ -76,7 +76,7 @@ for v in plain hybrid; do
 done
 
 echo
-echo "## 2b. Hybrid tables run: every table row_wise on 2 MPI ranks, without and with the hot rows"
+echo "## 2b. Hybrid tables and de-duplicated ids run: every table row_wise on 2 MPI ranks, plain, with the hot rows, and with the de-duplicated routes"
 echo "##     kiln plan --data chose (rows_cap $ROWS_CAP, $PER_RANK samples a rank; $REPEATS interleaved runs)"
 "$KILN" plan "$MODEL" --set rows_cap="$ROWS_CAP" --ranks 2 --batch $((2 * PER_RANK)) -o "$OUT/auto2.json" > /dev/null
 python3 - "$OUT/auto2.json" "$OUT/rw2.json" <<'PY'
@@ -87,10 +87,19 @@ plan = {"format": plan["format"], "ranks": 2,
 json.dump(plan, open(sys.argv[2], "w"))
 PY
 "$KILN" plan "$MODEL" --set rows_cap="$ROWS_CAP" --ranks 2 --batch $((2 * PER_RANK)) --plan "$OUT/rw2.json" \
-  --data synthetic --data-samples 65536 -o "$OUT/rw2hot.json" > "$OUT/rw2hot.txt"
-grep -E "^(hybrid|runs)" "$OUT/rw2hot.txt"
+  --data synthetic --data-samples 65536 -o "$OUT/rw2dedup.json" > "$OUT/rw2dedup.txt"
+grep -E "^(hybrid|de-duplicated|runs)" "$OUT/rw2dedup.txt"
+# The same hot rows without the de-duplicated routes kiln plan chose.
+python3 - "$OUT/rw2dedup.json" "$OUT/rw2hot.json" <<'PY'
+import json, sys
+plan = json.load(open(sys.argv[1]))
+for t in plan["tables"]:
+    t.pop("dedup", None)
+    t.pop("unique_share", None)
+json.dump(plan, open(sys.argv[2], "w"))
+PY
 for rep in $(seq 1 "$REPEATS"); do
-  for v in rw2 rw2hot; do
+  for v in rw2 rw2hot rw2dedup; do
     "${MPI[@]}" -np 2 "$KILN" train "$MODEL" --set rows_cap="$ROWS_CAP" --batch $((2 * PER_RANK)) --steps "$STEPS" \
       --log-every 1 --threads 1 --plan "$OUT/$v.json" --metrics "$OUT/$v.$rep.jsonl" > "$OUT/$v.$rep.out" 2>&1 ||
       { cat "$OUT/$v.$rep.out"; exit 1; }
@@ -103,7 +112,8 @@ print("\nmeasured: bytes each rank sends a step over every collective (the dense
 print("in both, included), median samples/s, the last step's loss (equal up to f32 rounding)\n")
 print("| plan | bytes sent a step, a rank | samples/s (median) | loss at the last step |")
 print("| --- | --- | --- | --- |")
-for v, name in (("rw2", "row_wise"), ("rw2hot", "row_wise + hot rows")):
+for v, name in (("rw2", "row_wise"), ("rw2hot", "row_wise + hot rows"),
+                ("rw2dedup", "row_wise + hot rows + de-duplicated ids (as kiln plan wrote it)")):
     rates, sent, loss = [], 0, 0
     for rep in range(1, repeats + 1):
         rows = [json.loads(l) for l in open(f"{out}/{v}.{rep}.jsonl")]

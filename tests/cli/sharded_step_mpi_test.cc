@@ -50,6 +50,25 @@ TEST_P(ShardedStepMpi, HybridEqualsOneRank) {
   }
 }
 
+// De-duplicated ids through MPI processes: plain, and with hot rows pipelined.
+TEST_P(ShardedStepMpi, DedupEqualsOneRank) {
+  const std::string sharding = GetParam();
+  if (sharding == "data_parallel" || sharding == "column_wise") return;  // row blocks only
+  for (const Model& m : {models()[0], models()[2]})
+    for (bool hot : {false, true}) {
+      SCOPED_TRACE(fmt::format("{} on {} MPI ranks, every table {}, de-duplicated ids{}", m.name, world->size(),
+                               sharding, hot ? " with hot rows, pipelined" : ""));
+      const int steps = 3;
+      const Trajectory want = singleRank(m, steps);
+      const std::string plan = planFile(m, sharding, world->size(), hot, /*dedup=*/true);
+      std::vector<double> mine;
+      Status s = checkRank(*world, m, "", steps, want, mine, plan, /*pipeline=*/hot);
+      std::filesystem::remove(plan);
+      ASSERT_TRUE(s) << s.str();
+      expectGlobalLossesMatch(mine, want);
+    }
+}
+
 // The pipelined step through MPI processes.
 TEST_P(ShardedStepMpi, PipelinedEqualsOneRank) {
   if (std::string(GetParam()) == "data_parallel") return;  // nothing routed ahead: no pipelined step
