@@ -2,10 +2,11 @@
 
 namespace kiln {
 
-std::string formatDiagnostic(const Status& status, std::string_view source) {
+std::string formatDiagnostic(const Status& status, std::string_view source, std::string_view source_name) {
   std::string out = status.str();
   if (status.isOk() || !status.location().known()) return out;
   const Location& loc = status.location();
+  if (!source_name.empty() && loc.file != source_name) return out;
   size_t start = 0;
   for (int line = 1; line < loc.line; ++line) {
     size_t nl = source.find('\n', start);

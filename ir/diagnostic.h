@@ -12,7 +12,8 @@
 namespace kiln {
 
 // status.str(), then (when the location's line exists in `source`) that line and a caret under
-// the column. No trailing newline.
-std::string formatDiagnostic(const Status& status, std::string_view source);
+// the column. No trailing newline. Given `source_name`, a location in another file (a plan or
+// data file a pass read) gets the message alone: `source` is not its text.
+std::string formatDiagnostic(const Status& status, std::string_view source, std::string_view source_name = {});
 
 }  // namespace kiln

@@ -195,7 +195,7 @@ int runOpt(const std::vector<std::string>& raw_args) {
     if (i) out << "// -----\n";
     auto module = ir::parseModule(chunks[i].text, filename);
     if (!module) {
-      std::cerr << formatDiagnostic(module.status(), source) << '\n';
+      std::cerr << formatDiagnostic(module.status(), source, filename) << '\n';
       exit_code = kExitError;
       continue;
     }
@@ -205,7 +205,7 @@ int runOpt(const std::vector<std::string>& raw_args) {
     (void)built;
     auto ran = pm.run(**module);
     if (!ran) {
-      std::cerr << formatDiagnostic(ran.status(), source) << '\n';
+      std::cerr << formatDiagnostic(ran.status(), source, filename) << '\n';
       exit_code = kExitError;
       continue;
     }

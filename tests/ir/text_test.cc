@@ -353,6 +353,13 @@ TEST(Diagnostic, ShowsTheLineAndACaret) {
   // No location, or a line past the end: the message alone.
   EXPECT_EQ(formatDiagnostic(Status::error("plain"), src), "error: plain");
   EXPECT_EQ(formatDiagnostic(Status::error("far", Location{"x", 99, 1}), src), "x:99:1: error: far");
+  // A location in another file than the source quoted: the message alone.
+  EXPECT_EQ(formatDiagnostic(Status::error("bad entry", Location{"plan.json", 2, 3}), src, "t.mlir"),
+            "plan.json:2:3: error: bad entry");
+  EXPECT_EQ(formatDiagnostic(m.status(), src, "t.mlir"),
+            "t.mlir:2:8: error: unknown op 'kiln.nope'\n"
+            "  %y = \"kiln.nope\"() : () -> !kiln.tensor<f32>\n"
+            "       ^");
 }
 
 }  // namespace
