@@ -96,8 +96,9 @@ class Trainer {
   Expected<runtime::RunInputs> sameRun(const std::string& path, const std::map<std::string, std::string>& meta);
   Status resumePosition(const std::string& path, const runtime::RunInputs& saved,
                         const std::map<std::string, std::string>& meta);
-  // The data a step trains on: this rank's share of the global batch.
-  Expected<const data::Batch*> share(const data::Batch& global);
+  // The data a step trains on: this rank's share of the global batch (sliced into `into` on
+  // several ranks).
+  Expected<const data::Batch*> share(const data::Batch& global, data::Batch& into);
   Status claimCheckpointDir();
   Status resume();
   Status saveCheckpoint(const data::StreamPosition& position);
@@ -159,11 +160,11 @@ void Trainer::error(const Status& st) const {
   printError(fmt::format("train: rank {}", rank_), st);
 }
 
-Expected<const data::Batch*> Trainer::share(const data::Batch& global) {
+Expected<const data::Batch*> Trainer::share(const data::Batch& global, data::Batch& into) {
   if (ranks_ == 1) return &global;
   const int64_t b = global.size / ranks_;
-  KILN_ASSIGN_OR_RETURN(share_, data::sliceBatch(global, s_.trainSpec(), rank_ * b, b));
-  return &share_;
+  KILN_ASSIGN_OR_RETURN(into, data::sliceBatch(global, s_.trainSpec(), rank_ * b, b));
+  return &into;
 }
 
 // Before any training: the directory exists, holds a checkpoint's worth of free space, and is
@@ -541,7 +542,7 @@ int Trainer::run() {
       data_done = true;
       break;
     }
-    auto mine = share(batch);
+    auto mine = share(batch, share_);
     if (!mine) return fail(mine.status());
     double lr = passes::learningRateFactor(schedule, step_ + 1);
     runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
@@ -558,15 +559,9 @@ int Trainer::run() {
         if (!read) return fail(read.status());
         have_ahead = *read;
         if (have_ahead && ahead.size == batch.size) {
-          if (ranks_ == 1) {
-            next = &ahead;
-          } else {
-            const int64_t b = ahead.size / ranks_;
-            auto sliced = data::sliceBatch(ahead, s_.trainSpec(), rank_ * b, b);
-            if (!sliced) return fail(sliced.status());
-            ahead_share = std::move(*sliced);
-            next = &ahead_share;
-          }
+          auto next_share = share(ahead, ahead_share);
+          if (!next_share) return fail(next_share.status());
+          next = *next_share;
         } else {
           reroute = have_ahead;
         }

@@ -567,17 +567,18 @@ Status ModelSession::loadHotRows(const RegionReader& read) {
   for (const auto& [name, op] : parameterOps(*module_)) {
     ir::HostTensor* replica = op->hasAttr("hot_of") ? store.find(name) : nullptr;
     if (!replica || replica->view.shape.empty()) continue;
+    // The hot rows ascend: each run of consecutive rows is one region of the whole tensor.
     const std::vector<int64_t> rows = op->intsAttr("hot_rows");
-    std::vector<int64_t> row_shape = replica->view.shape;
-    row_shape[0] = 1;
+    std::vector<int64_t> run_shape = replica->view.shape;
     const int64_t full = rows.empty() ? 0 : replica->numel() / static_cast<int64_t>(rows.size());
-    const size_t elem = ir::dtypeBytes(replica->view.dtype);
-    std::vector<int64_t> offset(row_shape.size(), 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      ir::TensorView row{replica->view.dtype, row_shape,
-                         static_cast<char*>(replica->view.data) + static_cast<size_t>(i) * static_cast<size_t>(full) * elem};
+    const size_t row_bytes = static_cast<size_t>(full) * ir::dtypeBytes(replica->view.dtype);
+    std::vector<int64_t> offset(run_shape.size(), 0);
+    for (size_t i = 0, end = 0; i < rows.size(); i = end) {
+      for (end = i + 1; end < rows.size() && rows[end] == rows[end - 1] + 1;) ++end;
+      run_shape[0] = static_cast<int64_t>(end - i);
+      ir::TensorView run{replica->view.dtype, run_shape, static_cast<char*>(replica->view.data) + i * row_bytes};
       offset[0] = rows[i];
-      KILN_RETURN_IF_ERROR(read(op->strAttr("hot_of"), offset, row));
+      KILN_RETURN_IF_ERROR(read(op->strAttr("hot_of"), offset, run));
     }
   }
   return Status::ok();

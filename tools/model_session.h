@@ -245,7 +245,7 @@ class ModelSession {
   // Loads this rank's pieces from a sharded checkpoint written under any rank count or plan.
   Status loadPieces(const runtime::ShardedCheckpoint& ckpt);
   // Reads every hybrid replica's rows from the whole tensors they replicate: `read(name, offset,
-  // view)` fills `view` (one row) from tensor `name` at `offset`.
+  // view)` fills `view` (a run of consecutive hot rows) from tensor `name` at `offset`.
   using RegionReader =
       std::function<Status(const std::string& name, const std::vector<int64_t>& offset, ir::TensorView& view)>;
   Status loadHotRows(const RegionReader& read);

@@ -197,6 +197,9 @@ Status verifyAllToAllV(const Op& op) {
   return Status::ok();
 }
 
+// The shard pass's routing and row moves: no arithmetic, their operands read and results written.
+OpCost costRouting(const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; }
+
 // ---- bucketize_ids ---------------------------------------------------------------------------
 
 // The bags of ids [B, H] (one operand) or of ids[M] with lengths[B]: batch and id count.
@@ -833,12 +836,7 @@ void registerCollectiveOps(OpRegistry& r) {
                    {"row_starts", K::Array, false, Attribute(std::vector<Attribute>{})}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferBucketizeIds,
-         .cost =
-             [](const Op& op, const SymbolBindings& symbols) {
-               OpCost c;
-               c.bytes = operandAndResultBytes(op, symbols);
-               return c;
-             },
+         .cost = costRouting,
          .cpu = cpuBucketizeIds});
 
   r.add({.name = "kiln.split_hot_ids",
@@ -851,12 +849,7 @@ void registerCollectiveOps(OpRegistry& r) {
                    {"hot_rows", K::Array, true}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferSplitHotIds,
-         .cost =
-             [](const Op& op, const SymbolBindings& symbols) {
-               OpCost c;
-               c.bytes = operandAndResultBytes(op, symbols);
-               return c;
-             },
+         .cost = costRouting,
          .cpu = cpuSplitHotIds});
 
   r.add({.name = "kiln.dedup_ids",
@@ -872,12 +865,7 @@ void registerCollectiveOps(OpRegistry& r) {
                    {"row_starts", K::Array, true}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferDedupIds,
-         .cost =
-             [](const Op& op, const SymbolBindings& symbols) {
-               OpCost c;
-               c.bytes = operandAndResultBytes(op, symbols);
-               return c;
-             },
+         .cost = costRouting,
          .cpu = cpuDedupIds});
 
   // Moves rows by lengths the shard pass's routing computed (it writes the backward itself, after
@@ -890,7 +878,7 @@ void registerCollectiveOps(OpRegistry& r) {
          .attrs = {ranks, group},
          .traits = kPure | kNonDifferentiable,
          .infer = inferCompactRows,
-         .cost = [](const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; },
+         .cost = costRouting,
          .cpu = cpuCompactRows});
   r.add({.name = "kiln.expand_rows",
          .summary = "Packed rows back to one row per sample, zeros for samples without ids",
@@ -899,7 +887,7 @@ void registerCollectiveOps(OpRegistry& r) {
          .attrs = {{"blocks", K::Int, false, Attribute(int64_t{1})}},
          .traits = kPure | kNonDifferentiable,
          .infer = inferExpandRows,
-         .cost = [](const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; },
+         .cost = costRouting,
          .cpu = cpuExpandRows});
 
   r.add({.name = "kiln.all_to_all_v",
@@ -908,7 +896,7 @@ void registerCollectiveOps(OpRegistry& r) {
          .min_operands = 2,
          .max_operands = 2,
          .num_results = 2,
-         .attrs = {ranks, group, {"expected_fill", K::Float, false, Attribute(1.0)}},
+         .attrs = {ranks, group, {"expected_fill", K::Float, false}},
          .traits = kTypeGiven,
          .verify = verifyAllToAllV,
          .cost = costCollective,

@@ -221,6 +221,19 @@ Status gradEmbeddingBag(GradContext& ctx, const Op& op) {
   return Status::ok();
 }
 
+// The batch of a backward op reading (..., ids[B, H], grad_out) or (..., ids[N], lengths[B],
+// grad_out), its ids at operand `ids_at`: checks the ids and the operand count.
+Expected<Dim> bagGradBatch(const Op& op, unsigned ids_at) {
+  const TensorType& ids = op.operand(ids_at)->type();
+  if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
+    return Status::errorf("'{}' ids must be integer [B, H] or [N], got {}", op.name(), ids.str());
+  const unsigned want = ids_at + (ids.rank() == 1 ? 3 : 2);
+  if (op.numOperands() != want)
+    return Status::errorf("'{}' takes ({}ids{}, grad_out)", op.name(), ids_at ? "table, " : "",
+                          ids.rank() == 1 ? ", lengths" : "");
+  return ids.rank() == 2 ? ids.dim(0) : op.operand(ids_at + 1)->type().dim(0);
+}
+
 Status inferEmbeddingBagWeightGrad(const Op& op, std::vector<TensorType>& out) {
   const TensorType& table = op.operand(0)->type();
   const TensorType& ids = op.operand(1)->type();
@@ -228,14 +241,7 @@ Status inferEmbeddingBagWeightGrad(const Op& op, std::vector<TensorType>& out) {
   if (table.rank() != 2 || !isFloat(table.dtype()))
     return Status::errorf("'kiln.embedding_bag_weight_grad' table must be float [rows, dim], got {}",
                           table.str());
-  if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
-    return Status::errorf("'kiln.embedding_bag_weight_grad' ids must be integer [B, H] or [N], got {}",
-                          ids.str());
-  const unsigned want = ids.rank() == 1 ? 4 : 3;
-  if (op.numOperands() != want)
-    return Status::errorf("'kiln.embedding_bag_weight_grad' takes (table, ids{}, grad_out)",
-                          ids.rank() == 1 ? ", lengths" : "");
-  Dim batch = ids.rank() == 2 ? ids.dim(0) : op.operand(2)->type().dim(0);
+  KILN_ASSIGN_OR_RETURN(const Dim batch, bagGradBatch(op, 1));
   if (g.dtype() != table.dtype() || g.rank() != 2 || !(g.dim(0) == batch) || !(g.dim(1) == table.dim(1)))
     return Status::errorf("'kiln.embedding_bag_weight_grad' grad_out must be {}, got {}",
                           TensorType(table.dtype(), {batch, table.dim(1)}).str(), g.str());
@@ -274,13 +280,7 @@ Status inferEmbeddingBagDenseGrad(const Op& op, std::vector<TensorType>& out) {
   const int64_t rows = op.intAttr("rows", -1);
   if (op.hasAttr("rows") && rows < 0)
     return Status::errorf("'kiln.embedding_bag_dense_grad' needs rows >= 0, got {}", rows);
-  if (!isInteger(ids.dtype()) || (ids.rank() != 1 && ids.rank() != 2))
-    return Status::errorf("'kiln.embedding_bag_dense_grad' ids must be integer [B, H] or [N], got {}", ids.str());
-  const unsigned want = ids.rank() == 1 ? 3 : 2;
-  if (op.numOperands() != want)
-    return Status::errorf("'kiln.embedding_bag_dense_grad' takes (ids{}, grad_out)",
-                          ids.rank() == 1 ? ", lengths" : "");
-  const Dim batch = ids.rank() == 2 ? ids.dim(0) : op.operand(1)->type().dim(0);
+  KILN_ASSIGN_OR_RETURN(const Dim batch, bagGradBatch(op, 0));
   if (!isFloat(g.dtype()) || g.rank() != 2 || !(g.dim(0) == batch))
     return Status::errorf("'kiln.embedding_bag_dense_grad' grad_out must be float [{}, D], got {}", batch.str(),
                           g.str());
