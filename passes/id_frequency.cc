@@ -156,25 +156,34 @@ ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimat
   return plan;
 }
 
-void chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables, const std::vector<FrequencyCurve>& curves,
-                 const PlanRequest& req) {
-  for (size_t i = 0; i < plan.tables.size() && i < curves.size(); ++i) {
+std::vector<DedupChoice> chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables,
+                                     const std::vector<FrequencyCurve>& curves, const PlanRequest& req) {
+  std::vector<DedupChoice> out;
+  for (size_t i = 0; i < plan.tables.size(); ++i) {
     TablePlan& t = plan.tables[i];
+    DedupChoice c;
+    c.table = t.table;
     t.dedup = false;
     t.unique_share = 1;
-    if (curves[i].rows == 0 || !(t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
-                                 t.type == ShardingType::table_row_wise))
-      continue;
-    const PlanCosts plain = planCosts(plan, tables, req);
-    t.dedup = true;
-    t.unique_share = std::max(1e-6, curves[i].uniqueShare(t.hot.rows));
-    const PlanCosts c = planCosts(plan, tables, req);
-    if (!better(c.step_s(), c.total_s(), c.tables[i].comm_bytes_per_step, plain.step_s(), plain.total_s(),
-                plain.tables[i].comm_bytes_per_step)) {
-      t.dedup = false;
-      t.unique_share = 1;
+    c.considered = i < curves.size() && curves[i].rows > 0 &&
+                   (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
+                    t.type == ShardingType::table_row_wise);
+    if (c.considered) {
+      const PlanCosts plain = planCosts(plan, tables, req);
+      t.dedup = true;
+      t.unique_share = c.unique_share = std::max(1e-6, curves[i].uniqueShare(t.hot.rows));
+      const PlanCosts dedup = planCosts(plan, tables, req);
+      c.plain_step_s = plain.step_s(), c.dedup_step_s = dedup.step_s();
+      c.plain_bytes = plain.tables[i].comm_bytes_per_step, c.dedup_bytes = dedup.tables[i].comm_bytes_per_step;
+      c.chosen = better(dedup.step_s(), dedup.total_s(), c.dedup_bytes, plain.step_s(), plain.total_s(), c.plain_bytes);
+      if (!c.chosen) {
+        t.dedup = false;
+        t.unique_share = 1;
+      }
     }
+    out.push_back(c);
   }
+  return out;
 }
 
 }  // namespace kiln::passes

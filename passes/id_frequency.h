@@ -78,10 +78,21 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
 // `plan` with every estimate's hot rows set.
 ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimates);
 
+// One table's de-duplication what-if: the whole plan's predicted step and the table's link bytes
+// with its ids routed plainly and de-duplicated.
+struct DedupChoice {
+  std::string table;
+  bool considered = false;  // a row-block table with a sample
+  bool chosen = false;
+  double unique_share = 1;
+  double plain_step_s = 0, dedup_step_s = 0;
+  double plain_bytes = 0, dedup_bytes = 0;
+};
+
 // Sets TablePlan::dedup (and unique_share) on each row-block table of `plan` with a curve where
 // routing de-duplicated ids predicts a faster step (the same order of comparison), table by
-// table in plan order, each with its hot rows as `plan` holds them.
-void chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables, const std::vector<FrequencyCurve>& curves,
-                 const PlanRequest& req);
+// table in plan order, each with its hot rows as `plan` holds them. Returns every table's what-if.
+std::vector<DedupChoice> chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables,
+                                     const std::vector<FrequencyCurve>& curves, const PlanRequest& req);
 
 }  // namespace kiln::passes

@@ -329,7 +329,17 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
   }
   // De-duplicated routing where the sample's repeats make it cheaper, on the plan that runs.
   passes::ShardPlan deduped = chosen;
-  passes::chooseDedup(deduped, tables, curves, req);
+  const std::vector<passes::DedupChoice> dedup_choices = passes::chooseDedup(deduped, tables, curves, req);
+  // --explain TABLE: its de-duplication what-if.
+  for (const std::string& name : explain)
+    for (const auto& c : dedup_choices)
+      if (c.table == name && c.considered)
+        std::fprintf(out, "%s\n",
+                     fmt::format("{}: de-duplicated ids ({:.3g}% of a rank's batch distinct) would be {:.4f} ms and "
+                                 "{} on the links a step, routed plainly {:.4f} ms and {}: {}",
+                                 name, 100 * c.unique_share, c.dedup_step_s * 1e3, bytes(c.dedup_bytes),
+                                 c.plain_step_s * 1e3, bytes(c.plain_bytes), c.chosen ? "de-duplicated" : "plain")
+                         .c_str());
   std::vector<std::string> dedup_tables;
   for (const auto& t : deduped.tables)
     if (t.dedup) dedup_tables.push_back(fmt::format("{} {:.3g}%", t.table, 100 * t.unique_share));

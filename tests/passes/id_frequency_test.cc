@@ -252,8 +252,12 @@ TEST(ChooseDedup, RepeatedIdsAreDeduplicatedSpreadOnesAreNot) {
   TableInfo t = table(100000000, 64);
   const PlanRequest req = flatRequest(2, 65536);
   ShardPlan plan = tableWisePlan(t, 2);
-  chooseDedup(plan, {t}, {frequencyCurve(few, t.rows, 32768)}, req);
+  const std::vector<DedupChoice> choices = chooseDedup(plan, {t}, {frequencyCurve(few, t.rows, 32768)}, req);
   EXPECT_TRUE(plan.tables[0].dedup);
+  ASSERT_EQ(choices.size(), 1u);
+  EXPECT_TRUE(choices[0].considered && choices[0].chosen);
+  EXPECT_LT(choices[0].dedup_step_s, choices[0].plain_step_s);
+  EXPECT_LT(choices[0].dedup_bytes, choices[0].plain_bytes);
   EXPECT_NEAR(plan.tables[0].unique_share, 50.0 / 10000, 1e-9);  // 50 distinct of the measured 10000
   t.lookups_per_sample = 4;
   chooseDedup(plan, {t}, {frequencyCurve(spread, t.rows, 32768)}, req);
@@ -261,7 +265,7 @@ TEST(ChooseDedup, RepeatedIdsAreDeduplicatedSpreadOnesAreNot) {
   EXPECT_DOUBLE_EQ(plan.tables[0].unique_share, 1);
   // A table without a sample keeps the plain route.
   plan.tables[0].dedup = true;
-  chooseDedup(plan, {t}, {FrequencyCurve{}}, req);
+  EXPECT_FALSE(chooseDedup(plan, {t}, {FrequencyCurve{}}, req)[0].considered);
   EXPECT_FALSE(plan.tables[0].dedup);
 }
 
