@@ -12,7 +12,8 @@
 //               mpirun started more than one, by bytes per peer: the median of several repeats.
 //
 // The link between machines cannot be measured on one: it keeps the built-in cpu table's figures,
-// and `source` says so. A GPU is not calibrated yet: the table is the CPU's, and says so.
+// and `source` says so. `--device cuda` measures GPU 0 instead (tools/calibrate_gpu.h) over the
+// built-in table of its target.
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -36,6 +37,7 @@
 #include "runtime/cpu/thread_pool.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/memory.h"
+#include "tools/calibrate_gpu.h"
 #include "tools/cli.h"
 
 extern "C" void openblas_set_num_threads(int num_threads);
@@ -319,22 +321,122 @@ std::string utcNow() {
   return buf;
 }
 
+// The table's lookup efficiencies, a row per row size.
+void printLookupEfficiency(const passes::CostTable& t, double memory_rate) {
+  std::printf("\nlookup efficiency (fraction of %s; rows: row bytes, columns: pooling)\n", gbps(memory_rate).c_str());
+  std::string header = fmt::format("{:>9}", "row bytes");
+  for (int64_t pl : kPooling) header += fmt::format("  {:>6}", pl);
+  std::printf("%s\n", header.c_str());
+  for (size_t i = 0; i < kRowBytes.size(); ++i) {
+    std::string line = fmt::format("{:>9}", kRowBytes[i]);
+    for (double e : t.lookup_efficiency.z[i]) line += fmt::format("  {:>6.3f}", e);
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+// The table checked by reading it back, then (with -o) written to a temporary file and renamed
+// into place.
+int writeTable(const passes::CostTable& t, const std::string& out_path) {
+  const std::string text = passes::writeCostTable(t);
+  auto back = passes::parseCostTable(text, out_path.empty() ? "<calibrated table>" : out_path);
+  if (!back) {
+    printError("calibrate", back.status());
+    return kExitError;
+  }
+  if (out_path.empty()) {
+    std::printf("\nnothing written (pass -o FILE to write the cost table)\n");
+    return kExitOk;
+  }
+  const std::string tmp = out_path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f << text;
+    f.flush();
+    if (!f.good()) {
+      std::remove(tmp.c_str());
+      std::fprintf(stderr, "kiln calibrate: error: cannot write '%s'\n", tmp.c_str());
+      return kExitError;
+    }
+  }
+  if (std::rename(tmp.c_str(), out_path.c_str()) != 0) {
+    std::fprintf(stderr, "kiln calibrate: error: cannot rename '%s' to '%s': %s\n", tmp.c_str(), out_path.c_str(),
+                 std::strerror(errno));
+    std::remove(tmp.c_str());
+    return kExitError;
+  }
+  std::printf("\nwrote %s (target \"%s\")\n", out_path.c_str(), t.target.c_str());
+  return kExitOk;
+}
+
+// --device cuda: GPU 0 measured (tools/calibrate_gpu.h) over the built-in table of its target.
+int calibrateCuda(const Options& o, std::string name, const std::string& out_path) {
+  GpuCalibrationOptions go;
+  go.memory_bytes = (o.quick ? 256 : 1024) * kMiB;
+  go.table_bytes = (o.quick ? 256 : 1024) * kMiB;
+  go.lookup_bytes_per_call = (o.quick ? 32 : 256) * kMiB;
+  go.gemm_n = o.quick ? 4096 : 8192;
+  go.repeats = o.quick ? 2 : 5;
+  go.row_bytes = kRowBytes;
+  go.pooling = kPooling;
+  go.progress = progress;
+  auto c = calibrateGpu(go);
+  if (!c) {
+    printError("calibrate", c.status());
+    return kExitError;
+  }
+  auto base = passes::builtinCostTable(c->target);
+  if (!base) {
+    printError("calibrate", base.status());
+    return kExitError;
+  }
+  passes::CostTable t = *base;
+  t.target = name.empty() ? c->target + "-calibrated" : std::move(name);
+  t.device_bytes_per_s = significant(c->read_bytes_per_s, 4);
+  t.gemm_flops_per_s = {significant(c->gemm_f32_flops_per_s, 4), significant(c->gemm_bf16_flops_per_s, 4)};
+  t.lookup_efficiency.x.assign(kRowBytes.begin(), kRowBytes.end());
+  t.lookup_efficiency.y.assign(kPooling.begin(), kPooling.end());
+  t.lookup_efficiency.z.clear();
+  for (const auto& row : c->lookup_bytes_per_s) {
+    std::vector<double> z;
+    for (double rate : row) z.push_back(efficiency(rate / c->read_bytes_per_s));
+    t.lookup_efficiency.z.push_back(std::move(z));
+  }
+  t.source = fmt::format(
+      "kiln calibrate --device cuda on {} ({}), {}{}. memory: kiln.reduce(sum) of a {} f32 parameter on the GPU, "
+      "bytes read a second, best of {} profiles. lookup_efficiency: the CUDA embedding_bag kernel over a {} f32 "
+      "table, uniformly random ids, {} gathered a call, over the memory rate. gemm_flops_per_s: kiln.matmul "
+      "(cuBLASLt) at {}^3, f32 and bf16. Links, pcie, launch_s, vector rates and all_to_all_efficiency: the built-in "
+      "{} table's (one GPU measures no peers).",
+      c->device, hostName(), utcNow(), o.quick ? ", --quick" : "", bytesLabel(go.memory_bytes), go.repeats,
+      bytesLabel(go.table_bytes), bytesLabel(go.lookup_bytes_per_call), go.gemm_n, c->target);
+  std::printf("\ngpu: %s (target %s)\n", c->device.c_str(), c->target.c_str());
+  std::printf("memory: %s (reduce(sum), bytes read)\n", gbps(t.device_bytes_per_s).c_str());
+  std::printf("gemm: f32 %.1f TFLOP/s, bf16 %.1f TFLOP/s\n", t.gemm_flops_per_s.f32 / 1e12,
+              t.gemm_flops_per_s.bf16 / 1e12);
+  printLookupEfficiency(t, t.device_bytes_per_s);
+  std::printf("\nlinks, pcie, launch and all_to_all: the built-in %s table's (not measured on one GPU)\n",
+              c->target.c_str());
+  return writeTable(t, out_path);
+}
+
 }  // namespace
 
 int runCalibrate(const std::vector<std::string>& raw_args) {
-  ArgParser p("calibrate", "kiln calibrate [-o FILE] [--quick] [--threads T] [--ranks N] [--name NAME]",
+  ArgParser p("calibrate", "kiln calibrate [-o FILE] [--quick] [--threads T] [--ranks N] [--name NAME] [--device cpu|cuda]",
               "Measures the rates of this machine and writes them as a cost table (kiln-costs-1) for\n"
               "`kiln plan --costs FILE`: the memory bandwidth (a threaded copy of large buffers), the\n"
               "efficiency of the CPU embedding_bag kernel by row bytes and pooling factor (uniformly\n"
               "random ids over a table much larger than the cache), and all_to_all between in-process\n"
               "ranks (or the MPI processes, under mpirun) by message size. The link between machines\n"
               "cannot be measured on one: it keeps the built-in cpu table's figures. Prints a summary;\n"
-              "writes the table only with -o / --output. GPUs are not calibrated yet.");
+              "writes the table only with -o / --output. With --device cuda: GPU 0's memory rate, its\n"
+              "embedding_bag kernel's efficiency and its GEMM rates; links keep the target's figures.");
   p.addOption("output", "FILE", "write the cost table to FILE (also -o FILE)");
   p.addFlag("quick", "smaller buffers, fewer repeats and messages up to 4 MiB (a few seconds)");
   p.addOption("threads", "T", "threads of the memory and lookup measurements (default: all cores)");
   p.addOption("ranks", "N", "in-process ranks of the all_to_all measurement (under mpirun: its processes)", "2");
-  p.addOption("name", "NAME", "the table's target name", "cpu-calibrated");
+  p.addOption("name", "NAME", "the table's target name (default: cpu-calibrated, or the GPU's target and -calibrated)");
+  p.addOption("device", "D", "cpu (the default), or cuda: GPU 0's memory, lookups and GEMMs (one process)", "cpu");
   std::vector<std::string> args = expandOutputShorthand(raw_args);
   int code;
   if (!p.parse(args, &code)) return code;
@@ -354,8 +456,10 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
   if (*ranks < 2 || *ranks > 256)
     return p.usageError(fmt::format("--ranks must lie in [2, 256] (all_to_all needs peers), got {}", *ranks));
   o.ranks = static_cast<int>(*ranks);
-  const std::string name = p.get("name");
-  if (name.empty()) return p.usageError("--name must not be empty");
+  const std::string device = p.get("device");
+  if (device != "cpu" && device != "cuda")
+    return p.usageError(fmt::format("--device must be cpu or cuda, got '{}'", device));
+  if (p.has("name") && p.get("name").empty()) return p.usageError("--name must not be empty");
   std::string out_path = p.has("output") ? p.get("output") : "";
   if (!out_path.empty()) {
     std::filesystem::path dir = std::filesystem::path(out_path).parent_path();
@@ -382,6 +486,11 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
     }
   }
   const bool lead = !mpi || mpi->rank() == 0;
+  if (device == "cuda") {
+    if (mpi) return p.usageError("--device cuda calibrates one GPU from one process: run it without mpirun");
+    return calibrateCuda(o, p.has("name") ? p.get("name") : "", out_path);
+  }
+  const std::string name = p.has("name") ? p.get("name") : "cpu-calibrated";
 
   // The sizes of one run (docs/distributed.md, "Calibrating a machine").
   const int64_t copy_bytes = (o.quick ? 64 : 256) * kMiB;
@@ -425,8 +534,7 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
     if (!lead) return kExitOk;
   }
 
-  if (gpu)
-    progress("note: a CUDA GPU is present, but GPU calibration is not measured yet: this table is the CPU's");
+  if (gpu) progress("note: a CUDA GPU is present; this table is the CPU's (--device cuda calibrates the GPU)");
   runtime::ThreadPool pool(o.threads);
   progress(fmt::format("measuring memory: copy of {} on {} thread{}, best of {}...", bytesLabel(copy_bytes),
                        o.threads, o.threads == 1 ? "" : "s", copy_repeats));
@@ -511,22 +619,14 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
       hostName(), cores, utcNow(), flags, copy_repeats, bytesLabel(copy_bytes), o.threads, bytesLabel(table_bytes),
       bytesLabel(lookup_bytes_per_call), lookup_repeats, o.ranks, mpi ? "MPI processes" : "in-process ranks",
       a2a_repeats, bytesLabel(a2a_sizes.front()), o.quick ? 512 : 1024, o.threads,
-      gpu ? " A CUDA GPU was present: GPU calibration is not measured yet, this table is the CPU's." : "");
+      gpu ? " A CUDA GPU was present: this table is the CPU's (kiln calibrate --device cuda measures the GPU)." : "");
 
   // The summary.
   std::printf("\nmemory: %s (copy, read + written; device = host on a CPU; pcie: none)\n", gbps(copy_rate).c_str());
   std::printf("compute: f32 matmul %.1f GFLOP/s, vector %.2f GFLOP/s, one kernel call %s (bf16 matmuls widen to "
               "f32 on a CPU: the same rate)\n",
               t.gemm_flops_per_s.f32 / 1e9, t.vector_flops_per_s.f32 / 1e9, duration(t.launch_s).c_str());
-  std::printf("\nlookup efficiency (fraction of %s; rows: row bytes, columns: pooling)\n", gbps(copy_rate).c_str());
-  std::string header = fmt::format("{:>9}", "row bytes");
-  for (int64_t pl : kPooling) header += fmt::format("  {:>6}", pl);
-  std::printf("%s\n", header.c_str());
-  for (size_t i = 0; i < kRowBytes.size(); ++i) {
-    std::string line = fmt::format("{:>9}", kRowBytes[i]);
-    for (double e : t.lookup_efficiency.z[i]) line += fmt::format("  {:>6.3f}", e);
-    std::printf("%s\n", line.c_str());
-  }
+  printLookupEfficiency(t, copy_rate);
   std::printf("\nall_to_all (%d %s)\n", o.ranks, mpi ? "MPI processes" : "in-process ranks");
   std::printf("%s\n", fmt::format("{:>10}  {:>10}  {:>12}  {:>10}", "bytes/peer", "time", "rate/rank", "efficiency")
                           .c_str());
@@ -538,38 +638,9 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
               "table's: not measured)\n",
               gbps(t.intra_node.bytes_per_s).c_str(), duration(t.intra_node.latency_s).c_str(),
               gbps(t.inter_node.bytes_per_s).c_str(), duration(t.inter_node.latency_s).c_str());
-  if (gpu) std::printf("gpu: present, not calibrated yet (the table is the CPU's)\n");
+  if (gpu) std::printf("gpu: present; this table is the CPU's (--device cuda calibrates the GPU)\n");
 
-  // The file: written, read back, then renamed into place.
-  const std::string text = passes::writeCostTable(t);
-  auto back = passes::parseCostTable(text, out_path.empty() ? "<calibrated table>" : out_path);
-  if (!back) {
-    printError("calibrate", back.status());
-    return kExitError;
-  }
-  if (out_path.empty()) {
-    std::printf("\nnothing written (pass -o FILE to write the cost table)\n");
-    return kExitOk;
-  }
-  const std::string tmp = out_path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f.good()) {
-      std::remove(tmp.c_str());
-      std::fprintf(stderr, "kiln calibrate: error: cannot write '%s'\n", tmp.c_str());
-      return kExitError;
-    }
-  }
-  if (std::rename(tmp.c_str(), out_path.c_str()) != 0) {
-    std::fprintf(stderr, "kiln calibrate: error: cannot rename '%s' to '%s': %s\n", tmp.c_str(), out_path.c_str(),
-                 std::strerror(errno));
-    std::remove(tmp.c_str());
-    return kExitError;
-  }
-  std::printf("\nwrote %s (target \"%s\")\n", out_path.c_str(), t.target.c_str());
-  return kExitOk;
+  return writeTable(t, out_path);
 }
 
 }  // namespace kiln::cli

@@ -122,6 +122,7 @@ def main():
                           (["--threads", "0"], r"--threads"),
                           (["--threads", "many"], r"threads"),
                           (["--name", ""], r"--name"),
+                          (["--device", "tpu"], r"--device must be cpu or cuda"),
                           (["-o", os.path.join(work, "no", "such", "dir", "c.json")], r"cannot write"),
                           (["extra_positional"], r"error")):
         rc, o, e = run([kiln, "calibrate", "--quick"] + args, timeout=60)
@@ -131,6 +132,21 @@ def main():
             fail("kiln calibrate %s: no message matching %r" % (" ".join(args), pattern), o, e)
         if "measuring" in o:
             fail("kiln calibrate %s measured before refusing its flags" % " ".join(args), o)
+    # --device cuda: without a GPU, a clear error (exit 1) and nothing written; with one, GPU 0's
+    # table (the gpu tests check its rates).
+    gpu_out = os.path.join(work, "gpu.json")
+    rc, o, e = run([kiln, "calibrate", "--quick", "--device", "cuda", "-o", gpu_out], timeout=600)
+    if rc == 0:
+        with open(gpu_out) as f:
+            t = json.load(f)
+        if not t["target"].endswith("-calibrated") or "--device cuda" not in t["source"]:
+            fail("--device cuda wrote %r / %r" % (t["target"], t["source"][:80]), o, e)
+        if not 1e10 <= t["memory"]["device_bytes_per_s"] <= 1e13:
+            fail("GPU device_bytes_per_s %g outside [1e10, 1e13]" % t["memory"]["device_bytes_per_s"], o)
+        if not all(is_efficiency(v) for r in t["lookup_efficiency"]["values"] for v in r):
+            fail("GPU lookup efficiencies %r" % t["lookup_efficiency"]["values"], o)
+    elif rc != 1 or "no CUDA GPU to calibrate" not in e or os.path.exists(gpu_out):
+        fail("kiln calibrate --device cuda without a GPU: exit %d, want 1 with a reason and no file" % rc, o, e)
     print("PASS")
 
 
