@@ -81,15 +81,17 @@ Expected<Profiled> profileBest(Probe& p, const std::shared_ptr<cuda::CudaSession
   return best;
 }
 
+// Rows of 16 KiB summed, one row a block: every SM streams its share of the parameter.
 Expected<double> readRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t bytes, int repeats) {
-  const int64_t n = bytes / 4;
+  const int64_t cols = 4096, rows = std::max<int64_t>(1, bytes / (4 * cols));
   Probe p("calibrate_memory");
-  KILN_ASSIGN_OR_RETURN(ir::Value * x, p.parameter("calibrate.memory", TensorType(DType::f32, {Dim::fixed(n)})));
+  KILN_ASSIGN_OR_RETURN(ir::Value * x, p.parameter("calibrate.memory",
+                                                   TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(cols)})));
   KILN_ASSIGN_OR_RETURN(ir::Value * sum, p.b.createValue(ir::OpCode::Reduce, {x},
-                                                         {{"kind", Attribute("sum")}, {"axes", Attribute::ints({0})}}));
+                                                         {{"kind", Attribute("sum")}, {"axes", Attribute::ints({1})}}));
   KILN_RETURN_IF_ERROR(p.returns(sum));
   KILN_ASSIGN_OR_RETURN(Profiled r, profileBest(p, session, {}, repeats));
-  return static_cast<double>(n) * 4 / (r.ms * 1e-3);
+  return static_cast<double>(rows * cols) * 4 / (r.ms * 1e-3);
 }
 
 // Rows' bytes a second of embedding_bag over a `table_bytes` table of `row_bytes` rows, `pooling`

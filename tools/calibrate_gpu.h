@@ -2,8 +2,9 @@
 // own CUDA kernels (CudaExecutor::profile: device events around each launch, the best of several
 // profiles):
 //
-//   memory   kiln.reduce(sum) over a device-resident f32 parameter of `memory_bytes`: the bytes
-//            read a second (the HBM rate the planner divides lookups' bytes by);
+//   memory   kiln.reduce(sum) of the 16 KiB rows of a device-resident f32 parameter of
+//            `memory_bytes` (a block a row): the bytes read a second (the HBM rate the planner
+//            divides lookups' bytes by);
 //   lookups  kiln.embedding_bag of a device-resident f32 table of `table_bytes` (far beyond the
 //            L2), uniformly random ids, by row bytes and pooling factor: the rows' bytes a
 //            second, over the memory rate (the cost table's lookup_efficiency);

@@ -402,8 +402,8 @@ int calibrateCuda(const Options& o, std::string name, const std::string& out_pat
     t.lookup_efficiency.z.push_back(std::move(z));
   }
   t.source = fmt::format(
-      "kiln calibrate --device cuda on {} ({}), {}{}. memory: kiln.reduce(sum) of a {} f32 parameter on the GPU, "
-      "bytes read a second, best of {} profiles. lookup_efficiency: the CUDA embedding_bag kernel over a {} f32 "
+      "kiln calibrate --device cuda on {} ({}), {}{}. memory: kiln.reduce(sum) of the 16 KiB rows of a {} f32 "
+      "parameter on the GPU, bytes read a second, best of {} profiles. lookup_efficiency: the CUDA embedding_bag kernel over a {} f32 "
       "table, uniformly random ids, {} gathered a call, over the memory rate. gemm_flops_per_s: kiln.matmul "
       "(cuBLASLt) at {}^3, f32 and bf16. Links, pcie, launch_s, vector rates and all_to_all_efficiency: the built-in "
       "{} table's (one GPU measures no peers).",
