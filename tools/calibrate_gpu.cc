@@ -32,18 +32,19 @@ struct Probe {
     b.setInsertionPointToEnd(f->entry());
   }
   Expected<ir::Value*> input(const std::string& name, TensorType t) {
-    KILN_ASSIGN_OR_RETURN(ir::Op * in, b.createWithTypes("kiln.input", {}, {std::move(t)}, {{"name", Attribute(name)}}));
+    KILN_ASSIGN_OR_RETURN(ir::Op * in,
+                          b.createWithTypes(ir::OpCode::Input, {}, {std::move(t)}, {{"name", Attribute(name)}}));
     return in->result();
   }
   Expected<ir::Value*> parameter(const std::string& name, TensorType t) {
-    KILN_ASSIGN_OR_RETURN(ir::Op * p, b.createWithTypes("kiln.parameter", {}, {std::move(t)},
+    KILN_ASSIGN_OR_RETURN(ir::Op * p, b.createWithTypes(ir::OpCode::Parameter, {}, {std::move(t)},
                                                         {{"name", Attribute(name)},
                                                          {"init", Attribute("zeros")},
                                                          {"trainable", Attribute(false)}}));
     return p->result();
   }
   Status returns(ir::Value* v) {
-    KILN_ASSIGN_OR_RETURN(ir::Op * ret, b.createWithTypes("func.return", {v}, {}));
+    KILN_ASSIGN_OR_RETURN(ir::Op * ret, b.createWithTypes(ir::OpCode::Return, {v}, {}));
     (void)ret;
     f->setResultTypes({v->type()});
     return Status::ok();
