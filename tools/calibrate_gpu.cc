@@ -32,8 +32,8 @@ struct Probe {
     b.setInsertionPointToEnd(f->entry());
   }
   Expected<ir::Value*> input(const std::string& name, TensorType t) {
-    KILN_ASSIGN_OR_RETURN(ir::Op * in,
-                          b.createWithTypes(ir::OpCode::Input, {}, {std::move(t)}, {{"name", Attribute(name)}}));
+    KILN_ASSIGN_OR_RETURN(
+        ir::Op * in, b.createWithTypes(ir::OpCode::Input, {}, {std::move(t)}, {{"name", Attribute(name)}}));
     return in->result();
   }
   Expected<ir::Value*> parameter(const std::string& name, TensorType t) {
@@ -86,10 +86,12 @@ Expected<Profiled> profileBest(Probe& p, const std::shared_ptr<cuda::CudaSession
 Expected<double> readRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t bytes, int repeats) {
   const int64_t cols = 4096, rows = std::max<int64_t>(1, bytes / (4 * cols));
   Probe p("calibrate_memory");
-  KILN_ASSIGN_OR_RETURN(ir::Value * x, p.parameter("calibrate.memory",
-                                                   TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(cols)})));
-  KILN_ASSIGN_OR_RETURN(ir::Value * sum, p.b.createValue(ir::OpCode::Reduce, {x},
-                                                         {{"kind", Attribute("sum")}, {"axes", Attribute::ints({1})}}));
+  KILN_ASSIGN_OR_RETURN(
+      ir::Value * x,
+      p.parameter("calibrate.memory", TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(cols)})));
+  KILN_ASSIGN_OR_RETURN(
+      ir::Value * sum,
+      p.b.createValue(ir::OpCode::Reduce, {x}, {{"kind", Attribute("sum")}, {"axes", Attribute::ints({1})}}));
   KILN_RETURN_IF_ERROR(p.returns(sum));
   KILN_ASSIGN_OR_RETURN(Profiled r, profileBest(p, session, {}, repeats));
   return static_cast<double>(rows * cols) * 4 / (r.ms * 1e-3);
@@ -97,17 +99,21 @@ Expected<double> readRate(const std::shared_ptr<cuda::CudaSession>& session, int
 
 // Rows' bytes a second of embedding_bag over a `table_bytes` table of `row_bytes` rows, `pooling`
 // uniformly random ids a bag, about `bytes_per_call` of rows gathered a call.
-Expected<double> lookupRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t table_bytes, int64_t row_bytes,
-                            int64_t pooling, int64_t bytes_per_call, int repeats, std::mt19937_64& rng) {
+Expected<double> lookupRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t table_bytes,
+                            int64_t row_bytes, int64_t pooling, int64_t bytes_per_call, int repeats,
+                            std::mt19937_64& rng) {
   const int64_t dim = row_bytes / 4, rows = table_bytes / row_bytes;
   const int64_t batch = std::max<int64_t>(1, bytes_per_call / (pooling * row_bytes));
   Probe p(fmt::format("calibrate_lookup_{}_{}", row_bytes, pooling));
   // One table per row size (the session keeps each parameter by name).
-  KILN_ASSIGN_OR_RETURN(ir::Value * table, p.parameter(fmt::format("calibrate.table_{}", row_bytes),
-                                                       TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(dim)})));
-  KILN_ASSIGN_OR_RETURN(ir::Value * ids, p.input("ids", TensorType(DType::i64, {Dim::fixed(batch), Dim::fixed(pooling)})));
-  KILN_ASSIGN_OR_RETURN(ir::Value * pooled, p.b.createValue(ir::OpCode::EmbeddingBag, {table, ids},
-                                                            {{"mode", Attribute("sum")}, {"table", Attribute("calibrate")}}));
+  KILN_ASSIGN_OR_RETURN(ir::Value * table,
+                        p.parameter(fmt::format("calibrate.table_{}", row_bytes),
+                                    TensorType(DType::f32, {Dim::fixed(rows), Dim::fixed(dim)})));
+  KILN_ASSIGN_OR_RETURN(ir::Value * ids,
+                        p.input("ids", TensorType(DType::i64, {Dim::fixed(batch), Dim::fixed(pooling)})));
+  KILN_ASSIGN_OR_RETURN(ir::Value * pooled,
+                        p.b.createValue(ir::OpCode::EmbeddingBag, {table, ids},
+                                        {{"mode", Attribute("sum")}, {"table", Attribute("calibrate")}}));
   KILN_RETURN_IF_ERROR(p.returns(pooled));
   ir::HostTensor host_ids(DType::i64, {batch, pooling});
   for (int64_t i = 0; i < host_ids.view.numel(); ++i)
@@ -116,7 +122,8 @@ Expected<double> lookupRate(const std::shared_ptr<cuda::CudaSession>& session, i
   return static_cast<double>(batch * pooling * row_bytes) / (r.ms * 1e-3);
 }
 
-Expected<double> gemmRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t n, DType t, int repeats) {
+Expected<double> gemmRate(const std::shared_ptr<cuda::CudaSession>& session, int64_t n, DType t,
+                          int repeats) {
   Probe p(fmt::format("calibrate_gemm_{}", ir::dtypeName(t)));
   const TensorType square(t, {Dim::fixed(n), Dim::fixed(n)});
   KILN_ASSIGN_OR_RETURN(ir::Value * a, p.input("a", square));
@@ -132,7 +139,8 @@ Expected<double> gemmRate(const std::shared_ptr<cuda::CudaSession>& session, int
         h->as<float>()[i] = 0.5f;
     }
   KILN_ASSIGN_OR_RETURN(Profiled r, profileBest(p, session, {{"a", ha.view}, {"b", hb.view}}, repeats));
-  const double flops = r.flops > 0 ? r.flops : 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
+  const double flops =
+      r.flops > 0 ? r.flops : 2.0 * static_cast<double>(n) * static_cast<double>(n) * static_cast<double>(n);
   return flops / (r.ms * 1e-3);
 }
 
@@ -148,18 +156,19 @@ Expected<GpuCalibration> calibrateGpu(const GpuCalibrationOptions& o) {
   GpuCalibration c;
   c.device = session->deviceName();
   c.target = gpuTargetForDevice(c.device).name;
-  say(fmt::format("measuring GPU memory on {}: reduce(sum) of a {} MiB f32 parameter, best of {}...", c.device,
-                  o.memory_bytes >> 20, o.repeats));
+  say(fmt::format("measuring GPU memory on {}: reduce(sum) of a {} MiB f32 parameter, best of {}...",
+                  c.device, o.memory_bytes >> 20, o.repeats));
   KILN_ASSIGN_OR_RETURN(c.read_bytes_per_s, readRate(session, o.memory_bytes, o.repeats));
-  say(fmt::format("measuring GPU lookups: embedding_bag over a {} MiB f32 table, uniformly random ids, {} row sizes x "
-                  "{} pooling factors...",
-                  o.table_bytes >> 20, o.row_bytes.size(), o.pooling.size()));
+  say(fmt::format(
+      "measuring GPU lookups: embedding_bag over a {} MiB f32 table, uniformly random ids, {} row sizes x "
+      "{} pooling factors...",
+      o.table_bytes >> 20, o.row_bytes.size(), o.pooling.size()));
   std::mt19937_64 rng(20240531);
   for (int64_t rb : o.row_bytes) {
     std::vector<double> row;
     for (int64_t pl : o.pooling) {
-      KILN_ASSIGN_OR_RETURN(double rate,
-                            lookupRate(session, o.table_bytes, rb, pl, o.lookup_bytes_per_call, o.repeats, rng));
+      KILN_ASSIGN_OR_RETURN(
+          double rate, lookupRate(session, o.table_bytes, rb, pl, o.lookup_bytes_per_call, o.repeats, rng));
       row.push_back(rate);
     }
     c.lookup_bytes_per_s.push_back(std::move(row));

@@ -37,9 +37,9 @@ struct GpuCalibrationOptions {
 };
 
 struct GpuCalibration {
-  std::string device;                            // the driver's name of GPU 0
-  std::string target;                            // its built-in target (h200, h100, a100)
-  double read_bytes_per_s = 0;                   // memory
+  std::string device;                                   // the driver's name of GPU 0
+  std::string target;                                   // its built-in target (h200, h100, a100)
+  double read_bytes_per_s = 0;                          // memory
   std::vector<std::vector<double>> lookup_bytes_per_s;  // [row_bytes][pooling]
   double gemm_f32_flops_per_s = 0, gemm_bf16_flops_per_s = 0;
 };

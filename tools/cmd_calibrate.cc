@@ -403,8 +403,9 @@ int calibrateCuda(const Options& o, std::string name, const std::string& out_pat
   }
   t.source = fmt::format(
       "kiln calibrate --device cuda on {} ({}), {}{}. memory: kiln.reduce(sum) of the 16 KiB rows of a {} f32 "
-      "parameter on the GPU, bytes read a second, best of {} profiles. lookup_efficiency: the CUDA embedding_bag kernel over a {} f32 "
-      "table, uniformly random ids, {} gathered a call, over the memory rate. gemm_flops_per_s: kiln.matmul "
+      "parameter on the GPU, bytes read a second, best of {} profiles. lookup_efficiency: the CUDA embedding_bag "
+      "kernel over a {} f32 table, uniformly random ids, {} gathered a call, over the memory rate. "
+      "gemm_flops_per_s: kiln.matmul "
       "(cuBLASLt) at {}^3, f32 and bf16. Links, pcie, launch_s, vector rates and all_to_all_efficiency: the built-in "
       "{} table's (one GPU measures no peers).",
       c->device, hostName(), utcNow(), o.quick ? ", --quick" : "", bytesLabel(go.memory_bytes), go.repeats,
@@ -422,7 +423,8 @@ int calibrateCuda(const Options& o, std::string name, const std::string& out_pat
 }  // namespace
 
 int runCalibrate(const std::vector<std::string>& raw_args) {
-  ArgParser p("calibrate", "kiln calibrate [-o FILE] [--quick] [--threads T] [--ranks N] [--name NAME] [--device cpu|cuda]",
+  ArgParser p("calibrate",
+              "kiln calibrate [-o FILE] [--quick] [--threads T] [--ranks N] [--name NAME] [--device cpu|cuda]",
               "Measures the rates of this machine and writes them as a cost table (kiln-costs-1) for\n"
               "`kiln plan --costs FILE`: the memory bandwidth (a threaded copy of large buffers), the\n"
               "efficiency of the CPU embedding_bag kernel by row bytes and pooling factor (uniformly\n"

@@ -198,7 +198,9 @@ Status verifyAllToAllV(const Op& op) {
 }
 
 // The shard pass's routing and row moves: no arithmetic, their operands read and results written.
-OpCost costRouting(const Op& op, const SymbolBindings& symbols) { return OpCost{0, operandAndResultBytes(op, symbols)}; }
+OpCost costRouting(const Op& op, const SymbolBindings& symbols) {
+  return OpCost{0, operandAndResultBytes(op, symbols)};
+}
 
 // ---- bucketize_ids ---------------------------------------------------------------------------
 
