@@ -92,8 +92,7 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   // De-duplicated routing (TablePlan::dedup): a rank's distinct (cold) ids go straight to their
   // owners, one row comes back for each and its gradient returns; three exchanges, no lengths,
   // no pools. The rank pools its samples from those rows and builds their gradient itself.
-  const bool dedup = t.dedup && (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
-                                 t.type == ShardingType::table_row_wise);
+  const bool dedup = t.dedup && hasRowBlocks(t.type);
   const double distinct = h * cold_ids * t.unique_share;  // rows a sample brings in, on average
   for (int r = 0; r < n && dedup; ++r) {
     const double moved = b * (8 * distinct + 2 * distinct * d * e);  // a rank's ids, rows and gradients

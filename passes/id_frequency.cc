@@ -165,9 +165,7 @@ std::vector<DedupChoice> chooseDedup(ShardPlan& plan, const std::vector<TableInf
     c.table = t.table;
     t.dedup = false;
     t.unique_share = 1;
-    c.considered = i < curves.size() && curves[i].rows > 0 &&
-                   (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
-                    t.type == ShardingType::table_row_wise);
+    c.considered = i < curves.size() && curves[i].rows > 0 && hasRowBlocks(t.type);
     if (c.considered) {
       const PlanCosts plain = planCosts(plan, tables, req);
       t.dedup = true;

@@ -153,6 +153,9 @@ class Sharder {
   Status retypeParameters(ir::Function& f);
   Status addHotReplica(Op& param, const TablePlan& t);
   Expected<Route> route(const TablePlan& t, Value* ids, Value* lengths);
+  // The ranks of t's shards in shard order and, for row blocks, where each block starts (then
+  // where the last ends); column shards and replicas take every id: no starts.
+  static void shardOwners(const TablePlan& t, std::vector<int64_t>& owners, std::vector<int64_t>& starts);
   // Ids to the ranks `owners`: by row blocks starting at `starts` (one more entry, the end), or
   // every id to every owner when `starts` is empty.
   Expected<Route> routeTo(const std::string& table, int64_t table_rows, const std::vector<int64_t>& owners,
@@ -164,6 +167,8 @@ class Sharder {
   Expected<Value*> pooledByOwners(const TablePlan& t, Route& r, Value* table, const TensorType& pooled);
   // The route a pipelined step reads: each of `next`'s values handed over by the previous step.
   Expected<Route> carriedRoute(const TablePlan& t, const Route& next);
+  static std::vector<Value*> updateOperands(const Op& update, const ir::EmbeddingUpdateLayout& l, Value* ids,
+                                            Value* lengths, Value* grads);
   Status lowerUniqueUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
                            Value* grad);
   Status lowerHotUpdate(Op& update, const ir::EmbeddingUpdateLayout& l, const TablePlan& t, const Route& r,
@@ -294,14 +299,17 @@ Status Sharder::addHotReplica(Op& param, const TablePlan& t) {
   return Status::ok();
 }
 
-Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
-  const bool replicate = t.type == ShardingType::column_wise || t.type == ShardingType::data_parallel;
-  std::vector<int64_t> owners, starts;
+void Sharder::shardOwners(const TablePlan& t, std::vector<int64_t>& owners, std::vector<int64_t>& starts) {
   for (const TableShard& s : t.shards) {
     owners.push_back(s.rank);
-    if (!replicate) starts.push_back(s.row_begin);
+    if (hasRowBlocks(t.type)) starts.push_back(s.row_begin);
   }
-  if (!replicate) starts.push_back(t.shards.back().row_end);
+  if (hasRowBlocks(t.type)) starts.push_back(t.shards.back().row_end);
+}
+
+Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
+  std::vector<int64_t> owners, starts;
+  shardOwners(t, owners, starts);
   return routeTo(t.table, info_.at(t.table)->rows, owners, starts, ids, lengths);
 }
 
@@ -338,11 +346,7 @@ Expected<Route> Sharder::routeUnique(const TablePlan& t, Value* ids, Value* leng
   a["table"] = Attribute(t.table);
   a["rows"] = Attribute(info_.at(t.table)->rows);
   std::vector<int64_t> owners, starts;
-  for (const TableShard& s : t.shards) {
-    owners.push_back(s.rank);
-    starts.push_back(s.row_begin);
-  }
-  starts.push_back(t.shards.back().row_end);
+  shardOwners(t, owners, starts);
   a["owners"] = Attribute::ints(owners);
   a["row_starts"] = Attribute::ints(starts);
   std::vector<Value*> in{ids};
@@ -514,11 +518,6 @@ Status Sharder::lowerLookup(Op& bag, const TablePlan& t) {
   }
   // The cost model's view of the cold exchanges: the shares the plan's data sample measured.
   ids_fill_ = (t.hot.ids.empty() ? 1.0 : 1 - t.hot.id_share) * (t.dedup ? t.unique_share : 1.0);
-  if (t.dedup && t.type != ShardingType::table_wise && t.type != ShardingType::row_wise &&
-      t.type != ShardingType::table_row_wise)
-    return located(bag, Status::errorf("table '{}' is {}: only row blocks (table_wise, row_wise, table_row_wise) "
-                                       "route de-duplicated ids",
-                                       t.table, shardingName(t.type)));
   Route r;
   if (!pipelined_) {
     KILN_ASSIGN_OR_RETURN(r, t.dedup ? routeUnique(t, cold_ids, cold_lengths) : route(t, cold_ids, cold_lengths));
@@ -635,29 +634,34 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   }
   if (!r.dedup && (t.type == ShardingType::data_parallel || mine(t))) {
     // The same update over the ids this rank holds rows for, in the flat (ids, lengths) form.
-    std::vector<Value*> operands;
-    for (unsigned i = 0; i < update.numOperands(); ++i) {
-      const int idx = static_cast<int>(i);
-      if (idx == l.ids) {
-        operands.push_back(r.ids);
-        operands.push_back(r.lengths);
-      } else if (idx == l.lengths) {
-        continue;
-      } else if (idx == l.grad_out) {
-        operands.push_back(grads);
-      } else {
-        operands.push_back(update.operand(i));
-      }
-    }
     AttrDict attrs = update.attrs();
     if (whole_rows) attrs["column_offset"] = Attribute(mine(t)->col_begin);
-    auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, attrs);
+    auto applied =
+        b_.createWithTypes(OpCode::EmbeddingBagUpdate, updateOperands(update, l, r.ids, r.lengths, grads), {}, attrs);
     if (!applied) return applied.status();
   }
   if (r.hot_ids)
     KILN_RETURN_IF_ERROR(lowerHotUpdate(update, l, t, r, grad, returnsByReduceScatter(t) ? grads : nullptr));
   update.parentBlock()->erase(&update);
   return Status::ok();
+}
+
+// `update`'s operands with its ids (and lengths, when given) and pooled gradient replaced.
+std::vector<Value*> Sharder::updateOperands(const Op& update, const ir::EmbeddingUpdateLayout& l, Value* ids,
+                                            Value* lengths, Value* grads) {
+  std::vector<Value*> operands;
+  for (unsigned i = 0; i < update.numOperands(); ++i) {
+    const int idx = static_cast<int>(i);
+    if (idx == l.ids) {
+      operands.push_back(ids);
+      if (lengths) operands.push_back(lengths);
+    } else if (idx == l.grad_out) {
+      operands.push_back(grads);
+    } else if (idx != l.lengths) {
+      operands.push_back(update.operand(i));
+    }
+  }
+  return operands;
 }
 
 // The update of a de-duplicated table: each distinct id's gradient (its samples' pooled
@@ -681,19 +685,9 @@ Status Sharder::lowerUniqueUpdate(Op& update, const ir::EmbeddingUpdateLayout& l
   // Each distinct id a sample of its own: ids [rows, 1].
   KILN_ASSIGN_OR_RETURN(Op * ids, b_.createWithTypes(OpCode::Reshape, {r.ids},
                                                      {TensorType(DType::i64, {r.ids->type().dim(0), Dim::fixed(1)})}));
-  std::vector<Value*> operands;
-  for (unsigned i = 0; i < update.numOperands(); ++i) {
-    const int idx = static_cast<int>(i);
-    if (idx == l.ids)
-      operands.push_back(ids->result());
-    else if (idx == l.lengths)
-      continue;
-    else if (idx == l.grad_out)
-      operands.push_back(back->result(0));
-    else
-      operands.push_back(update.operand(i));
-  }
-  auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate, operands, {}, update.attrs());
+  auto applied = b_.createWithTypes(OpCode::EmbeddingBagUpdate,
+                                    updateOperands(update, l, ids->result(), nullptr, back->result(0)), {},
+                                    update.attrs());
   return applied ? Status::ok() : applied.status();
 }
 

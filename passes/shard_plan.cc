@@ -41,6 +41,10 @@ std::string_view shardingNames() {
   return "data_parallel, table_wise, row_wise, column_wise, table_row_wise";
 }
 
+bool hasRowBlocks(ShardingType t) {
+  return t == ShardingType::table_wise || t == ShardingType::row_wise || t == ShardingType::table_row_wise;
+}
+
 std::string rankList(const std::vector<int>& ranks) {
   std::string out;
   for (size_t i = 0; i < ranks.size();) {
@@ -234,8 +238,7 @@ Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_
                                        "entry {} is {}",
                                        t.table, info.rows, i, hot[i]));
   if (!hot.empty()) t.hot.rows = static_cast<int64_t>(hot.size());
-  if (t.dedup && t.type != ShardingType::table_wise && t.type != ShardingType::row_wise &&
-      t.type != ShardingType::table_row_wise)
+  if (t.dedup && !hasRowBlocks(t.type))
     return Status::error(fmt::format("table '{}' is {}: only row blocks (table_wise, row_wise, table_row_wise) "
                                      "route de-duplicated ids",
                                      t.table, shardingName(t.type)));

@@ -35,6 +35,9 @@ std::string_view shardingName(ShardingType t);
 std::optional<ShardingType> parseShardingType(std::string_view name);
 // "data_parallel, table_wise, row_wise, column_wise, table_row_wise", for error messages.
 std::string_view shardingNames();
+// Whether each shard of a `t` table holds a block of whole rows (table_wise, row_wise,
+// table_row_wise), so that every id has one owner: the types that route de-duplicated ids.
+bool hasRowBlocks(ShardingType t);
 // "0-7", "3", "0-2,5": ascending ranks read at a glance.
 std::string rankList(const std::vector<int>& ranks);
 

@@ -241,8 +241,7 @@ inline std::string planFile(const Model& m, const std::string& sharding, int ran
     passes::TablePlan& t = plan->tables[i];
     if (hot && t.type != ShardingType::data_parallel)
       for (int64_t row = 0; row < (*tables)[i].rows; row += 2) t.hot.ids.push_back(row);
-    t.dedup = dedup && (t.type == ShardingType::table_wise || t.type == ShardingType::row_wise ||
-                        t.type == ShardingType::table_row_wise);
+    t.dedup = dedup && passes::hasRowBlocks(t.type);
   }
   const auto path = std::filesystem::temp_directory_path() /
                     fmt::format("kiln_plan_{}_{}_{}_{}{}_{}.json", m.name, sharding, ranks, hot ? "hot" : "",
