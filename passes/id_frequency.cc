@@ -1,6 +1,7 @@
 #include "passes/id_frequency.h"
 
 #include <algorithm>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -159,22 +160,29 @@ ShardPlan withHotRows(ShardPlan plan, const std::vector<HybridEstimate>& estimat
 std::vector<DedupChoice> chooseDedup(ShardPlan& plan, const std::vector<TableInfo>& tables,
                                      const std::vector<FrequencyCurve>& curves, const PlanRequest& req) {
   std::vector<DedupChoice> out;
+  // The plan's costs as it stands, carried from one table's decision to the next; recomputed
+  // only where clearing a table's incoming dedup changed the plan.
+  std::optional<PlanCosts> current;
   for (size_t i = 0; i < plan.tables.size(); ++i) {
     TablePlan& t = plan.tables[i];
     DedupChoice c;
     c.table = t.table;
+    if (t.dedup) current.reset();
     t.dedup = false;
     t.unique_share = 1;
     c.considered = i < curves.size() && curves[i].rows > 0 && hasRowBlocks(t.type);
     if (c.considered) {
-      const PlanCosts plain = planCosts(plan, tables, req);
+      if (!current) current = planCosts(plan, tables, req);
+      const PlanCosts& plain = *current;
       t.dedup = true;
       t.unique_share = c.unique_share = std::max(1e-6, curves[i].uniqueShare(t.hot.rows));
-      const PlanCosts dedup = planCosts(plan, tables, req);
+      PlanCosts dedup = planCosts(plan, tables, req);
       c.plain_step_s = plain.step_s(), c.dedup_step_s = dedup.step_s();
       c.plain_bytes = plain.tables[i].comm_bytes_per_step, c.dedup_bytes = dedup.tables[i].comm_bytes_per_step;
       c.chosen = better(dedup.step_s(), dedup.total_s(), c.dedup_bytes, plain.step_s(), plain.total_s(), c.plain_bytes);
-      if (!c.chosen) {
+      if (c.chosen) {
+        current = std::move(dedup);
+      } else {
         t.dedup = false;
         t.unique_share = 1;
       }
