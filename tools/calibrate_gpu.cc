@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <memory>
 #include <random>
+#include <set>
 
 #include "ir/builder.h"
 #include "ir/target.h"
@@ -57,11 +58,17 @@ struct Profiled {
 };
 
 // The best of `repeats` profiles (after one run that compiles and warms up) of the probe's
-// function, its parameters uploaded to `session` first.
+// function, its parameters uploaded to `session` first. A parameter the session holds already
+// (one row size's table, read by every pooling factor; the probes never write one) is neither
+// made on the host nor uploaded again.
 Expected<Profiled> profileBest(Probe& p, const std::shared_ptr<cuda::CudaSession>& session,
                                const runtime::cpu::Batch& batch, int repeats) {
+  std::set<std::string, std::less<>> held;
+  for (const ir::Op* op : p.f->entry().opList())
+    if (op->is(ir::OpCode::Parameter) && session->hasParameter(op->strAttr("name")))
+      held.insert(op->strAttr("name"));
   runtime::ParameterStore store;
-  KILN_RETURN_IF_ERROR(store.initializeFrom(p.module, /*run_seed=*/1));
+  KILN_RETURN_IF_ERROR(store.initializeFrom(p.module, /*run_seed=*/1, {}, nullptr, true, &held));
   KILN_RETURN_IF_ERROR(session->uploadParameters(store));
   cuda::CudaExecutorOptions eo;
   eo.use_graph = false;
