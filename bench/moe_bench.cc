@@ -7,13 +7,12 @@
 // On the CPU the workloads are scaled down (--tokens 1024 --hidden 512 by default; FFN size and
 // expert count keep the workload's ratios) and Kiln runs interleaved with a baseline written
 // here, as PyTorch's loop over experts runs it: router GEMM, top-k, a gather per expert, two
-// BLAS GEMMs and SwiGLU per expert, a weighted scatter back, the same backward and SGD. Both use
-// the same BLAS (OpenBLAS) and thread count. Printed: ms per forward + backward (the median of
+// GEMMs and SwiGLU per expert, a weighted scatter back, the same backward and SGD. Both use
+// the same GEMMs (oneDNN, runtime/cpu/gemm.h) and thread count. Printed: ms per forward + backward (the median of
 // R rounds of I steps each, alternating Kiln and the baseline), GFLOP/s, and the fraction of
-// the BLAS SGEMM rate measured on this machine in the same run. On --device cuda Kiln runs
+// the SGEMM rate measured on this machine in the same run. On --device cuda Kiln runs
 // alone in bf16 (the PyTorch peer, ../shared/bench/moe_torch.py, runs next to it in
 // bench/device_run.sh).
-#include <cblas.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -26,11 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "runtime/cpu/gemm.h"
 #include "tools/model_session.h"
-
-#ifdef KILN_HAVE_OPENBLAS
-extern "C" void openblas_set_num_threads(int);
-#endif
 
 using namespace kiln;
 
@@ -55,14 +51,22 @@ struct Shape {
   }
 };
 
-// C[m, n] = op(A) op(B) (+ C when accumulate), row-major.
+runtime::ThreadPool* g_pool = nullptr;  // --threads
+
+// C[m, n] = op(A) op(B) (+ C when accumulate), row-major, by the GEMMs Kiln's CPU backend uses.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c,
           bool accumulate = false) {
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
-              static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, a,
-              static_cast<int>(ta ? m : k), b, static_cast<int>(tb ? k : n), accumulate ? 1.0f : 0.0f, c,
-              static_cast<int>(n));
+  runtime::cpu::GemmDesc d;
+  d.ta = ta;
+  d.tb = tb;
+  d.m = m;
+  d.n = n;
+  d.k = k;
+  d.accumulate = accumulate;
+  if (Status s = runtime::cpu::gemm(d, {a, b, c}, g_pool); !s.isOk()) {
+    std::fprintf(stderr, "moe_bench: %s\n", s.message().c_str());
+    std::exit(1);
+  }
 }
 
 float silu(float v) { return v / (1.0f + std::exp(-v)); }
@@ -218,7 +222,7 @@ class LoopBaseline {
   std::vector<int> chosen_;
 };
 
-// The BLAS SGEMM rate on this machine at the experts' GEMM shape, GFLOP/s (best of 5).
+// The SGEMM rate on this machine at the experts' GEMM shape, GFLOP/s (best of 5).
 double sgemmRate(const Shape& s) {
   const int64_t m = std::max<int64_t>(64, s.tokens * s.topk / s.experts), n = 2 * s.ffn, k = s.hidden;
   std::vector<float> a(static_cast<size_t>(m * k), 0.5f), b(static_cast<size_t>(k * n), 0.25f),
@@ -279,9 +283,8 @@ int main(int argc, char** argv) {
   s.ffn = s.ffn * h / s.hidden;
   s.hidden = h;
   s.tokens = tokens ? tokens : gpu ? s.tokens : 1024;
-#ifdef KILN_HAVE_OPENBLAS
-  openblas_set_num_threads(threads);
-#endif
+  runtime::ThreadPool pool(threads);
+  g_pool = &pool;
 
   cli::SessionOptions o;
   o.model_path = std::string(KILN_SOURCE_DIR) + "/models/moe_layer.kiln";
@@ -349,8 +352,8 @@ int main(int argc, char** argv) {
               gpu ? "-" : fmt::format("{:.0f}%", 100 * kiln_g / rate).c_str());
   if (!gpu) {
     const double base_g = flops / (bm * 1e-3) / 1e9;
-    std::printf("| loop over experts (BLAS) | %.1f | %.1f | %.0f%% |\n", bm, base_g, 100 * base_g / rate);
-    std::printf("| BLAS SGEMM, expert shape | - | %.1f | 100%% |\n", rate);
+    std::printf("| loop over experts (oneDNN) | %.1f | %.1f | %.0f%% |\n", bm, base_g, 100 * base_g / rate);
+    std::printf("| SGEMM, expert shape | - | %.1f | 100%% |\n", rate);
     std::printf("Kiln / loop: %.2fx faster (median of %lld interleaved rounds of %lld steps, %d threads)\n",
                 bm / km, static_cast<long long>(rounds), static_cast<long long>(iters), threads);
   }

@@ -11,6 +11,8 @@
 #include "ir/checked.h"
 #include "ir/status.h"
 #include "ir/target.h"
+#include "runtime/cpu/cpu_features.h"
+#include "runtime/cpu/gemm.h"
 
 namespace kiln::cli {
 
@@ -185,6 +187,17 @@ bool readTargetFlag(const ArgParser& p, std::optional<Target>* target, int* exit
   }
   *target = t.take();
   return true;
+}
+
+std::string cpuBackendLine() {
+  const runtime::cpu::CpuFeatures& cpu = runtime::cpu::hostCpu();
+  return fmt::format("cpu: {} ({}), gemm: {}", cpu.summary(), cpu.model_name.empty() ? cpu.vendor : cpu.model_name,
+                     runtime::cpu::gemmImplementation());
+}
+
+void printCpuHeader(int threads) {
+  std::fprintf(stderr, "%s, threads %d\n", cpuBackendLine().c_str(), threads);
+  for (const std::string& w : runtime::cpu::cpuLibraryWarnings()) std::fprintf(stderr, "warning: %s\n", w.c_str());
 }
 
 void printError(const std::string& command, const Status& status) {

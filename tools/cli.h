@@ -101,6 +101,13 @@ struct Command {
 int runSubcommands(const std::string& group, const std::vector<Command>& subcommands,
                    const std::vector<std::string>& args);
 
+// What the CPU backend runs on: "cpu: avx512+bf16 (AMD EPYC 9R14), gemm: onednn 2.6.3
+// (avx512_core_bf16)".
+std::string cpuBackendLine();
+// Prints cpuBackendLine() with the thread count, and a warning for each library in the process
+// that runs below the CPU's level (runtime/cpu/cpu_features.h), to stderr.
+void printCpuHeader(int threads);
+
 // `-o X` as `--output=X`, for the commands that write one output file.
 std::vector<std::string> expandOutputShorthand(const std::vector<std::string>& args);
 

@@ -40,7 +40,6 @@
 #include "tools/calibrate_gpu.h"
 #include "tools/cli.h"
 
-extern "C" void openblas_set_num_threads(int num_threads);
 
 namespace kiln::cli {
 namespace {
@@ -207,7 +206,7 @@ Expected<double> timeKernel(runtime::ThreadPool& pool, ir::OpCode code, const st
 
 Expected<ComputeResult> measureCompute(runtime::ThreadPool& pool, int threads, bool quick) {
   ComputeResult r;
-  openblas_set_num_threads(threads);  // as the executor does: BLAS on the run's threads
+
   const int64_t n = quick ? 512 : 1024;
   KILN_ASSIGN_OR_RETURN(double gemm, timeKernel(pool, ir::OpCode::Matmul, {{n, n}, {n, n}}, quick ? 2 : 3, 1));
   r.gemm_flops_per_s = 2.0 * static_cast<double>(n * n * n) / gemm;

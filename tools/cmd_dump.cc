@@ -186,6 +186,7 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("sharding", "TYPE", "with --ranks: shard every table this way instead of a plan");
   p.addOption("ep", "N", "with --ranks: spread each MoE layer's experts over groups of N ranks", "1");
   p.addFlag("pipeline", "with --ranks: the pipelined step (the next batch's ids routed during this one)");
+  p.addOption("precision", "f32|bf16", "with --stats or --explain: the GEMM precision, overriding the train block's");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");
@@ -214,6 +215,17 @@ int runDump(const std::vector<std::string>& args) {
     if (!o) return kExitUsage;
     auto m = frontend::compileModelFile(p.positionals()[0], overrides, diags);
     if (!m) return kExitError;
+    if (p.has("precision")) {
+      const std::string precision = p.get("precision");
+      if (precision != "f32" && precision != "bf16")
+        return p.usageError(fmt::format("--precision must be f32 or bf16, got '{}'", precision));
+      auto train = (*m)->attrs().find("kiln.train");
+      if (train == (*m)->attrs().end() || !train->second.isDict())
+        return p.usageError("--precision: the model has no train block");
+      ir::AttrDict merged = train->second.asDict();
+      merged["precision"] = ir::Attribute(precision);
+      (*m)->mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
+    }
     std::ostream& out = p.has("output") ? static_cast<std::ostream&>(file) : std::cout;
     return p.flag("stats") ? printOptimizeStats(**m, *o, out, std::cerr) : printFusionExplanation(**m, *o, out, std::cerr);
   }

@@ -453,6 +453,8 @@ int Trainer::run() {
     metrics_ = w.take();
   }
 
+  if (loud() && s_.device() == "cpu") printCpuHeader(s_.options().threads);
+
   data::DataOptions opts;
   opts.paths = f_.data;
   opts.batch_size = f_.batch;

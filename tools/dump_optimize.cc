@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 
 #include <ostream>
+#include <string>
+#include <vector>
 
 #include "codegen/lower_cpu.h"
+#include "ir/op_def.h"
 #include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
 #include "passes/fusion.h"
@@ -28,6 +31,39 @@ Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& o, std::string_
   auto r = pm.run(m);
   return r ? Status::ok() : r.status();
 }
+
+namespace {
+
+// The matmul-like ops of a step (in fused groups too) by the dtype they compute in, and the f32
+// ones where the rest follow precision = bf16: what mixed precision left in f32, and why.
+void printGemmPrecision(ir::Function& f, std::ostream& out) {
+  int64_t bf16 = 0, f32 = 0, other = 0;
+  std::vector<std::string> kept;
+  f.walk([&](ir::Op& op) {
+    if (!op.isAnyOf(ir::OpCode::Matmul, ir::OpCode::GroupedMatmul, ir::OpCode::GroupedMatmulWgrad)) return;
+    const ir::DType t = op.operand(0)->type().dtype();
+    if (t == ir::DType::bf16) {
+      ++bf16;
+      return;
+    }
+    if (t != ir::DType::f32) {
+      ++other;
+      return;
+    }
+    ++f32;
+    const std::string name = op.result()->nameHint().empty() ? "" : "%" + op.result()->nameHint() + " = ";
+    const std::string why = op.strAttr("kiln.precision") == "f32"
+                                ? "marked kiln.precision = \"f32\" (routing is computed in f32)"
+                                : "f32 operands (the gradient of an f32 GEMM, or an op mixed precision leaves)";
+    kept.push_back(fmt::format("{}{} at {}: {}", name, op.name(), op.location().str(), why));
+  });
+  out << fmt::format("gemms: {} (bf16 {}, f32 {}{})\n", bf16 + f32 + other, bf16, f32,
+                     other ? fmt::format(", other {}", other) : "");
+  if (bf16 == 0) return;  // all f32: precision f32, nothing singled out
+  for (const std::string& k : kept) out << "f32 gemm: " << k << "\n";
+}
+
+}  // namespace
 
 int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& out, std::ostream& err) {
   if (Status s = runTrainingPipeline(m, o, ""); !s) {
@@ -73,6 +109,7 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     out << "peak_bytes: more than 2^64-1\n";
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
+  printGemmPrecision(*m.lookup("train_step"), out);
   // A sharded step's communication: what the schedule's order hides behind compute, played on
   // the target's links between the ranks of one node (kiln dump places every rank on one).
   passes::CommTimeline timeline = passes::simulateCommTimeline(*f, cost, ir::LinkScope::intra_node);

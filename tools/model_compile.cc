@@ -18,6 +18,9 @@ void addCompileFlags(ArgParser& p) {
   p.addOption("memory-budget", "BYTES|N%",
               "recompute activations in the backward pass until the training step's planned peak fits "
               "(remat{budget=...})");
+  p.addOption("precision", "f32|bf16",
+              "GEMM precision, overriding the train block's: bf16 stores the inputs and outputs of every "
+              "matmul-like op in bf16 and accumulates in f32, over f32 master weights (docs/runtime.md)");
   addTargetFlag(p, "the device the run uses: cpu, or the GPU's with --device cuda");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
@@ -40,6 +43,14 @@ bool readCompileFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
       *exit_code = p.usageError(b.status().message());
       return false;
     }
+  }
+  if (p.has("precision")) {
+    const std::string precision = p.get("precision");
+    if (precision != "f32" && precision != "bf16") {
+      *exit_code = p.usageError(fmt::format("--precision must be f32 or bf16, got '{}'", precision));
+      return false;
+    }
+    o.train_overrides["precision"] = ir::Attribute(precision);
   }
   std::optional<Target> target;
   if (!readTargetFlag(p, &target, exit_code)) return false;

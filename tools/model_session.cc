@@ -413,9 +413,11 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
 std::string ModelSession::profileTable(const std::string& function) const {
   std::map<std::string, runtime::cpu::OpTime, std::less<>> ops;
   int64_t runs = 0;
+  int epilogues = 0;
   for (const auto& [key, exec] : executors_) {
     if (key.first != function) continue;
     runs += exec->runs();
+    epilogues = std::max(epilogues, exec->gemmEpilogues());
     for (const auto& [name, t] : exec->profile()) {
       runtime::cpu::OpTime& o = ops[name];
       o.launches += t.launches;
@@ -436,6 +438,10 @@ std::string ModelSession::profileTable(const std::string& function) const {
     out += fmt::format("  {:<32} {:>10.0f} {:>10.3f} {:>6.1f}%  {}\n", name, static_cast<double>(t.launches) * per,
                        t.seconds * 1e3 * per, total > 0 ? 100.0 * t.seconds / total : 0.0,
                        t.reference ? "reference" : "fast");
+  if (epilogues > 0)
+    out += fmt::format("  ({} matmuls run the bias add / activation after them as their GEMM's epilogue; those "
+                       "launches count here at no time of their own)\n",
+                       epilogues);
   return out;
 }
 

@@ -197,6 +197,7 @@ class ModelSession {
   // and the next step uploads the store again (a caller may have changed it, e.g. on resume).
   runtime::ParameterStore& params();
   const std::string& device() const { return options_.device; }
+  const SessionOptions& options() const { return options_; }
   // The target the passes planned for.
   const Target& target() const { return target_; }
   // The data the training step reads (labels included) and the forward pass reads.

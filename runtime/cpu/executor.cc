@@ -10,16 +10,21 @@
 
 #include "runtime/cpu/kernels/kernels.h"
 
-#ifdef KILN_HAVE_OPENBLAS
-extern "C" void openblas_set_num_threads(int num_threads);
-#endif
-
 namespace kiln::runtime::cpu {
 
 struct CpuExecutor::Launch {
   ir::Op* op = nullptr;
   const FastKernel* fast = nullptr;
   ir::CpuFn reference = nullptr;
+  // A matmul running the launches after it, up to position `epilogue_through` in order_, as its
+  // GEMM's epilogue (planGemmEpilogues): it writes `epilogue_out`, the last one's result.
+  int epilogue_through = -1;
+  int epilogue_bias = -1, epilogue_out = -1;  // buffer ids; bias -1: none
+  GemmActivation epilogue_act = GemmActivation::none;
+  // The memory plan gave `epilogue_out` storage that the product reads (a value whose last reader
+  // was the matmul): the product writes the executor's scratch, copied there after.
+  bool epilogue_via_scratch = false;
+  bool in_epilogue = false;  // run by the matmul before it
 };
 
 CpuExecutor::~CpuExecutor() { std::free(arena_); }
@@ -30,9 +35,6 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   std::unique_ptr<CpuExecutor> ex(new CpuExecutor());
   ex->options_ = options;
   ex->pool_ = std::make_unique<ThreadPool>(std::max(options.threads, 1));
-#ifdef KILN_HAVE_OPENBLAS
-  openblas_set_num_threads(std::max(options.threads, 1));
-#endif
 
   for (const codegen::Buffer& b : program.buffers) {
     std::vector<int64_t> shape;
@@ -82,6 +84,8 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
     ex->launches_.push_back(l);
   }
 
+  if (options.use_fast_kernels && !options.batch_invariant) ex->planGemmEpilogues();
+
   int64_t arena_bytes = ex->program_.arena_bytes;
   if (arena_bytes > 0) {
     ex->arena_ = static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>((arena_bytes + 63) / 64 * 64)));
@@ -90,6 +94,79 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   }
   ex->views_.resize(ex->program_.buffers.size());
   return ex;
+}
+
+int CpuExecutor::gemmEpilogues() const {
+  int n = 0;
+  for (const Launch& l : launches_) n += l.epilogue_through >= 0;
+  return n;
+}
+
+void CpuExecutor::planGemmEpilogues() {
+  // How many launches read each buffer; a program result counts as a reader that stays.
+  std::vector<int> readers(program_.buffers.size(), 0);
+  for (const codegen::Instruction* in : order_)
+    if (in->kind == codegen::InstrKind::Launch)
+      for (int id : in->operands) ++readers[static_cast<size_t>(id)];
+  for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
+  auto type = [&](int id) -> const ir::TensorType& { return program_.buffers[static_cast<size_t>(id)].type; };
+  // Whether two buffers share arena bytes: the planner may give an elementwise result the storage
+  // of a value whose last reader was the matmul, and the fused product must not write what it reads.
+  auto overlap = [&](int x, int y) {
+    const codegen::Buffer& a = program_.buffers[static_cast<size_t>(x)];
+    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(y)];
+    return a.inArena() && b.inArena() && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+  };
+
+  for (size_t t = 0; t < order_.size(); ++t) {
+    Launch& mm = launches_[t];
+    if (!mm.op || mm.in_epilogue || !mm.fast || !mm.op->is(ir::OpCode::Matmul) || !matmulTakesEpilogue(*mm.op))
+      continue;
+    int cur = order_[t]->results[0];
+    const int64_t n = type(cur).dim(type(cur).rank() - 1).isStatic() ? type(cur).dim(type(cur).rank() - 1).size() : -1;
+    const std::vector<int>& mm_in = order_[t]->operands;
+    // The next launch on the same stream, if it alone of all launches reads `cur`.
+    auto next = [&](size_t at) -> const ir::Op* {
+      if (at >= order_.size() || order_[at]->kind != codegen::InstrKind::Launch || stream_of_[at] != stream_of_[t] ||
+          readers[static_cast<size_t>(cur)] != 1 || order_[at]->results.size() != 1)
+        return nullptr;
+      for (int id : order_[at]->operands)
+        if (id == cur) return launches_[at].op;
+      return nullptr;
+    };
+    size_t at = t + 1;
+    int bias = -1;
+    GemmActivation act = GemmActivation::none;
+    // A bf16 product widened to f32 at once (next() checked that the cast reads the product).
+    if (const ir::Op* c = next(at); c && c->is(ir::OpCode::Cast) && type(cur).dtype() == ir::DType::bf16 &&
+                                    type(order_[at]->results[0]).dtype() == ir::DType::f32)
+      cur = order_[at++]->results[0];
+    if (const ir::Op* add = next(at); add && add->is(ir::OpCode::Add) && n > 0) {
+      const std::vector<int>& ops = order_[at]->operands;
+      const int other = ops[0] == cur ? ops[1] : ops[0];
+      const ir::TensorType& bt = type(other);
+      if (ops.size() == 2 && other != cur && bt.rank() == 1 && bt.dim(0).isStatic() && bt.dim(0).size() == n &&
+          bt.dtype() == type(cur).dtype() && type(order_[at]->results[0]) == type(cur)) {
+        bias = other;
+        cur = order_[at++]->results[0];
+      }
+    }
+    if (const ir::Op* a = next(at); a && type(order_[at]->results[0]) == type(cur)) {
+      if (a->is(ir::OpCode::Relu)) act = GemmActivation::relu;
+      else if (a->is(ir::OpCode::Gelu)) act = GemmActivation::gelu_tanh;
+      else if (a->is(ir::OpCode::Silu)) act = GemmActivation::silu;
+      if (act != GemmActivation::none) cur = order_[at++]->results[0];
+    }
+    if (at == t + 1) continue;
+    mm.epilogue_through = static_cast<int>(at - 1);
+    mm.epilogue_bias = bias;
+    mm.epilogue_act = act;
+    mm.epilogue_out = cur;
+    mm.epilogue_via_scratch = overlap(cur, mm_in[0]) || overlap(cur, mm_in[1]) || (bias >= 0 && overlap(cur, bias));
+    if (mm.epilogue_via_scratch)
+      epilogue_scratch_bytes_ = std::max(epilogue_scratch_bytes_, program_.buffers[static_cast<size_t>(cur)].bytes);
+    for (size_t u = t + 1; u < at; ++u) launches_[u].in_epilogue = true;
+  }
 }
 
 // A source tensor must have the declared dtype and rank; static and symbolic dims match their
@@ -276,6 +353,8 @@ Status CpuExecutor::joinBefore(size_t t, std::vector<InFlight>& in_flight) {
 Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
   const codegen::Instruction& in = *order_[t];
   const Launch& l = launches_[t];
+  if (l.in_epilogue) return Status::ok();  // the matmul before it ran it
+  if (l.epilogue_through >= 0) return runGemmWithEpilogue(t, in_flight);
   std::vector<const ir::TensorView*>& operands = launch_operands_;
   std::vector<ir::TensorView*>& results = launch_results_;
   operands.clear();
@@ -335,6 +414,63 @@ Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
                             fmt::join(v.shape, ", "), b.type.str());
     if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
   }
+  return Status::ok();
+}
+
+Status CpuExecutor::runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight) {
+  const Launch& l = launches_[t];
+  const codegen::Instruction& in = *order_[t];
+  // The fused launches' own joins (their bias, their results) come first.
+  for (size_t u = t + 1; u <= static_cast<size_t>(l.epilogue_through); ++u) KILN_RETURN_IF_ERROR(joinBefore(u, in_flight));
+  ir::TensorView& y = views_[static_cast<size_t>(l.epilogue_out)];
+  y.shape = bound_[static_cast<size_t>(l.epilogue_out)];
+  ir::TensorView product = y;
+  if (l.epilogue_via_scratch) {
+    if (!epilogue_scratch_) {
+      epilogue_scratch_.reset(static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>((epilogue_scratch_bytes_ + 63) / 64 * 64))));
+      if (!epilogue_scratch_)
+        return Status::errorf("cpu executor: cannot allocate {} bytes for a GEMM epilogue", epilogue_scratch_bytes_);
+    }
+    product.data = epilogue_scratch_.get();
+  }
+  MatmulEpilogue e;
+  e.bias = l.epilogue_bias >= 0 ? &views_[static_cast<size_t>(l.epilogue_bias)] : nullptr;
+  e.act = l.epilogue_act;
+  KernelContext ctx{pool_.get(), &program_.symbols, options_.batch_invariant};
+  Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
+  const bool timed = options_.profile || tracer;
+  auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  Status s = runMatmulEpilogue(*l.op, views_[static_cast<size_t>(in.operands[0])],
+                               views_[static_cast<size_t>(in.operands[1])], e, product, ctx);
+  y.shape = product.shape;
+  if (s.isOk() && l.epilogue_via_scratch) std::memcpy(y.data, product.data, static_cast<size_t>(y.bytes()));
+  fast_launches_ += l.epilogue_through - static_cast<int>(t) + 1;
+  if (timed) {
+    auto end = std::chrono::steady_clock::now();
+    if (options_.profile) {
+      OpTime& p = profile_[in.op];
+      p.seconds += std::chrono::duration<double>(end - start).count();
+      p.launches += 1;
+    }
+    if (tracer)
+      tracer->complete(in.op, TraceCategory::Gemm, options_.rank, streamTrack(stream_of_[t]), start, end,
+                       {{"seq", in.seq}, {"reference", 0}});
+    // The epilogue's launches ran inside the product: each is counted, at no time of its own.
+    for (size_t u = t + 1; u <= static_cast<size_t>(l.epilogue_through); ++u) {
+      if (options_.profile) profile_[order_[u]->op].launches += 1;
+      if (tracer)
+        tracer->complete(order_[u]->op, TraceCategory::Kernel, options_.rank, streamTrack(stream_of_[u]), end, end,
+                         {{"seq", order_[u]->seq}, {"epilogue_of", in.seq}});
+    }
+  }
+  if (!s.isOk())
+    return Status::errorf("running instruction {} ('{}' with its epilogue -> %b{}): {}", in.seq, in.op,
+                          l.epilogue_out, s.message());
+  const codegen::Buffer& b = program_.buffers[static_cast<size_t>(l.epilogue_out)];
+  if (y.bytes() > b.bytes || y.rank() != b.type.rank())
+    return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, l.epilogue_out,
+                          fmt::join(y.shape, ", "), b.type.str());
+  if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + y.bytes());
   return Status::ok();
 }
 

@@ -2,7 +2,9 @@
 // come from the parameter store, temporaries and outputs live in one arena of the planned
 // size. Each launch runs a fast kernel where one supports the op (runtime/cpu/kernels/) and
 // the op table's CPU reference hook otherwise, so every op with a reference runs.
-// Instructions run in the program's global order. A collective on its own stream is issued
+// Instructions run in the program's global order. A matmul whose result only the bias add and
+// activation after it read runs them as its GEMM's epilogue (one oneDNN product; a bf16 product
+// widened to f32 at once is stored as f32 straight from the accumulator). A collective on its own stream is issued
 // (ir::RankGroup's non-blocking forms) and waited on only where the program first needs it: at
 // a wait on an event its stream recorded after it, before the next launch of its stream, before
 // a launch that touches its buffers, or at the end of the run. Compute placed between issue and
@@ -11,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
@@ -88,6 +91,8 @@ class CpuExecutor {
   const std::map<std::string, OpTime, std::less<>>& profile() const { return profile_; }
   int64_t runs() const { return runs_; }
   int referenceLaunches() const { return reference_launches_; }
+  // How many matmuls run launches after them as their GEMM's epilogue.
+  int gemmEpilogues() const;
   // The collectives of the last run that were issued without completing at once, in issue
   // order, with where each was waited on.
   const std::vector<CollectiveWait>& collectiveWaits() const { return waits_; }
@@ -97,7 +102,11 @@ class CpuExecutor {
   struct InFlight;
   CpuExecutor() = default;
   Status bindSources(const Batch& batch, ParameterStore& params);
+  // Marks each matmul whose result only a following widening cast, bias add and activation read
+  // (in that order, each optional) to run them as its GEMM's epilogue.
+  void planGemmEpilogues();
   Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
+  Status runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight);
   // Waits on the collectives of `in_flight` that `t` (a position in order_) must follow.
   Status joinBefore(size_t t, std::vector<InFlight>& in_flight);
   Status waitOn(InFlight& f, int waited_at);
@@ -124,6 +133,9 @@ class CpuExecutor {
   // One launch's operand and result views, kept across launches so that none allocates.
   std::vector<const ir::TensorView*> launch_operands_;
   std::vector<ir::TensorView*> launch_results_;
+  // Where a fused GEMM writes when its output's storage is also its input's (planGemmEpilogues).
+  int64_t epilogue_scratch_bytes_ = 0;
+  std::unique_ptr<uint8_t, decltype(&std::free)> epilogue_scratch_{nullptr, &std::free};
 };
 
 }  // namespace kiln::runtime::cpu

@@ -75,18 +75,29 @@ bool sameFloatTypes(const ir::Op& op) {
 }
 
 // dy * f'(x) for the activation the op names, f32 compute over f32 or bf16 storage, threaded.
-// The derivative is chosen once per launch, as the reference does.
-template <typename S>
-void runActivationGradTyped(ir::ScalarFn derivative, const ir::TensorView& x, const ir::TensorView& dy,
-                            ir::TensorView& r, ThreadPool& pool) {
+// The derivative is chosen once per launch and inlined into the loop (a call per element through
+// a function pointer kept the loop scalar).
+template <typename S, ir::ScalarFn D>
+void activationGradLoop(const ir::TensorView& x, const ir::TensorView& dy, ir::TensorView& r, ThreadPool& pool) {
   using T = typename S::T;
-  const ir::scalar::UnaryFnPtr<float> d = ir::scalar::unaryFnPtr<float>(derivative);
   const T* px = x.as<T>();
   const T* pd = dy.as<T>();
   T* pr = r.as<T>();
   pool.parallelFor(x.numel(), 32768, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) S::store(pr, i, S::load(pd, i) * d(S::load(px, i)));
+    for (int64_t i = b; i < e; ++i) S::store(pr, i, S::load(pd, i) * ir::scalar::apply<D, float>(S::load(px, i)));
   });
+}
+
+template <typename S>
+void runActivationGradTyped(ir::ScalarFn derivative, const ir::TensorView& x, const ir::TensorView& dy,
+                            ir::TensorView& r, ThreadPool& pool) {
+  switch (derivative) {
+#define KILN_EACH(Name, arity)                                                      \
+  case ir::ScalarFn::Name:                                                          \
+    if constexpr (arity == 1) activationGradLoop<S, ir::ScalarFn::Name>(x, dy, r, pool); \
+    return;
+#include "ir/scalar_fn_each.def"
+  }
 }
 
 Status runActivationGrad(const ir::Op& op, const std::vector<const ir::TensorView*>& in,

@@ -13,6 +13,7 @@
 
 #include "ir/op_def.h"
 #include "ir/tensor_view.h"
+#include "runtime/cpu/gemm.h"
 #include "runtime/cpu/thread_pool.h"
 
 namespace kiln::runtime::cpu {
@@ -30,7 +31,7 @@ using KernelFn = Status (*)(const ir::Op& op, const std::vector<const ir::Tensor
 using SupportsFn = bool (*)(const ir::Op& op);
 
 struct FastKernel {
-  const char* name;  // for logs: "blas_matmul"
+  const char* name;  // for logs: "onednn_matmul"
   KernelFn run;
   SupportsFn supports;
 };
@@ -49,6 +50,20 @@ void registerEmbeddingUpdateKernels(KernelTable& t);  // embedding_update.cc: th
 void registerOptimizerKernels(KernelTable& t);     // optimizer_update.cc: the dense optimizer step
 void registerDataKernels(KernelTable& t);         // data.cc: constant, reshape, cast
 void registerMoeKernels(KernelTable& t);          // moe.cc: grouped GEMMs and the token permutes
+
+// A kiln.matmul with the epilogue the executor fused into it (the bias add and activation that
+// alone read its result, after a widening cast of a bf16 product): y = act(a b + bias) in one
+// oneDNN product. `y` may be f32 where a and b are bf16: the accumulator is stored once, without
+// the product's rounding to bf16 in between (XLA's "excess precision", as the CUDA backend's
+// cuBLASLt epilogue does).
+struct MatmulEpilogue {
+  const ir::TensorView* bias = nullptr;  // [n], in y's dtype; null: none
+  GemmActivation act = GemmActivation::none;
+};
+// Whether runMatmulEpilogue takes this matmul: f32 or bf16, and a batch that folds into M.
+bool matmulTakesEpilogue(const ir::Op& matmul);
+Status runMatmulEpilogue(const ir::Op& matmul, const ir::TensorView& a, const ir::TensorView& b,
+                         const MatmulEpilogue& e, ir::TensorView& y, const KernelContext& ctx);
 
 // Element access with f32 compute over f32 / bf16 / f64 storage.
 inline float loadF(const void* p, ir::DType t, int64_t i) {

@@ -1,12 +1,11 @@
-// Matrix products through the CPU BLAS (OpenBLAS from Debian, or any CBLAS): f32 by sgemm,
-// f64 by dgemm, bf16 storage by f32 sgemm over converted copies. Batch dims broadcast; when
-// only `a` is batched and not transposed, the batch folds into M for one large GEMM. With
-// KernelContext::batch_invariant f32 products go through invariant_gemm.h instead.
-#include <cblas.h>
-
+// Matrix products: f32 and bf16 through oneDNN (gemm.h; bf16 natively, accumulated in f32), f64
+// by a plain loop. Batch dims broadcast; when only `a` is batched and not transposed, the batch
+// folds into M for one large GEMM. With KernelContext::batch_invariant f32 (and widened bf16)
+// products go through invariant_gemm.h instead.
 #include <algorithm>
 #include <vector>
 
+#include "runtime/cpu/gemm.h"
 #include "runtime/cpu/kernels/broadcast.h"
 #include "runtime/cpu/kernels/invariant_gemm.h"
 #include "runtime/cpu/kernels/kernels.h"
@@ -38,37 +37,42 @@ Expected<MatmulDims> matmulDims(const ir::Op& op, const ir::TensorView& a, const
   return d;
 }
 
+// One product of the batch: f64 by the plain loop, f32 under batch invariance by
+// invariant_gemm.h, everything else by oneDNN (gemm.h).
 template <typename T>
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* c, const KernelContext& ctx) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (ctx.batch_invariant) return invariantSgemm(ta, tb, m, n, k, a, b, c, *ctx.pool);
+Status product(ir::DType storage, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, const T* b, T* c,
+               const KernelContext& ctx) {
+  if constexpr (std::is_same_v<T, double>) {
+    gemmF64(ta, tb, m, n, k, a, b, c);
+    return Status::ok();
+  } else {
+    if (ctx.batch_invariant && storage == ir::DType::f32) {
+      invariantSgemm(ta, tb, m, n, k, reinterpret_cast<const float*>(a), reinterpret_cast<const float*>(b),
+                     reinterpret_cast<float*>(c), *ctx.pool);
+      return Status::ok();
+    }
+    GemmDesc d;
+    d.ta = ta;
+    d.tb = tb;
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.a = d.b = d.c = storage;
+    return gemm(d, {a, b, c}, ctx.pool);
   }
-  auto tra = ta ? CblasTrans : CblasNoTrans, trb = tb ? CblasTrans : CblasNoTrans;
-  int lda = static_cast<int>(ta ? m : k), ldb = static_cast<int>(tb ? k : n), ldc = static_cast<int>(n);
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    std::fill(c, c + m * n, T(0));
-    return;
-  }
-  if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, tra, trb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0f, a, lda,
-                b, ldb, 0.0f, c, ldc);
-  else
-    cblas_dgemm(CblasRowMajor, tra, trb, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), 1.0, a, lda,
-                b, ldb, 0.0, c, ldc);
 }
 
+// T is the storage's C++ type: double, float, or uint16_t for bf16.
 template <typename T>
-void batchedGemm(const ir::Op& op, const MatmulDims& d, const T* a, const T* b, T* c, const KernelContext& ctx) {
+Status batchedGemm(const ir::Op& op, ir::DType storage, const MatmulDims& d, const T* a, const T* b, T* c,
+                   const KernelContext& ctx) {
   bool ta = op.boolAttr("transpose_a"), tb = op.boolAttr("transpose_b");
   int64_t nbatch = 1;
   for (int64_t x : d.batch) nbatch *= x;
   int64_t b_count = 1;
   for (int64_t x : d.b_batch) b_count *= x;
-  if (!ta && b_count == 1) {  // fold a's batch into M: one GEMM
-    gemm<T>(false, tb, nbatch * d.m, d.n, d.k, a, b, c, ctx);
-    return;
-  }
+  if (!ta && b_count == 1)  // fold a's batch into M: one GEMM
+    return product<T>(storage, false, tb, nbatch * d.m, d.n, d.k, a, b, c, ctx);
   BroadcastIter it(d.batch, {&d.a_batch, &d.b_batch});
   std::vector<int64_t> offs(2);
   // Walk every batch index; BroadcastIter's rows are all but its innermost dim, so walk that too.
@@ -79,9 +83,31 @@ void batchedGemm(const ir::Op& op, const MatmulDims& d, const T* a, const T* b, 
     for (int64_t j = 0; j < inner; ++j, ++idx) {
       int64_t ia = d.batch.empty() ? 0 : offs[0] + j * it.innerStride(0);
       int64_t ib = d.batch.empty() ? 0 : offs[1] + j * it.innerStride(1);
-      gemm<T>(ta, tb, d.m, d.n, d.k, a + ia * d.m * d.k, b + ib * d.k * d.n, c + idx * d.m * d.n, ctx);
+      KILN_RETURN_IF_ERROR(product<T>(storage, ta, tb, d.m, d.n, d.k, a + ia * d.m * d.k, b + ib * d.k * d.n,
+                                      c + idx * d.m * d.n, ctx));
     }
   }
+  return Status::ok();
+}
+
+// bf16 under batch invariance: widened to f32 for the invariant GEMM, rounded once.
+Status invariantBf16(const ir::Op& op, const MatmulDims& d, const std::vector<const ir::TensorView*>& in,
+                     ir::TensorView& out, const KernelContext& ctx) {
+  auto widen = [&](const ir::TensorView& v) {
+    std::vector<float> f(static_cast<size_t>(v.numel()));
+    const uint16_t* p = v.as<uint16_t>();
+    ctx.pool->parallelFor(v.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) f[static_cast<size_t>(i)] = ir::bf16ToFloat(p[i]);
+    });
+    return f;
+  };
+  std::vector<float> a = widen(*in[0]), b = widen(*in[1]), c(static_cast<size_t>(out.numel()));
+  KILN_RETURN_IF_ERROR(batchedGemm<float>(op, ir::DType::f32, d, a.data(), b.data(), c.data(), ctx));
+  uint16_t* o = out.as<uint16_t>();
+  ctx.pool->parallelFor(out.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) o[i] = ir::floatToBf16(c[static_cast<size_t>(i)]);
+  });
+  return Status::ok();
 }
 
 Status runMatmul(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
@@ -94,33 +120,18 @@ Status runMatmul(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
   out[0]->shape = shape;
   switch (out[0]->dtype) {
     case ir::DType::f32:
-      batchedGemm<float>(op, *d, in[0]->as<float>(), in[1]->as<float>(), out[0]->as<float>(), ctx);
-      break;
+      return batchedGemm<float>(op, ir::DType::f32, *d, in[0]->as<float>(), in[1]->as<float>(), out[0]->as<float>(),
+                                ctx);
     case ir::DType::f64:
-      batchedGemm<double>(op, *d, in[0]->as<double>(), in[1]->as<double>(), out[0]->as<double>(), ctx);
-      break;
-    case ir::DType::bf16: {
-      // bf16 storage, f32 compute: widen, multiply, round once.
-      auto widen = [&](const ir::TensorView& v) {
-        std::vector<float> f(static_cast<size_t>(v.numel()));
-        const uint16_t* p = v.as<uint16_t>();
-        ctx.pool->parallelFor(v.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
-          for (int64_t i = i0; i < i1; ++i) f[static_cast<size_t>(i)] = ir::bf16ToFloat(p[i]);
-        });
-        return f;
-      };
-      std::vector<float> a = widen(*in[0]), b = widen(*in[1]), c(static_cast<size_t>(out[0]->numel()));
-      batchedGemm<float>(op, *d, a.data(), b.data(), c.data(), ctx);
-      uint16_t* o = out[0]->as<uint16_t>();
-      ctx.pool->parallelFor(out[0]->numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) o[i] = ir::floatToBf16(c[static_cast<size_t>(i)]);
-      });
-      break;
-    }
+      return batchedGemm<double>(op, ir::DType::f64, *d, in[0]->as<double>(), in[1]->as<double>(),
+                                 out[0]->as<double>(), ctx);
+    case ir::DType::bf16:
+      if (ctx.batch_invariant) return invariantBf16(op, *d, in, *out[0], ctx);
+      return batchedGemm<uint16_t>(op, ir::DType::bf16, *d, in[0]->as<uint16_t>(), in[1]->as<uint16_t>(),
+                                   out[0]->as<uint16_t>(), ctx);
     default:
-      return Status::errorf("'kiln.matmul': no BLAS kernel for {}", ir::dtypeName(out[0]->dtype));
+      return Status::errorf("'kiln.matmul': no CPU GEMM for {}", ir::dtypeName(out[0]->dtype));
   }
-  return Status::ok();
 }
 
 bool supportsMatmul(const ir::Op& op) {
@@ -131,8 +142,41 @@ bool supportsMatmul(const ir::Op& op) {
 
 }  // namespace
 
+bool matmulTakesEpilogue(const ir::Op& op) {
+  if (!supportsMatmul(op) || op.result()->type().dtype() == ir::DType::f64 || op.boolAttr("transpose_a"))
+    return false;
+  // One product: b unbatched, so a's batch folds into M.
+  return op.operand(1)->type().rank() == 2;
+}
+
+Status runMatmulEpilogue(const ir::Op& op, const ir::TensorView& a, const ir::TensorView& b,
+                         const MatmulEpilogue& e, ir::TensorView& y, const KernelContext& ctx) {
+  auto d = matmulDims(op, a, b);
+  if (!d) return d.status();
+  if (!d->b_batch.empty() || op.boolAttr("transpose_a"))
+    return Status::errorf("internal error: '{}' with an epilogue must fold its batch into M", op.name());
+  int64_t rows = d->m;
+  for (int64_t x : d->batch) rows *= x;
+  if (e.bias && e.bias->numel() != d->n)
+    return Status::errorf("'{}': the fused bias has {} elements for {} columns", op.name(), e.bias->numel(), d->n);
+  std::vector<int64_t> shape = d->batch;
+  shape.push_back(d->m);
+  shape.push_back(d->n);
+  y.shape = shape;
+  GemmDesc g;
+  g.tb = op.boolAttr("transpose_b");
+  g.m = rows;
+  g.n = d->n;
+  g.k = d->k;
+  g.a = g.b = a.dtype;
+  g.c = y.dtype;
+  g.bias = e.bias != nullptr;
+  g.act = e.act;
+  return gemm(g, {a.data, b.data, y.data, e.bias ? e.bias->data : nullptr, nullptr}, ctx.pool);
+}
+
 void registerMatmulKernels(KernelTable& t) {
-  addKernel(t, ir::OpCode::Matmul, {"blas_matmul", runMatmul, supportsMatmul});
+  addKernel(t, ir::OpCode::Matmul, {"onednn_matmul", runMatmul, supportsMatmul});
 }
 
 }  // namespace kiln::runtime::cpu

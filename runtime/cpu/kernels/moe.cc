@@ -1,19 +1,14 @@
-// The Mixture-of-Experts kernels (docs/moe.md, "Experts"): the grouped GEMMs through BLAS, one
-// GEMM per expert over its rows, and the token permutes threaded over rows or tokens. Activations
+// The Mixture-of-Experts kernels (docs/moe.md, "Experts"): the grouped GEMMs through oneDNN
+// (gemm.h), one GEMM per expert over its rows, and the token permutes threaded over rows or tokens. Activations
 // are f32 or bf16 (f32 compute, one rounding at the end), the GEMMs also take f64; probs are f32.
 // rows and offsets are checked before any thread starts, with the reference's errors.
-#include <cblas.h>
-
 #include <algorithm>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
+#include "runtime/cpu/gemm.h"
 #include "runtime/cpu/kernels/kernels.h"
-
-#ifdef KILN_HAVE_OPENBLAS
-extern "C" void openblas_set_num_threads(int num_threads);
-extern "C" int openblas_get_num_threads(void);
-#endif
 
 namespace kiln::runtime::cpu {
 namespace {
@@ -192,134 +187,80 @@ Status runRowDot(const ir::Op& op, const Operands& in, const Results& out, const
 
 // ---- Grouped GEMMs ----------------------------------------------------------------------------
 
-// OpenBLAS runs single-threaded while the experts' GEMMs share the pool (its own threads would
-// oversubscribe the cores); the executor's count comes back afterwards.
-class SingleThreadedBlas {
- public:
-#ifdef KILN_HAVE_OPENBLAS
-  SingleThreadedBlas() : saved_(openblas_get_num_threads()) { openblas_set_num_threads(1); }
-  ~SingleThreadedBlas() { openblas_set_num_threads(saved_); }
-
- private:
-  int saved_;
-#endif
-};
-
-// C[m, n] = op(A) op(B) over row-major operands with leading dims lda, ldb; zeros when k = 0.
-template <typename T>
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-          T* c) {
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    std::fill(c, c + m * n, T(0));
-    return;
+// One expert's product over row-major operands of `storage` type, packed strides; a and b
+// count elements from the tensors' starts. f32 and bf16 through oneDNN (gemm.h), f64 by loops.
+Status expertGemm(ir::DType storage, bool ta, bool tb, int64_t m, int64_t n, int64_t k, const void* a,
+                  int64_t a_at, const void* b, int64_t b_at, void* c, int64_t c_at, ThreadPool* pool) {
+  const int64_t size = ir::dtypeBytes(storage);
+  auto at = [&](const void* p, int64_t i) { return static_cast<const char*>(p) + i * size; };
+  if (storage == ir::DType::f64) {
+    gemmF64(ta, tb, m, n, k, reinterpret_cast<const double*>(at(a, a_at)),
+            reinterpret_cast<const double*>(at(b, b_at)), reinterpret_cast<double*>(const_cast<char*>(at(c, c_at))));
+    return Status::ok();
   }
-  const auto tra = ta ? CblasTrans : CblasNoTrans, trb = tb ? CblasTrans : CblasNoTrans;
-  const int im = static_cast<int>(m), in = static_cast<int>(n), ik = static_cast<int>(k);
-  if constexpr (std::is_same_v<T, float>)
-    cblas_sgemm(CblasRowMajor, tra, trb, im, in, ik, 1.0f, a, static_cast<int>(lda), b, static_cast<int>(ldb),
-                0.0f, c, in);
-  else
-    cblas_dgemm(CblasRowMajor, tra, trb, im, in, ik, 1.0, a, static_cast<int>(lda), b, static_cast<int>(ldb),
-                0.0, c, in);
+  GemmDesc d;
+  d.ta = ta;
+  d.tb = tb;
+  d.m = m;
+  d.n = n;
+  d.k = k;
+  d.a = d.b = d.c = storage;
+  return gemm(d, {at(a, a_at), at(b, b_at), const_cast<char*>(at(c, c_at))}, pool);
 }
 
-// Runs gemm_of(e) for every expert: spread over the pool (BLAS single-threaded inside) when there
-// are at least as many experts with rows as threads; otherwise one after another, each GEMM
-// threaded by BLAS itself.
+// Runs gemm_of(e, pool) for every expert: spread over the pool, each product on one thread (no
+// pool), when at least as many experts have rows as there are threads; otherwise one after
+// another, each product split over the pool.
 template <typename Fn>
-void forEachExpert(const std::vector<int64_t>& offsets, const KernelContext& ctx, Fn&& gemm_of) {
+Status forEachExpert(const std::vector<int64_t>& offsets, const KernelContext& ctx, Fn&& gemm_of) {
   const int64_t experts = static_cast<int64_t>(offsets.size()) - 1;
+  const int threads = ctx.pool->numThreads();
   int64_t busy = 0;
   for (int64_t e = 0; e < experts; ++e)
     busy += offsets[static_cast<size_t>(e) + 1] > offsets[static_cast<size_t>(e)];
-  if (ctx.pool->numThreads() == 1 || busy < ctx.pool->numThreads()) {
-    for (int64_t e = 0; e < experts; ++e) gemm_of(e);
-    return;
+  if (threads == 1 || busy < threads) {
+    for (int64_t e = 0; e < experts; ++e) KILN_RETURN_IF_ERROR(gemm_of(e, ctx.pool));
+    return Status::ok();
   }
-  [[maybe_unused]] SingleThreadedBlas single;
+  std::mutex mu;
+  Status first = Status::ok();
   ctx.pool->parallelFor(experts, 1, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e) gemm_of(e);
+    for (int64_t e = e0; e < e1; ++e)
+      if (Status s = gemm_of(e, nullptr); !s.isOk()) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (first.isOk()) first = s;
+      }
   });
-}
-
-// Storage for a GEMM operand in its compute type: f32 and f64 as they are, bf16 widened to f32.
-template <typename T>
-struct GemmOperand {
-  const T* data = nullptr;
-  std::vector<T> widened;
-};
-template <typename T>
-GemmOperand<T> gemmOperand(const ir::TensorView& v, const KernelContext& ctx) {
-  GemmOperand<T> g;
-  if (v.dtype != ir::DType::bf16) {
-    g.data = v.as<T>();
-    return g;
-  }
-  g.widened.resize(static_cast<size_t>(v.numel()));
-  const uint16_t* p = v.as<uint16_t>();
-  ctx.pool->parallelFor(v.numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) g.widened[static_cast<size_t>(i)] = ir::bf16ToFloat(p[i]);
-  });
-  g.data = g.widened.data();
-  return g;
-}
-
-// The result in its compute type: written in place for f32 and f64, through an f32 buffer
-// rounded once to bf16 by finish().
-template <typename T>
-struct GemmResult {
-  ir::TensorView* view;
-  std::vector<T> buffer;
-  T* data() { return view->dtype == ir::DType::bf16 ? buffer.data() : view->as<T>(); }
-  void finish(const KernelContext& ctx) {
-    if (view->dtype != ir::DType::bf16) return;
-    uint16_t* o = view->as<uint16_t>();
-    ctx.pool->parallelFor(view->numel(), 1 << 15, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) o[i] = ir::floatToBf16(buffer[static_cast<size_t>(i)]);
-    });
-  }
-};
-template <typename T>
-GemmResult<T> gemmResult(ir::TensorView& v) {
-  GemmResult<T> r{&v, {}};
-  if (v.dtype == ir::DType::bf16) r.buffer.resize(static_cast<size_t>(v.numel()));
-  return r;
+  return first;
 }
 
 // y[rows of e] = x[rows of e] w[e] (w[e]^T with transpose_b).
-template <typename T>
-void groupedMatmul(const ir::Op& op, const Operands& in, const Results& out,
-                   const std::vector<int64_t>& offsets, const KernelContext& ctx) {
+Status groupedMatmul(const ir::Op& op, const Operands& in, const Results& out, const std::vector<int64_t>& offsets,
+                     const KernelContext& ctx) {
   const bool tb = op.boolAttr("transpose_b");
   const int64_t k = in[0]->shape[1], m = in[1]->shape[tb ? 1 : 2];
-  GemmOperand<T> x = gemmOperand<T>(*in[0], ctx), w = gemmOperand<T>(*in[1], ctx);
-  GemmResult<T> y = gemmResult<T>(*out[0]);
-  T* py = y.data();
-  forEachExpert(offsets, ctx, [&](int64_t e) {
+  const ir::DType t = out[0]->dtype;
+  return forEachExpert(offsets, ctx, [&](int64_t e, ThreadPool* pool) {
     const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e) + 1] - r0;
-    gemm<T>(false, tb, rows, m, k, x.data + r0 * k, k, w.data + e * k * m, tb ? k : m, py + r0 * m);
+    return expertGemm(t, false, tb, rows, m, k, in[0]->data, r0 * k, in[1]->data, e * k * m, out[0]->data, r0 * m,
+                      pool);
   });
-  y.finish(ctx);
 }
 
 // dw[e] = x_e^T dy_e (dy_e^T x_e with transpose); an expert without rows gets zeros.
-template <typename T>
-void groupedWgrad(const ir::Op& op, const Operands& in, const Results& out,
-                  const std::vector<int64_t>& offsets, const KernelContext& ctx) {
+Status groupedWgrad(const ir::Op& op, const Operands& in, const Results& out, const std::vector<int64_t>& offsets,
+                    const KernelContext& ctx) {
   const bool t = op.boolAttr("transpose");
   const int64_t k = in[0]->shape[1], m = in[1]->shape[1];
-  GemmOperand<T> x = gemmOperand<T>(*in[0], ctx), dy = gemmOperand<T>(*in[1], ctx);
-  GemmResult<T> w = gemmResult<T>(*out[0]);
-  T* pw = w.data();
-  forEachExpert(offsets, ctx, [&](int64_t e) {
+  const ir::DType dt = out[0]->dtype;
+  return forEachExpert(offsets, ctx, [&](int64_t e, ThreadPool* pool) {
     const int64_t r0 = offsets[static_cast<size_t>(e)], rows = offsets[static_cast<size_t>(e) + 1] - r0;
     if (t)
-      gemm<T>(true, false, m, k, rows, dy.data + r0 * m, m, x.data + r0 * k, k, pw + e * k * m);
-    else
-      gemm<T>(true, false, k, m, rows, x.data + r0 * k, k, dy.data + r0 * m, m, pw + e * k * m);
+      return expertGemm(dt, true, false, m, k, rows, in[1]->data, r0 * m, in[0]->data, r0 * k, out[0]->data,
+                        e * k * m, pool);
+    return expertGemm(dt, true, false, k, m, rows, in[0]->data, r0 * k, in[1]->data, r0 * m, out[0]->data,
+                      e * k * m, pool);
   });
-  w.finish(ctx);
 }
 
 Status runGroupedMatmul(const ir::Op& op, const Operands& in, const Results& out, const KernelContext& ctx) {
@@ -329,11 +270,7 @@ Status runGroupedMatmul(const ir::Op& op, const Operands& in, const Results& out
     return Status::errorf("'{}': run-time shapes of x, w and offsets disagree", op.name());
   KILN_ASSIGN_OR_RETURN(std::vector<int64_t> offsets, expertOffsets(op, *in[2], count));
   out[0]->shape = {count, in[1]->shape[tb ? 1 : 2]};
-  if (out[0]->dtype == ir::DType::f64)
-    groupedMatmul<double>(op, in, out, offsets, ctx);
-  else
-    groupedMatmul<float>(op, in, out, offsets, ctx);
-  return Status::ok();
+  return groupedMatmul(op, in, out, offsets, ctx);
 }
 
 Status runGroupedWgrad(const ir::Op& op, const Operands& in, const Results& out, const KernelContext& ctx) {
@@ -343,11 +280,7 @@ Status runGroupedWgrad(const ir::Op& op, const Operands& in, const Results& out,
     return Status::errorf("'{}': x has {} rows but dy has {}", op.name(), count, in[1]->shape[0]);
   KILN_ASSIGN_OR_RETURN(std::vector<int64_t> offsets, expertOffsets(op, *in[2], count));
   out[0]->shape = {static_cast<int64_t>(offsets.size()) - 1, t ? m : k, t ? k : m};
-  if (out[0]->dtype == ir::DType::f64)
-    groupedWgrad<double>(op, in, out, offsets, ctx);
-  else
-    groupedWgrad<float>(op, in, out, offsets, ctx);
-  return Status::ok();
+  return groupedWgrad(op, in, out, offsets, ctx);
 }
 
 // ---- Support ----------------------------------------------------------------------------------
@@ -370,9 +303,9 @@ bool supportsPermute(const ir::Op& op) {
 }  // namespace
 
 void registerMoeKernels(KernelTable& t) {
-  addKernel(t, ir::OpCode::GroupedMatmul, {"blas_grouped_matmul", runGroupedMatmul, supportsGroupedGemm});
+  addKernel(t, ir::OpCode::GroupedMatmul, {"onednn_grouped_matmul", runGroupedMatmul, supportsGroupedGemm});
   addKernel(t, ir::OpCode::GroupedMatmulWgrad,
-            {"blas_grouped_matmul_wgrad", runGroupedWgrad, supportsGroupedGemm});
+            {"onednn_grouped_matmul_wgrad", runGroupedWgrad, supportsGroupedGemm});
   addKernel(t, ir::OpCode::MoePermute, {"moe_permute", runPermute, supportsPermute});
   addKernel(t, ir::OpCode::MoeUnpermute, {"moe_unpermute", runUnpermute, supportsPermute});
   addKernel(t, ir::OpCode::MoeRowDot, {"moe_row_dot", runRowDot, supportsPermute});

@@ -126,10 +126,67 @@ bool supportsReduce(const ir::Op& op) {
   return isF32OrBf16(t) && op.operand(0)->type().dtype() == t;
 }
 
+// sum_to over the leading dims (a bias gradient: [B, N] -> [N]): each column summed over the
+// rows in order, in double as the reference does, so the bits equal the reference's whatever
+// the thread count; threaded over blocks of columns, each row's block read contiguously.
+Status runSumToLeading(const ir::Op& op, const std::vector<const ir::TensorView*>& in,
+                       const std::vector<ir::TensorView*>& out, const KernelContext& ctx) {
+  const ir::TensorView& x = *in[0];
+  ir::TensorView& y = *out[0];
+  const ir::TensorType& t = op.result()->type();
+  const size_t lead = x.shape.size() - static_cast<size_t>(t.rank());
+  y.shape.assign(x.shape.begin() + static_cast<int64_t>(lead), x.shape.end());
+  for (int64_t i = 0; i < t.rank(); ++i)
+    if (const ir::Dim& d = t.dim(i); d.isStatic() && d.size() == 1 && y.shape[static_cast<size_t>(i)] != 1)
+      return Status::errorf("'{}': dim {} of the result is 1 but the operand's is {}", op.name(), i,
+                            y.shape[static_cast<size_t>(i)]);
+  int64_t rows = 1, cols = 1;
+  for (size_t i = 0; i < x.shape.size(); ++i) (i < lead ? rows : cols) *= x.shape[i];
+  const ir::DType xt = x.dtype;
+  constexpr int64_t kBlock = 256;
+  ctx.pool->parallelFor((cols + kBlock - 1) / kBlock, std::max<int64_t>(1, 65536 / std::max<int64_t>(rows * kBlock, 1)),
+                        [&](int64_t b0, int64_t b1) {
+                          double acc[kBlock];
+                          for (int64_t b = b0; b < b1; ++b) {
+                            const int64_t c0 = b * kBlock, n = std::min(kBlock, cols - c0);
+                            std::fill(acc, acc + n, 0.0);
+                            for (int64_t r = 0; r < rows; ++r) {
+                              const int64_t base = r * cols + c0;
+                              if (xt == ir::DType::f32) {
+                                const float* px = x.as<float>() + base;
+                                for (int64_t j = 0; j < n; ++j) acc[j] += px[j];
+                              } else {
+                                for (int64_t j = 0; j < n; ++j) acc[j] += loadF(x.data, xt, base + j);
+                              }
+                            }
+                            for (int64_t j = 0; j < n; ++j) storeF(y.data, y.dtype, c0 + j, static_cast<float>(acc[j]));
+                          }
+                        });
+  return Status::ok();
+}
+
+// The leading-dims form: the result's dims are the operand's trailing dims (size-1 dims of the
+// result must stay 1 in the operand; the kernel checks that at run time).
+bool supportsSumToLeading(const ir::Op& op) {
+  const ir::DType t = op.result()->type().dtype();
+  if (!isF32OrBf16(t) || op.operand(0)->type().dtype() != t) return false;
+  const ir::TensorType& x = op.operand(0)->type();
+  const ir::TensorType& r = op.result()->type();
+  if (r.rank() > x.rank()) return false;
+  const int64_t lead = x.rank() - r.rank();
+  for (int64_t i = 0; i < r.rank(); ++i) {
+    const ir::Dim& rd = r.dim(i);
+    const ir::Dim& xd = x.dim(lead + i);
+    if (rd.isStatic() && rd.size() == 1 && !(xd.isStatic() && xd.size() == 1)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void registerReduceKernels(KernelTable& t) {
   addKernel(t, ir::OpCode::Reduce, {"reduce", runReduce, supportsReduce});
+  addKernel(t, ir::OpCode::SumTo, {"sum_to_leading", runSumToLeading, supportsSumToLeading});
 }
 
 }  // namespace kiln::runtime::cpu
