@@ -61,10 +61,22 @@ Status groupOccurrences(const ir::Op& op, const ir::EmbeddingUpdateLayout& l, co
   return Status::ok();
 }
 
+enum class Kind { kSgd, kAdagrad, kRowwiseAdagrad, kAdam };
+
 struct Hyper {
-  std::string kind;
+  Kind kind = Kind::kSgd;
   double lr = 0, eps = 1e-8, beta1 = 0.9, beta2 = 0.999, weight_decay = 0, scale = 1, bias1 = 1, bias2 = 1;
 };
+
+// g[0, n) += c * src[0, n), in double; typed so that the f32 loop vectorizes.
+inline void accumulateRow(double* g, double c, const ir::TensorView& src, int64_t base, int64_t n) {
+  if (src.dtype == ir::DType::f32) {
+    const float* p = src.as<float>() + base;
+    for (int64_t d = 0; d < n; ++d) g[d] += c * static_cast<double>(p[d]);
+  } else {
+    for (int64_t d = 0; d < n; ++d) g[d] += c * static_cast<double>(loadF(src.data, src.dtype, base + d));
+  }
+}
 
 // grad_out rows are `width` wide; the table's `dim` columns are [offset, offset + dim) of them (a
 // column shard), and rowwise_adagrad's statistic spans the whole row.
@@ -79,35 +91,31 @@ void updateRows(const Hyper& h, const Occurrences& occ, int64_t k0, int64_t k1,
     for (int64_t i = occ.begin[static_cast<size_t>(k)]; i < occ.begin[static_cast<size_t>(k) + 1]; ++i) {
       int64_t pos = occ.order[static_cast<size_t>(i)];
       double c = occ.coeff[static_cast<size_t>(pos)] * h.scale;
-      int64_t base = occ.sample[static_cast<size_t>(pos)] * width + offset;
-      for (int64_t d = 0; d < dim; ++d) g[static_cast<size_t>(d)] += c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
+      accumulateRow(g.data(), c, grad_out, occ.sample[static_cast<size_t>(pos)] * width + offset, dim);
     }
-    if (width != dim && h.kind == "rowwise_adagrad") {
+    if (width != dim && h.kind == Kind::kRowwiseAdagrad) {
       // The row's other columns, summed in the same order as the reference's.
       std::vector<double> row(static_cast<size_t>(width), 0.0);
       for (int64_t i = occ.begin[static_cast<size_t>(k)]; i < occ.begin[static_cast<size_t>(k) + 1]; ++i) {
         int64_t pos = occ.order[static_cast<size_t>(i)];
         double c = occ.coeff[static_cast<size_t>(pos)] * h.scale;
-        int64_t base = occ.sample[static_cast<size_t>(pos)] * width;
-        for (int64_t d = 0; d < width; ++d)
-          row[static_cast<size_t>(d)] +=
-              c * static_cast<double>(loadF(grad_out.data, grad_out.dtype, base + d));
+        accumulateRow(row.data(), c, grad_out, occ.sample[static_cast<size_t>(pos)] * width, width);
       }
       for (double gd : row) whole_sq += gd * gd;
     }
     const int64_t r = occ.rows[static_cast<size_t>(k)];
     float* w = table + r * dim;
     for (int64_t d = 0; d < dim; ++d) g[static_cast<size_t>(d)] += h.weight_decay * static_cast<double>(w[d]);
-    if (h.kind == "sgd") {
+    if (h.kind == Kind::kSgd) {
       for (int64_t d = 0; d < dim; ++d) w[d] = static_cast<float>(w[d] - h.lr * g[static_cast<size_t>(d)]);
-    } else if (h.kind == "adagrad") {
+    } else if (h.kind == Kind::kAdagrad) {
       float* s = s0 + r * dim;
       for (int64_t d = 0; d < dim; ++d) {
         double gd = g[static_cast<size_t>(d)], sd = static_cast<double>(s[d]) + gd * gd;
         s[d] = static_cast<float>(sd);
         w[d] = static_cast<float>(w[d] - h.lr * gd / (std::sqrt(sd) + h.eps));
       }
-    } else if (h.kind == "rowwise_adagrad") {
+    } else if (h.kind == Kind::kRowwiseAdagrad) {
       double sq = 0;
       for (double gd : g) sq += gd * gd;
       if (width != dim) sq = whole_sq;
@@ -138,14 +146,19 @@ Status runEmbeddingUpdate(const ir::Op& op, const std::vector<const ir::TensorVi
   Occurrences occ;
   KILN_RETURN_IF_ERROR(groupOccurrences(op, *l, in, rows, occ));
   Hyper h;
-  h.kind = op.strAttr("optimizer");
+  const std::string kind = op.strAttr("optimizer");
+  if (kind == "sgd") h.kind = Kind::kSgd;
+  else if (kind == "adagrad") h.kind = Kind::kAdagrad;
+  else if (kind == "rowwise_adagrad") h.kind = Kind::kRowwiseAdagrad;
+  else if (kind == "adam") h.kind = Kind::kAdam;
+  else return Status::errorf("'{}': no CPU kernel for the optimizer '{}'", op.name(), kind);
   h.lr = op.floatAttr("lr") * loadScalar(*in[static_cast<size_t>(l->lr)]);
   h.scale = l->grad_scale >= 0 ? loadScalar(*in[static_cast<size_t>(l->grad_scale)]) : 1.0;
   h.eps = op.floatAttr("eps", 1e-8);
   h.beta1 = op.floatAttr("beta1", 0.9);
   h.beta2 = op.floatAttr("beta2", 0.999);
   h.weight_decay = op.floatAttr("weight_decay");
-  if (h.kind == "adam") {
+  if (h.kind == Kind::kAdam) {
     double step = loadScalar(*in[static_cast<size_t>(l->step)]);
     if (step < 1) return Status::errorf("'{}' (adam): step must be >= 1, got {}", op.name(), step);
     h.bias1 = 1 - std::pow(h.beta1, step);
