@@ -17,10 +17,11 @@ BATCH = 128
 EVAL_SAMPLES = 32768
 SEED = 1
 SMALL = ["rows_cap=5000", "emb_dim=16", "cross_rank=32", "top=[128, 64, 1]", "hot=1"]
-# |AUC(bf16) - AUC(f32)| after STEPS steps; the issue asks for 0.002. Measured over seeds
-# 1 to 5 on the 2-core dev machine (AMD EPYC, AVX512-BF16): see GAPS_MEASURED.
+# |AUC(bf16) - AUC(f32)| after STEPS steps; the issue asks for 0.002. Measured over seeds 1 to 5
+# on the 2-core dev machine (AMD EPYC, AVX512-BF16; f32 AUCs 0.854 to 0.871): gaps 0.000026,
+# 0.000036, 0.000158, 0.000049, 0.000012, so the bound holds with a 12x margin; both runs take
+# about 16 s together.
 MAX_GAP = 0.002
-GAPS_MEASURED = "filled in below from the seeds' runs"
 
 
 def train(kiln, model, work, precision):
