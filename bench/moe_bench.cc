@@ -56,12 +56,7 @@ runtime::ThreadPool* g_pool = nullptr;  // --threads
 // C[m, n] = op(A) op(B) (+ C when accumulate), row-major, by the GEMMs Kiln's CPU backend uses.
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c,
           bool accumulate = false) {
-  runtime::cpu::GemmDesc d;
-  d.ta = ta;
-  d.tb = tb;
-  d.m = m;
-  d.n = n;
-  d.k = k;
+  auto d = runtime::cpu::GemmDesc::plain(ir::DType::f32, ta, tb, m, n, k);
   d.accumulate = accumulate;
   if (Status s = runtime::cpu::gemm(d, {a, b, c}, g_pool); !s.isOk()) {
     std::fprintf(stderr, "moe_bench: %s\n", s.message().c_str());

@@ -80,7 +80,10 @@ Expected<IdSamples> idSamples(const Op& op, const EmbeddingUpdateLayout& l,
 // ---- The dense optimizer step, element by element --------------------------------------------
 // One definition of the math of kiln.optimizer_update, shared by the op table's reference hook
 // (ir/ops/optimizer.cc) and the threaded CPU kernel (runtime/cpu/kernels/optimizer_update.cc),
-// so both give the same bits. Each element is computed in T (f32 or f64).
+// so both give the same bits. Each element is computed in double and stored in T: the sparse
+// update computes its rows in double too, and a hybrid table's hot rows (stepped here) must
+// agree to the bit with the same rows stepped sparsely under another plan (f32 math here broke
+// lit/cli/train_ranks' plan-against-plan AUC in its last digit).
 
 enum class DenseStep { kSgd, kSgdMomentum, kAdagrad, kAdam, kAdamW };
 
@@ -97,39 +100,32 @@ Expected<DenseHyper> denseHyper(const Op& op, double lr_factor, double step, dou
 
 template <DenseStep K, typename T>
 void denseStepRange(const DenseHyper& h, int64_t begin, int64_t end, T* p, const T* grad, T* s0, T* s1) {
-  // The compute type: T's own (f32 parameters step in f32, as PyTorch's optimizers do; the loop
-  // then vectorizes), the hyperparameters rounded to it once.
-  using C = T;
-  const C lr = static_cast<C>(h.lr), wd = static_cast<C>(h.weight_decay), scale = static_cast<C>(h.scale);
-  const C momentum = static_cast<C>(h.momentum), eps = static_cast<C>(h.eps);
-  const C beta1 = static_cast<C>(h.beta1), beta2 = static_cast<C>(h.beta2);
-  const C bias1 = static_cast<C>(h.bias1), bias2 = static_cast<C>(h.bias2);
   for (int64_t i = begin; i < end; ++i) {
-    C w = p[i];
-    C g = grad[i] * scale;
+    double w = p[i];
+    double g = static_cast<double>(grad[i]) * h.scale;
     if constexpr (K == DenseStep::kAdamW) {
-      w -= lr * wd * w;
+      w -= h.lr * h.weight_decay * w;
     } else {
-      g += wd * w;
+      g += h.weight_decay * w;
     }
     if constexpr (K == DenseStep::kSgd) {
-      w -= lr * g;
+      w -= h.lr * g;
     } else if constexpr (K == DenseStep::kSgdMomentum) {
-      C m = momentum * s0[i] + g;
-      s0[i] = m;
-      w -= lr * (h.nesterov ? g + momentum * m : m);
+      double m = h.momentum * static_cast<double>(s0[i]) + g;
+      s0[i] = static_cast<T>(m);
+      w -= h.lr * (h.nesterov ? g + h.momentum * m : m);
     } else if constexpr (K == DenseStep::kAdagrad) {
-      C s = s0[i] + g * g;
-      s0[i] = s;
-      w -= lr * g / (std::sqrt(s) + eps);
+      double s = static_cast<double>(s0[i]) + g * g;
+      s0[i] = static_cast<T>(s);
+      w -= h.lr * g / (std::sqrt(s) + h.eps);
     } else {
-      C m = beta1 * s0[i] + (C(1) - beta1) * g;
-      C v = beta2 * s1[i] + (C(1) - beta2) * g * g;
-      s0[i] = m;
-      s1[i] = v;
-      w -= lr * (m / bias1) / (std::sqrt(v / bias2) + eps);
+      double m = h.beta1 * static_cast<double>(s0[i]) + (1 - h.beta1) * g;
+      double v = h.beta2 * static_cast<double>(s1[i]) + (1 - h.beta2) * g * g;
+      s0[i] = static_cast<T>(m);
+      s1[i] = static_cast<T>(v);
+      w -= h.lr * (m / h.bias1) / (std::sqrt(v / h.bias2) + h.eps);
     }
-    p[i] = w;
+    p[i] = static_cast<T>(w);
   }
 }
 

@@ -390,19 +390,7 @@ Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
       if (s.isOk()) s = w;
     }
   }
-  if (timed) {
-    auto end = std::chrono::steady_clock::now();
-    if (options_.profile) {
-      OpTime& p = profile_[in.op];
-      p.seconds += std::chrono::duration<double>(end - start).count();
-      p.launches += 1;
-      p.reference = !l.fast;
-    }
-    if (tracer)
-      tracer->complete(in.op, l.op->is(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel,
-                       options_.rank, streamTrack(stream_of_[t]), start, end,
-                       {{"seq", in.seq}, {"reference", l.fast ? 0 : 1}});
-  }
+  if (timed) recordLaunch(t, start, std::chrono::steady_clock::now(), tracer);
   if (!s.isOk())
     return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,
                           in.results.empty() ? -1 : in.results[0], s.message());
@@ -415,6 +403,22 @@ Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
     if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
   }
   return Status::ok();
+}
+
+void CpuExecutor::recordLaunch(size_t t, std::chrono::steady_clock::time_point start,
+                               std::chrono::steady_clock::time_point end, Tracer* tracer) {
+  const codegen::Instruction& in = *order_[t];
+  const Launch& l = launches_[t];
+  if (options_.profile) {
+    OpTime& p = profile_[in.op];
+    p.seconds += std::chrono::duration<double>(end - start).count();
+    p.launches += 1;
+    p.reference = !l.fast;
+  }
+  if (tracer)
+    tracer->complete(in.op, l.op->is(ir::OpCode::Matmul) ? TraceCategory::Gemm : TraceCategory::Kernel,
+                     options_.rank, streamTrack(stream_of_[t]), start, end,
+                     {{"seq", in.seq}, {"reference", l.fast ? 0 : 1}});
 }
 
 Status CpuExecutor::runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight) {
@@ -447,14 +451,7 @@ Status CpuExecutor::runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flig
   fast_launches_ += l.epilogue_through - static_cast<int>(t) + 1;
   if (timed) {
     auto end = std::chrono::steady_clock::now();
-    if (options_.profile) {
-      OpTime& p = profile_[in.op];
-      p.seconds += std::chrono::duration<double>(end - start).count();
-      p.launches += 1;
-    }
-    if (tracer)
-      tracer->complete(in.op, TraceCategory::Gemm, options_.rank, streamTrack(stream_of_[t]), start, end,
-                       {{"seq", in.seq}, {"reference", 0}});
+    recordLaunch(t, start, end, tracer);
     // The epilogue's launches ran inside the product: each is counted, at no time of its own.
     for (size_t u = t + 1; u <= static_cast<size_t>(l.epilogue_through); ++u) {
       if (options_.profile) profile_[order_[u]->op].launches += 1;

@@ -12,6 +12,7 @@
 // collective's buffers out of reuse until such a join, and the executor checks that it does.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
@@ -107,6 +108,9 @@ class CpuExecutor {
   void planGemmEpilogues();
   Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
   Status runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight);
+  // Adds launch `t`'s time to the profile (ExecutorOptions::profile) and the trace (non-null).
+  void recordLaunch(size_t t, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end,
+                    Tracer* tracer);
   // Waits on the collectives of `in_flight` that `t` (a position in order_) must follow.
   Status joinBefore(size_t t, std::vector<InFlight>& in_flight);
   Status waitOn(InFlight& f, int waited_at);

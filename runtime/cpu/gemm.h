@@ -37,6 +37,18 @@ struct GemmDesc {
   bool accumulate = false;  // add C's old value to the product (BLAS's beta = 1)
   GemmActivation act = GemmActivation::none;
 
+  // A plain product of packed operands, all of one storage type, no epilogue.
+  static GemmDesc plain(ir::DType t, bool ta, bool tb, int64_t m, int64_t n, int64_t k) {
+    GemmDesc d;
+    d.ta = ta;
+    d.tb = tb;
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.a = d.b = d.c = t;
+    return d;
+  }
+
   bool operator==(const GemmDesc&) const = default;
 };
 

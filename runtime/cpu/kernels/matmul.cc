@@ -51,14 +51,7 @@ Status product(ir::DType storage, bool ta, bool tb, int64_t m, int64_t n, int64_
                      reinterpret_cast<float*>(c), *ctx.pool);
       return Status::ok();
     }
-    GemmDesc d;
-    d.ta = ta;
-    d.tb = tb;
-    d.m = m;
-    d.n = n;
-    d.k = k;
-    d.a = d.b = d.c = storage;
-    return gemm(d, {a, b, c}, ctx.pool);
+    return gemm(GemmDesc::plain(storage, ta, tb, m, n, k), {a, b, c}, ctx.pool);
   }
 }
 
@@ -163,12 +156,7 @@ Status runMatmulEpilogue(const ir::Op& op, const ir::TensorView& a, const ir::Te
   shape.push_back(d->m);
   shape.push_back(d->n);
   y.shape = shape;
-  GemmDesc g;
-  g.tb = op.boolAttr("transpose_b");
-  g.m = rows;
-  g.n = d->n;
-  g.k = d->k;
-  g.a = g.b = a.dtype;
+  GemmDesc g = GemmDesc::plain(a.dtype, false, op.boolAttr("transpose_b"), rows, d->n, d->k);
   g.c = y.dtype;
   g.bias = e.bias != nullptr;
   g.act = e.act;

@@ -198,14 +198,8 @@ Status expertGemm(ir::DType storage, bool ta, bool tb, int64_t m, int64_t n, int
             reinterpret_cast<const double*>(at(b, b_at)), reinterpret_cast<double*>(const_cast<char*>(at(c, c_at))));
     return Status::ok();
   }
-  GemmDesc d;
-  d.ta = ta;
-  d.tb = tb;
-  d.m = m;
-  d.n = n;
-  d.k = k;
-  d.a = d.b = d.c = storage;
-  return gemm(d, {at(a, a_at), at(b, b_at), const_cast<char*>(at(c, c_at))}, pool);
+  return gemm(GemmDesc::plain(storage, ta, tb, m, n, k), {at(a, a_at), at(b, b_at), const_cast<char*>(at(c, c_at))},
+              pool);
 }
 
 // Runs gemm_of(e, pool) for every expert: spread over the pool, each product on one thread (no
