@@ -2,6 +2,7 @@
 
 #include <cpuid.h>
 #include <dlfcn.h>
+#include <strings.h>
 #include <fmt/format.h>
 
 #include <cstdlib>
