@@ -66,8 +66,8 @@ struct GemmOperands {
 // never for a shape: m, n or k of zero give what the math says.
 //
 // oneDNN never threads a product itself: its OpenMP workers spin between parallel regions, and
-// on a machine whose cores are busy (ctest -j, two ranks on two cores) the spinning took 7x off
-// the training step; the runtime's own pool sleeps when idle.
+// with a build on the same 2 cores a training run took 7x as long as alone (sharing the cores
+// explains 2x of it); the runtime's own pool sleeps when idle.
 Status gemm(const GemmDesc& d, const GemmOperands& x, ThreadPool* pool = nullptr);
 
 // The f64 product C = op(A) · op(B) (packed strides), for the gradient checks.
