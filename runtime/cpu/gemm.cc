@@ -295,10 +295,6 @@ const char* isaLevelOf(dnnl::cpu_isa isa) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 Status runWhole(const GemmDesc& d, const GemmOperands& x) {
   KILN_ASSIGN_OR_RETURN(auto p, cache().get(d));
   try {
