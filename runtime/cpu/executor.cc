@@ -96,6 +96,12 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   return ex;
 }
 
+bool CpuExecutor::sharesStorage(int x, int y) const {
+  const codegen::Buffer& a = program_.buffers[static_cast<size_t>(x)];
+  const codegen::Buffer& b = program_.buffers[static_cast<size_t>(y)];
+  return a.inArena() && b.inArena() && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+}
+
 int CpuExecutor::gemmEpilogues() const {
   int n = 0;
   for (const Launch& l : launches_) n += l.epilogue_through >= 0;
@@ -110,13 +116,6 @@ void CpuExecutor::planGemmEpilogues() {
       for (int id : in->operands) ++readers[static_cast<size_t>(id)];
   for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
   auto type = [&](int id) -> const ir::TensorType& { return program_.buffers[static_cast<size_t>(id)].type; };
-  // Whether two buffers share arena bytes: the planner may give an elementwise result the storage
-  // of a value whose last reader was the matmul, and the fused product must not write what it reads.
-  auto overlap = [&](int x, int y) {
-    const codegen::Buffer& a = program_.buffers[static_cast<size_t>(x)];
-    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(y)];
-    return a.inArena() && b.inArena() && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
-  };
 
   for (size_t t = 0; t < order_.size(); ++t) {
     Launch& mm = launches_[t];
@@ -162,7 +161,10 @@ void CpuExecutor::planGemmEpilogues() {
     mm.epilogue_bias = bias;
     mm.epilogue_act = act;
     mm.epilogue_out = cur;
-    mm.epilogue_via_scratch = overlap(cur, mm_in[0]) || overlap(cur, mm_in[1]) || (bias >= 0 && overlap(cur, bias));
+    // The planner may give an elementwise result the storage of a value whose last reader was the
+    // matmul; the fused product must not write what it reads.
+    mm.epilogue_via_scratch = sharesStorage(cur, mm_in[0]) || sharesStorage(cur, mm_in[1]) ||
+                              (bias >= 0 && sharesStorage(cur, bias));
     if (mm.epilogue_via_scratch)
       epilogue_scratch_bytes_ = std::max(epilogue_scratch_bytes_, program_.buffers[static_cast<size_t>(cur)].bytes);
     for (size_t u = t + 1; u < at; ++u) launches_[u].in_epilogue = true;
@@ -331,17 +333,10 @@ Status CpuExecutor::joinBefore(size_t t, std::vector<InFlight>& in_flight) {
   }
   if (!first.isOk() || in.kind != codegen::InstrKind::Launch) return first;
   // What is still in flight was not joined: the plan must not give its storage to this launch.
-  auto range = [&](int id) {
-    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
-    return b.inArena() ? std::make_pair(b.offset, b.offset + b.bytes)
-                       : std::make_pair(int64_t{0}, int64_t{0});
-  };
   for (const InFlight& f : in_flight)
     for (int id : in.results)
       for (int busy : f.buffers) {
-        auto [a0, a1] = range(id);
-        auto [b0, b1] = range(busy);
-        if (a0 < b1 && b0 < a1)
+        if (sharesStorage(id, busy))
           return Status::errorf(
               "internal error: instruction {} ('{}') writes %b{}, whose storage %b{} of the collective at "
               "instruction {} still uses (the memory plan ignored the transfer's lifetime)",

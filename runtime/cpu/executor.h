@@ -106,6 +106,8 @@ class CpuExecutor {
   // Marks each matmul whose result only a following widening cast, bias add and activation read
   // (in that order, each optional) to run them as its GEMM's epilogue.
   void planGemmEpilogues();
+  // Whether two buffers share arena bytes (buffers outside the arena share none).
+  bool sharesStorage(int x, int y) const;
   Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
   Status runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight);
   // Adds launch `t`'s time to the profile (ExecutorOptions::profile) and the trace (non-null).
