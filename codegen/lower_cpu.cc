@@ -73,8 +73,9 @@ class CpuLowering {
       }
       return Status::ok();
     }
-    // The CPU runs a fused group (passes/fusion.cc) op by op on the group's stream; the CUDA
-    // backend runs it as one kernel.
+    // A fused group's ops (passes/fusion.cc) become launches on the group's stream; the CUDA
+    // backend runs the group as one kernel. The launches of a pointwise group carry
+    // `kiln.group = N`: the CPU executor runs them as one loop over the data (cpu/pointwise.h).
     if (op.is(ir::OpCode::Fused) && !op.regions().empty() && !op.regions().front()->empty())
       return lowerFused(op);
     Instruction in;
@@ -88,6 +89,7 @@ class CpuLowering {
       stream = static_cast<int>(s->asInt());
       in.attrs.erase("kiln.stream");
     }
+    if (pointwise_group_ >= 0) in.attrs[std::string(kGroupAttr)] = pointwise_group_;
     for (ir::Value* v : op.operands()) {
       auto it = buffer_of_.find(v);
       if (it == buffer_of_.end())
@@ -118,6 +120,8 @@ class CpuLowering {
     }
     int outer = group_stream_;
     if (const ir::Attribute* s = op.attr("kiln.stream"); s && s->isInt()) group_stream_ = static_cast<int>(s->asInt());
+    const int outer_group = pointwise_group_;
+    if (op.strAttr("kind") == "pointwise") pointwise_group_ = next_group_++;
     for (const auto& inner : body.ops()) {
       if (inner->is(ir::OpCode::Yield)) {
         for (unsigned i = 0; i < inner->numOperands() && i < op.numResults(); ++i)
@@ -127,6 +131,7 @@ class CpuLowering {
       KILN_RETURN_IF_ERROR(lowerOp(*inner));
     }
     group_stream_ = outer;
+    pointwise_group_ = outer_group;
     return Status::ok();
   }
 
@@ -136,6 +141,7 @@ class CpuLowering {
   std::map<std::string, int> inputs_, params_;
   StreamBuilder streams_;  // launches in order, events added where streams meet
   int group_stream_ = 0;  // the stream of the fused group being lowered
+  int pointwise_group_ = -1, next_group_ = 0;  // the pointwise group being lowered, numbered in order
 };
 
 }  // namespace

@@ -7,11 +7,17 @@
 // lays out the arena.
 #pragma once
 
+#include <string_view>
+
 #include "codegen/memory_planner.h"
 #include "codegen/program.h"
 #include "ir/ir.h"
 
 namespace kiln::codegen {
+
+// The attribute that marks the launches of one pointwise fusion group (its number, in program
+// order): the CPU executor runs them as one loop over the data.
+inline constexpr std::string_view kGroupAttr = "kiln.group";
 
 struct CpuLoweringOptions {
   bool plan_memory = true;

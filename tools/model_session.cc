@@ -413,11 +413,15 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
 std::string ModelSession::profileTable(const std::string& function) const {
   std::map<std::string, runtime::cpu::OpTime, std::less<>> ops;
   int64_t runs = 0;
-  int epilogues = 0;
+  int epilogues = 0, groups = 0, grouped = 0;
   for (const auto& [key, exec] : executors_) {
     if (key.first != function) continue;
     runs += exec->runs();
     epilogues = std::max(epilogues, exec->gemmEpilogues());
+    if (exec->pointwiseGroups() > groups) {
+      groups = exec->pointwiseGroups();
+      grouped = exec->pointwiseGroupLaunches();
+    }
     for (const auto& [name, t] : exec->profile()) {
       runtime::cpu::OpTime& o = ops[name];
       o.launches += t.launches;
@@ -442,6 +446,10 @@ std::string ModelSession::profileTable(const std::string& function) const {
     out += fmt::format("  ({} matmuls run the bias add / activation after them as their GEMM's epilogue; those "
                        "launches count here at no time of their own)\n",
                        epilogues);
+  if (groups > 0)
+    out += fmt::format("  ({} pointwise groups run {} elementwise launches as one loop over the data each: the row "
+                       "kiln.fused is their time, those launches count here at no time of their own)\n",
+                       groups, grouped);
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "codegen/lower_cpu.h"
 #include "runtime/cpu/kernels/kernels.h"
 
 namespace kiln::runtime::cpu {
@@ -24,7 +25,16 @@ struct CpuExecutor::Launch {
   // The memory plan gave `epilogue_out` storage that the product reads (a value whose last reader
   // was the matmul): the product writes the executor's scratch, copied there after.
   bool epilogue_via_scratch = false;
-  bool in_epilogue = false;  // run by the matmul before it
+  // The first launch of a pointwise group runs the group (planPointwiseGroups): an index into
+  // groups_.
+  int group = -1;
+  bool runs_with_earlier = false;  // run by the matmul or the pointwise group's first launch before it
+};
+
+// Launches [first, last] of order_, one pointwise fusion group, compiled.
+struct CpuExecutor::PointwiseGroup {
+  size_t first = 0, last = 0;
+  PointwiseProgram program;
 };
 
 CpuExecutor::~CpuExecutor() { std::free(arena_); }
@@ -85,6 +95,7 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   }
 
   if (options.use_fast_kernels && !options.batch_invariant) ex->planGemmEpilogues();
+  if (options.use_fast_kernels) KILN_RETURN_IF_ERROR(ex->planPointwiseGroups());
 
   int64_t arena_bytes = ex->program_.arena_bytes;
   if (arena_bytes > 0) {
@@ -119,7 +130,7 @@ void CpuExecutor::planGemmEpilogues() {
 
   for (size_t t = 0; t < order_.size(); ++t) {
     Launch& mm = launches_[t];
-    if (!mm.op || mm.in_epilogue || !mm.fast || !mm.op->is(ir::OpCode::Matmul) || !matmulTakesEpilogue(*mm.op))
+    if (!mm.op || mm.runs_with_earlier || !mm.fast || !mm.op->is(ir::OpCode::Matmul) || !matmulTakesEpilogue(*mm.op))
       continue;
     int cur = order_[t]->results[0];
     const int64_t n = type(cur).dim(type(cur).rank() - 1).isStatic() ? type(cur).dim(type(cur).rank() - 1).size() : -1;
@@ -167,8 +178,62 @@ void CpuExecutor::planGemmEpilogues() {
                               (bias >= 0 && sharesStorage(cur, bias));
     if (mm.epilogue_via_scratch)
       epilogue_scratch_bytes_ = std::max(epilogue_scratch_bytes_, program_.buffers[static_cast<size_t>(cur)].bytes);
-    for (size_t u = t + 1; u < at; ++u) launches_[u].in_epilogue = true;
+    for (size_t u = t + 1; u < at; ++u) launches_[u].runs_with_earlier = true;
   }
+}
+
+int CpuExecutor::pointwiseGroups() const { return static_cast<int>(groups_.size()); }
+
+int CpuExecutor::pointwiseGroupLaunches() const {
+  int n = 0;
+  for (const PointwiseGroup& g : groups_) n += static_cast<int>(g.last - g.first + 1);
+  return n;
+}
+
+Status CpuExecutor::planPointwiseGroups() {
+  std::vector<int> readers(program_.buffers.size(), 0);
+  for (const codegen::Instruction* in : order_)
+    if (in->kind == codegen::InstrKind::Launch)
+      for (int id : in->operands) ++readers[static_cast<size_t>(id)];
+  for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
+  // The group a launch belongs to, if it can be a step of one.
+  auto groupOf = [&](size_t u) -> int64_t {
+    const codegen::Instruction& in = *order_[u];
+    const Launch& l = launches_[u];
+    if (in.kind != codegen::InstrKind::Launch || !l.fast || l.runs_with_earlier || l.epilogue_through >= 0 ||
+        !isPointwiseStep(*l.op))
+      return -1;
+    auto it = in.attrs.find(codegen::kGroupAttr);
+    return it != in.attrs.end() && it->second.isInt() ? it->second.asInt() : -1;
+  };
+  for (size_t t = 0; t < order_.size();) {
+    const int64_t g = groupOf(t);
+    size_t end = t + 1;
+    while (g >= 0 && end < order_.size() && groupOf(end) == g && stream_of_[end] == stream_of_[t]) ++end;
+    if (end - t < 2) {
+      t = end;
+      continue;
+    }
+    std::vector<PointwiseProgram::OpRef> ops;
+    for (size_t u = t; u < end; ++u) {
+      const codegen::Instruction& in = *order_[u];
+      PointwiseProgram::OpRef r{launches_[u].op, in.operands, in.results[0], false};
+      int inside = 0;
+      for (size_t v = u + 1; v < end; ++v)
+        for (int id : order_[v]->operands) inside += id == r.result;
+      r.stored = readers[static_cast<size_t>(r.result)] > inside;
+      ops.push_back(std::move(r));
+    }
+    auto program = PointwiseProgram::compile(ops);
+    if (!program)
+      return Status::errorf("cpu executor: the pointwise group at instruction {}: {}", order_[t]->seq,
+                            program.status().message());
+    launches_[t].group = static_cast<int>(groups_.size());
+    for (size_t u = t + 1; u < end; ++u) launches_[u].runs_with_earlier = true;
+    groups_.push_back({t, end - 1, program.take()});
+    t = end;
+  }
+  return Status::ok();
 }
 
 // A source tensor must have the declared dtype and rank; static and symbolic dims match their
@@ -346,10 +411,16 @@ Status CpuExecutor::joinBefore(size_t t, std::vector<InFlight>& in_flight) {
 }
 
 Status CpuExecutor::runLaunch(size_t t, std::vector<InFlight>& in_flight) {
+  const Launch& l = launches_[t];
+  if (l.runs_with_earlier) return Status::ok();  // the launch before it ran it
+  if (l.epilogue_through >= 0) return runGemmWithEpilogue(t, in_flight);
+  if (l.group >= 0) return runPointwiseGroup(groups_[static_cast<size_t>(l.group)], in_flight);
+  return runKernel(t, in_flight);
+}
+
+Status CpuExecutor::runKernel(size_t t, std::vector<InFlight>& in_flight) {
   const codegen::Instruction& in = *order_[t];
   const Launch& l = launches_[t];
-  if (l.in_epilogue) return Status::ok();  // the matmul before it ran it
-  if (l.epilogue_through >= 0) return runGemmWithEpilogue(t, in_flight);
   std::vector<const ir::TensorView*>& operands = launch_operands_;
   std::vector<ir::TensorView*>& results = launch_results_;
   operands.clear();
@@ -463,6 +534,52 @@ Status CpuExecutor::runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flig
     return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, l.epilogue_out,
                           fmt::join(y.shape, ", "), b.type.str());
   if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + y.bytes());
+  return Status::ok();
+}
+
+Status CpuExecutor::runPointwiseGroup(const PointwiseGroup& g, std::vector<InFlight>& in_flight) {
+  for (size_t u = g.first + 1; u <= g.last; ++u) KILN_RETURN_IF_ERROR(joinBefore(u, in_flight));
+  Tracer* tracer = options_.tracer && options_.tracer->recording() ? options_.tracer : nullptr;
+  const bool timed = options_.profile || tracer;
+  auto start = timed ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+  Expected<bool> ran = g.program.run(views_, *pool_);
+  if (!ran)
+    return Status::errorf("running instructions {} to {} (a pointwise group): {}", order_[g.first]->seq,
+                          order_[g.last]->seq, ran.status().message());
+  if (!*ran) {
+    // Run-time shapes the group cannot iterate as one: op by op.
+    for (size_t u = g.first; u <= g.last; ++u) KILN_RETURN_IF_ERROR(runKernel(u, in_flight));
+    return Status::ok();
+  }
+  fast_launches_ += static_cast<int>(g.last - g.first + 1);
+  if (timed) {
+    auto end = std::chrono::steady_clock::now();
+    const codegen::Instruction& first = *order_[g.first];
+    // The group's time is a row of its own, kiln.fused; each of its launches is counted at none.
+    if (options_.profile) {
+      OpTime& p = profile_[std::string(ir::opName(ir::OpCode::Fused))];
+      p.seconds += std::chrono::duration<double>(end - start).count();
+      p.launches += 1;
+    }
+    if (tracer)
+      tracer->complete(std::string(ir::opName(ir::OpCode::Fused)), TraceCategory::Kernel, options_.rank,
+                       streamTrack(stream_of_[g.first]), start, end,
+                       {{"seq", first.seq}, {"ops", static_cast<int64_t>(g.last - g.first + 1)}});
+    for (size_t u = g.first; u <= g.last; ++u) {
+      if (options_.profile) profile_[order_[u]->op].launches += 1;
+      if (tracer)
+        tracer->complete(order_[u]->op, TraceCategory::Kernel, options_.rank, streamTrack(stream_of_[u]), end, end,
+                         {{"seq", order_[u]->seq}, {"group_of", first.seq}});
+    }
+  }
+  for (int id : g.program.storedResults()) {
+    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
+    const ir::TensorView& v = views_[static_cast<size_t>(id)];
+    if (v.bytes() > b.bytes || v.rank() != b.type.rank())
+      return Status::errorf("internal error: a pointwise group set %b{} to [{}], beyond its type {}", id,
+                            fmt::join(v.shape, ", "), b.type.str());
+    if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
+  }
   return Status::ok();
 }
 

@@ -4,7 +4,8 @@
 // the op table's CPU reference hook otherwise, so every op with a reference runs.
 // Instructions run in the program's global order. A matmul whose result only the bias add and
 // activation after it read runs them as its GEMM's epilogue (one oneDNN product; a bf16 product
-// widened to f32 at once is stored as f32 straight from the accumulator). A collective on its own stream is issued
+// widened to f32 at once is stored as f32 straight from the accumulator). The launches of a
+// pointwise fusion group run as one loop over the data (cpu/pointwise.h). A collective on its own stream is issued
 // (ir::RankGroup's non-blocking forms) and waited on only where the program first needs it: at
 // a wait on an event its stream recorded after it, before the next launch of its stream, before
 // a launch that touches its buffers, or at the end of the run. Compute placed between issue and
@@ -24,6 +25,7 @@
 #include "ir/collective.h"
 #include "ir/ir.h"
 #include "ir/tensor_view.h"
+#include "runtime/cpu/pointwise.h"
 #include "runtime/cpu/thread_pool.h"
 #include "runtime/parameter_store.h"
 #include "runtime/trace.h"
@@ -94,6 +96,9 @@ class CpuExecutor {
   int referenceLaunches() const { return reference_launches_; }
   // How many matmuls run launches after them as their GEMM's epilogue.
   int gemmEpilogues() const;
+  // How many pointwise groups run as one loop over the data, and how many launches they hold.
+  int pointwiseGroups() const;
+  int pointwiseGroupLaunches() const;
   // The collectives of the last run that were issued without completing at once, in issue
   // order, with where each was waited on.
   const std::vector<CollectiveWait>& collectiveWaits() const { return waits_; }
@@ -101,15 +106,21 @@ class CpuExecutor {
  private:
   struct Launch;
   struct InFlight;
+  struct PointwiseGroup;
   CpuExecutor() = default;
   Status bindSources(const Batch& batch, ParameterStore& params);
   // Marks each matmul whose result only a following widening cast, bias add and activation read
   // (in that order, each optional) to run them as its GEMM's epilogue.
   void planGemmEpilogues();
+  // Compiles each run of two or more launches of one pointwise fusion group (codegen::kGroupAttr),
+  // on one stream, each a pointwise step (cpu/pointwise.h), to run as one loop over the data.
+  Status planPointwiseGroups();
   // Whether two buffers share arena bytes (buffers outside the arena share none).
   bool sharesStorage(int x, int y) const;
   Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
+  Status runKernel(size_t t, std::vector<InFlight>& in_flight);
   Status runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight);
+  Status runPointwiseGroup(const PointwiseGroup& g, std::vector<InFlight>& in_flight);
   // Adds launch `t`'s time to the profile (ExecutorOptions::profile) and the trace (non-null).
   void recordLaunch(size_t t, std::chrono::steady_clock::time_point start, std::chrono::steady_clock::time_point end,
                     Tracer* tracer);
@@ -125,6 +136,7 @@ class CpuExecutor {
   // private module whose entry block has one argument per buffer.
   std::unique_ptr<ir::Module> shadow_;
   std::vector<Launch> launches_;  // by position in the global order
+  std::vector<PointwiseGroup> groups_;
   std::vector<const codegen::Instruction*> order_;
   std::vector<int> stream_of_;  // by position in order_: the instruction's Program stream
   uint8_t* arena_ = nullptr;

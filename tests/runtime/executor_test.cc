@@ -5,10 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <set>
 
 #include "codegen/lower_cpu.h"
 #include "ir/interpreter.h"
+#include "passes/fusion.h"
 #include "runtime_test_util.h"
 
 namespace kiln::runtime::cpu {
@@ -342,6 +345,129 @@ TEST(MemoryPlan, PeakEqualsMeasuredHighWaterMark) {
       EXPECT_LE(ex->scanTouchedArenaBytes(), c.program.peak_bytes);
       EXPECT_EQ(ex->scanTouchedArenaBytes(), c.program.peak_bytes);
     }
+}
+
+// Pointwise groups: the fusion pass groups the elementwise chain, the lowering marks its launches,
+// and the executor runs each group as one loop over the data. The results equal, to the bit, the
+// same program lowered without fusion (every op its own fast kernel), and the interpreter's. The
+// chain has a bias broadcast along rows, bf16 casts between f32 steps, a value read after the
+// group (written) and values read only inside it (never written), over rows longer than one chunk.
+const char* kPointwiseChain = R"(
+func.func @forward() -> (!kiln.tensor<Bx1300xf32>, !kiln.tensor<Bx1300xf32>) {
+  %x = "kiln.input"() {name = "x"} : () -> !kiln.tensor<Bx1300xf32>
+  %y = "kiln.input"() {name = "y"} : () -> !kiln.tensor<Bx1300xf32>
+  %b = "kiln.parameter"() {init = "normal", std = 0.5, name = "b"} : () -> !kiln.tensor<1300xf32>
+  %0 = "kiln.mul"(%x, %y) : (!kiln.tensor<Bx1300xf32>, !kiln.tensor<Bx1300xf32>) -> !kiln.tensor<Bx1300xf32>
+  %1 = "kiln.add"(%0, %x) : (!kiln.tensor<Bx1300xf32>, !kiln.tensor<Bx1300xf32>) -> !kiln.tensor<Bx1300xf32>
+  %2 = "kiln.add"(%1, %b) : (!kiln.tensor<Bx1300xf32>, !kiln.tensor<1300xf32>) -> !kiln.tensor<Bx1300xf32>
+  %3 = "kiln.cast"(%2) {to = "bf16"} : (!kiln.tensor<Bx1300xf32>) -> !kiln.tensor<Bx1300xbf16>
+  %4 = "kiln.sigmoid"(%3) : (!kiln.tensor<Bx1300xbf16>) -> !kiln.tensor<Bx1300xbf16>
+  %5 = "kiln.cast"(%4) {to = "f32"} : (!kiln.tensor<Bx1300xbf16>) -> !kiln.tensor<Bx1300xf32>
+  %6 = "kiln.mul"(%5, %1) : (!kiln.tensor<Bx1300xf32>, !kiln.tensor<Bx1300xf32>) -> !kiln.tensor<Bx1300xf32>
+  "func.return"(%6, %1) : (!kiln.tensor<Bx1300xf32>, !kiln.tensor<Bx1300xf32>) -> ()
+}
+)";
+
+TEST(CpuExecutor, PointwiseGroupsRunAsOneLoopAndEqualTheKernels) {
+  const int64_t B = 37;
+  Compiled plain = compile(kPointwiseChain, B);
+  Compiled fused;
+  fused.module = parseOrDie(kPointwiseChain);
+  passes::FusionOptions fo;
+  fo.symbols = {{"B", B}};
+  auto reports = passes::fuseModule(*fused.module, fo);
+  ASSERT_TRUE(reports.isOk()) << reports.status().str();
+  auto p = codegen::lowerForCpu(*fused.module->lookup("forward"), {{"B", B}});
+  ASSERT_TRUE(p.isOk()) << p.status().str();
+  fused.program = p.take();
+
+  ParameterStore params;
+  ASSERT_TRUE(params.initializeFrom(*plain.module, 5).isOk());
+  std::map<std::string, HostTensor> batch = {{"x", randomTensor(DType::f32, {B, 1300}, 6, -3, 3)},
+                                             {"y", randomTensor(DType::f32, {B, 1300}, 7, -3, 3)}};
+  auto ref = ir::interpret(*plain.module->lookup("forward"), referenceTensors(batch, params), {{"B", B}});
+  ASSERT_TRUE(ref.isOk()) << ref.status().str();
+  auto one_by_one = makeExecutor(plain.program, {.threads = 2});
+  EXPECT_EQ(one_by_one->pointwiseGroups(), 0) << "no fusion, no groups";
+  auto want = one_by_one->run(viewsOf(batch), params);
+  ASSERT_TRUE(want.isOk()) << want.status().str();
+
+  for (int threads : {1, 2}) {
+    auto ex = makeExecutor(fused.program, {.threads = threads, .poison_arena = true, .profile = true});
+    EXPECT_EQ(ex->pointwiseGroups(), 1) << fused.program.str();
+    EXPECT_EQ(ex->pointwiseGroupLaunches(), 7) << fused.program.str();
+    auto got = ex->run(viewsOf(batch), params);
+    ASSERT_TRUE(got.isOk()) << got.status().str();
+    for (size_t r = 0; r < 2; ++r) {
+      ASSERT_EQ((*got)[r].view.shape, (*want)[r].view.shape);
+      EXPECT_EQ(std::memcmp((*got)[r].view.data, (*want)[r].view.data, static_cast<size_t>((*want)[r].view.bytes())), 0)
+          << "result " << r << " differs from the op-by-op kernels'";
+      expectClose((*got)[r], (*ref)[r], 1e-6, 1e-6, "vs interpreter");
+    }
+    // The group is one row of the profile; each of its launches still counts once.
+    EXPECT_EQ(ex->profile().at("kiln.fused").launches, 1);
+    EXPECT_EQ(ex->profile().at("kiln.mul").launches, 2);
+    EXPECT_EQ(ex->profile().at("kiln.mul").seconds, 0);
+  }
+}
+
+// PointwiseProgram::run refuses, writing nothing, what one pass cannot compute: a result that
+// overlaps an input other than element for element, and steps whose run-time shapes differ. An
+// in-place result (the same storage as its input, read by no later step) runs.
+TEST(CpuExecutor, PointwiseProgramRefusesWhatOnePassCannotCompute) {
+  auto m = parseOrDie(R"(
+func.func @forward() -> (!kiln.tensor<?(64)xf32>) {
+  %x = "kiln.input"() {name = "x"} : () -> !kiln.tensor<?(64)xf32>
+  %d = "kiln.input"() {name = "d"} : () -> !kiln.tensor<?(64)xf32>
+  %0 = "kiln.exp"(%x) : (!kiln.tensor<?(64)xf32>) -> !kiln.tensor<?(64)xf32>
+  %1 = "kiln.activation_grad"(%0, %d) {activation = "softplus"} : (!kiln.tensor<?(64)xf32>, !kiln.tensor<?(64)xf32>) -> !kiln.tensor<?(64)xf32>
+  "func.return"(%1) : (!kiln.tensor<?(64)xf32>) -> ()
+}
+)");
+  ASSERT_NE(m, nullptr);
+  std::vector<const ir::Op*> ops;
+  for (const auto& op : m->lookup("forward")->entry().ops())
+    if (op->is(ir::OpCode::Exp) || op->is(ir::OpCode::ActivationGrad)) ops.push_back(op.get());
+  ASSERT_EQ(ops.size(), 2u);
+  // Buffers: 0 x, 1 d, 2 exp(x), 3 the gradient.
+  auto program = PointwiseProgram::compile({{ops[0], {0}, 2, false}, {ops[1], {2, 1}, 3, true}});
+  ASSERT_TRUE(program.isOk()) << program.status().str();
+  ThreadPool pool(2);
+  std::vector<float> x(64), d(64), storage(128);
+  for (int i = 0; i < 64; ++i) {
+    x[static_cast<size_t>(i)] = 0.01f * static_cast<float>(i) - 0.3f;
+    d[static_cast<size_t>(i)] = 1.0f + 0.5f * static_cast<float>(i % 3);
+  }
+  auto views = [&](float* xs, int64_t nx, float* ds, int64_t nd, float* out) {
+    std::vector<ir::TensorView> v(4);
+    v[0] = {DType::f32, {nx}, xs};
+    v[1] = {DType::f32, {nd}, ds};
+    v[2] = {DType::f32, {64}, nullptr};
+    v[3] = {DType::f32, {64}, out};
+    return v;
+  };
+  // The gradient written over d, element for element: d is read by the step that writes it.
+  std::vector<float> d_in_place = d;
+  std::vector<ir::TensorView> v = views(x.data(), 64, d_in_place.data(), 64, d_in_place.data());
+  auto ran = program->run(v, pool);
+  ASSERT_TRUE(ran.isOk() && *ran);
+  for (size_t i = 0; i < 64; ++i) {
+    const float e = std::exp(x[i]);
+    EXPECT_FLOAT_EQ(d_in_place[i], d[i] / (1.0f + std::exp(-e))) << i;  // softplus' = sigmoid
+  }
+  // Written one element off its input: a pass would read what it already wrote.
+  std::copy(d.begin(), d.end(), storage.begin());
+  std::vector<float> before = storage;
+  v = views(x.data(), 64, storage.data(), 64, storage.data() + 1);
+  ran = program->run(v, pool);
+  ASSERT_TRUE(ran.isOk());
+  EXPECT_FALSE(*ran);
+  EXPECT_EQ(storage, before) << "a refused run writes nothing";
+  // x and d of different run-time lengths: activation_grad's operands must agree.
+  v = views(x.data(), 64, d_in_place.data(), 60, storage.data() + 64);
+  ran = program->run(v, pool);
+  ASSERT_TRUE(ran.isOk());
+  EXPECT_FALSE(*ran);
 }
 
 TEST(MemoryPlan, InPlaceChainsShareOneBuffer) {
