@@ -228,8 +228,10 @@ Expected<bool> PointwiseProgram::run(std::vector<ir::TensorView>& views, ThreadP
   for (const auto& s : step_shapes)
     if (s != result_shape) return false;
 
-  // A stored result may overlap an input only element for element, and only where no later step
-  // reads that input; and no two stored results overlap.
+  // A stored result that shares storage with an input other than element for element (or with an
+  // input a later step still reads) would be written before a later chunk, or a later step, reads
+  // what it overwrote: it goes to the spill buffer, copied over after the pass. Two stored results
+  // never share storage in a valid memory plan (both are live after the group).
   int64_t numel = 1;
   for (int64_t d : result_shape) numel *= d;
   auto range = [&](int id, int64_t elements) {
@@ -240,22 +242,29 @@ Expected<bool> PointwiseProgram::run(std::vector<ir::TensorView>& views, ThreadP
   auto overlap = [](std::pair<const uint8_t*, const uint8_t*> x, std::pair<const uint8_t*, const uint8_t*> y) {
     return x.first < y.second && y.first < x.second;
   };
+  std::vector<int64_t> spill_at(steps_.size(), -1);
+  int64_t spill_bytes = 0;
   for (size_t s = 0; s < steps_.size(); ++s) {
     if (!steps_[s].stored) continue;
+    const ir::TensorView& out_view = view(steps_[s].result);
     const auto out = range(steps_[s].result, numel);
-    for (size_t i = 0; i < num_inputs; ++i) {
+    bool spill = false;
+    for (size_t i = 0; i < num_inputs && !spill; ++i) {
       const ir::TensorView& in = view(inputs_[i]);
       if (!overlap(out, range(inputs_[i], in.numel()))) continue;
       bool read_later = false;
       for (size_t t = s + 1; t < steps_.size(); ++t)
         read_later |= steps_[t].a == static_cast<int>(i) || steps_[t].b == static_cast<int>(i);
-      if (read_later || in.data != view(steps_[s].result).data || in.dtype != view(steps_[s].result).dtype ||
-          in.shape != result_shape)
-        return false;
+      spill = read_later || in.data != out_view.data || in.dtype != out_view.dtype || in.shape != result_shape;
     }
     for (size_t t = s + 1; t < steps_.size(); ++t)
       if (steps_[t].stored && overlap(out, range(steps_[t].result, numel))) return false;
+    if (spill) {
+      spill_at[s] = spill_bytes;
+      spill_bytes += (out.second - out.first + 63) / 64 * 64;
+    }
   }
+  if (spill_.size() < static_cast<size_t>(spill_bytes)) spill_.resize(static_cast<size_t>(spill_bytes));
 
   for (const Step& st : steps_) view(st.result).shape = result_shape;
   if (numel == 0) return true;
@@ -302,18 +311,23 @@ Expected<bool> PointwiseProgram::run(std::vector<ir::TensorView>& views, ThreadP
       for (size_t s = 0; s < steps_.size(); ++s) {
         const Step& st = steps_[s];
         const size_t out_slot = num_inputs + s;
-        ir::TensorView& dst = view(st.result);
+        const ir::DType dtype = view(st.result).dtype;
+        void* dst = spill_at[s] >= 0 ? static_cast<void*>(spill_.data() + spill_at[s]) : view(st.result).data;
         const int64_t flat = r * inner + j0;
         // An f32 result that is stored is computed straight into its storage.
-        float* out = st.stored && dst.dtype == ir::DType::f32 ? dst.as<float>() + flat
-                                                                : scratch.data() + out_slot * static_cast<size_t>(kChunk);
+        float* out = st.stored && dtype == ir::DType::f32 ? static_cast<float*>(dst) + flat
+                                                            : scratch.data() + out_slot * static_cast<size_t>(kChunk);
         st.fn(at[static_cast<size_t>(st.a)], st.b >= 0 ? at[static_cast<size_t>(st.b)] : nullptr, out, n);
         if (st.round_bf16) l.round_bf16(out, n);
-        if (st.stored && dst.dtype == ir::DType::bf16) l.narrow_bf16(out, dst.as<uint16_t>() + flat, n);
+        if (st.stored && dtype == ir::DType::bf16) l.narrow_bf16(out, static_cast<uint16_t*>(dst) + flat, n);
         at[out_slot] = out;
       }
     }
   });
+  for (size_t s = 0; s < steps_.size(); ++s)
+    if (spill_at[s] >= 0)
+      std::memcpy(view(steps_[s].result).data, spill_.data() + spill_at[s],
+                  static_cast<size_t>(numel * ir::dtypeBytes(view(steps_[s].result).dtype)));
   return true;
 }
 

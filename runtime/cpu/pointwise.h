@@ -48,9 +48,11 @@ class PointwiseProgram {
   // nothing, when the run-time shapes of the steps' results differ (data-dependent dims the ops
   // resolve differently): the caller then runs the ops one by one.
   //
-  // A stored result may share storage with an input only element for element (the same offset,
-  // element size and shape, read by no step after the one that writes it); the executor forms
-  // groups only where that holds.
+  // The memory plan reuses storage at op granularity: a result may share storage with an input
+  // that an earlier step (or its own) was the last to read. Element for element (the same
+  // offset, dtype and shape) the pass reads each element before it writes it; otherwise the
+  // result is written to a spill buffer of the program's and copied over after the pass.
+  // Not reentrant: one run at a time.
   Expected<bool> run(std::vector<ir::TensorView>& views, ThreadPool& pool) const;
 
   // A chunk loop: out[i] = f(a[i], b[i]) for i < n (b unused by a unary step).
@@ -68,6 +70,7 @@ class PointwiseProgram {
 
   std::vector<int> inputs_;  // slot i < inputs_.size() holds input i; step s's result is slot inputs_.size() + s
   std::vector<Step> steps_;
+  mutable std::vector<uint8_t> spill_;  // results that would overwrite what the pass still reads
 };
 
 }  // namespace kiln::runtime::cpu

@@ -411,10 +411,11 @@ TEST(CpuExecutor, PointwiseGroupsRunAsOneLoopAndEqualTheKernels) {
   }
 }
 
-// PointwiseProgram::run refuses, writing nothing, what one pass cannot compute: a result that
-// overlaps an input other than element for element, and steps whose run-time shapes differ. An
-// in-place result (the same storage as its input, read by no later step) runs.
-TEST(CpuExecutor, PointwiseProgramRefusesWhatOnePassCannotCompute) {
+// PointwiseProgram::run over storage the memory plan reused: an in-place result (the same storage
+// as its input, read by no later step) is written in the pass; one that overlaps its input
+// shifted by an element goes through the spill buffer and still equals the op-by-op result.
+// Steps whose run-time shapes differ are refused, and nothing is written.
+TEST(CpuExecutor, PointwiseProgramComputesOverReusedStorage) {
   auto m = parseOrDie(R"(
 func.func @forward() -> (!kiln.tensor<?(64)xf32>) {
   %x = "kiln.input"() {name = "x"} : () -> !kiln.tensor<?(64)xf32>
@@ -455,19 +456,23 @@ func.func @forward() -> (!kiln.tensor<?(64)xf32>) {
     const float e = std::exp(x[i]);
     EXPECT_FLOAT_EQ(d_in_place[i], d[i] / (1.0f + std::exp(-e))) << i;  // softplus' = sigmoid
   }
-  // Written one element off its input: a pass would read what it already wrote.
-  std::copy(d.begin(), d.end(), storage.begin());
+  // Written one element past its input: a pass in place would read what it already wrote.
+  for (int64_t shift : {1, -1}) {
+    std::fill(storage.begin(), storage.end(), 0.0f);
+    std::copy(d.begin(), d.end(), storage.begin() + 8);
+    v = views(x.data(), 64, storage.data() + 8, 64, storage.data() + 8 + shift);
+    ran = program->run(v, pool);
+    ASSERT_TRUE(ran.isOk() && *ran);
+    for (size_t i = 0; i < 64; ++i)
+      EXPECT_EQ(storage[static_cast<size_t>(8 + shift) + i], d_in_place[i]) << "shift " << shift << ", element " << i;
+  }
+  // x and d of different run-time lengths: activation_grad's operands must agree.
   std::vector<float> before = storage;
-  v = views(x.data(), 64, storage.data(), 64, storage.data() + 1);
+  v = views(x.data(), 64, d.data(), 60, storage.data() + 64);
   ran = program->run(v, pool);
   ASSERT_TRUE(ran.isOk());
   EXPECT_FALSE(*ran);
   EXPECT_EQ(storage, before) << "a refused run writes nothing";
-  // x and d of different run-time lengths: activation_grad's operands must agree.
-  v = views(x.data(), 64, d_in_place.data(), 60, storage.data() + 64);
-  ran = program->run(v, pool);
-  ASSERT_TRUE(ran.isOk());
-  EXPECT_FALSE(*ran);
 }
 
 TEST(MemoryPlan, InPlaceChainsShareOneBuffer) {
