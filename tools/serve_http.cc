@@ -2,7 +2,11 @@
 
 #include <fmt/ranges.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -52,6 +56,32 @@ std::vector<int64_t> expectedShape(const data::InputSpec& in, int64_t n, int64_t
 }
 
 Json error(const std::string& message) { return Json{{"error", message}}; }
+
+// Why binding `host:port` fails, from a bind of our own (httplib's bind keeps errno to itself).
+std::string bindFailure(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found)
+    return "not an address of this machine";
+  int err = 0;
+  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
+  if (fd >= 0) {
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, 1) != 0) err = errno;
+    ::close(fd);
+  } else {
+    err = errno;
+  }
+  ::freeaddrinfo(found);
+  if (err == EADDRINUSE) return "the port is in use (by another kiln serve?)";
+  if (err == EADDRNOTAVAIL) return "not an address of this machine";
+  if (err == EACCES) return "permission denied (ports below 1024 need privileges)";
+  return err ? std::strerror(err) : "in use, or not an address of this machine";
+}
 
 }  // namespace
 
@@ -232,6 +262,14 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
   // theirs open (reconnecting costs a handshake, and a full listen backlog drops SYNs for seconds).
   h.set_keep_alive_max_count(std::numeric_limits<int>::max());
   h.set_tcp_nodelay(true);
+  // SO_REUSEADDR alone: a restarted server binds while its old connections sit in TIME_WAIT, but
+  // a second server on a port in use fails (httplib's default adds SO_REUSEPORT, with which
+  // both would listen and the kernel would split the connections between them).
+  h.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+
 
   auto reply = [](httplib::Response& res, int status, const Json& body) {
     res.status = status;
@@ -326,8 +364,8 @@ Expected<int> InferenceHttpServer::bind() {
   int port = options_.port == 0 ? http_->bind_to_any_port(options_.host)
                                 : (http_->bind_to_port(options_.host, options_.port) ? options_.port : -1);
   if (port < 0)
-    return Status::errorf("cannot listen on {}:{} (in use, or not an address of this machine)", options_.host,
-                          options_.port);
+    return Status::errorf("cannot listen on {}:{}: {}", options_.host, options_.port,
+                          bindFailure(options_.host, options_.port));
   return port;
 }
 
