@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "runtime/json.h"
+#include "tools/cli.h"
 
 namespace kiln::cli {
 namespace {
@@ -56,6 +57,28 @@ std::vector<int64_t> expectedShape(const data::InputSpec& in, int64_t n, int64_t
 }
 
 Json error(const std::string& message) { return Json{{"error", message}}; }
+
+// JSON text of a reply. A message may quote the request's bytes (a JSON syntax error quotes what
+// it read): bytes that are not UTF-8 become U+FFFD rather than an exception (a 500).
+std::string replyText(const Json& body) { return body.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// The range of values a request's integer `datatype` holds (as doubles: exact at these bounds).
+bool inDatatypeRange(const std::string& datatype, double v, double& lo, double& hi) {
+  if (datatype == "INT8") {
+    lo = -128, hi = 127;
+  } else if (datatype == "INT16") {
+    lo = -32768, hi = 32767;
+  } else if (datatype == "INT32") {
+    lo = -2147483648.0, hi = 2147483647.0;
+  } else if (datatype == "UINT32") {
+    lo = 0, hi = 4294967295.0;
+  } else if (datatype == "UINT64") {
+    lo = 0, hi = 18446744073709549568.0;  // the largest double below 2^64
+  } else {
+    lo = -9223372036854775808.0, hi = 9223372036854774784.0;  // INT64: the largest double below 2^63
+  }
+  return v >= lo && v <= hi;
+}
 
 // Why binding `host:port` fails, from a bind of our own (httplib's bind keeps errno to itself).
 std::string bindFailure(const std::string& host, int port) {
@@ -162,7 +185,12 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     if (shapes[in.name] != want)
       return Status::errorf("input '{}' must be shaped [{}], got [{}]", in.name, fmt::join(want, ", "),
                             fmt::join(shapes[in.name], ", "));
-    const std::string datatype = j.value("datatype", "");
+    auto datatype_at = j.find("datatype");
+    if (datatype_at == j.end() || !datatype_at->is_string())
+      return Status::errorf("input '{}' needs a \"datatype\" string ({}), got {}", in.name,
+                            datatypeOf(in.type.dtype()),
+                            datatype_at == j.end() ? std::string("none") : replyText(*datatype_at));
+    const std::string datatype = datatype_at->get<std::string>();
     const bool integer = ir::isInteger(in.type.dtype());
     const bool ok = integer ? (datatype == "INT64" || datatype == "INT32" || datatype == "UINT32" ||
                                datatype == "UINT64" || datatype == "INT16" || datatype == "INT8")
@@ -187,6 +215,13 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
       if (integer) {
         if (v != std::floor(v) || !std::isfinite(v))
           return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, v, k);
+        double lo = 0, hi = 0;
+        if (!inDatatypeRange(datatype, v, lo, hi))
+          return Status::errorf("input '{}': value {} at position {} is out of the range of {} [{}, {}]", in.name,
+                                v, k, datatype, lo, hi);
+        if (in.type.dtype() == ir::DType::i32 && (v < -2147483648.0 || v > 2147483647.0))
+          return Status::errorf("input '{}': value {} at position {} is out of the range of the input's int32",
+                                in.name, v, k);
         if (in.role == data::InputRole::Sparse && (v < 0 || v >= static_cast<double>(in.rows)))
           return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name,
                                 static_cast<int64_t>(v), k, in.rows);
@@ -197,7 +232,12 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
         else
           t.view.as<int64_t>()[k] = static_cast<int64_t>(v);
       } else {
-        t.view.as<float>()[k] = static_cast<float>(v);
+        // JSON has no NaN or infinity, but 1e400 reads as an infinite double and 1e40 as an
+        // infinite float: a score from either is meaningless (the file readers refuse them too).
+        const float f = static_cast<float>(v);
+        if (!std::isfinite(f))
+          return Status::errorf("input '{}': value {} at position {} is not a finite float32", in.name, v, k);
+        t.view.as<float>()[k] = f;
       }
     }
     batch.tensors.push_back(std::move(t));
@@ -273,7 +313,7 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
 
   auto reply = [](httplib::Response& res, int status, const Json& body) {
     res.status = status;
-    res.set_content(body.dump(), "application/json");
+    res.set_content(replyText(body), "application/json");
   };
   const std::string model = server_.modelName();
   auto knownModel = [this, model, reply](const httplib::Request& req, httplib::Response& res) {
@@ -332,6 +372,9 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
       server_.noteRequest(404, 0);
       return;
     }
+    if (req.has_header("Inference-Header-Content-Length"))
+      return finish(400, error("the binary tensor extension (Inference-Header-Content-Length) is not "
+                               "supported: send each input's values as JSON \"data\""));
     std::string id;
     auto batch = parseInferRequest(req.body, server_.spec(), server_.options().max_batch, &id);
     if (!batch) return finish(400, error(batch.status().message()));
@@ -349,10 +392,14 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
   h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(server_.metricsText(), "text/plain; version=0.0.4");
   });
+  h.set_exception_handler([reply](const httplib::Request&, httplib::Response& res, std::exception_ptr e) {
+    reply(res, 500, error(uncaughtExceptionMessage(e)));
+  });
   h.set_error_handler([reply](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
     const char* why = res.status == 413   ? "the request body is over --max-request-bytes"
                       : res.status == 404 ? "no such endpoint"
+                      : res.status >= 500 ? "internal error"
                                           : "bad request";
     reply(res, res.status, error(why));
   });
