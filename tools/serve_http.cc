@@ -1,8 +1,10 @@
 #include "tools/serve_http.h"
 
+#include <arpa/inet.h>
 #include <fmt/ranges.h>
 #include <httplib.h>
 #include <netdb.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -14,6 +16,7 @@
 
 #include "runtime/json.h"
 #include "tools/cli.h"
+#include "tools/http_connections.h"
 
 namespace kiln::cli {
 namespace {
@@ -80,6 +83,80 @@ bool inDatatypeRange(const std::string& datatype, double v, double& lo, double& 
   return v >= lo && v <= hi;
 }
 
+// An httplib::Stream over one request that the connection pool has read whole (the head, then
+// the decoded body, from memory); the answer goes to the socket, within the write timeout.
+class PooledRequestStream final : public httplib::Stream {
+ public:
+  PooledRequestStream(int fd, const FramedRequest& request, int write_timeout_ms)
+      : fd_(fd), head_(request.head), body_(request.body), write_timeout_ms_(write_timeout_ms) {}
+  bool failed() const { return failed_; }
+
+  bool is_readable() const override { return true; }
+  bool is_writable() const override { return !failed_; }
+  ssize_t read(char* ptr, size_t size) override {
+    std::string_view& from = head_.empty() ? body_ : head_;
+    const size_t n = std::min(size, from.size());
+    std::memcpy(ptr, from.data(), n);
+    from.remove_prefix(n);
+    return static_cast<ssize_t>(n);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    // The timeout runs from the answer's first byte: computing it may take the request timeout.
+    if (!started_) {
+      deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(write_timeout_ms_);
+      started_ = true;
+    }
+    size_t done = 0;
+    while (done < size && !failed_) {
+      const ssize_t n = ::send(fd_, ptr + done, size - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ -
+                                                                              std::chrono::steady_clock::now());
+      if ((n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || left.count() <= 0) {
+        failed_ = true;
+        break;
+      }
+      pollfd p{fd_, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(left.count()));
+    }
+    return failed_ ? -1 : static_cast<ssize_t>(size);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { address(false, ip, port); }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  void address(bool peer, std::string& ip, int& port) const {
+    sockaddr_storage a{};
+    socklen_t len = sizeof(a);
+    if ((peer ? ::getpeername(fd_, reinterpret_cast<sockaddr*>(&a), &len)
+              : ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len)) != 0)
+      return;
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<sockaddr*>(&a), len, host, sizeof(host), serv, sizeof(serv),
+                      NI_NUMERICHOST | NI_NUMERICSERV) == 0) {
+      ip = host;
+      port = std::atoi(serv);
+    }
+  }
+  int fd_;
+  std::string_view head_, body_;
+  int write_timeout_ms_;
+  bool started_ = false, failed_ = false;
+  std::chrono::steady_clock::time_point deadline_;
+};
+
+// Runs the accept loop's task on the accept thread: the task hands the socket to the pool.
+class HandOver final : public httplib::TaskQueue {
+ public:
+  void enqueue(std::function<void()> fn) override { fn(); }
+  void shutdown() override {}
+};
+
 // Why binding `host:port` fails, from a bind of our own (httplib's bind keeps errno to itself).
 std::string bindFailure(const std::string& host, int port) {
   addrinfo hints{};
@@ -107,6 +184,42 @@ std::string bindFailure(const std::string& host, int port) {
 }
 
 }  // namespace
+
+// cpp-httplib's server, its connections handled by a ConnectionPool: the accept loop hands each
+// socket over, and the pool hands each whole request to httplib's request processing (routing,
+// handlers, the answer).
+class KilnHttpServer final : public httplib::Server {
+ public:
+  explicit KilnHttpServer(const ConnectionLimits& limits)
+      : write_timeout_ms_(limits.write_timeout_ms),
+        pool_(limits, [this](int fd, FramedRequest& r) { return answer(fd, r); }) {
+    new_task_queue = [] { return new HandOver(); };
+  }
+  ConnectionPool& pool() { return pool_; }
+  // Closes the listening socket, which ends the accept loop or keeps it from starting: unlike
+  // httplib::Server::stop(), also before listen_after_bind() has begun (a SIGTERM at start).
+  void closeListener() {
+    const socket_t sock = svr_sock_.exchange(INVALID_SOCKET);
+    if (sock != INVALID_SOCKET) {
+      ::shutdown(sock, SHUT_RDWR);
+      ::close(sock);
+    }
+  }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    pool_.adopt(sock);
+    return true;
+  }
+  bool answer(int fd, FramedRequest& request) {
+    PooledRequestStream stream(fd, request, write_timeout_ms_);
+    bool closed = false;
+    const bool ok = process_request(stream, request.close, closed, nullptr);
+    return ok && !closed && !stream.failed();
+  }
+  int write_timeout_ms_;
+  ConnectionPool pool_;
+};
 
 Expected<data::Batch> parseInferRequest(std::string_view body, const data::BatchSpec& spec, int64_t max_batch,
                                         std::string* request_id) {
@@ -290,18 +403,21 @@ std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& sp
 }
 
 InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions options)
-    : server_(server), options_(std::move(options)), http_(std::make_unique<httplib::Server>()) {
+    : server_(server), options_(std::move(options)) {
+  ConnectionLimits limits;
+  limits.workers = std::max(options_.threads, 2);
+  limits.max_connections = options_.max_connections;
+  limits.max_body_bytes = options_.max_request_bytes;
+  limits.idle_timeout_ms = options_.idle_timeout_ms;
+  limits.header_timeout_ms = options_.header_timeout_ms;
+  limits.body_timeout_ms = options_.body_timeout_ms;
+  http_ = std::make_unique<KilnHttpServer>(limits);
   httplib::Server& h = *http_;
-  const int threads = std::max(options_.threads, 2);
-  h.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  // The pool has read and decoded each body within the limit already; this is a second fence.
   h.set_payload_max_length(static_cast<size_t>(options_.max_request_bytes));
-  h.set_read_timeout(options_.read_timeout_s, 0);
-  h.set_write_timeout(options_.read_timeout_s, 0);
-  h.set_keep_alive_timeout(options_.read_timeout_s);
-  // cpp-httplib closes a connection after 5 requests by default; clients of a model server keep
-  // theirs open (reconnecting costs a handshake, and a full listen backlog drops SYNs for seconds).
+  // What the Keep-Alive header of an answer says (the pool closes idle connections).
+  h.set_keep_alive_timeout(std::max(options_.idle_timeout_ms / 1000, 1));
   h.set_keep_alive_max_count(std::numeric_limits<int>::max());
-  h.set_tcp_nodelay(true);
   // SO_REUSEADDR alone: a restarted server binds while its old connections sit in TIME_WAIT, but
   // a second server on a port in use fails (httplib's default adds SO_REUSEPORT, with which
   // both would listen and the kernel would split the connections between them).
@@ -309,7 +425,6 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     const int yes = 1;
     ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
   });
-
 
   auto reply = [](httplib::Response& res, int status, const Json& body) {
     res.status = status;
@@ -416,8 +531,16 @@ Expected<int> InferenceHttpServer::bind() {
   return port;
 }
 
-void InferenceHttpServer::run() { http_->listen_after_bind(); }
+void InferenceHttpServer::run() {
+  http_->listen_after_bind();
+  // The accept loop has ended (stop()); the pool answers the requests it holds whole.
+  http_->pool().stop();
+  http_->pool().join();
+}
 
-void InferenceHttpServer::stop() { http_->stop(); }
+void InferenceHttpServer::stop() {
+  http_->pool().stop();        // connections waiting for a request close now
+  http_->closeListener();      // and no new ones are accepted
+}
 
 }  // namespace kiln::cli
