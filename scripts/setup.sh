@@ -16,6 +16,7 @@ PACKAGES=(
   mlir-19-tools                    # mlir-opt-19, to check our IR text parses as MLIR
   openmpi-bin libopenmpi-dev       # MPI ranks (runtime/comm) and the mpirun tests
   libcpp-httplib-dev               # HTTP for kiln serve (docs/serving.md)
+  zlib1g-dev                       # kiln serve inflates gzip request bodies under a bound
   librocksdb-dev                   # the persistent tier of the serving embedding store
   wrk                              # load generator of bench/serve.sh
 )

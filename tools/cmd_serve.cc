@@ -121,8 +121,13 @@ int runServe(const std::vector<std::string>& args) {
               "batch sizes to dispatch at once when reached (e.g. 64,128,256)");
   p.addOption("instances", "N", "executors sharing the queue (each with --threads threads)", "1");
   p.addOption("request-timeout-ms", "MS", "a request not scheduled within this time gets 504", "10000");
-  p.addOption("max-request-bytes", "N", "larger request bodies get 413", "16777216");
-  p.addOption("http-threads", "N", "connections served at once", "16");
+  p.addOption("max-request-bytes", "N", "larger request bodies (once de-chunked and inflated) get 413", "16777216");
+  p.addOption("http-threads", "N", "requests read and answered at once", "16");
+  p.addOption("max-connections", "N", "connections open at once; more get 503", "256");
+  p.addOption("idle-timeout-ms", "MS", "a connection with no request arriving for this long is closed", "5000");
+  p.addOption("header-timeout-ms", "MS", "a request's line and headers must arrive within this (408)", "5000");
+  p.addOption("body-timeout-ms", "MS", "a request's body must arrive within this after its headers (408)",
+              "10000");
   p.addOption("cache-fraction", "F", "rows of each table in the cache tier, as a fraction of its rows", "1");
   p.addOption("host-fraction", "H", "rows of each table in the host tier (with --store; without, all)", "1");
   p.addOption("store", "DIR", "the persistent tier: a RocksDB store filled by kiln store import");
@@ -147,13 +152,16 @@ int runServe(const std::vector<std::string>& args) {
   };
   ServeOptions so;
   HttpOptions ho;
-  int64_t port = 0, instances = 1, max_bytes = 0, http_threads = 16;
+  int64_t port = 0, instances = 1, max_bytes = 0, http_threads = 16, max_connections = 256, idle_ms = 0,
+          header_ms = 0, body_ms = 0;
   if (!intOpt("port", 0, 65535, port) || !intOpt("max-batch", 1, 1 << 20, so.max_batch) ||
       !intOpt("max-queue-delay-us", 0, 60000000, so.max_queue_delay_us) ||
       !intOpt("instances", 1, 256, instances) ||
       !intOpt("request-timeout-ms", 1, 3600000, so.request_timeout_ms) ||
       !intOpt("max-request-bytes", 1024, int64_t{1} << 32, max_bytes) ||
-      !intOpt("http-threads", 2, 1024, http_threads) || !intOpt("poll-ms", 1, 3600000, so.poll_ms))
+      !intOpt("http-threads", 2, 1024, http_threads) || !intOpt("max-connections", 1, 65536, max_connections) ||
+      !intOpt("idle-timeout-ms", 1, 3600000, idle_ms) || !intOpt("header-timeout-ms", 1, 3600000, header_ms) ||
+      !intOpt("body-timeout-ms", 1, 3600000, body_ms) || !intOpt("poll-ms", 1, 3600000, so.poll_ms))
     return kExitUsage;
   if (p.has("preferred-batch-sizes") && !parseSizes(p.get("preferred-batch-sizes"), so.preferred_batch_sizes))
     return p.usageError("--preferred-batch-sizes must be a list of positive sizes such as 64,128,256");
@@ -182,6 +190,10 @@ int runServe(const std::vector<std::string>& args) {
   ho.port = static_cast<int>(port);
   ho.max_request_bytes = max_bytes;
   ho.threads = static_cast<int>(http_threads);
+  ho.max_connections = static_cast<int>(max_connections);
+  ho.idle_timeout_ms = static_cast<int>(idle_ms);
+  ho.header_timeout_ms = static_cast<int>(header_ms);
+  ho.body_timeout_ms = static_cast<int>(body_ms);
 #ifdef KILN_VERSION
   ho.version = KILN_VERSION;
 #endif

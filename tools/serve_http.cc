@@ -1,14 +1,22 @@
 #include "tools/serve_http.h"
 
+#include <arpa/inet.h>
 #include <fmt/ranges.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
 #include "runtime/json.h"
+#include "tools/cli.h"
+#include "tools/http_connections.h"
 
 namespace kiln::cli {
 namespace {
@@ -53,7 +61,165 @@ std::vector<int64_t> expectedShape(const data::InputSpec& in, int64_t n, int64_t
 
 Json error(const std::string& message) { return Json{{"error", message}}; }
 
+// JSON text of a reply. A message may quote the request's bytes (a JSON syntax error quotes what
+// it read): bytes that are not UTF-8 become U+FFFD rather than an exception (a 500).
+std::string replyText(const Json& body) { return body.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// The range of values a request's integer `datatype` holds (as doubles: exact at these bounds).
+bool inDatatypeRange(const std::string& datatype, double v, double& lo, double& hi) {
+  if (datatype == "INT8") {
+    lo = -128, hi = 127;
+  } else if (datatype == "INT16") {
+    lo = -32768, hi = 32767;
+  } else if (datatype == "INT32") {
+    lo = -2147483648.0, hi = 2147483647.0;
+  } else if (datatype == "UINT32") {
+    lo = 0, hi = 4294967295.0;
+  } else if (datatype == "UINT64") {
+    lo = 0, hi = 18446744073709549568.0;  // the largest double below 2^64
+  } else {
+    lo = -9223372036854775808.0, hi = 9223372036854774784.0;  // INT64: the largest double below 2^63
+  }
+  return v >= lo && v <= hi;
+}
+
+// An httplib::Stream over one request that the connection pool has read whole (the head, then
+// the decoded body, from memory); the answer goes to the socket, within the write timeout.
+class PooledRequestStream final : public httplib::Stream {
+ public:
+  PooledRequestStream(int fd, const FramedRequest& request, int write_timeout_ms)
+      : fd_(fd), head_(request.head), body_(request.body), write_timeout_ms_(write_timeout_ms) {}
+  bool failed() const { return failed_; }
+
+  bool is_readable() const override { return true; }
+  bool is_writable() const override { return !failed_; }
+  ssize_t read(char* ptr, size_t size) override {
+    std::string_view& from = head_.empty() ? body_ : head_;
+    const size_t n = std::min(size, from.size());
+    std::memcpy(ptr, from.data(), n);
+    from.remove_prefix(n);
+    return static_cast<ssize_t>(n);
+  }
+  ssize_t write(const char* ptr, size_t size) override {
+    // The timeout runs from the answer's first byte: computing it may take the request timeout.
+    if (!started_) {
+      deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(write_timeout_ms_);
+      started_ = true;
+    }
+    size_t done = 0;
+    while (done < size && !failed_) {
+      const ssize_t n = ::send(fd_, ptr + done, size - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline_ -
+                                                                              std::chrono::steady_clock::now());
+      if ((n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || left.count() <= 0) {
+        failed_ = true;
+        break;
+      }
+      pollfd p{fd_, POLLOUT, 0};
+      ::poll(&p, 1, static_cast<int>(left.count()));
+    }
+    return failed_ ? -1 : static_cast<ssize_t>(size);
+  }
+  void get_remote_ip_and_port(std::string& ip, int& port) const override { address(true, ip, port); }
+  void get_local_ip_and_port(std::string& ip, int& port) const override { address(false, ip, port); }
+  socket_t socket() const override { return fd_; }
+
+ private:
+  void address(bool peer, std::string& ip, int& port) const {
+    sockaddr_storage a{};
+    socklen_t len = sizeof(a);
+    if ((peer ? ::getpeername(fd_, reinterpret_cast<sockaddr*>(&a), &len)
+              : ::getsockname(fd_, reinterpret_cast<sockaddr*>(&a), &len)) != 0)
+      return;
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (::getnameinfo(reinterpret_cast<sockaddr*>(&a), len, host, sizeof(host), serv, sizeof(serv),
+                      NI_NUMERICHOST | NI_NUMERICSERV) == 0) {
+      ip = host;
+      port = std::atoi(serv);
+    }
+  }
+  int fd_;
+  std::string_view head_, body_;
+  int write_timeout_ms_;
+  bool started_ = false, failed_ = false;
+  std::chrono::steady_clock::time_point deadline_;
+};
+
+// Runs the accept loop's task on the accept thread: the task hands the socket to the pool.
+class HandOver final : public httplib::TaskQueue {
+ public:
+  void enqueue(std::function<void()> fn) override { fn(); }
+  void shutdown() override {}
+};
+
+// Why binding `host:port` fails, from a bind of our own (httplib's bind keeps errno to itself).
+std::string bindFailure(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 || !found)
+    return "not an address of this machine";
+  int err = 0;
+  const int fd = ::socket(found->ai_family, found->ai_socktype, found->ai_protocol);
+  if (fd >= 0) {
+    const int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, 1) != 0) err = errno;
+    ::close(fd);
+  } else {
+    err = errno;
+  }
+  ::freeaddrinfo(found);
+  if (err == EADDRINUSE) return "the port is in use (by another kiln serve?)";
+  if (err == EADDRNOTAVAIL) return "not an address of this machine";
+  if (err == EACCES) return "permission denied (ports below 1024 need privileges)";
+  return err ? std::strerror(err) : "in use, or not an address of this machine";
+}
+
 }  // namespace
+
+// cpp-httplib's server, its connections handled by a ConnectionPool: the accept loop hands each
+// socket over, and the pool hands each whole request to httplib's request processing (routing,
+// handlers, the answer).
+class KilnHttpServer final : public httplib::Server {
+ public:
+  explicit KilnHttpServer(const ConnectionLimits& limits)
+      : write_timeout_ms_(limits.write_timeout_ms),
+        pool_(limits, [this](int fd, FramedRequest& r) { return answer(fd, r); }) {
+    new_task_queue = [] { return new HandOver(); };
+  }
+  ConnectionPool& pool() { return pool_; }
+  // Closes the listening socket, which ends the accept loop or keeps it from starting: unlike
+  // httplib::Server::stop(), also before listen_after_bind() has begun (a SIGTERM at start).
+  void closeListener() {
+    const socket_t sock = svr_sock_.exchange(INVALID_SOCKET);
+    if (sock != INVALID_SOCKET) {
+      ::shutdown(sock, SHUT_RDWR);
+      ::close(sock);
+    }
+  }
+
+ private:
+  bool process_and_close_socket(socket_t sock) override {
+    pool_.adopt(sock);
+    return true;
+  }
+  bool answer(int fd, FramedRequest& request) {
+    PooledRequestStream stream(fd, request, write_timeout_ms_);
+    bool closed = false;
+    const bool ok = process_request(stream, request.close, closed, nullptr);
+    return ok && !closed && !stream.failed();
+  }
+  int write_timeout_ms_;
+  ConnectionPool pool_;
+};
 
 Expected<data::Batch> parseInferRequest(std::string_view body, const data::BatchSpec& spec, int64_t max_batch,
                                         std::string* request_id) {
@@ -132,7 +298,12 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     if (shapes[in.name] != want)
       return Status::errorf("input '{}' must be shaped [{}], got [{}]", in.name, fmt::join(want, ", "),
                             fmt::join(shapes[in.name], ", "));
-    const std::string datatype = j.value("datatype", "");
+    auto datatype_at = j.find("datatype");
+    if (datatype_at == j.end() || !datatype_at->is_string())
+      return Status::errorf("input '{}' needs a \"datatype\" string ({}), got {}", in.name,
+                            datatypeOf(in.type.dtype()),
+                            datatype_at == j.end() ? std::string("none") : replyText(*datatype_at));
+    const std::string datatype = datatype_at->get<std::string>();
     const bool integer = ir::isInteger(in.type.dtype());
     const bool ok = integer ? (datatype == "INT64" || datatype == "INT32" || datatype == "UINT32" ||
                                datatype == "UINT64" || datatype == "INT16" || datatype == "INT8")
@@ -157,6 +328,13 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
       if (integer) {
         if (v != std::floor(v) || !std::isfinite(v))
           return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, v, k);
+        double lo = 0, hi = 0;
+        if (!inDatatypeRange(datatype, v, lo, hi))
+          return Status::errorf("input '{}': value {} at position {} is out of the range of {} [{}, {}]", in.name,
+                                v, k, datatype, lo, hi);
+        if (in.type.dtype() == ir::DType::i32 && (v < -2147483648.0 || v > 2147483647.0))
+          return Status::errorf("input '{}': value {} at position {} is out of the range of the input's int32",
+                                in.name, v, k);
         if (in.role == data::InputRole::Sparse && (v < 0 || v >= static_cast<double>(in.rows)))
           return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name,
                                 static_cast<int64_t>(v), k, in.rows);
@@ -167,7 +345,12 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
         else
           t.view.as<int64_t>()[k] = static_cast<int64_t>(v);
       } else {
-        t.view.as<float>()[k] = static_cast<float>(v);
+        // JSON has no NaN or infinity, but 1e400 reads as an infinite double and 1e40 as an
+        // infinite float: a score from either is meaningless (the file readers refuse them too).
+        const float f = static_cast<float>(v);
+        if (!std::isfinite(f))
+          return Status::errorf("input '{}': value {} at position {} is not a finite float32", in.name, v, k);
+        t.view.as<float>()[k] = f;
       }
     }
     batch.tensors.push_back(std::move(t));
@@ -220,22 +403,32 @@ std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& sp
 }
 
 InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions options)
-    : server_(server), options_(std::move(options)), http_(std::make_unique<httplib::Server>()) {
+    : server_(server), options_(std::move(options)) {
+  ConnectionLimits limits;
+  limits.workers = std::max(options_.threads, 2);
+  limits.max_connections = options_.max_connections;
+  limits.max_body_bytes = options_.max_request_bytes;
+  limits.idle_timeout_ms = options_.idle_timeout_ms;
+  limits.header_timeout_ms = options_.header_timeout_ms;
+  limits.body_timeout_ms = options_.body_timeout_ms;
+  http_ = std::make_unique<KilnHttpServer>(limits);
   httplib::Server& h = *http_;
-  const int threads = std::max(options_.threads, 2);
-  h.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
+  // The pool has read and decoded each body within the limit already; this is a second fence.
   h.set_payload_max_length(static_cast<size_t>(options_.max_request_bytes));
-  h.set_read_timeout(options_.read_timeout_s, 0);
-  h.set_write_timeout(options_.read_timeout_s, 0);
-  h.set_keep_alive_timeout(options_.read_timeout_s);
-  // cpp-httplib closes a connection after 5 requests by default; clients of a model server keep
-  // theirs open (reconnecting costs a handshake, and a full listen backlog drops SYNs for seconds).
+  // What the Keep-Alive header of an answer says (the pool closes idle connections).
+  h.set_keep_alive_timeout(std::max(options_.idle_timeout_ms / 1000, 1));
   h.set_keep_alive_max_count(std::numeric_limits<int>::max());
-  h.set_tcp_nodelay(true);
+  // SO_REUSEADDR alone: a restarted server binds while its old connections sit in TIME_WAIT, but
+  // a second server on a port in use fails (httplib's default adds SO_REUSEPORT, with which
+  // both would listen and the kernel would split the connections between them).
+  h.set_socket_options([](socket_t sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
 
   auto reply = [](httplib::Response& res, int status, const Json& body) {
     res.status = status;
-    res.set_content(body.dump(), "application/json");
+    res.set_content(replyText(body), "application/json");
   };
   const std::string model = server_.modelName();
   auto knownModel = [this, model, reply](const httplib::Request& req, httplib::Response& res) {
@@ -294,6 +487,9 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
       server_.noteRequest(404, 0);
       return;
     }
+    if (req.has_header("Inference-Header-Content-Length"))
+      return finish(400, error("the binary tensor extension (Inference-Header-Content-Length) is not "
+                               "supported: send each input's values as JSON \"data\""));
     std::string id;
     auto batch = parseInferRequest(req.body, server_.spec(), server_.options().max_batch, &id);
     if (!batch) return finish(400, error(batch.status().message()));
@@ -311,10 +507,14 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
   h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(server_.metricsText(), "text/plain; version=0.0.4");
   });
+  h.set_exception_handler([reply](const httplib::Request&, httplib::Response& res, std::exception_ptr e) {
+    reply(res, 500, error(uncaughtExceptionMessage(e)));
+  });
   h.set_error_handler([reply](const httplib::Request&, httplib::Response& res) {
     if (!res.body.empty()) return;
     const char* why = res.status == 413   ? "the request body is over --max-request-bytes"
                       : res.status == 404 ? "no such endpoint"
+                      : res.status >= 500 ? "internal error"
                                           : "bad request";
     reply(res, res.status, error(why));
   });
@@ -326,13 +526,21 @@ Expected<int> InferenceHttpServer::bind() {
   int port = options_.port == 0 ? http_->bind_to_any_port(options_.host)
                                 : (http_->bind_to_port(options_.host, options_.port) ? options_.port : -1);
   if (port < 0)
-    return Status::errorf("cannot listen on {}:{} (in use, or not an address of this machine)", options_.host,
-                          options_.port);
+    return Status::errorf("cannot listen on {}:{}: {}", options_.host, options_.port,
+                          bindFailure(options_.host, options_.port));
   return port;
 }
 
-void InferenceHttpServer::run() { http_->listen_after_bind(); }
+void InferenceHttpServer::run() {
+  http_->listen_after_bind();
+  // The accept loop has ended (stop()); the pool answers the requests it holds whole.
+  http_->pool().stop();
+  http_->pool().join();
+}
 
-void InferenceHttpServer::stop() { http_->stop(); }
+void InferenceHttpServer::stop() {
+  http_->pool().stop();        // connections waiting for a request close now
+  http_->closeListener();      // and no new ones are accepted
+}
 
 }  // namespace kiln::cli

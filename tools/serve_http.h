@@ -13,19 +13,20 @@
 #include "runtime/data/batch.h"
 #include "tools/model_server.h"
 
-namespace httplib {
-class Server;
-}
-
 namespace kiln::cli {
+
+class KilnHttpServer;
 
 struct HttpOptions {
   std::string host = "127.0.0.1";
   int port = 8000;  // 0: any free port (the bound one is printed)
-  int64_t max_request_bytes = 16 << 20;
-  int threads = 16;        // connections served at once
-  int read_timeout_s = 5;  // a client that sends nothing for this long is dropped
-  std::string version;     // of Kiln, for GET /v2
+  int64_t max_request_bytes = 16 << 20;  // the body once de-chunked and inflated
+  int threads = 16;                      // requests read and answered at once
+  int max_connections = 256;             // open at once; more get 503
+  int idle_timeout_ms = 5000;            // a connection with no request arriving is closed
+  int header_timeout_ms = 5000;          // a request's line and headers, from its first byte
+  int body_timeout_ms = 10000;           // its body, from the end of its headers
+  std::string version;                   // of Kiln, for GET /v2
 };
 
 // An infer request's body as a batch of the model's inputs (the label, when the model has one
@@ -44,14 +45,17 @@ class InferenceHttpServer {
   ~InferenceHttpServer();
   // Binds the socket; returns the port.
   Expected<int> bind();
-  // Serves until stop(); returns when every accepted request is answered.
+  // Serves until stop(); returns when every request received whole is answered.
   void run();
+  // Stops accepting; closes the connections that wait for a request (idle, or their headers
+  // incomplete); those whose request is whole are answered, then closed. Bodies being read get
+  // the rest of --body-timeout-ms.
   void stop();
 
  private:
   ModelServer& server_;
   HttpOptions options_;
-  std::unique_ptr<httplib::Server> http_;
+  std::unique_ptr<KilnHttpServer> http_;
 };
 
 }  // namespace kiln::cli

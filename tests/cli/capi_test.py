@@ -12,7 +12,8 @@ Checks:
   - embedded weights (--checkpoint at compile time) predict the same with no weights file;
   - ten training steps through the C API leave every tensor (parameters and optimizer state)
     byte-identical to `kiln train`'s on the same data, and kiln loads the C API's checkpoint;
-  - bad arguments are error codes with messages; the library exports only the kiln_* functions;
+  - bad arguments are error codes with messages (a NaN or an infinity among the inputs too); the
+    library exports only the kiln_* functions;
     ldd lists nothing of CUDA, MPI or fmt.
 """
 import json
@@ -125,7 +126,8 @@ with tempfile.TemporaryDirectory() as work:
         "--data", "synthetic", "--samples", "256"])
 
     out, err = client_ok(["errors"])
-    for what in ("missing weights", "batch over the max", "id out of range", "unwritable save"):
+    for what in ("missing weights", "batch over the max", "NaN dense input", "infinite dense input", "NaN label",
+                 "id out of range", "unwritable save"):
         if what not in out:
             fail("the error checks did not report %r" % what, out, err)
 

@@ -86,6 +86,31 @@ struct kiln_model {
 namespace kiln::cli {
 namespace {
 
+// The first element of a floating-point tensor that is a NaN or an infinity (all exponent bits
+// set, in each format), or -1.
+int64_t firstNonFinite(const ir::TensorView& v) {
+  const int64_t n = v.numel();
+  auto scan = [n](const auto* p, auto exponent) -> int64_t {
+    for (int64_t k = 0; k < n; ++k) {
+      auto bits = p[k];
+      if ((bits & exponent) == exponent) return k;
+    }
+    return -1;
+  };
+  switch (v.dtype) {
+    case ir::DType::f32:
+      return scan(static_cast<const uint32_t*>(v.data), uint32_t{0x7f800000});
+    case ir::DType::f64:
+      return scan(static_cast<const uint64_t*>(v.data), uint64_t{0x7ff0000000000000});
+    case ir::DType::bf16:
+      return scan(static_cast<const uint16_t*>(v.data), uint16_t{0x7f80});
+    case ir::DType::f16:
+      return scan(static_cast<const uint16_t*>(v.data), uint16_t{0x7c00});
+    default:
+      return -1;
+  }
+}
+
 // Every input's tensor for `n` samples, copied from the caller's buffers in declaration order.
 // A missing buffer is an error unless `may_skip` says the input is not read (a label, predicting).
 kiln_status fillBatch(kiln_model& m, const data::BatchSpec& spec, int64_t n, const void* const* buffers,
@@ -113,6 +138,15 @@ kiln_status fillBatch(kiln_model& m, const data::BatchSpec& spec, int64_t n, con
                                                  : fmt::format("input {} ('{}') is NULL", at, in.name));
     }
     std::memcpy(t.view.data, buffers[at], static_cast<size_t>(t.view.bytes()));
+    // A NaN or an infinity gives a NaN or a plausible-looking score, never an error of its own:
+    // refused here, as the data readers refuse them in files (a label only where it is read).
+    if (label && skip_labels) continue;
+    if (const int64_t k = firstNonFinite(t.view); k >= 0) {
+      const int64_t per_sample = std::max<int64_t>(t.view.numel() / n, 1);
+      return failWith(KILN_INVALID_ARGUMENT,
+                      fmt::format("input {} ('{}'): value {} of sample {} is not finite (NaN or infinity)", at,
+                                  in.name, k % per_sample, k / per_sample));
+    }
   }
   return KILN_OK;
 }

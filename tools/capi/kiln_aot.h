@@ -14,7 +14,8 @@
  * kiln_input() describes them: each a caller-owned, row-major buffer of `batch * per_sample`
  * elements of its dtype. A variable-length sparse input holds each sample's ids packed one after
  * another (per_sample is then its max_hotness: the buffer is sized for the bound) with the counts in
- * its lengths input. */
+ * its lengths input. A floating-point input holding a NaN or an infinity is KILN_INVALID_ARGUMENT
+ * (the message names the input, the sample and the value's place in it). */
 #ifndef KILN_AOT_H_
 #define KILN_AOT_H_
 
