@@ -955,6 +955,7 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
     // Checked and laid out, its errors located in the file.
     return loadPlanJson(text.str(), o.plan_path, tables, o.ranks);
   }
+  if (!o.proposed_plan.empty()) return loadPlanJson(o.proposed_plan, "the proposed plan (kiln.plan)", tables, o.ranks);
   KILN_ASSIGN_OR_RETURN(PlanRequest req, planRequestFor(o.target));
   req.ranks = o.ranks;
   req.ranks_per_node = o.ranks_per_node;
@@ -1061,6 +1062,11 @@ class ShardPass : public RegisteredPass<ShardPass> {
     if (o_.ranks <= 1) return false;
     KILN_ASSIGN_OR_RETURN(auto tables, tablesOf(m));
     ShardOptions o = o_;
+    if (auto it = m.attrs().find("kiln.plan"); it != m.attrs().end()) {
+      if (!it->second.isString()) return Status::error("shard: the module's kiln.plan must be a plan.json string");
+      if (o.plan_path.empty() && o.sharding.empty()) o.proposed_plan = it->second.asString();
+      m.mutableAttrs().erase("kiln.plan");
+    }
     if (o.global_batch == 0)
       if (auto symbols = planningSymbols(m); symbols.count("B")) o.global_batch = symbols.at("B") * o.ranks;
     KILN_ASSIGN_OR_RETURN(ShardPlan plan, planFor(tables, o));
@@ -1068,8 +1074,15 @@ class ShardPass : public RegisteredPass<ShardPass> {
     AttrDict summary{{"ranks", Attribute(int64_t{o.ranks})}, {"rank", Attribute(int64_t{o.rank})}};
     for (const TablePlan& t : plan.tables) {
       std::vector<int64_t> ranks(t.ranks.begin(), t.ranks.end());
-      summary[t.table] = Attribute(fmt::format("{} {}", shardingName(t.type), fmt::join(ranks, ",")));
+      std::string entry = fmt::format("{} {}", shardingName(t.type), fmt::join(ranks, ","));
+      if (t.hot.rows > 0) entry += fmt::format(" hot {}", t.hot.rows);
+      if (t.dedup) entry += " dedup";
+      summary[t.table] = Attribute(std::move(entry));
     }
+    summary["source"] = Attribute(!o.sharding.empty()        ? "sharding " + o.sharding
+                                  : !o.plan_path.empty()     ? "plan file " + o.plan_path
+                                  : !o.proposed_plan.empty() ? std::string("proposed")
+                                                             : std::string("automatic"));
     m.mutableAttrs()["kiln.shard"] = Attribute(std::move(summary));
     return true;
   }

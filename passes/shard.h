@@ -1,4 +1,8 @@
 // The shard pass (passes/shard.cc): one rank's training step and forward pass for N ranks.
+// The module attribute `kiln.plan` (a plan.json text) is the plan the planner proposed for the
+// run; the pass takes it (unless a plan file or one sharding is given), removes it, and records
+// the plan it ran in `kiln.shard` (each table's type and ranks, its hot rows and de-duplication,
+// and the plan's source).
 #pragma once
 
 #include <cstdint>
@@ -25,6 +29,9 @@ struct ShardOptions {
   int ep = 1;
   std::string plan_path;            // a plan.json; "" = the automatic plan
   std::string sharding;             // every table this way (tests, kiln opt); overrides plan_path
+  // A plan.json text the planner proposed for this run (passes/planner.h: kiln train --ranks N
+  // over its data's ids), given to the pass as the module's `kiln.plan`; after plan_path.
+  std::string proposed_plan;
   int64_t bucket_bytes = 25 << 20;  // dense gradients per all_reduce, as DDP's bucket_cap_mb
   // The pipelined step (TorchRec's sparse-dist pipeline): @train_step routes the next batch's
   // ids (inputs "next.<input>") while it computes this batch, whose routed ids arrive as inputs
@@ -35,7 +42,8 @@ struct ShardOptions {
   Target target = cpuTarget();
 };
 
-// The plan a run with `o` uses: o.sharding for every table, the plan file, or the automatic plan;
+// The plan a run with `o` uses: o.sharding for every table, the plan file, the proposed plan, or
+// the automatic plan (autoPlan without an id sample: what passes/planner.h proposes then);
 // checked and laid out (completePlan).
 Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOptions& o);
 

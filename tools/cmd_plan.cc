@@ -19,12 +19,14 @@
 #include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
 #include "passes/id_frequency.h"
+#include "passes/planner.h"
 #include "passes/plan_json.h"
 #include "ir/ops/kernel_util.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/memory.h"
 #include "tools/cli.h"
 #include "tools/dump_optimize.h"
+#include "tools/id_sample.h"
 
 namespace kiln::cli {
 namespace {
@@ -179,70 +181,14 @@ Expected<std::string> readText(const std::string& path) {
   return text.str();
 }
 
-// --data: each table's ids over the first `samples` samples of the data (or the synthetic stream),
-// one IdSample per table in module order (empty where the table has no single data input).
-Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std::vector<passes::TableInfo>& tables,
-                                                  const std::vector<std::string>& paths, int64_t samples) {
-  const ir::Function* fwd = m.lookup("forward");
-  if (!fwd) return Status::error("--data: the model has no @forward to read the data's inputs from");
-  KILN_ASSIGN_OR_RETURN(data::BatchSpec spec, data::fromFunction(*fwd));
-  data::DataOptions o;
-  o.paths = paths;
-  o.batch_size = std::min<int64_t>(samples, 4096);
-  o.synthetic_samples = samples;
-  KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(spec, o));
-  std::vector<passes::IdSample> out(tables.size());
-  // Per table: its ids input and that input's lengths (-1: fixed hotness).
-  std::vector<int> ids_of(tables.size(), -1), lengths_of(tables.size(), -1);
-  for (size_t i = 0; i < tables.size(); ++i)
-    if (tables[i].ids_inputs.size() == 1) {
-      ids_of[i] = spec.indexOf(tables[i].ids_inputs[0]);
-      if (ids_of[i] >= 0) lengths_of[i] = spec.inputs[static_cast<size_t>(ids_of[i])].lengths_input;
-    }
-  int64_t read = 0;
-  data::Batch batch;
-  while (read < samples) {
-    KILN_ASSIGN_OR_RETURN(bool more, reader->next(batch));
-    if (!more) break;
-    const int64_t n = std::min(batch.size, samples - read);
-    for (size_t i = 0; i < tables.size(); ++i) {
-      if (ids_of[i] < 0) continue;
-      const ir::TensorView& ids = batch.tensors[static_cast<size_t>(ids_of[i])].view;
-      std::vector<int64_t> row;
-      int64_t at = 0;
-      for (int64_t s = 0; s < n; ++s) {
-        int64_t len = ids.shape.size() == 2 ? ids.shape[1] : 1;
-        if (lengths_of[i] >= 0)
-          len = ir::kernels::loadIndex(batch.tensors[static_cast<size_t>(lengths_of[i])].view, s);
-        row.clear();
-        for (int64_t k = 0; k < len; ++k) row.push_back(ir::kernels::loadIndex(ids, at + k));
-        at += len;
-        out[i].addSample(row.data(), len);
-      }
-    }
-    read += n;
-  }
-  if (read < 2) return Status::errorf("--data: {} sample(s) read; the frequencies need at least 2", read);
-  return out;
-}
-
-// The frequency curves and the hot rows worth replicating for each sharded table of `plan`; returns
-// the plan to run: `plan` with those hot rows, or (unless `keep_layout`: a --plan file's layout
-// stays) the search rerun with them where that is faster and keeps the memory imbalance within
-// 1.5x (or the plan's own, if that is higher).
-passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<passes::TableInfo>& tables,
+// The proposal's id frequencies, hot rows, rerun and de-duplication (passes/planner.h decided
+// them; this prints what it saw).
+void printHybrid(const passes::PlanProposal& proposal, const std::vector<passes::TableInfo>& tables,
                  const std::vector<passes::IdSample>& sample, const passes::PlanRequest& req,
-                 const std::string& source, const std::vector<std::string>& explain, bool keep_layout,
-                 std::FILE* out) {
-  std::vector<passes::FrequencyCurve> curves;
-  for (const auto& pt : plan.tables) {
-    passes::FrequencyCurve curve;
-    for (size_t j = 0; j < tables.size() && j < sample.size(); ++j)
-      if (tables[j].name == pt.table && sample[j].samples() >= 2)
-        curve = passes::frequencyCurve(sample[j], tables[j].rows, req.global_batch / std::max(1, plan.ranks));
-    curves.push_back(std::move(curve));
-  }
-  const auto estimates = passes::estimateHybrid(plan, tables, curves, req);
+                 const std::string& source, const std::vector<std::string>& explain, std::FILE* out) {
+  const passes::ShardPlan& plan = proposal.layout;
+  const std::vector<passes::FrequencyCurve>& curves = proposal.curves;
+  const std::vector<passes::HybridEstimate>& estimates = proposal.hybrid;
   int64_t n = 0;
   for (const auto& x : sample) n = std::max(n, x.samples());
   std::fprintf(out, "\n%s\n",
@@ -292,44 +238,26 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
                                  c.fits ? "yes" : "no")
                          .c_str());
     }
-  const passes::ShardPlan hot = passes::withHotRows(plan, estimates);
-  const double before = passes::planCosts(plan, tables, req).step_s();
-  const double after = passes::planCosts(hot, tables, req).step_s();
+  const double before = proposal.layout_costs.step_s();
+  const double after = proposal.hot_step_s;
   std::fprintf(out, "%s\n",
                fmt::format("hybrid: predicted step {:.3f} ms -> {:.3f} ms ({:.2f}x); link bytes {} -> {} a step "
                            "({:.0f}% saved); the hot rows take {} on every rank",
                            before * 1e3, after * 1e3, after > 0 ? before / after : 1.0, bytes(plain), bytes(hybrid),
                            plain > 0 ? 100 * (plain - hybrid) / plain : 0.0, bytes(static_cast<double>(replicas)))
                    .c_str());
-  // The search again, every model-parallel choice of a table with its hot rows.
-  std::vector<passes::TableInfo> with_hot = tables;
-  for (auto& t : with_hot)
-    for (const auto& e : estimates)
-      if (e.table == t.name) t.hot = e.hot;
-  passes::PlanRequest r = req;
-  r.strategy = passes::PlanStrategy::search;
-  passes::ShardPlan chosen = hot;
-  std::string why = "the plan above with its hot rows";
-  if (auto searched = passes::autoPlan(with_hot, r)) {
-    const passes::PlanCosts c = passes::planCosts(*searched, with_hot, r);
+  if (proposal.rerun)
     std::fprintf(out, "%s\n",
                  fmt::format("searched again with those hot rows: {:.3f} ms ({:.2f}x the plan above), memory "
                              "imbalance {:.2f}x",
-                             c.step_s() * 1e3, c.step_s() > 0 ? before / c.step_s() : 1.0, c.memory_imbalance())
+                             proposal.rerun->step_s() * 1e3,
+                             proposal.rerun->step_s() > 0 ? before / proposal.rerun->step_s() : 1.0,
+                             proposal.rerun->memory_imbalance())
                      .c_str());
-    const double allowed = std::max(1.5, passes::planCosts(plan, tables, req).memory_imbalance());
-    if (keep_layout) {
-      why += " (--plan fixes the layout)";
-    } else if (c.step_s() < after && c.memory_imbalance() <= allowed) {
-      chosen = *searched;
-      why = "the search rerun with the hot rows";
-    } else if (c.step_s() < after) {
-      why += fmt::format(" (the rerun's memory imbalance is above {:.2f}x)", allowed);
-    }
-  }
-  // De-duplicated routing where the sample's repeats make it cheaper, on the plan that runs.
-  passes::ShardPlan deduped = chosen;
-  const std::vector<passes::DedupChoice> dedup_choices = passes::chooseDedup(deduped, tables, curves, req);
+  // De-duplicated routing, on the plan that runs.
+  const passes::ShardPlan& chosen = proposal.before_dedup;
+  const passes::ShardPlan& deduped = proposal.plan;
+  const std::vector<passes::DedupChoice>& dedup_choices = proposal.dedup;
   // --explain TABLE: its de-duplication what-if.
   for (const std::string& name : explain)
     for (const auto& c : dedup_choices)
@@ -357,14 +285,12 @@ passes::ShardPlan printHybrid(const passes::ShardPlan& plan, const std::vector<p
   } else {
     std::fprintf(out, "de-duplicated ids: on no table (the sample's ids repeat too little within a rank's batch)\n");
   }
-  chosen = std::move(deduped);
   int64_t hybrid_tables = 0;
-  for (const auto& t : chosen.tables) hybrid_tables += t.hot.rows > 0;
+  for (const auto& t : deduped.tables) hybrid_tables += t.hot.rows > 0;
   std::fprintf(out, "%s\n",
-               fmt::format("runs: {}, {} hybrid table{}, {} de-duplicated (kiln train --plan with -o's file)", why,
-                           hybrid_tables, hybrid_tables == 1 ? "" : "s", dedup_tables.size())
+               fmt::format("runs: {}, {} hybrid table{}, {} de-duplicated (kiln train --plan with -o's file)",
+                           proposal.why, hybrid_tables, hybrid_tables == 1 ? "" : "s", dedup_tables.size())
                    .c_str());
-  return chosen;
 }
 
 }  // namespace
@@ -514,7 +440,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
     }
     sample = read.take();
   }
-  passes::ShardPlan plan;
+  std::optional<passes::ShardPlan> from_file;
   if (p.has("plan")) {
     auto text = readText(p.get("plan"));
     if (!text) return p.usageError(text.status().message());
@@ -523,22 +449,22 @@ int runPlan(const std::vector<std::string>& raw_args) {
       printError("plan", read.status());
       return kExitError;
     }
-    plan = read.take();
-    if (p.has("ranks-per-node") && plan.ranks_per_node != req.ranks_per_node)
+    from_file = read.take();
+    if (p.has("ranks-per-node") && from_file->ranks_per_node != req.ranks_per_node)
       std::fprintf(
           stderr,
           "kiln plan: warning: the plan file says ranks_per_node %d; using it, not --ranks-per-node %d\n",
-          plan.ranks_per_node, req.ranks_per_node);
-    req.ranks_per_node = plan.ranks_per_node;
-  } else {
-    auto made = passes::autoPlan(*tables, req);
-    if (!made) {
-      printError("plan", made.status());
-      return kExitError;
-    }
-    plan = made.take();
+          from_file->ranks_per_node, req.ranks_per_node);
+    req.ranks_per_node = from_file->ranks_per_node;
   }
-  passes::PlanCosts costs = passes::planCosts(plan, *tables, req);
+  // The planner decides (passes/planner.h); what follows prints its proposal.
+  auto proposal = passes::proposePlan(*tables, req, from_file ? &*from_file : nullptr, sample ? &*sample : nullptr);
+  if (!proposal) {
+    printError("plan", proposal.status());
+    return kExitError;
+  }
+  passes::ShardPlan plan = proposal->layout;
+  passes::PlanCosts costs = proposal->layout_costs;
   int64_t total = 0;
   for (const auto& t : *tables) total += t.rows * t.bytesPerRow();
   std::printf(
@@ -594,9 +520,10 @@ int runPlan(const std::vector<std::string>& raw_args) {
     }
   }
   if (sample) {
-    plan = printHybrid(plan, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")),
-                       p.getAll("explain"), p.has("plan"), stdout);
-    costs = passes::planCosts(plan, *tables, req);
+    printHybrid(*proposal, *tables, *sample, req, fmt::format("{}", fmt::join(p.getAll("data"), ", ")),
+                p.getAll("explain"), stdout);
+    plan = proposal->plan;
+    costs = proposal->costs;
   }
   if (p.flag("simulate")) {
     // The plan as a file the shard pass reads, for the ranks simulated.

@@ -146,6 +146,20 @@ class Trainer {
   std::unique_ptr<runtime::MetricsWriter> metrics_;
 };
 
+// The sharding plan the run uses, as the shard pass recorded it (kiln.shard): where it came from,
+// then each table's type, ranks, hot rows and de-duplication.
+void printShardPlan(const ir::Module& m) {
+  auto it = m.attrs().find("kiln.shard");
+  if (it == m.attrs().end() || !it->second.isDict()) return;
+  const ir::AttrDict& shard = it->second.asDict();
+  std::string source = shard.count("source") ? shard.at("source").asString() : "automatic";
+  if (source == "proposed") source = "the planner's proposal over the data's ids (kiln plan --data prints it)";
+  std::fprintf(stderr, "plan: %s\n", source.c_str());
+  for (const auto& [table, entry] : shard)
+    if (table != "source" && table != "rank" && table != "ranks" && entry.isString())
+      std::fprintf(stderr, "  %-16s %s\n", table.c_str(), entry.asString().c_str());
+}
+
 std::string checkpointFile(const std::string& dir) { return (std::filesystem::path(dir) / "checkpoint.safetensors").string(); }
 
 void Trainer::warn(const std::string& message) const {
@@ -454,6 +468,7 @@ int Trainer::run() {
   }
 
   if (loud() && s_.device() == "cpu") printCpuHeader(s_.options().threads);
+  if (loud() && ranks_ > 1) printShardPlan(s_.module());
 
   data::DataOptions opts;
   opts.paths = f_.data;
@@ -885,6 +900,7 @@ int runTrain(const std::vector<std::string>& args) {
   if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   so.plan_path = p.get("plan");
   so.sharding = p.get("sharding");
+  so.plan_data = f.data;  // the automatic plan: the planner's proposal over these ids
   so.ranks_per_node = static_cast<int>(ranks_per_node);
   so.no_overlap = p.has("no-overlap");
   so.pipeline = p.has("pipeline");

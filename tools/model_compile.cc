@@ -6,8 +6,12 @@
 #include <iostream>
 
 #include "frontend/frontend.h"
+#include "passes/pass_manager.h"
 #include "passes/pipeline.h"
+#include "passes/plan_json.h"
+#include "passes/planner.h"
 #include "passes/remat.h"
+#include "tools/id_sample.h"
 #include "tools/model_session.h"
 
 namespace kiln::cli {
@@ -65,8 +69,10 @@ bool readCompileFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
 
 }  // namespace
 
-Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& options, const Target& target,
-                                                         std::ostream& diag) {
+namespace {
+
+// The model file through the frontend, with the session's train block overrides and run seed.
+Expected<std::unique_ptr<ir::Module>> frontendModule(const SessionOptions& options, std::ostream& diag) {
   frontend::DiagnosticEngine diags(&diag);
   auto module = frontend::compileModelFile(options.model_path, options.overrides, diags);
   if (!module) {
@@ -88,6 +94,39 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
     merged["seed"] = static_cast<int64_t>(options.seed & 0x7fffffffffffffffull);
     m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
   }
+  return owned;
+}
+
+// The plan the planner proposes for this run from its data's ids (passes/planner.h), as
+// plan.json text: what `kiln plan MODEL --ranks N --batch <global> --target T --data D` prints
+// and writes for the same model, target, batch and data. The model's tables come from the
+// pipeline up to remat, as `kiln plan` compiles it.
+Expected<std::string> proposedPlan(const SessionOptions& options, const Target& target, int ranks) {
+  std::ostream& quiet = std::cerr;  // the main compile reports the model's errors; this one stops at the first
+  KILN_ASSIGN_OR_RETURN(auto m, frontendModule(options, quiet));
+  m->mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
+  passes::PassManager pm({.target = target});
+  KILN_RETURN_IF_ERROR(pm.addPipeline(passes::pipelineUpTo(true, "remat")));
+  KILN_RETURN_IF_ERROR(pm.build());
+  if (auto ran = pm.run(*m); !ran) return ran.status();
+  KILN_ASSIGN_OR_RETURN(auto tables, passes::tablesOf(*m));
+  KILN_ASSIGN_OR_RETURN(auto sample, sampleIds(*m, tables, options.plan_data, options.plan_samples));
+  KILN_ASSIGN_OR_RETURN(passes::PlanRequest req, passes::planRequestFor(target));
+  req.ranks = ranks;
+  req.ranks_per_node = options.ranks_per_node;
+  req.global_batch = options.batch * ranks;
+  KILN_ASSIGN_OR_RETURN(passes::PlanProposal proposal, passes::proposePlan(tables, req, nullptr, &sample));
+  return passes::writePlanJson(proposal.plan, &proposal.costs);
+}
+
+}  // namespace
+
+Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& options, const Target& target,
+                                                         std::ostream& diag) {
+  KILN_ASSIGN_OR_RETURN(std::unique_ptr<ir::Module> owned, frontendModule(options, diag));
+  ir::Module& m = *owned;
+  auto train = m.attrs().find("kiln.train");
+  const bool has_train = train != m.attrs().end() && train->second.isDict();
   if (options.training && !has_train)
     return Status::error(fmt::format("{}: the model has no train block to train with", options.model_path));
 
@@ -112,6 +151,12 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
     if (options.ranks_per_node > 0) shard.set("ranks_per_node", std::to_string(options.ranks_per_node));
     if (options.ep > 1) shard.set("ep", std::to_string(options.ep));
     if (options.pipeline) shard.set("pipeline", "1");
+    // No plan given: the planner's proposal over the run's data (the shard pass takes kiln.plan).
+    if (options.plan_path.empty() && options.sharding.empty() && !options.plan_data.empty()) {
+      auto proposed = proposedPlan(options, target, options.comm->size());
+      if (!proposed) return Status::errorf("planning the sharding from the data's ids: {}", proposed.status().message());
+      m.mutableAttrs()["kiln.plan"] = ir::Attribute(proposed.take());
+    }
   }
   KILN_RETURN_IF_ERROR(
       pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));

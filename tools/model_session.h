@@ -67,8 +67,12 @@ struct SessionOptions {
   // Many ranks (kiln train --ranks N, mpirun -np N kiln train): this rank's communicator, owned by
   // the caller; nullptr = one rank. `batch` is then this rank's share of the global batch.
   comm::Communicator* comm = nullptr;
-  // The sharding plan (kiln train --plan plan.json); "" = the automatic plan.
+  // The sharding plan (kiln train --plan plan.json); "" = the planner's proposal (passes/planner.h)
+  // from the ids of the first plan_samples samples of plan_data (the run's --data), or without
+  // plan_data the search's plan alone.
   std::string plan_path;
+  std::vector<std::string> plan_data;
+  int64_t plan_samples = 65536;
   int ranks_per_node = 0;  // --ranks-per-node; 0 = every rank on one node
   int ep = 1;              // --ep: MoE experts over groups of this many ranks (expert parallelism)
   // kiln train --no-overlap: the executors wait on each collective right after issuing it.
