@@ -119,6 +119,9 @@ class Trainer {
   runtime::DirLock lock_;      // held from start to exit: one writer per checkpoint directory
   runtime::RunInputs inputs_;  // recorded in every checkpoint, checked on resume
   int64_t step_ = 0, start_step_ = 0;
+  // The step the checkpoint directory holds (a resumed run's start, then each save): the end of
+  // the run saves only past it. A sharded checkpoint cannot be rewritten at the step it holds.
+  int64_t saved_step_ = -1;
   int64_t samples_ = 0;
   std::unique_ptr<serving::UpdatePublisher> publisher_;  // --publish
   Status publish();
@@ -294,7 +297,7 @@ Status Trainer::resume() {
                                      ec == std::errc::result_out_of_range ? " (beyond int64)" : ""));
   KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata));
   resumed_ = true;
-  start_step_ = step_;
+  start_step_ = saved_step_ = step_;
   if (loud())
     std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
   return Status::ok();
@@ -310,7 +313,7 @@ Status Trainer::resumeSharded() {
   step_ = ckpt.step();
   KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata()));
   resumed_ = true;
-  start_step_ = step_;
+  start_step_ = saved_step_ = step_;
   if (loud())
     std::fprintf(stderr, "resumed from %s at step %lld (saved by %d rank%s, resumed on %d)\n", path.c_str(),
                  static_cast<long long>(step_), ckpt.ranks(), ckpt.ranks() == 1 ? "" : "s", ranks_);
@@ -330,12 +333,14 @@ Status Trainer::saveCheckpoint(const data::StreamPosition& position) {
     KILN_RETURN_IF_ERROR(
         runtime::saveShardedCheckpoint(*comm_, f_.checkpoint_dir, step_, s_.localPieces(), meta));
     if (rank_ == 0) std::filesystem::remove(dir / "checkpoint.safetensors", ec);
+    saved_step_ = step_;
     return Status::ok();
   }
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : s_.checkpointNames())
     tensors.emplace_back(name, s_.params().find(name)->view);
   KILN_RETURN_IF_ERROR(runtime::saveCheckpoint(checkpointFile(f_.checkpoint_dir), tensors, meta));
+  saved_step_ = step_;
   // The index first: without it the shard files are no checkpoint.
   if (std::filesystem::remove(dir / runtime::kShardedIndexFile, ec))
     for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
@@ -696,17 +701,21 @@ int Trainer::run() {
   if (prefetch.malformed() > 0 && loud())
     std::fprintf(stderr, "%sskipped %lld malformed lines\n", tty_ ? "\n" : "", static_cast<long long>(prefetch.malformed()));
 
-  // Final evaluation when evaluation was asked for and the last step did not just do it.
-  if (f_.eval_every > 0 && step_ % f_.eval_every != 0) {
+  // Final evaluation when evaluation was asked for (--eval-every, or --eval-data alone: data to
+  // evaluate on is a request to evaluate) and the last step did not just do it.
+  if ((f_.eval_every > 0 || !f_.eval_data.empty()) && (f_.eval_every == 0 || step_ % f_.eval_every != 0)) {
     auto ev = evaluate();
     if (!ev) return fail(ev.status());
     noteEvaluation(*ev);
   }
-  if (tty_ || logged_step_ != step_) progress(true);
-  if (publisher_ && step_ % f_.publish_every != 0 && step_ > start_step_) {
+  const bool trained = step_ > start_step_;
+  if (trained && (tty_ || logged_step_ != step_)) progress(true);
+  if (publisher_ && step_ % f_.publish_every != 0 && trained) {
     if (Status st = publish(); !st) return fail(st);
   }
-  if (!f_.checkpoint_dir.empty()) {
+  // The last step, unless --checkpoint-every just saved it or nothing was trained (a resume past
+  // --steps): the directory holds it already.
+  if (!f_.checkpoint_dir.empty() && step_ != saved_step_) {
     Status st = saveCheckpoint(position);
     if (!st) return fail(st);
   }
@@ -722,7 +731,14 @@ int Trainer::run() {
               s_.modelName().c_str(), static_cast<long long>(step_), static_cast<long long>(step_ - start_step_),
               static_cast<long long>(samples_), elapsed, elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0,
               data_done ? " (data exhausted)" : "");
-  std::printf("final train loss: %.6f\n", last_loss_);
+  if (trained)
+    std::printf("final train loss: %.6f\n", last_loss_);
+  else if (f_.steps > 0)
+    std::printf("nothing left to train: the checkpoint holds step %lld, and --steps asks for %lld\n",
+                static_cast<long long>(step_), static_cast<long long>(f_.steps));
+  else
+    std::printf("nothing left to train: the checkpoint holds step %lld, past the data's last batch\n",
+                static_cast<long long>(step_));
   if (last_eval_loss_) std::printf("eval loss: %.6f\n", *last_eval_loss_);
   if (last_auc_) std::printf("eval auc: %.6f\n", *last_auc_);
   for (const TaskResult& t : last_tasks_) std::printf("eval auc.%s: %.6f\n", t.name.c_str(), t.auc);
@@ -767,7 +783,8 @@ int runTrain(const std::vector<std::string>& args) {
   p.addOption("steps", "N", "train until step N (counted from the start of training, also when resuming)");
   p.addOption("epochs", "E", "passes over the data (default 1 without --steps)");
   p.addOption("batch", "B", "samples per step", "256");
-  p.addOption("eval-every", "N", "evaluate every N steps and at the end (0: never)", "0");
+  p.addOption("eval-every", "N",
+              "evaluate every N steps and at the end (0: only at the end, and only when --eval-data is given)", "0");
   p.addOption("eval-samples", "N", "samples of the held-out synthetic stream per evaluation", "16384");
   p.addOption("log-every", "N", "log every N steps (default: about once a second)");
   p.addOption("checkpoint", "DIR", "save a checkpoint into DIR at the end (and every --checkpoint-every steps)");
