@@ -18,7 +18,7 @@
 #include "codegen/kernel_lowering.h"
 #include "ir/target.h"
 #include "runtime/cuda/ahead_compile.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 using namespace kiln;
 
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
     at = comma + 1;
   }
 
-  cli::SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = model;
   so.overrides["rows_cap"] = std::to_string(rows_cap);
   so.batch = batch;
@@ -67,7 +67,7 @@ int main(int argc, char** argv) {
                         {"embedding_optimizer", ir::Attribute(sgd)},
                         {"precision", ir::Attribute(std::string("bf16"))}};
   // The module only: no parameters are allocated (R1's tables are gigabytes).
-  auto module = cli::compileModelModule(so, h200Target(), std::cerr);
+  auto module = driver::compileModelModule(so, h200Target(), std::cerr);
   if (!module) {
     std::fprintf(stderr, "aot_bench: compiling %s: %s\n", model.c_str(), module.status().message().c_str());
     return 1;

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "runtime/cpu/gemm.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 using namespace kiln;
 
@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
   runtime::ThreadPool pool(threads);
   g_pool = &pool;
 
-  cli::SessionOptions o;
+  driver::SessionOptions o;
   o.model_path = std::string(KILN_SOURCE_DIR) + "/models/moe_layer.kiln";
   o.overrides = {{"hidden", std::to_string(s.hidden)},
                  {"ffn", std::to_string(s.ffn)},
@@ -295,7 +295,7 @@ int main(int argc, char** argv) {
   o.train_overrides = {{"optimizer", ir::Attribute(sgd)}};
   if (gpu) o.train_overrides["precision"] = ir::Attribute(std::string("bf16"));
   std::ostringstream diag;
-  auto session = cli::ModelSession::create(o, diag);
+  auto session = driver::Session::create(o, diag);
   if (!session) return fail("compiling models/moe_layer.kiln", session.status());
 
   data::Batch batch;

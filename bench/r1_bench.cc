@@ -24,7 +24,7 @@
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/data/batch_reader.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 using namespace kiln;
 
@@ -62,7 +62,7 @@ int main(int argc, char** argv) {
   }
 
   // The model compiled and initialized on the host (the session itself stays on the CPU).
-  cli::SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = model;
   so.overrides["rows_cap"] = std::to_string(rows_cap);
   so.batch = batch;
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
                         {"embedding_optimizer", ir::Attribute(sgd)},
                         {"precision", ir::Attribute(precision)}};
   auto t0 = std::chrono::steady_clock::now();
-  auto session = cli::ModelSession::create(so, std::cerr);
+  auto session = driver::Session::create(so, std::cerr);
   if (!session) return fail("compiling " + model, session.status());
   auto cs = cuda::CudaSession::create();
   if (!cs) return fail("CUDA", cs.status());
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
     }
   }
   float step = 1.0f;
-  auto inputsOf = [&](const data::Batch& b) { return cli::StepInputs(b, {{"lr", 1.0f}, {"step", step}}); };
+  auto inputsOf = [&](const data::Batch& b) { return driver::StepInputs(b, {{"lr", 1.0f}, {"step", step}}); };
 
   double first_loss = 0, loss = 0;
   for (int i = 0; i < 3; ++i) {  // eager, capture, replay

@@ -15,7 +15,7 @@
 
 #include "ir/tensor_view.h"
 #include "runtime/data/batch_reader.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::testing {
 
@@ -80,7 +80,7 @@ struct ModelCase {
   bool bf16() const { return std::string(precision) == "bf16"; }
   std::string name() const { return std::string(model) + (bf16() ? "_bf16" : ""); }
   // Points `o` at the model file and applies the case's train-block overrides.
-  void apply(cli::SessionOptions& o) const {
+  void apply(driver::SessionOptions& o) const {
     o.model_path = std::string(KILN_SOURCE_DIR) + "/models/" + model + ".kiln";
     if (!bf16()) return;
     const ir::AttrDict sgd = {{"kind", ir::Attribute(std::string("sgd"))}, {"lr", ir::Attribute(0.01)}};
@@ -98,9 +98,9 @@ inline const std::vector<ModelCase>& modelCases() {
 
 // A session of the case's model on the host (small tables keep the CPU side fast; the code is
 // the same): `batch` samples a step, seed 3, on `device`.
-inline std::unique_ptr<cli::ModelSession> makeSession(const ModelCase& c, int64_t batch, const std::string& rows_cap,
+inline std::unique_ptr<driver::Session> makeSession(const ModelCase& c, int64_t batch, const std::string& rows_cap,
                                                       const std::string& device = "cpu", int threads = 1) {
-  cli::SessionOptions o;
+  driver::SessionOptions o;
   c.apply(o);
   o.overrides["rows_cap"] = rows_cap;
   o.batch = batch;
@@ -108,13 +108,13 @@ inline std::unique_ptr<cli::ModelSession> makeSession(const ModelCase& c, int64_
   o.seed = 3;
   o.device = device;
   std::ostringstream diag;
-  auto s = cli::ModelSession::create(o, diag);
+  auto s = driver::Session::create(o, diag);
   EXPECT_TRUE(s) << s.status().message() << "\n" << diag.str();
   return s ? s.take() : nullptr;
 }
 
 // The first `n` synthetic training batches of `batch` samples (seed 11) for the session's model.
-inline std::vector<data::Batch> syntheticBatches(const cli::ModelSession& s, int64_t batch, int n) {
+inline std::vector<data::Batch> syntheticBatches(const driver::Session& s, int64_t batch, int n) {
   data::DataOptions opts;
   opts.paths = {"synthetic"};
   opts.batch_size = batch;

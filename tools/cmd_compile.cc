@@ -21,8 +21,8 @@
 #include "runtime/data/sample.h"
 #include "runtime/payload.h"
 #include "tools/cli.h"
-#include "tools/compiled_model.h"
-#include "tools/model_session.h"
+#include "driver/compiled_model.h"
+#include "tools/session_flags.h"
 #include "tools/run_data.h"
 
 namespace kiln::cli {
@@ -49,9 +49,9 @@ Expected<std::string> runnerBeside(const std::string& file) {
 
 // The checkpoint's tensors that the compiled model holds, checked against it by the same code
 // that loads a checkpoint at run time, as the bytes of a safetensors file.
-Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledModel>& compiled,
-                                          const SessionOptions& options, const std::string& checkpoint) {
-  KILN_ASSIGN_OR_RETURN(auto session, ModelSession::fromCompiled(compiled, options, std::cerr));
+Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const driver::CompiledModel>& compiled,
+                                          const driver::SessionOptions& options, const std::string& checkpoint) {
+  KILN_ASSIGN_OR_RETURN(auto session, driver::Session::fromCompiled(compiled, options, std::cerr));
   KILN_RETURN_IF_ERROR(loadCheckpointInto(*session, checkpoint));
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : session->checkpointNames())
@@ -66,7 +66,7 @@ Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const CompiledMo
 
 // NAME.h: the C API's header after the model's own constants (its max batch and each input's
 // index), as NAME_MAX_BATCH, NAME_NUM_INPUTS and NAME_INPUT_<INPUT>.
-Expected<std::string> cHeaderFor(const ir::Module& m, const CompiledModel& c, const std::string& name) {
+Expected<std::string> cHeaderFor(const ir::Module& m, const driver::CompiledModel& c, const std::string& name) {
   auto macro = [](std::string_view s) {
     std::string out;
     for (char ch : s)
@@ -144,7 +144,7 @@ int runCompile(const std::vector<std::string>& raw_args) {
       return p.usageError(fmt::format("--functions: '{}' is not one of train, eval, predict", f));
   if (functions.empty()) return p.usageError("--functions names none of train, eval, predict");
 
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path))
     return p.usageError(fmt::format("no such model file '{}'", so.model_path));
@@ -161,11 +161,11 @@ int runCompile(const std::vector<std::string>& raw_args) {
   // The passes plan for the CPU unless told otherwise: one module serves every device.
   auto target = targetByName(so.target.empty() ? "cpu" : so.target);
   if (!target) return fail(target.status());
-  auto module = compileModelModule(so, *target, std::cerr);
+  auto module = driver::compileModelModule(so, *target, std::cerr);
   if (!module) return fail(module.status());
   const ir::Module& m = **module;
 
-  auto compiled = std::make_shared<CompiledModel>();
+  auto compiled = std::make_shared<driver::CompiledModel>();
   if (auto it = m.attrs().find("kiln.model"); it != m.attrs().end() && it->second.isString())
     compiled->name = it->second.asString();
   compiled->source = so.model_path;
@@ -182,7 +182,7 @@ int runCompile(const std::vector<std::string>& raw_args) {
     if (!f) continue;
     auto program = codegen::lowerForCpu(*f, {{"B", *max_batch}});
     if (!program) return fail(program.status());
-    payload.add(cpuProgramSection(function), program->serialize());
+    payload.add(driver::cpuProgramSection(function), program->serialize());
     compiled->cpu_programs.emplace(function, program.take());
   }
   if (device != "cpu") {
@@ -225,21 +225,21 @@ int runCompile(const std::vector<std::string>& raw_args) {
                  seconds, cuda::nvrtcThreads(ahead.threads));
     compiled->devices.push_back("cuda");
     compiled->archs = kernels.archs();
-    payload.add(std::string(kCudaKernelsSection), kernels.serialize());
+    payload.add(std::string(driver::kCudaKernelsSection), kernels.serialize());
   }
 
   const std::filesystem::path out(p.get("output"));
   const std::filesystem::path out_dir =
       out.has_parent_path() ? out.parent_path() : std::filesystem::path(".");
   if (p.has("checkpoint")) {
-    SessionOptions check = so;
+    driver::SessionOptions check = so;
     check.training = so.training;
     auto weights = weightsFor(compiled, check, p.get("checkpoint"));
     if (!weights) return fail(weights.status());
-    payload.add(std::string(kWeightsSection), weights.take());
+    payload.add(std::string(driver::kWeightsSection), weights.take());
   }
-  payload.add(std::string(kMetaSection), compiledMetaJson(*compiled));
-  payload.add(std::string(kModuleSection), compiled->module_text);
+  payload.add(std::string(driver::kMetaSection), driver::compiledMetaJson(*compiled));
+  payload.add(std::string(driver::kModuleSection), compiled->module_text);
 
   const std::string runner_file = emit == "exe" ? (p.flag("serve") ? "kiln-serve-runner" : "kiln-runner")
                                                 : "libkiln-aot.so";

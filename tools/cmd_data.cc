@@ -18,7 +18,7 @@
 #include "runtime/data/schema.h"
 #include "runtime/checkpoint.h"
 #include "tools/cli.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 #include "tools/serve_http.h"
 
 namespace kiln::cli {
@@ -239,7 +239,7 @@ int runRequests(const std::vector<std::string>& raw_args) {
   auto samples = p.getInt("samples");
   if (!batch || !samples) return kExitUsage;
   if (*batch < 1 || *samples < 1) return p.usageError("--batch and --samples must be positive");
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = *batch;

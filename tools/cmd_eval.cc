@@ -10,14 +10,14 @@
 #include <iostream>
 
 #include "tools/cli.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 #include "tools/run_data.h"
 
 namespace kiln::cli {
 namespace {
 
 struct EvalSetup {
-  std::unique_ptr<ModelSession> session;
+  std::unique_ptr<driver::Session> session;
   EvalDataOptions data;
 };
 
@@ -53,7 +53,7 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   setup.data.strict = p.flag("strict");
   setup.data.token_dtype = p.get("token-dtype");
 
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = *batch;

@@ -26,7 +26,7 @@
 #include "runtime/memory.h"
 #include "tools/cli.h"
 #include "tools/dump_optimize.h"
-#include "tools/id_sample.h"
+#include "driver/id_sample.h"
 
 namespace kiln::cli {
 namespace {
@@ -433,7 +433,7 @@ int runPlan(const std::vector<std::string>& raw_args) {
   // --data: the ids first, so that a bad file stops the command before anything is printed.
   std::optional<std::vector<passes::IdSample>> sample;
   if (p.has("data")) {
-    auto read = sampleIds(**m, *tables, p.getAll("data"), *data_samples);
+    auto read = driver::sampleIds(**m, *tables, p.getAll("data"), *data_samples);
     if (!read) {
       printError("plan", read.status());
       return kExitError;

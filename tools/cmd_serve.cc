@@ -15,9 +15,9 @@
 #include "runtime/checkpoint.h"
 #include "runtime/serving/rocksdb_store.h"
 #include "tools/cli.h"
-#include "tools/compiled_model.h"
+#include "driver/compiled_model.h"
 #include "tools/model_server.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 #include "tools/run_data.h"
 #include "tools/serve_http.h"
 
@@ -62,7 +62,7 @@ Status streamTable(const std::string& path, const runtime::CheckpointHeader& h, 
 }
 
 // Loads the session's own parameters (all but the served tables) from the checkpoint.
-Status loadDense(ModelSession& s, const std::string& path, const runtime::CheckpointHeader& h) {
+Status loadDense(driver::Session& s, const std::string& path, const runtime::CheckpointHeader& h) {
   for (const std::string& name : s.checkpointNames()) {
     const runtime::CheckpointEntry* e = h.find(name);
     if (!e) return Status::errorf("the checkpoint '{}' has no parameter '{}'", path, name);
@@ -96,7 +96,7 @@ bool parseSizes(const std::string& text, std::vector<int64_t>& out) {
 }
 
 // Opens a forward-only session whose served tables a store holds.
-Expected<std::unique_ptr<ModelSession>> openServingSession(SessionOptions so) {
+Expected<std::unique_ptr<driver::Session>> openServingSession(driver::SessionOptions so) {
   so.training = false;
   so.external_tables = true;
   return openSession(so, std::cerr);
@@ -198,7 +198,7 @@ int runServe(const std::vector<std::string>& args) {
   ho.version = KILN_VERSION;
 #endif
 
-  SessionOptions session_options;
+  driver::SessionOptions session_options;
   session_options.model_path = p.positionals()[0];
   if (!std::filesystem::exists(session_options.model_path))
     return p.usageError(fmt::format("no such model file '{}'", session_options.model_path));
@@ -222,14 +222,14 @@ int runServe(const std::vector<std::string>& args) {
     header = h.take();
     step = checkpointStep(header);
   } else {
-    const CompiledModel& c = *sessionOpener().compiled;
+    const driver::CompiledModel& c = *sessionOpener().compiled;
     auto weights = runtime::viewCheckpoint(c.weights, "the embedded weights", c.payload);
     if (!weights) return fail(weights.status());
     auto it = weights->metadata.find("step");
     step = it == weights->metadata.end() ? 0 : std::atoll(it->second.c_str());
   }
 
-  std::vector<std::unique_ptr<ModelSession>> sessions;
+  std::vector<std::unique_ptr<driver::Session>> sessions;
   for (int64_t i = 0; i < instances; ++i) {
     auto s = openServingSession(session_options);
     if (!s) return fail(s.status());
@@ -237,7 +237,7 @@ int runServe(const std::vector<std::string>& args) {
       if (Status st = loadDense(**s, ckpt_path, header); !st) return fail(st);
     sessions.push_back(s.take());
   }
-  ModelSession& first = *sessions[0];
+  driver::Session& first = *sessions[0];
   if (first.forwardSpec().readsTokens())
     return fail(Status::error("a language model (a token input) has no per-sample score to serve"));
   const std::vector<serving::ServedTable>& tables = first.servedTables();
@@ -327,7 +327,7 @@ int runStore(const std::vector<std::string>& args) {
     return p.usageError(fmt::format("unknown action '{}' (expected import)", p.positionals()[0]));
   if (!p.has("model"))
     return p.usageError("--model MODEL.kiln is required (it says which tensors are tables)");
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = p.get("model");
   if (!std::filesystem::exists(so.model_path))
     return p.usageError(fmt::format("no such model file '{}'", so.model_path));

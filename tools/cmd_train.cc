@@ -26,7 +26,7 @@
 #include "runtime/serving/update_file.h"
 #include "runtime/trace.h"
 #include "tools/cli.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 #include "tools/moe_stats.h"
 #include "tools/run_data.h"
 
@@ -71,7 +71,7 @@ struct TrainFlags {
 class Trainer {
  public:
   // `peer_tracers`: on rank 0 of in-process ranks, every rank's tracer, written with its own.
-  Trainer(ModelSession& session, const TrainFlags& flags, uint64_t seed, runtime::Tracer* tracer,
+  Trainer(driver::Session& session, const TrainFlags& flags, uint64_t seed, runtime::Tracer* tracer,
           const std::vector<std::unique_ptr<runtime::Tracer>>* peer_tracers = nullptr)
       : s_(session),
         f_(flags),
@@ -106,7 +106,7 @@ class Trainer {
   void noteEvaluation(const EvalResult& ev);
   void progress(bool final_line);
 
-  ModelSession& s_;
+  driver::Session& s_;
   const TrainFlags& f_;
   uint64_t seed_;
   runtime::Tracer* tracer_;
@@ -297,7 +297,9 @@ Status Trainer::resume() {
                                      ec == std::errc::result_out_of_range ? " (beyond int64)" : ""));
   KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata));
   resumed_ = true;
-  start_step_ = saved_step_ = step_;
+  start_step_ = step_;
+  // A single file resumed on N ranks is saved sharded at the end, even with nothing to train.
+  if (ranks_ == 1) saved_step_ = step_;
   if (loud())
     std::fprintf(stderr, "resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(step_));
   return Status::ok();
@@ -313,7 +315,10 @@ Status Trainer::resumeSharded() {
   step_ = ckpt.step();
   KILN_RETURN_IF_ERROR(resumePosition(path, saved, ckpt.metadata()));
   resumed_ = true;
-  start_step_ = saved_step_ = step_;
+  start_step_ = step_;
+  // A sharded checkpoint resumed on one rank is saved as one file at the end, even with nothing
+  // to train (`kiln train --resume` converts it).
+  if (ranks_ > 1) saved_step_ = step_;
   if (loud())
     std::fprintf(stderr, "resumed from %s at step %lld (saved by %d rank%s, resumed on %d)\n", path.c_str(),
                  static_cast<long long>(step_), ckpt.ranks(), ckpt.ranks() == 1 ? "" : "s", ranks_);
@@ -407,7 +412,7 @@ void Trainer::progress(bool final_line) {
   int64_t done = step_ - start_step_;
   std::string total = f_.steps > 0 ? fmt::format("/{}", f_.steps) : "";
   std::string left = "?";
-  if (f_.steps > 0 && done > 0) left = formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
+  if (f_.steps > 0 && done > 0) left = driver::formatDuration(elapsed / static_cast<double>(done) * static_cast<double>(f_.steps - step_));
   std::string auc = last_auc_ ? fmt::format(" | eval auc {:.4f}", *last_auc_) : "";
   if (!last_tasks_.empty()) {
     auc = " | eval auc";
@@ -427,7 +432,7 @@ void Trainer::progress(bool final_line) {
                         100 * comm_fraction_);
   std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{}{} | elapsed {} | left {}",
                                  step_, total, window_rate_, ranks, last_loss_, taskLossText(), moe_text_,
-                                 auc, formatDuration(elapsed), final_line ? "0:00" : left);
+                                 auc, driver::formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
   else
@@ -499,11 +504,11 @@ int Trainer::run() {
       return kExitError;
     }
   }
-  data::Prefetcher prefetch(reader.take(), kTrainPrefetchDepth);
+  data::Prefetcher prefetch(reader.take(), driver::kTrainPrefetchDepth);
 
   const ir::AttrDict& train = s_.trainConfig();
   ir::AttrDict schedule;
-  if (const ir::Attribute* a = trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
+  if (const ir::Attribute* a = driver::trainValue(train, "lr_schedule"); a && a->isDict()) schedule = a->asDict();
 
   runtime::Tracer* tracer = tracer_;
   // What the run did up to a failure is worth seeing too.
@@ -569,7 +574,7 @@ int Trainer::run() {
     double lr = passes::learningRateFactor(schedule, step_ + 1);
     runtime::Tracer::Scope step_scope(tracer, fmt::format("step {}", step_ + 1), runtime::TraceCategory::Host,
                                       rank_, runtime::kHostTrack, {{"step", step_ + 1}});
-    Expected<StepOutputs> out = Status::error("not run");
+    Expected<driver::StepOutputs> out = Status::error("not run");
     if (s_.pipelined()) {
       // The pipelined step routes the next batch's ids now: read it ahead (not past the last
       // step). A next batch of another size (the data's short last one) is routed again when
@@ -713,8 +718,8 @@ int Trainer::run() {
   if (publisher_ && step_ % f_.publish_every != 0 && trained) {
     if (Status st = publish(); !st) return fail(st);
   }
-  // The last step, unless --checkpoint-every just saved it or nothing was trained (a resume past
-  // --steps): the directory holds it already.
+  // The last step, unless the directory already holds it in this run's form: --checkpoint-every
+  // just saved it, or nothing was trained since a resume from a checkpoint of the same form.
   if (!f_.checkpoint_dir.empty() && step_ != saved_step_) {
     Status st = saveCheckpoint(position);
     if (!st) return fail(st);
@@ -902,7 +907,7 @@ int runTrain(const std::vector<std::string>& args) {
   for (const std::string& d : f.eval_data)
     if (!std::filesystem::exists(d)) return p.usageError(fmt::format("no such eval data file '{}'", d));
 
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = p.positionals()[0];
   if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = f.batch;
@@ -957,7 +962,7 @@ int runTrain(const std::vector<std::string>& args) {
       peer_tracers.back()->setRecording(false);
     }
   auto trainRank = [&](comm::Communicator* c) -> int {
-    SessionOptions mine = so;
+    driver::SessionOptions mine = so;
     mine.comm = c;
     mine.batch = f.batch / ranks;
     if (!mpi) mine.memory_shares = static_cast<int>(ranks);

@@ -15,7 +15,7 @@
 #include "passes/pipeline.h"
 #include "passes/remat.h"
 #include "tools/cli.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 
@@ -83,16 +83,16 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     err << spec.status().str() << "\n";
     return kExitError;
   }
-  SessionOptions session;
+  driver::SessionOptions session;
   session.batch = o.batch;
   session.training = true;
   session.device = "cpu";
-  auto need = estimateSessionMemory(m, session, *spec);
+  auto need = driver::estimateSessionMemory(m, session, *spec);
   if (!need) {
     err << need.status().str() << "\n";
     return kExitError;
   }
-  const MemoryTotals memory = memoryTotals(*need);
+  const driver::MemoryTotals memory = driver::memoryTotals(*need);
   passes::CostModel cost(o.target, symbols);
   double flops = 0;
   for (const auto& op : f->entry().ops()) flops += cost.opCost(*op).flops;

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "tools/cli.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 #define KILN_COMMAND(name, summary, fn) int fn(const std::vector<std::string>& args);

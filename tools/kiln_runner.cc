@@ -18,8 +18,8 @@
 #include "runtime/data/batch.h"
 #include "runtime/payload.h"
 #include "tools/cli.h"
-#include "tools/compiled_model.h"
-#include "tools/model_session.h"
+#include "driver/compiled_model.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 
@@ -36,7 +36,7 @@ std::string joined(const std::vector<std::string>& v) {
   return v.empty() ? "none" : fmt::format("{}", fmt::join(v, ", "));
 }
 
-int info(const CompiledModel& c, const std::string& self) {
+int info(const driver::CompiledModel& c, const std::string& self) {
   auto module = ir::parseModule(c.module_text, "payload");
   if (!module) {
     printError("info", module.status());
@@ -83,7 +83,7 @@ int info(const CompiledModel& c, const std::string& self) {
   return kExitOk;
 }
 
-void printHelp(const std::string& name, const CompiledModel& c) {
+void printHelp(const std::string& name, const driver::CompiledModel& c) {
   std::printf(
       "usage: %s COMMAND [flags]\n\n%s, compiled ahead of time by Kiln %s (batch up to %lld).\n\ncommands:\n",
       name.c_str(), c.name.c_str(), c.kiln_version.c_str(), static_cast<long long>(c.max_batch));
@@ -113,12 +113,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s: error: %s\n", name.c_str(), payload.status().message().c_str());
     return kExitError;
   }
-  auto compiled = loadCompiledModel(std::make_shared<const runtime::Payload>(payload.take()));
+  auto compiled = driver::loadCompiledModel(std::make_shared<const runtime::Payload>(payload.take()));
   if (!compiled) {
     std::fprintf(stderr, "%s: error: %s\n", name.c_str(), compiled.status().message().c_str());
     return kExitError;
   }
-  const CompiledModel& c = **compiled;
+  const driver::CompiledModel& c = **compiled;
   if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h") ||
       !std::strcmp(argv[1], "help")) {
     printHelp(name, c);
@@ -174,8 +174,8 @@ int main(int argc, char** argv) {
         name.c_str(), command.c_str(), command.c_str(), static_cast<long long>(c.max_batch));
   SessionOpener opener;
   opener.compiled = *compiled;
-  opener.open = [compiled = *compiled](const SessionOptions& options, std::ostream& diag) {
-    return ModelSession::fromCompiled(compiled, options, diag);
+  opener.open = [compiled = *compiled](const driver::SessionOptions& options, std::ostream& diag) {
+    return driver::Session::fromCompiled(compiled, options, diag);
   };
   installSessionOpener(std::move(opener));
   return runCommandGuarded(name, command, it->second.second, args);

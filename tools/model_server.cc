@@ -36,7 +36,7 @@ std::string Histogram::prometheus(const std::string& name, const std::string& he
 }
 
 Expected<std::unique_ptr<ModelServer>> ModelServer::create(
-    std::vector<std::unique_ptr<ModelSession>> sessions, std::unique_ptr<serving::EmbeddingStore> store,
+    std::vector<std::unique_ptr<driver::Session>> sessions, std::unique_ptr<serving::EmbeddingStore> store,
     const ServeOptions& options) {
   if (sessions.empty()) return Status::error("kiln serve needs at least one instance");
   std::unique_ptr<ModelServer> s(new ModelServer());
@@ -148,7 +148,7 @@ std::vector<std::unique_ptr<ModelServer::Pending>> ModelServer::nextBatch(
 }
 
 void ModelServer::instanceLoop(size_t instance) {
-  ModelSession& session = *sessions_[instance];
+  driver::Session& session = *sessions_[instance];
   for (;;) {
     std::vector<std::unique_ptr<Pending>> batch;
     {
@@ -162,7 +162,7 @@ void ModelServer::instanceLoop(size_t instance) {
   }
 }
 
-void ModelServer::runBatch(ModelSession& session, std::vector<std::unique_ptr<Pending>>& batch) {
+void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr<Pending>>& batch) {
   const auto started = Clock::now();
   // The requests' samples as one batch: every tensor concatenated along its first dim (variable-
   // length ids and weights are flat, their lengths one per sample, so this holds for them too).
@@ -199,7 +199,7 @@ void ModelServer::runBatch(ModelSession& session, std::vector<std::unique_ptr<Pe
     queue_delay_.observe(std::chrono::duration<double>(started - p->enqueued).count());
   batch_size_.observe(static_cast<double>(samples));
 
-  Expected<StepOutputs> out = Status::error("not run");
+  Expected<driver::StepOutputs> out = Status::error("not run");
   int64_t version = 0;
   {
     std::shared_lock<std::shared_mutex> lock(version_mu_);
@@ -208,7 +208,7 @@ void ModelServer::runBatch(ModelSession& session, std::vector<std::unique_ptr<Pe
                                     [&](size_t t, std::span<const int64_t> ids, float* dst) {
                                       return store_->lookup(store_index_[t], ids, dst);
                                     });
-    out = rows ? session.forwardWithRows(merged, *rows) : Expected<StepOutputs>(rows.status());
+    out = rows ? session.forwardWithRows(merged, *rows) : Expected<driver::StepOutputs>(rows.status());
   }
   const size_t expected = static_cast<size_t>(merged.size) * tasks_;
   if (out && out->logits.size() != expected)

@@ -21,7 +21,7 @@
 #include "runtime/data/batch.h"
 #include "runtime/serving/embedding_store.h"
 #include "runtime/serving/update_file.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 
@@ -69,9 +69,9 @@ struct InferOutcome {
 
 class ModelServer {
  public:
-  // `sessions`: one per instance, opened with SessionOptions::external_tables; `store` holds
+  // `sessions`: one per instance, opened with driver::SessionOptions::external_tables; `store` holds
   // their served tables.
-  static Expected<std::unique_ptr<ModelServer>> create(std::vector<std::unique_ptr<ModelSession>> sessions,
+  static Expected<std::unique_ptr<ModelServer>> create(std::vector<std::unique_ptr<driver::Session>> sessions,
                                                        std::unique_ptr<serving::EmbeddingStore> store,
                                                        const ServeOptions& options);
   ~ModelServer();
@@ -109,12 +109,12 @@ class ModelServer {
   void instanceLoop(size_t instance);
   // Takes the requests of the next batch from the queue (the lock held), dropping expired ones.
   std::vector<std::unique_ptr<Pending>> nextBatch(std::unique_lock<std::mutex>& lock);
-  void runBatch(ModelSession& session, std::vector<std::unique_ptr<Pending>>& batch);
+  void runBatch(driver::Session& session, std::vector<std::unique_ptr<Pending>>& batch);
   void watchLoop();
   Status applyUpdate(const serving::ModelUpdate& u);
 
   ServeOptions options_;
-  std::vector<std::unique_ptr<ModelSession>> sessions_;
+  std::vector<std::unique_ptr<driver::Session>> sessions_;
   std::unique_ptr<serving::EmbeddingStore> store_;
   std::vector<int> store_index_;  // per served table: its index in the store
   size_t tasks_ = 1;

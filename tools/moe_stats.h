@@ -1,7 +1,7 @@
 // Load statistics of a model's Mixture-of-Experts layers over a logging window: tokens per
 // expert (min, max, coefficient of variation), the fraction of routed slots dropped by capacity,
 // the mean balancing losses, and for an expert-parallel layer the tokens each EP rank computes. Fed by each
-// step's statistics (StepOutputs::stats), shown in the progress line and written to the metrics file
+// step's statistics (driver::StepOutputs::stats), shown in the progress line and written to the metrics file
 // (docs/moe.md, "Load statistics").
 #pragma once
 

@@ -15,7 +15,7 @@
 
 namespace kiln::cli {
 
-Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, const ScoreSink& on_scores) {
+Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o, const ScoreSink& on_scores) {
   data::DataOptions opts;
   opts.paths = o.paths;
   opts.batch_size = o.batch;
@@ -28,7 +28,7 @@ Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o, co
   opts.token_dtype = o.token_dtype;
   KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(s.forwardSpec(), opts));
   const std::optional<double> entropy_floor = reader->entropyFloor();
-  data::Prefetcher prefetch(std::move(reader), kEvalPrefetchDepth);
+  data::Prefetcher prefetch(std::move(reader), driver::kEvalPrefetchDepth);
 
   const data::BatchSpec& spec = s.forwardSpec();
   // A language model is scored by its loss alone: it has no per-sample score.
@@ -218,7 +218,7 @@ Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std
   return runtime::loadCheckpoint(path);
 }
 
-Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file) {
+Status loadCheckpointInto(driver::Session& s, const std::string& dir_or_file) {
   std::string path;
   KILN_ASSIGN_OR_RETURN(auto ckpt, readCheckpoint(dir_or_file, path));
   // Evaluation reads the model's parameters; the optimizer state a training checkpoint also

@@ -14,7 +14,7 @@
 
 #include "runtime/data/batch.h"
 #include "runtime/data/record_source.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 
@@ -84,11 +84,11 @@ using ScoreSink =
     std::function<Status(const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped)>;
 
 // Runs @forward over the data; `on_scores` (optional) receives the scores.
-Expected<EvalResult> evaluateModel(ModelSession& s, const EvalDataOptions& o,
+Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
                                    const ScoreSink& on_scores = {});
 
 // Loads `DIR/checkpoint.safetensors` (or a file path, or a sharded checkpoint directory, merged in
 // memory) into the session's parameters.
-Status loadCheckpointInto(ModelSession& s, const std::string& dir_or_file);
+Status loadCheckpointInto(driver::Session& s, const std::string& dir_or_file);
 
 }  // namespace kiln::cli

@@ -2,7 +2,7 @@
 // them: the batch's ids of each such table are de-duplicated, their rows fetched (from the tiers
 // of runtime/serving/embedding_store.h), and the ids rewritten to positions among the fetched
 // rows. @forward then runs on the small [distinct ids, dim] tables instead of the whole ones
-// (ModelSession::forwardWithRows). Each pooled sum adds the same rows in the same order as a
+// (driver::Session::forwardWithRows). Each pooled sum adds the same rows in the same order as a
 // lookup in the whole table, so the scores are equal bit for bit.
 #pragma once
 

@@ -33,9 +33,9 @@ Trajectory dataParallel(const Model& m, int ranks, int steps) {
   comm::LocalGroup group(ranks);
   Status st = group.run([&](comm::Communicator& c) -> Status {
     std::ostringstream diag;
-    SessionOptions o = options(m, kGlobalBatch / ranks);
+    driver::SessionOptions o = options(m, kGlobalBatch / ranks);
     o.comm = &c;
-    KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
+    KILN_ASSIGN_OR_RETURN(auto s, driver::Session::create(o, diag));
     const int64_t b = kGlobalBatch / ranks;
     for (int step = 1; step <= steps; ++step) {
       KILN_ASSIGN_OR_RETURN(

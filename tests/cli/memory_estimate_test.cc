@@ -12,7 +12,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 namespace {
@@ -39,7 +39,7 @@ const char* kModel = R"(model mem {
 }
 )";
 
-SessionOptions memModel(int64_t batch) {
+driver::SessionOptions memModel(int64_t batch) {
   static const std::string path = [] {
     std::string p = (std::filesystem::temp_directory_path() /
                      ("kiln_memory_estimate_test_" + std::to_string(::getpid()) + ".kiln"))
@@ -47,7 +47,7 @@ SessionOptions memModel(int64_t batch) {
     std::ofstream(p) << kModel;
     return p;
   }();
-  SessionOptions o;
+  driver::SessionOptions o;
   o.model_path = path;
   o.batch = batch;
   return o;
@@ -63,18 +63,18 @@ constexpr uint64_t kSampleBytes = 8 * 4 + 3 * 8 + 4;
 
 TEST(MemoryEstimate, CountsEachOptimizersStateByHand) {
   std::ostringstream diag;
-  const SessionOptions o = memModel(32);
-  auto s = ModelSession::create(o, diag);
+  const driver::SessionOptions o = memModel(32);
+  auto s = driver::Session::create(o, diag);
   ASSERT_TRUE(s) << s.status().str() << diag.str();
-  auto need = estimateSessionMemory((*s)->module(), o, (*s)->trainSpec());
+  auto need = driver::estimateSessionMemory((*s)->module(), o, (*s)->trainSpec());
   ASSERT_TRUE(need) << need.status().str();
-  const MemoryTotals t = memoryTotals(*need);
+  const driver::MemoryTotals t = driver::memoryTotals(*need);
   EXPECT_EQ(t.param_bytes, kTableWeights + kDenseWeights);
   EXPECT_EQ(t.optimizer_bytes, kRowwiseState + kAdamState + kDenseWeights);
   EXPECT_EQ(t.workspace_bytes, 4u + 32 * 4);  // the loss and one logit per sample
-  EXPECT_EQ(t.data_bytes, uint64_t{kTrainPrefetchDepth + 2} * 32 * kSampleBytes);
+  EXPECT_EQ(t.data_bytes, uint64_t{driver::kTrainPrefetchDepth + 2} * 32 * kSampleBytes);
   EXPECT_EQ(t.checkpoint_bytes, 0u);
-  auto arena = plannedPeakBytes(*(*s)->module().lookup("train_step"), 32);
+  auto arena = driver::plannedPeakBytes(*(*s)->module().lookup("train_step"), 32);
   ASSERT_TRUE(arena) << arena.status().str();
   EXPECT_GT(*arena, 0);
   EXPECT_EQ(t.activation_peak_bytes, static_cast<uint64_t>(*arena));
@@ -87,33 +87,33 @@ TEST(MemoryEstimate, CountsEachOptimizersStateByHand) {
 
 TEST(MemoryEstimate, SgdKeepsNoStateAndTablesKeepTheirOwnOptimizer) {
   std::ostringstream diag;
-  SessionOptions o = memModel(16);
+  driver::SessionOptions o = memModel(16);
   const ir::AttrDict sgd = {{"kind", ir::Attribute(std::string("sgd"))}, {"lr", ir::Attribute(0.01)}};
   o.train_overrides = {{"optimizer", ir::Attribute(sgd)}};
-  auto s = ModelSession::create(o, diag);
+  auto s = driver::Session::create(o, diag);
   ASSERT_TRUE(s) << s.status().str() << diag.str();
-  auto need = estimateSessionMemory((*s)->module(), o, (*s)->trainSpec());
+  auto need = driver::estimateSessionMemory((*s)->module(), o, (*s)->trainSpec());
   ASSERT_TRUE(need) << need.status().str();
-  const MemoryTotals t = memoryTotals(*need);
+  const driver::MemoryTotals t = driver::memoryTotals(*need);
   EXPECT_EQ(t.param_bytes, kTableWeights + kDenseWeights);
   EXPECT_EQ(t.optimizer_bytes, kRowwiseState + kAdamState);  // no accumulator for the MLP
-  EXPECT_EQ(t.data_bytes, uint64_t{kTrainPrefetchDepth + 2} * 16 * kSampleBytes);
+  EXPECT_EQ(t.data_bytes, uint64_t{driver::kTrainPrefetchDepth + 2} * 16 * kSampleBytes);
 }
 
 TEST(MemoryEstimate, ALimitBelowTheCountStopsBeforeAllocatingNamingTheLargestTable) {
   std::ostringstream diag;
-  SessionOptions o = memModel(32);
-  auto fits = ModelSession::create(o, diag);
+  driver::SessionOptions o = memModel(32);
+  auto fits = driver::Session::create(o, diag);
   ASSERT_TRUE(fits) << fits.status().str() << diag.str();
-  auto need = estimateSessionMemory((*fits)->module(), o, (*fits)->trainSpec());
+  auto need = driver::estimateSessionMemory((*fits)->module(), o, (*fits)->trainSpec());
   ASSERT_TRUE(need) << need.status().str();
-  const uint64_t total = *memoryTotals(*need).peak_bytes;
+  const uint64_t total = *driver::memoryTotals(*need).peak_bytes;
 
   o.memory_limit = total;
-  auto exact = ModelSession::create(o, diag);
+  auto exact = driver::Session::create(o, diag);
   EXPECT_TRUE(exact) << exact.status().str();
   o.memory_limit = total - 5000;
-  auto short_by = ModelSession::create(o, diag);
+  auto short_by = driver::Session::create(o, diag);
   ASSERT_FALSE(short_by);
   const std::string& m = short_by.status().message();
   EXPECT_NE(m.find(fmt::format("the run needs {} ({} bytes)", runtime::formatBytes(total), total)),
@@ -127,10 +127,10 @@ TEST(MemoryEstimate, ALimitBelowTheCountStopsBeforeAllocatingNamingTheLargestTab
 }
 
 TEST(MemoryEstimate, APercentLimitIsAShareOfTheMachine) {
-  SessionOptions o;
+  driver::SessionOptions o;
   o.memory_limit_percent = 50;
   const runtime::MemoryLimit machine = runtime::availableMemory(std::nullopt);
-  const runtime::MemoryLimit half = sessionMemoryLimit(o);
+  const runtime::MemoryLimit half = driver::sessionMemoryLimit(o);
   if (!machine.bytes) GTEST_SKIP() << "nothing limits this machine's memory";
   ASSERT_TRUE(half.bytes);
   EXPECT_EQ(half.source.rfind("--memory-limit 50% of ", 0), 0u) << half.source;
@@ -138,7 +138,7 @@ TEST(MemoryEstimate, APercentLimitIsAShareOfTheMachine) {
   const double want = static_cast<double>(*machine.bytes) / 2;
   EXPECT_NEAR(static_cast<double>(*half.bytes), want, want * 0.05);
   o.memory_shares = 4;
-  const runtime::MemoryLimit quarter = sessionMemoryLimit(o);
+  const runtime::MemoryLimit quarter = driver::sessionMemoryLimit(o);
   ASSERT_TRUE(quarter.bytes);
   EXPECT_NEAR(static_cast<double>(*quarter.bytes), want / 4, want / 4 * 0.05);
   EXPECT_NE(quarter.source.find("shared by 4 in-process ranks"), std::string::npos) << quarter.source;

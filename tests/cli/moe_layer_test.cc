@@ -17,7 +17,7 @@
 #include <sstream>
 
 #include "runtime/comm/local_group.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 namespace {
@@ -253,7 +253,7 @@ std::string modelSource(const Case& c) {
 // A compiled case with its weights set to seeded values of decisive routing (router entries of
 // order 1), and a batch of `batch` samples; on every rank the same.
 struct Prepared {
-  std::unique_ptr<ModelSession> session;
+  std::unique_ptr<driver::Session> session;
   Weights w;
   data::Batch batch;
   std::vector<double> x, target;  // the batch, as doubles
@@ -270,16 +270,16 @@ std::string writeModel(const Case& c) {
 void prepare(const Case& c, const std::string& path, int64_t batch, comm::Communicator* comm, Prepared& p,
              int ep = 1) {
   const int64_t per_sample = c.seq ? c.seq : 1;
-  SessionOptions o;
+  driver::SessionOptions o;
   o.model_path = path;
   o.batch = batch;
   o.comm = comm;
   o.ep = ep;
   std::ostringstream diag;
-  auto made = ModelSession::create(o, diag);
+  auto made = driver::Session::create(o, diag);
   ASSERT_TRUE(made) << made.status().str() << diag.str() << modelSource(c);
   p.session = made.take();
-  ModelSession& s = *p.session;
+  driver::Session& s = *p.session;
   std::mt19937 rng(7);
   std::normal_distribution<double> normal(0, 1);
   auto fill = [&](const std::string& name, std::vector<double>& dst, double scale) {
@@ -343,7 +343,7 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
   Prepared p;
   prepare(c, path, batch, nullptr, p);
   if (HasFatalFailure()) return;
-  ModelSession& s = *p.session;
+  driver::Session& s = *p.session;
   Weights& w = p.w;
   const data::Batch& b = p.batch;
   const std::vector<double>&x = p.x, &target = p.target;
@@ -388,7 +388,7 @@ TEST_P(MoeLayer, MatchesEachTokenThroughItsExpertsForwardAndBackward) {
 // same weights (the experts over `ep` of them); `done` sees each rank's session and loss after its
 // step (under a lock).
 Status stepOnRanks(const Case& c, const std::string& path, const Prepared& whole, int ranks,
-                   const std::function<Status(int rank, ModelSession& s, const StepOutputs& out)>& done,
+                   const std::function<Status(int rank, driver::Session& s, const driver::StepOutputs& out)>& done,
                    int ep = 1) {
   std::mutex mu;
   comm::LocalGroup group(ranks);
@@ -451,7 +451,7 @@ TEST(MoeLayerAccounting, BalancingLossesApplyOncePerMicroBatch) {
   std::vector<std::vector<double>> after(kRanks);
   std::vector<double> losses(kRanks);
   Status st =
-      stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
+      stepOnRanks(c, path, whole, kRanks, [&](int rank, driver::Session& s, const driver::StepOutputs& out) -> Status {
         const ir::HostTensor* t = s.params().find("y.router.weight");
         losses[static_cast<size_t>(rank)] = out.loss;
         after[static_cast<size_t>(rank)].assign(t->as<float>(), t->as<float>() + t->numel());
@@ -560,7 +560,7 @@ TEST(MoeLayerAccounting, ExpertBiasMovesByTheGlobalBatchsCounts) {
   const std::vector<double> want = expected(global);
   std::vector<std::vector<float>> bias(kRanks);
   Status st =
-      stepOnRanks(c, path, whole, kRanks, [&](int rank, ModelSession& s, const StepOutputs&) -> Status {
+      stepOnRanks(c, path, whole, kRanks, [&](int rank, driver::Session& s, const driver::StepOutputs&) -> Status {
         const ir::HostTensor* b = s.params().find(kBias);
         if (!b) return Status::error("no expert bias");
         bias[static_cast<size_t>(rank)].assign(b->as<float>(), b->as<float>() + b->numel());
@@ -616,7 +616,7 @@ TEST_P(MoeLayerExpertParallel, EachShareThroughItsExpertsOnTheirOwners) {
   std::mutex checks;
   Status st = stepOnRanks(
       c, path, whole, kRanks,
-      [&](int rank, ModelSession& s, const StepOutputs& out) -> Status {
+      [&](int rank, driver::Session& s, const driver::StepOutputs& out) -> Status {
         EXPECT_NEAR(out.loss, loss[static_cast<size_t>(rank)], 1e-4 * (1 + loss[static_cast<size_t>(rank)]))
             << "rank " << rank;
         for (const auto& [name, values] : out.stats)

@@ -24,7 +24,7 @@
 #include "runtime/comm/communicator.h"
 #include "runtime/comm/local_group.h"
 #include "runtime/data/synthetic.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli::testing {
 
@@ -75,8 +75,8 @@ inline Model moeModel(const char* name, const std::string& moe_options, int ep) 
   return {name, path.string(), {}, ep};
 }
 
-inline SessionOptions options(const Model& m, int64_t batch) {
-  SessionOptions o;
+inline driver::SessionOptions options(const Model& m, int64_t batch) {
+  driver::SessionOptions o;
   o.model_path = m.path.front() == '/' ? m.path : std::string(KILN_SOURCE_DIR) + "/" + m.path;
   o.overrides = m.overrides;
   o.batch = batch;
@@ -85,7 +85,7 @@ inline SessionOptions options(const Model& m, int64_t batch) {
 }
 
 // Samples [first, first + n) of the training stream.
-inline data::Batch batchOf(const ModelSession& s, int64_t first, int64_t n) {
+inline data::Batch batchOf(const driver::Session& s, int64_t first, int64_t n) {
   data::SyntheticGenerator gen(s.trainSpec(), {.seed = 3});
   data::Batch b;
   gen.generate(first, n, b);
@@ -107,7 +107,7 @@ constexpr int64_t kGlobalBatch = 48;
 
 inline Trajectory singleRank(const Model& m, int steps) {
   std::ostringstream diag;
-  auto s = ModelSession::create(options(m, kGlobalBatch), diag);
+  auto s = driver::Session::create(options(m, kGlobalBatch), diag);
   EXPECT_TRUE(s) << s.status().str() << diag.str();
   Trajectory r;
   if (!s) return r;
@@ -145,13 +145,13 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
                         bool pipeline = false) {
   const int ranks = c.size();
   std::ostringstream diag;
-  SessionOptions o = options(m, kGlobalBatch / ranks);
+  driver::SessionOptions o = options(m, kGlobalBatch / ranks);
   o.comm = &c;
   o.sharding = sharding;
   o.plan_path = plan_path;
   o.pipeline = pipeline;
   o.ep = m.ep;
-  KILN_ASSIGN_OR_RETURN(auto s, ModelSession::create(o, diag));
+  KILN_ASSIGN_OR_RETURN(auto s, driver::Session::create(o, diag));
   const int64_t b = kGlobalBatch / ranks;
   std::vector<std::pair<std::string, std::vector<double>>> last_stats;
   if (pipeline && !s->pipelined()) return Status::error("the session did not build the pipelined step");
@@ -224,7 +224,7 @@ inline std::vector<double> runRanks(const Model& m, const std::string& sharding,
 // travels; with `dedup`, row-block tables route de-duplicated ids.
 inline std::string planFile(const Model& m, const std::string& sharding, int ranks, bool hot, bool dedup) {
   std::ostringstream diag;
-  auto s = ModelSession::create(options(m, kGlobalBatch), diag);
+  auto s = driver::Session::create(options(m, kGlobalBatch), diag);
   EXPECT_TRUE(s) << s.status().str() << diag.str();
   if (!s) return "";
   auto tables = passes::tablesOf((*s)->module());

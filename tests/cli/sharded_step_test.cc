@@ -118,10 +118,10 @@ TEST(ShardedSharedTables, AutomaticPlanEqualsOneRank) {
   comm::LocalGroup group(2);
   Status st = group.run([&](comm::Communicator& c) -> Status {
     std::ostringstream diag;
-    SessionOptions o = options(m, kGlobalBatch / 2);
+    driver::SessionOptions o = options(m, kGlobalBatch / 2);
     o.comm = &c;
     o.sharding = "row_wise";
-    auto s = ModelSession::create(o, diag);
+    auto s = driver::Session::create(o, diag);
     EXPECT_FALSE(s);
     if (!s)
       EXPECT_NE(s.status().str().find(

@@ -17,7 +17,7 @@
 #include "runtime/cuda/cuda_executor.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/model_compare.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::testing {
 namespace {
@@ -39,7 +39,7 @@ Expected<StepResult> runStep(const std::shared_ptr<cuda::CudaSession>& session, 
                              const cuda::CudaExecutorOptions& options) {
   KILN_RETURN_IF_ERROR(session->uploadParameters(initial));
   KILN_ASSIGN_OR_RETURN(auto exec, cuda::CudaExecutor::create(f, {{"B", kBatch}}, session, options));
-  const cli::StepInputs inputs(batch, {{"lr", 1.0f}, {"step", 1.0f}});
+  const driver::StepInputs inputs(batch, {{"lr", 1.0f}, {"step", 1.0f}});
   StepResult out;
   KILN_ASSIGN_OR_RETURN(out.results, exec->run(inputs.views()));
   out.compiled = exec->kernelsCompiled();
@@ -108,7 +108,7 @@ class GpuAhead : public ::testing::Test {
   }
 
   TempDir dir_;
-  std::unique_ptr<cli::ModelSession> model_;
+  std::unique_ptr<driver::Session> model_;
   const ir::Function* step_ = nullptr;
   runtime::ParameterStore initial_;
   data::Batch batch_;

@@ -8,7 +8,7 @@
 
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/data/batch_reader.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/model_compare.h"
 
@@ -18,11 +18,11 @@ namespace {
 using testing::ModelCase;
 constexpr int64_t kBatch = 256;
 
-std::unique_ptr<ModelSession> makeSession(const ModelCase& c, const std::string& device) {
+std::unique_ptr<driver::Session> makeSession(const ModelCase& c, const std::string& device) {
   return testing::makeSession(c, kBatch, "2000", device, 2);
 }
 
-std::vector<data::Batch> batches(const ModelSession& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
+std::vector<data::Batch> batches(const driver::Session& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
 
 class GpuModel : public ::testing::TestWithParam<ModelCase> {};
 
@@ -85,13 +85,13 @@ INSTANTIATE_TEST_SUITE_P(Models, GpuModel, ::testing::ValuesIn(testing::modelCas
 TEST(GpuDevice, CudaWithoutAGpuIsAClearError) {
   std::string why;
   if (cuda::cudaAvailable(&why)) GTEST_SKIP() << "a GPU is present";
-  SessionOptions o;
+  driver::SessionOptions o;
   o.model_path = std::string(KILN_SOURCE_DIR) + "/models/dlrm.kiln";
   o.overrides["rows_cap"] = "100";
   o.batch = 8;
   o.device = "cuda";
   std::ostringstream diag;
-  auto s = ModelSession::create(o, diag);
+  auto s = driver::Session::create(o, diag);
   ASSERT_FALSE(s);
   EXPECT_NE(s.status().message().find("--device cuda"), std::string::npos) << s.status().message();
 }

@@ -12,7 +12,7 @@
 #include "runtime/data/batch_reader.h"
 #include "tests/model_compare.h"
 #include "tests/simt/host_program.h"
-#include "tools/model_session.h"
+#include "tools/session_flags.h"
 
 namespace kiln::cli {
 namespace {
@@ -23,12 +23,12 @@ using testing::valueAt;
 
 constexpr int64_t kBatch = 64;
 
-std::unique_ptr<ModelSession> makeSession(const ModelCase& c) { return testing::makeSession(c, kBatch, "500"); }
+std::unique_ptr<driver::Session> makeSession(const ModelCase& c) { return testing::makeSession(c, kBatch, "500"); }
 
-std::vector<data::Batch> batches(const ModelSession& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
+std::vector<data::Batch> batches(const driver::Session& s, int n) { return testing::syntheticBatches(s, kBatch, n); }
 
 // The training step's inputs: the batch, the lr factor 1 and the 1-based step.
-StepInputs trainInputs(const data::Batch& b, int64_t step) { return StepInputs(b, {{"lr", 1.0f}, {"step", static_cast<float>(step)}}); }
+driver::StepInputs trainInputs(const data::Batch& b, int64_t step) { return driver::StepInputs(b, {{"lr", 1.0f}, {"step", static_cast<float>(step)}}); }
 
 class SimtModel : public ::testing::TestWithParam<ModelCase> {};
 
@@ -47,7 +47,7 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
   for (int step = 1; step <= 2; ++step) {
     auto c = cpu->trainStep(bs[static_cast<size_t>(step - 1)], 1.0, step);
     ASSERT_TRUE(c) << c.status().message();
-    const StepInputs in = trainInputs(bs[static_cast<size_t>(step - 1)], step);
+    const driver::StepInputs in = trainInputs(bs[static_cast<size_t>(step - 1)], step);
     auto r = (*program)->run(in.views(), host->params(), static_cast<uint64_t>(step));
     ASSERT_TRUE(r) << r.status().message();
     ASSERT_GE(r->size(), 2u);
@@ -72,14 +72,14 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
 TEST(SimtMoeModel, MoeLmTrainingStepMatchesCpu) {
   constexpr int64_t kSeqs = 4;
   auto make = [] {
-    SessionOptions o;
+    driver::SessionOptions o;
     o.model_path = std::string(KILN_SOURCE_DIR) + "/models/moe_lm.kiln";
     o.overrides = {{"T", "8"},     {"vocab", "32"},   {"d", "32"},      {"layers", "1"},
                    {"heads", "2"}, {"kv_heads", "1"}, {"experts", "4"}, {"ffn", "16"}};
     o.batch = kSeqs;
     o.seed = 3;
     std::ostringstream diag;
-    auto s = ModelSession::create(o, diag);
+    auto s = driver::Session::create(o, diag);
     EXPECT_TRUE(s) << s.status().message() << diag.str();
     return s ? s.take() : nullptr;
   };
@@ -93,7 +93,7 @@ TEST(SimtMoeModel, MoeLmTrainingStepMatchesCpu) {
   for (int step = 1; step <= 2; ++step) {
     auto c = cpu->trainStep(bs[static_cast<size_t>(step - 1)], 1.0, step);
     ASSERT_TRUE(c) << c.status().message();
-    const StepInputs in = trainInputs(bs[static_cast<size_t>(step - 1)], step);
+    const driver::StepInputs in = trainInputs(bs[static_cast<size_t>(step - 1)], step);
     auto r = (*program)->run(in.views(), host->params(), static_cast<uint64_t>(step));
     ASSERT_TRUE(r) << r.status().message();
     ASSERT_GE(r->size(), 3u);
@@ -133,7 +133,7 @@ TEST_P(SimtModel, ForwardMatchesCpu) {
   ASSERT_TRUE(program) << program.status().message();
   auto c = cpu->forward(bs[1]);
   ASSERT_TRUE(c) << c.status().message();
-  const StepInputs in(bs[1], {});
+  const driver::StepInputs in(bs[1], {});
   auto r = (*program)->run(in.views(), host->params(), 1);
   ASSERT_TRUE(r) << r.status().message();
   // @forward returns the model's outputs; the logits are the one with a value per sample.
@@ -158,7 +158,7 @@ TEST_P(SimtModel, EveryStreamInterleavingComputesTheSameBits) {
   ASSERT_TRUE(program) << program.status().message();
   std::vector<data::Batch> bs = batches(*host, 1);
   ASSERT_EQ(bs.size(), 1u);
-  const StepInputs in = trainInputs(bs[0], 1);
+  const driver::StepInputs in = trainInputs(bs[0], 1);
   const runtime::ParameterStore initial = host->params();
   std::vector<ir::HostTensor> first;
   runtime::ParameterStore first_params;

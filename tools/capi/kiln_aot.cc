@@ -1,4 +1,4 @@
-// The C API of libNAME.so (kiln_aot.h): each handle is a ModelSession opened from the payload
+// The C API of libNAME.so (kiln_aot.h): each handle is a driver::Session opened from the payload
 // appended to this very library, as the runner (tools/kiln_runner.cc) opens its own.
 #include "tools/capi/kiln_aot.h"
 
@@ -16,8 +16,8 @@
 #include "runtime/checkpoint.h"
 #include "runtime/data/sample.h"
 #include "runtime/payload.h"
-#include "tools/compiled_model.h"
-#include "tools/model_session.h"
+#include "driver/compiled_model.h"
+#include "tools/session_flags.h"
 #include "tools/run_data.h"
 
 namespace kiln::cli {
@@ -74,8 +74,8 @@ kiln_role cRole(data::InputRole r) {
 }  // namespace kiln::cli
 
 struct kiln_model {
-  std::shared_ptr<const kiln::cli::CompiledModel> compiled;
-  std::unique_ptr<kiln::cli::ModelSession> session;
+  std::shared_ptr<const kiln::driver::CompiledModel> compiled;
+  std::unique_ptr<kiln::driver::Session> session;
   std::vector<kiln_input_info> inputs;  // of @forward, the names pointing into the spec
   int64_t output_size = 0;
   int64_t steps = 0;  // kiln_train_step calls so far
@@ -158,13 +158,13 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
   // mapping, which a handle that trains writes in place.
   auto payload = runtime::Payload::open(*self);
   if (!payload) return failWith(KILN_BAD_PAYLOAD, payload.status());
-  auto compiled = loadCompiledModel(std::make_shared<const runtime::Payload>(payload.take()));
+  auto compiled = driver::loadCompiledModel(std::make_shared<const runtime::Payload>(payload.take()));
   if (!compiled) return failWith(KILN_BAD_PAYLOAD, compiled.status());
   auto m = std::make_unique<kiln_model>();
   m->compiled = compiled.take();
-  const CompiledModel& c = *m->compiled;
+  const driver::CompiledModel& c = *m->compiled;
 
-  SessionOptions so;
+  driver::SessionOptions so;
   so.model_path = *self;
   so.batch = c.max_batch;
   so.threads = o.threads > 0 ? o.threads : 1;
@@ -176,7 +176,7 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
                     fmt::format("device must be \"cpu\" or \"cuda\", got \"{}\"", so.device));
   if (o.weights) so.checkpoint_path = o.weights;
   std::ostringstream diag;
-  auto session = ModelSession::fromCompiled(m->compiled, so, diag);
+  auto session = driver::Session::fromCompiled(m->compiled, so, diag);
   if (!session) return failWith(KILN_UNSUPPORTED, session.status());
   m->session = session.take();
   if (o.weights) {
@@ -198,7 +198,7 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
                          in.role == data::InputRole::Sparse ? in.rows : 0});
   }
   if (m->session->hasTrainBlock())
-    if (const ir::Attribute* a = trainValue(m->session->trainConfig(), "lr_schedule"); a && a->isDict())
+    if (const ir::Attribute* a = driver::trainValue(m->session->trainConfig(), "lr_schedule"); a && a->isDict())
       m->lr_schedule = a->asDict();
   // The prediction's width, from one forward pass on a zero sample (ids 0 are in every table).
   if (c.has("predict") || c.has("eval")) {
@@ -324,7 +324,7 @@ kiln_status kiln_save(kiln_model* model, const char* dir) {
   return guarded([&] {
     if (!model || !dir) return failWith(KILN_INVALID_ARGUMENT, "model or dir is NULL");
     if (Status s = runtime::prepareCheckpointDir(dir); !s) return failWith(KILN_IO_ERROR, s);
-    ModelSession& s = *model->session;
+    driver::Session& s = *model->session;
     std::vector<std::pair<std::string, ir::TensorView>> tensors;
     for (const std::string& name : s.checkpointNames())
       tensors.emplace_back(name, s.params().find(name)->view);

@@ -17,7 +17,7 @@
 #include "ir/status.h"
 #include "runtime/payload.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 // The sections of a payload (runtime/payload.h).
 inline constexpr std::string_view kMetaSection = "meta.json";
@@ -53,4 +53,4 @@ Expected<std::shared_ptr<const CompiledModel>> loadCompiledModel(
 std::string compiledMetaJson(const CompiledModel& c);
 Status parseCompiledMeta(std::string_view json, CompiledModel& c);
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

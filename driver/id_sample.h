@@ -12,7 +12,7 @@
 #include "passes/id_frequency.h"
 #include "passes/shard_plan.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 // One IdSample per table of `tables` (module order), empty where the table has no single data
 // input; the data as --data names it (files, or "synthetic"). Errors: unreadable data, fewer
@@ -20,4 +20,4 @@ namespace kiln::cli {
 Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std::vector<passes::TableInfo>& tables,
                                                   const std::vector<std::string>& paths, int64_t samples);
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

@@ -1,4 +1,4 @@
-#include "tools/compiled_model.h"
+#include "driver/compiled_model.h"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 
 #include "runtime/json.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 std::string cpuProgramSection(std::string_view function) { return fmt::format("program.cpu.{}", function); }
 
@@ -95,4 +95,4 @@ Expected<std::shared_ptr<const CompiledModel>> loadCompiledModel(
   return std::shared_ptr<const CompiledModel>(std::move(c));
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

@@ -1,4 +1,4 @@
-#include "tools/model_session.h"
+#include "driver/session.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -22,89 +22,7 @@
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/sharded_checkpoint.h"
 
-namespace kiln::cli {
-
-void addModelFlags(ArgParser& p) {
-  p.addOption("threads", "N", "CPU threads", "2");
-  p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
-  p.addOption("memory-limit", "SIZE|N%",
-              "the most memory the run may use, e.g. 8G, 512M, 1.5GiB, or 80% of what the machine has "
-              "(default: all the machine has: MemAvailable, the cgroup limit, ulimit -v); a run that needs "
-              "more stops before it allocates, naming the largest tables and the shortfall");
-  if (sessionOpener().add_compile_flags) sessionOpener().add_compile_flags(p);
-}
-
-bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code) {
-  auto threads = p.getInt("threads");
-  auto seed = p.getInt("seed");
-  if (!threads || !seed) {
-    *exit_code = kExitUsage;
-    return false;
-  }
-  if (*threads < 1 || *threads > 1024) {
-    *exit_code = p.usageError(fmt::format("--threads must be in [1, 1024], got {}", *threads));
-    return false;
-  }
-  o.threads = static_cast<int>(*threads);
-  if (*seed < 0) {
-    // Cast to uint64_t it would silently become another seed.
-    *exit_code = p.usageError(fmt::format("--seed must be at least 0, got {}", *seed));
-    return false;
-  }
-  o.seed = static_cast<uint64_t>(*seed);
-  if (p.has("memory-limit") && !p.get("memory-limit").empty() && p.get("memory-limit").back() == '%') {
-    // A share of what the machine has, measured when the session checks.
-    const std::string text = p.get("memory-limit");
-    char* end = nullptr;
-    const double percent = std::strtod(text.c_str(), &end);
-    if (end != text.c_str() + text.size() - 1 || !std::isfinite(percent) || percent <= 0 || percent > 100) {
-      *exit_code =
-          p.usageError(fmt::format("--memory-limit: a percentage must be in (0%, 100%], got '{}'", text));
-      return false;
-    }
-    o.memory_limit_percent = percent;
-  } else if (p.has("memory-limit")) {
-    auto limit = runtime::parseByteSize(p.get("memory-limit"));
-    if (!limit) {
-      *exit_code = p.usageError(fmt::format("--memory-limit: {}", limit.status().message()));
-      return false;
-    }
-    o.memory_limit = *limit;
-  }
-  return !sessionOpener().read_compile_flags || sessionOpener().read_compile_flags(p, o, exit_code);
-}
-
-namespace {
-SessionOpener& openerSlot() {
-  static SessionOpener opener;
-  return opener;
-}
-}  // namespace
-
-void installSessionOpener(SessionOpener opener) { openerSlot() = std::move(opener); }
-const SessionOpener& sessionOpener() { return openerSlot(); }
-
-Expected<std::unique_ptr<ModelSession>> openSession(const SessionOptions& options, std::ostream& diag) {
-  if (!openerSlot().open) return Status::error("internal error: no session opener installed");
-  return openerSlot().open(options, diag);
-}
-
-void addDeviceFlag(ArgParser& p) {
-  p.addOption("device", "cpu|cuda", "where to run (default: cuda when a GPU is present, else cpu)");
-}
-
-bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code) {
-  if (!p.has("device")) {
-    o.device = cuda::cudaAvailable() ? "cuda" : "cpu";
-    return true;
-  }
-  o.device = p.get("device");
-  if (o.device != "cpu" && o.device != "cuda") {
-    *exit_code = p.usageError(fmt::format("--device must be cpu or cuda, got '{}'", o.device));
-    return false;
-  }
-  return true;
-}
+namespace kiln::driver {
 
 const ir::Attribute* trainValue(const ir::AttrDict& train, std::string_view key) {
   auto it = train.find(key);
@@ -266,7 +184,7 @@ Expected<runtime::ParameterStore> embeddedParameters(const CompiledModel& c, con
 
 }  // namespace
 
-Status ModelSession::openDevice(const std::string& planned_target) {
+Status Session::openDevice(const std::string& planned_target) {
   if (options_.device == "cuda") {
     // Before the passes: without --target they plan for this GPU.
     std::string why;
@@ -288,9 +206,9 @@ Status ModelSession::openDevice(const std::string& planned_target) {
   return Status::ok();
 }
 
-Expected<std::unique_ptr<ModelSession>> ModelSession::fromCompiled(
+Expected<std::unique_ptr<Session>> Session::fromCompiled(
     std::shared_ptr<const CompiledModel> compiled, const SessionOptions& options, std::ostream& diag) {
-  std::unique_ptr<ModelSession> s(new ModelSession());
+  std::unique_ptr<Session> s(new Session());
   s->options_ = options;
   s->compiled_ = std::move(compiled);
   const CompiledModel& c = *s->compiled_;
@@ -312,7 +230,7 @@ Expected<std::unique_ptr<ModelSession>> ModelSession::fromCompiled(
   return s;
 }
 
-Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStore preset) {
+Status Session::adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStore preset) {
   module_ = std::move(module);
   ir::Module& m = *module_;
   const SessionOptions& options = options_;
@@ -363,7 +281,7 @@ Status ModelSession::adopt(std::unique_ptr<ir::Module> module, runtime::Paramete
   return Status::ok();
 }
 
-Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string& function, int64_t batch) {
+Expected<runtime::cpu::CpuExecutor*> Session::executorFor(const std::string& function, int64_t batch) {
   auto key = std::make_pair(function, batch);
   auto it = executors_.find(key);
   if (it != executors_.end()) return it->second.get();
@@ -410,7 +328,7 @@ Expected<runtime::cpu::CpuExecutor*> ModelSession::executorFor(const std::string
   return raw;
 }
 
-std::string ModelSession::profileTable(const std::string& function) const {
+std::string Session::profileTable(const std::string& function) const {
   std::map<std::string, runtime::cpu::OpTime, std::less<>> ops;
   int64_t runs = 0;
   int epilogues = 0, groups = 0, grouped = 0;
@@ -453,7 +371,7 @@ std::string ModelSession::profileTable(const std::string& function) const {
   return out;
 }
 
-Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& function, int64_t batch) {
+Expected<cuda::CudaExecutor*> Session::cudaExecutorFor(const std::string& function, int64_t batch) {
   auto key = std::make_pair(function, batch);
   auto it = cuda_executors_.find(key);
   if (it != cuda_executors_.end()) return it->second.get();
@@ -487,7 +405,7 @@ Expected<cuda::CudaExecutor*> ModelSession::cudaExecutorFor(const std::string& f
   return raw;
 }
 
-runtime::ParameterStore& ModelSession::params() {
+runtime::ParameterStore& Session::params() {
   if (cuda_ && device_newer_) {
     Status s = cuda_->downloadParameters(params_);
     if (!s) std::fprintf(stderr, "error: copying parameters from the GPU: %s\n", s.message().c_str());
@@ -497,8 +415,8 @@ runtime::ParameterStore& ModelSession::params() {
   return params_;
 }
 
-int ModelSession::rank() const { return options_.comm ? options_.comm->rank() : 0; }
-int ModelSession::ranks() const { return options_.comm ? options_.comm->size() : 1; }
+int Session::rank() const { return options_.comm ? options_.comm->rank() : 0; }
+int Session::ranks() const { return options_.comm ? options_.comm->size() : 1; }
 
 namespace {
 
@@ -515,7 +433,7 @@ std::map<std::string, const ir::Op*, std::less<>> parameterOps(const ir::Module&
 
 }  // namespace
 
-std::vector<runtime::LocalPiece> ModelSession::localPieces() {
+std::vector<runtime::LocalPiece> Session::localPieces() {
   runtime::ParameterStore& store = params();
   const auto ops = parameterOps(*module_);
   // Between checkpoints a hybrid table's hot rows train in its replica, the shard's copies of
@@ -563,7 +481,7 @@ std::vector<runtime::LocalPiece> ModelSession::localPieces() {
   return pieces;
 }
 
-Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
+Status Session::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
   for (runtime::LocalPiece& p : localPieces()) {
     if (!ckpt.find(p.name))
       return Status::errorf(
@@ -576,7 +494,7 @@ Status ModelSession::loadPieces(const runtime::ShardedCheckpoint& ckpt) {
   });
 }
 
-Status ModelSession::loadHotRows(const RegionReader& read) {
+Status Session::loadHotRows(const RegionReader& read) {
   runtime::ParameterStore& store = params();
   for (const auto& [name, op] : parameterOps(*module_)) {
     ir::HostTensor* replica = op->hasAttr("hot_of") ? store.find(name) : nullptr;
@@ -607,7 +525,7 @@ StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std
   }
 }
 
-Expected<StepOutputs> ModelSession::run(const std::string& function, const data::Batch& batch,
+Expected<StepOutputs> Session::run(const std::string& function, const data::Batch& batch,
                                         const std::vector<std::pair<std::string, float>>& scalars,
                                         const data::Batch* next) {
   StepInputs step_inputs(batch, scalars);
@@ -723,19 +641,19 @@ Expected<StepOutputs> ModelSession::run(const std::string& function, const data:
   return out;
 }
 
-Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, double lr_factor, int64_t step) {
+Expected<StepOutputs> Session::trainStep(const data::Batch& batch, double lr_factor, int64_t step) {
   return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}});
 }
 
-Expected<StepOutputs> ModelSession::trainStep(const data::Batch& batch, const data::Batch& next, double lr_factor,
+Expected<StepOutputs> Session::trainStep(const data::Batch& batch, const data::Batch& next, double lr_factor,
                                               int64_t step) {
   return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}},
              &next);
 }
 
-Expected<StepOutputs> ModelSession::forward(const data::Batch& batch) { return run("forward", batch, {}); }
+Expected<StepOutputs> Session::forward(const data::Batch& batch) { return run("forward", batch, {}); }
 
-Expected<StepOutputs> ModelSession::forwardWithRows(const data::Batch& batch, const serving::GatheredRows& rows) {
+Expected<StepOutputs> Session::forwardWithRows(const data::Batch& batch, const serving::GatheredRows& rows) {
   if (cuda_) return Status::error("serving from a store runs on the CPU (--device cpu)");
   if (rows.rows.size() != served_tables_.size())
     return Status::errorf("{} gathered tables for {} served ones", rows.rows.size(), served_tables_.size());
@@ -759,4 +677,4 @@ Expected<StepOutputs> ModelSession::forwardWithRows(const data::Batch& batch, co
   return out;
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

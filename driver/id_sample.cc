@@ -1,11 +1,11 @@
-#include "tools/id_sample.h"
+#include "driver/id_sample.h"
 
 #include <algorithm>
 
 #include "ir/ops/kernel_util.h"
 #include "runtime/data/batch_reader.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std::vector<passes::TableInfo>& tables,
                                                   const std::vector<std::string>& paths, int64_t samples) {
@@ -52,4 +52,4 @@ Expected<std::vector<passes::IdSample>> sampleIds(const ir::Module& m, const std
   return out;
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

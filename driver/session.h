@@ -1,7 +1,9 @@
-// A model ready to run: the .kiln file compiled through the pass pipeline, its parameters in a
-// store, and CPU executors for the training step and the forward pass, one per batch size
-// seen (a short last batch gets its own program). `kiln train`, `kiln eval` and
-// `kiln predict` are thin loops around this.
+// The driver's Session (docs/architecture.md): a model ready to run. The .kiln file compiled
+// through the pass pipeline for a device (or a compiled model's payload), its parameters in a
+// store, and the executors of the chosen backend for the training step and the forward pass,
+// one per batch size seen (a short last batch gets its own program); checkpoints' pieces, the
+// memory check from the compiler's own count. `kiln train`, `kiln eval`, `kiln predict`, the
+// server, the ahead-of-time runner and the C API all run models through it.
 #pragma once
 
 #include <functional>
@@ -24,11 +26,10 @@
 #include "runtime/memory.h"
 #include "runtime/parameter_store.h"
 #include "runtime/sharded_checkpoint.h"
-#include "tools/cli.h"
 #include "runtime/serving/served_tables.h"
-#include "tools/compiled_model.h"
+#include "driver/compiled_model.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 // Batches the data prefetchers hold ready: training (kiln train) and evaluation (eval, predict,
 // --eval-every). The memory check counts these many batches, plus the one being read and the one
@@ -90,32 +91,6 @@ struct SessionOptions {
   bool external_tables = false;
 };
 
-class ModelSession;
-
-// How the commands (train, eval, predict) open their session: `kiln` compiles the model file
-// (installCompilingOpener, tools/model_compile.cc: the frontend and the passes); an
-// ahead-of-time runner opens its payload and has no compiler flags. main installs one.
-struct SessionOpener {
-  std::function<Expected<std::unique_ptr<ModelSession>>(const SessionOptions&, std::ostream&)> open;
-  // The flags of compiling (--set, --memory-budget, --target, the pass manager's); none in a runner.
-  void (*add_compile_flags)(ArgParser&) = nullptr;
-  bool (*read_compile_flags)(const ArgParser&, SessionOptions&, int*) = nullptr;
-  // A runner's model: MODEL is the runner itself, and its embedded weights stand in for --checkpoint.
-  std::shared_ptr<const CompiledModel> compiled;
-};
-void installSessionOpener(SessionOpener opener);
-const SessionOpener& sessionOpener();
-Expected<std::unique_ptr<ModelSession>> openSession(const SessionOptions& options, std::ostream& diag);
-void installCompilingOpener();
-
-// The flags every command that runs a model shares: --threads, --seed, --memory-limit, and, where
-// the session opener compiles, --set, --memory-budget, --target and the pass manager's flags.
-void addModelFlags(ArgParser& p);
-// Reads them back; returns a usage error (already printed) as false.
-bool readModelFlags(const ArgParser& p, SessionOptions& o, int* exit_code);
-// --device cpu|cuda; the default is cuda when a GPU is present, else cpu.
-void addDeviceFlag(ArgParser& p);
-bool readDeviceFlag(const ArgParser& p, SessionOptions& o, int* exit_code);
 
 // The planned arena peak of `f` with the batch symbol at `batch`, from the CPU lowering and
 // memory plan the executor runs: what `kiln dump --stats` prints as peak_bytes, what the
@@ -183,15 +158,15 @@ struct StepOutputs {
 Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& options, const Target& target,
                                                          std::ostream& diag);
 
-class ModelSession {
+class Session {
  public:
   // Compiles the model and initializes its parameters from `seed`. Diagnostics go to `diag`.
   // (tools/model_compile.cc: only binaries with the compiler link it.)
-  static Expected<std::unique_ptr<ModelSession>> create(const SessionOptions& options, std::ostream& diag);
+  static Expected<std::unique_ptr<Session>> create(const SessionOptions& options, std::ostream& diag);
   // A session of a model compiled ahead of time: its IR and Programs come from the payload, its
   // parameters from `seed` or the embedded weights. options.batch may be any size up to the
   // compiled max batch; the executors run the embedded Programs rebound to it.
-  static Expected<std::unique_ptr<ModelSession>> fromCompiled(std::shared_ptr<const CompiledModel> compiled,
+  static Expected<std::unique_ptr<Session>> fromCompiled(std::shared_ptr<const CompiledModel> compiled,
                                                               const SessionOptions& options,
                                                               std::ostream& diag);
 
@@ -260,7 +235,7 @@ class ModelSession {
   std::string profileTable(const std::string& function) const;
 
  private:
-  ModelSession() = default;
+  Session() = default;
   // The GPU (with --device cuda) and the target: `planned` (a compiled model's), else --target,
   // else the device's own.
   Status openDevice(const std::string& planned);
@@ -303,4 +278,4 @@ const ir::Attribute* trainValue(const ir::AttrDict& train, std::string_view key)
 // "1:02:03" / "2:03" for a progress line.
 std::string formatDuration(double seconds);
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver
