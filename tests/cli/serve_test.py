@@ -9,7 +9,8 @@ C20, update of step 20). Then:
 - a server whose tables sit in RocksDB behind a 1% cache and a 2% host tier (LFU) gives the same
   scores, and its persistent tier is read;
 - a published update is applied while serving: every response equals predict of the version it
-  names, and the version moves from 10 to 20 between batches only;
+  names, and the version moves from 10 to 20 between batches only; a FIFO of an update's name
+  in the folder is skipped, and a copy whose tail is not yet written is refused by its checksum;
 - malformed requests get a 4xx with a message and do not disturb others, nor do clients that
   stall halfway through a request;
 - SIGTERM drains in-flight requests and exits 0; a missing or corrupt store is an error at start.
@@ -290,6 +291,22 @@ def main():
     for t in threads:
         t.start()
     time.sleep(0.2)
+    # A FIFO of an update's name is skipped (opening it blocked the watcher, then shutdown), and a
+    # copy at its full size whose tail is not yet written is refused by its checksum, not applied.
+    os.mkfifo(os.path.join(watch, "update-000000000015.safetensors"))
+    with open(os.path.join(publish, "update-000000000020.safetensors"), "rb") as f:
+        whole = f.read()
+    errors_before = s.metrics().get("kiln_update_errors_total", 0)
+    torn = whole[:-64] + bytes(64)  # what a reader sees of a file extended to its size
+    if torn == whole:
+        fail("the update's last 64 bytes are zeros: the torn copy would equal the whole one")
+    with open(os.path.join(watch, "update-000000000020.safetensors"), "wb") as f:
+        f.write(torn)
+    time.sleep(0.5)
+    m = s.metrics()
+    if m["kiln_model_version"] != 10 or m.get("kiln_update_errors_total", 0) <= errors_before:
+        fail("an update whose tail is not yet written was not refused: version %s, %s update errors"
+             % (m["kiln_model_version"], m.get("kiln_update_errors_total")))
     # As the trainer publishes: written beside its place, then renamed into it.
     shutil.copy(os.path.join(publish, "update-000000000020.safetensors"), os.path.join(watch, "incoming.tmp"))
     os.rename(os.path.join(watch, "incoming.tmp"), os.path.join(watch, "update-000000000020.safetensors"))
