@@ -332,6 +332,7 @@ def main():
     time.sleep(0.5)
     m = s.metrics()
     if m["kiln_model_version"] != 10 or m.get("kiln_update_errors_total", 0) <= errors_before:
+        stop.set()  # the clients end, so the failure does not wait on them
         fail("an update whose tail is not yet written was not refused: version %s, %s update errors"
              % (m["kiln_model_version"], m.get("kiln_update_errors_total")))
     # As the trainer publishes: written beside its place, then renamed into it.
