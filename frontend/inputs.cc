@@ -52,8 +52,8 @@ ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
     if (m.args[i].name != "first") fail(m.args[i].value->loc, "'columns' takes one value and first = k");
     first = intArg(eval(*m.args[i].value), m.args[i].value->loc, "first");
     if (first < 0 || first > kMaxColumns)
-      fail(m.args[i].value->loc, fmt::format("first = {} is outside [0, {}] (the columns a data line holds)",
-                                             first, kMaxColumns));
+      fail(m.args[i].value->loc,
+           fmt::format("first = {} is outside [0, {}] (the columns a data line holds)", first, kMaxColumns));
   }
   const Location& loc = m.args[0].value->loc;
   Val v = eval(*m.args[0].value);

@@ -14,12 +14,12 @@
 #include <string_view>
 
 #include "frontend/frontend.h"
+#include "runtime/checkpoint.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/binary_format.h"
 #include "runtime/data/line_reader.h"
 #include "runtime/data/markov_tokens.h"
 #include "runtime/data/schema.h"
-#include "runtime/checkpoint.h"
 #include "tools/cli.h"
 #include "tools/model_session.h"
 #include "tools/serve_http.h"
@@ -125,7 +125,8 @@ std::optional<std::string> headerLabel(const std::string& path) {
   std::string_view line(buf, n);
   if (line.substr(0, 3) == "\xef\xbb\xbf") line.remove_prefix(3);  // a UTF-8 byte-order mark
   line = line.substr(0, line.find_first_of("\t\n\r"));
-  if (line.empty() || line.find_first_not_of("0123456789.+-eE ") == std::string_view::npos) return std::nullopt;
+  if (line.empty() || line.find_first_not_of("0123456789.+-eE ") == std::string_view::npos)
+    return std::nullopt;
   return std::string(line.substr(0, 64));
 }
 
@@ -156,7 +157,8 @@ int runInfo(const std::vector<std::string>& args) {
   int64_t total = 0;
   for (const auto& f : p.positionals()) {
     const bool binary = data::isBinaryFile(f);
-    const auto v2 = binary ? data::schemaBinaryInfo(f) : Expected<std::string>(Status::error("not version 2"));
+    const auto v2 =
+        binary ? data::schemaBinaryInfo(f) : Expected<std::string>(Status::error("not version 2"));
     if (binary && p.flag("header-only")) {
       if (v2) {
         std::printf("%s: %s (header checked)\n", f.c_str(), v2->c_str());

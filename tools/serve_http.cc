@@ -337,11 +337,13 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
           return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, sent, k);
         double lo = 0, hi = 0;
         if (!inDatatypeRange(datatype, v, lo, hi))
-          return Status::errorf("input '{}': value {} at position {} is out of the range of {} [{:.0f}, {:.0f}]",
-                                in.name, sent, k, datatype, lo, hi);
+          return Status::errorf(
+              "input '{}': value {} at position {} is out of the range of {} [{:.0f}, {:.0f}]", in.name, sent,
+              k, datatype, lo, hi);
         if (in.type.dtype() == ir::DType::i32 && (v < -2147483648.0 || v > 2147483647.0))
-          return Status::errorf("input '{}': value {} at position {} is out of the range of the input's int32",
-                                in.name, sent, k);
+          return Status::errorf(
+              "input '{}': value {} at position {} is out of the range of the input's int32", in.name, sent,
+              k);
         if (in.role == data::InputRole::Sparse && (v < 0 || v >= static_cast<double>(in.rows)))
           return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name, sent, k,
                                 in.rows);

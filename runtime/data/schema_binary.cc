@@ -229,7 +229,8 @@ class SchemaBinarySource final : public RowSource {
   }
 
   Status fail(const std::string& why) const {
-    return Status::errorf("'{}': corrupt record {} (at byte {}): {}", files_[file_], record_, record_start_, why);
+    return Status::errorf("'{}': corrupt record {} (at byte {}): {}", files_[file_], record_, record_start_,
+                          why);
   }
 
   Status readRecord(Record& r) {

@@ -36,11 +36,11 @@ bool startsWith(std::string_view s, std::string_view p) { return s.substr(0, p.s
 // a valid safetensors file whose last rows are zeros, so the reader recomputes this before
 // applying anything.
 std::string contentChecksum(std::vector<std::pair<std::string, const ir::TensorView*>> tensors) {
-  std::sort(tensors.begin(), tensors.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
   uint64_t h = 0xcbf29ce484222325ull;
   for (const auto& [name, v] : tensors) {
-    h = runtime::fnv1a64(name.data(), name.size() + 1, h);  // with its terminating NUL: "a" + "bc" != "ab" + "c"
+    // With its terminating NUL: names "a" + "bc" hash apart from "ab" + "c".
+    h = runtime::fnv1a64(name.data(), name.size() + 1, h);
     const std::string_view dtype = runtime::safetensorsDType(v->dtype);
     h = runtime::fnv1a64(dtype.data(), dtype.size(), h);
     h = runtime::fnv1a64(v->shape.data(), v->shape.size() * sizeof(int64_t), h);
@@ -93,9 +93,10 @@ Expected<ModelUpdate> readUpdate(const std::string& path) {
     return it == ckpt.metadata.end() ? std::nullopt : std::optional<std::string>(it->second);
   };
   if (meta("kiln.update") == "1")
-    return Status::errorf("'{}' is an update file of an older kiln (kiln.update 1, without a checksum, so it "
-                          "cannot be told complete): publish it again with this one",
-                          path);
+    return Status::errorf(
+        "'{}' is an update file of an older kiln (kiln.update 1, without a checksum, so it "
+        "cannot be told complete): publish it again with this one",
+        path);
   if (meta("kiln.update") != "2")
     return Status::errorf("'{}' is not a Kiln update file (no kiln.update metadata)", path);
   // Before anything is taken from it: a file whose tail is not yet written (or is damaged) holds

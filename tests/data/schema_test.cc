@@ -322,7 +322,8 @@ TEST(Schema, DenseValuesAreDecimalNumbersWithinF32Range) {
       {"1e-50x", "is not a finite number: '1e-50x'"},
   };
   for (size_t i = 0; i < bad.size(); ++i) {
-    std::string p = dir.write(fmt::format("bad{}.tsv", i), header + "1\t0\t0\t" + bad[i].field + "\t0\t1\t1\t1,2\n");
+    std::string p =
+        dir.write(fmt::format("bad{}.tsv", i), header + "1\t0\t0\t" + bad[i].field + "\t0\t1\t1\t1,2\n");
     Status error;
     readOne(spec, p, 1, &error);
     ASSERT_FALSE(error.isOk()) << bad[i].field;

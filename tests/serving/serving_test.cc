@@ -1,8 +1,7 @@
 // The serving pieces below the HTTP layer: the batch-invariant GEMM, which tables a store
 // serves, a batch's gathered rows, and the update files of kiln train --publish.
-#include <gtest/gtest.h>
-
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 

@@ -80,7 +80,8 @@ struct kiln_model {
   // the registry (a live handle whose memory the caller overwrote is caught too).
   static constexpr uint64_t kMagic = 0x6b696c6e2d616f74;  // "kiln-aot"
   uint64_t magic = kMagic;
-  bool busy = false;  // a kiln_predict, kiln_train_step or kiln_save is running; guarded by the registry's mutex
+  // A kiln_predict, kiln_train_step or kiln_save is running; guarded by the registry's mutex.
+  bool busy = false;
   std::shared_ptr<const kiln::cli::CompiledModel> compiled;
   std::unique_ptr<kiln::cli::ModelSession> session;
   std::vector<kiln_input_info> inputs;  // of @forward, the names pointing into the spec
@@ -164,7 +165,8 @@ kiln_status fillBatch(kiln_model& m, const data::BatchSpec& spec, int64_t n, con
 // kiln_create reused names that new handle.
 std::mutex registry_mutex;
 std::unordered_set<const kiln_model*>& registry() {
-  static auto* live = new std::unordered_set<const kiln_model*>;  // never destroyed: calls from atexit handlers
+  // Never destroyed: a handle may be destroyed from an atexit handler, after static destructors.
+  static auto* live = new std::unordered_set<const kiln_model*>;
   return *live;
 }
 
@@ -229,7 +231,8 @@ class Use {
 kiln_status create(const kiln_options& o, kiln_model** out) {
   // As the CLI's --threads: a negative count or 100000 threads is a mistake, not a request.
   if (o.threads < 0 || o.threads > 1024)
-    return failWith(KILN_INVALID_ARGUMENT, fmt::format("threads must be in [0, 1024] (0 = 1), got {}", o.threads));
+    return failWith(KILN_INVALID_ARGUMENT,
+                    fmt::format("threads must be in [0, 1024] (0 = 1), got {}", o.threads));
   auto self = runtime::sharedObjectPathOf(reinterpret_cast<const void*>(&kiln_create));
   if (!self) return failWith(KILN_BAD_PAYLOAD, self.status());
   // Each handle maps the payload on its own: the embedded weights are a private, copy-on-write
