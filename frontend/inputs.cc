@@ -36,6 +36,14 @@ bool isTokenInput(const Val& v) {
 //   columns(["a", "b"])     n names
 // Each entry is an Attribute: an integer position or a string name.
 ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
+  // A data line is at most 1 MiB (kMaxTsvLineBytes, runtime/data/record_source.h), so it holds at
+  // most 2^20 + 1 fields (all empty): no file has more columns, nor a column past that. Checked
+  // before any entry is made: columns(...) of an input of 4e9 features took 18.9 GB in kiln check.
+  constexpr int64_t kMaxColumns = (int64_t{1} << 20) + 1;
+  if (n > static_cast<size_t>(kMaxColumns))
+    fail(m.loc, fmt::format("columns(...) for {} features: a data line (at most 1 MiB) holds at most {} "
+                            "columns",
+                            n, kMaxColumns));
   if (m.args.empty() || !m.args[0].name.empty())
     fail(m.loc,
          "'columns' takes the file columns: a position, a list of positions, a name or a list of names");
@@ -43,6 +51,9 @@ ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
   for (size_t i = 1; i < m.args.size(); ++i) {
     if (m.args[i].name != "first") fail(m.args[i].value->loc, "'columns' takes one value and first = k");
     first = intArg(eval(*m.args[i].value), m.args[i].value->loc, "first");
+    if (first < 0 || first > kMaxColumns)
+      fail(m.args[i].value->loc,
+           fmt::format("first = {} is outside [0, {}] (the columns a data line holds)", first, kMaxColumns));
   }
   const Location& loc = m.args[0].value->loc;
   Val v = eval(*m.args[0].value);
@@ -51,9 +62,17 @@ ir::AttrArray ModelLowering::columnsArg(const ast::Modifier& m, size_t n) {
   auto position = [&](const Val& x) {
     int64_t k = intArg(x, loc, "a column position");
     if (k < 0) fail(loc, fmt::format("a column position is 0 or more, got {}", k));
+    if (k >= kMaxColumns)
+      fail(loc, fmt::format("column position {} is past the {} columns a data line (at most 1 MiB) holds", k,
+                            kMaxColumns));
     return ir::Attribute(k);
   };
   if (v.kind == Val::Kind::Int) {
+    // The last position first: k + n - 1 past the bound (or past int64) is one error.
+    if (v.i >= 0 && v.i > kMaxColumns - static_cast<int64_t>(n))
+      fail(loc, fmt::format("columns({}) for {} features run past the {} columns a data line (at most 1 MiB) "
+                            "holds",
+                            v.i, n, kMaxColumns));
     for (size_t i = 0; i < n; ++i) out.push_back(position(Val::integer(v.i + static_cast<int64_t>(i))));
   } else if (v.kind == Val::Kind::Str) {
     const size_t at = v.s.find("{}");

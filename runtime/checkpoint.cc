@@ -375,10 +375,15 @@ class CheckpointFile {
   }
   Status open(const std::string& path, bool allocate) {
     path_ = path;
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading otherwise waits for a writer (a watcher of update
+    // files hung so); it is refused below. Reads of a regular file ignore the flag.
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd_ < 0) return Status::errorf("cannot open checkpoint '{}': {}", path, std::strerror(errno));
     struct stat stt;
     if (::fstat(fd_, &stt) != 0) return Status::errorf("cannot stat '{}': {}", path, std::strerror(errno));
+    if (!S_ISREG(stt.st_mode))
+      return Status::errorf("checkpoint '{}' is not a regular file (a FIFO, a socket or a device): not read",
+                            path);
     const uint64_t size = static_cast<uint64_t>(stt.st_size);
     if (size < 8)
       return checkpointError(

@@ -10,13 +10,16 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <string_view>
 
 #include "frontend/frontend.h"
+#include "runtime/checkpoint.h"
 #include "runtime/data/batch_reader.h"
 #include "runtime/data/binary_format.h"
+#include "runtime/data/line_reader.h"
 #include "runtime/data/markov_tokens.h"
 #include "runtime/data/schema.h"
-#include "runtime/checkpoint.h"
 #include "tools/cli.h"
 #include "tools/session_flags.h"
 #include "tools/serve_http.h"
@@ -90,27 +93,77 @@ int runConvert(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
+// The spec of MODEL's @forward (--model, --set), or the exit code after printing why not.
+Expected<data::BatchSpec> modelSpec(ArgParser& p, const char* command, int* code) {
+  frontend::ParamOverrides overrides;
+  for (const std::string& s : p.getAll("set"))
+    if (Status st = frontend::addOverride(s, overrides); !st.isOk()) {
+      *code = p.usageError(st.message());
+      return st;
+    }
+  frontend::DiagnosticEngine diags(&std::cerr);
+  auto m = frontend::compileModelFile(p.get("model"), overrides, diags);
+  *code = kExitError;
+  if (!m) {
+    std::fprintf(stderr, "kiln %s: error: %s: the model has errors\n", command, p.get("model").c_str());
+    return Status::error("the model has errors");
+  }
+  auto spec = data::fromFunction(*(*m)->lookup("forward"));
+  if (!spec) printError(command, spec.status());
+  return spec;
+}
+
+// Without a model a text file is Criteo TSV. A first line whose label field is not a number is a
+// header line, which only a file of a model's own columns has: reading it as Criteo reported every
+// line of a valid file as malformed. Its label field, or nothing when the line is Criteo-like.
+std::optional<std::string> headerLabel(const std::string& path) {
+  std::FILE* fp = std::fopen(path.c_str(), "rb");
+  if (!fp) return std::nullopt;  // the reader names the error
+  char buf[4096];
+  const size_t n = std::fread(buf, 1, sizeof buf, fp);
+  std::fclose(fp);
+  std::string_view line(buf, n);
+  if (line.substr(0, 3) == "\xef\xbb\xbf") line.remove_prefix(3);  // a UTF-8 byte-order mark
+  line = line.substr(0, line.find_first_of("\t\n\r"));
+  if (line.empty() || line.find_first_not_of("0123456789.+-eE ") == std::string_view::npos)
+    return std::nullopt;
+  return std::string(line.substr(0, 64));
+}
+
 int runInfo(const std::vector<std::string>& args) {
-  ArgParser p("data info", "kiln data info FILE... [--strict] [--header-only]",
-              "Checks data files as training reads them and prints their record counts. A binary file's\n"
-              "header and every record are checked (exit 1 at the first corrupt one, which training would\n"
-              "stop at); a TSV file's malformed lines are reported and counted, as training skips them\n"
-              "(exit 1 with --strict, as training with --strict stops at them).");
-  p.setPositionals("FILE...", 1, -1, "Kiln binary or Criteo TSV data files");
+  ArgParser p("data info", "kiln data info FILE... [--model MODEL.kiln] [--strict] [--header-only]",
+              "Checks data files as training reads them and prints their record counts. With --model, each\n"
+              "file is read by the reader `kiln train MODEL --data FILE` opens (its schema, its bounds, the\n"
+              "refusal of a file of another layout). Without it: Criteo TSV and version-1 binary files as a\n"
+              "Criteo-layout model reads them, and version-2 (schema) binary files under their own header.\n"
+              "A binary file's header and every record are checked (exit 1 at the first corrupt one, which\n"
+              "training would stop at); a TSV file's malformed lines are reported and counted, as training\n"
+              "skips them (exit 1 with --strict, as training with --strict stops at them). Files that hold\n"
+              "no sample at all are exit 1, as training refuses them.");
+  p.setPositionals("FILE...", 1, -1, "data files: binary, TSV or CSV");
+  p.addOption("model", "MODEL.kiln", "read the files as training this model reads them (its columns(...))");
+  p.addOption("set", "NAME=VALUE", "with --model: override a model param", std::nullopt, true);
   p.addFlag("strict", "a malformed TSV line is an error (exit 1), as for kiln train --strict");
   p.addFlag("header-only", "binary files: check the header against the file size, read no record");
   p.addFlag("quiet", "do not report each skipped TSV line");
   int code;
   if (!p.parse(args, &code)) return code;
+  std::optional<data::BatchSpec> spec;
+  if (p.has("model")) {
+    auto s = modelSpec(p, "data info", &code);
+    if (!s) return code;
+    spec = s.take();
+  }
+  int64_t total = 0;
   for (const auto& f : p.positionals()) {
     const bool binary = data::isBinaryFile(f);
-    if (binary && data::schemaBinaryInfo(f).isOk()) {
-      // A model's own schema: its records are read under a model (kiln check MODEL --data FILE).
-      std::printf("%s: %s (header checked; kiln check MODEL --data FILE reads its records)\n", f.c_str(),
-                  data::schemaBinaryInfo(f)->c_str());
-      continue;
-    }
+    const auto v2 =
+        binary ? data::schemaBinaryInfo(f) : Expected<std::string>(Status::error("not version 2"));
     if (binary && p.flag("header-only")) {
+      if (v2) {
+        std::printf("%s: %s (header checked)\n", f.c_str(), v2->c_str());
+        continue;
+      }
       auto n = data::checkBinaryFile(f);
       if (!n) {
         std::fprintf(stderr, "%s\n", n.status().str().c_str());
@@ -118,8 +171,68 @@ int runInfo(const std::vector<std::string>& args) {
       }
       std::printf("%s: %lld records, version %u (header checked)\n", f.c_str(), static_cast<long long>(*n),
                   data::kBinaryVersion);
+      total += *n;  // not read: counted as the header says
       continue;
     }
+    if (spec) {
+      // The very reader training opens for this model, batch by batch.
+      data::DataOptions o;
+      o.paths = {f};
+      o.batch_size = 1024;
+      o.strict = p.flag("strict");
+      int64_t malformed = 0;
+      o.on_skip = [quiet = p.flag("quiet"), &malformed](const Status& s) {
+        if (!quiet && malformed < 20) std::fprintf(stderr, "%s (line skipped)\n", s.str().c_str());
+        ++malformed;
+      };
+      auto reader = data::openBatchReader(*spec, std::move(o));
+      if (!reader) {
+        std::fprintf(stderr, "%s\n", reader.status().str().c_str());
+        return kExitError;
+      }
+      int64_t records = 0;
+      data::Batch batch;
+      for (;;) {
+        auto got = (*reader)->next(batch);
+        if (!got) {
+          std::fprintf(stderr, "%s\n", got.status().str().c_str());
+          return kExitError;
+        }
+        if (!*got) break;
+        records += batch.size;
+      }
+      total += records;
+      if (binary)
+        std::printf("%s: %lld records (binary, version %u)\n", f.c_str(), static_cast<long long>(records),
+                    v2 ? data::kSchemaBinaryVersion : data::kBinaryVersion);
+      else
+        std::printf("%s: %lld records (%s), %lld malformed lines skipped\n", f.c_str(),
+                    static_cast<long long>(records),
+                    spec->layout == data::DataLayout::Criteo ? "Criteo TSV" : "text, the model's columns",
+                    static_cast<long long>(malformed));
+      continue;
+    }
+    if (v2) {
+      // A model's own schema: every record under the file's header (what any model checks).
+      auto n = data::checkSchemaBinaryRecords(f);
+      if (!n) {
+        std::fprintf(stderr, "%s\n", n.status().str().c_str());
+        return kExitError;
+      }
+      total += *n;
+      std::printf("%s: %s (every record checked; --model MODEL.kiln reads them as MODEL does)\n", f.c_str(),
+                  v2->c_str());
+      continue;
+    }
+    if (!binary)
+      if (auto label = headerLabel(f)) {
+        std::fprintf(stderr,
+                     "%s:1:1: error: the first line is not a Criteo sample (its label is '%s'): a header "
+                     "line, as a file of a model's own columns has; check it as that model reads it: kiln "
+                     "data info --model MODEL.kiln %s\n",
+                     f.c_str(), data::printableField(*label).c_str(), f.c_str());
+        return kExitError;
+      }
     // The reader training opens, so a file passes here exactly when training would read it.
     data::TsvOptions opts = tsvOptions(p);
     auto src = data::openRecords({f}, std::move(opts));
@@ -138,12 +251,18 @@ int runInfo(const std::vector<std::string>& args) {
       if (!*got) break;
       ++records;
     }
+    total += records;
     if (binary)
       std::printf("%s: %lld records, version %u\n", f.c_str(), static_cast<long long>(records),
                   data::kBinaryVersion);
     else
       std::printf("%s: %lld records (Criteo TSV), %lld malformed lines skipped\n", f.c_str(),
                   static_cast<long long>(records), static_cast<long long>((*src)->malformed()));
+  }
+  if (total == 0) {
+    // As `kiln train --data` on these files says.
+    std::fprintf(stderr, "kiln data info: error: the data files hold no samples\n");
+    return kExitError;
   }
   return kExitOk;
 }

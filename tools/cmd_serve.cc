@@ -264,6 +264,11 @@ int runServe(const std::vector<std::string>& args) {
   } else {
     auto rocks = serving::RocksDbStore::open(store_dir);
     if (!rocks) return fail(rocks.status());
+    if (!(*rocks)->complete())
+      return fail(Status::errorf(
+          "the store '{}' is incomplete: the kiln store import that made it did not finish (it was "
+          "interrupted or failed), so rows are missing; remove the directory and import again",
+          store_dir));
     if ((*rocks)->version() != step)
       return fail(Status::errorf(
           "the store '{}' holds version {} but the weights are of step {}: serve the checkpoint "
@@ -358,7 +363,8 @@ int runStore(const std::vector<std::string>& args) {
         });
     if (!st) return fail(st);
   }
-  if (Status st = (*store)->setVersion(checkpointStep(*header)); !st) return fail(st);
+  // Only now is the store complete: until this write it says it is being imported.
+  if (Status st = (*store)->finishImport(checkpointStep(*header)); !st) return fail(st);
   std::printf("imported %zu tables, %lld rows, version %lld into %s\n", tables.size(),
               static_cast<long long>(rows), static_cast<long long>(checkpointStep(*header)),
               p.positionals()[2].c_str());

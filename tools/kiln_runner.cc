@@ -1,6 +1,6 @@
 // The runner of a model compiled ahead of time (`kiln compile`, docs/aot.md): this binary with a
 // payload appended. `./NAME train|eval|predict` run kiln's own commands on a session opened from
-// the payload (tools/compiled_model.h): the same flags as `kiln`, less the model file and the
+// the payload (driver/compiled_model.h): the same flags as `kiln`, less the model file and the
 // compiler's flags (--set, the passes), which were fixed at compile time. `./NAME info` describes it.
 #include <fmt/format.h>
 

@@ -36,16 +36,20 @@ const char* datatypeOf(ir::DType t) {
   }
 }
 
-// Appends the numbers of `v` (nested arrays flattened, row-major) to `out`, at most `limit`.
-Status flatten(const Json& v, std::vector<double>& out, size_t limit, int depth) {
+// Appends the numbers of `v` (nested arrays flattened, row-major) to `out`, at most `limit`, and
+// where each is to `nodes` (a message quotes the number as sent: an id of 2^64 - 1 is not exact as
+// a double, and 2^63 or more cast to int64 printed as -9223372036854775808).
+Status flatten(const Json& v, std::vector<double>& out, std::vector<const Json*>& nodes, size_t limit,
+               int depth) {
   if (v.is_array()) {
     if (depth > 8) return Status::error("data is nested too deeply");
-    for (const Json& x : v) KILN_RETURN_IF_ERROR(flatten(x, out, limit, depth + 1));
+    for (const Json& x : v) KILN_RETURN_IF_ERROR(flatten(x, out, nodes, limit, depth + 1));
     return Status::ok();
   }
   if (!v.is_number()) return Status::errorf("data holds {}, not a number", v.type_name());
   if (out.size() >= limit) return Status::errorf("data holds more than the {} values its shape has", limit);
   out.push_back(v.get<double>());
+  nodes.push_back(&v);
   return Status::ok();
 }
 
@@ -316,8 +320,10 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     auto data = j.find("data");
     if (data == j.end()) return Status::errorf("input '{}' has no \"data\"", in.name);
     std::vector<double> values;
+    std::vector<const Json*> nodes;
     values.reserve(static_cast<size_t>(count));
-    if (Status st = flatten(*data, values, static_cast<size_t>(count), 0); !st)
+    nodes.reserve(static_cast<size_t>(count));
+    if (Status st = flatten(*data, values, nodes, static_cast<size_t>(count), 0); !st)
       return Status::errorf("input '{}': {}", in.name, st.message());
     if (static_cast<int64_t>(values.size()) != count)
       return Status::errorf("input '{}' has {} values; its shape [{}] needs {}", in.name, values.size(),
@@ -326,20 +332,23 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
     for (int64_t k = 0; k < count; ++k) {
       const double v = values[static_cast<size_t>(k)];
       if (integer) {
+        const std::string sent = replyText(*nodes[static_cast<size_t>(k)]);
         if (v != std::floor(v) || !std::isfinite(v))
-          return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, v, k);
+          return Status::errorf("input '{}': value {} at position {} is not an integer", in.name, sent, k);
         double lo = 0, hi = 0;
         if (!inDatatypeRange(datatype, v, lo, hi))
-          return Status::errorf("input '{}': value {} at position {} is out of the range of {} [{}, {}]", in.name,
-                                v, k, datatype, lo, hi);
+          return Status::errorf(
+              "input '{}': value {} at position {} is out of the range of {} [{:.0f}, {:.0f}]", in.name, sent,
+              k, datatype, lo, hi);
         if (in.type.dtype() == ir::DType::i32 && (v < -2147483648.0 || v > 2147483647.0))
-          return Status::errorf("input '{}': value {} at position {} is out of the range of the input's int32",
-                                in.name, v, k);
+          return Status::errorf(
+              "input '{}': value {} at position {} is out of the range of the input's int32", in.name, sent,
+              k);
         if (in.role == data::InputRole::Sparse && (v < 0 || v >= static_cast<double>(in.rows)))
-          return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name,
-                                static_cast<int64_t>(v), k, in.rows);
+          return Status::errorf("input '{}': id {} at position {} is out of range [0, {})", in.name, sent, k,
+                                in.rows);
         if (in.role == data::InputRole::Lengths && (v < 0 || v > std::numeric_limits<int32_t>::max()))
-          return Status::errorf("input '{}': length {} at position {} is out of range", in.name, v, k);
+          return Status::errorf("input '{}': length {} at position {} is out of range", in.name, sent, k);
         if (in.type.dtype() == ir::DType::i32)
           t.view.as<int32_t>()[k] = static_cast<int32_t>(v);
         else

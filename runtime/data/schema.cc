@@ -3,9 +3,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <string>
 
 #include "runtime/data/line_reader.h"
 #include "runtime/data/sample.h"
@@ -32,6 +35,35 @@ std::string_view trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
   while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
   return s;
+}
+
+// `t` without one '+' before a digit or a point: from_chars takes no plus sign, which printf("%+g")
+// and spreadsheets write. A sign after it ("+-1") stays an error.
+std::string_view withoutPlus(std::string_view t) {
+  if (t.size() > 1 && t[0] == '+' && (std::isdigit(static_cast<unsigned char>(t[1])) || t[1] == '.'))
+    t.remove_prefix(1);
+  return t;
+}
+
+enum class DenseParse { Ok, NotANumber, OutOfRange };
+
+// A dense value: a decimal number (as from_chars reads it, after an optional '+') within f32's
+// range. One below its smallest denormal is 0 and one among the denormals the nearest of them (as
+// strtof rounds): from_chars calls both out of range, but 1e-50 is a number whose f32 is 0, and
+// refusing it refused files that tools write. One beyond f32's largest is out of range: it would be
+// an infinity.
+DenseParse parseDense(std::string_view text, float* out) {
+  const std::string_view t = withoutPlus(text);
+  auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), *out);
+  if (end != t.data() + t.size() || (ec != std::errc() && ec != std::errc::result_out_of_range))
+    return DenseParse::NotANumber;
+  if (ec == std::errc()) return std::isfinite(*out) ? DenseParse::Ok : DenseParse::NotANumber;
+  // Out of range, and the whole text a number: strtof says which way (C locale: kiln sets none).
+  const std::string copy(t);
+  const float v = std::strtof(copy.c_str(), nullptr);
+  if (!std::isfinite(v)) return DenseParse::OutOfRange;
+  *out = v;
+  return DenseParse::Ok;
 }
 
 }  // namespace
@@ -176,8 +208,9 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
     switch (c.kind) {
       case ColumnKind::Label: {
         double v = 0;
-        auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-        if (ec != std::errc() || end != text.data() + text.size() || (v != 0 && v != 1))
+        const std::string_view t = withoutPlus(text);
+        auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
+        if (ec != std::errc() || end != t.data() + t.size() || (v != 0 && v != 1))
           return Status::errorf("{} must be 0 or 1, got '{}'", c.describe(spec_), printableField(text));
         r.labels[label++] = static_cast<float>(v);
         break;
@@ -186,9 +219,12 @@ Status SchemaParser::parse(std::string_view line, Record& r, int64_t* col) {
         float v = 0;
         std::string_view t = trim(text);
         if (!t.empty()) {
-          auto [end, ec] = std::from_chars(t.data(), t.data() + t.size(), v);
-          if (ec != std::errc() || end != t.data() + t.size() || !std::isfinite(v))
+          const DenseParse got = parseDense(t, &v);
+          if (got == DenseParse::NotANumber)
             return Status::errorf("{} is not a finite number: '{}'", c.describe(spec_), printableField(text));
+          if (got == DenseParse::OutOfRange)
+            return Status::errorf("{} is beyond f32's range (+-3.4e38): '{}'", c.describe(spec_),
+                                  printableField(text));
         }
         r.dense[dense++] = v;
         break;

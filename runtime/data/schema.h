@@ -108,6 +108,11 @@ inline constexpr uint32_t kSchemaBinaryVersion = 2;
 Expected<std::unique_ptr<RowSource>> openSchemaBinary(const BatchSpec& spec, std::vector<std::string> files);
 // A version-2 file's header, checked, in words: its record count and columns.
 Expected<std::string> schemaBinaryInfo(const std::string& path);
+// Reads every record of a version-2 file under its own header, with the checks any model's reader
+// makes (labels 0 or 1, finite values, lists within their bound, nothing after the last record):
+// the records read, or the first corrupt one's error. A model's own bounds (hotness) are not
+// known here: openSchemaBinary checks those.
+Expected<int64_t> checkSchemaBinaryRecords(const std::string& path);
 // Reads text files under the schema of `spec` into one version-2 binary file (written to
 // OUT.tmp, fsynced and renamed; nothing is left behind on an error).
 Expected<ConvertStats> convertSchemaToBinary(const BatchSpec& spec, const std::vector<std::string>& inputs,

@@ -229,11 +229,13 @@ class SchemaBinarySource final : public RowSource {
   }
 
   Status fail(const std::string& why) const {
-    return Status::errorf("'{}': corrupt record {} (at byte {}): {}", files_[file_], record_, offset_, why);
+    return Status::errorf("'{}': corrupt record {} (at byte {}): {}", files_[file_], record_, record_start_,
+                          why);
   }
 
   Status readRecord(Record& r) {
     const FileSchema& fs = file_schema_;
+    record_start_ = offset_;  // where a corrupt record's message says it lies
     r.labels.resize(schema_.labels.size());
     r.dense.resize(schema_.dense.size());
     r.ends.resize(schema_.cats.size());
@@ -292,7 +294,7 @@ class SchemaBinarySource final : public RowSource {
   std::vector<std::string> files_;
   std::FILE* fp_ = nullptr;
   size_t file_ = 0;
-  int64_t size_ = 0, offset_ = 0, record_ = 0;
+  int64_t size_ = 0, offset_ = 0, record_ = 0, record_start_ = 0;
   FileSchema file_schema_;
   std::vector<int> file_of_;  // per file column: the model's column, or -1
   std::vector<std::vector<uint64_t>> pending_;
@@ -314,6 +316,18 @@ Expected<std::string> schemaBinaryInfo(const std::string& path) {
   if (fs->columns.size() > 8) names += ", ...";
   return fmt::format("{} records, version {}: {} label, {} dense and {} categorical columns ({})",
                      fs->records, kSchemaBinaryVersion, fs->labels, fs->dense, fs->cats, names);
+}
+
+Expected<int64_t> checkSchemaBinaryRecords(const std::string& path) {
+  // A spec that binds no column: the reader checks and skips every one of the file's.
+  KILN_ASSIGN_OR_RETURN(auto src, openSchemaBinary(BatchSpec{}, {path}));
+  Record r;
+  int64_t records = 0;
+  for (;;) {
+    KILN_ASSIGN_OR_RETURN(bool more, src->next(r));
+    if (!more) return records;
+    ++records;
+  }
 }
 
 Expected<std::unique_ptr<RowSource>> openSchemaBinary(const BatchSpec& spec, std::vector<std::string> files) {

@@ -31,6 +31,7 @@ namespace kiln::serving {
   X(writebatch_create)             \
   X(writebatch_destroy)            \
   X(writebatch_put)                \
+  X(writebatch_delete)             \
   X(write)                         \
   X(get)                           \
   X(multi_get)                     \
@@ -50,6 +51,11 @@ static_assert(std::endian::native == std::endian::little,
 constexpr int kFormatVersion = 1;
 constexpr std::string_view kMetadataKey = "kiln.store";
 constexpr std::string_view kVersionKey = "kiln.version";
+// Present from create() until finishImport(): an import that stopped halfway (killed, a full
+// disk, a bad checkpoint) leaves a store that says so, rather than one at version 0 that serves
+// a checkpoint of step 0 with rows missing (500 on every request). A store made before this
+// record existed has none, and is complete.
+constexpr std::string_view kImportingKey = "kiln.importing";
 constexpr size_t kRowKeyBytes = 1 + 4 + 8;
 constexpr int64_t kMaxDim = int64_t{1} << 24;
 
@@ -233,11 +239,13 @@ Expected<std::unique_ptr<RocksDbStore>> RocksDbStore::create(const std::string& 
   if (ec) return Status::errorf("cannot create the directory {}: {}", dir, ec.message());
   KILN_ASSIGN_OR_RETURN(std::unique_ptr<Handles> handles, Handles::open(api, dir, /*create=*/true));
   std::unique_ptr<RocksDbStore> store(new RocksDbStore(dir, tables, std::move(handles), 0));
+  store->complete_ = false;
   // The tables and version 0 go in one batch: a store is never left without its metadata.
   rocksdb_writebatch_t* batch = api->writebatch_create();
   std::string metadata = metadataText(tables);
   api->writebatch_put(batch, kMetadataKey.data(), kMetadataKey.size(), metadata.data(), metadata.size());
   api->writebatch_put(batch, kVersionKey.data(), kVersionKey.size(), "0", 1);
+  api->writebatch_put(batch, kImportingKey.data(), kImportingKey.size(), "1", 1);
   char* err = nullptr;
   api->write(store->handles_->db, store->handles_->write, batch, &err);
   api->writebatch_destroy(batch);
@@ -266,7 +274,10 @@ Expected<std::unique_ptr<RocksDbStore>> RocksDbStore::open(const std::string& di
   int64_t version = 0;
   if (!version_text || !parseInt(*version_text, version))
     return Status::errorf("{}: missing or garbled {} record", dir, kVersionKey);
-  return std::unique_ptr<RocksDbStore>(new RocksDbStore(dir, tables.take(), std::move(handles), version));
+  KILN_ASSIGN_OR_RETURN(std::optional<std::string> importing, handles->get(kImportingKey, dir));
+  std::unique_ptr<RocksDbStore> store(new RocksDbStore(dir, tables.take(), std::move(handles), version));
+  store->complete_ = !importing.has_value();
+  return store;
 }
 
 int RocksDbStore::tableIndex(std::string_view name) const {
@@ -317,6 +328,21 @@ Status RocksDbStore::write(const std::vector<RowWrite>& writes, std::optional<in
 }
 
 Status RocksDbStore::setVersion(int64_t version) { return write({}, version); }
+
+Status RocksDbStore::finishImport(int64_t version) {
+  const RocksDbApi& api = *handles_->api;
+  rocksdb_writebatch_t* batch = api.writebatch_create();
+  const std::string version_text = std::to_string(version);
+  api.writebatch_put(batch, kVersionKey.data(), kVersionKey.size(), version_text.data(), version_text.size());
+  api.writebatch_delete(batch, kImportingKey.data(), kImportingKey.size());
+  char* err = nullptr;
+  api.write(handles_->db, handles_->write, batch, &err);
+  api.writebatch_destroy(batch);
+  if (err) return Status::errorf("{}: write failed: {}", dir_, takeError(api, err));
+  version_.store(version, std::memory_order_release);
+  complete_ = true;
+  return Status::ok();
+}
 
 Status RocksDbStore::getRows(int table, std::span<const int64_t> ids, float* out,
                              std::vector<uint8_t>& found) {

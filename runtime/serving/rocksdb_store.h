@@ -9,6 +9,7 @@
 //   "kiln.store"    ->  "kiln.store <format version>\n" then "table <rows> <dim> <name>\n" per
 //                       table, in order
 //   "kiln.version"  ->  the model version (the training step the rows come from), in decimal
+//   "kiln.importing" -> present while an import fills the store (from create to finishImport)
 #pragma once
 
 #include <atomic>
@@ -45,8 +46,8 @@ class RocksDbStore {
   // Ok when librocksdb loads and has every function the store uses; else the error a user sees.
   static Status available();
 
-  // A new store in `dir` (made if missing) for `tables`, at version 0. Error if `dir` already
-  // holds a database.
+  // A new store in `dir` (made if missing) for `tables`, at version 0 and marked incomplete
+  // (complete() is false) until finishImport. Error if `dir` already holds a database.
   static Expected<std::unique_ptr<RocksDbStore>> create(const std::string& dir,
                                                         const std::vector<TableInfo>& tables);
   // The store in `dir`, read-write. Errors name `dir`: missing, not a RocksDB database, no or a
@@ -72,6 +73,10 @@ class RocksDbStore {
 
   Status setVersion(int64_t version);
   int64_t version() const { return version_.load(std::memory_order_acquire); }
+  // Sets the version and clears the mark create() set, in one write: the import's last step.
+  Status finishImport(int64_t version);
+  // False for a store whose import did not finish (stopped halfway): kiln serve refuses it.
+  bool complete() const { return complete_; }
 
  private:
   struct Handles;
@@ -83,6 +88,7 @@ class RocksDbStore {
   std::vector<TableInfo> tables_;
   std::unique_ptr<Handles> handles_;
   std::atomic<int64_t> version_;
+  bool complete_ = true;
 };
 
 }  // namespace kiln::serving

@@ -11,6 +11,7 @@
 #include "ir/ops/kernel_util.h"
 #include "runtime/checkpoint.h"
 #include "runtime/data/batch.h"
+#include "runtime/random.h"
 
 namespace kiln::serving {
 namespace {
@@ -29,6 +30,24 @@ std::optional<int64_t> parseInt(std::string_view s) {
 }
 
 bool startsWith(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
+
+// FNV-1a 64 of every tensor's name, dtype, shape and bytes, in name order, as 16 hex digits. A
+// file copied into the watched folder has its full size before its tail is written: it parses as
+// a valid safetensors file whose last rows are zeros, so the reader recomputes this before
+// applying anything.
+std::string contentChecksum(std::vector<std::pair<std::string, const ir::TensorView*>> tensors) {
+  std::sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (const auto& [name, v] : tensors) {
+    // With its terminating NUL: names "a" + "bc" hash apart from "ab" + "c".
+    h = runtime::fnv1a64(name.data(), name.size() + 1, h);
+    const std::string_view dtype = runtime::safetensorsDType(v->dtype);
+    h = runtime::fnv1a64(dtype.data(), dtype.size(), h);
+    h = runtime::fnv1a64(v->shape.data(), v->shape.size() * sizeof(int64_t), h);
+    h = runtime::fnv1a64(v->data, static_cast<size_t>(v->bytes()), h);
+  }
+  return fmt::format("{:016x}", h);
+}
 
 }  // namespace
 
@@ -56,10 +75,13 @@ Status writeUpdate(const std::string& dir, const ModelUpdate& u) {
     tensors.emplace_back(std::string(kRows) + tr.table, tr.rows.view);
   }
   for (const auto& [name, t] : u.dense) tensors.emplace_back(std::string(kDense) + name, t.view);
-  const std::map<std::string, std::string> meta = {{"kiln.update", "1"},
+  std::vector<std::pair<std::string, const ir::TensorView*>> summed;
+  for (const auto& [name, v] : tensors) summed.emplace_back(name, &v);
+  const std::map<std::string, std::string> meta = {{"kiln.update", "2"},
                                                    {"version", std::to_string(u.version)},
                                                    {"base", std::to_string(u.base)},
-                                                   {"model", u.model}};
+                                                   {"model", u.model},
+                                                   {"checksum", contentChecksum(std::move(summed))}};
   return runtime::saveCheckpoint((std::filesystem::path(dir) / updateFileName(u.version)).string(), tensors,
                                  meta);
 }
@@ -70,8 +92,22 @@ Expected<ModelUpdate> readUpdate(const std::string& path) {
     auto it = ckpt.metadata.find(key);
     return it == ckpt.metadata.end() ? std::nullopt : std::optional<std::string>(it->second);
   };
-  if (meta("kiln.update") != "1")
+  if (meta("kiln.update") == "1")
+    return Status::errorf(
+        "'{}' is an update file of an older kiln (kiln.update 1, without a checksum, so it "
+        "cannot be told complete): publish it again with this one",
+        path);
+  if (meta("kiln.update") != "2")
     return Status::errorf("'{}' is not a Kiln update file (no kiln.update metadata)", path);
+  // Before anything is taken from it: a file whose tail is not yet written (or is damaged) holds
+  // rows that are not the trainer's. The watcher retries it at the next poll.
+  std::vector<std::pair<std::string, const ir::TensorView*>> summed;
+  for (const auto& [name, t] : ckpt.tensors) summed.emplace_back(name, &t.view);
+  if (const std::string got = contentChecksum(std::move(summed)); meta("checksum") != got)
+    return Status::errorf(
+        "'{}': its data does not match its checksum ({} in the header, {} in the data): the file is not "
+        "completely written yet, or damaged; it is not applied",
+        path, meta("checksum").value_or("none"), got);
   ModelUpdate u;
   auto version = parseInt(meta("version").value_or(""));
   auto base = parseInt(meta("base").value_or(""));
@@ -119,9 +155,13 @@ Expected<ModelUpdate> readUpdate(const std::string& path) {
 Expected<std::vector<std::pair<int64_t, std::string>>> listUpdates(const std::string& dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
-  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-    if (auto v = parseUpdateFileName(it->path().filename().string()))
-      out.emplace_back(*v, it->path().string());
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    auto v = parseUpdateFileName(it->path().filename().string());
+    // Only regular files (or links to them): opening a FIFO of an update's name blocked the
+    // watcher until something wrote to it, and with it the server's shutdown.
+    std::error_code type_ec;
+    if (v && it->is_regular_file(type_ec)) out.emplace_back(*v, it->path().string());
+  }
   if (ec) return Status::errorf("cannot list the update folder '{}': {}", dir, ec.message());
   std::sort(out.begin(), out.end());
   return out;

@@ -5,10 +5,14 @@
 //     ids/<table>    i64 [n]          the rows that changed, ascending
 //     rows/<table>   f32 [n, dim]     their values at the step
 //     dense/<param>  the parameter    every parameter of @forward that is not a served table
-//     __metadata__   {"kiln.update": "1", "version": "200", "base": "100", "model": "dlrm"}
+//     __metadata__   {"kiln.update": "2", "version": "200", "base": "100", "model": "dlrm",
+//                     "checksum": "<16 hex digits>"}
 // `base` is the version the update follows (the previous update, or the step training resumed
 // from), so a reader at version v applies the files with base <= v < version, in order. A file is
-// written beside its place and renamed into it, so a watcher never reads half of one.
+// written beside its place and renamed into it, so a watcher never reads half of one; a file
+// copied in by other means may be read at full size before its tail is written, so `checksum`
+// (FNV-1a 64 of every tensor's name, dtype, shape and bytes, in name order) is checked before an
+// update is applied.
 #pragma once
 
 #include <cstdint>
@@ -49,9 +53,10 @@ std::string updateFileName(int64_t version);
 std::optional<int64_t> parseUpdateFileName(std::string_view name);
 
 Status writeUpdate(const std::string& dir, const ModelUpdate& update);
-// Reads and checks one update file; errors name the file.
+// Reads and checks one update file, its checksum included; errors name the file.
 Expected<ModelUpdate> readUpdate(const std::string& path);
-// The update files of `dir` by version, ascending.
+// The update files of `dir` by version, ascending: regular files only (a FIFO or a device of an
+// update's name is skipped, never opened).
 Expected<std::vector<std::pair<int64_t, std::string>>> listUpdates(const std::string& dir);
 
 // The trainer's side: which rows of the served tables the steps since the last update read (and

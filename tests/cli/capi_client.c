@@ -10,10 +10,14 @@
  *     N / BATCH optimizer steps in order (seeded parameters unless WEIGHTS), then kiln_save(DIR).
  *   capi_client errors
  *     bad arguments are error codes with messages, never a crash.
+ *   capi_client misuse
+ *     threads out of range, a double kiln_destroy, calls after it, a pointer that is no handle and
+ *     one handle shared by threads (destroyed meanwhile too): error codes, never a crash.
  *
  * WEIGHTS "-" means none (embedded weights, or parameters from the seed). */
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -277,10 +281,149 @@ static int errors(void) {
   return bad;
 }
 
+/* One handle shared by threads (misuse the library must survive): each call either runs or is
+ * refused as overlapping another; what runs predicts what one thread alone predicts. With
+ * `destroyer`, the main thread destroys the handle meanwhile: calls after that are refused as not
+ * a live handle. */
+typedef struct {
+  kiln_model* m;
+  const float* want; /* 4 logits */
+  Inputs in;
+  int calls, ran, overlapped, gone, wrong;
+} Sharer;
+
+static atomic_int share_ready, share_go, share_ran;
+
+static void* share(void* arg) {
+  Sharer* s = (Sharer*)arg;
+  atomic_fetch_add(&share_ready, 1);
+  while (!atomic_load(&share_go)) {
+  }
+  for (int k = 0; k < s->calls; ++k) {
+    float out[4];
+    const kiln_status st = kiln_predict(s->m, 4, (const void* const*)s->in.buf, out);
+    if (st == KILN_OK) {
+      ++s->ran;
+      atomic_fetch_add(&share_ran, 1);
+      if (memcmp(out, s->want, sizeof out) != 0) ++s->wrong;
+    } else if (st == KILN_INVALID_ARGUMENT && strstr(kiln_last_error(), "another call is using")) {
+      ++s->overlapped;
+    } else if (st == KILN_INVALID_ARGUMENT && strstr(kiln_last_error(), "not a live kiln_model handle")) {
+      ++s->gone;
+    } else {
+      fprintf(stderr, "shared handle: %s: %s\n", kiln_status_name(st), kiln_last_error());
+      ++s->wrong;
+    }
+  }
+  return NULL;
+}
+
+static int sharedHandle(int destroy) {
+  kiln_model* m = openModel("-");
+  float want[4];
+  enum { kThreads = 4 };
+  Sharer sharers[kThreads];
+  pthread_t threads[kThreads];
+  atomic_store(&share_ready, 0);
+  atomic_store(&share_go, 0);
+  atomic_store(&share_ran, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    sharers[t] = (Sharer){m, want, {0, {NULL}}, 200, 0, 0, 0, 0};
+    fillInputs(m, 0, 4, &sharers[t].in);
+    pthread_create(&threads[t], NULL, share, &sharers[t]);
+  }
+  CHECK(kiln_predict(m, 4, (const void* const*)sharers[0].in.buf, want));
+  /* All threads call at once, and the destroyer with them. */
+  while (atomic_load(&share_ready) < kThreads) {
+  }
+  atomic_store(&share_go, 1);
+  int destroy_refused = 0;
+  if (destroy) {
+    /* Once a call has run: refused while one runs; once it succeeds, the handle is gone for every
+     * thread. */
+    while (atomic_load(&share_ran) == 0) {
+    }
+    for (;;) {
+      const kiln_status st = kiln_destroy(m);
+      if (st == KILN_OK) break;
+      if (st != KILN_INVALID_ARGUMENT || !strstr(kiln_last_error(), "another call is using")) {
+        fprintf(stderr, "destroy during calls: %s: %s\n", kiln_status_name(st), kiln_last_error());
+        return 1;
+      }
+      ++destroy_refused;
+    }
+  }
+  int ran = 0, overlapped = 0, gone = 0, wrong = 0;
+  for (int t = 0; t < kThreads; ++t) {
+    pthread_join(threads[t], NULL);
+    ran += sharers[t].ran;
+    overlapped += sharers[t].overlapped;
+    gone += sharers[t].gone;
+    wrong += sharers[t].wrong;
+    freeInputs(&sharers[t].in);
+  }
+  if (!destroy) CHECK(kiln_destroy(m));
+  printf("%s: %d ran, %d refused as overlapping, %d refused as destroyed, %d destroys refused\n",
+         destroy ? "shared handle destroyed meanwhile" : "shared handle", ran, overlapped, gone, destroy_refused);
+  if (wrong || ran + overlapped + gone != kThreads * 200 || ran == 0 || (!destroy && gone != 0)) {
+    fprintf(stderr, "shared handle: %d calls went wrong\n", wrong);
+    return 1;
+  }
+  return 0;
+}
+
+static int misuse(void) {
+  int bad = 0;
+  kiln_options o;
+  kiln_options_init(&o);
+  kiln_model* m = NULL;
+  /* As the CLI's --threads [1, 1024] (0 is the default, 1). */
+  o.threads = -5;
+  bad |= expect(kiln_create(&o, &m), KILN_INVALID_ARGUMENT, "threads out of range (-5)");
+  o.threads = 100000;
+  bad |= expect(kiln_create(&o, &m), KILN_INVALID_ARGUMENT, "threads out of range (100000)");
+  if (m != NULL) {
+    fprintf(stderr, "a refused kiln_create left a handle\n");
+    bad = 1;
+  }
+  o.threads = 0;
+  CHECK(kiln_create(&o, &m));
+  makeSamples(4, 2, "/dev/null");
+  Inputs in;
+  fillInputs(m, 0, 4, &in);
+  float out[4];
+  bad |= expect(kiln_destroy(m), KILN_OK, "destroy");
+  /* The handle's memory is freed: the library must recognise the pointer without reading it. */
+  bad |= expect(kiln_destroy(m), KILN_INVALID_ARGUMENT, "double destroy");
+  bad |= expect(kiln_predict(m, 4, (const void* const*)in.buf, out), KILN_INVALID_ARGUMENT,
+                "use after destroy (predict)");
+  bad |= expect(kiln_train_step(m, 4, (const void* const*)in.buf, NULL), KILN_INVALID_ARGUMENT,
+                "use after destroy (train_step)");
+  bad |= expect(kiln_save(m, "unused"), KILN_INVALID_ARGUMENT, "use after destroy (save)");
+  kiln_input_info info;
+  bad |= expect(kiln_input(m, 0, &info), KILN_INVALID_ARGUMENT, "use after destroy (input)");
+  if (kiln_max_batch(m) != 0 || kiln_num_inputs(m) != 0 || kiln_output_size(m) != 0 ||
+      strcmp(kiln_model_name(m), "") != 0 || !strstr(kiln_last_error(), "not a live")) {
+    fprintf(stderr, "use after destroy: the accessors answered for a destroyed handle\n");
+    bad = 1;
+  } else {
+    printf("use after destroy (accessors): 0 and \"\": %s\n", kiln_last_error());
+  }
+  /* A pointer kiln_create never returned. */
+  bad |= expect(kiln_predict((kiln_model*)&o, 4, (const void* const*)in.buf, out), KILN_INVALID_ARGUMENT,
+                "not a handle");
+  bad |= expect(kiln_destroy(NULL), KILN_OK, "destroy NULL");
+  freeInputs(&in);
+  bad |= sharedHandle(0);
+  bad |= sharedHandle(1);
+  return bad;
+}
+
 int main(int argc, char** argv) {
   if (argc >= 8 && strcmp(argv[1], "predict") == 0) return predict(argv);
   if (argc >= 9 && strcmp(argv[1], "train") == 0) return train(argv);
   if (argc >= 2 && strcmp(argv[1], "errors") == 0) return errors();
-  fprintf(stderr, "usage: capi_client predict|train|errors ...\n");
+  if (argc >= 2 && strcmp(argv[1], "misuse") == 0) return misuse();
+  fprintf(stderr, "usage: capi_client predict|train|errors|misuse ...\n");
   return 2;
 }

@@ -12,7 +12,9 @@ Checks:
   - embedded weights (--checkpoint at compile time) predict the same with no weights file;
   - ten training steps through the C API leave every tensor (parameters and optimizer state)
     byte-identical to `kiln train`'s on the same data, and kiln loads the C API's checkpoint;
-  - bad arguments are error codes with messages (a NaN or an infinity among the inputs too); the
+  - bad arguments are error codes with messages (a NaN or an infinity among the inputs too), and so
+    is misuse of handles: threads out of range, a double destroy, calls after it, one handle shared
+    by threads (destroyed meanwhile too); the
     library exports only the kiln_* functions;
     ldd lists nothing of CUDA, MPI or fmt.
 """
@@ -130,5 +132,13 @@ with tempfile.TemporaryDirectory() as work:
                  "id out of range", "unwritable save"):
         if what not in out:
             fail("the error checks did not report %r" % what, out, err)
+
+    # Misuse of handles (issue 35): error codes with messages, never a crash or a read of freed memory.
+    out, err = client_ok(["misuse"])
+    for what in ("threads out of range (-5)", "threads out of range (100000)", "double destroy",
+                 "use after destroy (predict)", "use after destroy (accessors)", "not a handle",
+                 "shared handle:", "shared handle destroyed meanwhile:"):
+        if what not in out:
+            fail("the misuse checks did not report %r" % what, out, err)
 
 print("PASS")

@@ -11,8 +11,8 @@ A small DLRM trains 2 steps; servers of its checkpoint are then checked for:
    and its connection is closed; connections past --max-connections get 503; SIGTERM exits
    within a bound while idle, trickling and half-sent connections are open;
 4. non-finite inputs: FP32 1e40 (inf as float32) and 1e400 (inf as a double) get 400;
-5. status codes: invalid UTF-8, a numeric datatype, a binary-tensor request, INT8 300 get 400,
-   as do two Content-Length headers, a negative one, Transfer-Encoding beside Content-Length and
+5. status codes: invalid UTF-8, a numeric datatype, a binary-tensor request, INT8 300, UINT64
+   ids of 2^63 and 2^64 - 1 (named as sent) get 400, as do two Content-Length headers, a negative one, Transfer-Encoding beside Content-Length and
    a folded header line; a transfer coding other than chunked gets 501.
 
 usage: serve_hardening_test.py KILN MODELS_DIR WORK_DIR
@@ -251,6 +251,16 @@ def check_status_codes(kiln, model, ckpt, s, good, bodies, want):
     expect_error("INT8 300", status, data, 400)
     status, data = s.infer(with_input("cats.0", datatype="UINT32", data=[2 ** 32]))
     expect_error("UINT32 2^32", status, data, 400)
+    # Ids of 2^63 or more (in UINT64's range, beyond the table's rows) are named as sent: they
+    # printed as -9223372036854775808, a cast of a double past int64.
+    # (2^64 - 1 rounds to 2^64 as a double, past UINT64's range: that message names it too.)
+    for sent, want in ((2 ** 63, "id %d at position 0 is out of range [0, " % 2 ** 63),
+                       (2 ** 64 - 1, "value %d at position 0 is out of the range of UINT64" % (2 ** 64 - 1))):
+        status, data = s.infer(with_input("cats.0", datatype="UINT64", data=[sent]))
+        expect_error("UINT64 id %d" % sent, status, data, 400)
+        message = json.loads(data)["error"]
+        if want not in message:
+            fail(f"UINT64 id {sent}: the message does not name the value as sent: {message}")
     header = json.dumps({"inputs": [{"name": "dense", "shape": [1, 13], "datatype": "FP32",
                                      "parameters": {"binary_data_size": 52}}]}).encode()
     status, data = s.infer(header + b"\x00\xff" * 26, {"Inference-Header-Content-Length": str(len(header))})

@@ -8,8 +8,10 @@ C20, update of step 20). Then:
   the same checkpoint, and requests really merge into batches;
 - a server whose tables sit in RocksDB behind a 1% cache and a 2% host tier (LFU) gives the same
   scores, and its persistent tier is read;
+- the store of an import interrupted halfway is refused by serve, naming the cause;
 - a published update is applied while serving: every response equals predict of the version it
-  names, and the version moves from 10 to 20 between batches only;
+  names, and the version moves from 10 to 20 between batches only; a FIFO of an update's name
+  in the folder is skipped, and a copy whose tail is not yet written is refused by its checksum;
 - malformed requests get a 4xx with a message and do not disturb others, nor do clients that
   stall halfway through a request;
 - SIGTERM drains in-flight requests and exits 0; a missing or corrupt store is an error at start.
@@ -263,6 +265,32 @@ def main():
     # 2. Tables in RocksDB behind small cache and host tiers; live updates on top.
     store = os.path.join(work, "store")
     r = run([kiln, "store", "import", c10, store, "--model", model] + SET)
+    # An import interrupted halfway (killed by the file size limit as RocksDB writes rows) leaves a
+    # store that serve refuses, naming the cause. The checkpoint says step 0, the version a new
+    # store starts at: serve used to take such a store and answer 500 on every request.
+    c0 = os.path.join(work, "c0.safetensors")
+    with open(os.path.join(c10, "checkpoint.safetensors"), "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header["__metadata__"]["step"] = "0"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(c0, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + blob[8 + n:])
+    interrupted = os.path.join(work, "interrupted")
+    r = subprocess.run(["bash", "-c", 'ulimit -f 512; exec "$@"', "bash", kiln, "store", "import", c0, interrupted,
+                        "--model", model] + SET, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode == 0 or not os.path.exists(os.path.join(interrupted, "CURRENT")):
+        fail(f"the import under ulimit -f 512 was not stopped halfway (exit {r.returncode}): {r.stdout[-2000:]}")
+    try:
+        r = subprocess.run([kiln, "serve", model, "--checkpoint", c0, "--store", interrupted, "--port", "0"] + SET,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        fail("kiln serve started on the store of an interrupted import")
+    if r.returncode != 1 or "is incomplete: the kiln store import that made it did not finish" not in r.stdout:
+        fail(f"kiln serve on the store of an interrupted import: exit {r.returncode}: {r.stdout[-2000:]}")
+    print("interrupted import: refused by serve")
     watch = os.path.join(work, "watch")
     os.makedirs(watch)
     s = Server(kiln, model, ["--checkpoint", c10, "--store", store, "--cache-fraction", "0.01",
@@ -290,6 +318,23 @@ def main():
     for t in threads:
         t.start()
     time.sleep(0.2)
+    # A FIFO of an update's name is skipped (opening it blocked the watcher, then shutdown), and a
+    # copy at its full size whose tail is not yet written is refused by its checksum, not applied.
+    os.mkfifo(os.path.join(watch, "update-000000000015.safetensors"))
+    with open(os.path.join(publish, "update-000000000020.safetensors"), "rb") as f:
+        whole = f.read()
+    errors_before = s.metrics().get("kiln_update_errors_total", 0)
+    torn = whole[:-64] + bytes(64)  # what a reader sees of a file extended to its size
+    if torn == whole:
+        fail("the update's last 64 bytes are zeros: the torn copy would equal the whole one")
+    with open(os.path.join(watch, "update-000000000020.safetensors"), "wb") as f:
+        f.write(torn)
+    time.sleep(0.5)
+    m = s.metrics()
+    if m["kiln_model_version"] != 10 or m.get("kiln_update_errors_total", 0) <= errors_before:
+        stop.set()  # the clients end, so the failure does not wait on them
+        fail("an update whose tail is not yet written was not refused: version %s, %s update errors"
+             % (m["kiln_model_version"], m.get("kiln_update_errors_total")))
     # As the trainer publishes: written beside its place, then renamed into it.
     shutil.copy(os.path.join(publish, "update-000000000020.safetensors"), os.path.join(watch, "incoming.tmp"))
     os.rename(os.path.join(watch, "incoming.tmp"), os.path.join(watch, "update-000000000020.safetensors"))

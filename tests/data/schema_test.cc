@@ -294,6 +294,44 @@ TEST(Schema, BadLinesAreLocatedErrors) {
       << r.status().str();
 }
 
+// Issue 35: 1e-50 and +0.5 were "not a finite number" (from_chars takes no '+' and calls a value
+// below f32's denormals out of range). The expected values are the compiler's own f32 literals.
+TEST(Schema, DenseValuesAreDecimalNumbersWithinF32Range) {
+  TempDir dir;
+  const std::string header = "click\tlike\td0\td1\td2\titem\thist\tpair\n";
+  std::string path = dir.write("numbers.tsv", header +
+                                                  "+1\t0\t1e-50\t+0.5\t1e-40\t1\t1\t1,2\n"
+                                                  "0\t+0\t-1e-50\t3.4028234e38\t+.25e1\t1\t1\t1,2\n");
+  BatchSpec spec = namedSpec();
+  Batch b = readOne(spec, path, 2);
+  ASSERT_EQ(b.size, 2);
+  EXPECT_EQ(floats(b, "labels"), (std::vector<float>{1, 0, 0, 0}));
+  const std::vector<float> dense = floats(b, "dense");
+  EXPECT_EQ(dense, (std::vector<float>{0.0f, 0.5f, 1e-40f, -0.0f, 3.4028234e38f, 2.5f}));
+  EXPECT_TRUE(std::signbit(dense[3]));  // -1e-50 is -0, as strtof gives
+  struct Case {
+    std::string field, error;
+  };
+  const std::vector<Case> bad = {
+      {"1e39", "dense column 'd1' of input 'dense' is beyond f32's range (+-3.4e38): '1e39'"},
+      {"-3.5e38", "dense column 'd1' of input 'dense' is beyond f32's range (+-3.4e38): '-3.5e38'"},
+      {"+-1", "dense column 'd1' of input 'dense' is not a finite number: '+-1'"},
+      {"++1", "is not a finite number: '++1'"},
+      {"+", "is not a finite number: '+'"},
+      {"+inf", "is not a finite number: '+inf'"},
+      {"1e-50x", "is not a finite number: '1e-50x'"},
+  };
+  for (size_t i = 0; i < bad.size(); ++i) {
+    std::string p =
+        dir.write(fmt::format("bad{}.tsv", i), header + "1\t0\t0\t" + bad[i].field + "\t0\t1\t1\t1,2\n");
+    Status error;
+    readOne(spec, p, 1, &error);
+    ASSERT_FALSE(error.isOk()) << bad[i].field;
+    EXPECT_NE(error.str().find(p + ":2:7: error: "), std::string::npos) << error.str();
+    EXPECT_NE(error.str().find(bad[i].error), std::string::npos) << error.str();
+  }
+}
+
 TEST(Schema, PositionsNeedNoHeader) {
   // dense f32[B, 2] from columns 2 and 0, the label from column 1, one id from column 3.
   std::vector<std::pair<ir::AttrDict, ir::TensorType>> in;

@@ -380,6 +380,40 @@ std::string rowKeyOf(uint32_t table, uint64_t id) {
   return key;
 }
 
+// Issue 35: an import stopped halfway left a store at version 0 that served a checkpoint of step
+// 0 with its rows missing (500 on every request). A store is incomplete from create() until
+// finishImport(), across reopening, and finishImport sets the version in the same write.
+TEST(RocksDbStoreTest, AStoreIsCompleteOnlyOnceItsImportFinishes) {
+  SKIP_WITHOUT_ROCKSDB();
+  TempDir dir;
+  {
+    Expected<std::unique_ptr<RocksDbStore>> store = RocksDbStore::create(dir.str(), {{"t", 10, 2}});
+    ASSERT_TRUE(store) << store.status().message();
+    EXPECT_FALSE((*store)->complete());
+    const std::vector<int64_t> ids = {0, 1};
+    const float rows[4] = {1, 2, 3, 4};
+    ASSERT_TRUE((*store)->putRows(0, ids, rows));
+    // Stopped here: the rest of the rows never written.
+  }
+  {
+    Expected<std::unique_ptr<RocksDbStore>> store = RocksDbStore::open(dir.str());
+    ASSERT_TRUE(store) << store.status().message();
+    EXPECT_FALSE((*store)->complete());
+    EXPECT_EQ((*store)->version(), 0);
+    // An update's version move is not the import's end.
+    ASSERT_TRUE((*store)->setVersion(3));
+    EXPECT_FALSE((*store)->complete());
+    Status s = (*store)->finishImport(7);
+    ASSERT_TRUE(s) << s.message();
+    EXPECT_TRUE((*store)->complete());
+    EXPECT_EQ((*store)->version(), 7);
+  }
+  Expected<std::unique_ptr<RocksDbStore>> store = RocksDbStore::open(dir.str());
+  ASSERT_TRUE(store) << store.status().message();
+  EXPECT_TRUE((*store)->complete());
+  EXPECT_EQ((*store)->version(), 7);
+}
+
 TEST(RocksDbStoreTest, RowsRoundTripBitExactAcrossReopen) {
   SKIP_WITHOUT_ROCKSDB();
   TempDir dir;

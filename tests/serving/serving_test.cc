@@ -1,11 +1,19 @@
 // The serving pieces below the HTTP layer: the batch-invariant GEMM, which tables a store
 // serves, a batch's gathered rows, and the update files of kiln train --publish.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
+#include <iterator>
 #include <map>
 #include <random>
 
@@ -245,6 +253,71 @@ TEST_F(UpdateFiles, ThePublisherWritesTheRowsTrainingReadAndTheDenseWeights) {
   ASSERT_TRUE(second.isOk());
   EXPECT_EQ(second->base, 110);
   EXPECT_EQ(second->tables[0].ids, (std::vector<int64_t>{0}));
+}
+
+// Issue 35: a file copied into the watched folder is at its full size before its tail is written;
+// it parsed as a valid update of wrong rows (zeros) and was applied. The checksum refuses it until
+// the copy completes.
+TEST_F(UpdateFiles, AFileWhoseTailIsNotYetWrittenIsRefusedByItsChecksum) {
+  runtime::ParameterStore params;
+  ir::HostTensor& table = params.set("t", ir::HostTensor(ir::DType::f32, {6, 2}));
+  for (int i = 0; i < 12; ++i) table.view.as<float>()[i] = static_cast<float>(i + 1);
+  params.set("w", ir::HostTensor(ir::DType::f32, {3})).view.as<float>()[2] = 7.0f;
+  UpdatePublisher pub(dir_.string(), "m", {{"t", 6, 2, {"ids"}, 0}}, {"w"}, 100);
+  pub.noteBatch(idsBatch({{"ids", {1, 5}}}));
+  ASSERT_TRUE(pub.publish(110, params).isOk());
+  const std::string path = (dir_ / updateFileName(110)).string();
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_GT(bytes.size(), 40u);
+  // The last 16 bytes not yet written: zeros, as a file extended to its size reads.
+  std::string torn = bytes;
+  std::fill(torn.end() - 16, torn.end(), '\0');
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << torn;
+  auto refused = readUpdate(path);
+  ASSERT_FALSE(refused.isOk()) << "an update whose tail is zeros was read";
+  EXPECT_NE(refused.status().message().find("does not match its checksum"), std::string::npos)
+      << refused.status().message();
+  EXPECT_NE(refused.status().message().find(path), std::string::npos) << refused.status().message();
+  // One byte changed anywhere in the data is refused too; the whole file is read.
+  std::string flipped = bytes;
+  flipped[flipped.size() - 1] ^= 1;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << flipped;
+  EXPECT_FALSE(readUpdate(path).isOk());
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  auto whole = readUpdate(path);
+  ASSERT_TRUE(whole.isOk()) << whole.status().str();
+  ASSERT_EQ(whole->tables.size(), 1u);
+  EXPECT_EQ(whole->tables[0].ids, (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(whole->tables[0].rows.view.as<float>()[3], 12.0f);  // row 5, column 1: 5 * 2 + 1 + 1
+}
+
+// A FIFO of an update's name blocked the watcher in open(), and then the server's shutdown.
+TEST_F(UpdateFiles, AFifoOfAnUpdatesNameIsSkippedAndNeverBlocks) {
+  runtime::ParameterStore params;
+  params.set("t", ir::HostTensor(ir::DType::f32, {6, 2}));
+  UpdatePublisher pub(dir_.string(), "m", {{"t", 6, 2, {"ids"}, 0}}, {}, 100);
+  ASSERT_TRUE(pub.publish(110, params).isOk());
+  const std::string fifo = (dir_ / updateFileName(120)).string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0) << std::strerror(errno);
+  auto files = listUpdates(dir_.string());
+  ASSERT_TRUE(files.isOk());
+  ASSERT_EQ(files->size(), 1u);
+  EXPECT_EQ((*files)[0].first, 110);
+  // Read directly (a FIFO put in place after the listing), it is an error at once, not a wait.
+  auto read = std::async(std::launch::async, [&] { return readUpdate(fifo); });
+  if (read.wait_for(std::chrono::seconds(5)) != std::future_status::ready) {
+    // Unblock the reader so the test can end: a writer opening the FIFO, then closing it.
+    const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (fd >= 0) ::close(fd);
+    FAIL() << "readUpdate of a FIFO blocked";
+  }
+  auto got = read.get();
+  ASSERT_FALSE(got.isOk());
+  EXPECT_NE(got.status().message().find("not a regular file"), std::string::npos) << got.status().message();
 }
 
 TEST_F(UpdateFiles, NamesAndBadFiles) {

@@ -8,8 +8,10 @@
 #include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "passes/lr_schedule.h"
@@ -74,6 +76,12 @@ kiln_role cRole(data::InputRole r) {
 }  // namespace kiln::cli
 
 struct kiln_model {
+  // kMagic while the handle is live, 0 once kiln_destroy took it: a second line of defence behind
+  // the registry (a live handle whose memory the caller overwrote is caught too).
+  static constexpr uint64_t kMagic = 0x6b696c6e2d616f74;  // "kiln-aot"
+  uint64_t magic = kMagic;
+  // A kiln_predict, kiln_train_step or kiln_save is running; guarded by the registry's mutex.
+  bool busy = false;
   std::shared_ptr<const kiln::driver::CompiledModel> compiled;
   std::unique_ptr<kiln::driver::Session> session;
   std::vector<kiln_input_info> inputs;  // of @forward, the names pointing into the spec
@@ -151,7 +159,80 @@ kiln_status fillBatch(kiln_model& m, const data::BatchSpec& spec, int64_t n, con
   return KILN_OK;
 }
 
+// Every live handle. A handle is checked here before it is dereferenced, so a destroyed one, a
+// second kiln_destroy or a pointer that never was a handle is an error code, not a read of freed
+// memory. What this cannot catch (kiln_aot.h says it): a stale pointer whose address a later
+// kiln_create reused names that new handle.
+std::mutex registry_mutex;
+std::unordered_set<const kiln_model*>& registry() {
+  // Never destroyed: a handle may be destroyed from an atexit handler, after static destructors.
+  static auto* live = new std::unordered_set<const kiln_model*>;
+  return *live;
+}
+
+kiln_status notAHandle(const kiln_model* m) {
+  return failWith(KILN_INVALID_ARGUMENT,
+                  m ? fmt::format("{} is not a live kiln_model handle (destroyed already, or never made by "
+                                  "kiln_create)",
+                                  static_cast<const void*>(m))
+                    : std::string("model is NULL"));
+}
+
+// The handle if it is live (caller holds registry_mutex), else nullptr with the error set.
+const kiln_model* liveLocked(const kiln_model* m) {
+  if (!m || !registry().count(m) || m->magic != kiln_model::kMagic) {
+    notAHandle(m);
+    return nullptr;
+  }
+  return m;
+}
+
+// Reads of what a handle fixed at creation (its name, inputs, sizes): under the registry's lock,
+// so kiln_destroy cannot free the handle meanwhile; they may run while a call uses the handle.
+template <typename T, typename F>
+T readHandle(const kiln_model* m, T fallback, F&& read) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  last_error.clear();
+  return liveLocked(m) ? read(*m) : fallback;
+}
+
+// A call that uses the handle's session holds it for its whole run: a second call on the same
+// handle from another thread meanwhile is refused (the session is not re-entrant), and so is
+// kiln_destroy. Released by ~Use.
+class Use {
+ public:
+  explicit Use(kiln_model* m) {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (!liveLocked(m)) return;
+    if (m->busy) {
+      status_ = failWith(KILN_INVALID_ARGUMENT,
+                         "another call is using this handle (calls on one handle must not overlap: use one "
+                         "handle per thread)");
+      return;
+    }
+    m->busy = true;
+    model_ = m;
+    status_ = KILN_OK;
+  }
+  ~Use() {
+    if (!model_) return;
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    model_->busy = false;
+  }
+  Use(const Use&) = delete;
+  Use& operator=(const Use&) = delete;
+  kiln_status status() const { return status_; }
+
+ private:
+  kiln_model* model_ = nullptr;
+  kiln_status status_ = KILN_INVALID_ARGUMENT;
+};
+
 kiln_status create(const kiln_options& o, kiln_model** out) {
+  // As the CLI's --threads: a negative count or 100000 threads is a mistake, not a request.
+  if (o.threads < 0 || o.threads > 1024)
+    return failWith(KILN_INVALID_ARGUMENT,
+                    fmt::format("threads must be in [0, 1024] (0 = 1), got {}", o.threads));
   auto self = runtime::sharedObjectPathOf(reinterpret_cast<const void*>(&kiln_create));
   if (!self) return failWith(KILN_BAD_PAYLOAD, self.status());
   // Each handle maps the payload on its own: the embedded weights are a private, copy-on-write
@@ -213,6 +294,8 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
     if (!probe) return failWith(KILN_RUNTIME_ERROR, probe.status());
     m->output_size = static_cast<int64_t>(probe->logits.size() + probe->prediction.size());
   }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().insert(m.get());
   *out = m.release();
   return KILN_OK;
 }
@@ -249,7 +332,22 @@ kiln_status kiln_create(const kiln_options* options, kiln_model** out) {
   });
 }
 
-void kiln_destroy(kiln_model* model) { delete model; }
+kiln_status kiln_destroy(kiln_model* model) {
+  last_error.clear();
+  if (!model) return KILN_OK;  // as free(NULL)
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    if (!liveLocked(model)) return KILN_INVALID_ARGUMENT;
+    if (model->busy)
+      return failWith(KILN_INVALID_ARGUMENT, "another call is using this handle: it was not destroyed");
+    registry().erase(model);
+    model->magic = 0;
+  }
+  return guarded([&] {
+    delete model;
+    return KILN_OK;
+  });
+}
 
 const char* kiln_last_error(void) { return last_error.c_str(); }
 
@@ -271,23 +369,35 @@ const char* kiln_status_name(kiln_status status) {
   return "KILN_UNKNOWN_STATUS";
 }
 
-const char* kiln_model_name(const kiln_model* model) { return model ? model->compiled->name.c_str() : ""; }
-int64_t kiln_max_batch(const kiln_model* model) { return model ? model->compiled->max_batch : 0; }
-int kiln_num_inputs(const kiln_model* model) { return model ? static_cast<int>(model->inputs.size()) : 0; }
-int64_t kiln_output_size(const kiln_model* model) { return model ? model->output_size : 0; }
+const char* kiln_model_name(const kiln_model* model) {
+  return readHandle(model, "", [](const kiln_model& m) { return m.compiled->name.c_str(); });
+}
+int64_t kiln_max_batch(const kiln_model* model) {
+  return readHandle(model, int64_t{0}, [](const kiln_model& m) { return m.compiled->max_batch; });
+}
+int kiln_num_inputs(const kiln_model* model) {
+  return readHandle(model, 0, [](const kiln_model& m) { return static_cast<int>(m.inputs.size()); });
+}
+int64_t kiln_output_size(const kiln_model* model) {
+  return readHandle(model, int64_t{0}, [](const kiln_model& m) { return m.output_size; });
+}
 
 kiln_status kiln_input(const kiln_model* model, int index, kiln_input_info* out) {
-  if (!model || !out) return failWith(KILN_INVALID_ARGUMENT, "model or out is NULL");
-  if (index < 0 || index >= static_cast<int>(model->inputs.size()))
-    return failWith(KILN_INVALID_ARGUMENT, fmt::format("input {} is outside 0..{}", index,
-                                                       static_cast<int>(model->inputs.size()) - 1));
-  *out = model->inputs[static_cast<size_t>(index)];
-  return KILN_OK;
+  return readHandle(model, KILN_INVALID_ARGUMENT, [&](const kiln_model& m) {
+    if (!out) return failWith(KILN_INVALID_ARGUMENT, "out is NULL");
+    if (index < 0 || index >= static_cast<int>(m.inputs.size()))
+      return failWith(KILN_INVALID_ARGUMENT,
+                      fmt::format("input {} is outside 0..{}", index, static_cast<int>(m.inputs.size()) - 1));
+    *out = m.inputs[static_cast<size_t>(index)];
+    return KILN_OK;
+  });
 }
 
 kiln_status kiln_predict(kiln_model* model, int64_t batch, const void* const* inputs, float* out) {
   return guarded([&] {
-    if (!model || !out) return failWith(KILN_INVALID_ARGUMENT, "model or out is NULL");
+    Use use(model);
+    if (use.status() != KILN_OK) return use.status();
+    if (!out) return failWith(KILN_INVALID_ARGUMENT, "out is NULL");
     if (!model->compiled->has("predict") && !model->compiled->has("eval"))
       return failWith(KILN_UNSUPPORTED, "this model was compiled without predict (kiln compile --functions)");
     if (kiln_status st = fillBatch(*model, model->session->forwardSpec(), batch, inputs, true); st != KILN_OK)
@@ -305,7 +415,8 @@ kiln_status kiln_predict(kiln_model* model, int64_t batch, const void* const* in
 
 kiln_status kiln_train_step(kiln_model* model, int64_t batch, const void* const* inputs, float* loss) {
   return guarded([&] {
-    if (!model) return failWith(KILN_INVALID_ARGUMENT, "model is NULL");
+    Use use(model);
+    if (use.status() != KILN_OK) return use.status();
     if (!model->compiled->has("train"))
       return failWith(KILN_UNSUPPORTED, "this model was compiled without train (kiln compile --functions)");
     if (kiln_status st = fillBatch(*model, model->session->trainSpec(), batch, inputs, false); st != KILN_OK)
@@ -322,7 +433,9 @@ kiln_status kiln_train_step(kiln_model* model, int64_t batch, const void* const*
 
 kiln_status kiln_save(kiln_model* model, const char* dir) {
   return guarded([&] {
-    if (!model || !dir) return failWith(KILN_INVALID_ARGUMENT, "model or dir is NULL");
+    Use use(model);
+    if (use.status() != KILN_OK) return use.status();
+    if (!dir) return failWith(KILN_INVALID_ARGUMENT, "dir is NULL");
     if (Status s = runtime::prepareCheckpointDir(dir); !s) return failWith(KILN_IO_ERROR, s);
     driver::Session& s = *model->session;
     std::vector<std::pair<std::string, ir::TensorView>> tensors;

@@ -6,6 +6,16 @@
  * size it has seen, its own copy of the embedded weights. Calls on one handle must not overlap;
  * separate handles may be used from separate threads at the same time.
  *
+ * Handles are checked: the library keeps a registry of live handles and looks a pointer up there
+ * before it touches it, so a destroyed handle (a second kiln_destroy, a call after it) or a pointer
+ * kiln_create never returned is KILN_INVALID_ARGUMENT, as is a kiln_predict, kiln_train_step,
+ * kiln_save or kiln_destroy on a handle another thread's call is using at that moment (the calls
+ * are refused, not queued: use one handle per thread). The accessors (kiln_model_name,
+ * kiln_max_batch, kiln_num_inputs, kiln_output_size) then return "" or 0 and set the message.
+ * What cannot be caught: a stale pointer whose address a later kiln_create happened to reuse names
+ * that new handle, and calls through it act on that handle; a live handle whose memory the caller
+ * overwrote is caught only where the overwrite reached its check word.
+ *
  * Every call that can fail returns a kiln_status; KILN_OK is 0. kiln_last_error() then gives the
  * message of the calling thread's last failure ("" when there was none), valid until that
  * thread's next call into this library.
@@ -32,7 +42,8 @@ extern "C" {
 #define KILN_AOT_EXPORT
 #endif
 
-#define KILN_AOT_API_VERSION 1
+/* 2: kiln_destroy returns a kiln_status; handles are checked; options.threads is checked. */
+#define KILN_AOT_API_VERSION 2
 
 typedef enum kiln_status {
   KILN_OK = 0,
@@ -71,7 +82,7 @@ typedef struct kiln_options {
   const char* weights;
   /* "cpu", "cuda" or NULL (the default: cpu). */
   const char* device;
-  int threads;   /* CPU threads of this handle's executors; 0 = 1 */
+  int threads;   /* CPU threads of this handle's executors, 0 to 1024; 0 = 1 */
   uint64_t seed; /* parameter initialisation when nothing is loaded */
 } kiln_options;
 
@@ -89,7 +100,9 @@ KILN_AOT_EXPORT void kiln_options_init(kiln_options* options);
 
 /* Opens a handle on the model this library holds. `options` may be NULL (the defaults). */
 KILN_AOT_EXPORT kiln_status kiln_create(const kiln_options* options, kiln_model** out);
-KILN_AOT_EXPORT void kiln_destroy(kiln_model* model);
+/* Frees the handle; NULL is KILN_OK (as free(NULL)). A handle already destroyed, or one a call on
+ * another thread is using, is KILN_INVALID_ARGUMENT and nothing is freed. */
+KILN_AOT_EXPORT kiln_status kiln_destroy(kiln_model* model);
 
 /* The calling thread's last error message, or "". */
 KILN_AOT_EXPORT const char* kiln_last_error(void);
