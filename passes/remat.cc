@@ -414,7 +414,7 @@ class RematPass : public RegisteredPass<RematPass> {
     // What was reached (a budget below what recomputation can reach is not an error: the step
     // still runs, with the lowest peak found). peak_bytes is remat's estimate before the passes
     // after it; the tools report the planned peak of the final step (plannedPeakBytes in
-    // tools/model_session.h) against budget_bytes.
+    // driver/session.h) against budget_bytes.
     m.mutableAttrs()["kiln.remat"] = ir::Attribute(
         ir::AttrDict{{"budget_bytes", ir::Attribute(r.budget)},
                      {"peak_bytes", ir::Attribute(r.peak_after)},

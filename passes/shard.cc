@@ -270,7 +270,7 @@ Status Sharder::retypeParameters(ir::Function& f) {
 
 // A hybrid table's replica of `param` (the table or one of its optimizer states), on every rank:
 // row i is row hot_rows[i] of the whole tensor. The initializer and the checkpoint read it through
-// `hot_of` and `hot_rows` (runtime/parameter_store.cc, tools/model_session.cc); it is not a
+// `hot_of` and `hot_rows` (runtime/parameter_store.cc, driver/session.cc); it is not a
 // checkpoint tensor of its own.
 Status Sharder::addHotReplica(Op& param, const TablePlan& t) {
   const TensorType& whole = param.result()->type();

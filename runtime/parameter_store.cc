@@ -213,7 +213,7 @@ Status ParameterStore::initializeFrom(const ir::Function& f, uint64_t run_seed,
       status = init.status();
       return;
     }
-    // The memory check ran before (tools/model_session.cc), but what it read may have changed or
+    // The memory check ran before (driver/session.cc), but what it read may have changed or
     // another process may take it first: a failed allocation names the parameter, not bad_alloc.
     ir::HostTensor t;
     try {
