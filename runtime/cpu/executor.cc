@@ -113,6 +113,15 @@ bool CpuExecutor::sharesStorage(int x, int y) const {
   return a.inArena() && b.inArena() && a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
 }
 
+std::vector<int> CpuExecutor::readerCounts() const {
+  std::vector<int> readers(program_.buffers.size(), 0);
+  for (const codegen::Instruction* in : order_)
+    if (in->kind == codegen::InstrKind::Launch)
+      for (int id : in->operands) ++readers[static_cast<size_t>(id)];
+  for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
+  return readers;
+}
+
 int CpuExecutor::gemmEpilogues() const {
   int n = 0;
   for (const Launch& l : launches_) n += l.epilogue_through >= 0;
@@ -120,12 +129,7 @@ int CpuExecutor::gemmEpilogues() const {
 }
 
 void CpuExecutor::planGemmEpilogues() {
-  // How many launches read each buffer; a program result counts as a reader that stays.
-  std::vector<int> readers(program_.buffers.size(), 0);
-  for (const codegen::Instruction* in : order_)
-    if (in->kind == codegen::InstrKind::Launch)
-      for (int id : in->operands) ++readers[static_cast<size_t>(id)];
-  for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
+  const std::vector<int> readers = readerCounts();
   auto type = [&](int id) -> const ir::TensorType& { return program_.buffers[static_cast<size_t>(id)].type; };
 
   for (size_t t = 0; t < order_.size(); ++t) {
@@ -191,11 +195,7 @@ int CpuExecutor::pointwiseGroupLaunches() const {
 }
 
 Status CpuExecutor::planPointwiseGroups() {
-  std::vector<int> readers(program_.buffers.size(), 0);
-  for (const codegen::Instruction* in : order_)
-    if (in->kind == codegen::InstrKind::Launch)
-      for (int id : in->operands) ++readers[static_cast<size_t>(id)];
-  for (int id : program_.results) readers[static_cast<size_t>(id)] += 2;
+  const std::vector<int> readers = readerCounts();
   // The group a launch belongs to, if it can be a step of one.
   auto groupOf = [&](size_t u) -> int64_t {
     const codegen::Instruction& in = *order_[u];

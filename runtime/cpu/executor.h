@@ -109,6 +109,8 @@ class CpuExecutor {
   struct PointwiseGroup;
   CpuExecutor() = default;
   Status bindSources(const Batch& batch, ParameterStore& params);
+  // How many launches read each buffer; a program result counts as two readers (one that stays).
+  std::vector<int> readerCounts() const;
   // Marks each matmul whose result only a following widening cast, bias add and activation read
   // (in that order, each optional) to run them as its GEMM's epilogue.
   void planGemmEpilogues();

@@ -56,6 +56,17 @@ constexpr int64_t kChunk = 1024;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(x);                                       \
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<uint16_t>(u[i] >> 16);                     \
   }                                                                                                 \
+  /* The loops by role, for makeLoops. */                                                          \
+  struct Isa {                                                                                      \
+    template <ir::ScalarFn F>                                                                       \
+    static constexpr PointwiseProgram::ChunkFn kApply = &apply<F>;                                  \
+    template <ir::ScalarFn D>                                                                       \
+    static constexpr PointwiseProgram::ChunkFn kGradient = &gradient<D>;                            \
+    static constexpr PointwiseProgram::ChunkFn kCopy = &copy;                                       \
+    static constexpr void (*kRoundBf16)(float*, int64_t) = &roundBf16;                              \
+    static constexpr void (*kWidenBf16)(const uint16_t*, float*, int64_t) = &widenBf16;             \
+    static constexpr void (*kNarrowBf16)(const float*, uint16_t*, int64_t) = &narrowBf16;           \
+  };                                                                                                \
   }
 
 KILN_POINTWISE_LOOPS(baseline, )
@@ -77,40 +88,29 @@ struct Loops {
   void (*narrow_bf16)(const float*, uint16_t*, int64_t) = nullptr;
 };
 
+// One ISA's loops (Isa: baseline::Isa or avx512::Isa) as a table.
+template <class Isa>
+Loops makeLoops() {
+  Loops l;
+  l.copy = Isa::kCopy;
+  l.round_bf16 = Isa::kRoundBf16;
+  l.widen_bf16 = Isa::kWidenBf16;
+  l.narrow_bf16 = Isa::kNarrowBf16;
+#define KILN_UNARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = Isa::template kApply<ir::ScalarFn::Name>;
+#define KILN_BINARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = Isa::template kApply<ir::ScalarFn::Name>;
+#define KILN_ACTIVATION(Name, ...)                                                         \
+  l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = Isa::template kApply<ir::ScalarFn::Name>; \
+  l.gradient[static_cast<size_t>(ir::ScalarFn::Name##Derivative)] =                          \
+      Isa::template kGradient<ir::ScalarFn::Name##Derivative>;
+#include "ir/scalar_fn.def"
+#undef KILN_UNARY
+#undef KILN_BINARY
+#undef KILN_ACTIVATION
+  return l;
+}
+
 const Loops& loops() {
-  static const Loops l = [] {
-    Loops l;
-    if (hostCpu().avx512f) {
-      l.copy = avx512::copy;
-      l.round_bf16 = avx512::roundBf16;
-      l.widen_bf16 = avx512::widenBf16;
-      l.narrow_bf16 = avx512::narrowBf16;
-#define KILN_UNARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = avx512::apply<ir::ScalarFn::Name>;
-#define KILN_BINARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = avx512::apply<ir::ScalarFn::Name>;
-#define KILN_ACTIVATION(Name, ...)                                                    \
-  l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = avx512::apply<ir::ScalarFn::Name>; \
-  l.gradient[static_cast<size_t>(ir::ScalarFn::Name##Derivative)] = avx512::gradient<ir::ScalarFn::Name##Derivative>;
-#include "ir/scalar_fn.def"
-#undef KILN_UNARY
-#undef KILN_BINARY
-#undef KILN_ACTIVATION
-    } else {
-      l.copy = baseline::copy;
-      l.round_bf16 = baseline::roundBf16;
-      l.widen_bf16 = baseline::widenBf16;
-      l.narrow_bf16 = baseline::narrowBf16;
-#define KILN_UNARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = baseline::apply<ir::ScalarFn::Name>;
-#define KILN_BINARY(Name, ...) l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = baseline::apply<ir::ScalarFn::Name>;
-#define KILN_ACTIVATION(Name, ...)                                                      \
-  l.apply[static_cast<size_t>(ir::ScalarFn::Name)] = baseline::apply<ir::ScalarFn::Name>; \
-  l.gradient[static_cast<size_t>(ir::ScalarFn::Name##Derivative)] = baseline::gradient<ir::ScalarFn::Name##Derivative>;
-#include "ir/scalar_fn.def"
-#undef KILN_UNARY
-#undef KILN_BINARY
-#undef KILN_ACTIVATION
-    }
-    return l;
-  }();
+  static const Loops l = hostCpu().avx512f ? makeLoops<avx512::Isa>() : makeLoops<baseline::Isa>();
   return l;
 }
 
