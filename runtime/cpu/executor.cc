@@ -44,7 +44,7 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   if (!program.planned) return Status::error("cpu executor: the program has no memory plan (run planMemory)");
   std::unique_ptr<CpuExecutor> ex(new CpuExecutor());
   ex->options_ = options;
-  ex->pool_ = std::make_unique<ThreadPool>(std::max(options.threads, 1));
+  KILN_ASSIGN_OR_RETURN(ex->pool_, ThreadPool::create(std::max(options.threads, 1)));
 
   for (const codegen::Buffer& b : program.buffers) {
     std::vector<int64_t> shape;
