@@ -263,6 +263,11 @@ Status Session::adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStor
   // Before the first large allocation: a run that cannot fit stops here, naming what it needs.
   KILN_ASSIGN_OR_RETURN(auto need, estimateSessionMemory(m, options, train_spec_));
   const runtime::MemoryLimit limit = sessionMemoryLimit(options);
+  // Under ulimit -v the threads' stacks and the GEMM library's code take address space too: a
+  // oneDNN kernel that cannot allocate crashes rather than fail (runtime/memory.h).
+  if (limit.address_space && options.device != "cuda")
+    need.add(fmt::format("thread stacks and oneDNN's code at --threads {} (address space)", options.threads),
+             kWorkspaceKind, runtime::addressSpaceReserve(options.threads));
   if (Status fits = runtime::checkMemoryFits(need, limit); !fits)
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),

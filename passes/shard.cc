@@ -922,6 +922,7 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
     // Every table one way: the tests' and `kiln opt`'s plan (table_wise: round robin).
     auto type = parseShardingType(o.sharding);
     if (!type) return Status::errorf("shard: unknown sharding '{}' (use {})", o.sharding, shardingNames());
+    int next = 0;  // column_wise: where the next table's block of ranks starts
     for (size_t i = 0; i < tables.size(); ++i) {
       TablePlan t;
       t.table = tables[i].name;
@@ -935,13 +936,16 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
         case ShardingType::table_row_wise:  // the nodes in turn
           first = static_cast<int>(i % static_cast<size_t>(o.ranks / per_node)) * per_node, k = per_node;
           break;
-        case ShardingType::column_wise:  // as many ranks as divide the dim
+        case ShardingType::column_wise:
+          // As many ranks as divide the dim, the blocks in turn (wrapping around), so that the
+          // tables fill every rank rather than all starting at rank 0.
           while (k > 1 && tables[i].dim % k != 0) --k;
+          first = next, next = (next + k) % o.ranks;
           break;
         default:
           break;
       }
-      for (int r = 0; r < k; ++r) t.ranks.push_back(first + r);
+      for (int r = 0; r < k; ++r) t.ranks.push_back((first + r) % o.ranks);
       plan.tables.push_back(std::move(t));
     }
     KILN_RETURN_IF_ERROR(completePlan(plan, tables));

@@ -1,6 +1,7 @@
 #include "runtime/memory.h"
 
 #include <fmt/format.h>
+#include <malloc.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -236,6 +237,7 @@ void tightenByRlimit(int resource, const char* name, const char* status_key, Mem
     best.bytes = left;
     best.source =
         fmt::format("{} ({}, {} of it already mapped)", name, formatBytes(limit), formatBytes(mapped));
+    best.address_space = resource == RLIMIT_AS;
   }
 }
 
@@ -267,6 +269,26 @@ MemoryLimit availableMemory(std::optional<uint64_t> flag_limit) {
   tightenByRlimit(RLIMIT_AS, "the address-space limit RLIMIT_AS, ulimit -v", "VmSize", best);
   tightenByRlimit(RLIMIT_DATA, "the data limit RLIMIT_DATA, ulimit -d", "VmData", best);
   return best;
+}
+
+uint64_t addressSpaceReserve(int threads) {
+  uint64_t stack = 8ull << 20;
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_STACK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) stack = rl.rlim_cur;
+  const uint64_t others = 2 * static_cast<uint64_t>(std::max(threads, 1) - 1) + 1;
+  return others * stack + (40ull << 20);
+}
+
+bool singleHeapUnderAddressLimit() {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_AS, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return false;
+  return mallopt(M_ARENA_MAX, 1) == 1;
+}
+
+std::string outOfMemoryNote() {
+  const MemoryLimit limit = availableMemory(std::nullopt);
+  if (!limit.bytes) return "out of memory";
+  return fmt::format("out of memory: {} left under {}", formatBytes(*limit.bytes), limit.source);
 }
 
 Status checkMemoryFits(const MemoryNeed& need, const MemoryLimit& limit, size_t top) {

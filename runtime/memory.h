@@ -50,10 +50,34 @@ struct MemoryLimit {
   // What set it: "--memory-limit", "MemAvailable in /proc/meminfo", "the cgroup limit in
   // /sys/fs/cgroup/.../memory.max (8 GiB, 1.2 GiB of it in use)", "the address-space limit ...".
   std::string source;
+  // The address-space limit (ulimit -v) set it: reserved address space counts as used, so the
+  // threads' stacks and the GEMM library's code count too (addressSpaceReserve).
+  bool address_space = false;
 };
+
+// Under an address-space limit, what a run reserves beyond its tensors: a stack (RLIMIT_STACK,
+// 8 MiB by default) for each thread besides the caller's (`threads` - 1 kernel pool workers,
+// as many OpenMP workers for the GEMMs, and the prefetcher) and 40 MiB for what maps after the
+// check (oneDNN's JIT code and primitives, the OpenMP runtime): measured on DLRM-DCNv2, where
+// less left oneDNN failing inside a kernel's creation (SIGSEGV). Counted only there: elsewhere
+// it is address space, not memory.
+uint64_t addressSpaceReserve(int threads);
 
 // The smallest of the machine's limits and `flag_limit` (--memory-limit), measured now.
 MemoryLimit availableMemory(std::optional<uint64_t> flag_limit);
+
+// Under an address-space limit (ulimit -v), where reserved address space counts as used: limits
+// malloc to its main arena (M_ARENA_MAX 1), so that each thread does not reserve a 64 MiB heap of
+// its own. Without it a few threads' heaps took the space the GEMM library's JIT and workspace
+// need, and oneDNN, failing to allocate inside a kernel's creation, crashed (SIGSEGV) or threw
+// through pthread_once (abort, or the other threads waiting on it forever). Call before starting
+// threads; returns whether the limit applied.
+bool singleHeapUnderAddressLimit();
+
+// For an allocation that failed after the memory check passed (a library's workspace, thread
+// stacks and code under `ulimit -v` count too): "out of memory: 12 MiB left under the
+// address-space limit RLIMIT_AS, ulimit -v (293 MiB, 281 MiB of it already mapped)".
+std::string outOfMemoryNote();
 
 // One thing a run allocates: a parameter, the training step's arena, the data buffers.
 struct MemoryConsumer {

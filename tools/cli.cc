@@ -7,12 +7,14 @@
 #include <limits>
 #include <new>
 #include <stdexcept>
+#include <system_error>
 
 #include "ir/checked.h"
 #include "ir/status.h"
 #include "ir/target.h"
 #include "runtime/cpu/cpu_features.h"
 #include "runtime/cpu/gemm.h"
+#include "runtime/thread_start.h"
 
 namespace kiln::cli {
 
@@ -215,6 +217,11 @@ std::string uncaughtExceptionMessage(const std::exception_ptr& e) {
            "or see what else uses the machine's memory";
   } catch (const std::length_error& l) {
     return fmt::format("error: out of memory: a size too large to allocate ({})", l.what());
+  } catch (const std::system_error& x) {
+    // std::thread's refusal to start a thread (ulimit -u): name the limit.
+    if (x.code() == std::errc::resource_unavailable_try_again)
+      return "error: " + runtime::threadStartFailure("cannot start a thread", x);
+    return fmt::format("internal error: {}", x.what());
   } catch (const std::exception& x) {
     return fmt::format("internal error: {}", x.what());
   } catch (...) {

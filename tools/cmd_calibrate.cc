@@ -536,7 +536,12 @@ int runCalibrate(const std::vector<std::string>& raw_args) {
   }
 
   if (gpu) progress("note: a CUDA GPU is present; this table is the CPU's (--device cuda calibrates the GPU)");
-  runtime::ThreadPool pool(o.threads);
+  auto made = runtime::ThreadPool::create(o.threads);
+  if (!made) {
+    printError("calibrate", made.status());
+    return kExitError;
+  }
+  runtime::ThreadPool& pool = **made;
   progress(fmt::format("measuring memory: copy of {} on {} thread{}, best of {}...", bytesLabel(copy_bytes),
                        o.threads, o.threads == 1 ? "" : "s", copy_repeats));
   const double copy_rate = significant(measureCopy(pool, copy_bytes, copy_repeats), 4);

@@ -110,7 +110,9 @@ int runEval(const std::vector<std::string>& args) {
 int runPredict(const std::vector<std::string>& raw_args) {
   ArgParser p("predict", "kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]",
               "Writes one score (the predicted probability) per input sample, one per line, in input order\n"
-              "(a multi-task model: one tab-separated column per task, in its label's order).\n"
+              "(a multi-task model: one tab-separated column per task, in its label's order; a\n"
+              "prediction that is not one logit per sample, such as an embedding or a regression's\n"
+              "[B, H]: its H values as the model computes them, tab-separated).\n"
               "A malformed TSV line gets the score 'nan' and a warning naming its file and line (with\n"
               "--strict it is an error instead), so line k of the output belongs to line k of the input\n"
               "(the files taken in order) and the two join back by line.");
@@ -131,34 +133,48 @@ int runPredict(const std::vector<std::string>& raw_args) {
     std::fprintf(stderr, "kiln predict: error: cannot write '%s'\n", tmp_path.c_str());
     return kExitError;
   }
-  // 'nan' rather than an empty line: numpy.loadtxt and pandas.read_csv skip blank lines, which
-  // would shift every later score, but read 'nan' as a missing value in its place.
+  // The values per line: one score per task, or a prediction's H values per sample (an
+  // embedding, a regression's [B, H]); known from the first batch, whose malformed lines the
+  // reader reports before the batch is scored, so their warnings wait for it.
+  const size_t tasks = std::max<size_t>(taskNames(setup.session->forwardSpec()).size(), 1);
+  size_t columns = tasks;
   int64_t unscored = 0;
+  std::vector<std::string> waiting;
+  auto warn = [&] {
+    for (const std::string& w : waiting)
+      std::fprintf(stderr, "%s (its %s)\n", w.c_str(), columns == tasks ? "score is nan" : "values are nan");
+    waiting.clear();
+  };
   setup.data.on_skip = [&](const Status& why) {
     ++unscored;
-    std::fprintf(stderr, "%s: warning: %s (its score is nan)\n", why.location().str().c_str(),
-                 why.message().c_str());
+    waiting.push_back(fmt::format("{}: warning: {}", why.location().str(), why.message()));
   };
   // Each batch's scores with its malformed lines in their places: one output line per input line.
-  // A multi-task model writes one tab-separated column per task.
-  const size_t tasks = std::max<size_t>(taskNames(setup.session->forwardSpec()).size(), 1);
-  std::string nan_line;
-  for (size_t j = 0; j < tasks; ++j) nan_line += j + 1 < tasks ? "nan\t" : "nan\n";
-  auto write = [&](const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped) {
+  // A multi-task model writes one tab-separated column per task, a prediction of H values per
+  // sample H columns; a malformed line gets a nan in each ('nan' rather than an empty line:
+  // numpy.loadtxt and pandas.read_csv skip blank lines, which would shift every later score, but
+  // read 'nan' as a missing value in its place).
+  auto write = [&](const std::vector<float>& scores, int64_t width,
+                   const std::vector<data::SkippedLine>& skipped) {
+    columns = static_cast<size_t>(width);
+    warn();
+    std::string nan_line;
+    for (size_t j = 0; j < columns; ++j) nan_line += j + 1 < columns ? "nan\t" : "nan\n";
     size_t k = 0;
-    const size_t samples = scores.size() / tasks;
+    const size_t samples = scores.size() / columns;
     for (size_t i = 0; i <= samples; ++i) {
       for (; k < skipped.size() && skipped[k].before == static_cast<int64_t>(i); ++k)
         if (std::fputs(nan_line.c_str(), out) < 0) return Status::error("write failed");
-      for (size_t j = 0; i < samples && j < tasks; ++j)
-        if (std::fprintf(out, j + 1 < tasks ? "%.9g\t" : "%.9g\n",
-                         static_cast<double>(scores[i * tasks + j])) < 0)
+      for (size_t j = 0; i < samples && j < columns; ++j)
+        if (std::fprintf(out, j + 1 < columns ? "%.9g\t" : "%.9g\n",
+                         static_cast<double>(scores[i * columns + j])) < 0)
           return Status::error("write failed");
     }
     return Status::ok();
   };
   const auto started = std::chrono::steady_clock::now();
   auto r = evaluateModel(*setup.session, setup.data, write);
+  warn();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));
   if (!r) {
@@ -170,11 +186,13 @@ int runPredict(const std::vector<std::string>& raw_args) {
   // The time of reading and scoring, without start-up (compiling, loading the checkpoint).
   const std::string rate = fmt::format(" ({:.2f} s, {:.0f} samples/s)", seconds,
                                        seconds > 0 ? static_cast<double>(r->samples) / seconds : 0.0);
+  const std::string what = columns == tasks ? fmt::format("{} scores", r->samples)
+                                            : fmt::format("{} predictions of {} values", r->samples, columns);
   if (unscored)
-    std::fprintf(stderr, "wrote %lld scores and %lld nan for malformed lines%s\n",
-                 static_cast<long long>(r->samples), static_cast<long long>(unscored), rate.c_str());
+    std::fprintf(stderr, "wrote %s and %lld nan for malformed lines%s\n", what.c_str(),
+                 static_cast<long long>(unscored), rate.c_str());
   else
-    std::fprintf(stderr, "wrote %lld scores%s\n", static_cast<long long>(r->samples), rate.c_str());
+    std::fprintf(stderr, "wrote %s%s\n", what.c_str(), rate.c_str());
   return kExitOk;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/memory.h"
 #include "tools/cli.h"
 #include "tools/session_flags.h"
 
@@ -39,6 +40,8 @@ int main(int argc, char** argv) {
   // A write past the file size limit (ulimit -f) then fails with EFBIG, which the checkpoint
   // code reports and survives, instead of SIGXFSZ killing the process mid-save.
   std::signal(SIGXFSZ, SIG_IGN);
+  // Under ulimit -v, one malloc heap for every thread (runtime/memory.h).
+  kiln::runtime::singleHeapUnderAddressLimit();
   installCompilingOpener();
   std::vector<std::string> args(argv + 2, argv + argc);
   for (const Command& c : kCommands) {

@@ -48,6 +48,7 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
   const int ranks = s.ranks();
   comm::Communicator* c = s.communicator();
   int64_t left_out = 0;
+  int64_t columns = k;  // the values per sample on_scores receives
   while (true) {
     KILN_ASSIGN_OR_RETURN(auto more, prefetch.next(batch));
     if (!more) break;
@@ -93,8 +94,23 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
           "the label '{}' has {} tasks, but the prediction has {} values for {} samples, not {} "
           "per sample",
           spec.inputs[static_cast<size_t>(spec.labelIndex())].name, k, out.logits.size(), local, k);
-    scores.resize(out.logits.size());
-    for (size_t i = 0; i < scores.size(); ++i) scores[i] = clickProbability(out.logits[i]);
+    // One probability per sample and task; for kiln predict a prediction of several values per
+    // sample (out.prediction: not one logit per sample) is written as it is, all its columns.
+    const bool raw = on_scores && out.logits.empty();
+    if (raw) {
+      if (out.prediction.empty())
+        return Status::error("the model has no prediction output to write (its @forward returns none)");
+      if (out.prediction.size() % static_cast<size_t>(local) != 0)
+        return Status::errorf("the prediction has {} values for a batch of {} samples, not the same "
+                              "number per sample: kiln predict writes one line per sample",
+                              out.prediction.size(), local);
+      columns = static_cast<int64_t>(out.prediction.size()) / local;
+      scores = out.prediction;
+    } else {
+      columns = k;
+      scores.resize(out.logits.size());
+      for (size_t i = 0; i < scores.size(); ++i) scores[i] = clickProbability(out.logits[i]);
+    }
     if (spec.labelIndex() >= 0) {
       const ir::HostTensor& t = mine->tensors[static_cast<size_t>(spec.labelIndex())];
       labels.assign(t.as<float>(), t.as<float>() + local * k);
@@ -126,7 +142,7 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
       }
       task_loss[j].add(v, static_cast<double>(local * ranks));
     }
-    if (spec.labelIndex() >= 0) {
+    if (spec.labelIndex() >= 0 && !raw) {
       if (k == 1) {
         auc[0].add(scores, labels);
       } else {
@@ -142,11 +158,11 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
         }
       }
     }
-    if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores, batch.skipped));
+    if (on_scores) KILN_RETURN_IF_ERROR(on_scores(scores, columns, batch.skipped));
     r.samples += local * ranks;
   }
   r.left_out = left_out;
-  if (on_scores) KILN_RETURN_IF_ERROR(on_scores({}, prefetch.skippedAtEnd()));
+  if (on_scores) KILN_RETURN_IF_ERROR(on_scores({}, columns, prefetch.skippedAtEnd()));
   r.malformed = prefetch.malformed();
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;

@@ -77,11 +77,13 @@ Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std
 // b]`); none for any other name, `task_loss.` followed by anything but a decimal number included.
 std::optional<size_t> taskLossIndex(std::string_view stat_name);
 
-// Receives each batch's scores in order (k per sample for k tasks, sample-major) with the malformed lines
+// Receives each batch's scores in order, `columns` per sample, sample-major, with the malformed lines
 // skipped among its samples (SkippedLine::before places each), and last, with no scores, the lines skipped
-// after the last sample: together one entry per input line.
-using ScoreSink =
-    std::function<Status(const std::vector<float>& scores, const std::vector<data::SkippedLine>& skipped)>;
+// after the last sample: together one entry per input line. The scores are k probabilities per sample for
+// k tasks, or, for a prediction that is not one logit per sample and task (an embedding, a regression's
+// [B, H]), its H values per sample as the model computed them.
+using ScoreSink = std::function<Status(const std::vector<float>& scores, int64_t columns,
+                                       const std::vector<data::SkippedLine>& skipped)>;
 
 // Runs @forward over the data; `on_scores` (optional) receives the scores.
 Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,

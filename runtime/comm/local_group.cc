@@ -6,6 +6,8 @@
 #include <mutex>
 #include <thread>
 
+#include "runtime/thread_start.h"
+
 namespace kiln::comm {
 
 namespace detail {
@@ -413,15 +415,38 @@ void LocalGroup::setTimeout(std::chrono::milliseconds t) {
 Status LocalGroup::run(const std::function<Status(Communicator&)>& fn) {
   std::mutex m;
   Status first;
+  auto fail = [&](int r, Status s) {
+    comm(r).abort(s.message());
+    std::lock_guard<std::mutex> lock(m);
+    if (first) first = std::move(s);
+  };
   std::vector<std::thread> threads;
   for (int r = 0; r < size(); ++r) {
-    threads.emplace_back([&, r] {
-      Status s = fn(comm(r));
-      if (s) return;
-      comm(r).abort(s.message());
-      std::lock_guard<std::mutex> lock(m);
-      if (first) first = std::move(s);
+    const std::string what = fmt::format("cannot start the thread of rank {} of {}", r, size());
+    auto started = runtime::startThread(what, [&, r] {
+      // An exception must not leave the thread (std::terminate): it fails the rank.
+      Status s;
+      try {
+        s = fn(comm(r));
+      } catch (const std::system_error& e) {
+        // std::thread's refusal (a thread of the rank's own: a kernel pool, the prefetcher).
+        if (e.code() == std::errc::resource_unavailable_try_again)
+          s = Status::error(runtime::threadStartFailure(fmt::format("rank {} cannot start a thread", r), e));
+        else
+          s = Status::errorf("rank {}: {}", r, e.what());
+      } catch (const std::exception& e) {
+        s = Status::errorf("rank {}: {}", r, e.what());
+      } catch (...) {
+        s = Status::errorf("rank {}: an unknown exception", r);
+      }
+      if (!s) fail(r, std::move(s));
     });
+    if (!started) {
+      // The ranks already running fail at their next collective; they are joined below.
+      fail(r, started.status());
+      break;
+    }
+    threads.push_back(started.take());
   }
   for (auto& t : threads) t.join();
   return first;

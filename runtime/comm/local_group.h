@@ -32,8 +32,9 @@ class LocalGroup {
   void setTimeout(std::chrono::milliseconds t);
 
   // Runs fn on size() threads, rank r's thread with comm(r), and returns the first error. A
-  // rank whose fn fails aborts the group, so that the others fail at their next collective
-  // instead of waiting out the timeout.
+  // rank whose fn fails (or throws) aborts the group, so that the others fail at their next
+  // collective instead of waiting out the timeout. A rank whose thread the system refuses
+  // (ulimit -u) aborts it the same way, and the ranks already running are joined.
   Status run(const std::function<Status(Communicator&)>& fn);
 
  private:

@@ -10,6 +10,7 @@
 
 #include "codegen/lower_cpu.h"
 #include "runtime/cpu/kernels/kernels.h"
+#include "runtime/memory.h"
 
 namespace kiln::runtime::cpu {
 
@@ -44,7 +45,7 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   if (!program.planned) return Status::error("cpu executor: the program has no memory plan (run planMemory)");
   std::unique_ptr<CpuExecutor> ex(new CpuExecutor());
   ex->options_ = options;
-  ex->pool_ = std::make_unique<ThreadPool>(std::max(options.threads, 1));
+  KILN_ASSIGN_OR_RETURN(ex->pool_, ThreadPool::create(std::max(options.threads, 1)));
 
   for (const codegen::Buffer& b : program.buffers) {
     std::vector<int64_t> shape;
@@ -100,7 +101,9 @@ Expected<std::unique_ptr<CpuExecutor>> CpuExecutor::create(codegen::Program prog
   int64_t arena_bytes = ex->program_.arena_bytes;
   if (arena_bytes > 0) {
     ex->arena_ = static_cast<uint8_t*>(std::aligned_alloc(64, static_cast<size_t>((arena_bytes + 63) / 64 * 64)));
-    if (!ex->arena_) return Status::errorf("cpu executor: cannot allocate a {}-byte arena", arena_bytes);
+    if (!ex->arena_)
+      return Status::errorf("cpu executor: cannot allocate a {}-byte arena ({})", arena_bytes,
+                            runtime::outOfMemoryNote());
     if (options.poison_arena) std::memset(ex->arena_, kPoison, static_cast<size_t>(arena_bytes));
   }
   ex->views_.resize(ex->program_.buffers.size());

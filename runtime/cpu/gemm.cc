@@ -15,6 +15,7 @@
 
 #include "ir/tensor_view.h"
 #include "runtime/cpu/cpu_features.h"
+#include "runtime/memory.h"
 
 namespace kiln::runtime::cpu {
 namespace {
@@ -108,6 +109,9 @@ Expected<std::shared_ptr<const Primitive>> createOnednn(const GemmDesc& d) {
     p->scratchpad = pd.scratchpad_desc();
     p->matmul = dnnl::matmul(pd);
   } catch (const dnnl::error& e) {
+    if (e.status == dnnl_out_of_memory)
+      return Status::errorf("oneDNN matmul {}x{}x{} {}x{}->{}: {} ({})", d.m, d.n, d.k, ir::dtypeName(d.a),
+                            ir::dtypeName(d.b), ir::dtypeName(d.c), e.what(), outOfMemoryNote());
     return Status::errorf("oneDNN has no matmul for {}x{}x{} {}x{}->{}: {}", d.m, d.n, d.k, ir::dtypeName(d.a),
                           ir::dtypeName(d.b), ir::dtypeName(d.c), e.what());
   }
@@ -303,6 +307,8 @@ Status runWhole(const GemmDesc& d, const GemmOperands& x) {
     else
       execute(*p, d, x);
   } catch (const dnnl::error& e) {
+    if (e.status == dnnl_out_of_memory)
+      return Status::errorf("oneDNN matmul {}x{}x{}: {} ({})", d.m, d.n, d.k, e.what(), outOfMemoryNote());
     return Status::errorf("oneDNN matmul {}x{}x{}: {}", d.m, d.n, d.k, e.what());
   }
   return Status::ok();

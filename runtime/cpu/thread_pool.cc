@@ -1,21 +1,47 @@
 #include "runtime/cpu/thread_pool.h"
 
 #include <algorithm>
+#include <stdexcept>
+
+#include "runtime/thread_start.h"
 
 namespace kiln::runtime {
 
-ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < std::max(num_threads, 1); ++i) workers_.emplace_back([this] { workerLoop(); });
+Expected<std::unique_ptr<ThreadPool>> ThreadPool::create(int num_threads) {
+  std::unique_ptr<ThreadPool> pool(new ThreadPool());
+  KILN_RETURN_IF_ERROR(pool->start(num_threads));
+  return pool;
 }
 
-ThreadPool::~ThreadPool() {
+ThreadPool::ThreadPool(int num_threads) {
+  if (Status s = start(num_threads); !s) throw std::runtime_error(s.message());
+}
+
+Status ThreadPool::start(int num_threads) {
+  const int n = std::max(num_threads, 1);
+  for (int i = 1; i < n; ++i) {
+    auto t = startThread(fmt::format("cannot start thread {} of {} (--threads {})", i + 1, n, n),
+                         [this] { workerLoop(); });
+    if (!t) {
+      stop();
+      return t.status();
+    }
+    workers_.push_back(t.take());
+  }
+  return Status::ok();
+}
+
+void ThreadPool::stop() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
+  workers_.clear();
 }
+
+ThreadPool::~ThreadPool() { stop(); }
 
 void ThreadPool::runChunks() {
   for (;;) {

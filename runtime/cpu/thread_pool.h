@@ -6,15 +6,21 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "ir/status.h"
 
 namespace kiln::runtime {
 
 class ThreadPool {
  public:
-  // num_threads counts the caller: 1 runs everything on the calling thread.
+  // num_threads counts the caller: 1 runs everything on the calling thread. Where the system
+  // refuses a thread (ulimit -u), create() returns the error (runtime/thread_start.h) and the
+  // constructor throws it as a std::runtime_error, both after joining the workers it started.
+  static Expected<std::unique_ptr<ThreadPool>> create(int num_threads);
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -28,6 +34,9 @@ class ThreadPool {
   void parallelFor(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
  private:
+  ThreadPool() = default;
+  Status start(int num_threads);
+  void stop();
   void workerLoop();
   void runChunks();
 

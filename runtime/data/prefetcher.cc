@@ -3,13 +3,23 @@
 #include <exception>
 #include <new>
 
+#include "runtime/thread_start.h"
+
 namespace kiln::data {
 
 Prefetcher::Prefetcher(std::unique_ptr<BatchReader> reader, int depth)
     : reader_(std::move(reader)), depth_(static_cast<size_t>(std::max(depth, 1))) {
   consumed_ = reader_->position();
   reader_->deferSkipReports();
-  thread_ = std::thread([this] { run(); });
+  // A thread the system refuses (ulimit -u) is the reader's error, reported where the first
+  // batch is awaited, instead of an exception out of the constructor.
+  auto started = runtime::startThread("cannot start the data prefetcher's thread", [this] { run(); });
+  if (started) {
+    thread_ = started.take();
+  } else {
+    error_ = started.status();
+    done_ = true;
+  }
 }
 
 Prefetcher::~Prefetcher() {
@@ -18,7 +28,7 @@ Prefetcher::~Prefetcher() {
     stop_ = true;
   }
   not_full_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
 }
 
 void Prefetcher::run() {

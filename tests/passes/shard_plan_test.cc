@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include "ir/parser.h"
+#include "passes/shard.h"
 
 namespace kiln::passes {
 namespace {
@@ -180,6 +181,40 @@ TEST(ShardPlan, TablesOfATrainingStep) {
   EXPECT_EQ(b.lookups_per_sample, 5);
   EXPECT_EQ(b.bytesPerRow(), 16);
   EXPECT_EQ(b.pinned, ShardingType::row_wise);
+}
+
+// --sharding column_wise: each table over the most ranks that divide its dim, the blocks taken in
+// turn from where the previous table's ended, so that every rank holds columns (issue 35 item
+// 13: on 3 ranks every table sat on ranks 0-1 and rank 2 held no embeddings).
+TEST(ShardPlan, ColumnWiseEveryTableSpreadsOverAllRanks) {
+  ShardOptions o;
+  o.ranks = 3;
+  o.sharding = "column_wise";
+  // dim 4 splits over 2 of the 3 ranks: blocks {0,1}, {2,0}, {1,2}.
+  auto plan = planFor({table("a", 10, 4), table("b", 10, 4), table("c", 10, 4)}, o);
+  ASSERT_TRUE(plan) << plan.status().message();
+  ASSERT_EQ(plan->tables.size(), 3u);
+  EXPECT_EQ(plan->tables[0].ranks, (std::vector<int>{0, 1}));
+  EXPECT_EQ(plan->tables[1].ranks, (std::vector<int>{0, 2}));
+  EXPECT_EQ(plan->tables[2].ranks, (std::vector<int>{1, 2}));
+  std::vector<int64_t> columns(3);
+  for (const TablePlan& t : plan->tables)
+    for (const TableShard& s : t.shards) columns[static_cast<size_t>(s.rank)] += s.cols();
+  EXPECT_EQ(columns, (std::vector<int64_t>{4, 4, 4}));
+  // dim 6 on 4 ranks: 3 ranks each; dim 5 on 4 ranks: 1 rank, the next in turn.
+  o.ranks = 4;
+  plan = planFor({table("a", 10, 6), table("b", 10, 6), table("c", 10, 5), table("d", 10, 6)}, o);
+  ASSERT_TRUE(plan) << plan.status().message();
+  EXPECT_EQ(plan->tables[0].ranks, (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(plan->tables[1].ranks, (std::vector<int>{0, 1, 3}));
+  EXPECT_EQ(plan->tables[2].ranks, (std::vector<int>{2}));
+  EXPECT_EQ(plan->tables[3].ranks, (std::vector<int>{0, 1, 3}));
+  expectShard(plan->tables[1].shards[0], 0, 0, 10, 0, 2);
+  expectShard(plan->tables[1].shards[2], 3, 0, 10, 4, 6);
+  // A dim that every rank count divides keeps the whole world.
+  plan = planFor({table("a", 10, 8), table("b", 10, 8)}, o);
+  ASSERT_TRUE(plan) << plan.status().message();
+  for (const TablePlan& t : plan->tables) EXPECT_EQ(t.ranks, (std::vector<int>{0, 1, 2, 3}));
 }
 
 }  // namespace
