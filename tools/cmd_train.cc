@@ -1006,7 +1006,12 @@ int runTrain(const std::vector<std::string>& args) {
   });
   int rc = kExitOk;
   for (int c : codes) rc = std::max(rc, c);
-  if (!st && rc == kExitOk) rc = kExitError;
+  if (!st && rc == kExitOk) {
+    // No rank reported a failure of its own (none started: the group could not create their
+    // threads): the group's error is the only word on it.
+    printError("train", st);
+    rc = kExitError;
+  }
   return rc;
 }
 
