@@ -430,8 +430,11 @@ void Trainer::progress(bool final_line) {
           : fmt::format(" ({:.0f}/rank) | {}/step sent, {:.0f}% in collectives", window_rate_ / ranks_,
                         runtime::formatBytes(static_cast<uint64_t>(comm_bytes_per_step_)),
                         100 * comm_fraction_);
+  // The loss of a progress line is the mean over the steps since the line before, as the metrics
+  // file's and the per-task losses are (docs/runtime.md, "One loss per progress line").
+  const double loss = window_loss_.weight() > 0 ? window_loss_.mean() : last_loss_;
   std::string line = fmt::format("step {}{} | {:.0f} samples/s{} | loss {:.5f}{}{}{} | elapsed {} | left {}",
-                                 step_, total, window_rate_, ranks, last_loss_, taskLossText(), moe_text_,
+                                 step_, total, window_rate_, ranks, loss, taskLossText(), moe_text_,
                                  auc, driver::formatDuration(elapsed), final_line ? "0:00" : left);
   if (tty_)
     std::fprintf(stderr, "\r\033[K%s%s", line.c_str(), final_line ? "\n" : "");
