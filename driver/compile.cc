@@ -53,11 +53,13 @@ Expected<std::unique_ptr<ir::Module>> frontendModule(const SessionOptions& optio
 // plan.json text: what `kiln plan MODEL --ranks N --batch <global> --target T --data D` prints
 // and writes for the same model, target, batch and data. The model's tables come from the
 // pipeline up to remat, as `kiln plan` compiles it.
-Expected<std::string> planFromData(const SessionOptions& options, const Target& target, int ranks);
+Expected<std::string> planFromData(const SessionOptions& options, const Target& target, int ranks,
+                                   std::ostream& diag);
 
 // In-process ranks (kiln train --ranks N) each compile the same model with the same options: the
 // first to ask plans, the others take its plan (the sample is the same on every rank).
-Expected<std::string> proposedPlan(const SessionOptions& options, const Target& target, int ranks) {
+Expected<std::string> proposedPlan(const SessionOptions& options, const Target& target, int ranks,
+                                   std::ostream& diag) {
   std::string key = fmt::format("{}|{}|{}|{}|{}|{}|{}|{}|{}", options.model_path, fmt::join(options.plan_data, ","),
                                 options.plan_samples, options.batch, ranks, options.ranks_per_node, target.name,
                                 options.seed, options.memory_budget);
@@ -67,14 +69,15 @@ Expected<std::string> proposedPlan(const SessionOptions& options, const Target& 
   static std::map<std::string, std::string> plans;
   std::lock_guard<std::mutex> lock(mu);
   if (auto it = plans.find(key); it != plans.end()) return it->second;
-  KILN_ASSIGN_OR_RETURN(std::string plan, planFromData(options, target, ranks));
+  KILN_ASSIGN_OR_RETURN(std::string plan, planFromData(options, target, ranks, diag));
   plans.emplace(key, plan);
   return plan;
 }
 
-Expected<std::string> planFromData(const SessionOptions& options, const Target& target, int ranks) {
-  std::ostream& quiet = std::cerr;  // the main compile reports the model's errors; this one stops at the first
-  KILN_ASSIGN_OR_RETURN(auto m, frontendModule(options, quiet));
+Expected<std::string> planFromData(const SessionOptions& options, const Target& target, int ranks,
+                                   std::ostream& diag) {
+  // The main compile parsed the same file without error before it asked for this plan.
+  KILN_ASSIGN_OR_RETURN(auto m, frontendModule(options, diag));
   m->mutableAttrs()["kiln.symbols"] = ir::Attribute(ir::AttrDict{{"B", ir::Attribute(options.batch)}});
   passes::PassManager pm({.target = target});
   KILN_RETURN_IF_ERROR(pm.addPipeline(passes::pipelineUpTo(true, "remat")));
@@ -124,7 +127,7 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
     if (options.pipeline) shard.set("pipeline", "1");
     // No plan given: the planner's proposal over the run's data (the shard pass takes kiln.plan).
     if (options.plan_path.empty() && options.sharding.empty() && !options.plan_data.empty()) {
-      auto proposed = proposedPlan(options, target, options.comm->size());
+      auto proposed = proposedPlan(options, target, options.comm->size(), diag);
       if (!proposed) return Status::errorf("planning the sharding from the data's ids: {}", proposed.status().message());
       m.mutableAttrs()["kiln.plan"] = ir::Attribute(proposed.take());
     }

@@ -463,14 +463,7 @@ Status CpuExecutor::runKernel(size_t t, std::vector<InFlight>& in_flight) {
   if (!s.isOk())
     return Status::errorf("running instruction {} ('{}' -> %b{}): {}", in.seq, in.op,
                           in.results.empty() ? -1 : in.results[0], s.message());
-  for (int id : in.results) {
-    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
-    const ir::TensorView& v = views_[static_cast<size_t>(id)];
-    if (v.bytes() > b.bytes || v.rank() != b.type.rank())
-      return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, id,
-                            fmt::join(v.shape, ", "), b.type.str());
-    if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
-  }
+  for (int id : in.results) KILN_RETURN_IF_ERROR(checkWritten(id, in.op));
   return Status::ok();
 }
 
@@ -532,11 +525,17 @@ Status CpuExecutor::runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flig
   if (!s.isOk())
     return Status::errorf("running instruction {} ('{}' with its epilogue -> %b{}): {}", in.seq, in.op,
                           l.epilogue_out, s.message());
-  const codegen::Buffer& b = program_.buffers[static_cast<size_t>(l.epilogue_out)];
-  if (y.bytes() > b.bytes || y.rank() != b.type.rank())
-    return Status::errorf("internal error: '{}' set %b{} to [{}], beyond its type {}", in.op, l.epilogue_out,
-                          fmt::join(y.shape, ", "), b.type.str());
-  if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + y.bytes());
+  return checkWritten(l.epilogue_out, in.op);
+}
+
+Status CpuExecutor::checkWritten(int id, std::string_view op) {
+  const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
+  const ir::TensorView& v = views_[static_cast<size_t>(id)];
+  if (v.bytes() > b.bytes || v.rank() != b.type.rank())
+    return Status::errorf("internal error: {} set %b{} to [{}], beyond its type {}",
+                          op.empty() ? std::string("a pointwise group") : fmt::format("'{}'", op), id,
+                          fmt::join(v.shape, ", "), b.type.str());
+  if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
   return Status::ok();
 }
 
@@ -575,14 +574,7 @@ Status CpuExecutor::runPointwiseGroup(const PointwiseGroup& g, std::vector<InFli
                          {{"seq", order_[u]->seq}, {"group_of", first.seq}});
     }
   }
-  for (int id : g.program.storedResults()) {
-    const codegen::Buffer& b = program_.buffers[static_cast<size_t>(id)];
-    const ir::TensorView& v = views_[static_cast<size_t>(id)];
-    if (v.bytes() > b.bytes || v.rank() != b.type.rank())
-      return Status::errorf("internal error: a pointwise group set %b{} to [{}], beyond its type {}", id,
-                            fmt::join(v.shape, ", "), b.type.str());
-    if (b.inArena()) high_water_mark_ = std::max(high_water_mark_, b.offset + v.bytes());
-  }
+  for (int id : g.program.storedResults()) KILN_RETURN_IF_ERROR(checkWritten(id, ""));
   return Status::ok();
 }
 

@@ -121,6 +121,9 @@ class CpuExecutor {
   bool sharesStorage(int x, int y) const;
   Status runLaunch(size_t t, std::vector<InFlight>& in_flight);
   Status runKernel(size_t t, std::vector<InFlight>& in_flight);
+  // After buffer `id` was written by op `op` ("": a pointwise group): its view must fit the
+  // buffer's type and bytes; raises the high-water mark.
+  Status checkWritten(int id, std::string_view op);
   Status runGemmWithEpilogue(size_t t, std::vector<InFlight>& in_flight);
   Status runPointwiseGroup(const PointwiseGroup& g, std::vector<InFlight>& in_flight);
   // Adds launch `t`'s time to the profile (ExecutorOptions::profile) and the trace (non-null).
