@@ -889,6 +889,13 @@ std::unique_ptr<ir::Module> ModelLowering::run(const ast::ModelDecl& model) {
     t["prediction"] = train_.prediction;
     t["label"] = train_.label;
     if (!stat_names.empty()) t["stats"] = stat_names;
+    // The statistics the loss holds besides the model's own: evaluation reports the task loss
+    // without them, and them on their own.
+    if (!aux_losses_.empty()) {
+      ir::AttrArray aux_names;
+      for (const auto& entry : aux_losses_) aux_names.push_back(entry.first);
+      t["aux_losses"] = aux_names;
+    }
     if (!moe_layers_.empty()) t["moe"] = moe_layers_;
     module_->mutableAttrs()["kiln.train"] = t;
   }

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "runtime/json.h"
+#include "runtime/stop_signals.h"
 
 namespace kiln::runtime {
 
@@ -62,6 +63,8 @@ Status writeAtomically(const std::string& path,
                        const std::function<Status(int fd, const std::string& tmp)>& write) {
   std::filesystem::path target(path);
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  // A second SIGINT/SIGTERM while this is written removes it (a first one lets it finish).
+  PendingTempFile pending(tmp);
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::errorf("cannot create '{}': {}", tmp, std::strerror(errno));
   Status st = write(fd, tmp);

@@ -82,7 +82,8 @@ int runEval(const std::vector<std::string>& args) {
       "eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
       "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'; a\n"
       "multi-task model (a label of k columns) also each task's 'auc.NAME' and 'accuracy.NAME', and a\n"
-      "model's own metrics (in_batch_recall's 'recall@K') by name.");
+      "model's own metrics (in_batch_recall's 'recall@K') by name. The loss is the task's: a MoE\n"
+      "layer's balancing losses, which training adds to it, are printed on their own ('moe.0.aux_loss').");
   EvalSetup setup;
   if (int code = setUp("eval", p, args, setup); code >= 0) return code;
   auto r = evaluateModel(*setup.session, setup.data);
@@ -90,13 +91,19 @@ int runEval(const std::vector<std::string>& args) {
     printError("eval", r.status());
     return kExitError;
   }
+  // The loss is the task's; the balancing losses the training loss adds follow on their own.
+  auto printBalancing = [&] {
+    for (const auto& [name, value] : r->balancing) std::printf("%s: %.17g\n", name.c_str(), value);
+  };
   if (setup.session->forwardSpec().readsTokens()) {
     std::printf("loss: %.17g\nperplexity: %.17g\n", r->loss, r->perplexity);
+    printBalancing();
     if (r->entropy_floor) std::printf("entropy floor: %.17g\n", *r->entropy_floor);
     std::printf("samples: %lld\n", static_cast<long long>(r->samples));
     return kExitOk;
   }
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\n", r->loss, r->auc, r->accuracy);
+  printBalancing();
   for (const auto& [name, value] : r->metrics) std::printf("%s: %.17g\n", name.c_str(), value);
   for (const TaskResult& t : r->tasks) {
     std::printf("auc.%s: %.17g\naccuracy.%s: %.17g\n", t.name.c_str(), t.auc, t.name.c_str(), t.accuracy);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +24,7 @@
 #include "runtime/metrics.h"
 #include "runtime/run_inputs.h"
 #include "runtime/sharded_checkpoint.h"
+#include "runtime/stop_signals.h"
 #include "runtime/serving/update_file.h"
 #include "runtime/trace.h"
 #include "tools/cli.h"
@@ -123,6 +125,7 @@ class Trainer {
   // the run saves only past it. A sharded checkpoint cannot be rewritten at the step it holds.
   int64_t saved_step_ = -1;
   int64_t samples_ = 0;
+  int stopped_by_ = 0;  // the signal that stopped the run after a step (runtime/stop_signals.h), or 0
   std::unique_ptr<serving::UpdatePublisher> publisher_;  // --publish
   Status publish();
   data::StreamPosition resume_position_;
@@ -139,6 +142,7 @@ class Trainer {
   double last_loss_ = NAN;
   std::optional<double> last_auc_, last_eval_loss_, last_perplexity_;
   std::vector<std::pair<std::string, double>> last_metrics_;  // the model's metric.<name> statistics
+  std::vector<std::pair<std::string, double>> last_balancing_;  // the last evaluation's balancing losses
   std::vector<TaskResult> last_tasks_;   // a multi-task model's last evaluation, per task
   std::optional<double> entropy_floor_;  // synthetic tokens: the loss no model can beat
   Clock::time_point start_, window_start_;
@@ -379,6 +383,7 @@ void Trainer::noteEvaluation(const EvalResult& ev) {
     last_auc_ = ev.auc;
   last_tasks_ = ev.tasks;
   last_metrics_ = ev.metrics;
+  last_balancing_ = ev.balancing;
 }
 
 void Trainer::addTaskLosses(const std::vector<std::pair<std::string, std::vector<double>>>& stats) {
@@ -603,13 +608,26 @@ int Trainer::run() {
     }
     step_scope.end();
     if (!out) return fail(out.status());
+    // Whether to log now (by the clock, which ranks read apart) and whether a signal asked the
+    // run to stop: on N ranks every rank must decide alike, so both ride on the loss's
+    // all-reduce, and any rank's yes is everyone's.
+    bool log_due = f_.log_every > 0 ? (step_ + 1) % f_.log_every == 0 : secondsSince(last_log) >= log_interval;
+    int stop_signal = runtime::stopSignal();
     if (ranks_ > 1) {
       // The global batch's loss: the mean of the ranks' means over equal shares.
-      double sum = 0;
-      if (Status st = comm_->allReduceSync(&out->loss, &sum, 1, comm::DataType::f64); !st) return fail(st);
-      out->loss = sum / ranks_;
+      double mine[4] = {out->loss, log_due ? 1.0 : 0.0, stop_signal == SIGINT ? 1.0 : 0.0,
+                        stop_signal == SIGTERM ? 1.0 : 0.0};
+      double sum[4];
+      if (Status st = comm_->allReduceSync(mine, sum, 4, comm::DataType::f64); !st) return fail(st);
+      out->loss = sum[0] / ranks_;
+      log_due = sum[1] > 0;
+      if (stop_signal == 0) stop_signal = sum[3] > 0 ? SIGTERM : sum[2] > 0 ? SIGINT : 0;  // another rank's
     }
     ++step_;
+    if (stop_signal && loud())
+      std::fprintf(stderr, "%s%s: stopping after step %lld%s (a second signal ends the run at once)\n",
+                   tty_ ? "\n" : "", runtime::signalName(stop_signal).c_str(), static_cast<long long>(step_),
+                   f_.checkpoint_dir.empty() ? "" : ", once its checkpoint is saved");
     if (publisher_) publisher_->noteBatch(batch);
     position = batch.end;
     samples_ += batch.size;
@@ -631,8 +649,7 @@ int Trainer::run() {
       noteEvaluation(*ev);
       evaluated = true;
     }
-    bool log_due = f_.log_every > 0 ? step_ % f_.log_every == 0 : secondsSince(last_log) >= log_interval;
-    if (log_due || evaluated || step_ == f_.steps) {
+    if (log_due || evaluated || step_ == f_.steps || stop_signal) {
       double window = secondsSince(window_start_);
       window_rate_ = window > 0 ? static_cast<double>(window_samples_) / window : 0;
       if (ranks_ > 1) {
@@ -642,7 +659,21 @@ int Trainer::run() {
         comm_fraction_ = window > 0 ? (now.seconds - window_comm_.seconds) / window : 0;
         window_comm_ = now;
       }
-      const std::vector<MoeLayerStats> moe = moe_window_.take();
+      std::vector<MoeLayerStats> moe = moe_window_.take();
+      if (ranks_ > 1) {
+        // A rank's balancing losses judge its share of the batch (its tokens' router scores,
+        // against the global counts): the global batch's are the ranks' mean, as the loss's is.
+        std::vector<double> mine, sum;
+        for (const MoeLayerStats& l : moe)
+          for (const auto& entry : l.losses) mine.push_back(entry.second);
+        sum.resize(mine.size());
+        if (!mine.empty())
+          if (Status st = comm_->allReduceSync(mine.data(), sum.data(), mine.size(), comm::DataType::f64); !st)
+            return fail(st);
+        size_t i = 0;
+        for (MoeLayerStats& l : moe)
+          for (auto& entry : l.losses) entry.second = sum[i++] / ranks_;
+      }
       moe_text_ = MoeStatsWindow::progressText(moe);
       task_losses_.assign(task_loss_window_.size(), 0.0);
       for (size_t i = 0; i < task_loss_window_.size(); ++i) task_losses_[i] = task_loss_window_[i].mean();
@@ -686,6 +717,7 @@ int Trainer::run() {
             r.extra["accuracy." + t.name] = t.accuracy;
           }
           for (const auto& [name, value] : last_metrics_) r.extra[name] = value;
+          for (const auto& [name, value] : last_balancing_) r.extra["eval." + name] = value;
         }
         Status st = metrics_->write(r);
         if (!st) return fail(st);
@@ -704,6 +736,10 @@ int Trainer::run() {
       Status st = saveCheckpoint(position);
       if (!st) return fail(st);
     }
+    if (stop_signal) {
+      stopped_by_ = stop_signal;
+      break;
+    }
   }
   if (tracer) tracer->setRecording(false);
   if (prefetch.malformed() > 0 && loud())
@@ -711,7 +747,9 @@ int Trainer::run() {
 
   // Final evaluation when evaluation was asked for (--eval-every, or --eval-data alone: data to
   // evaluate on is a request to evaluate) and the last step did not just do it.
-  if ((f_.eval_every > 0 || !f_.eval_data.empty()) && (f_.eval_every == 0 || step_ % f_.eval_every != 0)) {
+  // A run asked to stop skips it: its grace period is for the checkpoint.
+  if ((f_.eval_every > 0 || !f_.eval_data.empty()) && (f_.eval_every == 0 || step_ % f_.eval_every != 0) &&
+      !stopped_by_) {
     auto ev = evaluate();
     if (!ev) return fail(ev.status());
     noteEvaluation(*ev);
@@ -734,7 +772,10 @@ int Trainer::run() {
   if (!f_.trace_path.empty() && ranks_ > 1) {
     if (Status st = comm_->barrier(); !st) return fail(st);
   }
-  if (!loud()) return kExitOk;
+  // Stopped by a signal: the shell's code for it (128 + the signal), so that a script tells an
+  // interrupted run from a finished one; the checkpoint is whole either way.
+  const int done = stopped_by_ ? 128 + stopped_by_ : kExitOk;
+  if (!loud()) return done;
   std::printf("trained %s: %lld steps (%lld this run), %lld samples in %.1f s, %.0f samples/s%s\n",
               s_.modelName().c_str(), static_cast<long long>(step_), static_cast<long long>(step_ - start_step_),
               static_cast<long long>(samples_), elapsed, elapsed > 0 ? static_cast<double>(samples_) / elapsed : 0.0,
@@ -752,12 +793,25 @@ int Trainer::run() {
   for (const TaskResult& t : last_tasks_) std::printf("eval auc.%s: %.6f\n", t.name.c_str(), t.auc);
   if (last_perplexity_) std::printf("eval perplexity: %.6f\n", *last_perplexity_);
   for (const auto& [name, value] : last_metrics_) std::printf("eval %s: %.6f\n", name.c_str(), value);
+  for (const auto& [name, value] : last_balancing_) std::printf("eval %s: %.6f\n", name.c_str(), value);
   if (entropy_floor_) std::printf("entropy floor: %.6f nats\n", *entropy_floor_);
   if (!f_.checkpoint_dir.empty())
     std::printf("checkpoint: %s\n",
                 ranks_ > 1 ? (std::filesystem::path(f_.checkpoint_dir) / runtime::kShardedIndexFile).c_str()
                            : checkpointFile(f_.checkpoint_dir).c_str());
   if (f_.profile) std::printf("%s", s_.profileTable("train_step").c_str());
+  if (stopped_by_) {
+    // What a scheduler's preemption (or the user at the terminal) needs to know: where the run
+    // stands, and that nothing is half written.
+    const std::string held =
+        f_.checkpoint_dir.empty()
+            ? "no --checkpoint was given, so the steps trained are not saved"
+            : fmt::format("the checkpoint in {} holds step {} (--resume continues from it)", f_.checkpoint_dir,
+                          saved_step_);
+    std::fprintf(stderr, "stopped by %s after step %lld%s: %s\n", runtime::signalName(stopped_by_).c_str(),
+                 static_cast<long long>(step_),
+                 f_.steps > 0 ? fmt::format(" of {}", f_.steps).c_str() : "", held.c_str());
+  }
   if (tracer) {
     const int64_t ran = step_ - start_step_;
     if (ran < f_.trace_first)
@@ -772,8 +826,11 @@ int Trainer::run() {
     else
       std::printf("trace: %s (no step)\n", f_.trace_path.c_str());
   }
-  return kExitOk;
+  return done;
 }
+
+// A rank's code for a run a stop signal ended cleanly, every rank at the same step.
+bool stoppedBySignal(int rc) { return rc > 128; }
 
 }  // namespace
 
@@ -982,11 +1039,14 @@ int runTrain(const std::vector<std::string>& args) {
               rank == 0 && !peer_tracers.empty() ? &peer_tracers : nullptr);
     return t.run();
   };
+  // SIGINT / SIGTERM from here on stop the run after the step under way, its checkpoint saved
+  // (a second one ends it at once, removing a checkpoint file half written).
+  runtime::StopSignals stop_signals;
   const auto timeout = std::chrono::seconds(comm_timeout);
   if (mpi) {
     mpi->setTimeout(timeout);
     const int rc = trainRank(mpi.get());
-    if (rc != kExitOk) {
+    if (rc != kExitOk && !stoppedBySignal(rc)) {
       // The others must not wait for this rank's next collective until their timeout. MPI cannot
       // cancel the collectives a broken group left started, and MPI_Finalize could wait on them:
       // exit without it (mpirun then ends the job).
@@ -1005,7 +1065,7 @@ int runTrain(const std::vector<std::string>& args) {
   Status st = group.run([&](comm::Communicator& c) -> Status {
     const int rc = trainRank(&c);
     codes[static_cast<size_t>(c.rank())] = rc;
-    return rc == kExitOk ? Status::ok() : Status::errorf("rank {} failed", c.rank());
+    return rc == kExitOk || stoppedBySignal(rc) ? Status::ok() : Status::errorf("rank {} failed", c.rank());
   });
   int rc = kExitOk;
   for (int c : codes) rc = std::max(rc, c);

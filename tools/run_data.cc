@@ -40,6 +40,14 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
   runtime::RunningMean loss;
   std::vector<std::pair<std::string, runtime::RunningMean>> metrics;  // metric.<name> statistics
   std::vector<runtime::RunningMean> task_loss;                        // `loss = [a, b]`: each task's own
+  // The balancing losses the train block's loss adds (MoE layers' aux and z losses): reported on
+  // their own, and taken out of the loss, which then is the task's alone.
+  std::vector<std::string> aux_names;
+  if (const ir::Attribute* a = s.hasTrainBlock() ? driver::trainValue(s.trainConfig(), "aux_losses") : nullptr;
+      a && a->isArray())
+    for (const ir::Attribute& name : a->asArray()) aux_names.push_back(name.asString());
+  std::vector<runtime::RunningMean> balancing(aux_names.size());
+  std::vector<double> aux(aux_names.size()), aux_sum(aux_names.size());
   data::Batch batch, share;
   EvalResult r;
   std::vector<float> scores, labels;
@@ -64,6 +72,21 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
     }
     KILN_ASSIGN_OR_RETURN(auto out, s.forward(*mine));
     double batch_loss = out.loss;
+    if (!aux_names.empty()) {
+      std::fill(aux.begin(), aux.end(), 0.0);
+      for (const auto& [name, values] : out.stats) {
+        auto it = std::find(aux_names.begin(), aux_names.end(), name);
+        if (it == aux_names.end() || values.size() != 1) continue;
+        aux[static_cast<size_t>(it - aux_names.begin())] = values[0];
+        batch_loss -= values[0];
+      }
+      if (ranks > 1) {
+        // Each rank's losses over its equal share: the global batch's are the ranks' mean.
+        KILN_RETURN_IF_ERROR(c->allReduceSync(aux.data(), aux_sum.data(), aux.size(), comm::DataType::f64));
+        for (size_t i = 0; i < aux.size(); ++i) aux[i] = aux_sum[i] / ranks;
+      }
+      for (size_t i = 0; i < aux.size(); ++i) balancing[i].add(aux[i], static_cast<double>(local * ranks));
+    }
     for (const auto& [name, values] : out.stats) {
       const std::string_view metric = metricStatName(name);
       if (metric.empty() || values.size() != 1) continue;
@@ -167,6 +190,7 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
   if (r.samples == 0) return Status::error("the evaluation data holds no samples");
   r.loss = s.hasTrainBlock() ? loss.mean() : NAN;
   for (const auto& [name, mean] : metrics) r.metrics.push_back({name, mean.mean()});
+  for (size_t i = 0; i < aux_names.size(); ++i) r.balancing.push_back({aux_names[i], balancing[i].mean()});
   r.auc = auc[0].size() ? auc[0].auc() : NAN;
   r.accuracy = auc[0].size() ? auc[0].accuracy() : NAN;
   if (k > 1)

@@ -37,7 +37,9 @@ struct TaskResult {
 };
 
 struct EvalResult {
-  double loss = 0;      // mean over samples (NaN when the model has no loss)
+  // The task loss, mean over samples (NaN when the model has no loss): the train block's loss
+  // without the balancing losses of MoE layers (kiln.train's aux_losses), which `balancing` holds.
+  double loss = 0;
   double auc = 0;       // ROC AUC of sigmoid(prediction) against the labels (the first task's)
   double accuracy = 0;  // at threshold 0.5 (the first task's)
   // A label of k > 1 columns (f32[B, k]) and a prediction of as many: each task's metrics.
@@ -53,6 +55,9 @@ struct EvalResult {
   // The model's own batch metrics (statistics named metric.<name>, e.g. in_batch_recall's
   // metric.recall@10), averaged over samples: (name, mean), in the model's order.
   std::vector<std::pair<std::string, double>> metrics;
+  // The balancing losses (a MoE layer's NAME.aux_loss, NAME.seq_aux_loss, NAME.z_loss: each with
+  // its coefficient applied) averaged over samples: (name, mean), in kiln.train's order.
+  std::vector<std::pair<std::string, double>> balancing;
 };
 
 // The statistics a model reports as batch metrics: "metric.<name>"; the name, or empty.
