@@ -74,10 +74,11 @@ ModelServer::~ModelServer() {
   if (watcher_.joinable()) watcher_.join();
 }
 
-InferOutcome ModelServer::infer(data::Batch samples) {
+InferOutcome ModelServer::infer(data::Batch samples, int64_t version) {
   if (stopping_) return {503, "the server is shutting down", {}, 0};
   auto p = std::make_unique<Pending>();
   p->samples = std::move(samples);
+  p->version = version;
   p->enqueued = Clock::now();
   p->deadline = p->enqueued + std::chrono::milliseconds(options_.request_timeout_ms);
   std::future<InferOutcome> done = p->done.get_future();
@@ -201,6 +202,7 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
 
   Expected<driver::StepOutputs> out = Status::error("not run");
   int64_t version = 0;
+  auto inputs_done = started;
   {
     std::shared_lock<std::shared_mutex> lock(version_mu_);
     version = store_->version();
@@ -208,29 +210,59 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
                                     [&](size_t t, std::span<const int64_t> ids, float* dst) {
                                       return store_->lookup(store_index_[t], ids, dst);
                                     });
+    inputs_done = Clock::now();
     out = rows ? session.forwardWithRows(merged, *rows) : Expected<driver::StepOutputs>(rows.status());
   }
+  const auto infer_done = Clock::now();
   const size_t expected = static_cast<size_t>(merged.size) * tasks_;
   if (out && out->logits.size() != expected)
     out = Status::errorf("the model gave {} scores for {} samples of {} task(s)", out->logits.size(),
                          merged.size, tasks_);
   ++batches_;
   samples_ += static_cast<uint64_t>(samples);
+  std::vector<InferOutcome> outcomes(batch.size());
   size_t offset = 0;
-  for (const auto& p : batch) {
-    InferOutcome o;
+  for (size_t k = 0; k < batch.size(); ++k) {
+    const Pending& p = *batch[k];
+    InferOutcome& o = outcomes[k];
+    const size_t n = static_cast<size_t>(p.samples.size) * tasks_;
     if (!out) {
       o.status = 500;
       o.error = out.status().message();
+    } else if (p.version >= 0 && p.version != version) {
+      // The request named the version served when it arrived; an update came before its batch.
+      o.status = 404;
+      o.error =
+          fmt::format("model '{}' version {} is no longer served: an update replaced it with version {}",
+                      modelName(), p.version, version);
     } else {
-      const size_t n = static_cast<size_t>(p->samples.size) * tasks_;
       o.scores.resize(n);
       for (size_t i = 0; i < n; ++i) o.scores[i] = clickProbability(out->logits[offset + i]);
-      offset += n;
       o.version = version;
     }
-    p->done.set_value(std::move(o));
+    offset += n;
   }
+  const auto output_done = Clock::now();
+  if (out) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    ++stats_.execution_count;
+    stats_.last_inference_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count();
+    InferenceStats::Batch& b = stats_.batches[samples];
+    b.compute_input.add(inputs_done - started);
+    b.compute_infer.add(infer_done - inputs_done);
+    b.compute_output.add(output_done - infer_done);
+    for (size_t k = 0; k < batch.size(); ++k) {
+      if (outcomes[k].status != 200) continue;
+      stats_.inference_count += static_cast<uint64_t>(batch[k]->samples.size);
+      stats_.queue.add(started - batch[k]->enqueued);
+      stats_.compute_input.add(inputs_done - started);
+      stats_.compute_infer.add(infer_done - inputs_done);
+      stats_.compute_output.add(output_done - infer_done);
+    }
+  }
+  for (size_t k = 0; k < batch.size(); ++k) batch[k]->done.set_value(std::move(outcomes[k]));
 }
 
 Status ModelServer::applyUpdate(const serving::ModelUpdate& u) {
@@ -316,6 +348,16 @@ void ModelServer::noteRequest(int status, double seconds) {
   latency_.observe(seconds);
   std::lock_guard<std::mutex> lock(metrics_mu_);
   ++requests_by_status_[status];
+}
+
+void ModelServer::noteInference(bool success, std::chrono::nanoseconds took) {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  (success ? stats_.success : stats_.fail).add(took);
+}
+
+InferenceStats ModelServer::inferenceStats() const {
+  std::lock_guard<std::mutex> lock(stats_mu_);
+  return stats_;
 }
 
 std::string ModelServer::metricsText() const {

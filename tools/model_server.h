@@ -5,12 +5,14 @@
 // applied between batches, and the Prometheus metrics.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -67,6 +69,31 @@ struct InferOutcome {
   int64_t version = 0;        // the model version that computed them
 };
 
+// The statistics extension of the protocol (Triton's meaning), since the server started: each
+// request counted once, with its batch's durations; every version served counted together.
+struct InferenceStats {
+  struct Duration {
+    uint64_t count = 0;
+    uint64_t ns = 0;
+    void add(std::chrono::nanoseconds d) {
+      ++count;
+      ns += static_cast<uint64_t>(std::max<int64_t>(d.count(), 0));
+    }
+  };
+  struct Batch {
+    Duration compute_input, compute_infer, compute_output;
+  };
+  uint64_t inference_count = 0;      // samples scored (padding not counted)
+  uint64_t execution_count = 0;      // batches computed
+  int64_t last_inference_ms = 0;     // since the epoch, of the last batch computed; 0: none yet
+  Duration success, fail;            // infer requests answered 200 / otherwise, body read to answer
+  Duration queue;                    // enqueued to the start of their batch
+  Duration compute_input;            // merging the batch and gathering its embedding rows
+  Duration compute_infer;            // the model's forward pass
+  Duration compute_output;           // scores to each request
+  std::map<int64_t, Batch> batches;  // by samples in the batch; count: batches of that size
+};
+
 class ModelServer {
  public:
   // `sessions`: one per instance, opened with driver::SessionOptions::external_tables; `store` holds
@@ -81,11 +108,13 @@ class ModelServer {
   size_t tasks() const { return tasks_; }
   int64_t version() const { return store_->version(); }
   const ServeOptions& options() const { return options_; }
+  size_t instances() const { return sessions_.size(); }
   bool ready() const { return !draining_.load() && !stopping_.load(); }
 
   // Queues one request's samples (validated: every input of spec() but the label, at most
-  // max_batch samples) and waits for its scores.
-  InferOutcome infer(data::Batch samples);
+  // max_batch samples) and waits for its scores. `version` >= 0: the request names that version,
+  // and scores computed at another (an update applied meanwhile) are refused with 404.
+  InferOutcome infer(data::Batch samples, int64_t version = -1);
 
   // Applies the update files of the watched folder newer than the served version; returns how
   // many were applied. The watcher thread calls it every poll_ms; tests call it directly.
@@ -93,7 +122,11 @@ class ModelServer {
 
   // Counts an answered request (any status) and its latency.
   void noteRequest(int status, double seconds);
+  // Counts an infer request of this model (its name and version resolved) as a success (200) or a
+  // failure, for the statistics.
+  void noteInference(bool success, std::chrono::nanoseconds took);
   std::string metricsText() const;
+  InferenceStats inferenceStats() const;
 
   // Shutting down: readiness turns false (so load balancers move away) while requests are still
   // taken and answered; the HTTP layer stops accepting connections meanwhile.
@@ -104,6 +137,7 @@ class ModelServer {
     data::Batch samples;
     std::chrono::steady_clock::time_point enqueued, deadline;
     std::promise<InferOutcome> done;
+    int64_t version = -1;  // the one the request names, if any
   };
   ModelServer() = default;
   void instanceLoop(size_t instance);
@@ -143,6 +177,8 @@ class ModelServer {
   std::atomic<uint64_t> samples_{0}, batches_{0}, updates_applied_{0}, update_errors_{0};
   std::atomic<double> update_lag_seconds_{0};
   std::string last_update_error_;
+  mutable std::mutex stats_mu_;
+  InferenceStats stats_;
 };
 
 }  // namespace kiln::cli

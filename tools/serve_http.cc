@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "runtime/json.h"
 #include "tools/cli.h"
@@ -68,6 +69,117 @@ Json error(const std::string& message) { return Json{{"error", message}}; }
 // JSON text of a reply. A message may quote the request's bytes (a JSON syntax error quotes what
 // it read): bytes that are not UTF-8 become U+FFFD rather than an exception (a 500).
 std::string replyText(const Json& body) { return body.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+// A model version as a path names it: a whole number (Triton's are int64), leading zeros allowed.
+std::optional<int64_t> parseVersion(const std::string& text) {
+  if (text.empty() || text.size() > 18) return std::nullopt;
+  int64_t v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    v = v * 10 + (c - '0');
+  }
+  return v;
+}
+
+// The body of a repository request: empty (tritonclient sends none to the index) or an object.
+Expected<Json> optionalObject(const std::string& body) {
+  if (body.empty()) return Json::object();
+  KILN_ASSIGN_OR_RETURN(Json j, json::parse(body));
+  if (!j.is_object()) return Status::error("the request body must be a JSON object");
+  return j;
+}
+
+Json metadataBody(const ModelServer& server) {
+  Json inputs = Json::array();
+  for (const data::InputSpec& in : server.spec().inputs) {
+    std::vector<int64_t> shape = expectedShape(in, -1, -1);
+    Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
+    if (in.role == data::InputRole::Label) one["optional"] = true;
+    if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
+    inputs.push_back(std::move(one));
+  }
+  std::vector<int64_t> out_shape{-1};
+  if (server.tasks() > 1) out_shape.push_back(static_cast<int64_t>(server.tasks()));
+  return Json{
+      {"name", server.modelName()},
+      {"versions", Json::array({std::to_string(server.version())})},
+      {"platform", "kiln"},
+      {"max_batch_size", server.options().max_batch},
+      {"inputs", inputs},
+      {"outputs", Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", out_shape}}})}};
+}
+
+// The model configuration extension: the metadata in the form of Triton's model config, where
+// dims leave out the batch dim, a [batch] tensor is dims [1] reshaped to [], and the flat ids of a
+// variable-length feature are a ragged batch.
+Json configBody(const ModelServer& server) {
+  auto configType = [](ir::DType t) {
+    return t == ir::DType::f32 ? "TYPE_FP32" : t == ir::DType::i32 ? "TYPE_INT32" : "TYPE_INT64";
+  };
+  auto perSample = [](Json& one, std::vector<int64_t> dims) {
+    if (dims.empty()) {
+      one["dims"] = std::vector<int64_t>{1};
+      one["reshape"] = Json{{"shape", Json::array()}};
+    } else {
+      one["dims"] = dims;
+    }
+  };
+  Json inputs = Json::array();
+  for (const data::InputSpec& in : server.spec().inputs) {
+    Json one{{"name", in.name}, {"data_type", configType(in.type.dtype())}};
+    if (liesFlat(in)) {
+      one["dims"] = std::vector<int64_t>{-1};
+      one["allow_ragged_batch"] = true;
+    } else {
+      std::vector<int64_t> shape = expectedShape(in, -1, -1);
+      perSample(one, std::vector<int64_t>(shape.begin() + 1, shape.end()));
+    }
+    if (in.role == data::InputRole::Label) one["optional"] = true;
+    inputs.push_back(std::move(one));
+  }
+  Json output{{"name", "score"}, {"data_type", "TYPE_FP32"}};
+  perSample(output, server.tasks() > 1 ? std::vector<int64_t>{static_cast<int64_t>(server.tasks())}
+                                       : std::vector<int64_t>{});
+  const ServeOptions& o = server.options();
+  return Json{{"name", server.modelName()},
+              {"platform", "kiln"},
+              {"max_batch_size", o.max_batch},
+              {"input", inputs},
+              {"output", Json::array({output})},
+              {"dynamic_batching", Json{{"preferred_batch_size", o.preferred_batch_sizes},
+                                        {"max_queue_delay_microseconds", o.max_queue_delay_us}}},
+              {"instance_group", Json::array({Json{{"count", server.instances()}}})}};
+}
+
+// The statistics extension: one entry, the served model at its served version.
+Json statisticsBody(const ModelServer& server) {
+  const InferenceStats s = server.inferenceStats();
+  auto duration = [](const InferenceStats::Duration& d) { return Json{{"count", d.count}, {"ns", d.ns}}; };
+  Json batches = Json::array();
+  for (const auto& [size, b] : s.batches)
+    batches.push_back(Json{{"batch_size", size},
+                           {"compute_input", duration(b.compute_input)},
+                           {"compute_infer", duration(b.compute_infer)},
+                           {"compute_output", duration(b.compute_output)}});
+  // No response cache: its hits and misses are none, listed as Triton lists them.
+  const Json stats{{"success", duration(s.success)},
+                   {"fail", duration(s.fail)},
+                   {"queue", duration(s.queue)},
+                   {"compute_input", duration(s.compute_input)},
+                   {"compute_infer", duration(s.compute_infer)},
+                   {"compute_output", duration(s.compute_output)},
+                   {"cache_hit", duration({})},
+                   {"cache_miss", duration({})}};
+  const Json model{{"name", server.modelName()},
+                   {"version", std::to_string(server.version())},
+                   {"last_inference", s.last_inference_ms},
+                   {"inference_count", s.inference_count},
+                   {"execution_count", s.execution_count},
+                   {"inference_stats", stats},
+                   {"batch_stats", batches},
+                   {"memory_usage", Json::array()}};
+  return Json{{"model_stats", Json::array({model})}};
+}
 
 // The range of values a request's integer `datatype` holds (as doubles: exact at these bounds).
 bool inDatatypeRange(const std::string& datatype, double v, double& lo, double& hi) {
@@ -440,11 +552,36 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     res.set_content(replyText(body), "application/json");
   };
   const std::string model = server_.modelName();
-  auto knownModel = [this, model, reply](const httplib::Request& req, httplib::Response& res) {
+  // The model a path names (matches[1]) and, in a /versions/V path, its version (matches[2]) must
+  // be the served ones; otherwise the answer says why (404, or 400 for a version not a number).
+  // `version`: the one named, or -1.
+  auto resolve = [this, model, reply](const httplib::Request& req, httplib::Response& res, int64_t& version) {
+    version = -1;
     const std::string name = req.matches[1];
-    if (name == model) return true;
-    reply(res, 404, error(fmt::format("unknown model '{}'; this server serves '{}'", name, model)));
-    return false;
+    if (name != model) {
+      reply(res, 404, error(fmt::format("unknown model '{}'; this server serves '{}'", name, model)));
+      return false;
+    }
+    if (req.matches.size() < 3 || !req.matches[2].matched) return true;
+    const std::string asked = req.matches[2];
+    const std::optional<int64_t> v = parseVersion(asked);
+    if (!v) {
+      reply(res, 400, error(fmt::format("model version '{}' is not a whole number", asked)));
+      return false;
+    }
+    const int64_t served = server_.version();
+    if (*v != served) {
+      reply(res, 404,
+            error(fmt::format("model '{}' has no version '{}'; this server serves version {}", model, asked,
+                              served)));
+      return false;
+    }
+    version = *v;
+    return true;
+  };
+  // Every model route takes an optional /versions/V after the name.
+  auto modelPath = [](const char* rest) {
+    return fmt::format(R"(/v2/models/([^/]+)(?:/versions/([^/]+))?{})", rest);
   };
 
   h.Get("/v2/health/live", [reply](const httplib::Request&, httplib::Response& res) {
@@ -454,46 +591,43 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     reply(res, server_.ready() ? 200 : 503, Json{{"ready", server_.ready()}});
   });
   h.Get("/v2", [this, reply](const httplib::Request&, httplib::Response& res) {
-    reply(res, 200, Json{{"name", "kiln"}, {"version", options_.version}, {"extensions", Json::array()}});
+    reply(res, 200,
+          Json{{"name", "kiln"},
+               {"version", options_.version},
+               {"extensions", Json::array({"model_repository", "model_configuration", "statistics"})}});
   });
-  h.Get(R"(/v2/models/([^/]+)/ready)", [this, reply, knownModel](const httplib::Request& req,
-                                                                 httplib::Response& res) {
-    if (!knownModel(req, res)) return;
+  // Before the metadata route, which would take "stats" for a model name.
+  h.Get("/v2/models/stats", [this, reply](const httplib::Request&, httplib::Response& res) {
+    reply(res, 200, statisticsBody(server_));
+  });
+  h.Get(modelPath("/stats"), [this, reply, resolve](const httplib::Request& req, httplib::Response& res) {
+    int64_t version;
+    if (resolve(req, res, version)) reply(res, 200, statisticsBody(server_));
+  });
+  h.Get(modelPath("/ready"), [this, reply, resolve](const httplib::Request& req, httplib::Response& res) {
+    int64_t version;
+    if (!resolve(req, res, version)) return;
     reply(res, server_.ready() ? 200 : 503, Json{{"name", server_.modelName()}, {"ready", server_.ready()}});
   });
-  h.Get(R"(/v2/models/([^/]+))",
-        [this, reply, knownModel](const httplib::Request& req, httplib::Response& res) {
-          if (!knownModel(req, res)) return;
-          const data::BatchSpec& spec = server_.spec();
-          Json inputs = Json::array();
-          for (const data::InputSpec& in : spec.inputs) {
-            std::vector<int64_t> shape = expectedShape(in, -1, -1);
-            Json one{{"name", in.name}, {"datatype", datatypeOf(in.type.dtype())}, {"shape", shape}};
-            if (in.role == data::InputRole::Label) one["optional"] = true;
-            if (in.role == data::InputRole::Sparse) one["rows"] = in.rows;
-            inputs.push_back(std::move(one));
-          }
-          std::vector<int64_t> out_shape{-1};
-          if (server_.tasks() > 1) out_shape.push_back(static_cast<int64_t>(server_.tasks()));
-          reply(res, 200,
-                Json{{"name", server_.modelName()},
-                     {"versions", Json::array({std::to_string(server_.version())})},
-                     {"platform", "kiln"},
-                     {"max_batch_size", server_.options().max_batch},
-                     {"inputs", inputs},
-                     {"outputs",
-                      Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", out_shape}}})}});
-        });
-  h.Post(R"(/v2/models/([^/]+)/infer)", [this, reply, knownModel](const httplib::Request& req,
-                                                                  httplib::Response& res) {
+  h.Get(modelPath("/config"), [this, reply, resolve](const httplib::Request& req, httplib::Response& res) {
+    int64_t version;
+    if (resolve(req, res, version)) reply(res, 200, configBody(server_));
+  });
+  h.Get(modelPath(""), [this, reply, resolve](const httplib::Request& req, httplib::Response& res) {
+    int64_t version;
+    if (resolve(req, res, version)) reply(res, 200, metadataBody(server_));
+  });
+  h.Post(modelPath("/infer"), [this, reply, resolve](const httplib::Request& req, httplib::Response& res) {
     const auto start = std::chrono::steady_clock::now();
     auto finish = [&](int status, const Json& body) {
       reply(res, status, body);
-      server_.noteRequest(status,
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      const auto took = std::chrono::steady_clock::now() - start;
+      server_.noteRequest(status, std::chrono::duration<double>(took).count());
+      server_.noteInference(status == 200, std::chrono::duration_cast<std::chrono::nanoseconds>(took));
     };
-    if (!knownModel(req, res)) {
-      server_.noteRequest(404, 0);
+    int64_t version;
+    if (!resolve(req, res, version)) {
+      server_.noteRequest(res.status, 0);
       return;
     }
     if (req.has_header("Inference-Header-Content-Length"))
@@ -503,7 +637,7 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     auto batch = parseInferRequest(req.body, server_.spec(), server_.options().max_batch, &id);
     if (!batch) return finish(400, error(batch.status().message()));
     const int64_t n = batch->size;
-    InferOutcome out = server_.infer(batch.take());
+    InferOutcome out = server_.infer(batch.take(), version);
     if (out.status != 200) return finish(out.status, error(out.error));
     std::vector<int64_t> shape{n};
     if (server_.tasks() > 1) shape.push_back(static_cast<int64_t>(server_.tasks()));
@@ -513,18 +647,74 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
         Json::array({Json{{"name", "score"}, {"datatype", "FP32"}, {"shape", shape}, {"data", out.scores}}});
     finish(200, body);
   });
+  // The model repository extension: the one model, fixed at start, is listed and stays loaded.
+  h.Post("/v2/repository/index", [this, reply](const httplib::Request& req, httplib::Response& res) {
+    auto body = optionalObject(req.body);
+    if (!body) return reply(res, 400, error(body.status().message()));
+    bool ready_only = false;
+    if (auto it = body->find("ready"); it != body->end()) {
+      if (!it->is_boolean()) return reply(res, 400, error("\"ready\" must be true or false"));
+      ready_only = it->get<bool>();
+    }
+    const bool ready = server_.ready();
+    Json models = Json::array();
+    if (ready || !ready_only) {
+      Json one{{"name", server_.modelName()},
+               {"version", std::to_string(server_.version())},
+               {"state", ready ? "READY" : "UNAVAILABLE"}};
+      if (!ready) one["reason"] = "the server is shutting down";
+      models.push_back(std::move(one));
+    }
+    reply(res, 200, models);
+  });
+  h.Post(R"(/v2/repository/models/([^/]+)/load)",
+         [this, model, reply](const httplib::Request& req, httplib::Response& res) {
+           const std::string name = req.matches[1];
+           if (name != model)
+             return reply(res, 404,
+                          error(fmt::format("kiln serve serves one model, fixed at start ('{}'): it cannot "
+                                            "load '{}'",
+                                            model, name)));
+           auto body = optionalObject(req.body);
+           if (!body) return reply(res, 400, error(body.status().message()));
+           // A config or files to load from: the model was compiled at start and is not reloaded.
+           if (auto it = body->find("parameters"); it != body->end() && !(it->is_object() && it->empty()))
+             return reply(res, 501,
+                          error(fmt::format("kiln serve cannot reload '{}' with parameters (a config or "
+                                            "files): restart it with the new model or checkpoint",
+                                            model)));
+           if (!server_.ready()) return reply(res, 503, error("the server is shutting down"));
+           // Loaded since start: loading it again leaves it as it is.
+           reply(res, 200, Json::object());
+         });
+  h.Post(R"(/v2/repository/models/([^/]+)/unload)", [model, reply](const httplib::Request& req,
+                                                                   httplib::Response& res) {
+    const std::string name = req.matches[1];
+    if (name != model)
+      return reply(res, 404, error(fmt::format("unknown model '{}'; this server serves '{}'", name, model)));
+    reply(res, 501,
+          error(fmt::format("kiln serve serves '{}' until it exits: it cannot unload it (stop the "
+                            "server with SIGTERM instead)",
+                            model)));
+  });
   h.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(server_.metricsText(), "text/plain; version=0.0.4");
   });
   h.set_exception_handler([reply](const httplib::Request&, httplib::Response& res, std::exception_ptr e) {
     reply(res, 500, error(uncaughtExceptionMessage(e)));
   });
-  h.set_error_handler([reply](const httplib::Request&, httplib::Response& res) {
+  h.set_error_handler([reply](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
-    const char* why = res.status == 413   ? "the request body is over --max-request-bytes"
-                      : res.status == 404 ? "no such endpoint"
+    // A client of the protocol may call extensions kiln serve lacks (trace, logging, shared memory):
+    // the message says which call and where the implemented ones are listed.
+    std::string why = res.status == 413   ? "the request body is over --max-request-bytes"
                       : res.status >= 500 ? "internal error"
                                           : "bad request";
+    if (res.status == 404) {
+      why = fmt::format("no such endpoint: {} {}", req.method, req.path);
+      if (req.path.rfind("/v2/", 0) == 0)
+        why += " (GET /v2 lists the protocol extensions kiln serve implements)";
+    }
     reply(res, res.status, error(why));
   });
 }
