@@ -10,6 +10,7 @@ PACKAGES=(
   libfmt-dev                       # formatting (fmt)
   libgtest-dev libgmock-dev        # GoogleTest
   llvm-14-tools python3            # FileCheck and lit, for the IR tests
+  python3-venv                     # the venv of the tritonclient test (tests/cli/serve_tritonclient_test.py)
   libdnnl-dev                      # oneDNN: the CPU GEMMs (docs/dependencies.md)
   nlohmann-json3-dev               # JSON: safetensors headers (untrusted input), metrics lines
   clang-14 libclang-rt-14-dev      # libFuzzer for the fuzz tests (tests/fuzz)

@@ -3,7 +3,9 @@
 
 A small DLRM trains 10 steps (checkpoint C10, update file of step 10) and 10 more (checkpoint
 C20, update of step 20). Then:
-- every endpoint of the protocol answers; /metrics has the counters;
+- every endpoint of the protocol answers; /metrics has the counters; versioned paths, the
+  repository, model configuration and statistics extensions answer as the protocol says, and what
+  a server of one fixed model cannot do (load with a config, unload) gets the error form;
 - concurrent clients each get their own samples' scores, equal bit for bit to `kiln predict` on
   the same checkpoint, and requests really merge into batches;
 - a server whose tables sit in RocksDB behind a 1% cache and a 2% host tier (LFU) gives the same
@@ -140,6 +142,104 @@ def concurrent(server, bodies, clients):
     return out
 
 
+def check_extensions(s, bodies, expected, answered, samples):
+    """The protocol's calls beyond live/ready/metadata/infer, over plain HTTP: versioned paths, the
+    repository, model configuration and statistics extensions, and the error form of what a server
+    of one model fixed at start cannot do. `answered` requests of `samples` samples in all were
+    scored before, none failed."""
+
+    def get(method, path, want, body=None):
+        status, data = s.request(method, path, body)
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            fail(f"{method} {path}: {status} with a body that is not JSON: {data[:300]!r}")
+        if status != want:
+            fail(f"{method} {path}: {status}, expected {want}: {doc}")
+        if want != 200:
+            if not isinstance(doc, dict) or not isinstance(doc.get("error"), str):
+                fail(f"{method} {path}: {status} without the protocol's {{\"error\": ...}}: {doc}")
+            print(f"{method} {path}: {status} {doc['error']}")
+        return doc
+
+    v2 = get("GET", "/v2", 200)
+    for ext in ("model_repository", "model_configuration", "statistics"):
+        if ext not in v2["extensions"]:
+            fail(f"GET /v2 does not list the {ext} extension: {v2}")
+    # Versioned paths: the served version answers as the unversioned path does; another is a 404.
+    meta = get("GET", f"/v2/models/{MODEL}", 200)
+    if get("GET", f"/v2/models/{MODEL}/versions/10", 200) != meta:
+        fail("the metadata of /versions/10 differs from the model's")
+    get("GET", f"/v2/models/{MODEL}/versions/10/ready", 200)
+    get("GET", f"/v2/models/{MODEL}/versions/11", 404)
+    get("GET", f"/v2/models/{MODEL}/versions/9/ready", 404)
+    get("GET", f"/v2/models/{MODEL}/versions/ten", 400)
+    get("GET", f"/v2/models/nope/versions/10", 404)
+    # The model configuration extension.
+    config = get("GET", f"/v2/models/{MODEL}/config", 200)
+    if get("GET", f"/v2/models/{MODEL}/versions/10/config", 200) != config:
+        fail("the config of /versions/10 differs from the model's")
+    inputs = {i["name"]: i for i in config["input"]}
+    if (config["name"] != MODEL or config["max_batch_size"] != 64 or set(inputs) != {i["name"] for i in meta["inputs"]}
+            or inputs["dense"] != {"name": "dense", "data_type": "TYPE_FP32", "dims": [13]}
+            or inputs["cats.0"]["data_type"] != "TYPE_INT64" or not inputs["label"].get("optional")
+            or [o["name"] for o in config["output"]] != ["score"]
+            or config["dynamic_batching"]["max_queue_delay_microseconds"] != 20000
+            or config["instance_group"] != [{"count": 2}]):
+        fail(f"model config: {config}")
+    get("GET", "/v2/models/nope/config", 404)
+    get("GET", f"/v2/models/{MODEL}/versions/11/config", 404)
+    # The repository: the one model, ready; loading it again leaves it loaded; nothing else loads or
+    # unloads.
+    want_index = [{"name": MODEL, "version": "10", "state": "READY"}]
+    for body in (None, b"{}", b'{"ready": true}'):
+        if get("POST", "/v2/repository/index", 200, body) != want_index:
+            fail(f"repository index ({body}): not {want_index}")
+    get("POST", "/v2/repository/index", 400, b"{not json")
+    get("POST", "/v2/repository/index", 400, b'{"ready": "yes"}')
+    get("POST", f"/v2/repository/models/{MODEL}/load", 200, b"{}")
+    get("POST", f"/v2/repository/models/{MODEL}/load", 501, b'{"parameters": {"config": "{}"}}')
+    get("POST", "/v2/repository/models/nope/load", 404, b"{}")
+    get("POST", f"/v2/repository/models/{MODEL}/unload", 501, b'{"parameters": {"unload_dependents": false}}')
+    get("POST", "/v2/repository/models/nope/unload", 404)
+    get("GET", "/v2/repository/index", 404)
+    get("GET", f"/v2/models/{MODEL}/versions/10/nothing", 404)
+    # Statistics: what was scored so far, then one more request at the versioned path.
+    stats = get("GET", f"/v2/models/{MODEL}/stats", 200)
+    if get("GET", "/v2/models/stats", 200)["model_stats"][0]["inference_count"] != samples:
+        fail("the statistics of all models differ from the model's")
+    (m,) = stats["model_stats"]
+    inf = m["inference_stats"]
+    if (m["name"] != MODEL or m["version"] != "10" or m["inference_count"] != samples
+            or inf["success"]["count"] != answered or inf["fail"]["count"] != 0
+            or inf["queue"]["count"] != answered or inf["compute_infer"]["count"] != answered
+            or not 0 < m["execution_count"] < answered
+            or sum(b["compute_infer"]["count"] for b in m["batch_stats"]) != m["execution_count"]
+            or sum(b["batch_size"] * b["compute_infer"]["count"] for b in m["batch_stats"]) != samples
+            or inf["success"]["ns"] <= 0 or inf["compute_infer"]["ns"] <= 0
+            or abs(m["last_inference"] / 1000 - time.time()) > 600):
+        fail(f"statistics after {answered} requests of {samples} samples: {m}")
+    if s.metrics()["kiln_batches_total"] != m["execution_count"]:
+        fail("execution_count is not kiln_batches_total")
+    status, body = s.infer(bodies[7], f"{MODEL}/versions/10")
+    if status != 200 or body["model_version"] != "10" or f32(body["outputs"][0]["data"][0]) != expected[10][7]:
+        fail(f"infer at /versions/10: {status} {body}")
+    status, body = s.infer(bodies[7], f"{MODEL}/versions/20")
+    if status != 404 or "version" not in body.get("error", ""):
+        fail(f"infer at /versions/20: {status} {body}, expected 404 naming the version")
+    status, body = s.infer("{not json")
+    if status != 400:
+        fail(f"a bad request: {status}")
+    (after,) = get("GET", f"/v2/models/{MODEL}/versions/10/stats", 200)["model_stats"]
+    if (after["inference_count"] != samples + 1 or after["inference_stats"]["success"]["count"] != answered + 1
+            or after["inference_stats"]["fail"]["count"] != 1 or after["execution_count"] != m["execution_count"] + 1
+            or after["last_inference"] < m["last_inference"]):
+        fail(f"statistics after one more request and a bad one: {after}")
+    get("GET", "/v2/models/nope/stats", 404)
+    get("GET", f"/v2/models/{MODEL}/versions/11/stats", 404)
+    print("protocol extensions: versioned paths, config, repository and statistics answer as specified")
+
+
 def main():
     kiln, models, work = sys.argv[1:4]
     model = os.path.join(models, "dlrm.kiln")
@@ -196,6 +296,7 @@ def main():
     status, body = s.infer(json.dumps(multi))
     if status != 200 or body.get("id") != "four" or [f32(x) for x in body["outputs"][0]["data"]] != expected[10][:4]:
         fail(f"a 4-sample request: {status} {body}")
+    check_extensions(s, bodies, expected, len(bodies) + 1, len(bodies) + 4)
 
     def bad(name, body, want, model=MODEL):
         status, resp = s.infer(body, model)
@@ -304,8 +405,10 @@ def main():
     cache_rate, host_rate = (m['kiln_embedding_hit_rate{tier="%s"}' % t] for t in ("cache", "host"))
     print(f"tiers: hit rates cache {cache_rate:.3f} host {host_rate:.3f}, {persistent_hits:.0f} rows from RocksDB")
     # Publish step 20 while clients run: each answer equals predict at the version it names.
+    # A fifth client names version 10 in its path: it gets version 10's scores or 404, never 20's.
     stop = threading.Event()
     seen = []
+    pinned = []
 
     def client(k):
         i = k
@@ -314,7 +417,14 @@ def main():
             seen.append((i % len(bodies), status, body))
             i += 4
 
+    def pinned_client():
+        i = 0
+        while not stop.is_set():
+            pinned.append((i % len(bodies),) + s.infer(bodies[i % len(bodies)], f"{MODEL}/versions/10"))
+            i += 1
+
     threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    threads.append(threading.Thread(target=pinned_client))
     for t in threads:
         t.start()
     time.sleep(0.2)
@@ -357,6 +467,16 @@ def main():
         fail("the store server did not exit 0")
     print(f"updates: {len(seen)} answers during the switch, {versions.count(10)} at version 10, "
           f"{versions.count(20)} at version 20, each equal to predict of its version")
+    for i, status, body in pinned:
+        if status == 404 and "version" in (body or {}).get("error", ""):
+            continue
+        if status == 200 and body["model_version"] != "10":
+            fail(f"a request at /versions/10 was scored at version {body['model_version']}")
+        check_scores({i: (status, body)}, {10: expected[10]}, "a request at /versions/10 during the update")
+    if not pinned or pinned[-1][1] != 404:
+        fail(f"requests at /versions/10 after the update to 20 are not refused: {pinned[-1:]}")
+    print(f"updates: {sum(1 for p in pinned if p[1] == 200)} requests at /versions/10 scored at 10, "
+          f"{sum(1 for p in pinned if p[1] == 404)} refused with 404")
     # The store now holds version 20: it serves checkpoint 20 and refuses checkpoint 10.
     s = Server(kiln, model, ["--checkpoint", ckpt, "--store", store, "--cache-fraction", "0.01",
                              "--host-fraction", "0.02"])
