@@ -136,19 +136,10 @@ Expected<std::unique_ptr<ir::Module>> compileModelModule(const SessionOptions& o
       pm.addPipeline(passes::defaultPipeline(options.training, options.memory_budget, shard)));
   KILN_RETURN_IF_ERROR(pm.build());
   KILN_RETURN_IF_ERROR(pm.run(m));
-  if (auto it = m.attrs().find("kiln.remat"); it != m.attrs().end() && it->second.isDict()) {
-    // The peak of the step as it will run, after the passes that follow remat (fusion and the
-    // schedule change it): the number `kiln dump --stats` prints, not remat's own estimate.
-    const int64_t budget = it->second.asDict().at("budget_bytes").asInt();
-    if (const ir::Function* ts = m.lookup("train_step")) {
-      KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*ts, options.batch));
-      if (peak > budget)
-        diag << fmt::format(
-            "warning: --memory-budget {}: recomputation gets the training step's planned peak down to "
-            "{} bytes, not to the budget of {} bytes\n",
-            options.memory_budget, peak, budget);
-    }
-  }
+  // The peak of the step as it will run, after the passes that follow remat (fusion and the
+  // schedule change it): the number `kiln dump --stats` prints, not remat's own estimate.
+  KILN_ASSIGN_OR_RETURN(std::string missed, memoryBudgetWarning(m, options.batch, options.memory_budget));
+  diag << missed;
   return owned;
 }
 

@@ -54,6 +54,56 @@ Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch) {
   return program.peak_bytes;
 }
 
+Expected<std::string> memoryBudgetWarning(const ir::Module& m, int64_t batch, std::string_view budget_text) {
+  auto remat = m.attrs().find("kiln.remat");
+  const ir::Function* f = m.lookup("train_step");
+  if (remat == m.attrs().end() || !remat->second.isDict() || !f) return std::string();
+  const int64_t budget = remat->second.asDict().at("budget_bytes").asInt();
+  KILN_ASSIGN_OR_RETURN(auto program, codegen::lowerForCpu(*f, {{"B", batch}}));
+  if (program.peak_bytes <= budget) return std::string();
+  // The instruction where the most arena bytes are live (storage written in place counted
+  // once), and who wrote each buffer.
+  std::map<int, std::string> writer;
+  int last = 0;
+  for (const codegen::Stream& stream : program.streams)
+    for (const codegen::Instruction& in : stream.instrs) {
+      last = std::max(last, in.seq);
+      if (in.kind == codegen::InstrKind::Launch)
+        for (int r : in.results) writer.emplace(r, in.op);
+    }
+  auto liveAt = [&](const codegen::Buffer& b, int t) { return b.first_use <= t && t <= b.last_use; };
+  int peak_at = 0;
+  int64_t peak_live = -1;
+  for (int t = 0; t <= last; ++t) {
+    int64_t live = 0;
+    for (const codegen::Buffer& b : program.buffers)
+      if (b.inArena() && liveAt(b, t) &&
+          !(b.in_place_of >= 0 && liveAt(program.buffers[static_cast<size_t>(b.in_place_of)], t)))
+        live += b.bytes;
+    if (live > peak_live) peak_live = live, peak_at = t;
+  }
+  std::vector<const codegen::Buffer*> there;
+  for (const codegen::Buffer& b : program.buffers)
+    if (b.inArena() && liveAt(b, peak_at)) there.push_back(&b);
+  std::stable_sort(there.begin(), there.end(), [](auto* a, auto* b) { return a->bytes > b->bytes; });
+  std::vector<std::string> largest;
+  for (size_t i = 0; i < there.size() && i < 3; ++i) {
+    const codegen::Buffer& b = *there[i];
+    auto w = writer.find(b.id);
+    largest.push_back(fmt::format("{}{} {}", w == writer.end() ? "an input" : w->second,
+                                  b.name.empty() ? "" : " \"" + b.name + "\"",
+                                  runtime::formatBytes(static_cast<uint64_t>(b.bytes))));
+  }
+  return fmt::format(
+      "warning: --memory-budget {}: recomputation gets the training step's planned peak down to {} bytes, "
+      "not to the budget of {} bytes ({} against {}). At the peak (instruction {} of {}) {} are live, the "
+      "largest: {}; recomputation found nothing there it could free (a backward's temporaries and the "
+      "weights' gradients are not recomputable; a smaller --batch lowers what scales with it)\n",
+      budget_text, program.peak_bytes, budget, runtime::formatBytes(static_cast<uint64_t>(program.peak_bytes)),
+      runtime::formatBytes(static_cast<uint64_t>(budget)), peak_at, last + 1,
+      runtime::formatBytes(static_cast<uint64_t>(peak_live)), fmt::join(largest, ", "));
+}
+
 Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const SessionOptions& options,
                                                     const data::BatchSpec& spec) {
   runtime::MemoryNeed need;

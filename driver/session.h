@@ -98,6 +98,13 @@ struct SessionOptions {
 // activations.
 Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch);
 
+// After a pipeline with remat's budget (`kiln.remat`): "" when @train_step's planned peak at
+// `batch` fits the budget, else the warning every command that takes --memory-budget prints:
+// the peak reached, the budget, where in the step the peak sits and its largest live buffers
+// with the ops that wrote them (what recomputation could not free: a backward's temporaries,
+// parameter-sized gradients).
+Expected<std::string> memoryBudgetWarning(const ir::Module& m, int64_t batch, std::string_view budget_text);
+
 // What a session compiled from `m` allocates, by the compiler's own count: each parameter and
 // optimizer state (from its type), the planned arena of the function it runs (@train_step when
 // training, else @forward), the results copied out of it, the data batches in flight (`spec` at

@@ -6,6 +6,9 @@
 //   - reshape to the same type -> x; reshape(reshape x) -> reshape x;
 //   - transpose(transpose x) -> one transpose (none when the perms cancel), identity perm -> x;
 //   - cast to the operand's own element type -> x;
+//   - a sum of zero pads that tile their result along one axis -> kiln.concat of the padded
+//     values (the gradient of a value split by slices, e.g. SwiGLU's gate and up halves or
+//     attention's q, k, v: one buffer written once instead of a full-size buffer per part);
 //   - kiln.running_stat -> the operand its mode selects (the batch's statistic in training; the
 //     running one in eval, except in a @forward the autodiff pass has yet to differentiate).
 // Pure ops left unused by these rewrites are removed; other dead code is DCE's job.
@@ -172,6 +175,46 @@ Value* foldIdentity(Op* op, const Rewriter& rw) {
   return nullptr;
 }
 
+// A sum (a tree of kiln.add, each inner add read only by the next) of kiln.pad whose padded
+// parts tile the result along one axis, each pad read only by the sum: their concatenation
+// along that axis. Each element of the sum is one part's element plus zeros, so the values are
+// the same bits.
+Value* concatOfPads(Op* root, Rewriter& rw) {
+  const TensorType& type = root->result()->type();
+  std::vector<Op*> pads;
+  std::vector<Op*> stack{root};
+  while (!stack.empty()) {
+    Op* add = stack.back();
+    stack.pop_back();
+    for (Value* v : add->operands()) {
+      Op* def = v->definingOp();
+      if (!def || !(v->type() == type) || v->uses().size() != 1) return nullptr;
+      if (def->is(ir::OpCode::Add))
+        stack.push_back(def);
+      else if (def->is(ir::OpCode::Pad))
+        pads.push_back(def);
+      else
+        return nullptr;
+    }
+  }
+  if (pads.size() < 2) return nullptr;
+  const int64_t axis = pads.front()->intAttr("axis");
+  if (axis < 0 || axis >= type.rank() || !type.dim(axis).isStatic()) return nullptr;
+  std::sort(pads.begin(), pads.end(), [](const Op* a, const Op* b) { return a->intAttr("low") < b->intAttr("low"); });
+  int64_t at = 0;
+  std::vector<Value*> parts;
+  for (const Op* pad : pads) {
+    const ir::Dim& d = pad->operand(0)->type().dim(axis);
+    if (pad->intAttr("axis") != axis || !d.isStatic() || pad->intAttr("low") != at) return nullptr;
+    at += d.size();
+    parts.push_back(pad->operand(0));
+  }
+  if (at != type.dim(axis).size()) return nullptr;
+  auto concat = Op::create(ir::OpCode::Concat, parts, {type}, {{"axis", Attribute(axis)}}, root->location());
+  concat->result()->setNameHint(root->result()->nameHint());
+  return rw.insertBefore(root, std::move(concat))->result();
+}
+
 bool isIdentityPerm(const std::vector<int64_t>& perm) {
   for (size_t i = 0; i < perm.size(); ++i)
     if (perm[i] != static_cast<int64_t>(i)) return false;
@@ -187,6 +230,8 @@ void canonicalizeOp(Op* op, Rewriter& rw) {
     if (Value* c = foldConstant(op, rw)) return rw.replace(op, c);
   }
   if (Value* x = foldIdentity(op, rw)) return rw.replace(op, x);
+  if (op->is(ir::OpCode::Add))
+    if (Value* c = concatOfPads(op, rw)) return rw.replace(op, c);
 
   Value* in = op->numOperands() == 1 ? op->operand(0) : nullptr;
   if (!in) return;

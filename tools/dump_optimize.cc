@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <iostream>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -29,7 +30,13 @@ Status runTrainingPipeline(ir::Module& m, const OptimizeOptions& o, std::string_
                                           ? passes::defaultPipeline(true, o.memory_budget, o.shard)
                                           : passes::pipelineUpTo(true, stop, o.memory_budget, o.shard)));
   auto r = pm.run(m);
-  return r ? Status::ok() : r.status();
+  if (!r) return r.status();
+  // A budget the step misses is said wherever one is asked for, as kiln train says it.
+  if (stop.empty() && !o.memory_budget.empty()) {
+    KILN_ASSIGN_OR_RETURN(std::string missed, driver::memoryBudgetWarning(m, o.batch, o.memory_budget));
+    std::cerr << missed;
+  }
+  return Status::ok();
 }
 
 namespace {

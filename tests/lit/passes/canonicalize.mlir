@@ -157,3 +157,36 @@ func.func @casts(%x: !kiln.tensor<Bxf32>) -> (!kiln.tensor<Bxf32>, !kiln.tensor<
   %i = "kiln.cast"(%c) {to = "i32"} : (!kiln.tensor<4xf32>) -> !kiln.tensor<4xi32>
   return %same, %h, %i : !kiln.tensor<Bxf32>, !kiln.tensor<4xbf16>, !kiln.tensor<4xi32>
 }
+
+// -----
+
+// The gradient of a value split in three by slices (attention's q, k, v; SwiGLU's two halves)
+// arrives as a sum of zero pads that tile it: one concat, written once.
+// CHECK-LABEL: func.func @pads_tiling_to_concat
+// CHECK-NEXT:    %s = "kiln.concat"(%a, %b, %c) {axis = 1} : (!kiln.tensor<Bx2xf32>, !kiln.tensor<Bx3xf32>, !kiln.tensor<Bx1xf32>) -> !kiln.tensor<Bx6xf32>
+// CHECK-NEXT:    return %s
+func.func @pads_tiling_to_concat(%a: !kiln.tensor<Bx2xf32>, %b: !kiln.tensor<Bx3xf32>, %c: !kiln.tensor<Bx1xf32>) -> !kiln.tensor<Bx6xf32> {
+  %pb = "kiln.pad"(%b) {axis = 1, low = 2, high = 1} : (!kiln.tensor<Bx3xf32>) -> !kiln.tensor<Bx6xf32>
+  %pa = "kiln.pad"(%a) {axis = 1, low = 0, high = 4} : (!kiln.tensor<Bx2xf32>) -> !kiln.tensor<Bx6xf32>
+  %pc = "kiln.pad"(%c) {axis = 1, low = 5, high = 0} : (!kiln.tensor<Bx1xf32>) -> !kiln.tensor<Bx6xf32>
+  %t = "kiln.add"(%pb, %pa) : (!kiln.tensor<Bx6xf32>, !kiln.tensor<Bx6xf32>) -> !kiln.tensor<Bx6xf32>
+  %s = "kiln.add"(%t, %pc) : (!kiln.tensor<Bx6xf32>, !kiln.tensor<Bx6xf32>) -> !kiln.tensor<Bx6xf32>
+  return %s : !kiln.tensor<Bx6xf32>
+}
+
+// -----
+
+// Pads that overlap, leave a gap, or are read elsewhere too stay a sum.
+// CHECK-LABEL: func.func @pads_not_tiling
+// CHECK-COUNT-2: "kiln.add"
+// CHECK-NOT:     "kiln.concat"
+// CHECK:         return
+func.func @pads_not_tiling(%a: !kiln.tensor<4x2xf32>, %b: !kiln.tensor<4x3xf32>) -> (!kiln.tensor<4x4xf32>, !kiln.tensor<4x6xf32>, !kiln.tensor<4x6xf32>) {
+  %pa = "kiln.pad"(%a) {axis = 1, low = 0, high = 2} : (!kiln.tensor<4x2xf32>) -> !kiln.tensor<4x4xf32>
+  %pa2 = "kiln.pad"(%a) {axis = 1, low = 1, high = 1} : (!kiln.tensor<4x2xf32>) -> !kiln.tensor<4x4xf32>
+  %overlap = "kiln.add"(%pa, %pa2) : (!kiln.tensor<4x4xf32>, !kiln.tensor<4x4xf32>) -> !kiln.tensor<4x4xf32>
+  %qa = "kiln.pad"(%a) {axis = 1, low = 0, high = 4} : (!kiln.tensor<4x2xf32>) -> !kiln.tensor<4x6xf32>
+  %qb = "kiln.pad"(%b) {axis = 1, low = 3, high = 0} : (!kiln.tensor<4x3xf32>) -> !kiln.tensor<4x6xf32>
+  %gap = "kiln.add"(%qa, %qb) : (!kiln.tensor<4x6xf32>, !kiln.tensor<4x6xf32>) -> !kiln.tensor<4x6xf32>
+  return %overlap, %gap, %qb : !kiln.tensor<4x4xf32>, !kiln.tensor<4x6xf32>, !kiln.tensor<4x6xf32>
+}
