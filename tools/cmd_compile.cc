@@ -22,8 +22,8 @@
 #include "runtime/payload.h"
 #include "tools/cli.h"
 #include "driver/compiled_model.h"
+#include "driver/evaluator.h"
 #include "tools/session_flags.h"
-#include "tools/run_data.h"
 
 namespace kiln::cli {
 namespace {
@@ -52,13 +52,13 @@ Expected<std::string> runnerBeside(const std::string& file) {
 Expected<std::vector<uint8_t>> weightsFor(const std::shared_ptr<const driver::CompiledModel>& compiled,
                                           const driver::SessionOptions& options, const std::string& checkpoint) {
   KILN_ASSIGN_OR_RETURN(auto session, driver::Session::fromCompiled(compiled, options, std::cerr));
-  KILN_RETURN_IF_ERROR(loadCheckpointInto(*session, checkpoint));
+  KILN_RETURN_IF_ERROR(driver::loadCheckpointInto(*session, checkpoint));
   std::vector<std::pair<std::string, ir::TensorView>> tensors;
   for (const std::string& name : session->checkpointNames())
     tensors.emplace_back(name, session->params().find(name)->view);
   // The training step the weights are of: kiln serve reports it as the model's version.
   std::map<std::string, std::string> metadata{{"source", checkpoint}};
-  if (auto file = checkpointFile(checkpoint); file)  // a sharded checkpoint's step is not recorded
+  if (auto file = driver::checkpointFile(checkpoint); file)  // a sharded checkpoint's step is not recorded
     if (auto header = runtime::readCheckpointHeader(*file); header && header->metadata.count("step"))
       metadata["step"] = header->metadata.at("step");
   return runtime::serializeCheckpoint(tensors, metadata);

@@ -9,16 +9,16 @@
 #include <filesystem>
 #include <iostream>
 
+#include "driver/evaluator.h"
 #include "tools/cli.h"
 #include "tools/session_flags.h"
-#include "tools/run_data.h"
 
 namespace kiln::cli {
 namespace {
 
 struct EvalSetup {
   std::unique_ptr<driver::Session> session;
-  EvalDataOptions data;
+  driver::EvalDataOptions data;
 };
 
 // Parses the flags both commands share, compiles the model and loads the checkpoint.
@@ -67,7 +67,7 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
     return kExitError;
   }
   setup.session = session.take();
-  Status st = p.has("checkpoint") ? loadCheckpointInto(*setup.session, p.get("checkpoint")) : Status::ok();
+  Status st = p.has("checkpoint") ? driver::loadCheckpointInto(*setup.session, p.get("checkpoint")) : Status::ok();
   if (!st) {
     printError(command, st);
     return kExitError;
@@ -86,7 +86,7 @@ int runEval(const std::vector<std::string>& args) {
       "layer's balancing losses, which training adds to it, are printed on their own ('moe.0.aux_loss').");
   EvalSetup setup;
   if (int code = setUp("eval", p, args, setup); code >= 0) return code;
-  auto r = evaluateModel(*setup.session, setup.data);
+  auto r = driver::evaluateModel(*setup.session, setup.data);
   if (!r) {
     printError("eval", r.status());
     return kExitError;
@@ -105,7 +105,7 @@ int runEval(const std::vector<std::string>& args) {
   std::printf("loss: %.17g\nauc: %.17g\naccuracy: %.17g\n", r->loss, r->auc, r->accuracy);
   printBalancing();
   for (const auto& [name, value] : r->metrics) std::printf("%s: %.17g\n", name.c_str(), value);
-  for (const TaskResult& t : r->tasks) {
+  for (const driver::TaskResult& t : r->tasks) {
     std::printf("auc.%s: %.17g\naccuracy.%s: %.17g\n", t.name.c_str(), t.auc, t.name.c_str(), t.accuracy);
     if (!std::isnan(t.loss)) std::printf("loss.%s: %.17g\n", t.name.c_str(), t.loss);
   }
@@ -143,7 +143,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
   // The values per line: one score per task, or a prediction's H values per sample (an
   // embedding, a regression's [B, H]); known from the first batch, whose malformed lines the
   // reader reports before the batch is scored, so their warnings wait for it.
-  const size_t tasks = std::max<size_t>(taskNames(setup.session->forwardSpec()).size(), 1);
+  const size_t tasks = std::max<size_t>(driver::taskNames(setup.session->forwardSpec()).size(), 1);
   size_t columns = tasks;
   int64_t unscored = 0;
   std::vector<std::string> waiting;
@@ -180,7 +180,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
     return Status::ok();
   };
   const auto started = std::chrono::steady_clock::now();
-  auto r = evaluateModel(*setup.session, setup.data, write);
+  auto r = driver::evaluateModel(*setup.session, setup.data, write);
   warn();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   if (out != stdout && std::fclose(out) != 0 && r) r = Status::error(fmt::format("cannot write '{}'", out_path));

@@ -1,12 +1,12 @@
 // MoeStatsWindow against numbers worked out by hand: tokens per expert over a window, the
 // dropped fraction, and an expert-parallel layer's tokens per EP rank (issue 15).
-#include "tools/moe_stats.h"
+#include "driver/moe_stats.h"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 
-namespace kiln::cli {
+namespace kiln::driver {
 namespace {
 
 using Stats = std::vector<std::pair<std::string, std::vector<double>>>;
@@ -115,4 +115,4 @@ TEST(MoeStats, NoEpText) {
 }
 
 }  // namespace
-}  // namespace kiln::cli
+}  // namespace kiln::driver

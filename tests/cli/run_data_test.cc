@@ -1,9 +1,9 @@
-// The statistic names shared by `kiln train`'s progress line and evaluation (tools/run_data.h).
-#include "tools/run_data.h"
+// The statistic names shared by `kiln train`'s progress line and evaluation (driver/evaluator.h).
+#include "driver/evaluator.h"
 
 #include <gtest/gtest.h>
 
-namespace kiln::cli {
+namespace kiln::driver {
 namespace {
 
 TEST(TaskLossIndex, ReadsTheTaskOfATaskLossStatistic) {
@@ -18,4 +18,4 @@ TEST(TaskLossIndex, IgnoresEveryOtherName) {
 }
 
 }  // namespace
-}  // namespace kiln::cli
+}  // namespace kiln::driver

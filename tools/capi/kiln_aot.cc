@@ -19,8 +19,8 @@
 #include "runtime/data/sample.h"
 #include "runtime/payload.h"
 #include "driver/compiled_model.h"
+#include "driver/evaluator.h"
 #include "tools/session_flags.h"
-#include "tools/run_data.h"
 
 namespace kiln::cli {
 namespace {
@@ -263,7 +263,7 @@ kiln_status create(const kiln_options& o, kiln_model** out) {
   if (o.weights) {
     if (!std::filesystem::exists(o.weights))
       return failWith(KILN_IO_ERROR, fmt::format("no such checkpoint '{}'", o.weights));
-    if (Status s = loadCheckpointInto(*m->session, o.weights); !s) return failWith(KILN_IO_ERROR, s);
+    if (Status s = driver::loadCheckpointInto(*m->session, o.weights); !s) return failWith(KILN_IO_ERROR, s);
   }
 
   const data::BatchSpec& spec = m->session->forwardSpec();

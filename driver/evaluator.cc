@@ -1,4 +1,4 @@
-#include "tools/run_data.h"
+#include "driver/evaluator.h"
 
 #include <fmt/format.h>
 
@@ -13,9 +13,9 @@
 #include "runtime/metrics.h"
 #include "runtime/sharded_checkpoint.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
-Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o, const ScoreSink& on_scores) {
+Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const ScoreSink& on_scores) {
   data::DataOptions opts;
   opts.paths = o.paths;
   opts.batch_size = o.batch;
@@ -28,7 +28,7 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
   opts.token_dtype = o.token_dtype;
   KILN_ASSIGN_OR_RETURN(auto reader, data::openBatchReader(s.forwardSpec(), opts));
   const std::optional<double> entropy_floor = reader->entropyFloor();
-  data::Prefetcher prefetch(std::move(reader), driver::kEvalPrefetchDepth);
+  data::Prefetcher prefetch(std::move(reader), kEvalPrefetchDepth);
 
   const data::BatchSpec& spec = s.forwardSpec();
   // A language model is scored by its loss alone: it has no per-sample score.
@@ -43,7 +43,7 @@ Expected<EvalResult> evaluateModel(driver::Session& s, const EvalDataOptions& o,
   // The balancing losses the train block's loss adds (MoE layers' aux and z losses): reported on
   // their own, and taken out of the loss, which then is the task's alone.
   std::vector<std::string> aux_names;
-  if (const ir::Attribute* a = s.hasTrainBlock() ? driver::trainValue(s.trainConfig(), "aux_losses") : nullptr;
+  if (const ir::Attribute* a = s.hasTrainBlock() ? trainValue(s.trainConfig(), "aux_losses") : nullptr;
       a && a->isArray())
     for (const ir::Attribute& name : a->asArray()) aux_names.push_back(name.asString());
   std::vector<runtime::RunningMean> balancing(aux_names.size());
@@ -258,7 +258,7 @@ Expected<runtime::Checkpoint> readCheckpoint(const std::string& dir_or_file, std
   return runtime::loadCheckpoint(path);
 }
 
-Status loadCheckpointInto(driver::Session& s, const std::string& dir_or_file) {
+Status loadCheckpointInto(Session& s, const std::string& dir_or_file) {
   std::string path;
   KILN_ASSIGN_OR_RETURN(auto ckpt, readCheckpoint(dir_or_file, path));
   // Evaluation reads the model's parameters; the optimizer state a training checkpoint also
@@ -272,4 +272,4 @@ Status loadCheckpointInto(driver::Session& s, const std::string& dir_or_file) {
   return runtime::restoreTensors(wanted, dest, path);
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

@@ -1,8 +1,8 @@
 // Load statistics of a model's Mixture-of-Experts layers over a logging window: tokens per
 // expert (min, max, coefficient of variation), the fraction of routed slots dropped by capacity,
-// the mean balancing losses, and for an expert-parallel layer the tokens each EP rank computes. Fed by each
-// step's statistics (driver::StepOutputs::stats), shown in the progress line and written to the metrics file
-// (docs/moe.md, "Load statistics").
+// the mean balancing losses, and for an expert-parallel layer the tokens each EP rank computes. The
+// Trainer (driver/trainer.h) feeds it each step's statistics (StepOutputs::stats), hands its window
+// to the progress line and writes it to the metrics file (docs/moe.md, "Load statistics").
 #pragma once
 
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "ir/attribute.h"
 #include "runtime/json.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 struct MoeLayerStats {
   std::string name;
@@ -58,4 +58,4 @@ class MoeStatsWindow {
   std::vector<Layer> layers_;
 };
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

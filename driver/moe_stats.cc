@@ -1,11 +1,11 @@
-#include "tools/moe_stats.h"
+#include "driver/moe_stats.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 namespace {
 
@@ -145,4 +145,4 @@ void MoeStatsWindow::addToMetrics(const std::vector<MoeLayerStats>& layers, json
   extra["moe"] = std::move(moe);
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver
