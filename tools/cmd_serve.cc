@@ -12,13 +12,13 @@
 #include <sstream>
 #include <thread>
 
+#include "driver/compiled_model.h"
+#include "driver/evaluator.h"
 #include "runtime/checkpoint.h"
 #include "runtime/serving/rocksdb_store.h"
 #include "tools/cli.h"
-#include "driver/compiled_model.h"
 #include "tools/model_server.h"
 #include "tools/session_flags.h"
-#include "tools/run_data.h"
 #include "tools/serve_http.h"
 
 namespace kiln::cli {
@@ -214,7 +214,7 @@ int runServe(const std::vector<std::string>& args) {
   runtime::CheckpointHeader header;
   int64_t step = 0;
   if (from_checkpoint) {
-    auto path = checkpointFile(p.get("checkpoint"));
+    auto path = driver::checkpointFile(p.get("checkpoint"));
     if (!path) return fail(path.status());
     ckpt_path = *path;
     auto h = runtime::readCheckpointHeader(ckpt_path);
@@ -342,7 +342,7 @@ int runStore(const std::vector<std::string>& args) {
     printError("store", st);
     return kExitError;
   };
-  auto ckpt_path = checkpointFile(p.positionals()[1]);
+  auto ckpt_path = driver::checkpointFile(p.positionals()[1]);
   if (!ckpt_path) return fail(ckpt_path.status());
   auto header = runtime::readCheckpointHeader(*ckpt_path);
   if (!header) return fail(header.status());

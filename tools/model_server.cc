@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <iostream>
 
-#include "tools/run_data.h"
+#include "driver/evaluator.h"
 
 namespace kiln::cli {
 
@@ -43,7 +43,7 @@ Expected<std::unique_ptr<ModelServer>> ModelServer::create(
   s->options_ = options;
   s->sessions_ = std::move(sessions);
   s->store_ = std::move(store);
-  s->tasks_ = std::max<size_t>(taskNames(s->spec()).size(), 1);
+  s->tasks_ = std::max<size_t>(driver::taskNames(s->spec()).size(), 1);
   for (const serving::ServedTable& t : s->sessions_[0]->servedTables()) {
     const int at = s->store_->tableIndex(t.name);
     if (at < 0) return Status::errorf("the embedding store has no table '{}'", t.name);
@@ -237,7 +237,7 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
                       modelName(), p.version, version);
     } else {
       o.scores.resize(n);
-      for (size_t i = 0; i < n; ++i) o.scores[i] = clickProbability(out->logits[offset + i]);
+      for (size_t i = 0; i < n; ++i) o.scores[i] = driver::clickProbability(out->logits[offset + i]);
       o.version = version;
     }
     offset += n;
