@@ -17,7 +17,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/serving/rocksdb_store.h"
 #include "tools/cli.h"
-#include "tools/model_server.h"
+#include "driver/model_server.h"
 #include "tools/session_flags.h"
 #include "tools/serve_http.h"
 
@@ -150,7 +150,8 @@ int runServe(const std::vector<std::string>& args) {
     out = *v;
     return true;
   };
-  ServeOptions so;
+  driver::ServeOptions so;
+  so.on_update = [](const std::string& line) { std::fprintf(stderr, "kiln serve: %s\n", line.c_str()); };
   HttpOptions ho;
   int64_t port = 0, instances = 1, max_bytes = 0, http_threads = 16, max_connections = 256, idle_ms = 0,
           header_ms = 0, body_ms = 0;
@@ -278,7 +279,7 @@ int runServe(const std::vector<std::string>& args) {
     if (!s) return fail(s.status());
     store = s.take();
   }
-  auto server = ModelServer::create(std::move(sessions), std::move(store), so);
+  auto server = driver::ModelServer::create(std::move(sessions), std::move(store), so);
   if (!server) return fail(server.status());
 
   // SIGTERM and SIGINT write their number to a pipe (whichever thread they land on: OpenBLAS

@@ -57,7 +57,7 @@ Status flatten(const Json& v, std::vector<double>& out, std::vector<const Json*>
 // What one input of the spec looks like in a request of n samples (`flat_ids`: the ids of its
 // feature, when it lies flat).
 std::vector<int64_t> expectedShape(const data::InputSpec& in, int64_t n, int64_t flat_ids) {
-  if (liesFlat(in)) return {flat_ids};
+  if (driver::liesFlat(in)) return {flat_ids};
   std::vector<int64_t> shape{n};
   for (size_t d = 1; d < in.type.shape().size(); ++d)
     shape.push_back(in.type.dim(static_cast<int64_t>(d)).size());
@@ -89,7 +89,7 @@ Expected<Json> optionalObject(const std::string& body) {
   return j;
 }
 
-Json metadataBody(const ModelServer& server) {
+Json metadataBody(const driver::ModelServer& server) {
   Json inputs = Json::array();
   for (const data::InputSpec& in : server.spec().inputs) {
     std::vector<int64_t> shape = expectedShape(in, -1, -1);
@@ -112,7 +112,7 @@ Json metadataBody(const ModelServer& server) {
 // The model configuration extension: the metadata in the form of Triton's model config, where
 // dims leave out the batch dim, a [batch] tensor is dims [1] reshaped to [], and the flat ids of a
 // variable-length feature are a ragged batch.
-Json configBody(const ModelServer& server) {
+Json configBody(const driver::ModelServer& server) {
   auto configType = [](ir::DType t) {
     return t == ir::DType::f32 ? "TYPE_FP32" : t == ir::DType::i32 ? "TYPE_INT32" : "TYPE_INT64";
   };
@@ -127,7 +127,7 @@ Json configBody(const ModelServer& server) {
   Json inputs = Json::array();
   for (const data::InputSpec& in : server.spec().inputs) {
     Json one{{"name", in.name}, {"data_type", configType(in.type.dtype())}};
-    if (liesFlat(in)) {
+    if (driver::liesFlat(in)) {
       one["dims"] = std::vector<int64_t>{-1};
       one["allow_ragged_batch"] = true;
     } else {
@@ -140,7 +140,7 @@ Json configBody(const ModelServer& server) {
   Json output{{"name", "score"}, {"data_type", "TYPE_FP32"}};
   perSample(output, server.tasks() > 1 ? std::vector<int64_t>{static_cast<int64_t>(server.tasks())}
                                        : std::vector<int64_t>{});
-  const ServeOptions& o = server.options();
+  const driver::ServeOptions& o = server.options();
   return Json{{"name", server.modelName()},
               {"platform", "kiln"},
               {"max_batch_size", o.max_batch},
@@ -152,9 +152,9 @@ Json configBody(const ModelServer& server) {
 }
 
 // The statistics extension: one entry, the served model at its served version.
-Json statisticsBody(const ModelServer& server) {
-  const InferenceStats s = server.inferenceStats();
-  auto duration = [](const InferenceStats::Duration& d) { return Json{{"count", d.count}, {"ns", d.ns}}; };
+Json statisticsBody(const driver::ModelServer& server) {
+  const driver::InferenceStats s = server.inferenceStats();
+  auto duration = [](const driver::InferenceStats::Duration& d) { return Json{{"count", d.count}, {"ns", d.ns}}; };
   Json batches = Json::array();
   for (const auto& [size, b] : s.batches)
     batches.push_back(Json{{"batch_size", size},
@@ -374,7 +374,7 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
   }
   int64_t n = -1;
   for (const data::InputSpec& in : spec.inputs) {
-    if (liesFlat(in) || !shapes.count(in.name)) continue;
+    if (driver::liesFlat(in) || !shapes.count(in.name)) continue;
     const int64_t rows = shapes[in.name][0];
     if (n >= 0 && rows != n)
       return Status::errorf("input '{}' holds {} samples but another input {}", in.name, rows, n);
@@ -404,7 +404,7 @@ Expected<data::Batch> parseInferRequest(std::string_view body, const data::Batch
       if (ids > n * in.max_hotness)
         return Status::errorf("input '{}' holds {} ids, over {} samples of at most {}", in.name, ids, n,
                               in.max_hotness);
-    } else if (liesFlat(in)) {
+    } else if (driver::liesFlat(in)) {
       // Flat weights: one per id of their feature.
       for (const data::InputSpec& s : spec.inputs)
         if (s.role == data::InputRole::Sparse && s.weights_input == static_cast<int>(i))
@@ -523,7 +523,7 @@ std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& sp
   return Json{{"inputs", inputs}}.dump();
 }
 
-InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions options)
+InferenceHttpServer::InferenceHttpServer(driver::ModelServer& server, HttpOptions options)
     : server_(server), options_(std::move(options)) {
   ConnectionLimits limits;
   limits.workers = std::max(options_.threads, 2);
@@ -637,7 +637,7 @@ InferenceHttpServer::InferenceHttpServer(ModelServer& server, HttpOptions option
     auto batch = parseInferRequest(req.body, server_.spec(), server_.options().max_batch, &id);
     if (!batch) return finish(400, error(batch.status().message()));
     const int64_t n = batch->size;
-    InferOutcome out = server_.infer(batch.take(), version);
+    driver::InferOutcome out = server_.infer(batch.take(), version);
     if (out.status != 200) return finish(out.status, error(out.error));
     std::vector<int64_t> shape{n};
     if (server_.tasks() > 1) shape.push_back(static_cast<int64_t>(server_.tasks()));

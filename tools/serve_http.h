@@ -11,7 +11,7 @@
 
 #include "ir/status.h"
 #include "runtime/data/batch.h"
-#include "tools/model_server.h"
+#include "driver/model_server.h"
 
 namespace kiln::cli {
 
@@ -41,7 +41,7 @@ std::string inferRequestBody(const data::Batch& batch, const data::BatchSpec& sp
 
 class InferenceHttpServer {
  public:
-  InferenceHttpServer(ModelServer& server, HttpOptions options);
+  InferenceHttpServer(driver::ModelServer& server, HttpOptions options);
   ~InferenceHttpServer();
   // Binds the socket; returns the port.
   Expected<int> bind();
@@ -53,7 +53,7 @@ class InferenceHttpServer {
   void stop();
 
  private:
-  ModelServer& server_;
+  driver::ModelServer& server_;
   HttpOptions options_;
   std::unique_ptr<KilnHttpServer> http_;
 };

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -20,12 +21,12 @@
 #include <thread>
 #include <vector>
 
+#include "driver/session.h"
 #include "runtime/data/batch.h"
 #include "runtime/serving/embedding_store.h"
 #include "runtime/serving/update_file.h"
-#include "tools/session_flags.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 struct ServeOptions {
   int64_t max_batch = 256;
@@ -35,6 +36,9 @@ struct ServeOptions {
   int64_t max_queued_requests = 4096;          // more is refused (503) rather than queued
   std::string watch_dir;                       // --watch: apply the update files published here
   int64_t poll_ms = 200;
+  // The watcher's news, a line each: the version now served, or why an update was not applied
+  // (each different reason once). kiln serve prints them; none: they go unsaid.
+  std::function<void(const std::string& line)> on_update;
 };
 
 // The ids of a variable-length feature and their weights lie flat in a batch, [ids of the batch],
@@ -96,9 +100,9 @@ struct InferenceStats {
 
 class ModelServer {
  public:
-  // `sessions`: one per instance, opened with driver::SessionOptions::external_tables; `store` holds
+  // `sessions`: one per instance, opened with SessionOptions::external_tables; `store` holds
   // their served tables.
-  static Expected<std::unique_ptr<ModelServer>> create(std::vector<std::unique_ptr<driver::Session>> sessions,
+  static Expected<std::unique_ptr<ModelServer>> create(std::vector<std::unique_ptr<Session>> sessions,
                                                        std::unique_ptr<serving::EmbeddingStore> store,
                                                        const ServeOptions& options);
   ~ModelServer();
@@ -143,12 +147,12 @@ class ModelServer {
   void instanceLoop(size_t instance);
   // Takes the requests of the next batch from the queue (the lock held), dropping expired ones.
   std::vector<std::unique_ptr<Pending>> nextBatch(std::unique_lock<std::mutex>& lock);
-  void runBatch(driver::Session& session, std::vector<std::unique_ptr<Pending>>& batch);
+  void runBatch(Session& session, std::vector<std::unique_ptr<Pending>>& batch);
   void watchLoop();
   Status applyUpdate(const serving::ModelUpdate& u);
 
   ServeOptions options_;
-  std::vector<std::unique_ptr<driver::Session>> sessions_;
+  std::vector<std::unique_ptr<Session>> sessions_;
   std::unique_ptr<serving::EmbeddingStore> store_;
   std::vector<int> store_index_;  // per served table: its index in the store
   size_t tasks_ = 1;
@@ -181,4 +185,4 @@ class ModelServer {
   InferenceStats stats_;
 };
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver

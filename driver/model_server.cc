@@ -1,4 +1,4 @@
-#include "tools/model_server.h"
+#include "driver/model_server.h"
 
 #include <fmt/format.h>
 
@@ -10,7 +10,7 @@
 
 #include "driver/evaluator.h"
 
-namespace kiln::cli {
+namespace kiln::driver {
 
 using Clock = std::chrono::steady_clock;
 
@@ -36,14 +36,14 @@ std::string Histogram::prometheus(const std::string& name, const std::string& he
 }
 
 Expected<std::unique_ptr<ModelServer>> ModelServer::create(
-    std::vector<std::unique_ptr<driver::Session>> sessions, std::unique_ptr<serving::EmbeddingStore> store,
+    std::vector<std::unique_ptr<Session>> sessions, std::unique_ptr<serving::EmbeddingStore> store,
     const ServeOptions& options) {
   if (sessions.empty()) return Status::error("kiln serve needs at least one instance");
   std::unique_ptr<ModelServer> s(new ModelServer());
   s->options_ = options;
   s->sessions_ = std::move(sessions);
   s->store_ = std::move(store);
-  s->tasks_ = std::max<size_t>(driver::taskNames(s->spec()).size(), 1);
+  s->tasks_ = std::max<size_t>(taskNames(s->spec()).size(), 1);
   for (const serving::ServedTable& t : s->sessions_[0]->servedTables()) {
     const int at = s->store_->tableIndex(t.name);
     if (at < 0) return Status::errorf("the embedding store has no table '{}'", t.name);
@@ -149,7 +149,7 @@ std::vector<std::unique_ptr<ModelServer::Pending>> ModelServer::nextBatch(
 }
 
 void ModelServer::instanceLoop(size_t instance) {
-  driver::Session& session = *sessions_[instance];
+  Session& session = *sessions_[instance];
   for (;;) {
     std::vector<std::unique_ptr<Pending>> batch;
     {
@@ -163,7 +163,7 @@ void ModelServer::instanceLoop(size_t instance) {
   }
 }
 
-void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr<Pending>>& batch) {
+void ModelServer::runBatch(Session& session, std::vector<std::unique_ptr<Pending>>& batch) {
   const auto started = Clock::now();
   // The requests' samples as one batch: every tensor concatenated along its first dim (variable-
   // length ids and weights are flat, their lengths one per sample, so this holds for them too).
@@ -200,7 +200,7 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
     queue_delay_.observe(std::chrono::duration<double>(started - p->enqueued).count());
   batch_size_.observe(static_cast<double>(samples));
 
-  Expected<driver::StepOutputs> out = Status::error("not run");
+  Expected<StepOutputs> out = Status::error("not run");
   int64_t version = 0;
   auto inputs_done = started;
   {
@@ -211,7 +211,7 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
                                       return store_->lookup(store_index_[t], ids, dst);
                                     });
     inputs_done = Clock::now();
-    out = rows ? session.forwardWithRows(merged, *rows) : Expected<driver::StepOutputs>(rows.status());
+    out = rows ? session.forwardWithRows(merged, *rows) : Expected<StepOutputs>(rows.status());
   }
   const auto infer_done = Clock::now();
   const size_t expected = static_cast<size_t>(merged.size) * tasks_;
@@ -237,7 +237,7 @@ void ModelServer::runBatch(driver::Session& session, std::vector<std::unique_ptr
                       modelName(), p.version, version);
     } else {
       o.scores.resize(n);
-      for (size_t i = 0; i < n; ++i) o.scores[i] = driver::clickProbability(out->logits[offset + i]);
+      for (size_t i = 0; i < n; ++i) o.scores[i] = clickProbability(out->logits[offset + i]);
       o.version = version;
     }
     offset += n;
@@ -333,11 +333,11 @@ void ModelServer::watchLoop() {
       ++update_errors_;
       std::lock_guard<std::mutex> lock(metrics_mu_);
       if (applied.status().message() != last_update_error_) {
-        std::fprintf(stderr, "kiln serve: update not applied: %s\n", applied.status().message().c_str());
+        if (options_.on_update) options_.on_update("update not applied: " + applied.status().message());
         last_update_error_ = applied.status().message();
       }
     } else if (*applied > 0) {
-      std::fprintf(stderr, "kiln serve: serving version %lld\n", static_cast<long long>(store_->version()));
+      if (options_.on_update) options_.on_update(fmt::format("serving version {}", store_->version()));
     }
     std::unique_lock<std::mutex> lock(watch_mu_);
     watch_cv_.wait_for(lock, std::chrono::milliseconds(options_.poll_ms), [&] { return stopping_.load(); });
@@ -427,4 +427,4 @@ std::string ModelServer::metricsText() const {
   return out;
 }
 
-}  // namespace kiln::cli
+}  // namespace kiln::driver
