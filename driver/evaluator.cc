@@ -47,7 +47,7 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
       a && a->isArray())
     for (const ir::Attribute& name : a->asArray()) aux_names.push_back(name.asString());
   std::vector<runtime::RunningMean> balancing(aux_names.size());
-  std::vector<double> aux(aux_names.size()), aux_sum(aux_names.size());
+  std::vector<double> aux(aux_names.size());
   data::Batch batch, share;
   EvalResult r;
   std::vector<float> scores, labels;
@@ -57,6 +57,16 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
   comm::Communicator* c = s.communicator();
   int64_t left_out = 0;
   int64_t columns = k;  // the values per sample on_scores receives
+  // Values each rank computed over its equal share of the batch: the global batch's are the
+  // ranks' means.
+  std::vector<double> rank_sum;
+  auto meanOverRanks = [&](double* v, size_t n) -> Status {
+    if (ranks == 1 || n == 0) return Status::ok();
+    rank_sum.resize(n);
+    KILN_RETURN_IF_ERROR(c->allReduceSync(v, rank_sum.data(), n, comm::DataType::f64));
+    for (size_t i = 0; i < n; ++i) v[i] = rank_sum[i] / ranks;
+    return Status::ok();
+  };
   while (true) {
     KILN_ASSIGN_OR_RETURN(auto more, prefetch.next(batch));
     if (!more) break;
@@ -80,22 +90,14 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
         aux[static_cast<size_t>(it - aux_names.begin())] = values[0];
         batch_loss -= values[0];
       }
-      if (ranks > 1) {
-        // Each rank's losses over its equal share: the global batch's are the ranks' mean.
-        KILN_RETURN_IF_ERROR(c->allReduceSync(aux.data(), aux_sum.data(), aux.size(), comm::DataType::f64));
-        for (size_t i = 0; i < aux.size(); ++i) aux[i] = aux_sum[i] / ranks;
-      }
+      KILN_RETURN_IF_ERROR(meanOverRanks(aux.data(), aux.size()));
       for (size_t i = 0; i < aux.size(); ++i) balancing[i].add(aux[i], static_cast<double>(local * ranks));
     }
     for (const auto& [name, values] : out.stats) {
       const std::string_view metric = metricStatName(name);
       if (metric.empty() || values.size() != 1) continue;
       double v = values[0];
-      if (ranks > 1) {
-        double sum = 0;
-        KILN_RETURN_IF_ERROR(c->allReduceSync(&v, &sum, 1, comm::DataType::f64));
-        v = sum / ranks;
-      }
+      KILN_RETURN_IF_ERROR(meanOverRanks(&v, 1));
       auto it =
           std::find_if(metrics.begin(), metrics.end(), [&](const auto& m) { return m.first == metric; });
       if (it == metrics.end())
@@ -103,11 +105,7 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
       it->second.add(v, static_cast<double>(local * ranks));
     }
     if (!scored) {
-      if (ranks > 1) {
-        double sum = 0;
-        KILN_RETURN_IF_ERROR(c->allReduceSync(&batch_loss, &sum, 1, comm::DataType::f64));
-        batch_loss = sum / ranks;
-      }
+      KILN_RETURN_IF_ERROR(meanOverRanks(&batch_loss, 1));
       loss.add(batch_loss, static_cast<double>(local * ranks));
       r.samples += local * ranks;
       continue;
@@ -147,10 +145,8 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
         KILN_RETURN_IF_ERROR(c->allGatherSync(labels.data(), all.data(), labels.size(), comm::DataType::f32));
         labels.swap(all);
       }
-      double sum = 0;
-      KILN_RETURN_IF_ERROR(c->allReduceSync(&batch_loss, &sum, 1, comm::DataType::f64));
-      batch_loss = sum / ranks;  // equal shares: the mean of the ranks' means
     }
+    KILN_RETURN_IF_ERROR(meanOverRanks(&batch_loss, 1));
     loss.add(batch_loss, static_cast<double>(local * ranks));
     for (const auto& [name, values] : out.stats) {
       const std::optional<size_t> task = taskLossIndex(name);
@@ -158,11 +154,7 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
       const size_t j = *task;
       if (task_loss.size() <= j) task_loss.resize(j + 1);
       double v = values[0];
-      if (ranks > 1) {
-        double sum = 0;
-        KILN_RETURN_IF_ERROR(c->allReduceSync(&v, &sum, 1, comm::DataType::f64));
-        v = sum / ranks;
-      }
+      KILN_RETURN_IF_ERROR(meanOverRanks(&v, 1));
       task_loss[j].add(v, static_cast<double>(local * ranks));
     }
     if (spec.labelIndex() >= 0 && !raw) {
