@@ -230,7 +230,8 @@ std::string uncaughtExceptionMessage(const std::exception_ptr& e) {
 }
 
 int runCommandGuarded(const std::string& program, const std::string& command,
-                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args) {
+                      const std::function<int(const std::vector<std::string>&)>& run,
+                      const std::vector<std::string>& args) {
   try {
     return run(args);
   } catch (...) {

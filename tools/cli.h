@@ -87,7 +87,8 @@ std::string uncaughtExceptionMessage(const std::exception_ptr& e);
 // Runs `run(args)` as the command `program` `command` (`kiln train`); an exception that escapes it
 // is printed by uncaughtExceptionMessage and returns kExitError.
 int runCommandGuarded(const std::string& program, const std::string& command,
-                      int (*run)(const std::vector<std::string>&), const std::vector<std::string>& args);
+                      const std::function<int(const std::vector<std::string>&)>& run,
+                      const std::vector<std::string>& args);
 
 // A subcommand: `kiln NAME ...`.
 struct Command {

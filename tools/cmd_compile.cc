@@ -110,7 +110,7 @@ int runCompile(const std::vector<std::string>& raw_args) {
       "Compiles a model ahead of time: every pass and codegen, the CUDA kernels for each architecture\n"
       "(NVRTC; no GPU needed), written with the runtime into one file that runs without Kiln:\n"
       "`./NAME train|eval|predict|info` (or, with --emit lib, libNAME.so and NAME.h).");
-  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  modelFileSource().addModelArgument(p);
   p.addOption("output", "NAME",
               "the executable to write (also -o NAME); with --emit lib, libNAME.so and NAME.h");
   p.addOption("emit", "exe|lib", "a standalone executable or a shared library with a C API", "exe");
@@ -124,7 +124,8 @@ int runCompile(const std::vector<std::string>& raw_args) {
   p.addOption("functions", "LIST", "of train, eval, predict", "train,eval,predict");
   p.addOption("checkpoint", "CKPT",
               "embed these trained weights (default: initialise at run time from --seed)");
-  addModelFlags(p);
+  const ModelSource& model = modelFileSource();
+  addModelFlags(p, model);
   int code;
   const std::vector<std::string> args = expandOutputShorthand(raw_args);
   if (!p.parse(args, &code)) return code;
@@ -145,12 +146,10 @@ int runCompile(const std::vector<std::string>& raw_args) {
   if (functions.empty()) return p.usageError("--functions names none of train, eval, predict");
 
   driver::SessionOptions so;
-  so.model_path = p.positionals()[0];
-  if (!std::filesystem::exists(so.model_path))
-    return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  if (!model.readModelArgument(p, so, &code)) return code;
   so.batch = *max_batch;
   so.training = std::find(functions.begin(), functions.end(), "train") != functions.end();
-  if (!readModelFlags(p, so, &code)) return code;
+  if (!readModelFlags(p, model, so, &code)) return code;
   if (p.has("checkpoint") && !std::filesystem::exists(p.get("checkpoint")))
     return p.usageError(fmt::format("no such checkpoint '{}'", p.get("checkpoint")));
 

@@ -346,12 +346,13 @@ int runRequests(const std::vector<std::string>& raw_args) {
   ArgParser p("data requests", "kiln data requests MODEL.kiln --data synthetic|PATH... [-o FILE] [flags]",
               "Writes KServe v2 infer request bodies (JSON, one per line) holding the samples of the data as\n"
               "MODEL reads them, --batch samples each: what a client of kiln serve sends.");
-  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  const ModelSource& model = modelFileSource();
+  model.addModelArgument(p);
   p.addOption("data", "synthetic|PATH", "the data (synthetic: its held-out stream)", std::nullopt, true);
   p.addOption("batch", "B", "samples per request", "1");
   p.addOption("samples", "N", "samples of the synthetic stream, or at most this many of the files", "1024");
   p.addOption("output", "FILE", "where to write them (also -o FILE; default stdout)");
-  addModelFlags(p);
+  addModelFlags(p, model);
   int code;
   if (!p.parse(expandOutputShorthand(raw_args), &code)) return code;
   auto batch = p.getInt("batch");
@@ -359,13 +360,12 @@ int runRequests(const std::vector<std::string>& raw_args) {
   if (!batch || !samples) return kExitUsage;
   if (*batch < 1 || *samples < 1) return p.usageError("--batch and --samples must be positive");
   driver::SessionOptions so;
-  so.model_path = p.positionals()[0];
-  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  if (!model.readModelArgument(p, so, &code)) return code;
   so.batch = *batch;
   so.training = false;
   so.external_tables = true;  // the spec is all this needs: leave the tables unallocated
-  if (!readModelFlags(p, so, &code)) return code;
-  auto session = openSession(so, std::cerr);
+  if (!readModelFlags(p, model, so, &code)) return code;
+  auto session = model.open(so, std::cerr);
   if (!session) {
     printError("data requests", session.status());
     return kExitError;

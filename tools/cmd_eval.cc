@@ -22,24 +22,24 @@ struct EvalSetup {
 };
 
 // Parses the flags both commands share, compiles the model and loads the checkpoint.
-int setUp(const char* command, ArgParser& p, const std::vector<std::string>& args, EvalSetup& setup) {
-  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+int setUp(const char* command, const ModelSource& model, ArgParser& p, const std::vector<std::string>& args,
+          EvalSetup& setup) {
+  model.addModelArgument(p);
   p.addOption("checkpoint", "DIR",
               "the checkpoint to load (a directory written by kiln train, a sharded checkpoint directory, or "
               "a .safetensors file)");
   p.addOption("data", "synthetic|PATH", "the data: Criteo TSV or Kiln binary files, or 'synthetic' (its held-out stream)",
               std::nullopt, true);
-  p.addOption("batch", "B", "samples per step", "1024");
+  p.addOption("batch", "B", "samples per step", model.defaultBatch(1024));
   p.addOption("samples", "N", "samples of the held-out synthetic stream", "16384");
   p.addFlag("strict", "a malformed data line is fatal instead of skipped and counted");
   p.addOption("token-dtype", "u16|u32",
               "token files (language models): the id type (default: by name, .bin is u16)");
-  addModelFlags(p);
+  addModelFlags(p, model);
   int code;
   if (!p.parse(args, &code)) return code;
   // A compiled model with embedded weights needs none.
-  const bool embedded = sessionOpener().compiled && !sessionOpener().compiled->weights.empty();
-  if (!p.has("checkpoint") && !embedded) return p.usageError("--checkpoint DIR is required");
+  if (!p.has("checkpoint") && !model.embeddedWeights()) return p.usageError("--checkpoint DIR is required");
   if (p.getAll("data").empty()) return p.usageError("--data PATH is required");
   auto batch = p.getInt("batch");
   auto samples = p.getInt("samples");
@@ -54,14 +54,13 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
   setup.data.token_dtype = p.get("token-dtype");
 
   driver::SessionOptions so;
-  so.model_path = p.positionals()[0];
-  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  if (!model.readModelArgument(p, so, &code)) return code;
   so.batch = *batch;
   so.training = false;
   so.checkpoint_path = p.get("checkpoint");  // loaded whole after create(): the memory check counts it
-  if (!readModelFlags(p, so, &code)) return code;
+  if (!readModelFlags(p, model, so, &code)) return code;
   setup.data.seed = so.seed;
-  auto session = openSession(so, std::cerr);
+  auto session = model.open(so, std::cerr);
   if (!session) {
     printError(command, session.status());
     return kExitError;
@@ -77,15 +76,15 @@ int setUp(const char* command, ArgParser& p, const std::vector<std::string>& arg
 
 }  // namespace
 
-int runEval(const std::vector<std::string>& args) {
+int runEval(const ModelSource& model, const std::vector<std::string>& args) {
   ArgParser p(
-      "eval", "kiln eval MODEL.kiln --checkpoint DIR --data PATH... [flags]",
+      "eval", model.synopsis("eval") + " --checkpoint DIR --data PATH... [flags]",
       "Evaluates a trained model: prints 'loss: X', 'auc: Y', 'accuracy: Z' and 'samples: N'; a\n"
       "multi-task model (a label of k columns) also each task's 'auc.NAME' and 'accuracy.NAME', and a\n"
       "model's own metrics (in_batch_recall's 'recall@K') by name. The loss is the task's: a MoE\n"
       "layer's balancing losses, which training adds to it, are printed on their own ('moe.0.aux_loss').");
   EvalSetup setup;
-  if (int code = setUp("eval", p, args, setup); code >= 0) return code;
+  if (int code = setUp("eval", model, p, args, setup); code >= 0) return code;
   auto r = driver::evaluateModel(*setup.session, setup.data);
   if (!r) {
     printError("eval", r.status());
@@ -114,8 +113,8 @@ int runEval(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int runPredict(const std::vector<std::string>& raw_args) {
-  ArgParser p("predict", "kiln predict MODEL.kiln --checkpoint DIR --data PATH... [-o OUT]",
+int runPredict(const ModelSource& model, const std::vector<std::string>& raw_args) {
+  ArgParser p("predict", model.synopsis("predict") + " --checkpoint DIR --data PATH... [-o OUT]",
               "Writes one score (the predicted probability) per input sample, one per line, in input order\n"
               "(a multi-task model: one tab-separated column per task, in its label's order; a\n"
               "prediction that is not one logit per sample, such as an embedding or a regression's\n"
@@ -126,7 +125,7 @@ int runPredict(const std::vector<std::string>& raw_args) {
   p.addOption("output", "OUT", "write the scores to OUT instead of stdout (also -o OUT)");
   std::vector<std::string> args = expandOutputShorthand(raw_args);
   EvalSetup setup;
-  if (int code = setUp("predict", p, args, setup); code >= 0) return code;
+  if (int code = setUp("predict", model, p, args, setup); code >= 0) return code;
   if (setup.session->forwardSpec().readsTokens()) {
     printError("predict",
                Status::error("a language model (a token input) has no per-sample score: use kiln eval for "

@@ -96,21 +96,21 @@ bool parseSizes(const std::string& text, std::vector<int64_t>& out) {
 }
 
 // Opens a forward-only session whose served tables a store holds.
-Expected<std::unique_ptr<driver::Session>> openServingSession(driver::SessionOptions so) {
+Expected<std::unique_ptr<driver::Session>> openServingSession(const ModelSource& model, driver::SessionOptions so) {
   so.training = false;
   so.external_tables = true;
-  return openSession(so, std::cerr);
+  return model.open(so, std::cerr);
 }
 
 }  // namespace
 
-int runServe(const std::vector<std::string>& args) {
-  ArgParser p("serve", "kiln serve MODEL.kiln --checkpoint CKPT [flags]",
+int runServe(const ModelSource& model, const std::vector<std::string>& args) {
+  ArgParser p("serve", model.synopsis("serve") + " --checkpoint CKPT [flags]",
               "Serves a trained model over HTTP: the Open Inference Protocol (KServe v2) with dynamic\n"
               "batching, its embedding tables in a cache over host memory over an optional RocksDB store,\n"
               "and updates published by `kiln train --publish` applied while serving (docs/serving.md).\n"
               "SIGTERM or SIGINT stops taking requests, answers those in flight and exits 0.");
-  p.setPositionals("MODEL.kiln", 1, 1, "the model");
+  model.addModelArgument(p);
   p.addOption("checkpoint", "CKPT",
               "the checkpoint to serve (a directory written by kiln train, or a .safetensors file)");
   p.addOption("host", "ADDR", "the address to listen on", "127.0.0.1");
@@ -134,12 +134,11 @@ int runServe(const std::vector<std::string>& args) {
   p.addOption("eviction", "lru|lfu", "which row a full tier drops", "lru");
   p.addOption("watch", "DIR", "apply the update files kiln train --publish writes to DIR");
   p.addOption("poll-ms", "MS", "how often --watch looks for updates", "200");
-  addModelFlags(p);
+  addModelFlags(p, model);
   int code;
   if (!p.parse(args, &code)) return code;
   // A compiled model with embedded weights (./NAME serve) needs no checkpoint.
-  const bool embedded = sessionOpener().compiled && !sessionOpener().compiled->weights.empty();
-  if (!p.has("checkpoint") && !embedded) return p.usageError("--checkpoint CKPT is required");
+  if (!p.has("checkpoint") && !model.embeddedWeights()) return p.usageError("--checkpoint CKPT is required");
   auto intOpt = [&](const char* name, int64_t lo, int64_t hi, int64_t& out) {
     auto v = p.getInt(name);
     if (!v) return false;
@@ -200,11 +199,9 @@ int runServe(const std::vector<std::string>& args) {
 #endif
 
   driver::SessionOptions session_options;
-  session_options.model_path = p.positionals()[0];
-  if (!std::filesystem::exists(session_options.model_path))
-    return p.usageError(fmt::format("no such model file '{}'", session_options.model_path));
+  if (!model.readModelArgument(p, session_options, &code)) return code;
   session_options.batch = so.max_batch;
-  if (!readModelFlags(p, session_options, &code)) return code;
+  if (!readModelFlags(p, model, session_options, &code)) return code;
   auto fail = [](const Status& st) {
     printError("serve", st);
     return kExitError;
@@ -223,7 +220,7 @@ int runServe(const std::vector<std::string>& args) {
     header = h.take();
     step = checkpointStep(header);
   } else {
-    const driver::CompiledModel& c = *sessionOpener().compiled;
+    const driver::CompiledModel& c = *model.compiled();
     auto weights = runtime::viewCheckpoint(c.weights, "the embedded weights", c.payload);
     if (!weights) return fail(weights.status());
     auto it = weights->metadata.find("step");
@@ -232,7 +229,7 @@ int runServe(const std::vector<std::string>& args) {
 
   std::vector<std::unique_ptr<driver::Session>> sessions;
   for (int64_t i = 0; i < instances; ++i) {
-    auto s = openServingSession(session_options);
+    auto s = openServingSession(model, session_options);
     if (!s) return fail(s.status());
     if (from_checkpoint)
       if (Status st = loadDense(**s, ckpt_path, header); !st) return fail(st);
@@ -318,7 +315,7 @@ int runServe(const std::vector<std::string>& args) {
   return kExitOk;
 }
 
-int runStore(const std::vector<std::string>& args) {
+int runStore(const ModelSource& model, const std::vector<std::string>& args) {
   ArgParser p(
       "store", "kiln store import CKPT DIR --model MODEL.kiln [--set ...]",
       "Fills a persistent embedding store (RocksDB) with the served tables of MODEL from a\n"
@@ -326,7 +323,7 @@ int runStore(const std::vector<std::string>& args) {
   p.setPositionals("import CKPT DIR", 3, 3,
                    "the action, the checkpoint and the store directory (must not hold a store)");
   p.addOption("model", "MODEL.kiln", "the model whose tables to import");
-  addModelFlags(p);
+  addModelFlags(p, model);
   int code;
   if (!p.parse(args, &code)) return code;
   if (p.positionals()[0] != "import")
@@ -338,7 +335,7 @@ int runStore(const std::vector<std::string>& args) {
   if (!std::filesystem::exists(so.model_path))
     return p.usageError(fmt::format("no such model file '{}'", so.model_path));
   so.batch = 1;
-  if (!readModelFlags(p, so, &code)) return code;
+  if (!readModelFlags(p, model, so, &code)) return code;
   auto fail = [](const Status& st) {
     printError("store", st);
     return kExitError;
@@ -347,7 +344,7 @@ int runStore(const std::vector<std::string>& args) {
   if (!ckpt_path) return fail(ckpt_path.status());
   auto header = runtime::readCheckpointHeader(*ckpt_path);
   if (!header) return fail(header.status());
-  auto session = openServingSession(so);
+  auto session = openServingSession(model, so);
   if (!session) return fail(session.status());
   const auto& tables = (*session)->servedTables();
   auto store = serving::RocksDbStore::create(p.positionals()[2], tableInfos(tables));

@@ -170,11 +170,11 @@ bool stoppedBySignal(int rc) { return rc > 128; }
 
 }  // namespace
 
-int runTrain(const std::vector<std::string>& args) {
-  ArgParser p("train", "kiln train MODEL.kiln [--data synthetic|PATH...] [--steps N | --epochs E] [flags]",
+int runTrain(const ModelSource& model, const std::vector<std::string>& args) {
+  ArgParser p("train", model.synopsis("train") + " [--data synthetic|PATH...] [--steps N | --epochs E] [flags]",
               "Compiles the model's training step and trains it on the CPU, showing step, samples/s, loss,\n"
               "the last eval AUC and the time left.");
-  p.setPositionals("MODEL.kiln", 1, 1, "the model to train");
+  model.addModelArgument(p);
   p.addOption("data", "synthetic|PATH",
               "training data: 'synthetic' or Criteo TSV / Kiln binary files (a language model: token files, "
               "e.g. train.bin)",
@@ -183,7 +183,7 @@ int runTrain(const std::vector<std::string>& args) {
               std::nullopt, true);
   p.addOption("steps", "N", "train until step N (counted from the start of training, also when resuming)");
   p.addOption("epochs", "E", "passes over the data (default 1 without --steps)");
-  p.addOption("batch", "B", "samples per step", "256");
+  p.addOption("batch", "B", "samples per step", model.defaultBatch(256));
   p.addOption("eval-every", "N",
               "evaluate every N steps and at the end (0: only at the end, and only when --eval-data is given)", "0");
   p.addOption("eval-samples", "N", "samples of the held-out synthetic stream per evaluation", "16384");
@@ -228,7 +228,7 @@ int runTrain(const std::vector<std::string>& args) {
       "on several ranks, shard every table this way (data_parallel, table_wise, row_wise, column_wise, "
       "table_row_wise) instead of a plan");
   p.addOption("ranks-per-node", "G", "ranks per node (table_row_wise keeps a table's rows inside one)", "0");
-  addModelFlags(p);
+  addModelFlags(p, model);
   addDeviceFlag(p);
   int code;
   if (!p.parse(args, &code)) return code;
@@ -304,8 +304,7 @@ int runTrain(const std::vector<std::string>& args) {
     if (!std::filesystem::exists(d)) return p.usageError(fmt::format("no such eval data file '{}'", d));
 
   driver::SessionOptions so;
-  so.model_path = p.positionals()[0];
-  if (!std::filesystem::exists(so.model_path)) return p.usageError(fmt::format("no such model file '{}'", so.model_path));
+  if (!model.readModelArgument(p, so, &code)) return code;
   so.batch = f.batch;
   so.profile = f.profile;
   // Made before the session, which keeps a pointer for its executors; off until the window.
@@ -315,7 +314,7 @@ int runTrain(const std::vector<std::string>& args) {
     tracer->setRecording(false);
   }
   if (f.resume) so.checkpoint_path = f.checkpoint_dir;  // loaded whole: the memory check counts it
-  if (!readModelFlags(p, so, &code) || !readDeviceFlag(p, so, &code)) return code;
+  if (!readModelFlags(p, model, so, &code) || !readDeviceFlag(p, so, &code)) return code;
   f.seed = so.seed;
   so.plan_path = p.get("plan");
   so.sharding = p.get("sharding");
@@ -367,7 +366,7 @@ int runTrain(const std::vector<std::string>& args) {
     mine.tracer = rank == 0 || !tracer ? tracer.get()
                   : mpi                ? nullptr
                                        : peer_tracers[static_cast<size_t>(rank - 1)].get();
-    auto session = openSession(mine, std::cerr);
+    auto session = model.open(mine, std::cerr);
     if (!session) {
       printError(ranks > 1 ? fmt::format("train: rank {}", rank) : "train", session.status());
       return kExitError;

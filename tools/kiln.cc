@@ -13,12 +13,18 @@
 
 namespace kiln::cli {
 #define KILN_COMMAND(name, summary, fn) int fn(const std::vector<std::string>& args);
+#define KILN_MODEL_COMMAND(name, summary, fn) int fn(const ModelSource& model, const std::vector<std::string>& args);
 #include "tools/commands.def"
+#undef KILN_MODEL_COMMAND
 #undef KILN_COMMAND
 
+// A command that runs a model runs `kiln`'s: the model file its arguments name, compiled.
 static const Command kCommands[] = {
 #define KILN_COMMAND(name, summary, fn) {#name, summary, fn},
+#define KILN_MODEL_COMMAND(name, summary, fn) \
+  {#name, summary, [](const std::vector<std::string>& args) { return fn(modelFileSource(), args); }},
 #include "tools/commands.def"
+#undef KILN_MODEL_COMMAND
 #undef KILN_COMMAND
 };
 
@@ -42,7 +48,6 @@ int main(int argc, char** argv) {
   std::signal(SIGXFSZ, SIG_IGN);
   // Under ulimit -v, one malloc heap for every thread (runtime/memory.h).
   kiln::runtime::singleHeapUnderAddressLimit();
-  installCompilingOpener();
   std::vector<std::string> args(argv + 2, argv + argc);
   for (const Command& c : kCommands) {
     if (c.name != std::string(argv[1])) continue;

@@ -1,10 +1,11 @@
 // The runner of a model compiled ahead of time (`kiln compile`, docs/aot.md): this binary with a
-// payload appended. `./NAME train|eval|predict` run kiln's own commands on a session opened from
-// the payload (driver/compiled_model.h): the same flags as `kiln`, less the model file and the
-// compiler's flags (--set, the passes), which were fixed at compile time. `./NAME info` describes it.
+// payload appended. `./NAME train|eval|predict` are kiln's own commands run on the payload as
+// their model source (CompiledSource, tools/session_flags.h): one parse of the user's arguments,
+// the same flags as `kiln` less the model file and the compiler's flags (--set, the passes), which
+// were fixed at compile time, and --batch defaulting to the batch it was compiled for; then the
+// same driver calls. `./NAME info` describes it.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -23,11 +24,11 @@
 
 namespace kiln::cli {
 
-int runTrain(const std::vector<std::string>& args);
-int runEval(const std::vector<std::string>& args);
-int runPredict(const std::vector<std::string>& args);
+int runTrain(const ModelSource& model, const std::vector<std::string>& args);
+int runEval(const ModelSource& model, const std::vector<std::string>& args);
+int runPredict(const ModelSource& model, const std::vector<std::string>& args);
 #ifdef KILN_RUNNER_SERVE
-int runServe(const std::vector<std::string>& args);
+int runServe(const ModelSource& model, const std::vector<std::string>& args);
 #endif
 
 namespace {
@@ -125,9 +126,9 @@ int main(int argc, char** argv) {
     return argc < 2 ? kExitUsage : kExitOk;
   }
   const std::string command = argv[1];
-  std::vector<std::string> args(argv + 2, argv + argc);
+  const std::vector<std::string> args(argv + 2, argv + argc);
   if (command == "info") return info(c, *self);
-  using Run = int (*)(const std::vector<std::string>&);
+  using Run = int (*)(const ModelSource&, const std::vector<std::string>&);
   const std::map<std::string, std::pair<std::string, Run>> commands{
       {"train", {"train", runTrain}},
       {"eval", {"eval", runEval}},
@@ -147,8 +148,9 @@ int main(int argc, char** argv) {
                  command.c_str(), fmt::format("{}", fmt::join(c.functions, ",")).c_str());
     return kExitUsage;
   }
-  bool has_batch = false;
-  for (const std::string& a : args) {
+  // The runner has no --set (its source declares no compile flags): say why rather than that the
+  // flag is unknown.
+  for (const std::string& a : args)
     if (a == "--set" || a.rfind("--set=", 0) == 0) {
       std::fprintf(stderr,
                    "%s: error: the model's params were fixed when it was compiled (%s); recompile with kiln "
@@ -156,27 +158,7 @@ int main(int argc, char** argv) {
                    name.c_str(), c.overrides.empty() ? "no --set" : "see `info`");
       return kExitUsage;
     }
-    has_batch |= a == "--batch" || a.rfind("--batch=", 0) == 0;
-  }
-  // The commands read MODEL first: the runner itself stands for it. Without --batch a run takes
-  // the batch the model was compiled for.
-  args.insert(args.begin(), *self);
-  // `serve` plans for its --max-batch instead.
-  if (!has_batch && command != "serve" && args.size() > 1 && args[1] != "--help") {
-    args.push_back("--batch");
-    args.push_back(std::to_string(c.max_batch));
-  }
-  if (std::find(args.begin(), args.end(), "--help") != args.end() ||
-      std::find(args.begin(), args.end(), "-h") != args.end())
-    std::printf(
-        "%s %s takes the flags of `kiln %s` below, less MODEL.kiln (this file) and --set;\n"
-        "--batch defaults to %lld, the most it takes.\n\n",
-        name.c_str(), command.c_str(), command.c_str(), static_cast<long long>(c.max_batch));
-  SessionOpener opener;
-  opener.compiled = *compiled;
-  opener.open = [compiled = *compiled](const driver::SessionOptions& options, std::ostream& diag) {
-    return driver::Session::fromCompiled(compiled, options, diag);
-  };
-  installSessionOpener(std::move(opener));
-  return runCommandGuarded(name, command, it->second.second, args);
+  const CompiledSource model(*compiled, *self, name);
+  const Run run = it->second.second;
+  return runCommandGuarded(name, command, [&](const std::vector<std::string>& a) { return run(model, a); }, args);
 }

@@ -1,9 +1,10 @@
-// The compiling opener: `kiln` opens its sessions by compiling the model file (driver/compile.cc)
-// under the compile flags (--set, --memory-budget, --precision, --target, the pass manager's);
-// an ahead-of-time runner, which holds no compiler, opens its payload instead
-// (driver/compiled_model.h).
+// The model file as a command's source: `kiln` opens its sessions by compiling MODEL.kiln
+// (driver/compile.cc) under the compile flags (--set, --memory-budget, --precision, --target, the
+// pass manager's); an ahead-of-time runner, which holds no compiler, opens its payload instead
+// (CompiledSource, driver/compiled_model.h).
 #include <fmt/format.h>
 
+#include <filesystem>
 #include <iostream>
 
 #include "frontend/frontend.h"
@@ -13,7 +14,27 @@
 namespace kiln::cli {
 namespace {
 
-void addCompileFlags(ArgParser& p) {
+class ModelFile final : public ModelSource {
+ public:
+  std::string synopsis(const std::string& command) const override { return "kiln " + command + " MODEL.kiln"; }
+  void addModelArgument(ArgParser& p) const override { p.setPositionals("MODEL.kiln", 1, 1, "the model"); }
+  bool readModelArgument(const ArgParser& p, driver::SessionOptions& o, int* exit_code) const override;
+  void addCompileFlags(ArgParser& p) const override;
+  bool readCompileFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_code) const override;
+  Expected<std::unique_ptr<driver::Session>> open(const driver::SessionOptions& options,
+                                                  std::ostream& diag) const override {
+    return driver::Session::create(options, diag);
+  }
+};
+
+bool ModelFile::readModelArgument(const ArgParser& p, driver::SessionOptions& o, int* exit_code) const {
+  o.model_path = p.positionals()[0];
+  if (std::filesystem::exists(o.model_path)) return true;
+  *exit_code = p.usageError(fmt::format("no such model file '{}'", o.model_path));
+  return false;
+}
+
+void ModelFile::addCompileFlags(ArgParser& p) const {
   p.addOption("set", "NAME=VALUE", "override a model param (e.g. --set rows_cap=1000)", std::nullopt, true);
   p.addOption("memory-budget", "BYTES|N%",
               "recompute activations in the backward pass until the training step's planned peak fits "
@@ -29,7 +50,7 @@ void addCompileFlags(ArgParser& p) {
   p.addFlag("pass-timing", "print the time of each pass to stderr");
 }
 
-bool readCompileFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_code) {
+bool ModelFile::readCompileFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_code) const {
   for (const std::string& s : p.getAll("set")) {
     Status st = frontend::addOverride(s, o.overrides);
     if (!st) {
@@ -65,14 +86,9 @@ bool readCompileFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_c
 
 }  // namespace
 
-void installCompilingOpener() {
-  SessionOpener o;
-  o.open = [](const driver::SessionOptions& options, std::ostream& diag) {
-    return driver::Session::create(options, diag);
-  };
-  o.add_compile_flags = addCompileFlags;
-  o.read_compile_flags = readCompileFlags;
-  installSessionOpener(std::move(o));
+const ModelSource& modelFileSource() {
+  static const ModelFile source;
+  return source;
 }
 
 }  // namespace kiln::cli

@@ -10,17 +10,39 @@
 
 namespace kiln::cli {
 
-void addModelFlags(ArgParser& p) {
+std::string ModelSource::defaultBatch(int64_t fallback) const {
+  return std::to_string(compiled() ? compiled()->max_batch : fallback);
+}
+
+bool ModelSource::embeddedWeights() const { return compiled() && !compiled()->weights.empty(); }
+
+CompiledSource::CompiledSource(std::shared_ptr<const driver::CompiledModel> compiled, std::string path,
+                               std::string name)
+    : compiled_(std::move(compiled)), path_(std::move(path)), name_(std::move(name)) {}
+
+std::string CompiledSource::synopsis(const std::string& command) const { return name_ + " " + command; }
+
+bool CompiledSource::readModelArgument(const ArgParser&, driver::SessionOptions& o, int*) const {
+  o.model_path = path_;
+  return true;
+}
+
+Expected<std::unique_ptr<driver::Session>> CompiledSource::open(const driver::SessionOptions& options,
+                                                                std::ostream& diag) const {
+  return driver::Session::fromCompiled(compiled_, options, diag);
+}
+
+void addModelFlags(ArgParser& p, const ModelSource& model) {
   p.addOption("threads", "N", "CPU threads", "2");
   p.addOption("seed", "S", "seed of parameter initialization and synthetic data", "0");
   p.addOption("memory-limit", "SIZE|N%",
               "the most memory the run may use, e.g. 8G, 512M, 1.5GiB, or 80% of what the machine has "
               "(default: all the machine has: MemAvailable, the cgroup limit, ulimit -v); a run that needs "
               "more stops before it allocates, naming the largest tables and the shortfall");
-  if (sessionOpener().add_compile_flags) sessionOpener().add_compile_flags(p);
+  model.addCompileFlags(p);
 }
 
-bool readModelFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_code) {
+bool readModelFlags(const ArgParser& p, const ModelSource& model, driver::SessionOptions& o, int* exit_code) {
   auto threads = p.getInt("threads");
   auto seed = p.getInt("seed");
   if (!threads || !seed) {
@@ -57,22 +79,7 @@ bool readModelFlags(const ArgParser& p, driver::SessionOptions& o, int* exit_cod
     }
     o.memory_limit = *limit;
   }
-  return !sessionOpener().read_compile_flags || sessionOpener().read_compile_flags(p, o, exit_code);
-}
-
-namespace {
-SessionOpener& openerSlot() {
-  static SessionOpener opener;
-  return opener;
-}
-}  // namespace
-
-void installSessionOpener(SessionOpener opener) { openerSlot() = std::move(opener); }
-const SessionOpener& sessionOpener() { return openerSlot(); }
-
-Expected<std::unique_ptr<driver::Session>> openSession(const driver::SessionOptions& options, std::ostream& diag) {
-  if (!openerSlot().open) return Status::error("internal error: no session opener installed");
-  return openerSlot().open(options, diag);
+  return model.readCompileFlags(p, o, exit_code);
 }
 
 void addDeviceFlag(ArgParser& p) {

@@ -61,6 +61,17 @@ with tempfile.TemporaryDirectory() as work:
         if key not in info:
             fail("info lacks %r" % key, info)
 
+    # Each command's help is the runner's own: no MODEL.kiln, no compiler flags, and --batch
+    # defaulting to the batch it was compiled for (the flags are parsed once, as the runner's).
+    for command in ("train", "eval", "predict"):
+        text, _ = alone_ok([command, "--help"])
+        if not text.startswith("usage: model %s" % command):
+            fail("./model %s --help does not name the runner" % command, text)
+        if "MODEL.kiln" in text or "--set=" in text or "--disable-pass" in text:
+            fail("./model %s --help offers the compiler's arguments" % command, text)
+        if not re.search(r"--batch=B\s+samples per step \(default: %d\)" % MAX_BATCH, text):
+            fail("./model %s --help: --batch does not default to the compiled batch" % command, text)
+
     # Training: byte-identical checkpoints.
     train = ["--steps", STEPS, "--threads", "1", "--seed", "3"]
     ok([KILN, "train", MODEL, "--batch", str(MAX_BATCH), "--checkpoint", os.path.join(work, "ref")] + train + SETS)
