@@ -13,12 +13,15 @@
 #include <set>
 #include <sstream>
 
+#include "codegen/cuda_program.h"
+#include "codegen/kernel_lowering.h"
 #include "codegen/lower_cpu.h"
 #include "ir/checked.h"
 #include "ir/ops/kernel_util.h"
 #include "ir/parser.h"
 #include "ir/verifier.h"
 #include "runtime/checkpoint.h"
+#include "runtime/cuda/cublaslt.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/sharded_checkpoint.h"
 
@@ -167,6 +170,37 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
       if (!ec) need.add(fmt::format("checkpoint {} being loaded", path.string()), kCheckpointKind, size);
     }
   }
+  return need;
+}
+
+Expected<runtime::MemoryNeed> estimateDeviceMemory(const ir::Module& m, const SessionOptions& options) {
+  runtime::MemoryNeed need;
+  const ir::SymbolBindings symbols{{"B", options.batch}};
+  KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
+  const std::set<std::string, std::less<>> external = externalTables(m, options);
+  for (const runtime::ParameterSpec& p : params)
+    if (!external.count(p.name))
+      need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
+               p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
+
+  const std::string function = options.training ? "train_step" : "forward";
+  const ir::Function* f = m.lookup(function);
+  if (!f) return Status::error(fmt::format("{}: the model has no @{}", options.model_path, function));
+  KILN_ASSIGN_OR_RETURN(auto groups, codegen::lowerFunction(*f, symbols));
+  KILN_ASSIGN_OR_RETURN(auto built, codegen::buildCudaProgram(*f, groups, symbols));
+  const codegen::Program& program = built.program;
+  need.add(fmt::format("@{}'s activations (the CUDA program's planned arena at batch {})", function, options.batch),
+           kActivationsKind, static_cast<uint64_t>(program.arena_bytes));
+  // Outside the arena: the inputs, the constants and the embedding error flags, each its own
+  // allocation (at least 4 bytes); the parameters are counted above.
+  std::set<int> own(built.error_flags.begin(), built.error_flags.end());
+  for (const auto& [id, op] : built.constants) own.insert(id);
+  uint64_t outside = 0;
+  for (const codegen::Buffer& b : program.buffers)
+    if (!b.inArena() && (b.kind != codegen::BufferKind::Parameter || own.count(b.id)))
+      outside = checkedAddU(outside, static_cast<uint64_t>(std::max<int64_t>(b.bytes, 4))).value_or(UINT64_MAX);
+  need.add(fmt::format("@{}'s inputs, constants and error flags", function), kWorkspaceKind, outside);
+  need.add("cuBLASLt's workspace", kWorkspaceKind, cuda::kCublasLtWorkspaceBytes);
   return need;
 }
 
@@ -322,6 +356,19 @@ Status Session::adopt(std::unique_ptr<ir::Module> module, runtime::ParameterStor
     return Status::error(fmt::format("{}\n  to fit: lower --batch or the model's sizes (--set){}",
                                      fits.message(),
                                      limit.source.rfind("--memory-limit", 0) == 0 ? ", or raise --memory-limit" : ""));
+  if (cuda_) {
+    // The device's half, from the CUDA program: what the GPU has free now is the limit.
+    KILN_ASSIGN_OR_RETURN(auto device_need, estimateDeviceMemory(m, options));
+    KILN_ASSIGN_OR_RETURN(auto info, cuda_->memoryInfo());
+    runtime::MemoryLimit gpu;
+    gpu.bytes = info.free_bytes;
+    gpu.source = fmt::format("the free memory of {} ({} of {})", cuda_->deviceName(),
+                             runtime::formatBytes(info.free_bytes), runtime::formatBytes(info.total_bytes));
+    if (Status fits = runtime::checkMemoryFits(device_need, gpu); !fits)
+      return Status::error(fmt::format("on the GPU: {}\n  to fit: lower --batch or the model's sizes (--set), or "
+                                       "give a --memory-budget",
+                                       fits.message()));
+  }
   if (options.comm) rank_group_ = std::make_unique<comm::CommunicatorRankGroup>(*options.comm);
   ir::SymbolBindings symbols{{"B", options.batch}};
   // What is not preset is initialized from the seed, unless a checkpoint will overwrite every

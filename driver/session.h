@@ -113,6 +113,14 @@ Expected<std::string> memoryBudgetWarning(const ir::Module& m, int64_t batch, st
 Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const SessionOptions& options,
                                                     const data::BatchSpec& spec);
 
+// What a session on a GPU (--device cuda) allocates in the device's memory, from the CUDA
+// backend's own program (codegen::buildCudaProgram over the kernel groups, as the executor builds
+// it, not the CPU's): every parameter and optimizer state (the session uploads the whole store),
+// the arena the program plans for the function it runs at options.batch, the buffers it keeps
+// outside the arena (inputs, constants, error flags) and cuBLASLt's workspace. estimateSessionMemory
+// counts the host's half: the parameters' host copies, the results and the data.
+Expected<runtime::MemoryNeed> estimateDeviceMemory(const ir::Module& m, const SessionOptions& options);
+
 // The kinds of estimateSessionMemory's consumers.
 inline constexpr const char* kWeightsKind = "weights";
 inline constexpr const char* kOptimizerStateKind = "optimizer state";

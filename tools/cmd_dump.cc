@@ -90,6 +90,11 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   int code = kExitOk;
   if (!readTargetFlag(p, &target, &code)) return std::nullopt;
   o.target = target ? *target : p.get("stage") == "cuda" ? h200Target() : cpuTarget();
+  o.device = p.get("device");
+  if (o.device != "cpu" && o.device != "cuda") {
+    p.usageError(fmt::format("--device must be cpu or cuda, got '{}'", o.device));
+    return std::nullopt;
+  }
   return o;
 }
 
@@ -175,6 +180,10 @@ int runDump(const std::vector<std::string>& args) {
             "print kernels, the memory (param_bytes, optimizer_bytes, activation_peak_bytes, "
             "workspace_bytes, data_bytes, "
             "peak_bytes: what kiln train checks), flops and recompute_flops of one training step at --batch");
+  p.addOption("device", "cpu|cuda",
+              "with --stats: cuda also prints what the GPU holds (gpu_param_bytes, gpu_activation_peak_bytes "
+              "from the CUDA program's arena, gpu_bytes: what kiln train --device cuda checks against the GPU)",
+              "cpu");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
   p.addOption("memory-budget", "BYTES|N%",
               "training step: recompute activations until the peak fits (remat{budget=...})");

@@ -114,6 +114,24 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
     out << fmt::format("peak_bytes: {}\n", *memory.peak_bytes);
   else
     out << "peak_bytes: more than 2^64-1\n";
+  if (o.device == "cuda") {
+    // The GPU's half of `kiln train --device cuda`'s check: the CUDA program's own arena.
+    session.device = "cuda";
+    auto device_need = driver::estimateDeviceMemory(m, session);
+    if (!device_need) {
+      err << device_need.status().str() << "\n";
+      return kExitError;
+    }
+    const driver::MemoryTotals gpu = driver::memoryTotals(*device_need);
+    out << fmt::format("gpu_param_bytes: {}\n", gpu.param_bytes);
+    out << fmt::format("gpu_optimizer_bytes: {}\n", gpu.optimizer_bytes);
+    out << fmt::format("gpu_activation_peak_bytes: {}\n", gpu.activation_peak_bytes);
+    out << fmt::format("gpu_workspace_bytes: {}\n", gpu.workspace_bytes);
+    if (gpu.peak_bytes)
+      out << fmt::format("gpu_bytes: {}\n", *gpu.peak_bytes);
+    else
+      out << "gpu_bytes: more than 2^64-1\n";
+  }
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
   printGemmPrecision(*m.lookup("train_step"), out);

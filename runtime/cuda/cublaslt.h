@@ -28,12 +28,17 @@ struct ColumnMajorGemm {
 };
 ColumnMajorGemm toColumnMajor(const codegen::GemmShape& s);
 
+// The device workspace each session's cuBLASLt handle holds (counted by the session's memory
+// check, driver/session.h).
+inline constexpr size_t kCublasLtWorkspaceBytes = size_t{32} << 20;
+
 #ifdef KILN_HAVE_CUDA_HEADERS
 
 class CublasLt {
  public:
   // Loads cuBLASLt and creates a handle and a workspace on the current context.
-  static Expected<std::unique_ptr<CublasLt>> create(CudaDriver* drv, size_t workspace_bytes = 32u << 20);
+  static Expected<std::unique_ptr<CublasLt>> create(CudaDriver* drv,
+                                                    size_t workspace_bytes = kCublasLtWorkspaceBytes);
   ~CublasLt();
 
   // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0.

@@ -120,6 +120,13 @@ bool CudaSession::hasParameter(const std::string& name) const { return impl_->pa
 std::string CudaSession::deviceName() const { return impl_->ctx->name(); }
 std::string CudaSession::arch() const { return impl_->arch; }
 
+Expected<CudaSession::MemoryInfo> CudaSession::memoryInfo() const {
+  KILN_RETURN_IF_ERROR(impl_->ctx->makeCurrent());
+  size_t free_bytes = 0, total_bytes = 0;
+  KILN_CU(impl_->drv(), cuMemGetInfo(&free_bytes, &total_bytes), "reading the device's free memory");
+  return MemoryInfo{free_bytes, total_bytes};
+}
+
 // One unit of stream work: a kernel launch or a GEMM.
 // A codegen::CudaStep of the Program with its arguments resolved to device addresses.
 struct Step {
@@ -631,6 +638,7 @@ Status CudaSession::downloadParameters(runtime::ParameterStore&) const { return 
 bool CudaSession::hasParameter(const std::string&) const { return false; }
 std::string CudaSession::deviceName() const { return ""; }
 std::string CudaSession::arch() const { return ""; }
+Expected<CudaSession::MemoryInfo> CudaSession::memoryInfo() const { return Status::error("no CUDA"); }
 
 CudaExecutor::~CudaExecutor() = default;
 Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&, const ir::SymbolBindings&,

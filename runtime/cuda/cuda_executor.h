@@ -64,6 +64,11 @@ class CudaSession {
 
   std::string deviceName() const;
   std::string arch() const;
+  // The device memory free now and in all (cuMemGetInfo), for the session's memory check.
+  struct MemoryInfo {
+    uint64_t free_bytes = 0, total_bytes = 0;
+  };
+  Expected<MemoryInfo> memoryInfo() const;
 
   struct Impl;
   Impl& impl() { return *impl_; }

@@ -85,6 +85,40 @@ TEST(MemoryEstimate, CountsEachOptimizersStateByHand) {
   EXPECT_EQ(static_cast<uint64_t>((*s)->params().totalBytes()), t.param_bytes + t.optimizer_bytes);
 }
 
+// Issue 34: under --device cuda the GPU's memory is counted from the CUDA program, not the CPU's:
+// every parameter and its state on the device, the CUDA program's arena, the inputs beside it and
+// cuBLASLt's workspace.
+TEST(MemoryEstimate, TheGpuCountsTheCudaProgramsArenaAndEveryParameter) {
+  std::ostringstream diag;
+  driver::SessionOptions o = memModel(32);
+  auto s = driver::Session::create(o, diag);
+  ASSERT_TRUE(s) << s.status().str() << diag.str();
+  o.device = "cuda";
+  auto need = driver::estimateDeviceMemory((*s)->module(), o);
+  ASSERT_TRUE(need) << need.status().str();
+  const driver::MemoryTotals t = driver::memoryTotals(*need);
+  EXPECT_EQ(t.param_bytes, kTableWeights + kDenseWeights);
+  EXPECT_EQ(t.optimizer_bytes, kRowwiseState + kAdamState + kDenseWeights);
+  EXPECT_EQ(t.data_bytes, 0u);  // the data stays on the host
+  // The arena holds at least the MLP's input, [32, 44] f32, in 256-byte units.
+  EXPECT_GE(t.activation_peak_bytes, 32u * 44 * kF32);
+  EXPECT_EQ(t.activation_peak_bytes % 256, 0u);
+  // Beside it: cuBLASLt's workspace and the batch's inputs on the device.
+  EXPECT_GE(t.workspace_bytes, (uint64_t{32} << 20) + 32 * kSampleBytes);
+  EXPECT_LT(t.workspace_bytes, (uint64_t{32} << 20) + 64 * kSampleBytes);
+  // What the check compares with the GPU's free memory: one byte short fails, naming the GPU's limit.
+  ASSERT_TRUE(t.peak_bytes);
+  runtime::MemoryLimit gpu;
+  gpu.source = "the free memory of a test GPU";
+  gpu.bytes = *t.peak_bytes;
+  EXPECT_TRUE(runtime::checkMemoryFits(*need, gpu));
+  gpu.bytes = *t.peak_bytes - 1;
+  Status short_by_one = runtime::checkMemoryFits(*need, gpu);
+  ASSERT_FALSE(short_by_one);
+  EXPECT_NE(short_by_one.message().find("the free memory of a test GPU"), std::string::npos) << short_by_one.message();
+  EXPECT_NE(short_by_one.message().find("cuBLASLt's workspace"), std::string::npos) << short_by_one.message();
+}
+
 TEST(MemoryEstimate, SgdKeepsNoStateAndTablesKeepTheirOwnOptimizer) {
   std::ostringstream diag;
   driver::SessionOptions o = memModel(16);
