@@ -89,7 +89,12 @@ std::optional<OptimizeOptions> optimizeOptions(const ArgParser& p) {
   std::optional<Target> target;
   int code = kExitOk;
   if (!readTargetFlag(p, &target, &code)) return std::nullopt;
-  o.target = target ? *target : p.get("stage") == "cuda" ? h200Target() : cpuTarget();
+  o.roofline = p.flag("roofline");
+  o.target = target ? *target : p.get("stage") == "cuda" || o.roofline ? h200Target() : cpuTarget();
+  if (o.roofline && o.target.kind != TargetKind::gpu) {
+    p.usageError(fmt::format("--roofline prices the CUDA kernels on a GPU: --target {} is not one", o.target.name));
+    return std::nullopt;
+  }
   o.device = p.get("device");
   if (o.device != "cpu" && o.device != "cuda") {
     p.usageError(fmt::format("--device must be cpu or cuda, got '{}'", o.device));
@@ -184,6 +189,10 @@ int runDump(const std::vector<std::string>& args) {
               "with --stats: cuda also prints what the GPU holds (gpu_param_bytes, gpu_activation_peak_bytes "
               "from the CUDA program's arena, gpu_bytes: what kiln train --device cuda checks against the GPU)",
               "cpu");
+  p.addFlag("roofline",
+            "with --stats: the CUDA kernels of the step by class (GEMMs, embedding forward and backward, MoE "
+            "routing, reductions, elementwise): launches, bytes, flops and their roofline time on the GPU "
+            "target (default h200)");
   p.addOption("explain", "fusion", "explain a pass's decisions: each fused group and each refused pair");
   p.addOption("memory-budget", "BYTES|N%",
               "training step: recompute activations until the peak fits (remat{budget=...})");

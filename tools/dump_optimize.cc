@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "codegen/lower_cpu.h"
+#include "driver/roofline.h"
 #include "ir/op_def.h"
 #include "passes/comm_timeline.h"
 #include "passes/cost_model.h"
@@ -135,6 +136,14 @@ int printOptimizeStats(ir::Module& m, const OptimizeOptions& o, std::ostream& ou
   out << fmt::format("flops: {:.0f}\n", flops);
   out << fmt::format("recompute_flops: {:.0f}\n", passes::recomputeFlops(*f, symbols));
   printGemmPrecision(*m.lookup("train_step"), out);
+  if (o.roofline) {
+    auto roofline = driver::estimateRoofline(*f, o.batch, o.target);
+    if (!roofline) {
+      err << roofline.status().str() << "\n";
+      return kExitError;
+    }
+    out << driver::formatRoofline(*roofline);
+  }
   // A sharded step's communication: what the schedule's order hides behind compute, played on
   // the target's links between the ranks of one node (kiln dump places every rank on one).
   passes::CommTimeline timeline = passes::simulateCommTimeline(*f, cost, ir::LinkScope::intra_node);

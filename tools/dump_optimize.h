@@ -22,6 +22,8 @@ struct OptimizeOptions {
   passes::PassOptions shard;                           // --ranks N --rank R ...: the shard pass's options
   // --device cuda: --stats also prints what the GPU holds (gpu_*), from the CUDA program.
   std::string device = "cpu";
+  // --roofline: --stats also prints driver::estimateRoofline's table for the target (a GPU).
+  bool roofline = false;
 };
 
 // Sets the symbols (B = batch) on the module and runs the default training pipeline for the

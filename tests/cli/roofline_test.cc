@@ -1,0 +1,72 @@
+// Issue 36, item 7: the roofline estimate of a step's CUDA kernels, checked against a hand count
+// of a GEMM and the ReLU after it: the bytes each moves, the GEMM's flops, and each one's time at
+// the target's rates (the slower of its math and its memory traffic) plus a launch each.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+
+#include "driver/roofline.h"
+#include "ir/parser.h"
+
+namespace kiln::driver {
+namespace {
+
+const char* kStep = R"(
+func.func @step(%x: !kiln.tensor<Bx64xf32>, %w: !kiln.tensor<32x64xf32>) -> !kiln.tensor<Bx32xf32> {
+  %0 = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx64xf32>, !kiln.tensor<32x64xf32>) -> !kiln.tensor<Bx32xf32>
+  %1 = "kiln.relu"(%0) : (!kiln.tensor<Bx32xf32>) -> !kiln.tensor<Bx32xf32>
+  return %1 : !kiln.tensor<Bx32xf32>
+}
+)";
+
+const KernelClassCost* find(const Roofline& r, const std::string& kind) {
+  auto it = std::find_if(r.classes.begin(), r.classes.end(), [&](const KernelClassCost& k) { return k.kind == kind; });
+  return it == r.classes.end() ? nullptr : &*it;
+}
+
+TEST(Roofline, AGemmAndItsReluByHand) {
+  auto m = ir::parseModule(kStep, "<test>");
+  ASSERT_TRUE(m) << m.status().str();
+  const Target h200 = h200Target();
+  auto r = estimateRoofline(*(*m)->lookup("step"), 1024, h200);
+  ASSERT_TRUE(r) << r.status().str();
+
+  const KernelClassCost* gemm = find(*r, "gemm f32");
+  ASSERT_NE(gemm, nullptr) << formatRoofline(*r);
+  EXPECT_EQ(gemm->launches, 1);
+  // x, w read, the product written, once each.
+  const double gemm_bytes = (1024.0 * 64 + 32 * 64 + 1024 * 32) * 4;
+  const double gemm_flops = 2.0 * 1024 * 64 * 32;
+  EXPECT_DOUBLE_EQ(gemm->bytes, gemm_bytes);
+  EXPECT_DOUBLE_EQ(gemm->flops, gemm_flops);
+  EXPECT_DOUBLE_EQ(gemm->roofline_s,
+                   std::max(gemm_flops / h200.gemm_flops_per_s.f32, gemm_bytes / h200.bytes_per_s));
+
+  const KernelClassCost* relu = find(*r, "elementwise");
+  ASSERT_NE(relu, nullptr) << formatRoofline(*r);
+  EXPECT_EQ(relu->launches, 1);
+  const double relu_bytes = 2.0 * 1024 * 32 * 4;  // read the product, write the result
+  EXPECT_DOUBLE_EQ(relu->bytes, relu_bytes);
+  EXPECT_DOUBLE_EQ(relu->roofline_s, relu_bytes / h200.bytes_per_s);  // one op an element: memory bound
+  EXPECT_DOUBLE_EQ(relu->memory_bound_s, relu->roofline_s);
+
+  EXPECT_EQ(r->total.launches, 2);
+  EXPECT_DOUBLE_EQ(r->total.launch_s, 2 * h200.launch_s);
+  EXPECT_DOUBLE_EQ(r->total.roofline_s, gemm->roofline_s + relu->roofline_s);
+  const std::string table = formatRoofline(*r);
+  EXPECT_NE(table.find("launches: 2\n"), std::string::npos) << table;
+}
+
+TEST(Roofline, ABatchOfEightTimesTheRowsMovesAboutEightTimesTheBytes) {
+  auto m = ir::parseModule(kStep, "<test>");
+  ASSERT_TRUE(m) << m.status().str();
+  auto small = estimateRoofline(*(*m)->lookup("step"), 1024, h200Target());
+  auto large = estimateRoofline(*(*m)->lookup("step"), 8192, h200Target());
+  ASSERT_TRUE(small && large);
+  // Everything but the [32, 64] weight scales with B.
+  const double weight = 32.0 * 64 * 4;
+  EXPECT_DOUBLE_EQ(large->total.bytes - weight, 8 * (small->total.bytes - weight));
+}
+
+}  // namespace
+}  // namespace kiln::driver
