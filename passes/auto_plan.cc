@@ -29,22 +29,15 @@ std::string ms(double s) { return fmt::format("{:.3g} ms", s * 1e3); }
 int64_t tableBytes(const TableInfo& t) { return t.rows * t.bytesPerRow(); }
 
 // "row_wise over 0-7", "table_wise on rank 3", "data_parallel".
-std::string describe(const TablePlan& t) {
-  switch (t.type) {
-    case ShardingType::data_parallel:
-      return "data_parallel";
-    case ShardingType::table_wise:
-      return fmt::format("table_wise on rank {}", t.ranks.empty() ? -1 : t.ranks[0]);
-    default:
-      return fmt::format("{} over {}", shardingName(t.type), rankList(t.ranks));
-  }
-}
+std::string describe(const TablePlan& t) { return t.kind().describe(t.ranks); }
 
 // ---------------------------------------------------------------------------------------------
 // The cost of one table's choice
 
 // What one table adds to each rank (memory, lookup time, link time) and its own totals, per the
-// formulas of auto_plan.h.
+// formulas of auto_plan.h: the exchange of its ids, pools and gradients is its kind's
+// (ShardingKind::addRankCosts); memory, hot rows and de-duplicated routing are the same for
+// every type.
 struct Delta {
   std::vector<RankCost> ranks;
   TableCost table;
@@ -60,12 +53,13 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   const bool multi_node = rpn > 0 && n > rpn;
   const LinkRates& global_link = multi_node ? costs.inter_node : costs.intra_node;
   const LinkRates& node_link = costs.intra_node;
+  const ShardingKind& kind = t.kind();
   // Hot rows replicated (TablePlan::hot): only the cold ids travel and are looked up by their
-  // owners, and only the samples with a cold id get a pool back (the shard pass compacts the
-  // returned pools; column shards still return every sample's columns).
-  const bool hybrid = t.hot.rows > 0 && t.type != ShardingType::data_parallel;
+  // owners, and from row blocks only the samples with a cold id get a pool back (the shard pass
+  // compacts the returned pools; column shards still return every sample's columns).
+  const bool hybrid = t.hot.rows > 0 && !kind.replicated();
   const double cold_ids = hybrid ? 1 - t.hot.id_share : 1;
-  const double cold_pools = hybrid && t.type != ShardingType::column_wise ? 1 - t.hot.sample_share : 1;
+  const double cold_pools = hybrid && kind.rowBlocks() ? 1 - t.hot.sample_share : 1;
   const double ids = 8 * h * cold_ids + 8;  // one sample's (cold) ids and its length
   const double de = d * e * cold_pools;     // one sample's pool (or its gradient), when it travels
   const int k = static_cast<int>(t.ranks.size());
@@ -92,7 +86,7 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
   // De-duplicated routing (TablePlan::dedup): a rank's distinct (cold) ids go straight to their
   // owners, one row comes back for each and its gradient returns; three exchanges, no lengths,
   // no pools. The rank pools its samples from those rows and builds their gradient itself.
-  const bool dedup = t.dedup && hasRowBlocks(t.type);
+  const bool dedup = t.dedup && kind.rowBlocks();
   const double distinct = h * cold_ids * t.unique_share;  // rows a sample brings in, on average
   for (int r = 0; r < n && dedup; ++r) {
     const double moved = b * (8 * distinct + 2 * distinct * d * e);  // a rank's ids, rows and gradients
@@ -106,49 +100,16 @@ Delta tableDelta(const TablePlan& t, const TableInfo& info, const PlanRequest& r
       comm(r, moved, k, global_link, 3);
     }
   }
-  for (int r = 0; r < n && !dedup; ++r) {
-    const bool mine = holds[static_cast<size_t>(r)];
-    switch (t.type) {
-      case ShardingType::data_parallel:
-        lookups(r, b * h, G * h, d);
-        if (n > 1) comm(r, (n - 1) * b * (8 * h + 8 + d * e), n - 1, global_link, 2);
-        break;
-      case ShardingType::table_wise:
-        if (mine) {
-          lookups(r, G * h * cold_ids, G * h * cold_ids, d);
-          if (n > 1) comm(r, (n - 1) * b * (ids + 2 * de), n - 1, global_link, 4);
-        } else {
-          comm(r, b * (ids + 2 * de), 1, global_link, 4);
-        }
-        break;
-      case ShardingType::row_wise:
-        if (mine) lookups(r, G * h * cold_ids / k, G * h * cold_ids / k, d);
-        if (n > 1) {
-          if (mine)
-            comm(r, 8 * b * h * cold_ids + 8.0 * n * b + 2.0 * (n - 1) * b * de, n - 1, global_link, 4);
-          else
-            comm(r, b * (ids + 2 * de), k, global_link, 4);
-        }
-        break;
-      case ShardingType::column_wise: {
-        const double cols = d / k;
-        if (mine) lookups(r, G * h * cold_ids, G * h * cold_ids, cols);
-        const double grads = s > 0 ? k * b * de : b * de;
-        if (n > 1) comm(r, k * b * ids + b * de + grads, std::max(k, n - 1), global_link, 4);
-        break;
-      }
-      case ShardingType::table_row_wise:
-        if (mine) {
-          lookups(r, G * h * cold_ids / k, G * h * cold_ids / k, d);
-          // Row-wise inside the group for the whole batch's ids, then pools back to their ranks.
-          const double gb = G / k;
-          if (k > 1) comm(r, 8 * gb * h * cold_ids + 8.0 * k * gb + 2.0 * (k - 1) * gb * de, k - 1, node_link, 3);
-          if (n > 1) comm(r, b * (ids + 2 * de), n - 1, global_link, 2);
-        } else if (n > 1) {
-          comm(r, b * (ids + 2 * de), k, global_link, 4);
-        }
-        break;
-    }
+  if (!dedup) {
+    CostTerms terms;
+    terms.n = n, terms.k = k;
+    terms.G = G, terms.b = b, terms.h = h, terms.d = d, terms.e = e, terms.s = s;
+    terms.cold_ids = cold_ids, terms.ids = ids, terms.de = de;
+    terms.lookups = lookups;
+    terms.comm = [&](int r, double bytes, int peers, Link link, int collectives) {
+      comm(r, bytes, peers, link == Link::node ? node_link : global_link, collectives);
+    };
+    for (int r = 0; r < n; ++r) kind.addRankCosts(terms, r, holds[static_cast<size_t>(r)]);
   }
   if (hybrid) {
     // Every rank holds the hot rows, looks up its own samples' hot ids, and applies the hot rows'
@@ -304,52 +265,23 @@ TablePlan makePlan(const TableInfo& info, ShardingType type, std::vector<int> ra
   t.type = type;
   t.ranks = std::move(ranks);
   t.shards = layoutShards(t, info);
-  if (type != ShardingType::data_parallel) t.hot = info.hot;
+  if (!t.kind().replicated()) t.hot = info.hot;
   return t;
 }
 
-std::vector<int> rankRange(int begin, int end) {
-  std::vector<int> r;
-  for (int x = begin; x < end; ++x) r.push_back(x);
-  return r;
-}
-
-// Every choice the search considers for a table: data_parallel; table_wise on each rank;
-// row_wise over all; column_wise over each aligned block of k ranks, k a power of two dividing
-// the dim; table_row_wise over each node group (with one node, row_wise over all is the same
-// layout for less traffic). `pinned` restricts it to its type; a pin's ranks to those.
+// Every choice the search considers for a table: each type's candidate placements
+// (ShardingKind::candidateRanks), the types in the registry's order. `pinned` restricts it to its
+// type; a pin's ranks to those.
 std::vector<TablePlan> choices(const TableInfo& info, const PlanPin* pin, int n, int rpn) {
   std::vector<TablePlan> out;
   if (pin && !pin->ranks.empty()) {
     out.push_back(makePlan(info, pin->type, pin->ranks));
     return out;
   }
-  auto allowed = [&](ShardingType t) { return !info.pinned || *info.pinned == t; };
-  if (allowed(ShardingType::data_parallel)) out.push_back(makePlan(info, ShardingType::data_parallel, rankRange(0, n)));
-  if (allowed(ShardingType::table_wise))
-    for (int r = 0; r < n; ++r) out.push_back(makePlan(info, ShardingType::table_wise, {r}));
-  if (allowed(ShardingType::row_wise)) out.push_back(makePlan(info, ShardingType::row_wise, rankRange(0, n)));
-  if (allowed(ShardingType::column_wise) && n > 1) {
-    bool any = false;
-    for (int k = 2; k <= n; k *= 2) {
-      if (info.dim % k != 0) continue;
-      for (int first = 0; first + k <= n; first += k) {
-        out.push_back(makePlan(info, ShardingType::column_wise, rankRange(first, first + k)));
-        any = true;
-      }
-    }
-    if (!any && info.pinned == ShardingType::column_wise) {
-      // A pinned split with no power of two: the largest k that divides the dim.
-      int k = n;
-      while (k > 1 && info.dim % k != 0) --k;
-      out.push_back(makePlan(info, ShardingType::column_wise, rankRange(0, k)));
-    }
-  }
-  if (allowed(ShardingType::table_row_wise)) {
-    const int g = rpn > 0 ? std::min(rpn, n) : n;
-    if (g < n || info.pinned == ShardingType::table_row_wise)
-      for (int first = 0; first < n; first += g)
-        out.push_back(makePlan(info, ShardingType::table_row_wise, rankRange(first, std::min(n, first + g))));
+  for (ShardingType type : shardingTypes()) {
+    if (info.pinned && *info.pinned != type) continue;
+    for (std::vector<int>& ranks : shardingKind(type).candidateRanks(info, info.pinned.has_value(), n, rpn))
+      out.push_back(makePlan(info, type, std::move(ranks)));
   }
   return out;
 }
@@ -411,7 +343,7 @@ class Greedy {
         KILN_RETURN_IF_ERROR(place(i, ShardingType::row_wise, all(), why));
       }
     }
-    // 3. Column- and table-row-wise pins.
+    // 3. Column- and table-row-wise pins, and pins of any type the greedy has no rule for.
     for (size_t i : order) {
       if (placed_[i]) continue;
       const TableInfo& t = tables_[i];
@@ -424,6 +356,8 @@ class Greedy {
       } else if (t.pinned == ShardingType::table_row_wise) {
         KILN_RETURN_IF_ERROR(
             place(i, ShardingType::table_row_wise, leastLoadedNode(), "pinned; the least loaded node"));
+      } else if (t.pinned && *t.pinned != ShardingType::table_wise) {
+        KILN_RETURN_IF_ERROR(placePinned(i));
       }
     }
     // 4. The rest table-wise, each on the rank that keeps the slowest rank fastest.
@@ -498,6 +432,37 @@ class Greedy {
     int r = overflow(d, short_by);
     if (r >= 0) return doesNotFit(i, type, d, r, short_by);
     return commit(i, std::move(t), d, std::move(why));
+  }
+
+  // A table pinned to a type without a rule of its own: of the placements its kind offers, the
+  // one that keeps the slowest rank fastest, within memory.
+  Status placePinned(size_t i) {
+    const std::vector<TablePlan> options = choices(tables_[i], nullptr, n_, req_.ranks_per_node);
+    if (options.empty())
+      return Status::errorf("table '{}' is pinned {}, which offers no placement on {} ranks", tables_[i].name,
+                            shardingName(*tables_[i].pinned), n_);
+    int best = -1;
+    double best_time = 0;
+    Delta best_delta;
+    for (size_t o = 0; o < options.size(); ++o) {
+      Delta d = tableDelta(options[o], tables_[i], req_, n_, req_.ranks_per_node);
+      int64_t short_by = 0;
+      if (int r = overflow(d, short_by); r >= 0) {
+        if (o + 1 == options.size() && best < 0) return doesNotFit(i, options[o].type, d, r, short_by);
+        continue;
+      }
+      double slowest = 0;
+      for (int x = 0; x < n_; ++x)
+        slowest =
+            std::max(slowest, acc_[static_cast<size_t>(x)].step_s + d.ranks[static_cast<size_t>(x)].step_s);
+      if (best < 0 || slowest < best_time - 1e-15) {
+        best = static_cast<int>(o);
+        best_time = slowest;
+        best_delta = std::move(d);
+      }
+    }
+    return commit(i, options[static_cast<size_t>(best)], best_delta,
+                  "pinned; the slowest rank stays fastest there");
   }
 
   Status placeTableWise(size_t i, bool pinned) {
@@ -733,9 +698,11 @@ Expected<ShardPlan> placeBaseline(const std::vector<TableInfo>& tables, const st
     std::vector<TablePlan> opts;
     for (TablePlan& o : choices(tables[i], pins[i], n, req.ranks_per_node))
       if (o.type == types[i]) opts.push_back(std::move(o));
-    if (opts.empty() && types[i] == ShardingType::table_row_wise) {
+    if (opts.empty()) {
+      // A placement the search leaves out as never better (table_row_wise on one node) is the
+      // baseline's all the same: what the type offers a table pinned to it.
       TableInfo t = tables[i];
-      t.pinned = ShardingType::table_row_wise;
+      t.pinned = types[i];
       opts = choices(t, nullptr, n, req.ranks_per_node);
     }
     int best = -1;

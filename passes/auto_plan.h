@@ -7,7 +7,8 @@
 // efficiency of the message size per peer, plus the link's latency per collective). A plan's
 // predicted step is the critical path: the slowest rank's lookups plus communication, not a sum
 // over ranks. Per table and step, with N ranks, b = global_batch / N samples per rank, h ids per
-// sample, d the dim, e its element bytes, ids and lengths i64:
+// sample, d the dim, e its element bytes, ids and lengths i64 (each type's terms are its kind's,
+// ShardingKind::addRankCosts in passes/sharding/):
 //   data_parallel   every rank: (N-1) b (8h + 8 + d e)     (all_gather ids, lengths, pooled grads)
 //   table_wise      others: b (8h + 8) + 2 b d e; the owner that, times N-1
 //   row_wise        every rank: 8 b h + 8 N b + 2 (N-1) b d e (ids to owners, lengths, the

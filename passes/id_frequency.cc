@@ -118,7 +118,7 @@ std::vector<HybridEstimate> estimateHybrid(const ShardPlan& plan, const std::vec
     trial.tables[i].hot = {};
     const PlanCosts plain = planCosts(trial, tables, req);
     e.plain_bytes = e.hybrid_bytes = plain.tables[i].comm_bytes_per_step;
-    if (info == tables.end() || curve.rows == 0 || t.type == ShardingType::data_parallel || plan.ranks < 1) {
+    if (info == tables.end() || curve.rows == 0 || t.kind().replicated() || plan.ranks < 1) {
       out.push_back(e);
       continue;
     }
@@ -170,7 +170,7 @@ std::vector<DedupChoice> chooseDedup(ShardPlan& plan, const std::vector<TableInf
     if (t.dedup) current.reset();
     t.dedup = false;
     t.unique_share = 1;
-    c.considered = i < curves.size() && curves[i].rows > 0 && hasRowBlocks(t.type);
+    c.considered = i < curves.size() && curves[i].rows > 0 && t.kind().rowBlocks();
     if (c.considered) {
       if (!current) current = planCosts(plan, tables, req);
       const PlanCosts& plain = *current;

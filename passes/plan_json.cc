@@ -282,7 +282,7 @@ Expected<TablePlan> parseEntry(const Parser& p, const Node& e, int nranks, bool 
         return p.error(r.offset, fmt::format("table '{}': rank {} is out of range [0, {})", t.table, v, nranks));
       t.ranks.push_back(v);
     }
-  } else if (require_ranks && t.type != ShardingType::data_parallel) {
+  } else if (require_ranks && !t.kind().replicated()) {
     return p.error(e.offset, fmt::format("table '{}' needs \"ranks\" for {}", t.table, shardingName(t.type)));
   }
   // A hybrid table's replicated rows (completePlan checks them against the table), and what the

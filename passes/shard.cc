@@ -4,7 +4,9 @@
 // each program issues are the same, in the same order, on every rank.
 //
 // The batch symbol B is this rank's share of the global batch (N * B samples, rank r holding
-// samples [r * B, (r + 1) * B)). Per table, by its sharding (k ranks hold it):
+// samples [r * B, (r + 1) * B)). Per table, by its sharding (k ranks hold it), as its kind
+// (passes/sharding/) says: whether every rank holds it (the lookup stays local), whether its
+// pieces are row blocks (ids by owner) or take every id, and how pools come back (PoolReturn):
 //
 //   forward, row_wise / table_wise / table_row_wise (shards own row blocks):
 //     bucketize_ids(ids)          ids by owner, made local; per-owner lengths; counts
@@ -131,14 +133,11 @@ class Sharder {
       if (s.rank == o_.rank) return &s;
     return nullptr;
   }
-  // A hybrid table's pools come back by all_to_all_v, compacted (Route::compact).
-  bool returnsByReduceScatter(const TablePlan& t) const {
-    return t.type == ShardingType::row_wise && static_cast<int>(t.ranks.size()) == o_.ranks && t.hot.ids.empty() &&
-           !t.dedup;
-  }
-  static bool compacts(const TablePlan& t) {
-    return !t.hot.ids.empty() && t.type != ShardingType::column_wise && !t.dedup;
-  }
+  // How t's pools come back to the ranks, and its gradients go out (its kind's choice).
+  PoolReturn poolReturn(const TablePlan& t) const { return t.kind().poolReturn(t, o_.ranks); }
+  // A hybrid table's pools travel only for the samples that sent ids (Route::compact): from row
+  // blocks, to which a sample sends ids only where some lie in the block.
+  static bool compacts(const TablePlan& t) { return !t.hot.ids.empty() && t.kind().rowBlocks() && !t.dedup; }
   int64_t holders(const TablePlan& t) const { return static_cast<int64_t>(t.shards.size()); }
 
   Status located(const Op& op, Status s) const { return std::move(s).withLocation(op.location()); }
@@ -241,7 +240,7 @@ Status Sharder::retypeParameters(ir::Function& f) {
     std::string table = op->strAttr("state_of");
     if (table.empty() || !info_.count(table)) table = op->strAttr("name");
     const TablePlan* t = plan_.find(table);
-    if (!t || !info_.count(table) || t->type == ShardingType::data_parallel) continue;
+    if (!t || !info_.count(table) || t->kind().replicated()) continue;
     if (!t->hot.ids.empty()) KILN_RETURN_IF_ERROR(addHotReplica(*op, *t));
     const TableShard* s = mine(*t);
     if (!s) {
@@ -262,7 +261,7 @@ Status Sharder::retypeParameters(ir::Function& f) {
     op->setAttr("global_shape", Attribute::ints(global));
     op->setAttr("offset", Attribute::ints(offset));
     // A per-row state of column shards: every holder keeps the same copy of its rows'.
-    if (old.rank() == 1 && t->type == ShardingType::column_wise && t->shards.size() > 1)
+    if (old.rank() == 1 && poolReturn(*t) == PoolReturn::column_pieces && t->shards.size() > 1)
       op->setAttr("replicated", Attribute(true));
   }
   return Status::ok();
@@ -302,9 +301,9 @@ Status Sharder::addHotReplica(Op& param, const TablePlan& t) {
 void Sharder::shardOwners(const TablePlan& t, std::vector<int64_t>& owners, std::vector<int64_t>& starts) {
   for (const TableShard& s : t.shards) {
     owners.push_back(s.rank);
-    if (hasRowBlocks(t.type)) starts.push_back(s.row_begin);
+    if (t.kind().rowBlocks()) starts.push_back(s.row_begin);
   }
-  if (hasRowBlocks(t.type)) starts.push_back(t.shards.back().row_end);
+  if (t.kind().rowBlocks()) starts.push_back(t.shards.back().row_end);
 }
 
 Expected<Route> Sharder::route(const TablePlan& t, Value* ids, Value* lengths) {
@@ -446,8 +445,9 @@ Expected<Value*> Sharder::pooledByOwners(const TablePlan& t, Route& r, Value* ta
   const Dim batch = pooled_type.dim(0);
   const int64_t dim = info_.at(t.table)->dim;
   const int64_t k = holders(t);
-  const int64_t cols = t.type == ShardingType::column_wise ? dim / k : dim;
-  const bool reduce_scatter = returnsByReduceScatter(t);
+  const PoolReturn how = poolReturn(t);
+  const int64_t cols = how == PoolReturn::column_pieces ? dim / k : dim;
+  const bool reduce_scatter = how == PoolReturn::reduce_scatter;
   const TensorType partial_type(pooled_type.dtype(), {batch.times(o_.ranks), Dim::fixed(cols)});
   Value* partial = nullptr;
   if (mine(t)) {
@@ -479,7 +479,7 @@ Expected<Value*> Sharder::pooledByOwners(const TablePlan& t, Route& r, Value* ta
     // Each sample's partials from the owners it sent ids to, summed in rank order.
     KILN_ASSIGN_OR_RETURN(pooled, b_.createValue(OpCode::ExpandRows, {pooled, r.sent_lengths},
                                                  {{"blocks", Attribute(int64_t{o_.ranks})}}));
-  } else if (k > 1 && t.type == ShardingType::column_wise) {
+  } else if (k > 1 && how == PoolReturn::column_pieces) {
     // Piece j holds columns [j * cols, (j + 1) * cols) of every sample: side by side.
     KILN_ASSIGN_OR_RETURN(pooled, swapBlocks(pooled, pieces, pooled_type));
   } else if (k > 1) {
@@ -570,8 +570,10 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   Value* lengths = l.lengths >= 0 ? update.operand(static_cast<unsigned>(l.lengths)) : nullptr;
   b_.setInsertionPoint(&update);
   b_.setLocation(update.location());
+  const PoolReturn how = poolReturn(t);
   Route r;
-  if (t.type == ShardingType::data_parallel) {
+  if (how == PoolReturn::local) {
+    // Nothing was routed for the lookup: the update gathers every rank's ids here.
     KILN_ASSIGN_OR_RETURN(r, route(t, ids, lengths));
   } else {
     auto it = routes_.find({t.table, ids});
@@ -582,8 +584,8 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   }
   // A column shard under rowwise_adagrad needs its rows' whole gradient: the row's statistic
   // spans every column.
-  const bool whole_rows = t.type == ShardingType::column_wise && holders(t) > 1 &&
-                          update.strAttr("optimizer") == "rowwise_adagrad";
+  const bool whole_rows =
+      how == PoolReturn::column_pieces && holders(t) > 1 && update.strAttr("optimizer") == "rowwise_adagrad";
   if (whole_rows && update.floatAttr("weight_decay") != 0)
     return located(update,
                    Status::errorf("table '{}': column_wise with rowwise_adagrad and weight_decay needs the "
@@ -596,7 +598,7 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
   Value* grads = nullptr;  // the gradient of every global sample this rank's ids belong to
   if (r.dedup) {
     KILN_RETURN_IF_ERROR(lowerUniqueUpdate(update, l, t, r, grad));
-  } else if (t.type == ShardingType::data_parallel || returnsByReduceScatter(t)) {
+  } else if (how == PoolReturn::local || how == PoolReturn::reduce_scatter) {
     KILN_ASSIGN_OR_RETURN(grads, b_.createValue(OpCode::AllGather, {grad}, groupAxis0()));
   } else if (r.compact) {
     // The gradients of the samples that sent ids, to the ranks they sent them to.
@@ -616,7 +618,7 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     // whole rows where rowwise_adagrad's statistic needs them).
     Value* send = grad;
     const int64_t dim = gt.dim(1).size();
-    const bool own_columns = t.type == ShardingType::column_wise && !whole_rows;
+    const bool own_columns = how == PoolReturn::column_pieces && !whole_rows;
     const int64_t cols = own_columns ? dim / k : dim;
     if (own_columns && k > 1) {
       // Each holder's columns of every sample, one holder after the other.
@@ -632,7 +634,7 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
                                                         group()));
     grads = back->result(0);
   }
-  if (!r.dedup && (t.type == ShardingType::data_parallel || mine(t))) {
+  if (!r.dedup && (how == PoolReturn::local || mine(t))) {
     // The same update over the ids this rank holds rows for, in the flat (ids, lengths) form.
     AttrDict attrs = update.attrs();
     if (whole_rows) attrs["column_offset"] = Attribute(mine(t)->col_begin);
@@ -641,7 +643,8 @@ Status Sharder::lowerUpdate(Op& update, const TablePlan& t) {
     if (!applied) return applied.status();
   }
   if (r.hot_ids)
-    KILN_RETURN_IF_ERROR(lowerHotUpdate(update, l, t, r, grad, returnsByReduceScatter(t) ? grads : nullptr));
+    KILN_RETURN_IF_ERROR(
+        lowerHotUpdate(update, l, t, r, grad, how == PoolReturn::reduce_scatter ? grads : nullptr));
   update.parentBlock()->erase(&update);
   return Status::ok();
 }
@@ -872,7 +875,7 @@ Status Sharder::run(ir::Function& f) {
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;
     const TablePlan* t = plan_.find(op->strAttr("table"));
-    if (t && t->type != ShardingType::data_parallel && ++lookups[t->table] == 2)
+    if (t && !t->kind().replicated() && ++lookups[t->table] == 2)
       return located(*op,
                      Status::errorf("table '{}' is shared by several features and cannot be {} yet: a shared "
                                     "table trains on many ranks as data_parallel (shard = data_parallel)",
@@ -881,7 +884,7 @@ Status Sharder::run(ir::Function& f) {
   for (Op* op : f.entry().opList()) {
     if (!op->is(OpCode::EmbeddingBag)) continue;
     const TablePlan* t = plan_.find(op->strAttr("table"));
-    if (t && t->type != ShardingType::data_parallel) KILN_RETURN_IF_ERROR(lowerLookup(*op, *t));
+    if (t && !t->kind().replicated()) KILN_RETURN_IF_ERROR(lowerLookup(*op, *t));
   }
   for (Op* op : f.entry().opList()) {
     const TablePlan* t = plan_.find(op->strAttr("table"));
@@ -919,33 +922,19 @@ Expected<ShardPlan> planFor(const std::vector<TableInfo>& tables, const ShardOpt
   plan.ranks = o.ranks;
   plan.ranks_per_node = o.ranks_per_node;
   if (!o.sharding.empty()) {
-    // Every table one way: the tests' and `kiln opt`'s plan (table_wise: round robin).
+    // Every table one way: the tests' and `kiln opt`'s plan, each table where its type puts it
+    // (ShardingKind::uniformRanks; table_wise: round robin).
     auto type = parseShardingType(o.sharding);
     if (!type) return Status::errorf("shard: unknown sharding '{}' (use {})", o.sharding, shardingNames());
-    int next = 0;  // column_wise: where the next table's block of ranks starts
+    UniformPlacement at;
+    at.ranks = o.ranks;
+    at.ranks_per_node = o.ranks_per_node > 0 ? o.ranks_per_node : o.ranks;
     for (size_t i = 0; i < tables.size(); ++i) {
       TablePlan t;
       t.table = tables[i].name;
       t.type = *type;
-      const int per_node = o.ranks_per_node > 0 ? o.ranks_per_node : o.ranks;
-      int first = 0, k = o.ranks;
-      switch (*type) {
-        case ShardingType::table_wise:
-          first = static_cast<int>(i % static_cast<size_t>(o.ranks)), k = 1;
-          break;
-        case ShardingType::table_row_wise:  // the nodes in turn
-          first = static_cast<int>(i % static_cast<size_t>(o.ranks / per_node)) * per_node, k = per_node;
-          break;
-        case ShardingType::column_wise:
-          // As many ranks as divide the dim, the blocks in turn (wrapping around), so that the
-          // tables fill every rank rather than all starting at rank 0.
-          while (k > 1 && tables[i].dim % k != 0) --k;
-          first = next, next = (next + k) % o.ranks;
-          break;
-        default:
-          break;
-      }
-      for (int r = 0; r < k; ++r) t.ranks.push_back((first + r) % o.ranks);
+      at.index = i;
+      t.ranks = shardingKind(*type).uniformRanks(tables[i], at);
       plan.tables.push_back(std::move(t));
     }
     KILN_RETURN_IF_ERROR(completePlan(plan, tables));

@@ -9,9 +9,6 @@
 namespace kiln::passes {
 namespace {
 
-constexpr std::string_view kNames[] = {"data_parallel", "table_wise", "row_wise", "column_wise",
-                                       "table_row_wise"};
-
 // The sparse input feeding `op`'s ids, looking through the single-operand ops (casts, reshapes)
 // that may stand between them.
 const ir::Op* idsInput(const ir::Op& bag) {
@@ -29,22 +26,6 @@ Status errAt(std::string msg, const Location& loc) { return Status::error(std::m
 
 }  // namespace
 
-std::string_view shardingName(ShardingType t) { return kNames[static_cast<int>(t)]; }
-
-std::optional<ShardingType> parseShardingType(std::string_view name) {
-  for (size_t i = 0; i < std::size(kNames); ++i)
-    if (kNames[i] == name) return static_cast<ShardingType>(i);
-  return std::nullopt;
-}
-
-std::string_view shardingNames() {
-  return "data_parallel, table_wise, row_wise, column_wise, table_row_wise";
-}
-
-bool hasRowBlocks(ShardingType t) {
-  return t == ShardingType::table_wise || t == ShardingType::row_wise || t == ShardingType::table_row_wise;
-}
-
 std::string rankList(const std::vector<int>& ranks) {
   std::string out;
   for (size_t i = 0; i < ranks.size();) {
@@ -54,6 +35,12 @@ std::string rankList(const std::vector<int>& ranks) {
            (j > i ? fmt::format("{}-{}", ranks[i], ranks[j]) : fmt::format("{}", ranks[i]));
     i = j + 1;
   }
+  return out;
+}
+
+std::vector<int> rankRange(int begin, int end) {
+  std::vector<int> out;
+  for (int r = begin; r < end; ++r) out.push_back(r);
   return out;
 }
 
@@ -153,33 +140,8 @@ Expected<std::vector<TableInfo>> tablesOf(const ir::Module& m) {
 }
 
 std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info) {
-  std::vector<TableShard> out;
-  const int64_t k = static_cast<int64_t>(t.ranks.size());
-  if (k == 0) return out;
-  switch (t.type) {
-    case ShardingType::data_parallel:
-      for (int r : t.ranks) out.push_back({r, 0, info.rows, 0, info.dim});
-      break;
-    case ShardingType::table_wise:
-      out.push_back({t.ranks[0], 0, info.rows, 0, info.dim});
-      break;
-    case ShardingType::row_wise:
-    case ShardingType::table_row_wise: {
-      const int64_t block = (info.rows + k - 1) / k;
-      for (int64_t j = 0; j < k; ++j) {
-        int64_t b = std::min(j * block, info.rows), e = std::min((j + 1) * block, info.rows);
-        out.push_back({t.ranks[static_cast<size_t>(j)], b, e, 0, info.dim});
-      }
-      break;
-    }
-    case ShardingType::column_wise: {
-      const int64_t w = info.dim / k;
-      for (int64_t j = 0; j < k; ++j)
-        out.push_back({t.ranks[static_cast<size_t>(j)], 0, info.rows, j * w, (j + 1) * w});
-      break;
-    }
-  }
-  return out;
+  if (t.ranks.empty()) return {};
+  return t.kind().layout(t.ranks, info);
 }
 
 Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_per_node) {
@@ -190,58 +152,27 @@ Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_
   if (std::adjacent_find(t.ranks.begin(), t.ranks.end()) != t.ranks.end())
     return Status::error(fmt::format("table '{}': rank {} is listed twice", t.table,
                                      *std::adjacent_find(t.ranks.begin(), t.ranks.end())));
-  const int k = static_cast<int>(t.ranks.size());
-  switch (t.type) {
-    case ShardingType::data_parallel:
-      if (k != 0 && k != ranks)
-        return Status::error(
-            fmt::format("table '{}': data_parallel runs on all {} ranks, got {}", t.table, ranks, k));
-      t.ranks.clear();
-      for (int r = 0; r < ranks; ++r) t.ranks.push_back(r);
-      break;
-    case ShardingType::table_wise:
-      if (k != 1)
-        return Status::error(fmt::format("table '{}': table_wise needs exactly 1 rank, got {}", t.table, k));
-      break;
-    case ShardingType::row_wise:
-      if (k < 1) return Status::error(fmt::format("table '{}': row_wise needs at least 1 rank", t.table));
-      break;
-    case ShardingType::column_wise:
-      if (k < 1) return Status::error(fmt::format("table '{}': column_wise needs at least 1 rank", t.table));
-      if (info.dim % k != 0)
-        return Status::error(fmt::format("table '{}': column_wise over {} ranks does not divide its dim {}",
-                                         t.table, k, info.dim));
-      break;
-    case ShardingType::table_row_wise: {
-      if (k < 1)
-        return Status::error(fmt::format("table '{}': table_row_wise needs at least 1 rank", t.table));
-      if (ranks_per_node > 0) {
-        int node = t.ranks.front() / ranks_per_node;
-        for (int r : t.ranks)
-          if (r / ranks_per_node != node)
-            return Status::error(
-                fmt::format("table '{}': table_row_wise ranks must lie in one node of {} ranks; "
-                            "rank {} is on node {}, rank {} on node {}",
-                            t.table, ranks_per_node, t.ranks.front(), node, r, r / ranks_per_node));
-      }
-      break;
-    }
-  }
+  const ShardingKind& kind = t.kind();
+  KILN_RETURN_IF_ERROR(kind.checkRanks(t, info, ranks, ranks_per_node));
   const std::vector<int64_t>& hot = t.hot.ids;
-  if (!hot.empty() && t.type == ShardingType::data_parallel)
-    return Status::error(fmt::format("table '{}' is data_parallel: every row is on every rank already, so it "
-                                     "takes no hot_rows",
-                                     t.table));
+  if (!hot.empty() && kind.replicated())
+    return Status::error(
+        fmt::format("table '{}' is {}: every row is on every rank already, so it takes no hot_rows", t.table,
+                    kind.name()));
   for (size_t i = 0; i < hot.size(); ++i)
     if (hot[i] < 0 || hot[i] >= info.rows || (i > 0 && hot[i] <= hot[i - 1]))
       return Status::error(fmt::format("table '{}': hot_rows must be distinct rows in [0, {}), ascending; "
                                        "entry {} is {}",
                                        t.table, info.rows, i, hot[i]));
   if (!hot.empty()) t.hot.rows = static_cast<int64_t>(hot.size());
-  if (t.dedup && !hasRowBlocks(t.type))
-    return Status::error(fmt::format("table '{}' is {}: only row blocks (table_wise, row_wise, table_row_wise) "
-                                     "route de-duplicated ids",
-                                     t.table, shardingName(t.type)));
+  if (t.dedup && !kind.rowBlocks()) {
+    std::string row_blocks;
+    for (ShardingType type : shardingTypes())
+      if (hasRowBlocks(type))
+        row_blocks += (row_blocks.empty() ? "" : ", ") + std::string(shardingName(type));
+    return Status::error(fmt::format("table '{}' is {}: only row blocks ({}) route de-duplicated ids",
+                                     t.table, kind.name(), row_blocks));
+  }
   return Status::ok();
 }
 

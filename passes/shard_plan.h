@@ -3,7 +3,8 @@
 // prints one and writes it as plan.json; `kiln train --plan plan.json` reads it back. Without a
 // plan file the greedy planner (autoPlan) chooses one over the shared cost model.
 //
-// The sharding types (TorchRec's names):
+// The sharding types (TorchRec's names), each a ShardingKind in its own file of passes/sharding/
+// (the list: passes/sharding/sharding_types.def):
 //   data_parallel   every rank holds the whole table; the row gradients of the global batch
 //                   reach every rank (all_gather) and every replica applies the same update.
 //   table_wise      one rank holds the whole table; the others send it their ids.
@@ -25,21 +26,14 @@
 #include "ir/ir.h"
 #include "ir/status.h"
 #include "ir/target.h"
+#include "passes/sharding/sharding_type.h"
 
 namespace kiln::passes {
 
-enum class ShardingType { data_parallel, table_wise, row_wise, column_wise, table_row_wise };
-
-std::string_view shardingName(ShardingType t);
-// "data_parallel" ... "table_row_wise"; nullopt for anything else.
-std::optional<ShardingType> parseShardingType(std::string_view name);
-// "data_parallel, table_wise, row_wise, column_wise, table_row_wise", for error messages.
-std::string_view shardingNames();
-// Whether each shard of a `t` table holds a block of whole rows (table_wise, row_wise,
-// table_row_wise), so that every id has one owner: the types that route de-duplicated ids.
-bool hasRowBlocks(ShardingType t);
 // "0-7", "3", "0-2,5": ascending ranks read at a glance.
 std::string rankList(const std::vector<int>& ranks);
+// begin, begin + 1, ..., end - 1.
+std::vector<int> rankRange(int begin, int end);
 
 // One piece of a table on one rank: rows [row_begin, row_end) and columns [col_begin, col_end)
 // of the global [rows, dim] table. A data_parallel table has one full piece per rank.
@@ -101,6 +95,7 @@ struct TablePlan {
   bool dedup = false;
   double unique_share = 1;
   Location loc;                    // the plan file's entry, for completePlan's errors
+  const ShardingKind& kind() const { return shardingKind(type); }
 };
 
 struct ShardPlan {
@@ -111,9 +106,10 @@ struct ShardPlan {
   const TablePlan* find(std::string_view table) const;
 };
 
-// The pieces of `t` over its ranks for a table of `info`'s size: row_wise and table_row_wise
-// in contiguous blocks of ceil(rows / k) rows (the last may be shorter, or empty), column_wise
-// in k equal column shards, table_wise one piece, data_parallel one full piece per rank.
+// The pieces of `t` over its ranks for a table of `info`'s size (its kind's layout): row_wise
+// and table_row_wise in contiguous blocks of ceil(rows / k) rows (the last may be shorter, or
+// empty), column_wise in k equal column shards, table_wise one piece, data_parallel one full
+// piece per rank. None without ranks.
 std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info);
 
 // Checks `plan` against the module's tables and fills in every TablePlan's shards: each table
@@ -123,9 +119,10 @@ std::vector<TableShard> layoutShards(const TablePlan& t, const TableInfo& info);
 // Reorders plan.tables into module order.
 Status completePlan(ShardPlan& plan, const std::vector<TableInfo>& tables);
 
-// One entry's checks of completePlan (rank count for the type, ranks in range, column split, hot
-// rows ascending within the table and not on a data_parallel table), normalizing its ranks
-// (sorted; data_parallel with none: all ranks). Unlocated.
+// One entry's checks of completePlan (ranks in range and distinct, then its kind's: the rank
+// count and placement for the type, a column split; hot rows ascending within the table and not
+// on a replicated table; dedup only on row blocks), normalizing its ranks (sorted; data_parallel
+// with none: all ranks). Unlocated.
 Status checkTablePlan(TablePlan& t, const TableInfo& info, int ranks, int ranks_per_node);
 
 }  // namespace kiln::passes

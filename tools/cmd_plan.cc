@@ -211,7 +211,7 @@ void printHybrid(const passes::PlanProposal& proposal, const std::vector<passes:
     auto top = [&](double f) {
       return fmt::format("{:.0f}%", 100 * c.idShare(std::max<int64_t>(1, static_cast<int64_t>(f * c.rows))));
     };
-    const bool replicated = plan.tables[i].type == passes::ShardingType::data_parallel;
+    const bool replicated = plan.tables[i].kind().replicated();
     std::fprintf(
         out, "%s\n",
         fmt::format("{:<12}  {:>10}  {:>9}  {:>8}  {:>8}  {:>8}  {:>9}  {:>7}  {:>7}  {:>10}  {:>21}", e.table, c.rows,
