@@ -8,6 +8,7 @@
 #include "codegen/kernel_lowering.h"
 #include "codegen/memory_planner.h"
 #include "codegen/stream_builder.h"
+#include "ir/precision.h"
 
 namespace kiln::codegen {
 
@@ -42,8 +43,8 @@ const char* epilogueName(Epilogue e) {
 }
 
 std::string GemmShape::str() const {
-  return fmt::format("gemm {}x{}x{}{} {}{}{} -> {} epilogue {}", m, n, k,
-                     batch > 1 ? fmt::format(" batch {}", batch) : "", ir::dtypeName(a_type),
+  return fmt::format("gemm {}x{}x{}{} {}{}{}{} -> {} epilogue {}", m, n, k,
+                     batch > 1 ? fmt::format(" batch {}", batch) : "", ir::dtypeName(a_type), tf32 ? " tf32" : "",
                      transpose_a ? " (A^T)" : "", transpose_b ? " (B^T)" : "", ir::dtypeName(c_type),
                      epilogueName(epilogue));
 }
@@ -66,6 +67,7 @@ Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symb
   g.a_type = op.operand(0)->type().dtype();
   g.b_type = op.operand(1)->type().dtype();
   g.c_type = op.result()->type().dtype();
+  g.tf32 = ir::allowsTf32(op);
   auto batchOf = [](const std::vector<int64_t>& s) { return product({s.begin(), s.end() - 2}); };
   int64_t ba = batchOf(*sa), bb = batchOf(*sb), bc = batchOf(*sc);
   if (ba == bc && bb == bc) {

@@ -43,10 +43,12 @@ struct GemmShape {
   ir::DType bias_type = ir::DType::f32;
   Epilogue epilogue = Epilogue::None;
   int64_t batch = 1;  // batched with packed strides (M*K, K*N, M*N elements)
+  // f32 inputs on the tensor cores in TF32 (CUBLAS_COMPUTE_32F_FAST_TF32; ir::allowsTf32).
+  bool tf32 = false;
   auto key() const {
-    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch);
+    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch, tf32);
   }
-  std::string str() const;  // "gemm 16384x512x13 f32 (B^T) +bias relu"
+  std::string str() const;  // "gemm 16384x512x13 f32 tf32 (B^T) -> f32 epilogue bias+relu"
 };
 
 // The row-major GEMM a kiln.matmul is, at concrete shapes (types from its operands, no

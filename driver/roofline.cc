@@ -6,6 +6,7 @@
 #include <map>
 
 #include "codegen/kernel_lowering.h"
+#include "ir/precision.h"
 #include "passes/cost_model.h"
 
 namespace kiln::driver {
@@ -18,12 +19,16 @@ bool anyOf(const std::vector<const ir::Op*>& ops, std::initializer_list<ir::OpCo
   return false;
 }
 
-// What a lowered group is, as a performance engineer reads a profile: the GEMMs by input type,
+// What a lowered group is, as a performance engineer reads a profile: the GEMMs by input type
+// (f32 inputs in TF32 or exact f32),
 // then the kernel families whose fixes differ (embedding forward and backward, the MoE's routing
 // and grouped GEMMs, reductions, collectives), the rest elementwise or data movement.
 std::string kernelClass(const codegen::LoweredGroup& g) {
   using ir::OpCode;
-  if (g.gemm) return fmt::format("gemm {}", FlopRates::narrow(g.gemm->operand(0)->type().dtype()) ? "bf16" : "f32");
+  if (g.gemm)
+    return FlopRates::narrow(g.gemm->operand(0)->type().dtype()) ? "gemm bf16"
+           : ir::allowsTf32(*g.gemm)                              ? "gemm tf32"
+                                                                  : "gemm f32";
   const auto& ops = g.ops;
   if (anyOf(ops, {OpCode::GroupedMatmul, OpCode::GroupedMatmulWgrad})) return "grouped gemm";
   if (anyOf(ops, {OpCode::EmbeddingBagWeightGrad, OpCode::EmbeddingBagUpdate, OpCode::EmbeddingBagDenseGrad,
@@ -62,7 +67,8 @@ Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const 
   for (const codegen::LoweredGroup& g : groups) {
     passes::GroupCost c = cost.groupCost(g.ops);
     // The expert GEMMs run at the GEMM rate too (the cost model's groupCost counts kiln.matmul's
-    // flops alone as GEMM flops).
+    // flops alone as GEMM flops); Kiln's grouped GEMM kernels have no TF32 path, so f32 experts
+    // run at the f32 rate.
     for (const ir::Op* op : g.ops)
       if (op->is(ir::OpCode::GroupedMatmul) || op->is(ir::OpCode::GroupedMatmulWgrad)) {
         const double flops = op->def()->cost(*op, symbols).flops;
@@ -102,10 +108,11 @@ Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const 
 std::string formatRoofline(const Roofline& r) {
   const Target& t = r.target;
   std::string out = fmt::format(
-      "roofline @{} at B = {} on {}: {:.2f} TB/s, GEMMs {:.0f} TFLOP/s bf16 and {:.0f} f32, other math {:.0f} "
-      "TFLOP/s, {:.1f} us a launch\n",
+      "roofline @{} at B = {} on {}: {:.2f} TB/s, GEMMs {:.0f} TFLOP/s bf16, {:.0f} tf32 and {:.0f} f32, other "
+      "math {:.0f} TFLOP/s, {:.1f} us a launch\n",
       r.function, r.batch, t.name, t.bytes_per_s / 1e12, t.gemm_flops_per_s.bf16 / 1e12,
-      t.gemm_flops_per_s.f32 / 1e12, t.vector_flops_per_s.f32 / 1e12, t.launch_s * 1e6);
+      t.gemm_flops_per_s.tf32 / 1e12, t.gemm_flops_per_s.f32 / 1e12, t.vector_flops_per_s.f32 / 1e12,
+      t.launch_s * 1e6);
   out += fmt::format("  {:<20} {:>8} {:>10} {:>12} {:>12} {:>10} {:>8}\n", "class", "launches", "MB", "GFLOP",
                      "roofline ms", "launch ms", "memory");
   auto row = [&](const KernelClassCost& k) {

@@ -17,7 +17,7 @@
 namespace kiln::driver {
 
 struct KernelClassCost {
-  std::string kind;    // "gemm bf16", "embedding lookup", ...: roofline.cc's kernelClass
+  std::string kind;    // "gemm tf32", "embedding lookup", ...: roofline.cc's kernelClass
   int groups = 0;      // lowered groups of this class
   int launches = 0;    // kernel launches and cuBLASLt calls
   double bytes = 0;    // moved to and from device memory

@@ -6,6 +6,7 @@
 #include <map>
 
 #include "frontend/model_lowering.h"
+#include "ir/precision.h"
 
 namespace kiln::frontend {
 namespace {
@@ -229,7 +230,8 @@ void ModelLowering::execTrain(const ast::Stmt& s) {
         t["grad_clip"] = c;
       } else if (key == "precision") {
         std::string p = wordArg(v, vloc, "precision");
-        if (p != "f32" && p != "bf16") fail(vloc, fmt::format("precision must be f32 or bf16, got '{}'", p));
+        if (!ir::isGemmPrecision(p))
+          fail(vloc, fmt::format("precision must be one of {}, got '{}'", ir::gemmPrecisionNames(), p));
         t["precision"] = p;
       } else if (key == "metrics") {
         ir::AttrArray m;

@@ -42,7 +42,8 @@ Target hopper(std::string name, std::string description, double hbm_bytes_per_s,
   t.description = std::move(description);
   t.kind = TargetKind::gpu;
   t.cores = 132;
-  t.gemm_flops_per_s = {6.0e13, 7.86e14};
+  // TF32: 494.7 TFLOP/s dense on the SXM parts, planned at 80% as bf16 is.
+  t.gemm_flops_per_s = {6.0e13, 7.86e14, 3.96e14};
   t.vector_flops_per_s = {6.0e13, 6.0e13};
   t.bytes_per_s = hbm_bytes_per_s;
   t.launch_s = 4.0e-6;
@@ -98,7 +99,7 @@ Target a100Target() {
   t.description = "NVIDIA A100 SXM4 (80 GB HBM2e)";
   t.kind = TargetKind::gpu;
   t.cores = 108;
-  t.gemm_flops_per_s = {1.75e13, 2.48e14};
+  t.gemm_flops_per_s = {1.75e13, 2.48e14, 1.24e14};  // TF32: 156 dense, planned at 124
   t.vector_flops_per_s = {1.75e13, 1.75e13};
   t.bytes_per_s = 1.84e12;
   t.launch_s = 4.0e-6;

@@ -24,11 +24,13 @@ namespace kiln {
 enum class TargetKind { cpu, gpu };
 
 // FLOP/s by the dtype of the inputs: 16- and 8-bit floats run at `bf16`, everything else at
-// `f32`. Kiln's GEMMs use no FP8 or TF32 mode (cuBLASLt runs f32 inputs with
-// CUBLAS_COMPUTE_32F), so those datasheet rows do not appear.
+// `f32`. A GPU's GEMMs of f32 inputs run at `tf32` where the precision allows TF32
+// (ir/precision.h: cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32), at `f32` under f32_strict; a target
+// without TF32 (the CPU) has tf32 = 0 and runs them at `f32`. Kiln's GEMMs use no FP8 mode.
 struct FlopRates {
   double f32 = 0;
   double bf16 = 0;
+  double tf32 = 0;
   double of(ir::DType t) const { return narrow(t) ? bf16 : f32; }
   static bool narrow(ir::DType t);  // runs at the `bf16` rate
 };

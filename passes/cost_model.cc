@@ -5,6 +5,7 @@
 #include <unordered_set>
 
 #include "ir/ops/kernel_util.h"
+#include "ir/precision.h"
 
 namespace kiln::passes {
 
@@ -39,12 +40,14 @@ double CostModel::valueBytes(const ir::Value& v) const {
 
 double CostModel::time(const GroupCost& c) const {
   double vector_flops = std::max(0.0, c.flops - c.gemm_flops);
-  // A GPU multiplies bf16 on its tensor cores, f32 on its CUDA cores; elementwise math runs in
-  // f32 (the kernels widen bf16 operands).
+  // A GPU multiplies bf16 on its tensor cores, f32 in TF32 there too unless the precision is
+  // f32_strict (then on its CUDA cores); elementwise math runs in f32 (the kernels widen bf16
+  // operands).
   double narrow_gemm_flops = std::max(0.0, c.gemm_flops - c.f32_gemm_flops);
-  double compute = narrow_gemm_flops / target_.gemm_flops_per_s.bf16 +
-                   c.f32_gemm_flops / target_.gemm_flops_per_s.f32 +
-                   vector_flops / target_.vector_flops_per_s.f32;
+  const FlopRates& gemm = target_.gemm_flops_per_s;
+  const double tf32_flops = gemm.tf32 > 0 ? std::min(c.tf32_gemm_flops, c.f32_gemm_flops) : 0;
+  double compute = narrow_gemm_flops / gemm.bf16 + (c.f32_gemm_flops - tf32_flops) / gemm.f32 +
+                   (tf32_flops > 0 ? tf32_flops / gemm.tf32 : 0) + vector_flops / target_.vector_flops_per_s.f32;
   double memory = c.bytes / target_.bytes_per_s;
   return std::max(compute, memory) + c.launches * target_.launch_s;
 }
@@ -76,6 +79,7 @@ GroupCost CostModel::groupCost(const std::vector<const ir::Op*>& ops) const {
     if (op->is(ir::OpCode::Matmul)) {
       g.gemm_flops += c.flops;
       if (!FlopRates::narrow(op->operand(0)->type().dtype())) g.f32_gemm_flops += c.flops;
+      if (ir::allowsTf32(*op)) g.tf32_gemm_flops += c.flops;
     }
     g.bytes += c.bytes;
     std::unordered_set<const ir::Value*> seen;

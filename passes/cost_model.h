@@ -24,7 +24,8 @@ struct GroupCost {
   double gemm_flops = 0;  // the part of flops done by matrix multiplies, at the 16-bit GEMM rate
   double bytes = 0;       // values entering read once, values leaving written once
   int launches = 0;
-  double f32_gemm_flops = 0;  // the part of gemm_flops with f32 inputs, at the f32 GEMM rate
+  double f32_gemm_flops = 0;   // the part of gemm_flops with f32 inputs, at the f32 GEMM rate
+  double tf32_gemm_flops = 0;  // the part of f32_gemm_flops a GPU may run in TF32 (ir::allowsTf32)
 };
 
 class CostModel {

@@ -6,25 +6,19 @@
 // parameters (the master weights), embedding tables and pooled embeddings, elementwise ops,
 // losses, and the optimizer state. Run before autodiff, the backward pass follows the casts: the
 // matmul gradients are computed in bf16 and cast back, so parameters receive f32 gradients.
-// With precision "f32" (or none) the pass changes nothing.
+// With precision "f32" (or none) or "f32_strict" the pass changes nothing (ir/precision.h: whether
+// a GPU runs an f32 GEMM in TF32 is decided where its cuBLASLt call is made).
 #include <string>
 #include <vector>
 
 #include "ir/builder.h"
 #include "ir/op_def.h"
+#include "ir/precision.h"
 #include "passes/mixed_precision.h"
 #include "passes/pass_registry.h"
 
 namespace kiln::passes {
 namespace {
-
-std::string precisionOf(const ir::Module& m) {
-  auto it = m.attrs().find("kiln.train");
-  if (it == m.attrs().end() || !it->second.isDict()) return "f32";
-  const auto& train = it->second.asDict();
-  auto p = train.find("precision");
-  return p != train.end() && p->second.isString() ? p->second.asString() : "f32";
-}
 
 Expected<ir::Value*> castTo(ir::Builder& b, ir::Value* v, ir::DType t) {
   return b.createValue(ir::OpCode::Cast, {v}, {{"to", std::string(ir::dtypeName(t))}});
@@ -67,10 +61,11 @@ class MixedPrecisionPass : public RegisteredPass<MixedPrecisionPass> {
   KILN_PASS_INFO(MixedPrecisionPass)
 
   Expected<bool> run(ir::Module& m) override {
-    std::string precision = precisionOf(m);
-    if (precision == "f32") return false;
+    const std::string precision(ir::gemmPrecision(m));
+    if (precision == "f32" || precision == "f32_strict") return false;  // TF32 or not is the GPU's GEMM call
     if (precision != "bf16")
-      return Status::errorf("kiln.train: unknown precision '{}'; expected f32 or bf16", precision);
+      return Status::errorf("kiln.train: unknown precision '{}'; expected one of {}", precision,
+                            ir::gemmPrecisionNames());
     ir::Function* forward = m.lookup("forward");
     if (!forward) return Status::error("mixed-precision: the module has no @forward function");
     return castMatmulsToBf16(*forward);

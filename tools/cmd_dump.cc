@@ -10,6 +10,7 @@
 #include "codegen/lower_cpu.h"
 #include "frontend/frontend.h"
 #include "ir/dot.h"
+#include "ir/precision.h"
 #include "ir/printer.h"
 #include "passes/remat.h"
 #include "tools/cli.h"
@@ -204,7 +205,8 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("sharding", "TYPE", "with --ranks: shard every table this way instead of a plan");
   p.addOption("ep", "N", "with --ranks: spread each MoE layer's experts over groups of N ranks", "1");
   p.addFlag("pipeline", "with --ranks: the pipelined step (the next batch's ids routed during this one)");
-  p.addOption("precision", "f32|bf16", "with --stats or --explain: the GEMM precision, overriding the train block's");
+  p.addOption("precision", "f32|bf16|f32_strict",
+              "with --stats or --explain: the GEMM precision, overriding the train block's");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");
@@ -235,8 +237,9 @@ int runDump(const std::vector<std::string>& args) {
     if (!m) return kExitError;
     if (p.has("precision")) {
       const std::string precision = p.get("precision");
-      if (precision != "f32" && precision != "bf16")
-        return p.usageError(fmt::format("--precision must be f32 or bf16, got '{}'", precision));
+      if (!ir::isGemmPrecision(precision))
+        return p.usageError(
+            fmt::format("--precision must be one of {}, got '{}'", ir::gemmPrecisionNames(), precision));
       auto train = (*m)->attrs().find("kiln.train");
       if (train == (*m)->attrs().end() || !train->second.isDict())
         return p.usageError("--precision: the model has no train block");

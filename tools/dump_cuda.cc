@@ -4,6 +4,7 @@
 
 #include "codegen/cuda_emitter.h"
 #include "codegen/kernel_lowering.h"
+#include "ir/precision.h"
 #include "passes/pass_manager.h"
 #include "passes/pipeline.h"
 #include "tools/cli.h"
@@ -60,8 +61,9 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
       const codegen::GemmCall& c = g.gemm_call;
       std::string epilogue = c.bias >= 0 ? "bias" : "";
       if (!c.activation.empty()) epilogue += (epilogue.empty() ? "" : "+") + c.activation;
-      out << fmt::format("//   {}gemm (cuBLASLt{}{}, {} out): {}\n", origin, epilogue.empty() ? "" : ", epilogue ",
-                         epilogue, ir::dtypeName(g.buffers[static_cast<size_t>(c.c)].dtype), ops);
+      out << fmt::format("//   {}gemm (cuBLASLt{}{}{}, {} out): {}\n", origin, ir::allowsTf32(*g.gemm) ? ", tf32" : "",
+                         epilogue.empty() ? "" : ", epilogue ", epilogue,
+                         ir::dtypeName(g.buffers[static_cast<size_t>(c.c)].dtype), ops);
       continue;
     }
     out << fmt::format("//   {}[{}]:", origin, ops);

@@ -8,6 +8,7 @@
 #include <iostream>
 
 #include "frontend/frontend.h"
+#include "ir/precision.h"
 #include "passes/remat.h"
 #include "tools/session_flags.h"
 
@@ -39,9 +40,10 @@ void ModelFile::addCompileFlags(ArgParser& p) const {
   p.addOption("memory-budget", "BYTES|N%",
               "recompute activations in the backward pass until the training step's planned peak fits "
               "(remat{budget=...})");
-  p.addOption("precision", "f32|bf16",
+  p.addOption("precision", "f32|bf16|f32_strict",
               "GEMM precision, overriding the train block's: bf16 stores the inputs and outputs of every "
-              "matmul-like op in bf16 and accumulates in f32, over f32 master weights (docs/runtime.md)");
+              "matmul-like op in bf16 and accumulates in f32, over f32 master weights; f32 runs f32 GEMMs "
+              "in TF32 on a GPU's tensor cores, f32_strict in exact f32 (docs/runtime.md)");
   addTargetFlag(p, "the device the run uses: cpu, or the GPU's with --device cuda");
   p.addOption("disable-pass", "NAME", "leave this pass out of the pipeline", std::nullopt, true);
   p.addOption("print-ir-after", "NAME", "print the IR to stderr after this pass", std::nullopt, true);
@@ -67,8 +69,9 @@ bool ModelFile::readCompileFlags(const ArgParser& p, driver::SessionOptions& o, 
   }
   if (p.has("precision")) {
     const std::string precision = p.get("precision");
-    if (precision != "f32" && precision != "bf16") {
-      *exit_code = p.usageError(fmt::format("--precision must be f32 or bf16, got '{}'", precision));
+    if (!ir::isGemmPrecision(precision)) {
+      *exit_code =
+          p.usageError(fmt::format("--precision must be one of {}, got '{}'", ir::gemmPrecisionNames(), precision));
       return false;
     }
     o.train_overrides["precision"] = ir::Attribute(precision);

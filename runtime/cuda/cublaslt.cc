@@ -148,7 +148,9 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
   if (!at || !bt || !ct || !biast) return Status::errorf("{}: unsupported element types", s.str());
   auto p = std::make_unique<Plan>();
   p->api = &a;
-  cublasStatus_t st = a.descCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F);
+  // TF32 where the precision allows it for f32 inputs (ir/precision.h); f32 accumulation either way.
+  const cublasComputeType_t compute = s.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  cublasStatus_t st = a.descCreate(&p->desc, compute, CUDA_R_32F);
   if (st != CUBLAS_STATUS_SUCCESS) return fail(st, "cublasLtMatmulDescCreate");
   ColumnMajorGemm g = toColumnMajor(s);
   cublasOperation_t ta = g.trans_first ? CUBLAS_OP_T : CUBLAS_OP_N, tb = g.trans_second ? CUBLAS_OP_T : CUBLAS_OP_N;

@@ -31,7 +31,8 @@ TEST(Roofline, AGemmAndItsReluByHand) {
   auto r = estimateRoofline(*(*m)->lookup("step"), 1024, h200);
   ASSERT_TRUE(r) << r.status().str();
 
-  const KernelClassCost* gemm = find(*r, "gemm f32");
+  // precision f32 (the default): cuBLASLt runs the f32 GEMM on the tensor cores in TF32.
+  const KernelClassCost* gemm = find(*r, "gemm tf32");
   ASSERT_NE(gemm, nullptr) << formatRoofline(*r);
   EXPECT_EQ(gemm->launches, 1);
   // x, w read, the product written, once each.
@@ -40,7 +41,7 @@ TEST(Roofline, AGemmAndItsReluByHand) {
   EXPECT_DOUBLE_EQ(gemm->bytes, gemm_bytes);
   EXPECT_DOUBLE_EQ(gemm->flops, gemm_flops);
   EXPECT_DOUBLE_EQ(gemm->roofline_s,
-                   std::max(gemm_flops / h200.gemm_flops_per_s.f32, gemm_bytes / h200.bytes_per_s));
+                   std::max(gemm_flops / h200.gemm_flops_per_s.tf32, gemm_bytes / h200.bytes_per_s));
 
   const KernelClassCost* relu = find(*r, "elementwise");
   ASSERT_NE(relu, nullptr) << formatRoofline(*r);
@@ -55,6 +56,37 @@ TEST(Roofline, AGemmAndItsReluByHand) {
   EXPECT_DOUBLE_EQ(r->total.roofline_s, gemm->roofline_s + relu->roofline_s);
   const std::string table = formatRoofline(*r);
   EXPECT_NE(table.find("launches: 2\n"), std::string::npos) << table;
+}
+
+// A GEMM with enough flops a byte (K = 1024, N = 256) that the H200's f32 rate, not its memory,
+// bounds it in exact f32, and its memory in TF32.
+const char* kWide = R"(
+func.func @wide(%x: !kiln.tensor<Bx1024xf32>, %w: !kiln.tensor<256x1024xf32>) -> !kiln.tensor<Bx256xf32> {
+  %0 = "kiln.matmul"(%x, %w) {transpose_b = true} : (!kiln.tensor<Bx1024xf32>, !kiln.tensor<256x1024xf32>) -> !kiln.tensor<Bx256xf32>
+  return %0 : !kiln.tensor<Bx256xf32>
+}
+)";
+
+// precision f32_strict: exact f32 on the CUDA cores, at the f32 rate; f32 (the default) in TF32.
+TEST(Roofline, StrictF32GemmsRunAtTheF32RateAndF32OnesInTf32) {
+  const Target h200 = h200Target();
+  const double bytes = (1024.0 * 1024 + 256 * 1024 + 1024 * 256) * 4, flops = 2.0 * 1024 * 1024 * 256;
+  for (const char* precision : {"f32_strict", "f32"}) {
+    auto m = ir::parseModule(kWide, "<test>");
+    ASSERT_TRUE(m) << m.status().str();
+    (*m)->mutableAttrs()["kiln.train"] =
+        ir::Attribute(ir::AttrDict{{"precision", ir::Attribute(std::string(precision))}});
+    auto r = estimateRoofline(*(*m)->lookup("wide"), 1024, h200);
+    ASSERT_TRUE(r) << r.status().str();
+    const bool strict = std::string(precision) == "f32_strict";
+    ASSERT_EQ(r->classes.size(), 1u) << formatRoofline(*r);
+    const KernelClassCost& gemm = r->classes[0];
+    EXPECT_EQ(gemm.kind, strict ? "gemm f32" : "gemm tf32");
+    const double rate = strict ? h200.gemm_flops_per_s.f32 : h200.gemm_flops_per_s.tf32;
+    EXPECT_DOUBLE_EQ(gemm.roofline_s, std::max(flops / rate, bytes / h200.bytes_per_s)) << precision;
+    // Compute bound in f32 (8.9 us against 1.5 us of traffic), memory bound in TF32 (1.4 us of math).
+    EXPECT_DOUBLE_EQ(gemm.memory_bound_s, strict ? 0 : gemm.roofline_s) << precision;
+  }
 }
 
 TEST(Roofline, ABatchOfEightTimesTheRowsMovesAboutEightTimesTheBytes) {

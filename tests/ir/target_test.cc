@@ -59,8 +59,12 @@ TEST(Target, GpusFollowTheirDatasheets) {
   EXPECT_GT(h200.memory_bytes, h100.memory_bytes);
   EXPECT_GT(h100.gemm_flops_per_s.bf16, 3 * a100.gemm_flops_per_s.bf16);
   EXPECT_GT(h100.intra_node.bytes_per_s, a100.intra_node.bytes_per_s);
-  // f32 GEMMs run on the CUDA cores (no TF32), bf16 on the tensor cores.
+  // Exact f32 GEMMs run on the CUDA cores, TF32 and bf16 on the tensor cores (TF32 at half
+  // bf16's rate, per NVIDIA's H100 and A100 datasheets); the CPU has no TF32.
   EXPECT_GT(h200.gemm_flops_per_s.bf16, 10 * h200.gemm_flops_per_s.f32);
+  for (const Target* t : {&h200, &h100, &a100})
+    EXPECT_NEAR(t->gemm_flops_per_s.tf32, t->gemm_flops_per_s.bf16 / 2, 0.02 * t->gemm_flops_per_s.bf16) << t->name;
+  EXPECT_EQ(cpuTarget().gemm_flops_per_s.tf32, 0);
   EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::bf16), h200.gemm_flops_per_s.bf16);
   EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::f16), h200.gemm_flops_per_s.bf16);
   EXPECT_EQ(h200.gemm_flops_per_s.of(ir::DType::f32), h200.gemm_flops_per_s.f32);

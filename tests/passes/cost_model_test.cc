@@ -1,7 +1,10 @@
 // The shared cost model against hand-computed times and bytes.
 #include "passes/cost_model.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+
+#include <string>
 
 #include "ir/builder.h"
 
@@ -114,14 +117,22 @@ TEST(CostModel, SourcesAndTerminatorsLaunchNothing) {
   EXPECT_EQ(cost.opCost(*f.returnOp()).launches, 0);
 }
 
-// A GPU multiplies bf16 on its tensor cores and f32 on its CUDA cores (cuBLASLt without TF32);
-// the CPU's BLAS widens bf16 and runs both at one rate. Both GEMMs are compute bound here.
-TEST(CostModel, GemmsRunAtTheRateOfTheirInputDtype) {
-  for (DType dtype : {DType::f32, DType::bf16}) {
+// A GPU multiplies bf16 on its tensor cores, f32 there too in TF32 (precision f32, the default)
+// and on its CUDA cores under f32_strict; the CPU's GEMMs run all three at one rate. The GEMMs
+// are compute bound here.
+TEST(CostModel, GemmsRunAtTheRateOfTheirInputDtypeAndPrecision) {
+  struct Case {
+    DType dtype;
+    const char* precision;
+    double h200_rate;
+  };
+  for (const Case& k : {Case{DType::f32, "f32", 3.96e14}, Case{DType::f32, "f32_strict", 6.0e13},
+                        Case{DType::bf16, "f32", 7.86e14}}) {
     ir::Module m;
+    m.mutableAttrs()["kiln.train"] = ir::Attribute(ir::AttrDict{{"precision", ir::Attribute(std::string(k.precision))}});
     ir::Function& f = m.addFunction("f");
     ir::Builder b(f.entry());
-    TensorType t(dtype, {Dim::fixed(1024), Dim::fixed(1024)});
+    TensorType t(k.dtype, {Dim::fixed(1024), Dim::fixed(1024)});
     ir::Value* a = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("a")}}))->result();
     ir::Value* w = (*b.createWithTypes("kiln.input", {}, {t}, {{"name", ir::Attribute("w")}}))->result();
     auto mm = b.create("kiln.matmul", {a, w});
@@ -129,10 +140,11 @@ TEST(CostModel, GemmsRunAtTheRateOfTheirInputDtype) {
     const double flops = 2.0 * 1024 * 1024 * 1024;
     GroupCost c = CostModel(h200Target(), {}).opCost(**mm);
     EXPECT_EQ(c.gemm_flops, flops);
-    EXPECT_EQ(c.f32_gemm_flops, dtype == DType::f32 ? flops : 0.0);
-    const double h200_rate = dtype == DType::f32 ? 6.0e13 : 7.86e14;
-    EXPECT_NEAR(CostModel(h200Target(), {}).time(c), flops / h200_rate + 4e-6, 1e-12) << ir::dtypeName(dtype);
-    EXPECT_NEAR(CostModel(cpuTarget(), {}).time(c), flops / 2.0e11 + 2e-6, 1e-12) << ir::dtypeName(dtype);
+    EXPECT_EQ(c.f32_gemm_flops, k.dtype == DType::f32 ? flops : 0.0);
+    EXPECT_EQ(c.tf32_gemm_flops, k.dtype == DType::f32 && std::string(k.precision) == "f32" ? flops : 0.0);
+    const std::string what = fmt::format("{} at precision {}", ir::dtypeName(k.dtype), k.precision);
+    EXPECT_NEAR(CostModel(h200Target(), {}).time(c), flops / k.h200_rate + 4e-6, 1e-12) << what;
+    EXPECT_NEAR(CostModel(cpuTarget(), {}).time(c), flops / 2.0e11 + 2e-6, 1e-12) << what;
   }
 }
 

@@ -40,6 +40,17 @@ bool hasBias(codegen::Epilogue e) {
   return e == codegen::Epilogue::Bias || e == codegen::Epilogue::BiasRelu || e == codegen::Epilogue::BiasGelu;
 }
 
+// cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32 on an f32 input: rounded to TF32's 10-bit mantissa,
+// to nearest with ties away from zero (PTX's cvt.rna.tf32.f32); infinities and NaNs pass.
+float roundToTf32(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7f800000u) == 0x7f800000u) return x;
+  u = (u + 0x1000u) & 0xffffe000u;  // half of the 13 dropped bits, then drop them
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
 }  // namespace
 
 void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, const void* bias) {
@@ -60,6 +71,10 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
       for (int64_t k = 0; k < g.k; ++k)  // op(B)[k, j]
         cols[static_cast<size_t>(j * g.k + k)] =
             load(second, s.a_type, bt * second_stride + (g.trans_second ? j + k * g.ld_second : k + j * g.ld_second));
+    if (s.tf32) {
+      for (float& v : rows) v = roundToTf32(v);
+      for (float& v : cols) v = roundToTf32(v);
+    }
     for (int64_t j = 0; j < g.n; ++j)
       for (int64_t i = 0; i < g.m; ++i) {
         const float* x = rows.data() + i * g.k;
