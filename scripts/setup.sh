@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 
 PACKAGES=(
   build-essential cmake            # compiler and build
+  lld                              # a faster linker for the ~80 executables (CMakeLists.txt)
   libfmt-dev                       # formatting (fmt)
   libgtest-dev libgmock-dev        # GoogleTest
   llvm-14-tools python3            # FileCheck and lit, for the IR tests

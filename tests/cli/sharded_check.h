@@ -192,7 +192,9 @@ inline Status checkRank(comm::Communicator& c, const Model& m, const std::string
     if (!isCounts(stat) || want.tensors.empty()) continue;
     auto it = want.counts.find(stat);
     EXPECT_NE(it, want.counts.end()) << stat;
-    if (it != want.counts.end()) EXPECT_EQ(v, it->second) << stat << " on rank " << c.rank();
+    if (it != want.counts.end()) {
+      EXPECT_EQ(v, it->second) << stat << " on rank " << c.rank();
+    }
   }
   return Status::ok();
 }

@@ -123,12 +123,13 @@ TEST(ShardedSharedTables, AutomaticPlanEqualsOneRank) {
     o.sharding = "row_wise";
     auto s = driver::Session::create(o, diag);
     EXPECT_FALSE(s);
-    if (!s)
+    if (!s) {
       EXPECT_NE(s.status().str().find(
                     "shared_tables.kiln:26:38: error: in pass 'shard': table 'city.0' is shared by "
                     "several features and cannot be row_wise yet"),
                 std::string::npos)
           << s.status().str();
+    }
     return Status::ok();
   });
   EXPECT_TRUE(st) << st.str();
