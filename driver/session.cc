@@ -50,6 +50,26 @@ std::set<std::string, std::less<>> externalTables(const ir::Module& m, const Ses
   return names;
 }
 
+// Every parameter and optimizer state the session holds (a served table's store holds its own),
+// named with its concrete type, so that a table too big to fit shows its rows and dim.
+Status addParameters(runtime::MemoryNeed& need, const ir::Module& m, const SessionOptions& options) {
+  KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, {{"B", options.batch}}));
+  const std::set<std::string, std::less<>> external = externalTables(m, options);
+  for (const runtime::ParameterSpec& p : params)
+    if (!external.count(p.name))
+      need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
+               p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
+  return Status::ok();
+}
+
+// The function a session runs: @train_step when training, else @forward.
+Expected<const ir::Function*> sessionFunction(const ir::Module& m, const SessionOptions& options) {
+  const std::string function = options.training ? "train_step" : "forward";
+  const ir::Function* f = m.lookup(function);
+  if (!f) return Status::error(fmt::format("{}: the model has no @{}", options.model_path, function));
+  return f;
+}
+
 }  // namespace
 
 Expected<int64_t> plannedPeakBytes(const ir::Function& f, int64_t batch) {
@@ -111,17 +131,9 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
                                                     const data::BatchSpec& spec) {
   runtime::MemoryNeed need;
   const ir::SymbolBindings symbols{{"B", options.batch}};
-  KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
-  const std::set<std::string, std::less<>> external = externalTables(m, options);
-  // Named with the concrete type, so that a table too big to fit shows its rows and dim.
-  for (const runtime::ParameterSpec& p : params)
-    if (!external.count(p.name))
-      need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
-               p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
-
-  const std::string function = options.training ? "train_step" : "forward";
-  const ir::Function* f = m.lookup(function);
-  if (!f) return Status::error(fmt::format("{}: the model has no @{}", options.model_path, function));
+  KILN_RETURN_IF_ERROR(addParameters(need, m, options));
+  KILN_ASSIGN_OR_RETURN(const ir::Function* f, sessionFunction(m, options));
+  const std::string& function = f->name();
   // On a GPU the arena lives in device memory; the host holds the parameters and the data.
   if (options.device != "cuda") {
     KILN_ASSIGN_OR_RETURN(int64_t peak, plannedPeakBytes(*f, options.batch));
@@ -176,16 +188,9 @@ Expected<runtime::MemoryNeed> estimateSessionMemory(const ir::Module& m, const S
 Expected<runtime::MemoryNeed> estimateDeviceMemory(const ir::Module& m, const SessionOptions& options) {
   runtime::MemoryNeed need;
   const ir::SymbolBindings symbols{{"B", options.batch}};
-  KILN_ASSIGN_OR_RETURN(auto params, runtime::parameterSpecs(m, symbols));
-  const std::set<std::string, std::less<>> external = externalTables(m, options);
-  for (const runtime::ParameterSpec& p : params)
-    if (!external.count(p.name))
-      need.add(fmt::format("parameter \"{}\" {}[{}]", p.name, ir::dtypeName(p.dtype), fmt::join(p.shape, ", ")),
-               p.optimizer_state ? kOptimizerStateKind : kWeightsKind, static_cast<uint64_t>(p.bytes));
-
-  const std::string function = options.training ? "train_step" : "forward";
-  const ir::Function* f = m.lookup(function);
-  if (!f) return Status::error(fmt::format("{}: the model has no @{}", options.model_path, function));
+  KILN_RETURN_IF_ERROR(addParameters(need, m, options));
+  KILN_ASSIGN_OR_RETURN(const ir::Function* f, sessionFunction(m, options));
+  const std::string& function = f->name();
   KILN_ASSIGN_OR_RETURN(auto groups, codegen::lowerFunction(*f, symbols));
   KILN_ASSIGN_OR_RETURN(auto built, codegen::buildCudaProgram(*f, groups, symbols));
   const codegen::Program& program = built.program;
