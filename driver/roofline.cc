@@ -20,8 +20,7 @@ bool anyOf(const std::vector<const ir::Op*>& ops, std::initializer_list<ir::OpCo
 }
 
 // What a lowered group is, as a performance engineer reads a profile: the GEMMs by input type
-// (f32 inputs in TF32 or exact f32),
-// then the kernel families whose fixes differ (embedding forward and backward, the MoE's routing
+// (f32 inputs in TF32 or exact f32), then the kernel families whose fixes differ (embedding forward and backward, the MoE's routing
 // and grouped GEMMs, reductions, collectives), the rest elementwise or data movement.
 std::string kernelClass(const codegen::LoweredGroup& g) {
   using ir::OpCode;
@@ -78,8 +77,9 @@ Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const 
     c.launches = 0;
     const double seconds = cost.time(c);
     const bool memory_bound = c.bytes / target.bytes_per_s >= seconds;
-    KernelClassCost& k = by_kind[kernelClass(g)];
-    k.kind = kernelClass(g);
+    const std::string kind = kernelClass(g);
+    KernelClassCost& k = by_kind[kind];
+    k.kind = kind;
     k.groups += 1;
     k.launches += g.gemm ? 1 : static_cast<int>(g.kernels.size());
     k.bytes += c.bytes;
