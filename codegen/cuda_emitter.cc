@@ -373,7 +373,9 @@ class KernelPrinter {
     for (size_t i = 0; i < k_.buffers.size(); ++i)
       out_ += fmt::format("//   b{}: {}{} {}[{}]\n", i, k_.buffers[i].written ? "" : "const ",
                           ir::dtypeName(k_.buffers[i].dtype), k_.buffers[i].name, k_.buffers[i].elements);
-    out_ += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(", lc.block, name);
+    std::string bounds = std::to_string(lc.block);
+    if (k_.kind == KernelKind::Source && k_.min_blocks_per_sm > 0) bounds += fmt::format(", {}", k_.min_blocks_per_sm);
+    out_ += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(", bounds, name);
     for (size_t i = 0; i < k_.buffers.size(); ++i)
       out_ += fmt::format("{}{}{}* b{}", i ? ", " : "", k_.buffers[i].written ? "" : "const ",
                           cType(k_.buffers[i].dtype), i);

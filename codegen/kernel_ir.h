@@ -211,6 +211,9 @@ struct Kernel {
   std::string source;
   int64_t grid = 1;
   int block = 256;
+  // Source: __launch_bounds__'s second argument when positive: blocks an SM must fit at once,
+  // which caps the registers a thread may use at 64K / (block * min_blocks_per_sm).
+  int min_blocks_per_sm = 0;
 
   int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);
   int64_t spaceSize() const;

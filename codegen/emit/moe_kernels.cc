@@ -177,6 +177,50 @@ __device__ __forceinline__ void kiln_mma_bf16_16x8x16(float* d, const unsigned* 
   }
 #endif
 }
+// cp.async (sm_80+): 16 bytes from global to shared memory without a pass through registers;
+// the bytes from `valid` on are zero-filled (no global byte past them is read). Copies issued
+// since the last commit form a group; kiln_cp_async_wait<N> waits until at most N groups are
+// in flight. The global address must be 16-byte aligned. On the host (simt) the copy completes
+// at once, so the commits and waits have nothing to do.
+__device__ __forceinline__ void kiln_cp_async16(unsigned short* smem, const void* gmem, int valid) {
+#ifdef __CUDA_ARCH__
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;\n" : "=l"(s) : "l"(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"((unsigned)s), "l"(gmem), "r"(valid * 2));
+#else
+  const unsigned short* g = (const unsigned short*)gmem;
+  for (int i = 0; i < 8; ++i) smem[i] = i < valid ? g[i] : (unsigned short)0;
+#endif
+}
+// The same copy through registers, for a source that is not 16-byte aligned.
+__device__ __forceinline__ void kiln_copy8(unsigned short* smem, const void* gmem, int valid) {
+  const unsigned short* g = (const unsigned short*)gmem;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) smem[i] = i < valid ? g[i] : (unsigned short)0;
+}
+__device__ __forceinline__ void kiln_cp_async_commit() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void kiln_cp_async_wait() {
+#ifdef __CUDA_ARCH__
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+// A staged 128 x 32 bf16 operand tile of the tensor-core GEMMs, in one of two swizzled layouts
+// chosen by which of its dimensions is contiguous in global memory, so that 16-byte chunks of
+// eight consecutive elements copy straight in and the warps' fragment reads (mmaTile's
+// FragmentReads, which fold these formulas into per-thread bases) hit 32 distinct banks:
+//   k-major   [128 rows][32 k]: 4 chunks per row, chunk c stored at c ^ ((row >> 1) & 3);
+//   row-major [32 k][128 rows]: 16 chunks per k, chunk c stored at c ^ (k & 7).
+__device__ __forceinline__ int kiln_tile_kmajor(int r, int k) {
+  return r * 32 + ((((k >> 3) ^ (r >> 1)) & 3) << 3) + (k & 7);
+}
+__device__ __forceinline__ int kiln_tile_rowmajor(int r, int k) {
+  return k * 128 + (((r >> 3) ^ (k & 7)) << 3) + (r & 7);
+}
 )CUDA";
   return text;
 }
@@ -898,110 +942,160 @@ std::string simtGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
 
 // The operands of one tensor-core tile: out[row0..row_end, tn*128..] = sum over the reduction
 // index gk in [red_lo, red_hi) of A(gr, gk) B(gk, gc). Index texts use gr, gk, gc; `*_kfast`
-// says whether the operand is contiguous along gk (then neighbouring threads load along it).
+// says whether the operand is contiguous along gk (else along gr for A, gc for B), and `*_vec`
+// whether every run of 8 elements along that dimension that a tile copies is 16-byte aligned
+// (the strides are multiples of 8 elements; for a k-contiguous operand red_lo is too), so that
+// it can be copied with cp.async; otherwise it goes through registers.
 struct MmaOperands {
   std::string a_index;  // into b0
-  bool a_kfast = true;
+  bool a_kfast = true, a_vec = false;
   std::string b_index;  // into b1
-  bool b_kfast = false;
+  bool b_kfast = false, b_vec = false;
   int64_t cols = 0;         // the output's column count
   std::string store_index;  // into b3
 };
 
-// 128x128 tiles, 32 deep; 8 warps as 2 x 4, each 64x32 = 4 x 4 mma tiles of 16x8. Shared tiles
-// hold bf16 bits, k contiguous (A as [m][k], B as [n][k], each row padded by 8 to spread the
-// banks), so a fragment's pair of k values is one 32-bit load. Double-buffered: while the warps
-// multiply one stage, each thread holds its 16 + 16 elements of the next in registers and
-// stores them into the other stage, so one barrier per step suffices (a stage is rewritten only
-// after the barrier that ends every warp's reads of it). Expects row0, row_end, tn, red_lo and
-// red_hi declared; an empty reduction stores zeros.
-std::string mmaTile(const MmaOperands& o) {
-  auto split = [](bool kfast, const char* other) {
-    return kfast ? fmt::format("const int {0} = i / BK, kk = i % BK;", other)
-                 : fmt::format("const int kk = i / 128, {0} = i % 128;", other);
-  };
+// One operand's share of a stage: 512 chunks of 8 elements (a 128 x 32 tile), two per thread,
+// each copied into its swizzled place (kiln_tile_kmajor / kiln_tile_rowmajor). `line` names
+// the tile's row variable (gr or gc), `first` its first row and `limit` its end.
+std::string stageCopy(const char* smem, const char* buffer, const std::string& index, bool kfast, bool vec,
+                      const char* line, const std::string& first, const std::string& limit) {
+  const char* copy = vec ? "kiln_cp_async16" : "kiln_copy8";
+  if (kfast)
+    return fmt::format(
+        "      {{\n"
+        "        const int r = c >> 2, kc = (c & 3) * 8;\n"
+        "        const long long {0} = {1} + r, gk = k0 + kc;\n"
+        "        const int valid = {0} < {2} ? (int)kiln_fn::max(0LL, kiln_fn::min(8LL, red_hi - gk)) : 0;\n"
+        "        {3}({4} + kiln_tile_kmajor(r, kc), valid > 0 ? (const void*)({5} + ({6})) : (const void*){5}, "
+        "valid);\n"
+        "      }}\n",
+        line, first, limit, copy, smem, buffer, index);
   return fmt::format(
-      "  constexpr int BN = 128, BK = 32, LD = BK + 8, PER = 128 * BK / 256;\n"
-      "  constexpr long long COLS = {0}LL;\n"
-      "  const long long steps = (red_hi - red_lo + BK - 1) / BK;\n"
-      "  __shared__ __align__(16) unsigned short As[2][128 * LD], Bs[2][BN * LD];\n"
-      "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
-      "  const int wm = warp >> 2, wn = warp & 3, g = lane >> 2, q = lane & 3;\n"
-      "  unsigned short ra[PER], rb[PER];\n"
-      "  auto fetch = [&](long long step) {{\n"
-      "    const long long k0 = red_lo + step * BK;\n"
-      "#pragma unroll\n"
-      "    for (int p = 0; p < PER; ++p) {{\n"
-      "      const int i = threadIdx.x + 256 * p;\n"
       "      {{\n"
-      "        {1}\n"
-      "        const long long gr = row0 + r, gk = k0 + kk;\n"
-      "        ra[p] = gr < row_end && gk < red_hi ? b0[{2}].bits : (unsigned short)0;\n"
-      "      }}\n"
-      "      {{\n"
-      "        {3}\n"
-      "        const long long gk = k0 + kk, gc = (long long)tn * BN + c;\n"
-      "        rb[p] = gk < red_hi && gc < COLS ? b1[{4}].bits : (unsigned short)0;\n"
-      "      }}\n"
-      "    }}\n"
-      "  }};\n"
-      "  auto stage = [&](int buf) {{\n"
-      "#pragma unroll\n"
-      "    for (int p = 0; p < PER; ++p) {{\n"
-      "      const int i = threadIdx.x + 256 * p;\n"
-      "      {{\n"
-      "        {1}\n"
-      "        As[buf][r * LD + kk] = ra[p];\n"
-      "      }}\n"
-      "      {{\n"
-      "        {3}\n"
-      "        Bs[buf][c * LD + kk] = rb[p];\n"
-      "      }}\n"
-      "    }}\n"
-      "  }};\n"
-      "  float acc[4][4][4] = {{}};\n"
-      "  fetch(0);\n"
-      "  stage(0);\n"
-      "  __syncthreads();\n"
-      "  for (long long step = 0; step < steps; ++step) {{\n"
-      "    const int cur = (int)(step & 1);\n"
-      "    if (step + 1 < steps) fetch(step + 1);  // in flight during the MMAs below\n"
-      "#pragma unroll\n"
-      "    for (int ks = 0; ks < BK; ks += 16) {{\n"
-      "      unsigned a[4][4], b[4][2];\n"
-      "#pragma unroll\n"
-      "      for (int mi = 0; mi < 4; ++mi) {{\n"
-      "        const unsigned short* p = As[cur] + (wm * 64 + mi * 16 + g) * LD + ks + 2 * q;\n"
-      "        a[mi][0] = *(const unsigned*)p;\n"
-      "        a[mi][1] = *(const unsigned*)(p + 8 * LD);\n"
-      "        a[mi][2] = *(const unsigned*)(p + 8);\n"
-      "        a[mi][3] = *(const unsigned*)(p + 8 * LD + 8);\n"
-      "      }}\n"
-      "#pragma unroll\n"
-      "      for (int ni = 0; ni < 4; ++ni) {{\n"
-      "        const unsigned short* p = Bs[cur] + (wn * 32 + ni * 8 + g) * LD + ks + 2 * q;\n"
-      "        b[ni][0] = *(const unsigned*)p;\n"
-      "        b[ni][1] = *(const unsigned*)(p + 8);\n"
-      "      }}\n"
-      "#pragma unroll\n"
-      "      for (int mi = 0; mi < 4; ++mi)\n"
-      "#pragma unroll\n"
-      "        for (int ni = 0; ni < 4; ++ni) kiln_mma_bf16_16x8x16(acc[mi][ni], a[mi], b[ni]);\n"
-      "    }}\n"
-      "    if (step + 1 < steps) stage(cur ^ 1);\n"
-      "    __syncthreads();\n"
-      "  }}\n"
-      "#pragma unroll\n"
-      "  for (int mi = 0; mi < 4; ++mi)\n"
-      "#pragma unroll\n"
-      "    for (int ni = 0; ni < 4; ++ni)\n"
-      "#pragma unroll\n"
-      "      for (int c = 0; c < 4; ++c) {{\n"
-      "        const long long gr = row0 + wm * 64 + mi * 16 + g + (c >> 1) * 8;\n"
-      "        const long long gc = (long long)tn * BN + wn * 32 + ni * 8 + 2 * q + (c & 1);\n"
-      "        if (gr < row_end && gc < COLS) kiln_st(b3, {5}, acc[mi][ni][c]);\n"
+      "        const int kk = c >> 4, rc = (c & 15) * 8;\n"
+      "        const long long {0} = {1} + rc, gk = k0 + kk;\n"
+      "        const int valid = gk < red_hi ? (int)kiln_fn::max(0LL, kiln_fn::min(8LL, {2} - {0})) : 0;\n"
+      "        {3}({4} + kiln_tile_rowmajor(rc, kk), valid > 0 ? (const void*)({5} + ({6})) : (const void*){5}, "
+      "valid);\n"
       "      }}\n",
-      o.cols, split(o.a_kfast, "r"), o.a_index, split(o.b_kfast, "c"), o.b_index, o.store_index);
+      line, first, limit, copy, smem, buffer, index);
+}
+
+// A thread's fragment reads from a staged tile (kiln_tile_kmajor / kiln_tile_rowmajor), with
+// the swizzle folded into per-thread bases: within a fragment's rows (g = lane / 4, plus 16 mi
+// or 8 ni, plus 8 h) and k (ks + 8 t + 2 q, plus 1), the swizzled chunk bits and the other bits
+// of an offset never overlap, so each read is base ^ (compile-time chunk bits) + a constant.
+// Computing the offsets from one or two registers (instead of letting the compiler keep one per
+// fragment live across the loop) is what fits a thread in 128 registers.
+struct FragmentReads {
+  std::string bases;  // declarations, once before the loop
+  std::string a;      // unsigned a(mi, h, t) over `as`: the pair (row, k), (row, k + 1)
+  std::string b;      // unsigned b(ni, t) over `bs`
+};
+
+FragmentReads fragmentReads(bool a_kfast, bool b_kfast) {
+  FragmentReads f;
+  if (a_kfast) {
+    f.bases += "  const int a_base = (wm * 64 + g) * 32 + 2 * q + (((g >> 1) & 3) << 3);\n";
+    f.a = "*(const unsigned*)(as + ((a_base ^ (ks + 8 * t)) + mi * 512 + h * 256))";
+  } else {
+    f.bases +=
+        "  const int a_base0 = 2 * q * 128 + wm * 64 + g + ((2 * q) << 3);\n"
+        "  const int a_base1 = (2 * q + 1) * 128 + wm * 64 + g + ((2 * q + 1) << 3);\n";
+    f.a = "((unsigned)as[(a_base0 ^ ((mi * 2 + h) << 3)) + (ks + 8 * t) * 128] | "
+          "((unsigned)as[(a_base1 ^ ((mi * 2 + h) << 3)) + (ks + 8 * t) * 128] << 16))";
+  }
+  if (b_kfast) {
+    f.bases += "  const int b_base = (wn * 32 + g) * 32 + 2 * q + (((g >> 1) & 3) << 3);\n";
+    f.b = "*(const unsigned*)(bs + ((b_base ^ (ks + 8 * t)) + ni * 256))";
+  } else {
+    f.bases +=
+        "  const int b_base0 = 2 * q * 128 + (wn >> 1) * 64 + g + ((((wn & 1) * 4) ^ (2 * q)) << 3);\n"
+        "  const int b_base1 = (2 * q + 1) * 128 + (wn >> 1) * 64 + g + ((((wn & 1) * 4) ^ (2 * q + 1)) << 3);\n";
+    f.b = "((unsigned)bs[(b_base0 ^ (ni << 3)) + (ks + 8 * t) * 128] | "
+          "((unsigned)bs[(b_base1 ^ (ni << 3)) + (ks + 8 * t) * 128] << 16))";
+  }
+  return f;
+}
+
+// 128x128 tiles, 32 deep; 8 warps as 2 x 4, each 64x32 = 4 x 4 mma tiles of 16x8. A three-stage
+// cp.async pipeline: while the warps multiply stage s, the copies of stages s+1 and s+2 are in
+// flight, and the copy into a stage starts only after the barrier that ends every warp's reads
+// of it. The shared tiles hold bf16 bits in swizzled layouts (kiln_tile_*) without padding, so
+// three stages of both operands take exactly the 48 KiB a block may declare statically, and
+// with __launch_bounds__(256, 2) two blocks fit an SM: the two 16-deep halves of a stage run
+// as a loop (unrolled, the compiler keeps both halves' fragments live: 60 more registers and
+// spills), and a warp holds the B fragments of a half and one A fragment at a time.
+// Expects row0, row_end, tn, red_lo and red_hi declared; an empty reduction stores zeros.
+std::string mmaTile(const MmaOperands& o) {
+  const FragmentReads f = fragmentReads(o.a_kfast, o.b_kfast);
+  return fmt::format(
+             "  constexpr int BN = 128, BK = 32, STAGES = 3, TILE = 128 * BK;\n"
+             "  constexpr long long COLS = {0}LL;\n"
+             "  const long long steps = (red_hi - red_lo + BK - 1) / BK;\n"
+             "  __shared__ __align__(128) unsigned short As[STAGES][TILE], Bs[STAGES][TILE];\n"
+             "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n"
+             "  const int wm = warp >> 2, wn = warp & 3, g = lane >> 2, q = lane & 3;\n"
+             "  const long long col0 = (long long)tn * BN;\n"
+             "  auto load = [&](int buf, long long step) {{\n"
+             "    const long long k0 = red_lo + step * BK;\n"
+             "#pragma unroll\n"
+             "    for (int p = 0; p < 2; ++p) {{\n"
+             "      const int c = threadIdx.x + 256 * p;\n",
+             o.cols) +
+         stageCopy("As[buf]", "b0", o.a_index, o.a_kfast, o.a_vec, "gr", "row0", "row_end") +
+         stageCopy("Bs[buf]", "b1", o.b_index, o.b_kfast, o.b_vec, "gc", "col0", "COLS") +
+         "    }\n"
+         "  };\n" +
+         f.bases +
+         fmt::format(
+             "  float acc[4][4][4] = {{}};\n"
+             "#pragma unroll\n"
+             "  for (int s = 0; s < STAGES - 1; ++s) {{\n"
+             "    if (s < steps) load(s, s);\n"
+             "    kiln_cp_async_commit();\n"
+             "  }}\n"
+             "  for (long long step = 0; step < steps; ++step) {{\n"
+             "    kiln_cp_async_wait<STAGES - 2>();  // this step's stage has landed (for this thread)\n"
+             "    __syncthreads();                    // for every thread; and the oldest stage is free\n"
+             "    const long long next = step + STAGES - 1;\n"
+             "    if (next < steps) load((int)(next % STAGES), next);\n"
+             "    kiln_cp_async_commit();  // an empty group near the end keeps the count\n"
+             "    const unsigned short* as = As[step % STAGES];\n"
+             "    const unsigned short* bs = Bs[step % STAGES];\n"
+             "#pragma unroll 1\n"
+             "    for (int ks = 0; ks < BK; ks += 16) {{\n"
+             "      unsigned b[4][2];\n"
+             "#pragma unroll\n"
+             "      for (int ni = 0; ni < 4; ++ni)\n"
+             "#pragma unroll\n"
+             "        for (int t = 0; t < 2; ++t) b[ni][t] = {1};\n"
+             "#pragma unroll\n"
+             "      for (int mi = 0; mi < 4; ++mi) {{\n"
+             "        unsigned a[4];\n"
+             "#pragma unroll\n"
+             "        for (int i = 0; i < 4; ++i) {{\n"
+             "          const int h = i & 1, t = i >> 1;  // a[0]: (g, k), a[1]: (g + 8, k), a[2]: (g, k + 8), ...\n"
+             "          a[i] = {0};\n"
+             "        }}\n"
+             "#pragma unroll\n"
+             "        for (int ni = 0; ni < 4; ++ni) kiln_mma_bf16_16x8x16(acc[mi][ni], a, b[ni]);\n"
+             "      }}\n"
+             "    }}\n"
+             "  }}\n"
+             "  kiln_cp_async_wait<0>();\n"
+             "#pragma unroll\n"
+             "  for (int mi = 0; mi < 4; ++mi)\n"
+             "#pragma unroll\n"
+             "    for (int ni = 0; ni < 4; ++ni)\n"
+             "#pragma unroll\n"
+             "      for (int c = 0; c < 4; ++c) {{\n"
+             "        const long long gr = row0 + wm * 64 + mi * 16 + g + (c >> 1) * 8;\n"
+             "        const long long gc = col0 + wn * 32 + ni * 8 + 2 * q + (c & 1);\n"
+             "        if (gr < row_end && gc < COLS) kiln_st(b3, {2}, acc[mi][ni][c]);\n"
+             "      }}\n",
+             f.a, f.b, o.store_index);
 }
 
 std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
@@ -1012,6 +1106,8 @@ std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) 
   o.b_index = s.transpose_b ? fmt::format("(long long)e * {0}LL * {1}LL + gc * {0}LL + gk", s.k, s.m)
                             : fmt::format("(long long)e * {0}LL * {1}LL + gk * {1}LL + gc", s.k, s.m);
   o.b_kfast = s.transpose_b;
+  o.a_vec = s.k % 8 == 0;
+  o.b_vec = (s.transpose_b ? s.k : s.m) % 8 == 0;
   o.cols = s.m;
   o.store_index = fmt::format("gr * {}LL + gc", s.m);
   return groupedTile(s.experts, s.rows, 128, col_tiles) + tailZero(128, s.m) +
@@ -1027,6 +1123,7 @@ Kernel groupedMatmulKernel(const GroupedGemmShape& s) {
   Kernel k = sourceKernel(tensor_cores ? "grouped_matmul_bf16_mma" : "grouped_matmul_f32",
                           groupedGrid(s.rows, s.experts, bm, col_tiles), 256,
                           tensor_cores ? tensorCoreGroupedBody(s, col_tiles) : simtGroupedBody(s, col_tiles));
+  if (tensor_cores) k.min_blocks_per_sm = 2;  // mmaTile's register budget: 128 per thread
   k.addBuffer("x", s.dtype, s.rows * s.k);
   k.addBuffer("w", s.dtype, s.experts * s.k * s.m);
   k.addBuffer("offsets", DType::i32, s.experts + 1);
@@ -1045,6 +1142,8 @@ Kernel tensorCoreWgradKernel(const WgradShape& s) {
   o.a_kfast = false;
   o.b_index = fmt::format("gk * {}LL + gc", s.m);  // dy[r][m]
   o.b_kfast = false;
+  o.a_vec = s.k % 8 == 0;  // x[gk][gr..gr+8) with gr a multiple of 8 (row0 is one of 128)
+  o.b_vec = s.m % 8 == 0;
   o.cols = s.m;
   o.store_index = s.transpose ? fmt::format("e * {0}LL * {1}LL + gc * {0}LL + gr", s.k, s.m)
                               : fmt::format("e * {0}LL * {1}LL + gr * {1}LL + gc", s.k, s.m);
@@ -1059,6 +1158,7 @@ Kernel tensorCoreWgradKernel(const WgradShape& s) {
       s.rows, kt * mt, mt, kt, s.k);
   Kernel k = sourceKernel("grouped_matmul_wgrad_bf16_mma", std::max<int64_t>(1, s.experts * kt * mt), 256,
                           body + mmaTile(o));
+  k.min_blocks_per_sm = 2;
   k.addBuffer("x", s.dtype, s.rows * s.k);
   k.addBuffer("dy", s.dtype, s.rows * s.m);
   k.addBuffer("offsets", DType::i32, s.experts + 1);

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include <fmt/format.h>
 
@@ -97,16 +98,61 @@ Expected<CompiledModule> NvrtcCompiler::compile(const codegen::CudaModule& modul
 
 Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source, const std::string& arch,
                                                       const std::function<std::string(int)>& kernel_at_line) {
+  return compileWith(source, arch, {}, true, kernel_at_line, nullptr);
+}
+
+Expected<std::vector<KernelResources>> NvrtcCompiler::resourceUsage(const codegen::CudaModule& module,
+                                                                    const std::string& arch) {
+  KILN_RETURN_IF_ERROR(checkGpuArch(arch));
+  std::string log;
+  auto compiled = compileWith(module.source, arch, {"--ptxas-options=-v"}, false,
+                              [&](int line) { return module.kernelAtLine(line); }, &log);
+  if (!compiled) return compiled.status();
+  // ptxas -v prints, per kernel:
+  //   ptxas info    : Compiling entry function 'NAME' for 'sm_90'
+  //   ptxas info    : Function properties for NAME
+  //       S bytes stack frame, T bytes spill stores, L bytes spill loads
+  //   ptxas info    : Used R registers, ... M bytes smem, ...
+  static const std::regex entry("Compiling entry function '([^']+)'");
+  static const std::regex frame("([0-9]+) bytes stack frame, ([0-9]+) bytes spill stores, ([0-9]+) bytes spill loads");
+  static const std::regex used("Used ([0-9]+) registers");
+  static const std::regex smem("([0-9]+) bytes smem");
+  std::vector<KernelResources> out;
+  std::istringstream lines(log);
+  std::string line;
+  std::smatch m;
+  while (std::getline(lines, line)) {
+    if (std::regex_search(line, m, entry)) {
+      out.push_back({m[1].str()});
+    } else if (out.empty()) {
+      continue;
+    } else if (std::regex_search(line, m, frame)) {
+      out.back().stack_bytes = std::stoll(m[1].str());
+      out.back().spill_bytes = std::stoll(m[2].str()) + std::stoll(m[3].str());
+    } else if (std::regex_search(line, m, used)) {
+      out.back().registers = std::stoi(m[1].str());
+      if (std::regex_search(line, m, smem)) out.back().shared_bytes = std::stoll(m[1].str());
+    }
+  }
+  if (out.empty()) return Status::errorf("NVRTC {} printed no ptxas report for {}:\n{}", version(), arch, log);
+  return out;
+}
+
+Expected<CompiledModule> NvrtcCompiler::compileWith(const std::string& source, const std::string& arch,
+                                                    const std::vector<std::string>& extra, bool use_cache,
+                                                    const std::function<std::string(int)>& kernel_at_line,
+                                                    std::string* log_out) {
   const bool ptx = arch.rfind("compute_", 0) == 0;
   KILN_RETURN_IF_ERROR(ptx ? checkPtxArch(arch) : checkGpuArch(arch));
   // No fast math: the GPU computes what the CPU references compute, within rounding.
   std::vector<std::string> options = {"--gpu-architecture=" + arch, "--std=c++17"};
+  options.insert(options.end(), extra.begin(), extra.end());
   std::string joined;
   for (const std::string& o : options) joined += o + ' ';
   CompiledModule out;
   std::string entry = KernelCache::entryName(source, joined, arch, version());
   KernelCache cache(cache_dir_);
-  if (!cache_dir_.empty()) {
+  if (use_cache && !cache_dir_.empty()) {
     out.cache_file = cache.pathOf(entry);
     if (auto hit = cache.load(entry)) {
       ++cache_hits_;
@@ -130,6 +176,7 @@ Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source,
     a.getProgramLog(prog, log.data());
     log.resize(log_size - 1);
   }
+  if (log_out) *log_out = log;
   if (r != NVRTC_SUCCESS) {
     a.destroyProgram(&prog);
     // Name the kernels the errors point into: "kiln_kernels.cu(123): error: ...".
@@ -156,7 +203,7 @@ Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string& source,
   if (r != NVRTC_SUCCESS || out.cubin.empty())
     return Status::errorf("NVRTC produced no {} for {} ({})", ptx ? "PTX" : "CUBIN", arch,
                           r != NVRTC_SUCCESS ? a.errorString(r) : "empty");
-  if (!cache_dir_.empty()) {
+  if (use_cache && !cache_dir_.empty()) {
     // A cache that cannot be written costs the next run a compile, not this one its kernels.
     Status stored = cache.store(entry, out.cubin);
     if (!stored) std::fprintf(stderr, "warning: kernel cache: %s\n", stored.message().c_str());
@@ -176,6 +223,15 @@ Expected<CompiledModule> NvrtcCompiler::compile(const codegen::CudaModule&, cons
 }
 Expected<CompiledModule> NvrtcCompiler::compileSource(const std::string&, const std::string&,
                                                       const std::function<std::string(int)>&) {
+  return Status::error("NVRTC is unavailable");
+}
+Expected<std::vector<KernelResources>> NvrtcCompiler::resourceUsage(const codegen::CudaModule&,
+                                                                    const std::string&) {
+  return Status::error("NVRTC is unavailable");
+}
+Expected<CompiledModule> NvrtcCompiler::compileWith(const std::string&, const std::string&,
+                                                    const std::vector<std::string>&, bool,
+                                                    const std::function<std::string(int)>&, std::string*) {
   return Status::error("NVRTC is unavailable");
 }
 

@@ -23,6 +23,15 @@ struct CompiledModule {
   std::string cache_file;  // where it is (or would be) cached
 };
 
+// What ptxas reports of one kernel (NvrtcCompiler::resourceUsage).
+struct KernelResources {
+  std::string name;
+  int registers = 0;          // per thread
+  int64_t shared_bytes = 0;   // static shared memory per block
+  int64_t spill_bytes = 0;    // spill stores + spill loads
+  int64_t stack_bytes = 0;    // stack frame per thread
+};
+
 class NvrtcCompiler {
  public:
   // Loads NVRTC; the error says which libraries were tried. The cache directory defaults to
@@ -42,12 +51,22 @@ class NvrtcCompiler {
   Expected<CompiledModule> compileSource(const std::string& source, const std::string& arch,
                                          const std::function<std::string(int)>& kernel_at_line = {});
 
+  // What ptxas reports for each kernel of a module compiled for a real `arch` (registers,
+  // shared memory, spills), in the module's order: how a kernel's occupancy is checked without
+  // a GPU. Compiled afresh, with ptxas's -v; the cache is not used.
+  Expected<std::vector<KernelResources>> resourceUsage(const codegen::CudaModule& module,
+                                                       const std::string& arch = "sm_90");
+
   // Counters since creation: NVRTC invocations and cache hits.
   int compilations() const { return compilations_.load(); }
   int cacheHits() const { return cache_hits_.load(); }
 
  private:
   NvrtcCompiler() = default;
+  // compileSource with `extra` options after the standard ones; the log goes to `log` when given.
+  Expected<CompiledModule> compileWith(const std::string& source, const std::string& arch,
+                                       const std::vector<std::string>& extra, bool use_cache,
+                                       const std::function<std::string(int)>& kernel_at_line, std::string* log);
   struct Api;
   DynamicLibrary lib_;
   DynamicLibrary builtins_;  // libnvrtc-builtins, preloaded when NVRTC came from a full path

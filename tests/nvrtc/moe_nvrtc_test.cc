@@ -80,5 +80,40 @@ TEST(MoeNvrtc, ProductionShapesCompileForSm90) {
   expectCompiles(moeKernels(4096, 8, 2, 4096));
 }
 
+// The tensor-core grouped GEMMs are written for two 256-thread blocks per SM (mmaTile): ptxas
+// must fit each thread in 128 registers without spilling, and a block's three stages in the
+// 48 KiB of static shared memory, at aligned (cp.async) and unaligned (register copy) shapes,
+// for the A100 and the H100/H200. Unrolling the stage's two halves, for one, spills 160-260
+// bytes per thread here.
+TEST(MoeNvrtc, TensorCoreGemmsFitTwoBlocksPerSm) {
+  std::vector<Kernel> ks;
+  for (int64_t k : {4096, 2048 + 3})
+    for (bool transpose : {false, true}) {
+      ks.push_back(emit::groupedMatmulKernel({DType::bf16, 16384, k, 1792, 8, transpose}));
+      ks.push_back(emit::groupedWgradKernel({DType::bf16, 16384, k, 1792 + 5, 8, transpose}));
+    }
+  std::vector<const Kernel*> ptrs;
+  for (const Kernel& k : ks) ptrs.push_back(&k);
+  auto nvrtc = cuda::NvrtcCompiler::create("");
+  if (!nvrtc) GTEST_SKIP() << nvrtc.status().message();
+  const codegen::CudaModule module = codegen::emitModule(ptrs);
+  for (const char* arch : {"sm_80", "sm_90"}) {
+    auto usage = (*nvrtc)->resourceUsage(module, arch);
+    ASSERT_TRUE(usage) << usage.status().message();
+    int checked = 0;
+    for (const cuda::KernelResources& r : *usage) {
+      if (r.name.find("bf16_mma") == std::string::npos) continue;
+      ++checked;
+      const std::string what = r.name + " for " + arch;
+      EXPECT_LE(r.registers * 256 * 2, 65536) << what << ": " << r.registers << " registers";
+      EXPECT_GT(r.registers, 0) << what;
+      EXPECT_EQ(r.spill_bytes, 0) << what;
+      EXPECT_LE(r.shared_bytes, 48 * 1024) << what;
+      EXPECT_GE(r.shared_bytes, 3 * 2 * 128 * 32 * 2) << what << ": three stages of two 128x32 bf16 tiles";
+    }
+    EXPECT_EQ(checked, 8) << "kernels reported for " << arch;
+  }
+}
+
 }  // namespace
 }  // namespace kiln::testing

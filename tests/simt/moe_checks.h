@@ -674,7 +674,11 @@ inline std::vector<GemmCase> gemmCases() {
   return {GemmCase{"f32", DType::f32, false, 40, 72}, GemmCase{"f32_transposed", DType::f32, true, 33, 65},
           GemmCase{"bf16_tensor_cores", DType::bf16, false, 48, 136},
           GemmCase{"bf16_tensor_cores_transposed", DType::bf16, true, 40, 24},
-          GemmCase{"bf16_tensor_cores_deep", DType::bf16, false, 100, 40}};
+          GemmCase{"bf16_tensor_cores_deep", DType::bf16, false, 100, 40},
+          // Rows of 37 and 45 elements: no operand may be copied 16 bytes at a time.
+          GemmCase{"bf16_tensor_cores_unaligned", DType::bf16, false, 37, 45},
+          // Seven steps of 32 around the three-stage ring, both operands k-contiguous.
+          GemmCase{"bf16_tensor_cores_transposed_deep", DType::bf16, true, 200, 72}};
 }
 
 // A routed expert layer: dispatch -> permute -> grouped GEMM (bf16, tensor cores) -> unpermute,
