@@ -42,6 +42,8 @@ Target hopper(std::string name, std::string description, double hbm_bytes_per_s,
   t.description = std::move(description);
   t.kind = TargetKind::gpu;
   t.cores = 132;
+  t.cuda_arch = "sm_90";
+  t.shared_bytes_per_sm = 228 * 1024;
   // TF32: 494.7 TFLOP/s dense on the SXM parts, planned at 80% as bf16 is.
   t.gemm_flops_per_s = {6.0e13, 7.86e14, 3.96e14};
   t.vector_flops_per_s = {6.0e13, 6.0e13};
@@ -99,6 +101,8 @@ Target a100Target() {
   t.description = "NVIDIA A100 SXM4 (80 GB HBM2e)";
   t.kind = TargetKind::gpu;
   t.cores = 108;
+  t.cuda_arch = "sm_80";
+  t.shared_bytes_per_sm = 164 * 1024;
   t.gemm_flops_per_s = {1.75e13, 2.48e14, 1.24e14};  // TF32: 156 dense, planned at 124
   t.vector_flops_per_s = {1.75e13, 1.75e13};
   t.bytes_per_s = 1.84e12;
@@ -107,6 +111,23 @@ Target a100Target() {
   t.intra_node = {300e9, 3e-6};
   t.inter_node = {25e9, 6e-6};
   return t;
+}
+
+Occupancy blocksPerSm(const Target& target, int block, int registers, int64_t shared_bytes) {
+  constexpr int kRegisters = 65536, kThreads = 2048, kBlocks = 32, kReservedShared = 1024;
+  Occupancy o{kThreads / std::max(block, 1), "threads"};
+  const int warps = (std::max(block, 1) + 31) / 32;
+  const int per_warp = (registers * 32 + 255) / 256 * 256;
+  if (per_warp > 0) {
+    const int by_registers = kRegisters / per_warp / warps;
+    if (by_registers < o.blocks) o = {by_registers, "registers"};
+  }
+  if (shared_bytes > 0 && target.shared_bytes_per_sm > 0) {
+    const int by_shared = static_cast<int>(target.shared_bytes_per_sm / (shared_bytes + kReservedShared));
+    if (by_shared < o.blocks) o = {by_shared, "shared memory"};
+  }
+  if (kBlocks < o.blocks) o = {kBlocks, "blocks"};
+  return o;
 }
 
 const std::vector<std::string_view>& targetNames() {

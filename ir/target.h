@@ -51,9 +51,24 @@ struct Target {
   double bytes_per_s = 0;        // memory bandwidth (a copy's rate)
   double launch_s = 0;           // fixed cost of one kernel launch (or one op dispatch on a CPU)
   int64_t memory_bytes = 0;      // device memory; host memory for the CPU
+  // A GPU's NVRTC architecture ("sm_90") and what one SM holds at once, for occupancy: static
+  // plus dynamic shared memory (228 KiB on Hopper, 164 KiB on the A100; 1 KiB of it per block
+  // is the system's), 64K 32-bit registers, 2048 threads and 32 blocks on both.
+  std::string cuda_arch;
+  int64_t shared_bytes_per_sm = 0;
   LinkRates intra_node;          // between devices of one machine (NVLink; shared memory on a CPU)
   LinkRates inter_node;          // between machines (InfiniBand, Ethernet)
 };
+
+// Blocks of `block` threads that one SM of GPU `target` holds at once, given a kernel's registers
+// per thread and static shared memory per block (ptxas's report), and what limits it: "threads"
+// (2048 an SM), "registers" (64K, allocated per warp in units of 256), "shared memory" (the
+// target's, less 1 KiB per block for the system) or "blocks" (32).
+struct Occupancy {
+  int blocks = 0;
+  const char* limit = "";
+};
+Occupancy blocksPerSm(const Target& target, int block, int registers, int64_t shared_bytes);
 
 // This machine's CPU: its cores (sched_getaffinity) and memory (sysconf), fixed rates.
 Target cpuTarget();

@@ -146,12 +146,27 @@ int dumpProgram(DumpContext& c) {
   return kExitOk;
 }
 
+// --precision: the train block's GEMM precision, overridden. An exit code on a usage error.
+std::optional<int> overridePrecision(const ArgParser& p, ir::Module& m) {
+  if (!p.has("precision")) return std::nullopt;
+  const std::string precision = p.get("precision");
+  if (!ir::isGemmPrecision(precision))
+    return p.usageError(fmt::format("--precision must be one of {}, got '{}'", ir::gemmPrecisionNames(), precision));
+  auto train = m.attrs().find("kiln.train");
+  if (train == m.attrs().end() || !train->second.isDict()) return p.usageError("--precision: the model has no train block");
+  ir::AttrDict merged = train->second.asDict();
+  merged["precision"] = ir::Attribute(precision);
+  m.mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
+  return std::nullopt;
+}
+
 int dumpCuda(DumpContext& c) {
   auto m = frontend::compileModelFile(c.path, c.overrides, c.diags);
   if (!m) return kExitError;
   auto o = optimizeOptions(c.args);
   if (!o) return kExitUsage;
-  return printCudaStage(**m, *o, c.out, std::cerr);
+  if (auto code = overridePrecision(c.args, **m)) return *code;
+  return printCudaStage(**m, *o, c.out, std::cerr, c.args.flag("resources"));
 }
 
 struct Stage {
@@ -206,7 +221,11 @@ int runDump(const std::vector<std::string>& args) {
   p.addOption("ep", "N", "with --ranks: spread each MoE layer's experts over groups of N ranks", "1");
   p.addFlag("pipeline", "with --ranks: the pipelined step (the next batch's ids routed during this one)");
   p.addOption("precision", "f32|bf16|f32_strict",
-              "with --stats or --explain: the GEMM precision, overriding the train block's");
+              "with --stats, --explain or --stage=cuda: the GEMM precision, overriding the train block's");
+  p.addFlag("resources",
+            "with --stage=cuda: instead of the source, compile the kernels with NVRTC for the target (default "
+            "h200: sm_90) and print ptxas's registers, shared memory and spills per kernel, and how many of its "
+            "blocks an SM holds at once");
   int code;
   if (!p.parse(args, &code)) return code;
   std::string format = p.get("format");
@@ -221,6 +240,8 @@ int runDump(const std::vector<std::string>& args) {
   for (const Stage& s : kStages)
     if (p.get("stage") == s.name) stage = &s;
   if (!stage) return p.usageError(fmt::format("unknown stage '{}' (use {})", p.get("stage"), stages));
+  if (p.flag("resources") && std::string(stage->name) != "cuda")
+    return p.usageError("--resources goes with --stage=cuda");
 
   std::ofstream file;
   if (p.has("output")) {
@@ -235,18 +256,7 @@ int runDump(const std::vector<std::string>& args) {
     if (!o) return kExitUsage;
     auto m = frontend::compileModelFile(p.positionals()[0], overrides, diags);
     if (!m) return kExitError;
-    if (p.has("precision")) {
-      const std::string precision = p.get("precision");
-      if (!ir::isGemmPrecision(precision))
-        return p.usageError(
-            fmt::format("--precision must be one of {}, got '{}'", ir::gemmPrecisionNames(), precision));
-      auto train = (*m)->attrs().find("kiln.train");
-      if (train == (*m)->attrs().end() || !train->second.isDict())
-        return p.usageError("--precision: the model has no train block");
-      ir::AttrDict merged = train->second.asDict();
-      merged["precision"] = ir::Attribute(precision);
-      (*m)->mutableAttrs()["kiln.train"] = ir::Attribute(std::move(merged));
-    }
+    if (auto code = overridePrecision(p, **m)) return *code;
     std::ostream& out = p.has("output") ? static_cast<std::ostream&>(file) : std::cout;
     return p.flag("stats") ? printOptimizeStats(**m, *o, out, std::cerr) : printFusionExplanation(**m, *o, out, std::cerr);
   }

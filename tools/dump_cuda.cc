@@ -2,16 +2,59 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <map>
+
 #include "codegen/cuda_emitter.h"
 #include "codegen/kernel_lowering.h"
 #include "ir/precision.h"
 #include "passes/pass_manager.h"
 #include "passes/pipeline.h"
+#include "runtime/cuda/nvrtc_compiler.h"
 #include "tools/cli.h"
 
 namespace kiln::cli {
 
-int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostream& out, std::ostream& err) {
+namespace {
+
+// ptxas's report of every kernel of `m`, one line each, with the blocks an SM holds.
+int printResources(const codegen::CudaModule& m, const std::vector<const codegen::Kernel*>& kernels,
+                   const Target& target, std::ostream& out, std::ostream& err) {
+  if (target.cuda_arch.empty()) {
+    err << fmt::format("error: --resources compiles the kernels for a GPU: --target {} is not one\n", target.name);
+    return kExitUsage;
+  }
+  auto nvrtc = cuda::NvrtcCompiler::create("");
+  if (!nvrtc) {
+    err << "error: --resources needs NVRTC: " << nvrtc.status().message() << "\n";
+    return kExitError;
+  }
+  auto usage = (*nvrtc)->resourceUsage(m, target.cuda_arch);
+  if (!usage) {
+    err << usage.status().str() << "\n";
+    return kExitError;
+  }
+  std::map<std::string, int> block_of;
+  for (size_t i = 0; i < kernels.size() && i < m.kernels.size(); ++i)
+    block_of[m.kernels[i].name] = codegen::launchConfig(*kernels[i]).block;
+  out << fmt::format("\n// ptxas (NVRTC {}) for {} ({}): per thread, per block, and the blocks an SM holds at once\n",
+                     (*nvrtc)->version(), target.cuda_arch, target.name);
+  out << fmt::format("{:<64} {:>6} {:>5} {:>10} {:>6} {:>10}  {}\n", "kernel", "block", "regs", "smem", "spill",
+                     "blocks/SM", "limited by");
+  for (const cuda::KernelResources& r : *usage) {
+    auto it = block_of.find(r.name);
+    const int block = it == block_of.end() ? 0 : it->second;
+    const Occupancy o = blocksPerSm(target, block, r.registers, r.shared_bytes);
+    out << fmt::format("{:<64} {:>6} {:>5} {:>10} {:>6} {:>10}  {}\n", r.name, block, r.registers, r.shared_bytes,
+                       r.spill_bytes, o.blocks, o.limit);
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostream& out, std::ostream& err,
+                   bool resources) {
   const int64_t batch = options.batch;
   // The passes `kiln train --device cuda` runs (fusion included), so the kernels shown are the
   // kernels that run.
@@ -70,6 +113,7 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
     for (size_t i = 0; i < g.kernels.size(); ++i, ++next) out << " " << m.kernels[next].name;
     out << "\n";
   }
+  if (resources) return printResources(m, kernels, options.target, out, err);
   out << "\n" << m.source;
   return kExitOk;
 }

@@ -77,5 +77,28 @@ TEST(Target, CudaDeviceNamesMapToTheirTargets) {
   EXPECT_EQ(gpuTargetForDevice("NVIDIA GeForce RTX 4090").name, "h200");
 }
 
+// Occupancy by NVIDIA's rules (the CUDA occupancy calculator's), counted by hand: registers are
+// allocated per warp in units of 256, every block takes 1 KiB of shared memory for the system.
+TEST(Target, BlocksPerSmFollowTheRegisterSharedAndThreadLimits) {
+  const Target h200 = h200Target(), a100 = a100Target();
+  EXPECT_EQ(h200.cuda_arch, "sm_90");
+  EXPECT_EQ(a100.cuda_arch, "sm_80");
+  EXPECT_TRUE(cpuTarget().cuda_arch.empty());
+  auto check = [](const Target& t, int block, int regs, int64_t smem, int blocks, const std::string& limit) {
+    const Occupancy o = blocksPerSm(t, block, regs, smem);
+    EXPECT_EQ(o.blocks, blocks) << t.name << " block " << block << " regs " << regs << " smem " << smem;
+    EXPECT_EQ(std::string(o.limit), limit) << t.name << " block " << block << " regs " << regs;
+  };
+  // 106 x 32 = 3392 -> 3584 per warp; 65536 / 3584 = 18 warps, 2 blocks of 8. Shared: 233472 /
+  // 50176 = 4 blocks.
+  check(h200, 256, 106, 49152, 2, "registers");
+  check(h200, 256, 128, 0, 2, "registers");  // 4096 per warp: 16 warps
+  check(h200, 256, 129, 0, 1, "registers");  // 4352 per warp: 15 warps, one block of 8
+  check(h200, 256, 32, 0, 8, "threads");     // 64 warps by registers; 2048 / 256 threads
+  check(h200, 32, 16, 0, 32, "blocks");      // 64 by threads, 32 blocks at most
+  // A100: 164 KiB per SM; 167936 / 50176 = 3 blocks; registers allow 51 warps, 12 blocks of 4.
+  check(a100, 128, 40, 49152, 3, "shared memory");
+}
+
 }  // namespace
 }  // namespace kiln

@@ -24,3 +24,22 @@ config.substitutions.append((r"(?<![\w/.-])FileCheck(?![\w.-])", os.path.join(co
 config.substitutions.append((r"(?<![\w/.-])not(?![\w.-])", os.path.join(config.llvm_tools_dir, "not")))
 
 config.environment["PATH"] = os.pathsep.join([config.llvm_tools_dir, os.environ.get("PATH", "")])
+
+# `REQUIRES: nvrtc`: tests that compile the generated CUDA (no GPU needed) run where NVRTC loads,
+# from the loader's path or the CUDA toolkit's usual folder, as kiln itself finds it.
+def _nvrtc_loads():
+    import ctypes
+    import glob
+    names = ["libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"]
+    names += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*")) + sorted(glob.glob("/usr/local/cuda/lib/libnvrtc.so*"))
+    for name in names:
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            pass
+    return False
+
+
+if _nvrtc_loads():
+    config.available_features.add("nvrtc")
