@@ -26,7 +26,10 @@
 #   R1_TORCH_STEPS_1024 (6), R1_TORCH_STEPS_4096 (3), R1_TORCH_WARMUP (2)
 #   MOE_KILN_STEPS (16), MOE_TORCH_STEPS (10), MOE_TORCH_WARMUP (3)
 #   ROWS_CAP (100000), BATCHES ("1024 4096"), WORKLOADS ("r1 moe"), LOG_DIR (a new folder in /tmp),
-#   RUN_TIMEOUT (900 s per run).
+#   RUN_TIMEOUT (900 s per run), PRECISIONS ("f32 bf16" where /proc/cpuinfo lists avx512_bf16 or
+#   amx_bf16, else "f32": on a CPU without bf16 instructions neither Kiln nor PyTorch runs bf16
+#   natively (Kiln widens to f32, torch's bf16 products crawl at a few GFLOP/s), so the bf16
+#   rows and the bf16 roof would measure emulation, for an hour; the table says so instead).
 #
 # M1-small's tokens: the peer draws x and target standard normal. models/moe_layer.kiln as it is
 # reads the Criteo layout on synthetic data: x and target both get the same Criteo-like dense
@@ -106,6 +109,14 @@ RESULTS="$LOG_DIR/results.tsv"
 : > "$RESULTS"
 echo "r1_cpu: logs in $LOG_DIR" >&2
 started=$(date +%s)
+
+if [ -z "${PRECISIONS:-}" ]; then
+  if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo; then PRECISIONS="f32 bf16"; else PRECISIONS="f32"; fi
+fi
+case " $PRECISIONS " in *" bf16 "*) BF16=1 ;; *) BF16=0 ;; esac
+if [ "$BF16" = 0 ]; then
+  echo "r1_cpu: bf16 left out (PRECISIONS=\"$PRECISIONS\"; this CPU's flags: $(grep -m1 -owE 'avx512_bf16|amx_bf16|avx512f|avx2' /proc/cpuinfo | sort -u | tr '\n' ' '))" >&2
+fi
 
 PY=$(bench/peer_venv.sh | tail -n 1)
 cat "$(dirname "$(dirname "$PY")")/.kiln-peer-ready" > "$LOG_DIR/venv.txt" 2>/dev/null || true
@@ -209,7 +220,9 @@ run_one() {
   echo "r1_cpu: round $round $wl batch $batch $cfg: $rate/s ($(( $(date +%s) - t0 )) s)" >&2
 }
 
-"$PY" bench/peers/gemm_roof.py --threads "$THREADS" > "$LOG_DIR/roof.log" 2>&1 || true
+ROOF_DTYPES=f32
+[ "$BF16" = 1 ] && ROOF_DTYPES=f32,bf16
+"$PY" bench/peers/gemm_roof.py --threads "$THREADS" --dtypes "$ROOF_DTYPES" > "$LOG_DIR/roof.log" 2>&1 || true
 ROOF=$(sed -n 's/^ROOF //p' "$LOG_DIR/roof.log")
 if [ -z "$ROOF" ]; then
   echo "r1_cpu: the roof measurement failed (see $LOG_DIR/roof.log)" >&2
@@ -217,7 +230,8 @@ if [ -z "$ROOF" ]; then
 fi
 echo "r1_cpu: roof $ROOF" >&2
 
-CONFIGS="kiln_f32 kiln_bf16 torch_eager_f32 torch_eager_bf16 torch_compile_f32 torch_compile_bf16"
+CONFIGS="kiln_f32 torch_eager_f32 torch_compile_f32"
+[ "$BF16" = 1 ] && CONFIGS="kiln_f32 kiln_bf16 torch_eager_f32 torch_eager_bf16 torch_compile_f32 torch_compile_bf16"
 for round in $(seq 1 "$ROUNDS"); do
   for wl in $WORKLOADS; do
     if [ "$wl" = r1 ]; then batches=$BATCHES; else batches=$MOE_TOKENS; fi
@@ -230,7 +244,7 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 "$KILN" version > "$LOG_DIR/kiln_version.txt" 2>&1 || true
-python3 - "$RESULTS" "$ROOF" "$THREADS" "$ROUNDS" "$ROWS_CAP" "$(( $(date +%s) - started ))" "$LOG_DIR/kiln_version.txt" <<'PY' | tee "$LOG_DIR/table.md"
+python3 - "$RESULTS" "$ROOF" "$THREADS" "$ROUNDS" "$ROWS_CAP" "$(( $(date +%s) - started ))" "$LOG_DIR/kiln_version.txt" "$BF16" <<'PY' | tee "$LOG_DIR/table.md"
 import json, statistics, sys
 from collections import OrderedDict
 results, roof, threads, rounds, cap, secs = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
@@ -254,6 +268,9 @@ f32, bf16 = roof.get("f32_gflops"), roof.get("bf16_gflops")
 pct = lambda gf, r: f"{100 * gf / r:.0f}%" if r else "n/a"
 print(f"GEMM roof ({threads} threads, torch {roof.get('torch', 'n/a')}): f32 {f32 or 0:.0f} GFLOP/s, bf16 {bf16 or 0:.0f} GFLOP/s; "
       f"{rounds} rounds, rows_cap {cap}, {secs} s in all" + (f"; Kiln {kiln_cpu[0]}" if kiln_cpu else ""))
+if sys.argv[8] != "1":
+    print("bf16 not measured: this CPU has no AVX512-BF16 or AMX, so bf16 would run as emulation on both sides "
+          "(PRECISIONS=\"f32 bf16\" measures it anyway).")
 print()
 print("| workload | batch | config | median samples/s (M1: tokens/s) | min..max | x PyTorch best f32 | x PyTorch best bf16 | GFLOP/s | % f32 roof | % bf16 roof |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -37,10 +37,16 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5, help="timed products per shape and dtype")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--dtypes", default="f32,bf16",
+                    help="comma-separated: f32, bf16 (leave bf16 out on a CPU without bf16 instructions, where "
+                         "torch's bf16 products run at a few GFLOP/s and take many minutes)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     out = dict(threads=a.threads, torch=torch.__version__, cpu=torch.backends.cpu.get_cpu_capability(), shapes={})
+    wanted = set(a.dtypes.split(","))
     for name, dtype in (("f32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in wanted:
+            continue
         best = 0.0
         for m, k, n in SHAPES:
             g = best_gflops(m, k, n, dtype, a.reps, a.warmup)
