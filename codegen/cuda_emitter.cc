@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdint>
 #include <map>
 #include <set>
 
@@ -404,10 +405,18 @@ class KernelPrinter {
       line(indent, fmt::format("const long long c{} = {};", first, flat));
       return;
     }
-    line(indent, fmt::format("long long rest{} = {};", first, flat));
+    // Below 2^32 elements the divisions by the shape's constants run in 32 bits: on a GPU a
+    // 64-bit division by a constant is a multiply-high sequence several times as long.
+    int64_t extent = 1;
+    for (int64_t d : shape) extent *= d;
+    const bool narrow = extent <= int64_t{UINT32_MAX};
+    const char* type = narrow ? "unsigned" : "long long";
+    const char* suffix = narrow ? "u" : "LL";
+    line(indent, fmt::format("{0} rest{1} = ({0}){2};", type, first, flat));
     for (size_t j = shape.size(); j-- > 1;) {
-      line(indent, fmt::format("const long long c{} = rest{} % {}LL;", first + static_cast<int>(j), first, shape[j]));
-      line(indent, fmt::format("rest{} /= {}LL;", first, shape[j]));
+      line(indent, fmt::format("const long long c{} = rest{} % {}{};", first + static_cast<int>(j), first, shape[j],
+                               suffix));
+      line(indent, fmt::format("rest{} /= {}{};", first, shape[j], suffix));
     }
     line(indent, fmt::format("const long long c{} = rest{};", first, first));
   }
@@ -497,9 +506,16 @@ class KernelPrinter {
   }
 
   void printPointwise() {
-    line(1, fmt::format("const long long n = {}LL;", k_.spaceSize()));
-    line(1, "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;");
-    line(1, "     i += (long long)gridDim.x * blockDim.x) {");
+    const int64_t n = k_.spaceSize();
+    if (n <= int64_t{UINT32_MAX} - (int64_t{1} << 24)) {
+      // 32-bit index math: i plus a grid's stride (at most 16384 x 1024 threads) cannot wrap.
+      line(1, fmt::format("const unsigned n = {}u;", n));
+      line(1, "for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {");
+    } else {
+      line(1, fmt::format("const long long n = {}LL;", n));
+      line(1, "for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;");
+      line(1, "     i += (long long)gridDim.x * blockDim.x) {");
+    }
     coords(2, "i", k_.space, 0);
     openScope();
     emitStores(2, k_.stores);

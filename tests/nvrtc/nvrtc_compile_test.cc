@@ -193,5 +193,34 @@ TEST(CudaEmitter, LaunchConfigurations) {
   EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{38, 256}));  // 300 warps, 8 a block
 }
 
+// Index math is 32-bit where the iteration space allows (issue 36, item 4): the loop index and
+// the divisions that split it into coordinates; a space of 2^32 elements or more keeps 64 bits.
+TEST(CudaEmitter, IndexMathIs32BitWhereTheSpaceAllows) {
+  auto pointwise = [](std::vector<int64_t> shape) {
+    codegen::Kernel k;
+    k.name = "fill";
+    k.kind = codegen::KernelKind::Pointwise;
+    k.space = shape;
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const int out = k.addBuffer("y", codegen::DType::f32, n, true);
+    std::vector<int> coords;
+    for (size_t i = 0; i < shape.size(); ++i) coords.push_back(k.exprs.coord(static_cast<int>(i)));
+    const int one = k.exprs.constant(1.0, codegen::DType::f32);
+    k.stores.push_back({out, codegen::rowMajorOffset(k.exprs, coords, shape), one, -1});
+    EXPECT_TRUE(codegen::validate(k).isOk()) << codegen::validate(k).message();
+    return codegen::emitKernel(k);
+  };
+  const std::string narrow = pointwise({4, 5, 6});
+  EXPECT_NE(narrow.find("for (unsigned i = "), std::string::npos) << narrow;
+  EXPECT_NE(narrow.find("unsigned rest0 = (unsigned)i;"), std::string::npos) << narrow;
+  EXPECT_NE(narrow.find("rest0 % 6u;"), std::string::npos) << narrow;
+  EXPECT_EQ(narrow.find("long long i"), std::string::npos) << narrow;
+  const std::string wide = pointwise({3, int64_t{1} << 31});
+  EXPECT_NE(wide.find("for (long long i = "), std::string::npos) << wide;
+  EXPECT_NE(wide.find("long long rest0 = (long long)i;"), std::string::npos) << wide;
+  EXPECT_NE(wide.find("rest0 % 2147483648LL;"), std::string::npos) << wide;
+}
+
 }  // namespace
 }  // namespace kiln::testing
