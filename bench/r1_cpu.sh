@@ -266,7 +266,8 @@ for line in open(results):
         notes[(wl, int(batch), cfg)] = note
 f32, bf16 = roof.get("f32_gflops"), roof.get("bf16_gflops")
 pct = lambda gf, r: f"{100 * gf / r:.0f}%" if r else "n/a"
-print(f"GEMM roof ({threads} threads, torch {roof.get('torch', 'n/a')}): f32 {f32 or 0:.0f} GFLOP/s, bf16 {bf16 or 0:.0f} GFLOP/s; "
+gflops = lambda r: f"{r:.0f} GFLOP/s" if r else "n/a"
+print(f"GEMM roof ({threads} threads, torch {roof.get('torch', 'n/a')}): f32 {gflops(f32)}, bf16 {gflops(bf16)}; "
       f"{rounds} rounds, rows_cap {cap}, {secs} s in all" + (f"; Kiln {kiln_cpu[0]}" if kiln_cpu else ""))
 if sys.argv[8] != "1":
     print("bf16 not measured: this CPU has no AVX512-BF16 or AMX, so bf16 would run as emulation on both sides "
