@@ -212,7 +212,7 @@ __device__ __forceinline__ void kiln_cp_async_wait() {
 // A staged 128 x 32 bf16 operand tile of the tensor-core GEMMs, in one of two swizzled layouts
 // chosen by which of its dimensions is contiguous in global memory, so that 16-byte chunks of
 // eight consecutive elements copy straight in and the warps' fragment reads (mmaTile's
-// FragmentReads, which fold these formulas into per-thread bases) hit 32 distinct banks:
+// operandReads, which folds these formulas into per-thread bases) hit 32 distinct banks:
 //   k-major   [128 rows][32 k]: 4 chunks per row, chunk c stored at c ^ ((row >> 1) & 3);
 //   row-major [32 k][128 rows]: 16 chunks per k, chunk c stored at c ^ (k & 7).
 __device__ __forceinline__ int kiln_tile_kmajor(int r, int k) {
@@ -982,41 +982,35 @@ std::string stageCopy(const char* smem, const char* buffer, const std::string& i
       line, first, limit, copy, smem, buffer, index);
 }
 
-// A thread's fragment reads from a staged tile (kiln_tile_kmajor / kiln_tile_rowmajor), with
-// the swizzle folded into per-thread bases: within a fragment's rows (g = lane / 4, plus 16 mi
-// or 8 ni, plus 8 h) and k (ks + 8 t + 2 q, plus 1), the swizzled chunk bits and the other bits
-// of an offset never overlap, so each read is base ^ (compile-time chunk bits) + a constant.
-// Computing the offsets from one or two registers (instead of letting the compiler keep one per
-// fragment live across the loop) is what fits a thread in 128 registers.
-struct FragmentReads {
+// A thread's fragment reads from a staged tile (kiln_tile_kmajor / kiln_tile_rowmajor). Within a
+// warp's part of the tile, a fragment's row is W + 8 j + g (g = lane / 4; W = wm * 64 for A,
+// whose j = 2 mi + h, and wn * 32 for B, whose j = ni) and its k is ks + 8 t + 2 q (plus 1 for
+// the pair's high half). The swizzled chunk bits and the other bits of an offset never overlap,
+// so each read is a per-thread base, XOR compile-time chunk bits, plus a constant. Computing the
+// offsets from one or two registers (instead of letting the compiler keep one per fragment live
+// across the loop) is what fits a thread in 128 registers.
+struct OperandReads {
   std::string bases;  // declarations, once before the loop
-  std::string a;      // unsigned a(mi, h, t) over `as`: the pair (row, k), (row, k + 1)
-  std::string b;      // unsigned b(ni, t) over `bs`
+  std::string read;   // unsigned: the pair (row, k), (row, k + 1) of fragment (j, t)
 };
 
-FragmentReads fragmentReads(bool a_kfast, bool b_kfast) {
-  FragmentReads f;
-  if (a_kfast) {
-    f.bases += "  const int a_base = (wm * 64 + g) * 32 + 2 * q + (((g >> 1) & 3) << 3);\n";
-    f.a = "*(const unsigned*)(as + ((a_base ^ (ks + 8 * t)) + mi * 512 + h * 256))";
-  } else {
-    f.bases +=
-        "  const int a_base0 = 2 * q * 128 + wm * 64 + g + ((2 * q) << 3);\n"
-        "  const int a_base1 = (2 * q + 1) * 128 + wm * 64 + g + ((2 * q + 1) << 3);\n";
-    f.a = "((unsigned)as[(a_base0 ^ ((mi * 2 + h) << 3)) + (ks + 8 * t) * 128] | "
-          "((unsigned)as[(a_base1 ^ ((mi * 2 + h) << 3)) + (ks + 8 * t) * 128] << 16))";
+OperandReads operandReads(const std::string& name, const std::string& smem, const std::string& warp_row,
+                          const std::string& j, bool kfast) {
+  OperandReads r;
+  if (kfast) {  // [row][k]: row * 32 + ((k / 8) ^ ((row >> 1) & 3)) * 8 + k % 8
+    r.bases = fmt::format("  const int {0}_base = ({1} + g) * 32 + 2 * q + (((g >> 1) & 3) << 3);\n", name, warp_row);
+    r.read = fmt::format("*(const unsigned*)({0} + (({1}_base ^ (ks + 8 * t)) + {2} * 256))", smem, name, j);
+    return r;
   }
-  if (b_kfast) {
-    f.bases += "  const int b_base = (wn * 32 + g) * 32 + 2 * q + (((g >> 1) & 3) << 3);\n";
-    f.b = "*(const unsigned*)(bs + ((b_base ^ (ks + 8 * t)) + ni * 256))";
-  } else {
-    f.bases +=
-        "  const int b_base0 = 2 * q * 128 + (wn >> 1) * 64 + g + ((((wn & 1) * 4) ^ (2 * q)) << 3);\n"
-        "  const int b_base1 = (2 * q + 1) * 128 + (wn >> 1) * 64 + g + ((((wn & 1) * 4) ^ (2 * q + 1)) << 3);\n";
-    f.b = "((unsigned)bs[(b_base0 ^ (ni << 3)) + (ks + 8 * t) * 128] | "
-          "((unsigned)bs[(b_base1 ^ (ni << 3)) + (ks + 8 * t) * 128] << 16))";
-  }
-  return f;
+  // [k][row]: k * 128 + ((row / 8) ^ (k % 8)) * 8 + row % 8, one 16-bit read per half.
+  for (int d : {0, 1})
+    r.bases += fmt::format(
+        "  const int {0}_base{1} = (2 * q + {1}) * 128 + (({2}) & ~63) + g + (((({2}) >> 3 & 7) ^ (2 * q + {1})) << 3);\n",
+        name, d, warp_row);
+  r.read = fmt::format("((unsigned){0}[({1}_base0 ^ ({2} << 3)) + (ks + 8 * t) * 128] | "
+                       "((unsigned){0}[({1}_base1 ^ ({2} << 3)) + (ks + 8 * t) * 128] << 16))",
+                       smem, name, j);
+  return r;
 }
 
 // 128x128 tiles, 32 deep; 8 warps as 2 x 4, each 64x32 = 4 x 4 mma tiles of 16x8. A three-stage
@@ -1029,7 +1023,8 @@ FragmentReads fragmentReads(bool a_kfast, bool b_kfast) {
 // spills), and a warp holds the B fragments of a half and one A fragment at a time.
 // Expects row0, row_end, tn, red_lo and red_hi declared; an empty reduction stores zeros.
 std::string mmaTile(const MmaOperands& o) {
-  const FragmentReads f = fragmentReads(o.a_kfast, o.b_kfast);
+  const OperandReads a = operandReads("a", "as", "wm * 64", "(mi * 2 + h)", o.a_kfast);
+  const OperandReads b = operandReads("b", "bs", "wn * 32", "ni", o.b_kfast);
   return fmt::format(
              "  constexpr int BN = 128, BK = 32, STAGES = 3, TILE = 128 * BK;\n"
              "  constexpr long long COLS = {0}LL;\n"
@@ -1048,7 +1043,7 @@ std::string mmaTile(const MmaOperands& o) {
          stageCopy("Bs[buf]", "b1", o.b_index, o.b_kfast, o.b_vec, "gc", "col0", "COLS") +
          "    }\n"
          "  };\n" +
-         f.bases +
+         a.bases + b.bases +
          fmt::format(
              "  float acc[4][4][4] = {{}};\n"
              "#pragma unroll\n"
@@ -1095,7 +1090,7 @@ std::string mmaTile(const MmaOperands& o) {
              "        const long long gc = col0 + wn * 32 + ni * 8 + 2 * q + (c & 1);\n"
              "        if (gr < row_end && gc < COLS) kiln_st(b3, {2}, acc[mi][ni][c]);\n"
              "      }}\n",
-             f.a, f.b, o.store_index);
+             a.read, b.read, o.store_index);
 }
 
 std::string tensorCoreGroupedBody(const GroupedGemmShape& s, int64_t col_tiles) {
