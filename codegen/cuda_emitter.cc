@@ -9,6 +9,7 @@
 #include <map>
 #include <set>
 
+#include "codegen/emit/embedding_sort.h"
 #include "codegen/emit/moe.h"
 
 namespace kiln::codegen {
@@ -330,7 +331,7 @@ __device__ __forceinline__ void kiln_bag_accumulate(const I* ids, const W* wts, 
   for (int d = lane; d < D; d += 32) atomicAdd(accum + slot * D + d, c * kiln_ld(grad, b * stride + off + d));
 }
 )CUDA" +
-      emit::moeDeviceFunctions();
+      emit::embeddingSortDeviceFunctions() + emit::moeDeviceFunctions();
   return prelude;
 }
 

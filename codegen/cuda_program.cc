@@ -82,6 +82,12 @@ Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symb
   return g;
 }
 
+std::vector<int64_t> CudaProgram::AddressTable::at(const std::vector<uint64_t>& address) const {
+  GroupBuffer table;
+  table.words = words;
+  return addressTableWords(table, address);
+}
+
 Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<LoweredGroup>& groups,
                                        const ir::SymbolBindings& symbols, int64_t alignment) {
   CudaProgram out;
@@ -155,6 +161,10 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
         (gb.defined ? in.results : in.operands).push_back(id);
         // Written without being defined here: state updated in place (optimizer updates).
         if (gb.written && !gb.defined) written_in_place.push_back(id);
+      } else if (!gb.words.empty()) {
+        // Outside the arena: written once, read by every step.
+        id = addBuffer(BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
+        in.operands.push_back(id);
       } else if (gb.name == "embedding_errors") {
         // Outside the arena: it must survive the step to be checked.
         id = addBuffer(BufferKind::Parameter, gb.name, ir::TensorType(), {gb.elements}, gb.dtype);
@@ -164,6 +174,13 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
         in.results.push_back(id);
       }
       out.group_buffers[gi].push_back(id);
+    }
+    for (size_t b = 0; b < g.buffers.size(); ++b) {
+      if (g.buffers[b].words.empty()) continue;
+      CudaProgram::AddressTable t{out.group_buffers[gi][b], g.buffers[b].words};
+      for (AddressWord& w : t.words)
+        if (w.buffer >= 0) w.buffer = out.group_buffers[gi][static_cast<size_t>(w.buffer)];
+      out.address_tables.push_back(std::move(t));
     }
     // The first launch of another stream waits for stream 0's fork.
     if (forked && g.stream != 0 && started.insert(g.stream).second) sp.wait(g.stream, fork);

@@ -23,13 +23,12 @@
 #include <vector>
 
 #include "codegen/cuda_emitter.h"
+#include "codegen/kernel_lowering.h"
 #include "codegen/program.h"
 #include "ir/ir.h"
 #include "ir/status.h"
 
 namespace kiln::codegen {
-
-struct LoweredGroup;
 
 enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu };
 const char* epilogueName(Epilogue e);
@@ -74,6 +73,15 @@ struct CudaProgram {
   std::vector<int> inputs;                               // buffers of kiln.input values
   std::vector<int> error_flags;                          // embedding error flags (outside the arena)
   std::vector<std::pair<int, const ir::Op*>> constants;  // buffer, its kiln.constant
+  // Address tables (GroupBuffer::words), outside the arena, with each word's buffer a program
+  // buffer (-1: a plain value): the runtime writes them once, when it has placed the buffers.
+  struct AddressTable {
+    int buffer = -1;
+    std::vector<AddressWord> words;
+    // The words at the buffers' addresses (address[b]: where program buffer b lives).
+    std::vector<int64_t> at(const std::vector<uint64_t>& address) const;
+  };
+  std::vector<AddressTable> address_tables;
   std::vector<CudaStep> steps;                           // in group order
   std::vector<std::pair<size_t, size_t>> group_steps;    // [group] -> [begin, end) of steps
 };

@@ -37,6 +37,13 @@ namespace kiln::codegen {
 // A buffer the kernels of a group read or write: an IR value, or a temporary of the group.
 // Values inside a kiln.fused region stand for values outside it: a block argument for the fused
 // op's operand, a yielded value for the fused op's result. Buffers always hold the outer value.
+// One i64 word of an address table: `value`, plus the device address of group buffer `buffer`
+// when buffer >= 0 (then `value` is a byte offset into it).
+struct AddressWord {
+  int buffer = -1;
+  int64_t value = 0;
+};
+
 struct GroupBuffer {
   const ir::Value* value = nullptr;  // null for a temporary; never a value inside a fused region
                                      // that the region's op passes in or yields (see outerValue)
@@ -45,7 +52,15 @@ struct GroupBuffer {
   int64_t elements = 0;
   bool written = false;
   bool defined = false;  // an op of the group computes this value (it is not an input)
+  // Non-empty: an address table (i64, one element per word), written once by the runtime when
+  // the buffers are placed, outside the arena. Kernels read per-table data (a table's ids and
+  // gradient addresses, dims, offsets) from it instead of taking one parameter per buffer.
+  std::vector<AddressWord> words;
 };
+
+// The words of address table `table` once every group buffer is placed: address[i] is where
+// group buffer i lives.
+std::vector<int64_t> addressTableWords(const GroupBuffer& table, const std::vector<uint64_t>& address);
 
 // One cuBLASLt call: C = epilogue(op(A) op(B) + bias). Fields are indices into
 // LoweredGroup::buffers; `bias` is -1 without one.

@@ -200,6 +200,7 @@ Expected<runtime::MemoryNeed> estimateDeviceMemory(const ir::Module& m, const Se
   // allocation (at least 4 bytes); the parameters are counted above.
   std::set<int> own(built.error_flags.begin(), built.error_flags.end());
   for (const auto& [id, op] : built.constants) own.insert(id);
+  for (const codegen::CudaProgram::AddressTable& t : built.address_tables) own.insert(t.buffer);
   uint64_t outside = 0;
   for (const codegen::Buffer& b : program.buffers)
     if (!b.inArena() && (b.kind != codegen::BufferKind::Parameter || own.count(b.id)))

@@ -2,15 +2,16 @@
 // (kiln.embedding_bag_update, one table or a fused `embedding_update` group of them) and the
 // squared norm of a sparse gradient (kiln.embedding_bag_grad_sqnorm).
 //
-// Clear, insert, accumulate: duplicate ids of the batch are combined into a hash table of summed
-// gradients, one table per update. The clear resets only the keys and the distinct count; the
-// insert zeroes the rows it claims, so the gradient rows (capacity x dim floats, gigabytes at
-// R1's scale) are never swept. ONE insert and ONE accumulate kernel serve every table of a
-// group, as ONE lookup kernel serves every bag. Then one Row kernel per table applies the
-// optimizer to the rows of its distinct ids.
+// Sort, then segment-reduce (embedding_sort.h): the (table, id) keys of every id occurrence of
+// every table of the group are radix-sorted together with their positions, and one warp per
+// distinct (table, id) sums its occurrences' gradient rows in position order: no atomics, the
+// same bits on every run. Per-table data comes from an address table in device memory, so the
+// kernels' parameters do not grow with the table count. Then one Row kernel per table applies
+// the optimizer to the rows of its distinct ids (the dense table gradient never exists).
 #include <algorithm>
 #include <optional>
 
+#include "codegen/emit/embedding_sort.h"
 #include "codegen/emit/emitter_registry.h"
 #include "codegen/emit/optimizer.h"
 #include "ir/optimizer.h"
@@ -29,18 +30,26 @@ struct GradSource {
 };
 
 struct Accumulated {
-  int keys = -1, accum = -1, distinct = -1;
-  int64_t capacity = 0, dim = 0;
+  int64_t dim = 0;
   int64_t bound = 0;  // distinct ids at most: min(occurrences, rows)
-  // What the insert and accumulate kernels read.
   const Op* op = nullptr;
   ir::EmbeddingUpdateLayout layout;
   BagIds bag;
   int64_t rows = 0;  // -1: unchecked (a squared-norm probe has no table)
   std::optional<GradSource> source;
+  // Set by accumulateAll: the table's number in the group, where its distinct ids start in
+  // SortedRows::distinct_ids and its summed rows in SortedRows::accum.
+  int64_t index = -1, keys_at = 0, accum_at = 0;
 };
 
-// One table's buffers and its clear kernel. The jagged lengths are scanned by accumulateAll.
+// What the sorted backward leaves for the row updates, shared by every table of the group:
+// counts[t] distinct ids of table t, listed at distinct_ids[keys_at + o], the o-th one's summed
+// gradient row at accum[accum_at + o * dim ...] (only the first counts[t] are written).
+struct SortedRows {
+  int distinct_ids = -1, accum = -1, counts = -1;
+};
+
+// One table's shape and where its gradient is read (accumulateAll lays the group out).
 Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const ir::EmbeddingUpdateLayout& l,
                                         int64_t rows, const GradSource* source) {
   const Value* ids = op.operand(static_cast<unsigned>(l.ids));
@@ -63,23 +72,36 @@ Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const i
   a.dim = (*gs)[1];
   int64_t n = product(*is);
   a.bound = std::min(n, rows > 0 ? rows : n);
-  a.capacity = std::max<int64_t>(32, nextPow2(2 * a.bound));
-  std::string stem = op.hasAttr("table") ? op.strAttr("table") : valueName(grad);
-  a.keys = gl.tempBuffer(stem + ".unique_ids", DType::i64, a.capacity);
-  a.accum = gl.tempBuffer(stem + ".row_grads", DType::f32, a.capacity * a.dim);
-  a.distinct = gl.tempBuffer(stem + ".distinct_slots", DType::i64, 1 + a.capacity);
-  KernelBuilder kb = KernelBuilder::pointwise("embedding_grad_clear", {a.capacity});
-  ExprGraph& g = kb.g();
-  int slot = g.coord(0);
-  kb.k.stores.push_back({gl.bind(kb, a.keys, true), slot, g.intConstant(-1), -1});
-  kb.k.stores.push_back({gl.bind(kb, a.distinct, true), g.intConstant(0), g.intConstant(0),
-                         g.binary(ExprOp::Eq, slot, g.intConstant(0))});
-  KILN_RETURN_IF_ERROR(gl.finish(kb));
   return a;
 }
 
-// The jagged scan, then ONE insert and ONE accumulate kernel over every table of `tables`.
-Status accumulateAll(GroupLowering& gl, const std::vector<Accumulated>& tables) {
+// Appends a Source kernel of embedding_sort.cc with its buffers bound, in order, to group
+// buffers.
+Status addSortKernel(GroupLowering& gl, Kernel k, const std::vector<int>& group_buffers) {
+  std::vector<KernelBuffer> declared = std::move(k.buffers);
+  KernelBuilder kb = KernelBuilder::ofKind(k.name, KernelKind::Source);
+  kb.k = std::move(k);
+  kb.k.buffers.clear();
+  for (size_t i = 0; i < declared.size(); ++i) {
+    int id = gl.bind(kb, group_buffers[i], declared[i].written);
+    const KernelBuffer& got = kb.k.buffers[static_cast<size_t>(id)];
+    if (id != static_cast<int>(i) || got.dtype != declared[i].dtype || got.elements < declared[i].elements)
+      return Status::errorf("kernel '{}': buffer '{}' does not fit parameter b{}", kb.k.name, got.name, i);
+  }
+  return gl.finish(kb);
+}
+
+// Bits to write the values 0..v.
+int bitsFor(uint64_t v) {
+  int b = 0;
+  while (b < 64 && (v >> b) != 0) ++b;
+  return b;
+}
+
+// The jagged scan, then the sorted backward (embedding_sort.h) over every table of `tables`:
+// the keys, a stable radix sort of (table, id) keys with their positions, the segments, and one
+// warp per segment summing its gradient rows in position order. Fills each table's place.
+Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& tables) {
   std::vector<BagIds> bags;
   for (const Accumulated& a : tables) {
     if (a.bag.batch != tables.front().bag.batch)
@@ -87,59 +109,122 @@ Status accumulateAll(GroupLowering& gl, const std::vector<Accumulated>& tables) 
     bags.push_back(a.bag);
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
-  // The insert checks the ids; the accumulate after it reports an id it cannot find there.
-  std::vector<int> flag_index;
-  for (const Accumulated& a : tables) {
+
+  SortedBackwardShape shape;
+  shape.tables = static_cast<int64_t>(tables.size());
+  shape.batch = tables.front().bag.batch;
+  std::vector<AddressWord> words;
+  int64_t distinct_ids = 0, accum = 0;
+  for (size_t i = 0; i < tables.size(); ++i) {
+    Accumulated& a = tables[i];
+    const Op& op = *a.op;
     const ir::EmbeddingUpdateLayout& l = a.layout;
-    flag_index.push_back(gl.errorSubject(
-        valueName(a.op->operand(static_cast<unsigned>(l.table >= 0 ? l.table : l.ids))), a.rows));
+    const Value* ids = op.operand(static_cast<unsigned>(l.ids));
+    const Value* grad = a.source ? a.source->value : op.operand(static_cast<unsigned>(l.grad_out));
+    const Value* weights = l.weights >= 0 ? op.operand(static_cast<unsigned>(l.weights)) : nullptr;
+    const DType it = ids->type().dtype(), gt = grad->type().dtype();
+    if ((it != DType::i32 && it != DType::i64) || (gt != DType::f32 && gt != DType::bf16) ||
+        (weights && weights->type().dtype() != DType::f32 && weights->type().dtype() != DType::bf16))
+      return Status::errorf("{}: the CUDA backward takes i32/i64 ids and f32/bf16 gradients and weights",
+                            opLabel(op));
+    a.index = static_cast<int64_t>(i);
+    a.keys_at = distinct_ids;
+    a.accum_at = accum;
+    const int64_t occurrences = a.bag.lengths ? a.bag.num_ids : a.bag.batch * a.bag.hotness;
+    int64_t flags = (it == DType::i64 ? kIdsI64 : 0) | (gt == DType::bf16 ? kGradBf16 : 0) |
+                    (op.strAttr("mode", "sum") == "mean" ? kMean : 0) |
+                    (weights && weights->type().dtype() == DType::bf16 ? kWeightsBf16 : 0);
+    std::vector<AddressWord> row(kTableWords);
+    row[kIdsAddress] = {gl.groupBuffer(ids, false), 0};
+    if (weights) row[kWeightsAddress] = {gl.groupBuffer(weights, false), 0};
+    if (a.bag.lengths) row[kOffsetsAddress] = {gl.offsetsOf(a.bag.lengths), 0};
+    row[kGradAddress] = {gl.groupBuffer(grad, false), 0};
+    row[kFlags].value = flags;
+    row[kHotness].value = a.bag.hotness;
+    row[kRows].value = a.rows;
+    row[kDim].value = a.dim;
+    row[kGradStride].value = a.source ? a.source->stride : a.dim;
+    row[kGradOffset].value = a.source ? a.source->offset : 0;
+    row[kBegin].value = shape.slots;
+    row[kOccurrences].value = occurrences;
+    row[kAccumAt].value = a.accum_at;
+    row[kKeysAt].value = a.keys_at;
+    words.insert(words.end(), row.begin(), row.end());
+    shape.slots += occurrences;
+    shape.max_segments += a.bound;
+    shape.max_dim = std::max(shape.max_dim, a.dim);
+    shape.id_bits = std::max(shape.id_bits, a.rows > 0 ? bitsFor(static_cast<uint64_t>(a.rows - 1))
+                                                       : (it == DType::i64 ? 63 : 31));
+    distinct_ids += a.bound;
+    accum += a.bound * a.dim;
   }
-  for (KernelKind kind : {KernelKind::EmbeddingInsert, KernelKind::EmbeddingAccumulate}) {
-    const bool insert = kind == KernelKind::EmbeddingInsert;
-    KernelBuilder kb =
-        KernelBuilder::ofKind(insert ? "embedding_grad_insert" : "embedding_grad_combine", kind);
-    kb.k.batch = tables.front().bag.batch;
-    for (size_t i = 0; i < tables.size(); ++i) {
-      const Accumulated& a = tables[i];
-      const Op& op = *a.op;
-      EmbeddingTable t;
-      gl.bindIds(kb, t, a.bag);
-      t.rows = a.rows;
-      t.dim = a.dim;
-      t.keys = gl.bind(kb, a.keys, true);
-      t.accum = gl.bind(kb, a.accum, true);
-      t.capacity = a.capacity;
-      t.flag_index = flag_index[i];
-      if (insert) {
-        t.distinct = gl.bind(kb, a.distinct, true);
-      } else {
-        if (a.layout.weights >= 0)
-          t.weights = gl.bindValue(kb, op.operand(static_cast<unsigned>(a.layout.weights)), false);
-        t.mean = op.strAttr("mode", "sum") == "mean";
-        const Value* grad = op.operand(static_cast<unsigned>(a.layout.grad_out));
-        t.out = gl.bindValue(kb, a.source ? a.source->value : grad, false);
-        t.out_stride = a.source ? a.source->stride : a.dim;
-        t.out_offset = a.source ? a.source->offset : 0;
-      }
-      kb.k.tables.push_back(t);
-    }
-    kb.k.error_flag = gl.bind(kb, gl.errorFlag(), true);
-    KILN_RETURN_IF_ERROR(gl.finish(kb));
+  shape.table_bits = bitsFor(static_cast<uint64_t>(shape.tables));
+  if (shape.id_bits + shape.table_bits > 64 || shape.slots >= (int64_t{1} << 31))
+    return Status::errorf("{}: {} tables of {}-bit ids and {} id occurrences do not fit the sorted backward's keys",
+                          opLabel(*tables.front().op), shape.tables, shape.id_bits, shape.slots);
+  std::vector<AddressWord> last(kTableWords);
+  last[kBegin].value = shape.slots;
+  words.insert(words.end(), last.begin(), last.end());
+
+  // The keys kernel checks the ids: each table's error subject names it.
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const ir::EmbeddingUpdateLayout& l = tables[i].layout;
+    words[i * kTableWords + kFlagIndex].value = gl.errorSubject(
+        valueName(tables[i].op->operand(static_cast<unsigned>(l.table >= 0 ? l.table : l.ids))), tables[i].rows);
   }
-  return Status::ok();
+  const int table = gl.addressTable("embedding_backward.tables", std::move(words));
+  const int keys[2] = {gl.tempBuffer("sort_keys.0", DType::i64, shape.slots),
+                       gl.tempBuffer("sort_keys.1", DType::i64, shape.slots)};
+  const int positions[2] = {gl.tempBuffer("sort_positions.0", DType::i32, shape.slots),
+                            gl.tempBuffer("sort_positions.1", DType::i32, shape.slots)};
+  const int hist = gl.tempBuffer("sort_histogram", DType::i32, histogramElements(shape));
+  SortedRows out;
+  out.counts = gl.tempBuffer("distinct_counts", DType::i64, shape.tables);
+  const int starts = gl.tempBuffer("segment_starts", DType::i32, shape.max_segments + 1);
+  const int meta = gl.tempBuffer("segment_meta", DType::i64, shape.tables + 1);
+  out.distinct_ids = gl.tempBuffer("distinct_ids", DType::i64, std::max<int64_t>(1, distinct_ids));
+  out.accum = gl.tempBuffer("row_grads", DType::f32, std::max<int64_t>(1, accum));
+
+  KILN_RETURN_IF_ERROR(
+      addSortKernel(gl, sortKeysKernel(shape), {table, keys[0], positions[0], hist, out.counts, gl.errorFlag()}));
+  const int passes = sortPasses(shape);
+  for (int pass = 0; pass < passes; ++pass) {
+    const int from = pass % 2, to = 1 - from;
+    if (pass > 0) KILN_RETURN_IF_ERROR(addSortKernel(gl, sortHistogramKernel(shape, pass), {keys[from], hist}));
+    KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScanKernel(shape, 256 * sortTiles(shape)), {hist}));
+    KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScatterKernel(shape, pass),
+                                       {keys[from], positions[from], hist, keys[to], positions[to]}));
+  }
+  const int sorted = passes % 2;
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentCountKernel(shape), {keys[sorted], hist}));
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScanKernel(shape, sortTiles(shape)), {hist}));
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentsKernel(shape), {keys[sorted], hist, starts, meta}));
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentAccumulateKernel(shape, std::max<int64_t>(1, distinct_ids),
+                                                                 std::max<int64_t>(1, accum)),
+                                     {table, keys[sorted], positions[sorted], starts, meta, out.distinct_ids,
+                                      out.accum, out.counts}));
+  return out;
 }
 
-// The slot of the o-th distinct id of an accumulated table, and whether there is one:
-// (o < distinct[0], distinct[1 + o]).
-std::pair<int, int> distinctSlot(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, int o) {
+// Whether an accumulated table has an o-th distinct id (o < counts[t]), and that id
+// (distinct_ids[keys_at + o]).
+int hasDistinct(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o) {
   ExprGraph& g = kb.g();
-  int list = gl.bind(kb, a.distinct, false);
-  int present = g.binary(ExprOp::Lt, o, g.load(list, DType::i64, g.intConstant(0)));
-  int slot = g.load(list, DType::i64, g.binary(ExprOp::Add, o, g.intConstant(1)));
-  return {present, slot};
+  return g.binary(ExprOp::Lt, o, g.load(gl.bind(kb, rows.counts, false), DType::i64, g.intConstant(a.index)));
+}
+int distinctId(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o) {
+  ExprGraph& g = kb.g();
+  return g.load(gl.bind(kb, rows.distinct_ids, false), DType::i64, g.binary(ExprOp::Add, o, g.intConstant(a.keys_at)));
 }
 
-// An embedding_bag_update's table: its buffers and clear kernel (accumulateAll follows).
+// The summed gradient of the o-th distinct id's element d.
+int accumulated(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o, int d) {
+  ExprGraph& g = kb.g();
+  int at = g.binary(ExprOp::Add, g.intConstant(a.accum_at), rowMajorOffset(g, {o, d}, {a.bound, a.dim}));
+  return g.load(gl.bind(kb, rows.accum, false), DType::f32, at);
+}
+
+// An embedding_bag_update's table (accumulateAll follows).
 Expected<Accumulated> prepareUpdate(GroupLowering& gl, const Op& op, const GradSource* source = nullptr) {
   auto l = ir::embeddingUpdateLayout(op);
   if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
@@ -148,26 +233,24 @@ Expected<Accumulated> prepareUpdate(GroupLowering& gl, const Op& op, const GradS
 }
 
 // The sparse optimizer applied to the rows of an accumulated table's distinct ids.
-Status updateRows(GroupLowering& gl, const Accumulated& a) {
+Status updateRows(GroupLowering& gl, const Accumulated& a, const SortedRows& rows) {
   const Op& op = *a.op;
   const ir::EmbeddingUpdateLayout& l = a.layout;
   const Value* table = op.operand(static_cast<unsigned>(l.table));
   std::string kind = op.strAttr("optimizer");
-  // One row per distinct id, walking the insert's list (not the whole hash table).
+  // One row per distinct id of the table, walking its list.
   KernelBuilder kb = KernelBuilder::row("embedding_update_" + kind, {a.bound}, {a.dim});
   Kernel& k = kb.k;
   ExprGraph& g = k.exprs;
   DType ct = computeType(table->type().dtype());
   Hyper h = hyper(gl, kb, op, l.lr, l.step, l.grad_scale, ct);
   int d = g.coord(1);
-  auto [present, slot] = distinctSlot(gl, kb, a, g.coord(0));
-  k.guard = present;
-  int key = g.load(gl.bind(kb, a.keys, false), DType::i64, slot);
+  k.guard = hasDistinct(gl, kb, a, rows, g.coord(0));
+  int key = distinctId(gl, kb, a, rows, g.coord(0));
   int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a.dim)), d);
   int tw = gl.bindValue(kb, table, true);
   int w = g.load(tw, table->type().dtype(), elem);
-  int grad = g.cast(
-      g.load(gl.bind(kb, a.accum, false), DType::f32, rowMajorOffset(g, {slot, d}, {a.capacity, a.dim})), ct);
+  int grad = g.cast(accumulated(gl, kb, a, rows, g.coord(0), d), ct);
   auto state = [&](int j) { return op.operand(static_cast<unsigned>(l.state_begin + j)); };
   Phase map;
   if (kind == "rowwise_adagrad") {
@@ -199,21 +282,22 @@ Status updateRows(GroupLowering& gl, const Accumulated& a) {
 
 Status lowerEmbeddingUpdate(GroupLowering& gl, const std::vector<const Op*>& ops) {
   KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *ops.back()));
-  KILN_RETURN_IF_ERROR(accumulateAll(gl, {a}));
-  return updateRows(gl, a);
+  std::vector<Accumulated> tables = {a};
+  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
+  return updateRows(gl, tables.front(), rows);
 }
 
 Status lowerGradSqnorm(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   auto l = ir::embeddingUpdateLayout(op);
   KILN_ASSIGN_OR_RETURN(auto a, prepareAccumulate(gl, op, *l, -1, nullptr));
-  KILN_RETURN_IF_ERROR(accumulateAll(gl, {a}));
+  std::vector<Accumulated> tables = {a};
+  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
   KernelBuilder kb = KernelBuilder::row("embedding_grad_sqnorm", {1}, {a.bound, a.dim});
   ExprGraph& g = kb.g();
   // The rows of the distinct ids; the rest of the table is never written.
-  auto [present, slot] = distinctSlot(gl, kb, a, g.coord(1));
-  int v = g.load(gl.bind(kb, a.accum, false), DType::f32,
-                 rowMajorOffset(g, {slot, g.coord(2)}, {a.capacity, a.dim}));
+  int present = hasDistinct(gl, kb, tables.front(), rows, g.coord(1));
+  int v = accumulated(gl, kb, tables.front(), rows, g.coord(1), g.coord(2));
   int sq = g.select(present, g.binary(ExprOp::Mul, v, v), g.constant(0, DType::f32));
   kb.k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, sq, {}});
   kb.k.stores.push_back({gl.bindValue(kb, op.result(), true), g.intConstant(0),
@@ -250,8 +334,8 @@ Status lowerEmbeddingUpdates(GroupLowering& gl, const std::vector<const Op*>& op
     KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *op, &source));
     tables.push_back(a);
   }
-  KILN_RETURN_IF_ERROR(accumulateAll(gl, tables));
-  for (const Accumulated& a : tables) KILN_RETURN_IF_ERROR(updateRows(gl, a));
+  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
+  for (const Accumulated& a : tables) KILN_RETURN_IF_ERROR(updateRows(gl, a, rows));
   return Status::ok();
 }
 

@@ -100,6 +100,13 @@ int GroupLowering::tempBuffer(std::string name, DType dtype, int64_t elements) {
   return static_cast<int>(out_.buffers.size() - 1);
 }
 
+int GroupLowering::addressTable(std::string name, std::vector<AddressWord> words) {
+  GroupBuffer b{nullptr, std::move(name), DType::i64, static_cast<int64_t>(words.size()), false};
+  b.words = std::move(words);
+  out_.buffers.push_back(std::move(b));
+  return static_cast<int>(out_.buffers.size() - 1);
+}
+
 int GroupLowering::bind(KernelBuilder& kb, int group_buffer, bool written) {
   auto it = kb.kernel_buffer.find(group_buffer);
   const GroupBuffer& gb = out_.buffers[static_cast<size_t>(group_buffer)];
@@ -272,3 +279,16 @@ int GroupLowering::errorSubject(std::string name, int64_t bound) {
 }
 
 }  // namespace kiln::codegen::emit
+
+namespace kiln::codegen {
+
+std::vector<int64_t> addressTableWords(const GroupBuffer& table, const std::vector<uint64_t>& address) {
+  std::vector<int64_t> words;
+  for (const AddressWord& w : table.words)
+    words.push_back(w.buffer >= 0 ? static_cast<int64_t>(address[static_cast<size_t>(w.buffer)] +
+                                                         static_cast<uint64_t>(w.value))
+                                  : w.value);
+  return words;
+}
+
+}  // namespace kiln::codegen

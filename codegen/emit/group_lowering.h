@@ -75,6 +75,8 @@ class GroupLowering {
   int groupBuffer(const ir::Value* inner, bool written);
   // A temporary of the group (no IR value), always written.
   int tempBuffer(std::string name, DType dtype, int64_t elements);
+  // An address table of the group (GroupBuffer::words), read-only to the kernels.
+  int addressTable(std::string name, std::vector<AddressWord> words);
   // The kernel buffer of a group buffer in kernel `kb`, added on first use.
   int bind(KernelBuilder& kb, int group_buffer, bool written);
   int bindValue(KernelBuilder& kb, const ir::Value* v, bool written) {

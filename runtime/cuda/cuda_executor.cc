@@ -373,6 +373,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   codegen::Program& p = im.program;
   std::set<int> error_flag_buffers(im.built.error_flags.begin(), im.built.error_flags.end());
   std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
+  std::set<int> address_tables;
+  for (const codegen::CudaProgram::AddressTable& t : im.built.address_tables) address_tables.insert(t.buffer);
 
   // Streams and events: Program stream 0 is the session's stream.
   for (const codegen::Stream& ps : p.streams) {
@@ -403,7 +405,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   for (const codegen::Buffer& b : p.buffers) {
     if (b.inArena()) {
       im.address[b.id] = im.arena.ptr() + static_cast<CUdeviceptr>(b.offset);
-    } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) && !error_flag_buffers.count(b.id)) {
+    } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) && !error_flag_buffers.count(b.id) &&
+               !address_tables.count(b.id)) {
       auto it = si.params.find(b.name);
       if (it == si.params.end())
         return Status::errorf("cuda executor: parameter '{}' of @{} is not on the device (upload the store first)",
@@ -430,8 +433,18 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     if (!t.storage.empty())
       KILN_CU(drv, cuMemcpyHtoD(im.address[id], t.storage.data(), t.storage.size()), "constant " + p.buffers[id].name);
   }
+  // Address tables: every buffer is placed now, so their words are final.
+  {
+    std::vector<uint64_t> address(im.address.begin(), im.address.end());
+    for (const codegen::CudaProgram::AddressTable& t : im.built.address_tables) {
+      std::vector<int64_t> words = t.at(address);
+      KILN_CU(drv, cuMemcpyHtoD(im.address[t.buffer], words.data(), words.size() * sizeof(int64_t)),
+              "address table " + p.buffers[t.buffer].name);
+    }
+  }
   // Pageable copies may return before their DMA lands; the step's streams do not wait for them.
-  if (!constants.empty()) KILN_CU(drv, cuCtxSynchronize(), "waiting for the constants of @" + f.name());
+  if (!constants.empty() || !address_tables.empty())
+    KILN_CU(drv, cuCtxSynchronize(), "waiting for the constants of @" + f.name());
   // Pinned staging for the inputs, sized once: each step copies the batch here, then to the
   // device asynchronously on stream 0.
   size_t staging_bytes = 0;

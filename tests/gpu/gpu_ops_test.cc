@@ -60,6 +60,14 @@ TEST_P(GpuOps, CudaResultMatchesCpuReference) {
     }
     bufs.push_back(d.take());
   }
+  // Address tables, once every buffer has its device address.
+  std::vector<uint64_t> address;
+  for (const cuda::DeviceBuffer& d : bufs) address.push_back(static_cast<uint64_t>(d.ptr()));
+  for (size_t i = 0; i < g.buffers.size(); ++i) {
+    if (g.buffers[i].words.empty()) continue;
+    std::vector<int64_t> words = codegen::addressTableWords(g.buffers[i], address);
+    ASSERT_TRUE(bufs[i].upload(words.data(), words.size() * sizeof(int64_t)).isOk());
+  }
   auto stream = cuda::Stream::create(drv);
   ASSERT_TRUE(stream);
   for (size_t k = 0; k < g.kernels.size(); ++k) {

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "codegen/emit/embedding_sort.h"
 #include "codegen/kernel_lowering.h"
 #include "frontend/frontend.h"
 #include "ir/op_def.h"
@@ -247,6 +248,43 @@ TEST(CudaProgram, TwoStreamsWaitForTheirProducersAndReaders) {
   EXPECT_EQ(p.streams[1].instrs.front().kind, InstrKind::WaitEvent);
   EXPECT_EQ(cp->inputs.size(), 4u);
   EXPECT_EQ(cp->error_flags.size(), 2u);  // the lookup's and the update's
+}
+
+// The sparse update reads its ids and gradient through an address table: a buffer outside the
+// arena whose words name the program buffers, which the runtime writes once they are placed.
+TEST(CudaProgram, TheEmbeddingBackwardsAddressTableNamesItsBuffers) {
+  auto m = ir::parseModule(kTwoStreams, "<test>");
+  ASSERT_TRUE(m) << m.status().str();
+  const ir::Function& f = *(*m)->lookup("train_step");
+  auto groups = codegen::lowerFunction(f, {{"B", 8}});
+  ASSERT_TRUE(groups) << groups.status().message();
+  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
+  ASSERT_TRUE(cp) << cp.status().message();
+  const codegen::Program& p = cp->program;
+  ASSERT_EQ(cp->address_tables.size(), 1u);
+  const codegen::CudaProgram::AddressTable& t = cp->address_tables[0];
+  const codegen::Buffer& tb = p.buffers[static_cast<size_t>(t.buffer)];
+  EXPECT_FALSE(tb.inArena()) << p.str();
+  ASSERT_EQ(t.words.size(), 2u * codegen::emit::kTableWords);  // one table and the end row
+  const int ids = t.words[codegen::emit::kIdsAddress].buffer, grad = t.words[codegen::emit::kGradAddress].buffer;
+  ASSERT_GE(ids, 0);
+  ASSERT_GE(grad, 0);
+  EXPECT_EQ(p.buffers[static_cast<size_t>(ids)].name, "ids");
+  EXPECT_EQ(grad, p.results[0]);  // %s
+  EXPECT_EQ(t.words[codegen::emit::kDim].value, 4);
+  EXPECT_EQ(t.words[codegen::emit::kOccurrences].value, 16);  // B x 2
+  EXPECT_EQ(t.words[codegen::emit::kTableWords + codegen::emit::kBegin].value, 16);
+  // Placed: the address words become the buffers' addresses, the rest stay as they are.
+  std::vector<uint64_t> address(p.buffers.size());
+  for (size_t b = 0; b < address.size(); ++b) address[b] = 0x10000 * (b + 1);
+  std::vector<int64_t> words = t.at(address);
+  EXPECT_EQ(words[codegen::emit::kIdsAddress], static_cast<int64_t>(address[static_cast<size_t>(ids)]));
+  EXPECT_EQ(words[codegen::emit::kWeightsAddress], 0);
+  EXPECT_EQ(words[codegen::emit::kDim], 4);
+  // Every group kernel takes a handful of parameters; the ids and gradient are not among them.
+  for (const codegen::LoweredGroup& g : *groups)
+    for (const codegen::Kernel& k : g.kernels)
+      if (k.kind == codegen::KernelKind::Source) EXPECT_LE(k.buffers.size(), 8u) << k.name;
 }
 
 TEST(CudaProgram, OneStreamNeedsNoEvents) {

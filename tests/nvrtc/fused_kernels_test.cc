@@ -113,7 +113,8 @@ TEST(FusedKernels, ReductionGroupEndingInSumToIsOneKernel) {
   EXPECT_EQ(g.fused_kind, "reduction");
   EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
   ASSERT_EQ(g.kernels.size(), 1u);
-  EXPECT_EQ(g.kernels[0].kind, KernelKind::Row);
+  // Leading dims folded: threads on consecutive columns; 30 rows are one slab.
+  EXPECT_EQ(g.kernels[0].kind, KernelKind::ColumnReduce);
   // Only the inputs and the sum touch memory: the chain is computed inline.
   EXPECT_EQ(g.buffers.size(), 4u);
   auto got = c.interpret(*groups);
@@ -177,7 +178,6 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   Value* g1 = slice(7, 13);
   c.op("kiln.embedding_bag_update", {t1, ids1, g1, s1, lr, step},
        {{"optimizer", Attribute("rowwise_adagrad")}, {"lr", Attribute(0.05)}});
-  auto want = c.reference();
   fuseOps(*c.f, c.members(), "embedding_update");
 
   auto groups = codegen::lowerFunction(*c.f, c.symbols);
@@ -185,10 +185,12 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   ASSERT_EQ(groups->size(), 1u);
   const LoweredGroup& g = groups->front();
   EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
-  // A clear per table, ONE insert and ONE combine for both, an update per table; no slice copies.
-  EXPECT_EQ(g.kernels.size(), 6u);
-  auto got = c.interpret(*groups);
-  for (Value* p : {t0, t1, s1}) expectClose(got.at(p), want.at(p), 1e-5, p->definingOp()->strAttr("name"));
+  // ONE sorted backward for both tables (keys, one radix pass: scan and scatter, the segments:
+  // count, scan and list, the sums), then an update per table; no slice copies. Its kernels are
+  // CUDA source: simt_embedding_backward_test runs such groups against the CPU reference.
+  ASSERT_EQ(g.kernels.size(), 9u);
+  for (size_t k = 0; k < 7; ++k) EXPECT_EQ(g.kernels[k].kind, codegen::KernelKind::Source) << g.kernels[k].name;
+  for (size_t k = 7; k < 9; ++k) EXPECT_EQ(g.kernels[k].kind, codegen::KernelKind::Row) << g.kernels[k].name;
 }
 
 // Builds matmul(x, w^T) + b, then `act`, fused as a gemm_epilogue group.

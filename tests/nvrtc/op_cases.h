@@ -386,7 +386,7 @@ inline std::vector<OpCase> allOpCases() {
         attrs["mode"] = Attribute("mean");
       }
       b.op("kiln.embedding_bag_update", operands, attrs);
-      b.kernels(4);  // clear, insert, accumulate, row update
+      b.kernels(8);  // keys, one radix pass (scan, scatter), segments (count, scan, list), sums, row update
       b.tol(1e-4);
       add(b);
     }
@@ -426,7 +426,7 @@ inline std::vector<OpCase> allOpCases() {
     appendUpdateTail(b, operands, opt);
     b.op("kiln.embedding_bag_update", operands,
          {{"optimizer", Attribute(opt)}, {"lr", Attribute(0.1)}, {"weighted", Attribute(true)}, {"mode", Attribute("mean")}});
-    b.kernels(5);  // scan, clear, insert, accumulate, row update
+    b.kernels(9);  // lengths scan, keys, one radix pass, segments (3), sums, row update
     b.tol(1e-4);
     add(b);
   }
@@ -675,6 +675,16 @@ inline Expected<PreparedCase> prepareCase(int index, unsigned seed) {
   if (!lowered) return Status::errorf("{}: {}", p.c.name, lowered.status().message());
   p.group = lowered.take();
   return p;
+}
+
+// Writes each address table of `g` (GroupBuffer::words) into its buffer, the group's buffers
+// being host memory at `address` (simt), as the executor writes them once it placed the buffers.
+inline void fillAddressTables(const codegen::LoweredGroup& g, const std::vector<uint64_t>& address) {
+  for (size_t i = 0; i < g.buffers.size(); ++i) {
+    if (g.buffers[i].words.empty()) continue;
+    std::vector<int64_t> words = codegen::addressTableWords(g.buffers[i], address);
+    std::memcpy(reinterpret_cast<void*>(address[i]), words.data(), words.size() * sizeof(int64_t));
+  }
 }
 
 // The group's embedding error flags start clear, as the executor leaves them before each step.

@@ -163,6 +163,8 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
   std::set<int> flags(im.built.error_flags.begin(), im.built.error_flags.end());
   std::map<int, const ir::Op*> constants(im.built.constants.begin(), im.built.constants.end());
   std::set<int> inputs(im.built.inputs.begin(), im.built.inputs.end());
+  std::set<int> address_tables;
+  for (const codegen::CudaProgram::AddressTable& t : im.built.address_tables) address_tables.insert(t.buffer);
 
   // Memory: the arena (poisoned), then every buffer outside it in its own guarded buffer.
   auto arena = GuardedBuffer::allocate(static_cast<size_t>(std::max<int64_t>(p.arena_bytes, 256)), 256);
@@ -184,6 +186,8 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
     const std::vector<int64_t>& shape = im.built.shapes[b.id];
     if (flags.count(b.id)) {
       std::memset(address[b.id], 0, static_cast<size_t>(b.bytes));
+    } else if (address_tables.count(b.id)) {
+      continue;  // written below, once every buffer is placed
     } else if (constants.count(b.id)) {
       const ir::Op* op = constants.at(b.id);
       ir::HostTensor t(op->result()->type().dtype(), shape);
@@ -207,6 +211,13 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
       std::memcpy(address[b.id], t->storage.data(), t->storage.size());
       param_of.push_back({b.id, t});
     }
+  }
+
+  std::vector<uint64_t> placed;
+  for (char* a : address) placed.push_back(reinterpret_cast<uint64_t>(a));
+  for (const codegen::CudaProgram::AddressTable& t : im.built.address_tables) {
+    std::vector<int64_t> words = t.at(placed);
+    std::memcpy(address[static_cast<size_t>(t.buffer)], words.data(), words.size() * sizeof(int64_t));
   }
 
   // One launch instruction: its group's steps.

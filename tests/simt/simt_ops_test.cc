@@ -52,12 +52,15 @@ TEST_P(SimtOps, EmittedCudaMatchesCpuReference) {
   std::vector<ir::HostTensor> host = groupStorage(g, *run);
   clearErrorFlags(g, host);
   std::vector<simt::GuardedBuffer> bufs;
+  std::vector<uint64_t> address;
   for (size_t i = 0; i < g.buffers.size(); ++i) {
     auto b = simt::GuardedBuffer::allocate(host[i].storage.size(), ir::dtypeBytes(g.buffers[i].dtype));
     ASSERT_TRUE(b) << b.status().message();
     if (!host[i].storage.empty()) std::memcpy(b->data(), host[i].storage.data(), host[i].storage.size());
+    address.push_back(reinterpret_cast<uint64_t>(b->data()));
     bufs.push_back(b.take());
   }
+  fillAddressTables(g, address);
   for (size_t k = 0; k < g.kernels.size(); ++k) {
     std::string name;
     codegen::emitKernel(g.kernels[k], &name);

@@ -314,6 +314,20 @@ inline T shuffle(T v, int src) {
   return r;
 }
 
+// The lanes of the running thread's warp whose `pred` holds, bit i for lane i. Every lane of the
+// warp must call it.
+inline unsigned ballot(bool pred) {
+  Launch& l = *running;
+  const unsigned lane = threadIdx.x & 31u, first = threadIdx.x - lane;
+  const unsigned lanes = blockDim.x - first < 32u ? blockDim.x - first : 32u;
+  l.lanes[threadIdx.x] = pred ? 1 : 0;
+  wait(State::AtWarpBarrier);  // every lane has published
+  unsigned bits = 0;
+  for (unsigned i = 0; i < lanes; ++i) bits |= (l.lanes[first + i] ? 1u : 0u) << i;
+  wait(State::AtWarpBarrier);  // every lane has read before the slots are reused
+  return bits;
+}
+
 // Calls a kernel with its pointer arguments, typed as the kernel declares them.
 template <typename... P, size_t... I>
 inline void callWith(void (*kernel)(P...), void** args, std::index_sequence<I...>) {
@@ -348,6 +362,9 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta, int = 32) {
   const int src = static_cast<int>(threadIdx.x & 31u) - static_cast<int>(delta);
   return kiln_simt::shuffle(v, src < 0 ? static_cast<int>(threadIdx.x & 31u) : src);
 }
+
+inline unsigned __ballot_sync(unsigned, int pred) { return kiln_simt::ballot(pred != 0); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 
 // Atomics: one fiber runs at a time, so a read-modify-write is atomic.
 template <typename T>

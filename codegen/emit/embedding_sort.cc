@@ -1,0 +1,368 @@
+#include "codegen/emit/embedding_sort.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kiln::codegen::emit {
+
+int64_t sortTiles(const SortedBackwardShape& s) { return std::max<int64_t>(1, (s.slots + kSortTile - 1) / kSortTile); }
+
+int sortPasses(const SortedBackwardShape& s) { return std::max(1, (s.id_bits + s.table_bits + 7) / 8); }
+
+int64_t histogramElements(const SortedBackwardShape& s) { return 256 * sortTiles(s) + 1; }
+
+namespace {
+
+Kernel sourceKernel(std::string name, int64_t grid, int block, std::string body) {
+  Kernel k;
+  k.name = std::move(name);
+  k.kind = KernelKind::Source;
+  k.grid = std::max<int64_t>(1, grid);
+  k.block = block;
+  k.source = std::move(body);
+  return k;
+}
+
+// The key shift of the slots without a valid id: (T << id_bits), as an unsigned literal.
+std::string noneKey(const SortedBackwardShape& s) {
+  return fmt::format("{}ull", static_cast<unsigned long long>(s.tables) << s.id_bits);
+}
+
+}  // namespace
+
+Kernel sortKeysKernel(const SortedBackwardShape& s) {
+  Kernel k = sourceKernel(
+      "embedding_grad_keys", sortTiles(s), 256,
+      fmt::format("  kiln_emb_keys<{}>(b0, b1, b2, b3, b4, b5, {}, {}LL, {}LL, {}, {}LL);\n", kSortTile, s.tables,
+                  s.slots, s.batch, s.id_bits, sortTiles(s)));
+  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
+  k.addBuffer("sort_keys.0", DType::i64, s.slots, true);
+  k.addBuffer("sort_positions.0", DType::i32, s.slots, true);
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s), true);
+  k.addBuffer("distinct_counts", DType::i64, s.tables, true);
+  k.addBuffer("embedding_errors", DType::i32, 2, true);
+  return k;
+}
+
+Kernel sortHistogramKernel(const SortedBackwardShape& s, int pass) {
+  Kernel k = sourceKernel(fmt::format("embedding_grad_histogram_{}", pass), sortTiles(s), 256,
+                          fmt::format("  kiln_emb_histogram<{}>(b0, b1, {}LL, {}LL, {});\n", kSortTile, s.slots,
+                                      sortTiles(s), 8 * pass));
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s), true);
+  return k;
+}
+
+Kernel sortScanKernel(const SortedBackwardShape& s, int64_t n) {
+  Kernel k = sourceKernel("embedding_grad_scan", 1, 1024, fmt::format("  kiln_emb_exclusive_scan(b0, {}LL);\n", n));
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s), true);
+  return k;
+}
+
+Kernel sortScatterKernel(const SortedBackwardShape& s, int pass) {
+  Kernel k = sourceKernel(fmt::format("embedding_grad_scatter_{}", pass), sortTiles(s), 256,
+                          fmt::format("  kiln_emb_scatter<{}>(b0, b1, b2, b3, b4, {}LL, {}LL, {});\n", kSortTile,
+                                      s.slots, sortTiles(s), 8 * pass));
+  k.addBuffer("sort_keys.in", DType::i64, s.slots);
+  k.addBuffer("sort_positions.in", DType::i32, s.slots);
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s));
+  k.addBuffer("sort_keys.out", DType::i64, s.slots, true);
+  k.addBuffer("sort_positions.out", DType::i32, s.slots, true);
+  return k;
+}
+
+Kernel segmentCountKernel(const SortedBackwardShape& s) {
+  Kernel k = sourceKernel("embedding_grad_segment_count", sortTiles(s), 256,
+                          fmt::format("  kiln_emb_segment_count<{}>(b0, b1, {}LL, {});\n", kSortTile, s.slots,
+                                      noneKey(s)));
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s), true);
+  return k;
+}
+
+Kernel segmentsKernel(const SortedBackwardShape& s) {
+  Kernel k = sourceKernel("embedding_grad_segments", sortTiles(s), 256,
+                          fmt::format("  kiln_emb_segments<{}>(b0, b1, b2, b3, {}LL, {}LL, {}, {});\n", kSortTile,
+                                      s.slots, sortTiles(s), s.id_bits, noneKey(s)));
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_histogram", DType::i32, histogramElements(s));
+  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1, true);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 1, true);
+  return k;
+}
+
+Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_ids, int64_t accum_elements) {
+  const int per_lane = static_cast<int>(std::max<int64_t>(1, (s.max_dim + 31) / 32));
+  Kernel k = sourceKernel("embedding_grad_accumulate", (s.max_segments + 7) / 8, 256,
+                          fmt::format("  kiln_emb_accumulate<{}>(b0, b1, b2, b3, b4, b5, b6, b7, {}LL, {});\n",
+                                      per_lane, s.batch, s.id_bits));
+  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_positions", DType::i32, s.slots);
+  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 1);
+  k.addBuffer("distinct_ids", DType::i64, distinct_ids, true);
+  k.addBuffer("row_grads", DType::f32, accum_elements, true);
+  k.addBuffer("distinct_counts", DType::i64, s.tables, true);
+  return k;
+}
+
+const std::string& embeddingSortDeviceFunctions() {
+  static const std::string text = R"CUDA(
+// The sorted embedding backward (codegen/emit/embedding_sort.cc). A table's row of the address
+// table holds 16 words: ids, weights, offsets, grad (addresses), flags, hotness, rows, dim,
+// grad stride, grad offset, first slot, slots, rows at, ids at, flag index. Keys are
+// (table << id_bits) | id; table T (none) marks a slot without a valid id and sorts last.
+// Blocks of 256 threads take tiles of kTile slots, in chunks of 256 in slot order.
+
+// The table owning occurrence slot q: the last t whose first slot is <= q (a table without
+// slots shares its first slot with the next one, which wins).
+__device__ __forceinline__ int kiln_emb_table_of(const long long* tab, int tables, long long q) {
+  int lo = 0, hi = tables - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tab[mid * 16 + 10] <= q) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ unsigned long long kiln_emb_key(const long long* tab, int tables, long long batch,
+                                                           int id_bits, long long q, int* err) {
+  const unsigned long long none = (unsigned long long)tables << id_bits;
+  const int t = kiln_emb_table_of(tab, tables, q);
+  const long long* d = tab + t * 16;
+  const long long p = q - d[10];
+  if (d[2] && p >= ((const long long*)d[2])[batch]) return none;  // padding past the last bag
+  const long long id = (d[4] & 1) ? ((const long long*)d[0])[p] : (long long)((const int*)d[0])[p];
+  if (id < 0 || (d[6] > 0 && id >= d[6])) { kiln_set_error(err, (int)d[14]); return none; }
+  return ((unsigned long long)t << id_bits) | (unsigned long long)id;
+}
+
+// The key of every slot of this block's tile, its position, and the tile's histogram of the
+// keys' lowest byte (hist[digit * tiles + tile]); block 0 clears the distinct-id counts.
+template <int kTile>
+__device__ void kiln_emb_keys(const long long* tab, long long* keys, int* pos, int* hist, long long* counts,
+                              int* err, int tables, long long n, long long batch, int id_bits, long long tiles) {
+  __shared__ unsigned local[256];
+  local[threadIdx.x] = 0;
+  if (blockIdx.x == 0)
+    for (int t = threadIdx.x; t < tables; t += blockDim.x) counts[t] = 0;
+  __syncthreads();
+  const long long lo = (long long)blockIdx.x * kTile, hi = lo + kTile < n ? lo + kTile : n;
+  for (long long q = lo + threadIdx.x; q < hi; q += blockDim.x) {
+    const unsigned long long key = kiln_emb_key(tab, tables, batch, id_bits, q, err);
+    keys[q] = (long long)key;
+    pos[q] = (int)q;
+    atomicAdd(&local[key & 255u], 1u);
+  }
+  __syncthreads();
+  hist[threadIdx.x * tiles + blockIdx.x] = (int)local[threadIdx.x];
+}
+
+// The tile's histogram of the keys' digit at `shift`.
+template <int kTile>
+__device__ void kiln_emb_histogram(const long long* keys, int* hist, long long n, long long tiles, int shift) {
+  __shared__ unsigned local[256];
+  local[threadIdx.x] = 0;
+  __syncthreads();
+  const long long lo = (long long)blockIdx.x * kTile, hi = lo + kTile < n ? lo + kTile : n;
+  for (long long q = lo + threadIdx.x; q < hi; q += blockDim.x)
+    atomicAdd(&local[((unsigned long long)keys[q] >> shift) & 255u], 1u);
+  __syncthreads();
+  hist[threadIdx.x * tiles + blockIdx.x] = (int)local[threadIdx.x];
+}
+
+// Exclusive scan of v[0, n) in place by one block, the total at v[n].
+__device__ void kiln_emb_exclusive_scan(int* v, long long n) {
+  __shared__ int warp_sums[32];
+  __shared__ int carry;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = (int)(blockDim.x >> 5);
+  if (tid == 0) carry = 0;
+  __syncthreads();
+  for (long long base = 0; base < n; base += blockDim.x) {
+    const long long i = base + tid;
+    const int own = i < n ? v[i] : 0;
+    int x = own;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int u = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += u;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = lane < warps ? warp_sums[lane] : 0;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += u;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const int inclusive = carry + x + (warp > 0 ? warp_sums[warp - 1] : 0);
+    if (i < n) v[i] = inclusive - own;
+    __syncthreads();  // every thread has read carry and warp_sums
+    if (tid == (int)blockDim.x - 1) carry = inclusive;
+    __syncthreads();
+  }
+  if (tid == 0) v[n] = carry;
+}
+
+// One stable pass of the LSD radix sort: the tile's slots go, in slot order, after every slot
+// of a smaller digit and every earlier tile's slots of the same digit (the scanned histogram).
+// A warp finds the lanes sharing its digit with 8 ballots; warps take their places in warp order.
+template <int kTile>
+__device__ void kiln_emb_scatter(const long long* keys_in, const int* pos_in, const int* hist, long long* keys_out,
+                                 int* pos_out, long long n, long long tiles, int shift) {
+  __shared__ unsigned next[256];          // where the tile's next slot of each digit goes
+  __shared__ unsigned warp_at[8][256];    // per warp and digit: its count, then its first place
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  next[tid] = (unsigned)hist[tid * tiles + blockIdx.x];
+  const long long lo = (long long)blockIdx.x * kTile, hi = lo + kTile < n ? lo + kTile : n;
+  for (long long c = lo; c < hi; c += 256) {
+    const long long i = c + tid;
+    const bool valid = i < hi;
+    const unsigned long long key = valid ? (unsigned long long)keys_in[i] : 0ull;
+    const unsigned digit = (unsigned)(key >> shift) & 255u;
+    for (int w = 0; w < 8; ++w) warp_at[w][tid] = 0;
+    unsigned peers = __ballot_sync(0xffffffffu, valid);
+    for (int b = 0; b < 8; ++b) {
+      const bool bit = (digit >> b) & 1u;
+      const unsigned set = __ballot_sync(0xffffffffu, bit);
+      peers &= bit ? set : ~set;
+    }
+    const unsigned rank = (unsigned)__popc(peers & ((1u << lane) - 1u));
+    __syncthreads();  // the counts are clear
+    if (valid && rank == 0) warp_at[warp][digit] = (unsigned)__popc(peers);
+    __syncthreads();
+    unsigned run = next[tid];
+    for (int w = 0; w < 8; ++w) {
+      const unsigned count = warp_at[w][tid];
+      warp_at[w][tid] = run;
+      run += count;
+    }
+    next[tid] = run;
+    __syncthreads();
+    if (valid) {
+      const unsigned at = warp_at[warp][digit] + rank;
+      keys_out[at] = (long long)key;
+      pos_out[at] = pos_in[i];
+    }
+    __syncthreads();  // every place is read before the next chunk clears the counts
+  }
+}
+
+// Whether sorted slot i starts a segment: a valid key unlike its predecessor's.
+__device__ __forceinline__ bool kiln_emb_starts(const long long* keys, long long i, unsigned long long none) {
+  const unsigned long long key = (unsigned long long)keys[i];
+  return key < none && (i == 0 || (unsigned long long)keys[i - 1] != key);
+}
+
+// The segment starts in each tile (hist[tile]).
+template <int kTile>
+__device__ void kiln_emb_segment_count(const long long* keys, int* hist, long long n, unsigned long long none) {
+  __shared__ unsigned total;
+  if (threadIdx.x == 0) total = 0;
+  __syncthreads();
+  const long long lo = (long long)blockIdx.x * kTile, hi = lo + kTile < n ? lo + kTile : n;
+  unsigned mine = 0;
+  for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) mine += kiln_emb_starts(keys, i, none) ? 1u : 0u;
+  atomicAdd(&total, mine);
+  __syncthreads();
+  if (threadIdx.x == 0) hist[blockIdx.x] = (int)total;
+}
+
+// Numbers the segments in slot order (the tile's first number from the scanned counts):
+// starts[s] = the first slot of segment s, starts[S] = the end of the valid keys; meta[0] = S,
+// meta[1 + t] = table t's first segment.
+template <int kTile>
+__device__ void kiln_emb_segments(const long long* keys, const int* hist, int* starts, long long* meta, long long n,
+                                  long long tiles, int id_bits, unsigned long long none) {
+  __shared__ unsigned warp_total[8];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned segments = (unsigned)hist[tiles];
+  if (blockIdx.x == 0 && tid == 0) meta[0] = segments;
+  unsigned base = (unsigned)hist[blockIdx.x];
+  const long long lo = (long long)blockIdx.x * kTile, hi = lo + kTile < n ? lo + kTile : n;
+  for (long long c = lo; c < hi; c += 256) {
+    const long long i = c + tid;
+    const bool start = i < hi && kiln_emb_starts(keys, i, none);
+    const unsigned mask = __ballot_sync(0xffffffffu, start);
+    if (lane == 0) warp_total[warp] = (unsigned)__popc(mask);
+    __syncthreads();
+    unsigned before = base, all = 0;
+    for (int w = 0; w < 8; ++w) {
+      if (w < warp) before += warp_total[w];
+      all += warp_total[w];
+    }
+    if (start) {
+      const unsigned s = before + (unsigned)__popc(mask & ((1u << lane) - 1u));
+      starts[s] = (int)i;
+      const unsigned long long t = (unsigned long long)keys[i] >> id_bits;
+      if (i == 0 || ((unsigned long long)keys[i - 1] >> id_bits) != t) meta[1 + t] = s;
+    }
+    if (i < hi && (unsigned long long)keys[i] < none && (i + 1 == n || (unsigned long long)keys[i + 1] >= none))
+      starts[segments] = (int)(i + 1);
+    base += all;
+    __syncthreads();  // warp_total is read before the next chunk writes it
+  }
+}
+
+// One warp per segment: the gradient rows of its occurrences, in position order (the sort is
+// stable), each times its weight and 1/bag size for a mean, summed in f32 into the table's o-th
+// accumulated row; lane 0 lists the id and, for the table's last segment, its count.
+template <int kPer>
+__device__ void kiln_emb_accumulate(const long long* tab, const long long* keys, const int* pos, const int* starts,
+                                    const long long* meta, long long* distinct_ids, float* accum, long long* counts,
+                                    long long batch, int id_bits) {
+  const long long s = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (s >= meta[0]) return;  // the whole warp
+  const int lo = starts[s], hi = starts[s + 1];
+  const unsigned long long key = (unsigned long long)keys[lo];
+  const int t = (int)(key >> id_bits);
+  const long long* d = tab + t * 16;
+  const long long o = s - meta[1 + t], dim = d[7], hotness = d[5];
+  const bool mean = (d[4] & 4) != 0;
+  const long long* offsets = (const long long*)d[2];
+  float acc[kPer];
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) acc[j] = 0.0f;
+  for (int j = lo; j < hi; ++j) {
+    const long long p = (long long)pos[j] - d[10];
+    long long b;
+    float scale = 1.0f;
+    if (offsets) {
+      b = kiln_bag_of(offsets, batch, p);
+      const long long size = offsets[b + 1] - offsets[b];
+      if (mean && size > 0) scale = 1.0f / (float)size;
+    } else {
+      b = p / hotness;
+      if (mean) scale = 1.0f / (float)hotness;
+    }
+    const float w = !d[1] ? 1.0f : (d[4] & 8) ? kiln_ld((const kiln_bf16*)d[1], p) : kiln_ld((const float*)d[1], p);
+    const float c = w * scale;
+    const long long at = b * d[8] + d[9];
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const long long e = lane + 32 * k;
+      if (e < dim)
+        acc[k] += c * ((d[4] & 2) ? kiln_ld((const kiln_bf16*)d[3], at + e) : kiln_ld((const float*)d[3], at + e));
+    }
+  }
+  float* row = accum + d[12] + o * dim;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const long long e = lane + 32 * k;
+    if (e < dim) row[e] = acc[k];
+  }
+  if (lane == 0) {
+    distinct_ids[d[13] + o] = (long long)(key & ((1ull << id_bits) - 1ull));
+    if (s + 1 == meta[0] || ((unsigned long long)keys[hi] >> id_bits) != (unsigned long long)t) counts[t] = o + 1;
+  }
+}
+)CUDA";
+  return text;
+}
+
+}  // namespace kiln::codegen::emit
