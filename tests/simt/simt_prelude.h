@@ -19,6 +19,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -258,7 +259,10 @@ inline int launch(void (*body)(void**), void** args, long long grid, int block, 
   // the kernel's name: the same every run (so results repeat bit for bit), but not index order,
   // so code that assumes an order the GPU does not promise (a missing __syncthreads, block 0
   // finishing first) computes wrong results here rather than passing by luck.
+  // KILN_SIMT_SEED (a number; unset or 0: none) is mixed in, so a test can run the same kernels
+  // in other orders and require the same bits (tests/simt/simt_embedding_backward_test.cc).
   unsigned long long rng = 0x9E3779B97F4A7C15ull;
+  if (const char* seed = getenv("KILN_SIMT_SEED")) rng ^= strtoull(seed, nullptr, 0) * 0xD1B54A32D192ED03ull;
   for (const char* c = kernel; *c; ++c) rng = (rng ^ static_cast<unsigned char>(*c)) * 0x100000001B3ull;
   auto next = [&rng](unsigned long long n) {
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
