@@ -385,6 +385,7 @@ class KernelPrinter {
     switch (k_.kind) {
       case KernelKind::Pointwise: printPointwise(); break;
       case KernelKind::Row: printRow(lc); break;
+      case KernelKind::ColumnReduce: printColumnReduce(); break;
       case KernelKind::EmbeddingForward: printEmbeddingForward(); break;
       case KernelKind::EmbeddingInsert:
       case KernelKind::EmbeddingAccumulate: printEmbeddingAccumulate(); break;
@@ -579,6 +580,53 @@ class KernelPrinter {
     (void)lc;
   }
 
+  // A block is a tile of `lanes` consecutive columns by `groups` row groups (ColumnTile): tile t
+  // is slab t / strips, columns from (t % strips) * lanes. Each thread folds its rows of the slab
+  // in order, then the groups' partials meet in shared memory as a fixed tree.
+  void printColumnReduce() {
+    const ColumnTile t = columnTile(k_);
+    const Phase& p = k_.phases[0];
+    const std::string ty = cType(g_.typeOf(p.value));
+    const std::string combiner = fmt::format("kiln_fn::{}Combiner", ir::combinerInfo(p.combiner).name);
+    const std::vector<int64_t> kept(k_.space.begin() + 1, k_.space.end());
+    const int outer = static_cast<int>(k_.space.size());
+    line(1, fmt::format("__shared__ {} part[{}];", ty, ColumnTile::kThreads));
+    line(1, fmt::format("const int lane = threadIdx.x % {}, group = threadIdx.x / {};", t.lanes, t.lanes));
+    line(1, fmt::format("for (long long t = blockIdx.x; t < {}LL; t += gridDim.x) {{", t.slabs * t.strips));
+    line(2, fmt::format("const long long c0 = t / {}LL;  // the slab", t.strips));
+    line(2, fmt::format("const long long col = (t % {}LL) * {} + lane;", t.strips, t.lanes));
+    if (!kept.empty()) coords(2, "col", kept, 1);
+    openScope();
+    line(2, fmt::format("{} acc = {}::identity<{}>();", ty, combiner, ty));
+    line(2, fmt::format("if (col < {}LL) {{", t.columns));
+    line(3, fmt::format("const long long end = c0 * {0}LL + {0}LL < {1}LL ? c0 * {0}LL + {0}LL : {1}LL;", t.slab_rows,
+                        k_.rowSize()));
+    line(3, fmt::format("for (long long r = c0 * {}LL + group; r < end; r += {}) {{", t.slab_rows, t.groups));
+    if (!k_.row_space.empty()) coords(4, "r", k_.row_space, outer);
+    openScope();
+    emitScope(4, {p.value});
+    line(4, fmt::format("acc = {}::combine<{}>(acc, {});", combiner, ty, ref(p.value)));
+    closeScope();
+    line(3, "}");
+    line(2, "}");
+    line(2, "part[threadIdx.x] = acc;");
+    line(2, "__syncthreads();");
+    line(2, fmt::format("for (int half = {}; half > 0; half >>= 1) {{", t.groups / 2));
+    line(3, fmt::format("if (group < half) part[threadIdx.x] = {}::combine<{}>(part[threadIdx.x], part[threadIdx.x + half * {}]);",
+                        combiner, ty, t.lanes));
+    line(3, "__syncthreads();");
+    line(2, "}");
+    line(2, fmt::format("if (group == 0 && col < {}LL) {{", t.columns));
+    line(3, fmt::format("const {} rv0 = part[lane];", ty));
+    openScope();
+    emitStores(3, k_.stores);
+    closeScope();
+    line(2, "}");
+    line(2, "__syncthreads();  // every thread read its part before the next tile writes it");
+    closeScope();
+    line(1, "}");
+  }
+
   std::string bufferOrNull(int b, const char* type) {
     return b >= 0 ? fmt::format("b{}", b) : fmt::format("(const {}*)nullptr", type);
   }
@@ -677,6 +725,11 @@ LaunchConfig launchConfig(const Kernel& k) {
       // block takes several in turn, so an element its guard skips (an empty hash slot) costs
       // a loop iteration rather than a block launch.
       return {std::clamp<int64_t>(k.spaceSize(), 1, 1 << 16), block};
+    }
+    case KernelKind::ColumnReduce: {
+      // A block per tile (slab x strip of columns) up to 65536; past that blocks take several.
+      const ColumnTile t = columnTile(k);
+      return {std::clamp<int64_t>(t.slabs * t.strips, 1, 1 << 16), ColumnTile::kThreads};
     }
     case KernelKind::EmbeddingForward:
       return {std::max<int64_t>(1, ceilDiv(static_cast<int64_t>(k.tables.size()) * k.batch, 8)), 256};

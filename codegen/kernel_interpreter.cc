@@ -213,6 +213,47 @@ Status runRow(const Kernel& k, Evaluator& ev) {
   return Status::ok();
 }
 
+// The CUDA kernel's order exactly (ColumnTile): per (slab, column), row group g folds rows
+// g, g + groups, ... of the slab, then the groups meet as a tree, so the bits match the GPU's.
+Status runColumnReduce(const Kernel& k, Evaluator& ev) {
+  const ColumnTile t = columnTile(k);
+  const Phase& p = k.phases[0];
+  const bool f32 = k.exprs.typeOf(p.value) == DType::f32;
+  const size_t outer = k.space.size();
+  const std::vector<int64_t> kept(k.space.begin() + 1, k.space.end());
+  const int64_t rows = k.rowSize();
+  auto combine = [&](double a, double b) {
+    const double c = ir::scalar::combine<double>(p.combiner, a, b);
+    return f32 ? static_cast<double>(static_cast<float>(c)) : c;
+  };
+  std::vector<double> part(static_cast<size_t>(t.groups));
+  ev.coords.assign(outer + k.row_space.size(), 0);
+  for (int64_t s = 0; s < t.slabs; ++s)
+    for (int64_t col = 0; col < t.columns; ++col) {
+      ev.coords[0] = s;
+      unflatten(col, kept, ev.coords, 1);
+      const int64_t end = std::min(rows, (s + 1) * t.slab_rows);
+      for (int g = 0; g < t.groups; ++g) {
+        double acc = ir::scalar::identity<double>(p.combiner);
+        for (int64_t r = s * t.slab_rows + g; r < end; r += t.groups) {
+          unflatten(r, k.row_space, ev.coords, outer);
+          ev.next();
+          acc = combine(acc, ev.eval(p.value).f);
+        }
+        part[static_cast<size_t>(g)] = acc;
+      }
+      for (int half = t.groups / 2; half > 0; half /= 2)
+        for (int g = 0; g < half; ++g)
+          part[static_cast<size_t>(g)] = combine(part[static_cast<size_t>(g)], part[static_cast<size_t>(g + half)]);
+      if (!ev.error().empty()) return Status::error(ev.error());
+      ev.row_values = {Val{part[0], 0}};
+      ev.next();
+      for (const Store& st : k.stores) KILN_RETURN_IF_ERROR(ev.store(st));
+      if (!ev.error().empty()) return Status::error(ev.error());
+    }
+  return Status::ok();
+}
+
 int64_t readId(const KernelBuffer& b, const void* p, int64_t i) {
   return b.dtype == DType::i32 ? static_cast<const int32_t*>(p)[i] : static_cast<const int64_t*>(p)[i];
 }
@@ -367,6 +408,7 @@ Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
   switch (k.kind) {
     case KernelKind::Pointwise: return runPointwise(k, ev);
     case KernelKind::Row: return runRow(k, ev);
+    case KernelKind::ColumnReduce: return runColumnReduce(k, ev);
     case KernelKind::EmbeddingForward:
     case KernelKind::EmbeddingInsert:
     case KernelKind::EmbeddingAccumulate: return runEmbedding(k, buffers);

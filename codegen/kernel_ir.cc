@@ -1,5 +1,6 @@
 #include "codegen/kernel_ir.h"
 
+#include <algorithm>
 #include <bit>
 #include <cstring>
 
@@ -40,6 +41,7 @@ const char* kernelKindName(KernelKind k) {
   switch (k) {
     case KernelKind::Pointwise: return "pointwise";
     case KernelKind::Row: return "row";
+    case KernelKind::ColumnReduce: return "column_reduce";
     case KernelKind::EmbeddingForward: return "embedding_forward";
     case KernelKind::EmbeddingInsert: return "embedding_insert";
     case KernelKind::EmbeddingAccumulate: return "embedding_accumulate";
@@ -235,6 +237,18 @@ int64_t Kernel::rowSize() const {
   return n;
 }
 
+ColumnTile columnTile(const Kernel& k) {
+  ColumnTile t;
+  t.slabs = k.space.empty() ? 1 : k.space[0];
+  t.columns = t.slabs > 0 ? k.spaceSize() / t.slabs : 0;
+  while (t.lanes < 32 && t.lanes < t.columns) t.lanes *= 2;
+  t.groups = ColumnTile::kThreads / t.lanes;
+  t.strips = (t.columns + t.lanes - 1) / t.lanes;
+  const int64_t rows = k.rowSize();
+  t.slab_rows = std::max<int64_t>(1, (rows + t.slabs - 1) / std::max<int64_t>(t.slabs, 1));
+  return t;
+}
+
 int rowMajorOffset(ExprGraph& g, const std::vector<int>& coords, const std::vector<int64_t>& shape) {
   assert(coords.size() == shape.size());
   int off = g.intConstant(0);
@@ -337,6 +351,22 @@ Status validate(const Kernel& k) {
         }
       }
       return checkStores(k, k.stores, outer, reduces, "row epilogue");
+    }
+    case KernelKind::ColumnReduce: {
+      if (k.space.empty() || k.space[0] < 1 || k.phases.size() != 1 ||
+          k.phases[0].kind != Phase::Kind::Reduce || k.guard >= 0)
+        return Status::errorf("kernel '{}': a column reduction needs a space of [slabs, ...] and one reduce phase",
+                              k.name);
+      const ColumnTile t = columnTile(k);
+      if ((t.slabs - 1) * t.slab_rows >= k.rowSize())
+        return Status::errorf("kernel '{}': {} slabs of {} rows leave the last one empty", k.name, t.slabs,
+                              t.slab_rows);
+      const int value = k.phases[0].value;
+      if (!ir::isFloat(k.exprs.typeOf(value)))
+        return Status::errorf("kernel '{}': reduce phase folds a non-float value", k.name);
+      KILN_RETURN_IF_ERROR(
+          checkScope(k, {value}, outer + static_cast<int>(k.row_space.size()), 0, "column reduce phase"));
+      return checkStores(k, k.stores, outer, 1, "column epilogue");
     }
     case KernelKind::EmbeddingForward:
     case KernelKind::EmbeddingInsert:

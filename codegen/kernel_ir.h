@@ -7,6 +7,11 @@
 //              phase folds an expression over the row (sum or max) into a row value that later
 //              phases read; a Map phase stores per row element; then `stores` run once per outer
 //              element. Reductions, softmax, losses and optimizer row updates are Row kernels.
+//   ColumnReduce folds the leading `row_space` of a value for every element of its trailing
+//              kept dims (a bias gradient [B, N] -> [N], a whole-tensor sum): a block's threads
+//              take consecutive columns, so its reads are coalesced, and the rows are cut into
+//              slabs, one per block, whose partials a second ColumnReduce folds in a fixed
+//              order (no atomics: the same bits every run).
 //   EmbeddingForward     pooled lookups of every table of a collection, in one launch.
 //   EmbeddingInsert      enters the ids of an embedding backward into a hash table: the first
 //                        occurrence of an id claims a slot, lists it and zeroes its gradient row.
@@ -178,6 +183,7 @@ struct EmbeddingTable {
 enum class KernelKind : uint8_t {
   Pointwise,
   Row,
+  ColumnReduce,
   EmbeddingForward,
   EmbeddingInsert,
   EmbeddingAccumulate,
@@ -191,9 +197,13 @@ struct Kernel {
   KernelKind kind = KernelKind::Pointwise;
   std::vector<KernelBuffer> buffers;
   ExprGraph exprs;
+  // ColumnReduce: `space` is [slabs, kept dims...] and `row_space` the folded dims (coordinates:
+  // the slab, the kept dims, then the rows, as a Row kernel numbers them); slab s folds rows
+  // [s * slab_rows, (s + 1) * slab_rows) of every column into the one Reduce phase's row value,
+  // then runs `stores` once per (slab, column).
   std::vector<int64_t> space;      // Pointwise: the index space; Row: the outer space
-  std::vector<int64_t> row_space;  // Row
-  std::vector<Phase> phases;       // Row
+  std::vector<int64_t> row_space;  // Row, ColumnReduce
+  std::vector<Phase> phases;       // Row; ColumnReduce: one Reduce phase
   std::vector<Store> stores;       // Pointwise: per element; Row: per outer element
   int guard = -1;                  // Row: an outer element runs only where this holds
   // Embedding kernels.
@@ -219,6 +229,18 @@ struct Kernel {
   int64_t spaceSize() const;
   int64_t rowSize() const;
 };
+
+// How a ColumnReduce kernel's 256-thread block is laid out: `lanes` consecutive columns (the
+// kept elements, up to 32: a warp reads 128 contiguous bytes of a row) by `groups` = 256 / lanes
+// row groups; row group g folds rows g, g + groups, ... of its slab, then the groups' partials
+// are combined as a tree (group g with g + half, half = groups / 2, ..., 1). The interpreter
+// folds in this order too, so both give the bits the GPU gives.
+struct ColumnTile {
+  static constexpr int kThreads = 256;
+  int lanes = 1, groups = kThreads;
+  int64_t slabs = 1, columns = 1, strips = 1, slab_rows = 1;  // strips: ceil(columns / lanes)
+};
+ColumnTile columnTile(const Kernel& k);
 
 // Checks a kernel's internal consistency (operand ids, types, coordinates in scope, buffer
 // indices); the lowering and the tests call it. An error names the kernel.

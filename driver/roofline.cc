@@ -75,9 +75,15 @@ Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const 
         if (!FlopRates::narrow(op->operand(0)->type().dtype())) c.f32_gemm_flops += flops;
       }
     c.launches = 0;
+    const std::string kind = kernelClass(g);
+    // A reduction's temporaries (the partials of a fold cut into pieces, codegen/emit/
+    // reduction.cc; softmax cross-entropy's row losses) are written by one kernel and read back
+    // by the next: bytes the ops' own count does not have.
+    if (kind == "reduction")
+      for (const codegen::GroupBuffer& b : g.buffers)
+        if (!b.value) c.bytes += 2.0 * static_cast<double>(b.elements) * ir::dtypeBytes(b.dtype);
     const double seconds = cost.time(c);
     const bool memory_bound = c.bytes / target.bytes_per_s >= seconds;
-    const std::string kind = kernelClass(g);
     KernelClassCost& k = by_kind[kind];
     k.kind = kind;
     k.groups += 1;

@@ -337,6 +337,35 @@ inline std::vector<OpCase> allOpCases() {
     b.opWithType("kiln.sum_to", {b.input("x", f32, S({5, 3, 4}))}, TensorType(f32, S({3, 1})));
     add(b);
   }
+  // Folds cut into pieces (codegen/emit/reduction.cc), at the smallest shapes that cut: leading
+  // dims folded by ColumnReduce slabs, then the slabs; long rows of few outputs by chunks.
+  {  // A bias gradient: 1100 rows in 4 slabs, 70 columns in strips of 32.
+    CaseBuilder b("sum_to_column_slabs");
+    b.opWithType("kiln.sum_to", {b.input("x", f32, S({1100, 70}))}, TensorType(f32, S({70})));
+    b.kernels(2);
+    add(b);
+  }
+  {  // A whole tensor: one column, 33309 rows in 4 slabs.
+    CaseBuilder b("reduce_mean_whole_slabs");
+    b.op("kiln.reduce", {b.input("x", f32, S({9, 3701}))},
+         {{"kind", Attribute("mean")}, {"axes", Attribute::ints({0, 1})}});
+    b.kernels(2);
+    add(b);
+  }
+  {  // bf16 in and out, f32 partials.
+    CaseBuilder b("reduce_max_column_slabs_bf16");
+    b.op("kiln.reduce", {b.input("x", DType::bf16, S({1030, 33}))},
+         {{"kind", Attribute("max")}, {"axes", Attribute::ints({0})}});
+    b.kernels(2);
+    add(b);
+  }
+  {  // Two rows of 33001: four chunks each, the last one ragged.
+    CaseBuilder b("reduce_sum_row_chunks");
+    b.op("kiln.reduce", {b.input("x", f32, S({2, 33001}))},
+         {{"kind", Attribute("sum")}, {"axes", Attribute::ints({1})}});
+    b.kernels(2).tol(1e-4);
+    add(b);
+  }
   struct Dense {
     const char* kind;
     AttrDict attrs;
