@@ -78,17 +78,7 @@ Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const i
 // Appends a Source kernel of embedding_sort.cc with its buffers bound, in order, to group
 // buffers.
 Status addSortKernel(GroupLowering& gl, Kernel k, const std::vector<int>& group_buffers) {
-  std::vector<KernelBuffer> declared = std::move(k.buffers);
-  KernelBuilder kb = KernelBuilder::ofKind(k.name, KernelKind::Source);
-  kb.k = std::move(k);
-  kb.k.buffers.clear();
-  for (size_t i = 0; i < declared.size(); ++i) {
-    int id = gl.bind(kb, group_buffers[i], declared[i].written);
-    const KernelBuffer& got = kb.k.buffers[static_cast<size_t>(id)];
-    if (id != static_cast<int>(i) || got.dtype != declared[i].dtype || got.elements < declared[i].elements)
-      return Status::errorf("kernel '{}': buffer '{}' does not fit parameter b{}", kb.k.name, got.name, i);
-  }
-  return gl.finish(kb);
+  return gl.addSourceKernel(std::move(k), group_buffers, "the embedding backward");
 }
 
 // Bits to write the values 0..v.

@@ -120,6 +120,25 @@ int GroupLowering::bind(KernelBuilder& kb, int group_buffer, bool written) {
   return id;
 }
 
+Status GroupLowering::addSourceKernel(Kernel k, const std::vector<int>& group_buffers, const std::string& context) {
+  if (group_buffers.size() != k.buffers.size())
+    return Status::errorf("{}: kernel '{}' takes {} buffers, got {}", context, k.name, k.buffers.size(),
+                          group_buffers.size());
+  std::vector<KernelBuffer> declared = std::move(k.buffers);
+  KernelBuilder kb = KernelBuilder::ofKind(k.name, KernelKind::Source);
+  kb.k = std::move(k);
+  kb.k.buffers.clear();
+  for (size_t i = 0; i < declared.size(); ++i) {
+    int id = bind(kb, group_buffers[i], declared[i].written);
+    const KernelBuffer& got = kb.k.buffers[static_cast<size_t>(id)];
+    if (id != static_cast<int>(i) || got.dtype != declared[i].dtype || got.elements < declared[i].elements)
+      return Status::errorf("{}: buffer '{}' ({} x {}) does not fit kernel '{}' parameter b{} ({} x {})", context,
+                            got.name, ir::dtypeName(got.dtype), got.elements, kb.k.name, i,
+                            ir::dtypeName(declared[i].dtype), declared[i].elements);
+  }
+  return finish(kb);
+}
+
 Status GroupLowering::finish(KernelBuilder& kb) {
   KILN_RETURN_IF_ERROR(validate(kb.k));
   out_.kernels.push_back(std::move(kb.k));

@@ -84,6 +84,10 @@ class GroupLowering {
   }
   // Validates the kernel and appends it (with its buffer binding) to the group.
   Status finish(KernelBuilder& kb);
+  // Appends a Source kernel written with its buffers declared (moe_kernels.cc, embedding_sort.cc),
+  // binding parameter i to group_buffers[i]: each must hold what the kernel declares (its dtype,
+  // at least its elements). An error starts with `context` (the op it lowers).
+  Status addSourceKernel(Kernel k, const std::vector<int>& group_buffers, const std::string& context);
 
   // ---- Expressions ----
   // Whether v is computed inline by the group's kernels (a pointwise op of the group).

@@ -19,25 +19,9 @@ Status unsupported(const Op& op, const std::string& what) {
   return Status::errorf("{} on the CUDA backend: {}", opLabel(op), what);
 }
 
-// Appends a kernel of moe_kernels.cc with its buffers bound, in order, to group buffers. Each
-// group buffer must hold what the kernel declares (its dtype, at least its elements).
+// Appends a kernel of moe_kernels.cc with its buffers bound, in order, to group buffers.
 Status addKernel(GroupLowering& gl, const Op& op, Kernel k, const std::vector<int>& group_buffers) {
-  if (group_buffers.size() != k.buffers.size())
-    return Status::errorf("{}: kernel '{}' takes {} buffers, got {}", opLabel(op), k.name, k.buffers.size(),
-                          group_buffers.size());
-  std::vector<KernelBuffer> declared = std::move(k.buffers);
-  KernelBuilder kb = KernelBuilder::ofKind(k.name, KernelKind::Source);
-  kb.k = std::move(k);
-  kb.k.buffers.clear();
-  for (size_t i = 0; i < declared.size(); ++i) {
-    int id = gl.bind(kb, group_buffers[i], declared[i].written);
-    const KernelBuffer& got = kb.k.buffers[static_cast<size_t>(id)];
-    if (id != static_cast<int>(i) || got.dtype != declared[i].dtype || got.elements < declared[i].elements)
-      return Status::errorf("{}: buffer '{}' ({} x {}) does not fit kernel '{}' parameter b{} ({} x {})",
-                            opLabel(op), got.name, ir::dtypeName(got.dtype), got.elements, kb.k.name, i,
-                            ir::dtypeName(declared[i].dtype), declared[i].elements);
-  }
-  return gl.finish(kb);
+  return gl.addSourceKernel(std::move(k), group_buffers, opLabel(op));
 }
 
 int in(GroupLowering& gl, const Value* v) { return gl.groupBuffer(v, false); }
