@@ -38,7 +38,9 @@ std::vector<std::vector<const codegen::Kernel*>> splitIntoPrograms(
   const size_t n = unique.size();
   const size_t per_thread = 4 * static_cast<size_t>(std::max(threads, 1));
   const size_t per = std::max<size_t>(kMinKernelsPerProgram, (n + per_thread - 1) / per_thread);
-  const size_t count = (n + per - 1) / per;
+  // No more programs than keep every one at kMinKernelsPerProgram: ceil(n / per) alone would give
+  // 39 kernels 10 programs, one of them of 3.
+  const size_t count = std::min((n + per - 1) / per, std::max<size_t>(1, n / kMinKernelsPerProgram));
   // Sizes n / count or one more, the larger ones first.
   size_t at = 0;
   for (size_t p = 0; p < count; ++p) {

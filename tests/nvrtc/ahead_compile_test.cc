@@ -252,6 +252,28 @@ TEST(AheadCompile, ProgramsSplitDeduplicatedKernels) {
     EXPECT_LE(largest, std::max<size_t>(per, kMinKernelsPerProgram) + 1) << threads;
   }
   EXPECT_TRUE(splitIntoPrograms({}, 4).empty());
+  // Counts that do not divide evenly: every program keeps kMinKernelsPerProgram (39 kernels on
+  // 16 threads once gave a program of 3), and every kernel is in one.
+  for (int n : {4, 5, 11, 39, 100, 257}) {
+    std::vector<codegen::Kernel> many(static_cast<size_t>(n));
+    std::vector<const codegen::Kernel*> ptrs;
+    for (int i = 0; i < n; ++i) {
+      codegen::Kernel& k = many[static_cast<size_t>(i)];
+      k.name = "k" + std::to_string(i);
+      k.space = {static_cast<int64_t>(i) + 1};
+      ptrs.push_back(&k);
+    }
+    for (int threads : {1, 2, 16, 64}) {
+      auto programs = splitIntoPrograms(ptrs, threads);
+      size_t total = 0;
+      for (const auto& p : programs) {
+        total += p.size();
+        if (programs.size() > 1)
+          EXPECT_GE(p.size(), static_cast<size_t>(kMinKernelsPerProgram)) << n << " on " << threads;
+      }
+      EXPECT_EQ(total, static_cast<size_t>(n)) << n << " on " << threads;
+    }
+  }
 }
 
 TEST(AheadCompile, BadArchsAreErrors) {
