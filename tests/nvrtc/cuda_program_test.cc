@@ -230,18 +230,33 @@ func.func @train_step() -> (!kiln.tensor<Bx4xf32>, !kiln.tensor<f32>) {
 }
 )";
 
-TEST(CudaProgram, TwoStreamsWaitForTheirProducersAndReaders) {
-  auto m = ir::parseModule(kTwoStreams, "<test>");
-  ASSERT_TRUE(m) << m.status().str();
-  const ir::Function& f = *(*m)->lookup("train_step");
-  auto groups = codegen::lowerFunction(f, {{"B", 8}});
-  ASSERT_TRUE(groups) << groups.status().message();
-  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
+// kTwoStreams parsed (`f`: its @train_step) and lowered at B = 8 (`groups`).
+class TwoStreamStep : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto m = ir::parseModule(kTwoStreams, "<test>");
+    ASSERT_TRUE(m) << m.status().str();
+    module_ = m.take();
+    f_ = module_->lookup("train_step");
+    ASSERT_NE(f_, nullptr);
+    auto g = codegen::lowerFunction(*f_, {{"B", 8}});
+    ASSERT_TRUE(g) << g.status().message();
+    groups_ = g.take();
+  }
+  std::unique_ptr<ir::Module> module_;
+  const ir::Function* f_ = nullptr;
+  std::vector<codegen::LoweredGroup> groups_;
+};
+
+TEST_F(TwoStreamStep, TwoStreamsWaitForTheirProducersAndReaders) {
+  const ir::Function& f = *f_;
+  std::vector<codegen::LoweredGroup>& groups = groups_;
+  auto cp = codegen::buildCudaProgram(f, groups, {{"B", 8}});
   ASSERT_TRUE(cp) << cp.status().message();
   const codegen::Program& p = cp->program;
   ASSERT_EQ(p.streams.size(), 2u) << p.str();
   EXPECT_EQ(p.streams[1].id, 1);
-  Checked c = checkProgram(*cp, *groups);
+  Checked c = checkProgram(*cp, groups);
   EXPECT_GE(c.cross_stream_reads, 2) << p.str();   // stream 0 reads the lookup; stream 1 reads %s
   EXPECT_GE(c.cross_stream_writes, 1) << p.str();  // the update waits for the stream-0 reduce
   // Inputs are copied on stream 0, so stream 1 starts with the fork.
@@ -252,13 +267,10 @@ TEST(CudaProgram, TwoStreamsWaitForTheirProducersAndReaders) {
 
 // The sparse update reads its ids and gradient through an address table: a buffer outside the
 // arena whose words name the program buffers, which the runtime writes once they are placed.
-TEST(CudaProgram, TheEmbeddingBackwardsAddressTableNamesItsBuffers) {
-  auto m = ir::parseModule(kTwoStreams, "<test>");
-  ASSERT_TRUE(m) << m.status().str();
-  const ir::Function& f = *(*m)->lookup("train_step");
-  auto groups = codegen::lowerFunction(f, {{"B", 8}});
-  ASSERT_TRUE(groups) << groups.status().message();
-  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
+TEST_F(TwoStreamStep, TheEmbeddingBackwardsAddressTableNamesItsBuffers) {
+  const ir::Function& f = *f_;
+  std::vector<codegen::LoweredGroup>& groups = groups_;
+  auto cp = codegen::buildCudaProgram(f, groups, {{"B", 8}});
   ASSERT_TRUE(cp) << cp.status().message();
   const codegen::Program& p = cp->program;
   ASSERT_EQ(cp->address_tables.size(), 1u);
@@ -282,24 +294,21 @@ TEST(CudaProgram, TheEmbeddingBackwardsAddressTableNamesItsBuffers) {
   EXPECT_EQ(words[codegen::emit::kWeightsAddress], 0);
   EXPECT_EQ(words[codegen::emit::kDim], 4);
   // Every group kernel takes a handful of parameters; the ids and gradient are not among them.
-  for (const codegen::LoweredGroup& g : *groups)
+  for (const codegen::LoweredGroup& g : groups)
     for (const codegen::Kernel& k : g.kernels)
       if (k.kind == codegen::KernelKind::Source) EXPECT_LE(k.buffers.size(), 8u) << k.name;
 }
 
-TEST(CudaProgram, OneStreamNeedsNoEvents) {
-  auto m = ir::parseModule(kTwoStreams, "<test>");
-  ASSERT_TRUE(m) << m.status().str();
-  const ir::Function& f = *(*m)->lookup("train_step");
-  auto groups = codegen::lowerFunction(f, {{"B", 8}});
-  ASSERT_TRUE(groups) << groups.status().message();
-  for (auto& g : *groups) g.stream = 0;
-  auto cp = codegen::buildCudaProgram(f, *groups, {{"B", 8}});
+TEST_F(TwoStreamStep, OneStreamNeedsNoEvents) {
+  const ir::Function& f = *f_;
+  std::vector<codegen::LoweredGroup>& groups = groups_;
+  for (auto& g : groups) g.stream = 0;
+  auto cp = codegen::buildCudaProgram(f, groups, {{"B", 8}});
   ASSERT_TRUE(cp) << cp.status().message();
   EXPECT_EQ(cp->program.streams.size(), 1u);
   EXPECT_EQ(cp->program.num_events, 0);
-  EXPECT_EQ(cp->program.numInstructions(), static_cast<int>(groups->size()));
-  checkProgram(*cp, *groups);
+  EXPECT_EQ(cp->program.numInstructions(), static_cast<int>(groups.size()));
+  checkProgram(*cp, groups);
 }
 
 // Every model's training step through the product's pipeline (fusion, then the schedule pass
