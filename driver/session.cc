@@ -635,7 +635,7 @@ StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std
 
 Expected<StepOutputs> Session::run(const std::string& function, const data::Batch& batch,
                                         const std::vector<std::pair<std::string, float>>& scalars,
-                                        const data::Batch* next) {
+                                        const data::Batch* next, const NextStep* ahead) {
   StepInputs step_inputs(batch, scalars);
   const bool pipelined_step = function == "train_step" && pipelined();
   if (pipelined_step) {
@@ -671,7 +671,10 @@ Expected<StepOutputs> Session::run(const std::string& function, const data::Batc
       host_touched_ = false;
     }
     KILN_ASSIGN_OR_RETURN(auto exec, cudaExecutorFor(function, batch.size));
-    results = (exec)->run(inputs);
+    float step = 0;  // as the step reads it (a staged batch matches on it)
+    for (const auto& [name, value] : scalars)
+      if (name == "step") step = value;
+    results = runOnGpu(*exec, inputs, batch.size, step, ahead);
     if (function == "train_step") device_newer_ = true;
   } else {
     KILN_ASSIGN_OR_RETURN(auto exec, executorFor(function, batch.size));
@@ -747,6 +750,41 @@ Expected<StepOutputs> Session::run(const std::string& function, const data::Batc
     dst.assign(p.as<float>(), p.as<float>() + p.numel());
   }
   return out;
+}
+
+Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec, const runtime::cpu::Batch& inputs,
+                                                       int64_t batch_size, float step, const NextStep* ahead) {
+  // The batch the previous step staged on this executor is this one's when the step and size
+  // match; otherwise it is dropped (the caller trained on another batch). An evaluation in
+  // between runs another executor and leaves it staged.
+  cuda::CudaExecutor::Ticket ticket = -1;
+  if (staged_ && staged_->exec == &exec) {
+    if (staged_->step == step && staged_->batch_size == batch_size && step > 0)
+      ticket = staged_->ticket;
+    else
+      (void)staged_->exec->drop(staged_->ticket);
+    staged_.reset();
+  }
+  if (ticket < 0) {
+    KILN_ASSIGN_OR_RETURN(ticket, exec.stage(inputs));
+  }
+  KILN_RETURN_IF_ERROR(exec.launch(ticket));
+  // While the GPU computes: the next batch into pinned memory, its upload on the copy stream.
+  // A batch that cannot be staged (another size: the data's short last batch, which another
+  // executor runs) is left to its own step, which reports any error in it.
+  if (ahead && ahead->batch && ahead->batch->size == batch_size && ahead->step > 0) {
+    StepInputs next_inputs(*ahead->batch,
+                           {{"lr", static_cast<float>(ahead->lr_factor)}, {"step", static_cast<float>(ahead->step)}});
+    if (auto t = exec.stage(next_inputs.views()))
+      staged_ = StagedStep{&exec, static_cast<float>(ahead->step), batch_size, *t};
+  }
+  return exec.collect(ticket);
+}
+
+Expected<StepOutputs> Session::trainStep(const data::Batch& batch, double lr_factor, int64_t step,
+                                         const NextStep& next) {
+  return run("train_step", batch, {{"lr", static_cast<float>(lr_factor)}, {"step", static_cast<float>(step)}},
+             nullptr, &next);
 }
 
 Expected<StepOutputs> Session::trainStep(const data::Batch& batch, double lr_factor, int64_t step) {

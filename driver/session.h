@@ -210,6 +210,20 @@ class Session {
   Expected<StepOutputs> trainStep(const data::Batch& batch, const data::Batch& next, double lr_factor,
                                   int64_t step);
   bool pipelined() const { return !carried_names_.empty(); }
+  // The batch the next trainStep call trains on, its learning-rate factor and its step. On the
+  // GPU (--device cuda) the step below copies it into pinned memory and enqueues its upload on
+  // the executor's copy stream while the GPU computes (docs/runtime.md, "Feeding the GPU"); the
+  // next call with that step and batch size launches it as staged, any other call drops it. The
+  // caller keeps the promise that the next call passes that same batch.
+  struct NextStep {
+    const data::Batch* batch = nullptr;
+    double lr_factor = 1;
+    int64_t step = 0;
+  };
+  Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step, const NextStep& next);
+  // Whether passing the next step overlaps anything: the GPU, and a step that is not pipelined
+  // (whose inputs would include the previous step's results).
+  bool stagesAhead() const { return cuda_ != nullptr && !pipelined(); }
   // Forget the routes of the next batch: the next trainStep routes its own batch first.
   void resetPipeline() { carried_.clear(); }
   // The forward pass: the loss (when the model has one and the batch has labels) and logits.
@@ -264,9 +278,22 @@ class Session {
   std::vector<std::string> carried_names_;
   std::vector<ir::HostTensor> carried_;
   // `next`: the pipelined step's next batch (its inputs as "next.<name>").
+  // `ahead`: on the GPU, the batch of the following step, staged while this one computes.
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
                             const std::vector<std::pair<std::string, float>>& scalars,
-                            const data::Batch* next = nullptr);
+                            const data::Batch* next = nullptr, const NextStep* ahead = nullptr);
+  // One GPU step: launches the batch staged for it (or stages it now), stages `ahead` while it
+  // computes, and collects its results.
+  Expected<std::vector<ir::HostTensor>> runOnGpu(cuda::CudaExecutor& exec, const runtime::cpu::Batch& inputs,
+                                                 int64_t batch_size, float step, const NextStep* ahead);
+  // The batch a trainStep staged for the next (NextStep): its executor, step, size and ticket.
+  struct StagedStep {
+    cuda::CudaExecutor* exec = nullptr;
+    float step = 0;  // the "step" input's value
+    int64_t batch_size = 0;
+    cuda::CudaExecutor::Ticket ticket = -1;
+  };
+  std::optional<StagedStep> staged_;
 
   SessionOptions options_;
   std::shared_ptr<const CompiledModel> compiled_;  // fromCompiled()

@@ -587,6 +587,19 @@ Status Trainer::Impl::loop() {
       }
       out = s_.trainStep(*mine, *next, lr, step_ + 1);
       if (reroute) s_.resetPipeline();
+    } else if (s_.stagesAhead()) {
+      // On the GPU the next batch is read now (the prefetcher has it ready) and copied to pinned
+      // memory and uploaded on a copy stream while this step computes (not past the last step).
+      Session::NextStep next;
+      if (f_.steps == 0 || step_ + 1 < f_.steps) {
+        KILN_ASSIGN_OR_RETURN(have_ahead, prefetch_->next(ahead));
+        // A next batch of another size (the data's short last one) is staged by its own step.
+        if (have_ahead && ahead.size == batch.size) {
+          KILN_ASSIGN_OR_RETURN(const data::Batch* next_mine, share(ahead, ahead_share));
+          next = {next_mine, passes::learningRateFactor(schedule_, step_ + 2), step_ + 2};
+        }
+      }
+      out = s_.trainStep(*mine, lr, step_ + 1, next);
     } else {
       out = s_.trainStep(*mine, lr, step_ + 1);
     }

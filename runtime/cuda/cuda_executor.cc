@@ -159,9 +159,21 @@ struct CudaExecutor::Impl {
   std::vector<std::unique_ptr<Stream>> own_streams;
   std::vector<std::unique_ptr<Event>> events;  // per Program event
   std::vector<std::pair<int, const codegen::Instruction*>> order;  // (stream, instruction) by seq
-  // Pinned staging of the inputs, laid out once: the step copies from here asynchronously.
-  PinnedBuffer staging;
-  std::vector<size_t> staging_at;             // per entry of built.inputs
+  // The input pipeline (input_pipeline.h): its bookkeeping, the copy stream, and per slot the
+  // pinned and landing copies of the inputs, the pinned copy of the results and three events.
+  struct Slot {
+    PinnedBuffer pinned, results;
+    DeviceBuffer landing;
+    std::unique_ptr<Event> uploaded, consumed, done;
+  };
+  InputPipeline pipeline;
+  std::unique_ptr<Stream> copy_stream;
+  StagingLayout input_layout;   // per entry of built.inputs, at full (bound) size
+  StagingLayout result_layout;  // per program result, then one {code, table} pair per error flag
+  std::vector<Slot> slots;
+  // The ticket launched with the tracer recording (-1: none), and its origin on the host clock.
+  int64_t traced_ticket = -1;
+  double trace_origin_us = 0;
   std::vector<std::unique_ptr<LoadedModule>> modules;
   std::map<std::string, CUfunction> functions;  // every kernel of the modules, by name
   std::unique_ptr<CudaGraph> graph;
@@ -173,9 +185,17 @@ struct CudaExecutor::Impl {
 
   ~Impl();
   CudaSession::Impl& s() { return session->impl(); }
+  Status createPipeline(int slots);
+  // The batch's view of each entry of built.inputs, checked against its bound shape, and the
+  // bytes it holds.
+  Status checkInputs(const runtime::cpu::Batch& batch, std::vector<const ir::TensorView*>& views,
+                     std::vector<size_t>& bytes) const;
+  // One operation of the pipeline's plan: `views`/`bytes` for FillPinned, `out` for ReadResults.
+  Status apply(const PipelineOp& op, const std::vector<const ir::TensorView*>* views,
+               const std::vector<size_t>* bytes, std::vector<ir::HostTensor>* out);
+  Status runStepOnStream0(int64_t ticket);
   Status runStep(const Step& step, CUstream st);
   Status enqueue(bool traced = false);
-  Status synchronize();
   Status compileKernels(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups);
   Status loadKernels(const ir::Function& f, const ir::SymbolBindings& symbols, const KernelSet& set);
   Status beginTrace(double* origin_us, const runtime::Tracer& tracer);
@@ -183,6 +203,9 @@ struct CudaExecutor::Impl {
 };
 
 CudaExecutor::Impl::~Impl() {
+  // An upload or a step may still be in flight over the pinned and device slots freed next.
+  if (copy_stream) (void)copy_stream->synchronize();
+  if (!pipeline.inFlight().empty()) (void)s().stream->synchronize();
   for (CUevent e : trace_events)
     if (e) s().drv()->cuEventDestroy(e);
 }
@@ -336,15 +359,6 @@ Status CudaExecutor::Impl::enqueue(bool traced) {
   return Status::ok();
 }
 
-Status CudaExecutor::Impl::synchronize() {
-  for (const auto& [id, st] : streams) {
-    Status done = s().drv()->check(s().drv()->cuStreamSynchronize(st), "cuStreamSynchronize",
-                                   fmt::format("stream {} of @{}", id, program.function));
-    if (!done) return done;
-  }
-  return Status::ok();
-}
-
 Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function& f, const ir::SymbolBindings& symbols,
                                                              std::shared_ptr<CudaSession> session,
                                                              const CudaExecutorOptions& options) {
@@ -445,17 +459,6 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   // Pageable copies may return before their DMA lands; the step's streams do not wait for them.
   if (!constants.empty() || !address_tables.empty())
     KILN_CU(drv, cuCtxSynchronize(), "waiting for the constants of @" + f.name());
-  // Pinned staging for the inputs, sized once: each step copies the batch here, then to the
-  // device asynchronously on stream 0.
-  size_t staging_bytes = 0;
-  for (int id : im.built.inputs) {
-    im.staging_at.push_back(staging_bytes);
-    staging_bytes += static_cast<size_t>((p.buffers[id].bytes + 63) / 64 * 64);
-  }
-  KILN_ASSIGN_OR_RETURN(
-      auto staging, PinnedBuffer::allocate(drv, staging_bytes, fmt::format("the inputs of @{}", f.name())));
-  im.staging = std::move(staging);
-
   // The kernels: from the set compiled ahead of time, else compiled now.
   if (options.kernels)
     KILN_RETURN_IF_ERROR(im.loadKernels(f, symbols, *options.kernels));
@@ -493,103 +496,256 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
     im.steps.push_back(std::move(s));
     ++im.kernels;
   }
+  // The input pipeline's slots, sized once (the flags are known now).
+  KILN_RETURN_IF_ERROR(im.createPipeline(options.input_slots));
   return ex;
 }
 
-CudaExecutor::~CudaExecutor() = default;
+Status CudaExecutor::Impl::createPipeline(int slot_count) {
+  CudaDriver* drv = s().drv();
+  pipeline = InputPipeline(slot_count);
+  KILN_ASSIGN_OR_RETURN(auto cs, Stream::create(drv));
+  copy_stream = std::move(cs);
+  std::vector<size_t> bytes;
+  for (int id : built.inputs) bytes.push_back(static_cast<size_t>(program.buffers[id].bytes));
+  input_layout = StagingLayout::plan(bytes, kArenaAlignment);
+  bytes.clear();
+  for (int id : program.results) {
+    const codegen::Buffer& b = program.buffers[id];
+    bytes.push_back(static_cast<size_t>(product(built.shapes[id]) * ir::dtypeBytes(b.type.dtype())));
+  }
+  for (size_t i = 0; i < flags.size(); ++i) bytes.push_back(2 * sizeof(int32_t));
+  result_layout = StagingLayout::plan(bytes, 64);
+  for (int i = 0; i < pipeline.slots(); ++i) {
+    Slot slot;
+    const std::string what = fmt::format("input slot {} of @{}", i, program.function);
+    KILN_ASSIGN_OR_RETURN(slot.pinned, PinnedBuffer::allocate(drv, input_layout.total, what));
+    KILN_ASSIGN_OR_RETURN(slot.landing, DeviceBuffer::allocate(drv, input_layout.total, what));
+    KILN_ASSIGN_OR_RETURN(slot.results, PinnedBuffer::allocate(drv, result_layout.total,
+                                                               fmt::format("result slot {} of @{}", i, program.function)));
+    KILN_ASSIGN_OR_RETURN(slot.uploaded, Event::create(drv, "the upload of " + what));
+    KILN_ASSIGN_OR_RETURN(slot.consumed, Event::create(drv, "the copy-in of " + what));
+    KILN_ASSIGN_OR_RETURN(slot.done, Event::create(drv, "the results of " + what));
+    slots.push_back(std::move(slot));
+  }
+  return Status::ok();
+}
 
-Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch& batch) {
-  Impl& im = *impl_;
-  CudaSession::Impl& si = im.s();
-  CudaDriver* drv = si.drv();
-  KILN_RETURN_IF_ERROR(si.ctx->makeCurrent());
-  // Every stream is idle here (the previous run synchronized), so the staging may be rewritten.
-  KILN_RETURN_IF_ERROR(im.synchronize());
-  CUstream st = im.streams.at(0);
-
-  for (size_t i = 0; i < im.built.inputs.size(); ++i) {
-    int id = im.built.inputs[i];
-    const codegen::Buffer& b = im.program.buffers[id];
-    const std::vector<int64_t>& shape = im.built.shapes[id];
+Status CudaExecutor::Impl::checkInputs(const runtime::cpu::Batch& batch, std::vector<const ir::TensorView*>& views,
+                                       std::vector<size_t>& bytes) const {
+  for (int id : built.inputs) {
+    const codegen::Buffer& b = program.buffers[id];
+    const std::vector<int64_t>& shape = built.shapes[id];
     auto it = batch.find(b.name);
-    if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", im.program.function, b.name);
+    if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", program.function, b.name);
     const ir::TensorView& v = it->second;
     // A bounded 1-d input (jagged ids, `?(3*B)`) may hold fewer elements than its bound: the
     // kernels read only the ids the lengths cover.
     const bool within_bound = b.type.rank() == 1 && b.type.dim(0).isBounded() && v.shape.size() == 1 &&
                               v.shape[0] <= shape[0];
     if (v.dtype != b.type.dtype() || (v.shape != shape && !within_bound))
-      return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}", im.program.function, b.name,
+      return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}", program.function, b.name,
                             ir::dtypeName(v.dtype), shapeStr(v.shape), ir::dtypeName(b.type.dtype()), shapeStr(shape));
-    const size_t bytes = static_cast<size_t>(product(v.shape) * ir::dtypeBytes(v.dtype));
-    if (!bytes) continue;
-    uint8_t* staged = im.staging.data() + im.staging_at[i];
-    std::memcpy(staged, v.data, bytes);
-    KILN_CU(drv, cuMemcpyHtoDAsync(im.address[id], staged, bytes, st), "input " + b.name);
+    views.push_back(&v);
+    bytes.push_back(static_cast<size_t>(product(v.shape) * ir::dtypeBytes(v.dtype)));
   }
-  if (im.options.poison_arena)
-    KILN_CU(drv, cuMemsetD8Async(im.arena.ptr(), 0xFF, im.arena.bytes(), st), "poisoning the arena");
+  return Status::ok();
+}
 
-  runtime::Tracer* tracer = im.options.tracer && im.options.tracer->recording() ? im.options.tracer : nullptr;
-  double origin_us = 0;
+// The driver calls of one planned operation. Nothing here waits on the host but the two host
+// waits: for a pinned slot's previous upload, and for a step's results.
+Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const ir::TensorView*>* views,
+                                 const std::vector<size_t>* bytes, std::vector<ir::HostTensor>* out) {
+  CudaDriver* drv = s().drv();
+  Slot& slot = slots[static_cast<size_t>(op.slot)];
+  CUstream st0 = streams.at(0), copy = copy_stream->get();
+  const std::string& fn = program.function;
+  switch (op.kind) {
+    case PipelineOpKind::HostWaitUploaded:
+      KILN_CU(drv, cuEventSynchronize(slot.uploaded->get()), fmt::format("waiting for input slot {} of @{}", op.slot, fn));
+      break;
+    case PipelineOpKind::FillPinned:
+      for (size_t i = 0; i < views->size(); ++i)
+        if ((*bytes)[i]) std::memcpy(slot.pinned.data() + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
+      break;
+    case PipelineOpKind::CopyWaitConsumed:
+      KILN_CU(drv, cuStreamWaitEvent(copy, slot.consumed->get(), 0), "the copy stream of @" + fn);
+      break;
+    case PipelineOpKind::Upload:
+      // The whole slot in one copy: a bounded input's tail past the batch's ids is never read.
+      KILN_CU(drv, cuMemcpyHtoDAsync(slot.landing.ptr(), slot.pinned.data(), input_layout.total, copy),
+              fmt::format("uploading the inputs of @{}", fn));
+      break;
+    case PipelineOpKind::RecordUploaded:
+      KILN_CU(drv, cuEventRecord(slot.uploaded->get(), copy), "the copy stream of @" + fn);
+      break;
+    case PipelineOpKind::ComputeWaitUploaded:
+      KILN_CU(drv, cuStreamWaitEvent(st0, slot.uploaded->get(), 0), "stream 0 of @" + fn);
+      break;
+    case PipelineOpKind::CopyIn:
+      // Into the buffers the step (and its graph) was built on; a few copies at device speed.
+      for (size_t i = 0; i < built.inputs.size(); ++i) {
+        const int id = built.inputs[i];
+        if (input_layout.bytes[i])
+          KILN_CU(drv, cuMemcpyDtoDAsync(address[id], slot.landing.ptr() + input_layout.offset[i], input_layout.bytes[i], st0),
+                  "input " + program.buffers[id].name);
+      }
+      break;
+    case PipelineOpKind::RecordConsumed:
+      KILN_CU(drv, cuEventRecord(slot.consumed->get(), st0), "stream 0 of @" + fn);
+      break;
+    case PipelineOpKind::RunStep:
+      return runStepOnStream0(op.ticket);
+    case PipelineOpKind::Download: {
+      size_t r = 0;
+      for (int id : program.results) {
+        if (result_layout.bytes[r])
+          KILN_CU(drv, cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], address[id], result_layout.bytes[r], st0),
+                  "result " + program.buffers[id].name);
+        ++r;
+      }
+      for (const ErrorFlag& f : flags) {
+        KILN_CU(drv, cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], f.ptr, result_layout.bytes[r], st0),
+                "the embedding error flag of " + f.kernel);
+        ++r;
+      }
+      break;
+    }
+    case PipelineOpKind::RecordDone:
+      KILN_CU(drv, cuEventRecord(slot.done->get(), st0), "stream 0 of @" + fn);
+      break;
+    case PipelineOpKind::HostWaitDone: {
+      runtime::Tracer* tracer = op.ticket == traced_ticket ? options.tracer : nullptr;
+      auto wait_begin = runtime::Tracer::Clock::now();
+      Status done = drv->check(drv->cuEventSynchronize(slot.done->get()), "cuEventSynchronize",
+                               fmt::format("the results of @{}", fn));
+      if (!done) return Status::errorf("@{} on the GPU: {}", fn, done.message());
+      if (tracer) {
+        traced_ticket = -1;
+        tracer->complete("synchronize @" + fn, runtime::TraceCategory::Wait, options.rank, runtime::kHostTrack,
+                         wait_begin, runtime::Tracer::Clock::now());
+        KILN_RETURN_IF_ERROR(finishTrace(*tracer, trace_origin_us));
+      }
+      break;
+    }
+    case PipelineOpKind::ReadResults: {
+      const size_t nresults = program.results.size();
+      for (size_t k = 0; k < flags.size(); ++k) {
+        const ErrorFlag& f = flags[k];
+        int32_t flag[2] = {0, 0};
+        std::memcpy(flag, slot.results.data() + result_layout.offset[nresults + k], sizeof(flag));
+        if (!flag[0]) continue;
+        auto at = [&](const std::vector<std::string>& names) {
+          return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size() ? names[static_cast<size_t>(flag[1])]
+                                                                              : std::to_string(flag[1]);
+        };
+        if (flag[0] == 2)
+          return Status::errorf("@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
+                                fn, at(f.subjects), at(f.checkers));
+        return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", fn, at(f.subjects),
+                              at(f.checkers));
+      }
+      for (size_t r = 0; r < nresults; ++r) {
+        const int id = program.results[r];
+        ir::HostTensor t(program.buffers[id].type.dtype(), built.shapes[id]);
+        if (!t.storage.empty()) std::memcpy(t.storage.data(), slot.results.data() + result_layout.offset[r], t.storage.size());
+        out->push_back(std::move(t));
+      }
+      break;
+    }
+  }
+  return Status::ok();
+}
+
+// The step itself on stream 0 (and the streams it forks): traced eagerly, replayed as the
+// graph, captured at the second launch, or eagerly on the first.
+Status CudaExecutor::Impl::runStepOnStream0(int64_t ticket) {
+  CudaDriver* drv = s().drv();
+  CUstream st = streams.at(0);
+  if (options.poison_arena)
+    KILN_CU(drv, cuMemsetD8Async(arena.ptr(), 0xFF, arena.bytes(), st), "poisoning the arena");
+  runtime::Tracer* tracer = options.tracer && options.tracer->recording() ? options.tracer : nullptr;
   if (tracer) {
-    KILN_RETURN_IF_ERROR(im.beginTrace(&origin_us, *tracer));
-    KILN_RETURN_IF_ERROR(im.enqueue(/*traced=*/true));
-  } else if (im.graph) {
-    KILN_RETURN_IF_ERROR(im.graph->launch(st));
-  } else if (im.options.use_graph && im.runs >= 1) {
+    KILN_RETURN_IF_ERROR(beginTrace(&trace_origin_us, *tracer));
+    traced_ticket = ticket;
+    KILN_RETURN_IF_ERROR(enqueue(/*traced=*/true));
+  } else if (graph) {
+    KILN_RETURN_IF_ERROR(graph->launch(st));
+  } else if (options.use_graph && runs >= 1) {
     // The first run went eagerly (cuBLASLt chose its algorithms); now capture and replay. The
     // capture starts on stream 0 and reaches the other streams through the Program's fork event.
     KILN_RETURN_IF_ERROR(CudaGraph::beginCapture(drv, st));
-    Status s = im.enqueue();
+    Status s = enqueue();
     if (!s) {
       CUgraph g = nullptr;
       drv->cuStreamEndCapture(st, &g);
       if (g) drv->cuGraphDestroy(g);
-      return Status::errorf("capturing @{} as a CUDA graph: {}", im.program.function, s.message());
+      return Status::errorf("capturing @{} as a CUDA graph: {}", program.function, s.message());
     }
-    auto graph = CudaGraph::endCapture(drv, st);
-    if (!graph) return Status::errorf("capturing @{} as a CUDA graph: {}", im.program.function, graph.status().message());
-    im.graph = graph.take();
-    KILN_RETURN_IF_ERROR(im.graph->launch(st));
+    auto captured = CudaGraph::endCapture(drv, st);
+    if (!captured) return Status::errorf("capturing @{} as a CUDA graph: {}", program.function, captured.status().message());
+    graph = captured.take();
+    KILN_RETURN_IF_ERROR(graph->launch(st));
   } else {
-    KILN_RETURN_IF_ERROR(im.enqueue());
+    KILN_RETURN_IF_ERROR(enqueue());
   }
-  auto wait_begin = runtime::Tracer::Clock::now();
-  Status done = im.synchronize();
-  if (!done) return Status::errorf("@{} on the GPU: {}", im.program.function, done.message());
-  ++im.runs;
-  if (tracer) {
-    tracer->complete("synchronize @" + im.program.function, runtime::TraceCategory::Wait, im.options.rank,
-                     runtime::kHostTrack, wait_begin, runtime::Tracer::Clock::now());
-    KILN_RETURN_IF_ERROR(im.finishTrace(*tracer, origin_us));
-  }
+  ++runs;
+  return Status::ok();
+}
 
-  for (const ErrorFlag& f : im.flags) {
-    int32_t flag[2] = {0, 0};
-    KILN_CU(drv, cuMemcpyDtoH(flag, f.ptr, sizeof(flag)), "reading the embedding error flag of " + f.kernel);
-    if (!flag[0]) continue;
-    auto at = [&](const std::vector<std::string>& names) {
-      return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size() ? names[static_cast<size_t>(flag[1])]
-                                                                          : std::to_string(flag[1]);
-    };
-    if (flag[0] == 2)
-      return Status::errorf("@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
-                            im.program.function, at(f.subjects), at(f.checkers));
-    return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", im.program.function,
-                          at(f.subjects), at(f.checkers));
-  }
+CudaExecutor::~CudaExecutor() = default;
 
+Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch& batch) {
+  KILN_ASSIGN_OR_RETURN(Ticket t, stage(batch));
+  KILN_RETURN_IF_ERROR(launch(t));
+  return collect(t);
+}
+
+Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch& batch) {
+  Impl& im = *impl_;
+  KILN_RETURN_IF_ERROR(im.s().ctx->makeCurrent());
+  std::vector<const ir::TensorView*> views;
+  std::vector<size_t> bytes;
+  KILN_RETURN_IF_ERROR(im.checkInputs(batch, views, bytes));
+  std::vector<PipelineOp> ops;
+  KILN_ASSIGN_OR_RETURN(Ticket t, im.pipeline.stage(ops));
+  for (const PipelineOp& op : ops) {
+    Status s = im.apply(op, &views, &bytes, nullptr);
+    if (!s) {
+      (void)im.pipeline.drop(t);
+      return s;
+    }
+  }
+  return t;
+}
+
+Status CudaExecutor::launch(Ticket ticket) {
+  Impl& im = *impl_;
+  KILN_RETURN_IF_ERROR(im.s().ctx->makeCurrent());
+  std::vector<PipelineOp> ops;
+  KILN_RETURN_IF_ERROR(im.pipeline.launch(ticket, ops));
+  for (const PipelineOp& op : ops) {
+    Status s = im.apply(op, nullptr, nullptr, nullptr);
+    if (!s) {
+      (void)im.pipeline.drop(ticket);  // nobody will collect it; the slots stay usable
+      return s;
+    }
+  }
+  return Status::ok();
+}
+
+Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket ticket) {
+  Impl& im = *impl_;
+  KILN_RETURN_IF_ERROR(im.s().ctx->makeCurrent());
+  std::vector<PipelineOp> ops;
+  KILN_RETURN_IF_ERROR(im.pipeline.collect(ticket, ops));
   std::vector<ir::HostTensor> out;
-  for (int id : im.program.results) {
-    const codegen::Buffer& b = im.program.buffers[id];
-    ir::HostTensor t(b.type.dtype(), im.built.shapes[id]);
-    if (!t.storage.empty())
-      KILN_CU(drv, cuMemcpyDtoH(t.storage.data(), im.address[id], t.storage.size()), "result " + b.name);
-    out.push_back(std::move(t));
-  }
+  for (const PipelineOp& op : ops) KILN_RETURN_IF_ERROR(im.apply(op, nullptr, nullptr, &out));
   return out;
 }
+
+Status CudaExecutor::drop(Ticket ticket) { return impl_->pipeline.drop(ticket); }
+std::vector<CudaExecutor::Ticket> CudaExecutor::staged() const { return impl_->pipeline.staged(); }
 
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch& batch) {
   Impl& im = *impl_;
@@ -659,6 +815,11 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   return Status::error("no CUDA: this kiln was built without the CUDA toolkit's headers");
 }
 Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
+Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
+Status CudaExecutor::launch(Ticket) { return Status::error("no CUDA"); }
+Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket) { return Status::error("no CUDA"); }
+Status CudaExecutor::drop(Ticket) { return Status::error("no CUDA"); }
+std::vector<CudaExecutor::Ticket> CudaExecutor::staged() const { return {}; }
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch&) {
   return Status::error("no CUDA");
 }

@@ -10,11 +10,17 @@
 // (runtime/cuda/ahead_compile.h), or takes them from a KernelSet compiled ahead of time
 // (CudaExecutorOptions::kernels: NVRTC is then never loaded), and resolves every kernel argument
 // to a device address.
-// run() copies the inputs from pinned host staging on stream 0, runs each Program stream on its
-// own CUstream (kiln.matmul through cuBLASLt), checks the embedding kernels' error flags and
-// downloads the results. From the second run on, the step is captured once as a CUDA graph
-// (stream 0 forks the other streams through an event and joins them at the end, so the graph
-// keeps the cross-stream edges) and replayed (shapes are static per executor).
+// A run goes through the input pipeline (input_pipeline.h): stage() copies the batch into a
+// pinned slot and uploads it on the executor's copy stream into a device landing slot; launch()
+// makes stream 0 wait for that upload, copy the landing slot into the step's input buffers, run
+// each Program stream on its own CUstream (kiln.matmul through cuBLASLt) and download the results
+// and the embedding kernels' error flags into a pinned result slot; collect() waits for that
+// download alone (an event; never a device or stream synchronize) and checks the flags. run() is
+// the three in a row; a training loop stages batch i+1 between launch and collect of step i, so
+// its upload overlaps step i. From the second launch on, the step is captured once as a CUDA
+// graph (stream 0 forks the other streams through an event and joins them at the end, so the
+// graph keeps the cross-stream edges) and replayed (shapes are static per executor): the graph
+// reads the same input buffers every step, whichever slot the batch came through.
 //
 // Parameters and optimizer state live in a CudaSession shared by the executors of one model, so
 // @forward sees what @train_step wrote; they are copied from and back to a ParameterStore only
@@ -35,6 +41,7 @@
 #include "ir/tensor_view.h"
 #include "runtime/cpu/executor.h"
 #include "runtime/cuda/cublaslt.h"
+#include "runtime/cuda/input_pipeline.h"
 #include "runtime/cuda/kernel_set.h"
 #include "runtime/parameter_store.h"
 #include "runtime/trace.h"
@@ -92,6 +99,10 @@ struct CudaExecutorOptions {
   // create() only.
   const KernelSet* kernels = nullptr;
   int nvrtc_threads = 0;  // JIT compile threads; 0: nvrtcThreads() ($KILN_NVRTC_THREADS or all)
+  // Batches that may be staged ahead of launch (each slot: one pinned and one device copy of the
+  // inputs, one pinned copy of the results). One already hides the upload in the trainer's order
+  // (launch i, stage i+1, collect i); two let a caller stage two batches ahead.
+  int input_slots = InputPipeline::kDefaultSlots;
 };
 
 class CudaExecutor {
@@ -103,8 +114,26 @@ class CudaExecutor {
   ~CudaExecutor();
 
   // Runs the function once; returns its results in order as host tensors. Inputs must have
-  // exactly their bound shapes.
+  // exactly their bound shapes. The same as collect(launch(stage(batch))).
   Expected<std::vector<ir::HostTensor>> run(const runtime::cpu::Batch& batch);
+
+  // The input pipeline, for a loop that keeps the GPU busy (docs/runtime.md, "Feeding the GPU"):
+  //   t0 = stage(b0); launch(t0); t1 = stage(b1); collect(t0); launch(t1); t2 = stage(b2); ...
+  // Each call returns once its work is enqueued; only collect() waits, and only for its step.
+  using Ticket = int64_t;
+  // Checks the batch and copies it into a free pinned slot (waiting, if need be, for that slot's
+  // previous upload), then enqueues its upload on the copy stream. The batch may be freed after.
+  // At most options.input_slots batches may be staged and not launched.
+  Expected<Ticket> stage(const runtime::cpu::Batch& batch);
+  // Enqueues the step on a staged batch (the oldest staged first). The results of the ticket
+  // input_slots before must have been collected. A launch that fails forgets its ticket.
+  Status launch(Ticket ticket);
+  // Waits for the step's results and returns them (or the error an embedding kernel flagged).
+  Expected<std::vector<ir::HostTensor>> collect(Ticket ticket);
+  // Forgets a staged batch that will not run (or a launched one whose results will not be read).
+  Status drop(Ticket ticket);
+  // Tickets staged and not launched, oldest first.
+  std::vector<Ticket> staged() const;
 
   // Runs the function once more, eagerly and serialized on stream 0 (groups in order), with an
   // event around every kernel and GEMM: the device time of each, in order (for the benchmark's

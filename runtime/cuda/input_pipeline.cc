@@ -95,10 +95,12 @@ Status InputPipeline::collect(int64_t ticket, std::vector<PipelineOp>& ops) {
 }
 
 Status InputPipeline::drop(int64_t ticket) {
-  if (stateOf(ticket) != State::Staged)
-    return Status::errorf("input pipeline: ticket {} is not staged; only a staged batch can be dropped", ticket);
+  if (stateOf(ticket) == State::Finished)
+    return Status::errorf("input pipeline: ticket {} is neither staged nor in flight", ticket);
   // Its upload may still be running: the next stage into the slot waits for it (HostWaitUploaded
-  // and stream order on the copy stream), and nothing will read the landing slot meanwhile.
+  // and stream order on the copy stream), and nothing will read the landing slot meanwhile. A
+  // launched ticket's download may be too: the next launch into its result slot comes after it
+  // on stream 0, and its `done` is recorded anew before anyone waits on it.
   tickets_.erase(ticket);
   return Status::ok();
 }

@@ -87,7 +87,10 @@ class InputPipeline {
   Status launch(int64_t ticket, std::vector<PipelineOp>& ops);
   // Waits for a launched ticket's results and reads them.
   Status collect(int64_t ticket, std::vector<PipelineOp>& ops);
-  // Forgets a staged ticket that will not run (the trainer staged a batch it will not train on).
+  // Forgets a ticket whose results will not be read: a staged batch that will not run (the
+  // trainer staged a batch it will not train on), or a launch that failed part way. Either way
+  // the slot's next user still waits for what was enqueued (the upload, the copy-in), and nothing
+  // reads what it left in its result slot.
   Status drop(int64_t ticket);
 
   // Tickets staged and not yet launched or dropped, oldest first.

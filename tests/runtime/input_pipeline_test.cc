@@ -175,9 +175,9 @@ TEST(InputPipeline, RefusesUnsafeCalls) {
   Status unread = p.launch(2, ops);  // ticket 0's results still in result slot 0
   ASSERT_FALSE(unread);
   EXPECT_NE(unread.message().find("collect ticket 0"), std::string::npos) << unread.message();
-  EXPECT_FALSE(p.drop(0));  // launched
   ASSERT_TRUE(p.collect(0, ops));
   EXPECT_FALSE(p.collect(0, ops));  // twice
+  EXPECT_FALSE(p.drop(0));          // collected already
   EXPECT_EQ(p.inFlight(), (std::vector<int64_t>{1}));
   EXPECT_EQ(p.staged(), (std::vector<int64_t>{2}));
 }
@@ -192,6 +192,23 @@ TEST(InputPipeline, DroppedTicketLeavesTheSlotsSafe) {
   ASSERT_TRUE(p.drop(*ahead));
   EXPECT_FALSE(p.launch(*ahead, ops));
   std::vector<PipelineOp> more = trainerSchedule(p, 4);
+  ops.insert(ops.end(), more.begin(), more.end());
+  EXPECT_EQ(joined(findPipelineHazards(ops, 2)), "");
+}
+
+// A launch that failed part way is dropped by the executor; later tickets may reuse its slots.
+TEST(InputPipeline, DroppedLaunchLeavesTheSlotsSafe) {
+  InputPipeline p(2);
+  std::vector<PipelineOp> ops;
+  auto t0 = p.stage(ops);
+  ASSERT_TRUE(t0);
+  std::vector<PipelineOp> launched;
+  ASSERT_TRUE(p.launch(*t0, launched));
+  launched.resize(3);  // failed after RecordConsumed: no step, no download, no done
+  ops.insert(ops.end(), launched.begin(), launched.end());
+  ASSERT_TRUE(p.drop(*t0));
+  EXPECT_TRUE(p.inFlight().empty());
+  std::vector<PipelineOp> more = trainerSchedule(p, 4);  // tickets 1..4, slot 0 again at 2 and 4
   ops.insert(ops.end(), more.begin(), more.end());
   EXPECT_EQ(joined(findPipelineHazards(ops, 2)), "");
 }
