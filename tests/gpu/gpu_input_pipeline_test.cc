@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "ir/builder.h"
@@ -30,32 +31,61 @@ bool sameBits(const std::vector<float>& a, const std::vector<float>& b) {
 class GpuInputPipeline : public ::testing::TestWithParam<ModelCase> {};
 
 // The same program on the same inputs in the same order: the results agree to the bit, so a
-// step that read another step's batch (a slot mixed up, an upload not waited for) shows.
+// step that read another step's batch or scalars (a slot mixed up, an upload not waited for)
+// shows. A second unstaged session is the control: should the device not repeat its own bits
+// (a float atomic somewhere), the staged run is held to the CPU comparison's tolerances instead.
 TEST_P(GpuInputPipeline, StagedStepsTrainAsUnstagedOnes) {
   SKIP_WITHOUT_GPU();
   auto plain = gpuSession(GetParam());
+  auto control = gpuSession(GetParam());
   auto staged = gpuSession(GetParam());
-  ASSERT_TRUE(plain && staged);
+  ASSERT_TRUE(plain && control && staged);
   ASSERT_TRUE(staged->stagesAhead());
   std::vector<data::Batch> bs = testing::syntheticBatches(*plain, kBatch, kSteps);
   ASSERT_EQ(bs.size(), static_cast<size_t>(kSteps));
+  std::vector<driver::StepOutputs> p, c, s;
   for (int step = 1; step <= kSteps; ++step) {
     const double lr = 1.0 - 0.05 * step;  // each step's own factor: a staged scalar is its step's
-    auto p = plain->trainStep(bs[step - 1], lr, step);
+    auto ps = plain->trainStep(bs[step - 1], lr, step);
+    auto cs = control->trainStep(bs[step - 1], lr, step);
     driver::Session::NextStep next;
     if (step < kSteps) next = {&bs[static_cast<size_t>(step)], 1.0 - 0.05 * (step + 1), step + 1};
-    auto s = staged->trainStep(bs[step - 1], lr, step, next);
-    ASSERT_TRUE(p) << p.status().message();
-    ASSERT_TRUE(s) << s.status().message();
-    EXPECT_EQ(s->loss, p->loss) << "step " << step;
-    EXPECT_TRUE(sameBits(s->logits, p->logits)) << "step " << step;
+    auto ss = staged->trainStep(bs[step - 1], lr, step, next);
+    ASSERT_TRUE(ps) << ps.status().message();
+    ASSERT_TRUE(cs) << cs.status().message();
+    ASSERT_TRUE(ss) << ss.status().message();
+    p.push_back(*ps);
+    c.push_back(*cs);
+    s.push_back(*ss);
+  }
+  bool deterministic = true;
+  for (int i = 0; i < kSteps; ++i)
+    deterministic = deterministic && c[i].loss == p[i].loss && sameBits(c[i].logits, p[i].logits);
+  if (!deterministic) {
+    std::printf("note: two unstaged GPU sessions of %s differ; the staged run is compared within tolerances\n",
+                GetParam().name().c_str());
+    RecordProperty("deterministic", "no");
+  }
+  for (int i = 0; i < kSteps; ++i) {
+    if (deterministic) {
+      EXPECT_EQ(s[i].loss, p[i].loss) << "step " << i + 1;
+      EXPECT_TRUE(sameBits(s[i].logits, p[i].logits)) << "step " << i + 1;
+    } else {
+      EXPECT_NEAR(s[i].loss, p[i].loss, testing::lossTolerance(GetParam()) * (1 + std::fabs(p[i].loss)))
+          << "step " << i + 1;
+    }
   }
   for (const std::string& name : plain->checkpointNames()) {
     const ir::HostTensor* want = plain->params().find(name);
     const ir::HostTensor* got = staged->params().find(name);
     ASSERT_TRUE(want && got) << name;
     ASSERT_EQ(want->storage.size(), got->storage.size()) << name;
-    EXPECT_EQ(std::memcmp(want->storage.data(), got->storage.data(), want->storage.size()), 0) << name;
+    if (deterministic) {
+      EXPECT_EQ(std::memcmp(want->storage.data(), got->storage.data(), want->storage.size()), 0) << name;
+    } else {
+      testing::TensorDiff d = testing::compareTensors(*got, *want, testing::stateTolerance(GetParam(), want->view.dtype));
+      EXPECT_LE(d.off, d.allowed()) << name << ": " << d.str();
+    }
   }
 }
 
@@ -82,8 +112,11 @@ TEST(GpuInputPipelineDrop, AStagedBatchNotTrainedOnIsDropped) {
   auto s2 = staged->trainStep(bs[2], 1.0, 3, {});
   ASSERT_TRUE(p2) << p2.status().message();
   ASSERT_TRUE(s2) << s2.status().message();
-  EXPECT_EQ(s2->loss, p2->loss);
-  EXPECT_TRUE(sameBits(s2->logits, p2->logits));
+  // Another batch's logits differ by far more than the device's rounding could.
+  EXPECT_NEAR(s2->loss, p2->loss, testing::lossTolerance(c) * (1 + std::fabs(p2->loss)));
+  ASSERT_EQ(s2->logits.size(), p2->logits.size());
+  for (size_t i = 0; i < p2->logits.size(); ++i)
+    ASSERT_NEAR(s2->logits[i], p2->logits[i], testing::logitTolerance(c) * (1 + std::fabs(p2->logits[i]))) << "logit " << i;
 }
 
 #ifdef KILN_HAVE_CUDA_HEADERS
