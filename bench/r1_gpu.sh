@@ -55,6 +55,7 @@ def row(name, ms):
     c = f"{comp['ms_per_step'] / ms:.2f}x" if comp else "-"
     print(f"| {name} | {ms:.2f} | {16384 / ms * 1e3 / 1e6:.2f} M | {e} | {c} | {FLOOR / ms:.0%} |")
 for r in k: row(f"kiln {r.get('precision', 'f32')}, CUDA graph, fusion {'on' if r.get('fusion', True) else 'off'}", r["ms_per_step"])
+if k and "ms_per_step_serial" in k[0]: row(f"kiln {k[0].get('precision', 'f32')}, inputs uploaded in series (run())", k[0]["ms_per_step_serial"])
 if not k: print("| kiln | FAILED (see kiln.log) | | | | |")
 for r in t: row(f"pytorch {'compile' if r['compiled'] else 'eager'} {'bf16' if r['amp'] else 'fp32'}", r["ms_per_step"])
 if k:
