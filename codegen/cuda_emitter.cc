@@ -265,71 +265,6 @@ __device__ __forceinline__ void kiln_bag_offsets(const L* lengths, long long* of
   }
   if (negative || (tid == 0 && carry > n)) kiln_flag_error(err, 2, t);
 }
-
-// Open addressing, linear probing, multiplicative hash; keys start at -1 (empty).
-// kiln_hash_claim enters id: returns its slot (-1: the table is full) and sets *claimed when
-// this call put it there. kiln_hash_find returns the slot of an id already entered (-1: none).
-__device__ __forceinline__ long long kiln_hash_claim(long long* keys, long long cap, long long id, bool* claimed) {
-  const unsigned long long h = ((unsigned long long)id * 0x9E3779B97F4A7C15ull) >> 17;
-  for (long long probe = 0; probe < cap; ++probe) {
-    const long long s = (long long)((h + (unsigned long long)probe) & (unsigned long long)(cap - 1));
-    const unsigned long long prev =
-        atomicCAS((unsigned long long*)(keys + s), 0xffffffffffffffffull, (unsigned long long)id);
-    if (prev == 0xffffffffffffffffull) { *claimed = true; return s; }
-    if ((long long)prev == id) return s;
-  }
-  return -1;
-}
-__device__ __forceinline__ long long kiln_hash_find(const long long* keys, long long cap, long long id) {
-  const unsigned long long h = ((unsigned long long)id * 0x9E3779B97F4A7C15ull) >> 17;
-  for (long long probe = 0; probe < cap; ++probe) {
-    const long long s = (long long)((h + (unsigned long long)probe) & (unsigned long long)(cap - 1));
-    const long long k = keys[s];
-    if (k == id) return s;
-    if (k == -1) return -1;
-  }
-  return -1;
-}
-
-// One warp enters id occurrence p. The first occurrence of an id claims a slot, appends it to
-// `distinct` ([0] counts) and zeroes the slot's gradient row, so no kernel clears the whole table.
-template <int D, typename I>
-__device__ __forceinline__ void kiln_bag_insert(const I* ids, long long* keys, float* accum, long long* distinct,
-                                                long long cap, long long rows, long long p, int* err, int t, int lane) {
-  const long long id = (long long)ids[p];
-  if (id < 0 || (rows > 0 && id >= rows)) { if (lane == 0) kiln_set_error(err, t); return; }
-  long long slot = 0;
-  int claimed = 0;
-  if (lane == 0) {
-    bool c = false;
-    slot = kiln_hash_claim(keys, cap, id, &c);
-    if (c) {
-      const unsigned long long at = atomicAdd((unsigned long long*)distinct, 1ull);
-      distinct[1 + at] = slot;
-      claimed = 1;
-    }
-  }
-  slot = __shfl_sync(0xffffffffu, slot, 0);
-  claimed = __shfl_sync(0xffffffffu, claimed, 0);
-  if (slot < 0) { if (lane == 0) kiln_set_error(err, t); return; }
-  if (claimed)
-    for (int d = lane; d < D; d += 32) accum[slot * D + d] = 0.0f;
-}
-
-// One warp adds id occurrence p (of bag b, scaled by `scale`: 1/size for a mean) into its
-// distinct id's row; the insert kernel entered every id before.
-template <int D, typename I, typename W, typename G>
-__device__ __forceinline__ void kiln_bag_accumulate(const I* ids, const W* wts, const G* grad, const long long* keys,
-                                                    float* accum, long long cap, long long rows, long long p,
-                                                    long long b, float scale, long long stride, long long off,
-                                                    int* err, int t, int lane) {
-  const long long id = (long long)ids[p];
-  if (id < 0 || (rows > 0 && id >= rows)) return;  // flagged by the insert
-  const long long slot = kiln_hash_find(keys, cap, id);
-  if (slot < 0) { if (lane == 0) kiln_set_error(err, t); return; }
-  const float c = (wts ? kiln_ld(wts, p) : 1.0f) * scale;
-  for (int d = lane; d < D; d += 32) atomicAdd(accum + slot * D + d, c * kiln_ld(grad, b * stride + off + d));
-}
 )CUDA" +
       emit::embeddingSortDeviceFunctions() + emit::moeDeviceFunctions();
   return prelude;
@@ -387,8 +322,6 @@ class KernelPrinter {
       case KernelKind::Row: printRow(lc); break;
       case KernelKind::ColumnReduce: printColumnReduce(); break;
       case KernelKind::EmbeddingForward: printEmbeddingForward(); break;
-      case KernelKind::EmbeddingInsert:
-      case KernelKind::EmbeddingAccumulate: printEmbeddingAccumulate(); break;
       case KernelKind::BagOffsets: printBagOffsets(); break;
       case KernelKind::Source:
         out_ += k_.source;
@@ -652,42 +585,6 @@ class KernelPrinter {
     line(1, "}");
   }
 
-  // EmbeddingInsert and EmbeddingAccumulate: one warp per id occurrence, table after table.
-  void printEmbeddingAccumulate() {
-    const bool insert = k_.kind == KernelKind::EmbeddingInsert;
-    line(1, "const long long warp = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;");
-    line(1, "const int lane = threadIdx.x & 31;");
-    int64_t begin = 0;
-    for (size_t i = 0; i < k_.tables.size(); ++i) {
-      const EmbeddingTable& t = k_.tables[i];
-      int64_t n = t.occurrences(k_.batch);
-      line(1, fmt::format("if (warp >= {}LL && warp < {}LL) {{", begin, begin + n));
-      line(2, fmt::format("const long long p = warp - {}LL;", begin));
-      // Positions past the last bag are padding of a bounded ids buffer.
-      if (t.jagged()) line(2, fmt::format("if (p >= b{}[{}]) return;", t.offsets, k_.batch));
-      if (insert) {
-        line(2, fmt::format("kiln_bag_insert<{}>(b{}, b{}, b{}, b{}, {}LL, {}LL, p, b{}, {}, lane);", t.dim, t.ids,
-                            t.keys, t.accum, t.distinct, t.capacity, t.rows, k_.error_flag, t.flag_index));
-        line(1, "}");
-        begin += n;
-        continue;
-      }
-      if (t.jagged()) {
-        line(2, fmt::format("const long long b = kiln_bag_of(b{}, {}LL, p);", t.offsets, k_.batch));
-        line(2, fmt::format("const long long size = b{0}[b + 1] - b{0}[b];", t.offsets));
-        line(2, fmt::format("const float scale = {} && size > 0 ? 1.0f / (float)size : 1.0f;", t.mean ? "true" : "false"));
-      } else {
-        line(2, fmt::format("const long long b = p / {}LL;", t.hotness));
-        line(2, fmt::format("const float scale = {};", t.mean ? fmt::format("1.0f / (float){}", t.hotness) : "1.0f"));
-      }
-      line(2, fmt::format("kiln_bag_accumulate<{}>(b{}, {}, b{}, b{}, b{}, {}LL, {}LL, p, b, scale, {}LL, {}LL, b{}, {}, lane);",
-                          t.dim, t.ids, bufferOrNull(t.weights, "float"), t.out, t.keys, t.accum, t.capacity,
-                          t.rows, t.out_stride, t.out_offset, k_.error_flag, t.flag_index));
-      line(1, "}");
-      begin += n;
-    }
-  }
-
   // Block t scans table t's lengths.
   void printBagOffsets() {
     line(1, "switch (blockIdx.x) {");
@@ -733,12 +630,6 @@ LaunchConfig launchConfig(const Kernel& k) {
     }
     case KernelKind::EmbeddingForward:
       return {std::max<int64_t>(1, ceilDiv(static_cast<int64_t>(k.tables.size()) * k.batch, 8)), 256};
-    case KernelKind::EmbeddingInsert:
-    case KernelKind::EmbeddingAccumulate: {
-      int64_t warps = 0;
-      for (const EmbeddingTable& t : k.tables) warps += t.occurrences(k.batch);
-      return {std::max<int64_t>(1, ceilDiv(warps, 8)), 256};
-    }
     case KernelKind::BagOffsets:
       // One block per table; 1024 threads so a scan of B lengths takes B/1024 steps.
       return {std::max<int64_t>(1, static_cast<int64_t>(k.tables.size())), 1024};

@@ -300,26 +300,7 @@ Status runBagOffsets(const Kernel& k, const std::vector<void*>& bufs) {
   return Status::ok();
 }
 
-// The slot of `id` in a power-of-two open-addressing table, as the CUDA kernel finds it
-// (multiplicative hash, linear probing).
-// The slot of `id` in the hash table (the emitted kiln_hash_claim / kiln_hash_find): with
-// `claim`, an absent id takes the first empty slot of its probe sequence and *claimed is set.
-// -1 when the table is full (claim) or the id is absent (find).
-int64_t hashSlot(int64_t* keys, int64_t capacity, int64_t id, bool claim, bool* claimed = nullptr) {
-  uint64_t h = (static_cast<uint64_t>(id) * 0x9E3779B97F4A7C15ull) >> 17;
-  for (int64_t probe = 0; probe < capacity; ++probe) {
-    int64_t s = static_cast<int64_t>((h + static_cast<uint64_t>(probe)) & static_cast<uint64_t>(capacity - 1));
-    if (keys[s] == id) return s;
-    if (keys[s] == -1) {
-      if (!claim) return -1;
-      keys[s] = id;
-      *claimed = true;
-      return s;
-    }
-  }
-  return -1;
-}
-
+// Pooled lookups, bag by bag.
 Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
   for (size_t ti = 0; ti < k.tables.size(); ++ti) {
     const EmbeddingTable& t = k.tables[ti];
@@ -327,9 +308,8 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
     const void* ids = bufs[static_cast<size_t>(t.ids)];
     const void* wts = t.weights >= 0 ? bufs[static_cast<size_t>(t.weights)] : nullptr;
     const KernelBuffer* wb = t.weights >= 0 ? &k.buffers[static_cast<size_t>(t.weights)] : nullptr;
-    // The pooled rows (forward) or their gradient (accumulate); the insert reads neither.
-    const KernelBuffer& ob = k.buffers[static_cast<size_t>(t.out >= 0 ? t.out : t.ids)];
-    void* out = t.out >= 0 ? bufs[static_cast<size_t>(t.out)] : nullptr;
+    const KernelBuffer& ob = k.buffers[static_cast<size_t>(t.out)];
+    void* out = bufs[static_cast<size_t>(t.out)];
     const auto* offsets = t.jagged() ? static_cast<const int64_t*>(bufs[static_cast<size_t>(t.offsets)]) : nullptr;
     std::vector<float> acc(static_cast<size_t>(t.dim));
     for (int64_t b = 0; b < k.batch; ++b) {
@@ -337,61 +317,24 @@ Status runEmbedding(const Kernel& k, const std::vector<void*>& bufs) {
       const int64_t lo = offsets ? offsets[b] : b * t.hotness;
       const int64_t hi = offsets ? offsets[b + 1] : lo + t.hotness;
       const float scale = t.mean && hi > lo ? 1.0f / static_cast<float>(hi - lo) : 1.0f;
-      if (k.kind == KernelKind::EmbeddingForward) {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        const KernelBuffer& tb = k.buffers[static_cast<size_t>(t.weight)];
-        const void* table = bufs[static_cast<size_t>(t.weight)];
-        for (int64_t p = lo; p < hi; ++p) {
-          int64_t id = readId(idb, ids, p);
-          if (id < 0 || id >= t.rows) {
-            setError(k, bufs, t);
-            continue;
-          }
-          float w = wts ? readFloat(*wb, wts, p) : 1.0f;
-          for (int64_t d = 0; d < t.dim; ++d) acc[static_cast<size_t>(d)] += w * readFloat(tb, table, id * t.dim + d);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      const KernelBuffer& tb = k.buffers[static_cast<size_t>(t.weight)];
+      const void* table = bufs[static_cast<size_t>(t.weight)];
+      for (int64_t p = lo; p < hi; ++p) {
+        int64_t id = readId(idb, ids, p);
+        if (id < 0 || id >= t.rows) {
+          setError(k, bufs, t);
+          continue;
         }
-        for (int64_t d = 0; d < t.dim; ++d) {
-          int64_t at = b * t.out_stride + t.out_offset + d;
-          float v = acc[static_cast<size_t>(d)] * scale;
-          if (ob.dtype == DType::bf16) static_cast<uint16_t*>(out)[at] = ir::floatToBf16(v);
-          else if (ob.dtype == DType::f64) static_cast<double*>(out)[at] = v;
-          else static_cast<float*>(out)[at] = v;
-        }
-      } else if (k.kind == KernelKind::EmbeddingInsert) {
-        auto* keys = static_cast<int64_t*>(bufs[static_cast<size_t>(t.keys)]);
-        auto* accum = static_cast<float*>(bufs[static_cast<size_t>(t.accum)]);
-        auto* distinct = static_cast<int64_t*>(bufs[static_cast<size_t>(t.distinct)]);
-        for (int64_t p = lo; p < hi; ++p) {
-          int64_t id = readId(idb, ids, p);
-          if (id < 0 || (t.rows > 0 && id >= t.rows)) {
-            setError(k, bufs, t);
-            continue;
-          }
-          bool claimed = false;
-          int64_t slot = hashSlot(keys, t.capacity, id, true, &claimed);
-          if (slot < 0) {
-            setError(k, bufs, t);
-            continue;
-          }
-          if (!claimed) continue;
-          distinct[1 + distinct[0]++] = slot;
-          std::fill(accum + slot * t.dim, accum + (slot + 1) * t.dim, 0.0f);
-        }
-      } else {
-        auto* keys = static_cast<int64_t*>(bufs[static_cast<size_t>(t.keys)]);
-        auto* accum = static_cast<float*>(bufs[static_cast<size_t>(t.accum)]);
-        for (int64_t p = lo; p < hi; ++p) {
-          int64_t id = readId(idb, ids, p);
-          if (id < 0 || (t.rows > 0 && id >= t.rows)) continue;  // flagged by the insert
-          int64_t slot = hashSlot(keys, t.capacity, id, false);
-          if (slot < 0) {
-            setError(k, bufs, t);
-            continue;
-          }
-          float c = (wts ? readFloat(*wb, wts, p) : 1.0f) * scale;
-          for (int64_t d = 0; d < t.dim; ++d)
-            accum[slot * t.dim + d] += c * readFloat(ob, out, b * t.out_stride + t.out_offset + d);
-        }
+        float w = wts ? readFloat(*wb, wts, p) : 1.0f;
+        for (int64_t d = 0; d < t.dim; ++d) acc[static_cast<size_t>(d)] += w * readFloat(tb, table, id * t.dim + d);
+      }
+      for (int64_t d = 0; d < t.dim; ++d) {
+        int64_t at = b * t.out_stride + t.out_offset + d;
+        float v = acc[static_cast<size_t>(d)] * scale;
+        if (ob.dtype == DType::bf16) static_cast<uint16_t*>(out)[at] = ir::floatToBf16(v);
+        else if (ob.dtype == DType::f64) static_cast<double*>(out)[at] = v;
+        else static_cast<float*>(out)[at] = v;
       }
     }
   }
@@ -409,9 +352,7 @@ Status interpret(const Kernel& k, const std::vector<void*>& buffers) {
     case KernelKind::Pointwise: return runPointwise(k, ev);
     case KernelKind::Row: return runRow(k, ev);
     case KernelKind::ColumnReduce: return runColumnReduce(k, ev);
-    case KernelKind::EmbeddingForward:
-    case KernelKind::EmbeddingInsert:
-    case KernelKind::EmbeddingAccumulate: return runEmbedding(k, buffers);
+    case KernelKind::EmbeddingForward: return runEmbedding(k, buffers);
     case KernelKind::BagOffsets: return runBagOffsets(k, buffers);
     case KernelKind::Source:
       return Status::errorf(

@@ -43,8 +43,6 @@ const char* kernelKindName(KernelKind k) {
     case KernelKind::Row: return "row";
     case KernelKind::ColumnReduce: return "column_reduce";
     case KernelKind::EmbeddingForward: return "embedding_forward";
-    case KernelKind::EmbeddingInsert: return "embedding_insert";
-    case KernelKind::EmbeddingAccumulate: return "embedding_accumulate";
     case KernelKind::BagOffsets: return "bag_offsets";
     case KernelKind::Source:
       return "source";
@@ -369,22 +367,10 @@ Status validate(const Kernel& k) {
       return checkStores(k, k.stores, outer, 1, "column epilogue");
     }
     case KernelKind::EmbeddingForward:
-    case KernelKind::EmbeddingInsert:
-    case KernelKind::EmbeddingAccumulate:
       for (const EmbeddingTable& t : k.tables) {
-        int needed = k.kind == KernelKind::EmbeddingForward ? t.weight : t.ids;
-        // The insert reads only the ids; the others also read or write the pooled rows.
-        for (int b : {needed, t.ids, k.kind == KernelKind::EmbeddingInsert ? t.ids : t.out})
+        for (int b : {t.weight, t.ids, t.out})
           if (b < 0 || static_cast<size_t>(b) >= k.buffers.size())
             return Status::errorf("kernel '{}': an embedding table lacks a buffer", k.name);
-        if (k.kind != KernelKind::EmbeddingForward &&
-            (t.keys < 0 || t.accum < 0 || t.capacity <= 0 || (t.capacity & (t.capacity - 1)) != 0))
-          return Status::errorf("kernel '{}': the hash table needs a power-of-two capacity", k.name);
-        if (k.kind == KernelKind::EmbeddingInsert &&
-            (t.distinct < 0 || static_cast<size_t>(t.distinct) >= k.buffers.size() ||
-             k.buffers[static_cast<size_t>(t.distinct)].dtype != DType::i64 ||
-             k.buffers[static_cast<size_t>(t.distinct)].elements < 1 + t.capacity))
-          return Status::errorf("kernel '{}': the insert needs an i64 list of 1 + capacity slots", k.name);
         if (t.jagged() && (static_cast<size_t>(t.offsets) >= k.buffers.size() ||
                            k.buffers[static_cast<size_t>(t.offsets)].dtype != DType::i64))
           return Status::errorf("kernel '{}': a jagged table needs i64 offsets", k.name);

@@ -13,9 +13,6 @@
 //              slabs, one per block, whose partials a second ColumnReduce folds in a fixed
 //              order (no atomics: the same bits every run).
 //   EmbeddingForward     pooled lookups of every table of a collection, in one launch.
-//   EmbeddingInsert      enters the ids of an embedding backward into a hash table: the first
-//                        occurrence of an id claims a slot, lists it and zeroes its gradient row.
-//   EmbeddingAccumulate  adds each id occurrence's gradient into its id's row of that table.
 //   BagOffsets           exclusive scan of jagged bags' lengths into offsets, one block per table.
 //   Source               a body of CUDA C written by its emitter (codegen/emit/moe.cc: routing,
 //                        dispatch, grouped GEMM), with its own launch shape: kernels whose
@@ -161,20 +158,11 @@ struct EmbeddingTable {
   int lengths = -1, offsets = -1;
   int64_t num_ids = 0;
   bool jagged() const { return offsets >= 0; }
-  // Id occurrences of the batch: one warp each in EmbeddingInsert and EmbeddingAccumulate.
-  int64_t occurrences(int64_t batch) const { return jagged() ? num_ids : batch * hotness; }
   bool mean = false;
-  // Forward: the pooled [batch, dim] output written at out[b * out_stride + out_offset + d], so
-  // one output buffer can hold the concatenation of several tables.
-  // Backward: the gradient of that output, read at the same place.
+  // The pooled [batch, dim] output written at out[b * out_stride + out_offset + d], so one
+  // output buffer can hold the concatenation of several tables.
   int out = -1;
   int64_t out_stride = 0, out_offset = 0;
-  // Backward: the hash table of distinct ids (i64 [capacity], -1 = empty), the summed gradient
-  // of each distinct id (f32 [capacity, dim]; only claimed slots' rows are written, so nothing
-  // clears the rest), and the list of claimed slots (i64 [1 + capacity]: [0] how many, then the
-  // slots in claim order), which is what the optimizer's row update walks.
-  int keys = -1, accum = -1, distinct = -1;
-  int64_t capacity = 0;
   // What the kernel writes as `table` in the error flag: a group-wide number
   // (LoweredGroup::error_subjects), so kernels sharing one flag name the right table.
   int flag_index = -1;
@@ -185,8 +173,6 @@ enum class KernelKind : uint8_t {
   Row,
   ColumnReduce,
   EmbeddingForward,
-  EmbeddingInsert,
-  EmbeddingAccumulate,
   BagOffsets,
   Source
 };

@@ -88,12 +88,15 @@ Kernel segmentsKernel(const SortedBackwardShape& s) {
   k.addBuffer("sort_keys", DType::i64, s.slots);
   k.addBuffer("sort_histogram", DType::i32, histogramElements(s));
   k.addBuffer("segment_starts", DType::i32, s.max_segments + 1, true);
-  k.addBuffer("segment_meta", DType::i64, s.tables + 1, true);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 2, true);
   return k;
 }
 
+// Elements of a row each lane holds: ceil(max_dim / 32).
+int perLane(const SortedBackwardShape& s) { return static_cast<int>(std::max<int64_t>(1, (s.max_dim + 31) / 32)); }
+
 Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_ids, int64_t accum_elements) {
-  const int per_lane = static_cast<int>(std::max<int64_t>(1, (s.max_dim + 31) / 32));
+  const int per_lane = perLane(s);
   Kernel k = sourceKernel("embedding_grad_accumulate", (s.max_segments + 7) / 8, 256,
                           fmt::format("  kiln_emb_accumulate<{}>(b0, b1, b2, b3, b4, b5, b6, b7, {}LL, {});\n",
                                       per_lane, s.batch, s.id_bits));
@@ -101,20 +104,71 @@ Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_id
   k.addBuffer("sort_keys", DType::i64, s.slots);
   k.addBuffer("sort_positions", DType::i32, s.slots);
   k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
-  k.addBuffer("segment_meta", DType::i64, s.tables + 1);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 2);
   k.addBuffer("distinct_ids", DType::i64, distinct_ids, true);
   k.addBuffer("row_grads", DType::f32, accum_elements, true);
   k.addBuffer("distinct_counts", DType::i64, s.tables, true);
   return k;
 }
 
+Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, int64_t t0, int64_t t1,
+                           int64_t segments) {
+  auto ctype = [](DType t) {
+    switch (t) {
+      case DType::f64: return "double";
+      case DType::bf16: return "kiln_bf16";
+      default: return "float";
+    }
+  };
+  const char* optimizer = step.optimizer == "adagrad"           ? "KILN_EMB_ADAGRAD"
+                          : step.optimizer == "rowwise_adagrad" ? "KILN_EMB_ROWWISE_ADAGRAD"
+                          : step.optimizer == "adam"            ? "KILN_EMB_ADAM"
+                                                                : "KILN_EMB_SGD";
+  // Doubles print exactly ({:.17g}); the kernel rounds them to its compute type as the Row
+  // kernels' constants are.
+  Kernel k = sourceKernel(
+      "embedding_update_" + step.optimizer, (segments + 7) / 8, 256,
+      fmt::format("  kiln_emb_update<{}, {}, {}, {}, {}>(b0, b1, b2, b3, b4, {}LL, {}, {}, {}, {:.17g}, {:.17g}, "
+                  "{:.17g}, {:.17g}, {:.17g});\n",
+                  perLane(s), optimizer, ctype(step.table), ctype(step.state),
+                  step.table == DType::f64 ? "double" : "float", s.batch, s.id_bits, t0, t1, step.lr, step.eps,
+                  step.beta1, step.beta2, step.weight_decay));
+  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_positions", DType::i32, s.slots);
+  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 2);
+  return k;
+}
+
+namespace {
+
+// The address table's word numbers and flag bits, as the device code names them: printed from
+// embedding_sort.h's enums, so the two cannot disagree.
+std::string tableWordNames() {
+  std::string out = "enum kiln_emb_word {\n";
+  const std::pair<const char*, int64_t> words[] = {
+      {"IDS", kIdsAddress},       {"WEIGHTS", kWeightsAddress}, {"OFFSETS", kOffsetsAddress},
+      {"GRAD", kGradAddress},     {"FLAGS", kFlags},            {"HOTNESS", kHotness},
+      {"ROWS", kRows},            {"DIM", kDim},                {"GRAD_STRIDE", kGradStride},
+      {"GRAD_OFFSET", kGradOffset}, {"BEGIN", kBegin},          {"ACCUM_AT", kAccumAt},
+      {"KEYS_AT", kKeysAt},       {"FLAG_INDEX", kFlagIndex},   {"TABLE", kTableAddress},
+      {"STATE0", kState0Address}, {"STATE1", kState1Address},  {"LR", kLrAddress},
+      {"STEP", kStepAddress},     {"SCALE", kScaleAddress},     {"SCALAR_TYPES", kScalarTypes},
+      {"WORDS", kTableWords},     {"IDS_I64", kIdsI64},         {"GRAD_BF16", kGradBf16},
+      {"MEAN", kMean},            {"WEIGHTS_BF16", kWeightsBf16}};
+  for (const auto& [name, value] : words) out += fmt::format("  KILN_EMB_{} = {},\n", name, value);
+  return out + "};\n";
+}
+
+}  // namespace
+
 const std::string& embeddingSortDeviceFunctions() {
   static const std::string text = R"CUDA(
 // The sorted embedding backward (codegen/emit/embedding_sort.cc). A table's row of the address
-// table holds 16 words: ids, weights, offsets, grad (addresses), flags, hotness, rows, dim,
-// grad stride, grad offset, first slot, slots, rows at, ids at, flag index. Keys are
-// (table << id_bits) | id; table T (none) marks a slot without a valid id and sorts last.
-// Blocks of 256 threads take tiles of kTile slots, in chunks of 256 in slot order.
+// table holds KILN_EMB_WORDS words (kiln_emb_word names them). Keys are (table << id_bits) | id;
+// table T (none) marks a slot without a valid id and sorts last. Blocks of 256 threads take
+// tiles of kTile slots, in chunks of 256 in slot order.
 
 // The table owning occurrence slot q: the last t whose first slot is <= q (a table without
 // slots shares its first slot with the next one, which wins).
@@ -122,7 +176,7 @@ __device__ __forceinline__ int kiln_emb_table_of(const long long* tab, int table
   int lo = 0, hi = tables - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
-    if (tab[mid * 16 + 10] <= q) lo = mid; else hi = mid - 1;
+    if (tab[mid * KILN_EMB_WORDS + KILN_EMB_BEGIN] <= q) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -131,11 +185,16 @@ __device__ __forceinline__ unsigned long long kiln_emb_key(const long long* tab,
                                                            int id_bits, long long q, int* err) {
   const unsigned long long none = (unsigned long long)tables << id_bits;
   const int t = kiln_emb_table_of(tab, tables, q);
-  const long long* d = tab + t * 16;
-  const long long p = q - d[10];
-  if (d[2] && p >= ((const long long*)d[2])[batch]) return none;  // padding past the last bag
-  const long long id = (d[4] & 1) ? ((const long long*)d[0])[p] : (long long)((const int*)d[0])[p];
-  if (id < 0 || (d[6] > 0 && id >= d[6])) { kiln_set_error(err, (int)d[14]); return none; }
+  const long long* d = tab + t * KILN_EMB_WORDS;
+  const long long p = q - d[KILN_EMB_BEGIN];
+  // Padding past the last bag.
+  if (d[KILN_EMB_OFFSETS] && p >= ((const long long*)d[KILN_EMB_OFFSETS])[batch]) return none;
+  const long long id = (d[KILN_EMB_FLAGS] & KILN_EMB_IDS_I64) ? ((const long long*)d[KILN_EMB_IDS])[p]
+                                                             : (long long)((const int*)d[KILN_EMB_IDS])[p];
+  if (id < 0 || (d[KILN_EMB_ROWS] > 0 && id >= d[KILN_EMB_ROWS])) {
+    kiln_set_error(err, (int)d[KILN_EMB_FLAG_INDEX]);
+    return none;
+  }
   return ((unsigned long long)t << id_bits) | (unsigned long long)id;
 }
 
@@ -273,8 +332,9 @@ __device__ void kiln_emb_segment_count(const long long* keys, int* hist, long lo
 }
 
 // Numbers the segments in slot order (the tile's first number from the scanned counts):
-// starts[s] = the first slot of segment s, starts[S] = the end of the valid keys; meta[0] = S,
-// meta[1 + t] = table t's first segment.
+// starts[s] = the first slot of segment s, starts[S] = the end of the valid keys; meta[0] = S
+// and, when S > 0, meta[1 + t] = the first segment of a table >= t for t in [0, T] (S past the
+// last), so the segments of tables [t0, t1) are [meta[1 + t0], meta[1 + t1]).
 template <int kTile>
 __device__ void kiln_emb_segments(const long long* keys, const int* hist, int* starts, long long* meta, long long n,
                                   long long tiles, int id_bits, unsigned long long none) {
@@ -298,38 +358,36 @@ __device__ void kiln_emb_segments(const long long* keys, const int* hist, int* s
     if (start) {
       const unsigned s = before + (unsigned)__popc(mask & ((1u << lane) - 1u));
       starts[s] = (int)i;
-      const unsigned long long t = (unsigned long long)keys[i] >> id_bits;
-      if (i == 0 || ((unsigned long long)keys[i - 1] >> id_bits) != t) meta[1 + t] = s;
+      // The first segment of table t, and of the tables without keys just before it.
+      const long long t = (long long)((unsigned long long)keys[i] >> id_bits);
+      const long long before = i == 0 ? -1 : (long long)((unsigned long long)keys[i - 1] >> id_bits);
+      for (long long u = before + 1; u <= t; ++u) meta[1 + u] = s;
     }
-    if (i < hi && (unsigned long long)keys[i] < none && (i + 1 == n || (unsigned long long)keys[i + 1] >= none))
+    if (i < hi && (unsigned long long)keys[i] < none && (i + 1 == n || (unsigned long long)keys[i + 1] >= none)) {
       starts[segments] = (int)(i + 1);
+      // The tables after the last one with keys, and the end (t = T).
+      const long long tables = (long long)(none >> id_bits);
+      for (long long u = (long long)((unsigned long long)keys[i] >> id_bits) + 1; u <= tables; ++u)
+        meta[1 + u] = segments;
+    }
     base += all;
     __syncthreads();  // warp_total is read before the next chunk writes it
   }
 }
 
-// One warp per segment: the gradient rows of its occurrences, in position order (the sort is
-// stable), each times its weight and 1/bag size for a mean, summed in f32 into the table's o-th
-// accumulated row; lane 0 lists the id and, for the table's last segment, its count.
+// The warp's segment, sorted slots [lo, hi) of table row d: the gradient rows of its
+// occurrences in position order (the sort is stable), each times its weight and 1/bag size for
+// a mean, summed in f32; lane l holds elements l, l + 32, ... of the row.
 template <int kPer>
-__device__ void kiln_emb_accumulate(const long long* tab, const long long* keys, const int* pos, const int* starts,
-                                    const long long* meta, long long* distinct_ids, float* accum, long long* counts,
-                                    long long batch, int id_bits) {
-  const long long s = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (s >= meta[0]) return;  // the whole warp
-  const int lo = starts[s], hi = starts[s + 1];
-  const unsigned long long key = (unsigned long long)keys[lo];
-  const int t = (int)(key >> id_bits);
-  const long long* d = tab + t * 16;
-  const long long o = s - meta[1 + t], dim = d[7], hotness = d[5];
-  const bool mean = (d[4] & 4) != 0;
-  const long long* offsets = (const long long*)d[2];
-  float acc[kPer];
+__device__ __forceinline__ void kiln_emb_segment_sum(const long long* d, const int* pos, int lo, int hi,
+                                                     long long batch, int lane, float (&acc)[kPer]) {
+  const long long dim = d[KILN_EMB_DIM], hotness = d[KILN_EMB_HOTNESS];
+  const bool mean = (d[KILN_EMB_FLAGS] & KILN_EMB_MEAN) != 0;
+  const long long* offsets = (const long long*)d[KILN_EMB_OFFSETS];
 #pragma unroll
   for (int j = 0; j < kPer; ++j) acc[j] = 0.0f;
   for (int j = lo; j < hi; ++j) {
-    const long long p = (long long)pos[j] - d[10];
+    const long long p = (long long)pos[j] - d[KILN_EMB_BEGIN];
     long long b;
     float scale = 1.0f;
     if (offsets) {
@@ -340,29 +398,153 @@ __device__ void kiln_emb_accumulate(const long long* tab, const long long* keys,
       b = p / hotness;
       if (mean) scale = 1.0f / (float)hotness;
     }
-    const float w = !d[1] ? 1.0f : (d[4] & 8) ? kiln_ld((const kiln_bf16*)d[1], p) : kiln_ld((const float*)d[1], p);
+    const float w = !d[KILN_EMB_WEIGHTS]                       ? 1.0f
+                    : (d[KILN_EMB_FLAGS] & KILN_EMB_WEIGHTS_BF16) ? kiln_ld((const kiln_bf16*)d[KILN_EMB_WEIGHTS], p)
+                                                              : kiln_ld((const float*)d[KILN_EMB_WEIGHTS], p);
     const float c = w * scale;
-    const long long at = b * d[8] + d[9];
+    const long long at = b * d[KILN_EMB_GRAD_STRIDE] + d[KILN_EMB_GRAD_OFFSET];
+    const bool bf16 = (d[KILN_EMB_FLAGS] & KILN_EMB_GRAD_BF16) != 0;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
       const long long e = lane + 32 * k;
       if (e < dim)
-        acc[k] += c * ((d[4] & 2) ? kiln_ld((const kiln_bf16*)d[3], at + e) : kiln_ld((const float*)d[3], at + e));
+        acc[k] += c * (bf16 ? kiln_ld((const kiln_bf16*)d[KILN_EMB_GRAD], at + e) : kiln_ld((const float*)d[KILN_EMB_GRAD], at + e));
     }
   }
-  float* row = accum + d[12] + o * dim;
+}
+
+// One warp per segment: its summed gradient row into the table's o-th accumulated row; lane 0
+// lists the id and, for the table's last segment, its count (the squared-norm probe reads them).
+template <int kPer>
+__device__ void kiln_emb_accumulate(const long long* tab, const long long* keys, const int* pos, const int* starts,
+                                    const long long* meta, long long* distinct_ids, float* accum, long long* counts,
+                                    long long batch, int id_bits) {
+  const long long s = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (s >= meta[0]) return;  // the whole warp
+  const int lo = starts[s], hi = starts[s + 1];
+  const unsigned long long key = (unsigned long long)keys[lo];
+  const int t = (int)(key >> id_bits);
+  const long long* d = tab + t * KILN_EMB_WORDS;
+  const long long o = s - meta[1 + t], dim = d[KILN_EMB_DIM];
+  float acc[kPer];
+  kiln_emb_segment_sum<kPer>(d, pos, lo, hi, batch, lane, acc);
+  float* row = accum + d[KILN_EMB_ACCUM_AT] + o * dim;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const long long e = lane + 32 * k;
     if (e < dim) row[e] = acc[k];
   }
   if (lane == 0) {
-    distinct_ids[d[13] + o] = (long long)(key & ((1ull << id_bits) - 1ull));
+    distinct_ids[d[KILN_EMB_KEYS_AT] + o] = (long long)(key & ((1ull << id_bits) - 1ull));
     if (s + 1 == meta[0] || ((unsigned long long)keys[hi] >> id_bits) != (unsigned long long)t) counts[t] = o + 1;
   }
 }
+
+// A scalar operand of the update (lr, step, grad scale) of type `code` (ScalarCode), as C.
+template <typename C>
+__device__ __forceinline__ C kiln_emb_scalar(long long address, long long code) {
+  switch (code) {
+    case 1: return (C)*(const double*)address;
+    case 2: return (C)kiln_ld((const kiln_bf16*)address, 0);
+    case 3: return (C)*(const int*)address;
+    case 4: return (C)*(const long long*)address;
+    default: return (C)*(const float*)address;
+  }
+}
+
+// The optimizers of the fused update (ir/ops/optimizer.cc states their math).
+enum kiln_emb_optimizer { KILN_EMB_SGD, KILN_EMB_ADAGRAD, KILN_EMB_ROWWISE_ADAGRAD, KILN_EMB_ADAM };
+
+// The fused row update: one warp per segment of tables [t0, t1) sums the segment's gradient
+// rows (kiln_emb_segment_sum), then steps that id's row of its table and the row's optimizer
+// state in place, computing in C (f32, or f64 for f64 tables) in the order the reference does.
+// Each (table, id) is one segment, so no two warps touch one row: no atomics, and the summed
+// rows never go through memory. The hyperparameters are the tables' shared attributes; lr,
+// step and the gradient scale are read through the address table.
+template <int kPer, int kOptimizer, typename W, typename S, typename C>
+__device__ void kiln_emb_update(const long long* tab, const long long* keys, const int* pos, const int* starts,
+                                const long long* meta, long long batch, int id_bits, int t0, int t1, double lr_attr,
+                                double eps, double beta1, double beta2, double weight_decay) {
+  if (meta[0] == 0) return;  // no segments: meta[1 + t] was never written
+  const long long s = meta[1 + t0] + (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  if (s >= meta[1 + t1]) return;  // the whole warp
+  const int lo = starts[s], hi = starts[s + 1];
+  const unsigned long long key = (unsigned long long)keys[lo];
+  const long long* d = tab + (long long)(key >> id_bits) * KILN_EMB_WORDS;
+  float acc[kPer];
+  kiln_emb_segment_sum<kPer>(d, pos, lo, hi, batch, lane, acc);
+
+  const long long id = (long long)(key & ((1ull << id_bits) - 1ull)), dim = d[KILN_EMB_DIM], row = id * dim;
+  W* w = (W*)d[KILN_EMB_TABLE];
+  S* s0 = (S*)d[KILN_EMB_STATE0];
+  S* s1 = (S*)d[KILN_EMB_STATE1];
+  const long long types = d[KILN_EMB_SCALAR_TYPES];
+  const C lr = (C)lr_attr * kiln_emb_scalar<C>(d[KILN_EMB_LR], types & 15);
+  const C scale = d[KILN_EMB_SCALE] ? kiln_emb_scalar<C>(d[KILN_EMB_SCALE], (types >> 8) & 15) : (C)1;
+  const C wd = (C)weight_decay;
+  if (kOptimizer == KILN_EMB_ROWWISE_ADAGRAD) {
+    // One accumulator per row, grown by the mean of g^2 over the row (a warp-wide sum).
+    C g[kPer];
+    C sq = 0;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const long long e = lane + 32 * k;
+      g[k] = 0;
+      if (e < dim) {
+        g[k] = (C)acc[k] * scale;
+        if (weight_decay != 0) g[k] = g[k] + wd * (C)kiln_ld(w, row + e);
+        sq += g[k] * g[k];
+      }
+    }
+    // Every lane reads the accumulator before the shuffles, which lane 0's store follows.
+    const C old = (C)kiln_ld(s0, id);
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+    const C sum = old + sq * (C)(1.0 / (double)dim);
+    const C step_size = lr / (kiln_fn::sqrt(sum) + (C)eps);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const long long e = lane + 32 * k;
+      if (e < dim) kiln_st(w, row + e, (C)kiln_ld(w, row + e) - step_size * g[k]);
+    }
+    if (lane == 0) kiln_st(s0, id, sum);
+    return;
+  }
+  C bias1 = 1, bias2 = 1;
+  if (kOptimizer == KILN_EMB_ADAM) {
+    const C step = kiln_emb_scalar<C>(d[KILN_EMB_STEP], (types >> 4) & 15);
+    bias1 = (C)1 - kiln_fn::pow((C)beta1, step);
+    bias2 = (C)1 - kiln_fn::pow((C)beta2, step);
+  }
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const long long e = lane + 32 * k;
+    if (e >= dim) continue;
+    const long long at = row + e;
+    const C p = (C)kiln_ld(w, at);
+    C g = (C)acc[k] * scale;
+    if (weight_decay != 0) g = g + wd * p;
+    C next;
+    if (kOptimizer == KILN_EMB_SGD) {
+      next = p - lr * g;
+    } else if (kOptimizer == KILN_EMB_ADAGRAD) {
+      const C sum = (C)kiln_ld(s0, at) + g * g;
+      kiln_st(s0, at, sum);
+      next = p - (lr * g) / (kiln_fn::sqrt(sum) + (C)eps);
+    } else {
+      const C m = (C)beta1 * (C)kiln_ld(s0, at) + (C)(1.0 - beta1) * g;
+      const C v = (C)beta2 * (C)kiln_ld(s1, at) + (C)(1.0 - beta2) * g * g;
+      kiln_st(s0, at, m);
+      kiln_st(s1, at, v);
+      next = p - (lr * (m / bias1)) / (kiln_fn::sqrt(v / bias2) + (C)eps);
+    }
+    kiln_st(w, at, next);
+  }
+}
 )CUDA";
-  return text;
+  static const std::string all = tableWordNames() + text;
+  return all;
 }
 
 }  // namespace kiln::codegen::emit

@@ -1,9 +1,11 @@
 // The sorted embedding backward's Source kernels (embedding_sort.cc): for every table of an
 // update group at once, the (table, id) key of each id occurrence, a stable LSD radix sort of the
 // keys with their occurrence positions, the segments of equal keys, and one warp per segment
-// summing its occurrences' gradient rows in position order. No floating-point atomics: the
-// result is the same bits whatever order blocks and warps run in (as FBGEMM's
-// split_embedding_backward, whose sort-then-segment-reduce this follows).
+// summing its occurrences' gradient rows in position order, then stepping the optimizer on that
+// row in the same warp (one launch for every table of an optimizer configuration). No
+// floating-point atomics: the result is the same bits whatever order blocks and warps run in (as
+// FBGEMM's split_embedding_backward with its fused optimizer, whose sort-then-segment-reduce this
+// follows).
 //
 // Per-table data (the ids', weights', offsets' and gradient's addresses, dims, strides, where
 // each table's occurrences begin and its rows are written) is read from an address table in
@@ -35,10 +37,21 @@ enum TableWord : int {
   kAccumAt,          // where its summed rows start in the accumulated rows (elements)
   kKeysAt,           // where its distinct ids start in the distinct-id list
   kFlagIndex,        // what the error flag names for it
-  kTableWords = 16,  // words per table (one spare); a last row holds kBegin = the slot count
+  // The fused update's (segmentUpdateKernel): the table and its optimizer state, written in
+  // place; the lr factor, step and gradient scale scalars (0: no scale) and their types.
+  kTableAddress,
+  kState0Address,    // 0: none
+  kState1Address,
+  kLrAddress,
+  kStepAddress,
+  kScaleAddress,
+  kScalarTypes,      // ScalarCode of lr | step << 4 | scale << 8
+  kTableWords = 24,  // words per table (two spare); a last row holds kBegin = the slot count
 };
 // kFlags bits.
 constexpr int64_t kIdsI64 = 1, kGradBf16 = 2, kMean = 4, kWeightsBf16 = 8;
+// How kScalarTypes names a scalar's type.
+enum ScalarCode : int64_t { kScalarF32, kScalarF64, kScalarBf16, kScalarI32, kScalarI64 };
 
 // The shape of one group's sorted backward, which its kernels are specialized to.
 struct SortedBackwardShape {
@@ -59,6 +72,15 @@ int sortPasses(const SortedBackwardShape& s);
 // Elements of the i32 histogram buffer: 256 digits x tiles, then one for the total.
 int64_t histogramElements(const SortedBackwardShape& s);
 
+// The optimizer step a fused update kernel applies, the same for each of its tables: what the
+// kernel's text is specialized to (ir/ops/optimizer.cc states the math).
+struct RowStep {
+  std::string optimizer;  // sgd (plain: the sparse update keeps no momentum), adagrad, rowwise_adagrad, adam
+  DType table = DType::f32, state = DType::f32;
+  double lr = 0, eps = 1e-8, beta1 = 0.9, beta2 = 0.999, weight_decay = 0;
+  bool operator==(const RowStep&) const = default;
+};
+
 // The kernels, each with its buffers declared (kernel parameters b0, b1, ... in order; the
 // lowering binds them). `table` is the address table, `keys`/`positions` the sort's two ping-pong
 // pairs, `hist` the histogram buffer, `counts` the i64 [T] distinct-id count of each table.
@@ -70,10 +92,14 @@ int64_t histogramElements(const SortedBackwardShape& s);
 //   segment_count: (keys, hist) segment starts per tile
 //   segments:    (keys, hist, seg_start, seg_meta): seg_start[s] = first sorted slot of
 //                segment s, seg_start[S] = end of the valid keys; seg_meta[0] = S,
-//                seg_meta[1 + t] = the first segment of table t
+//                seg_meta[1 + t] = the first segment of a table >= t, seg_meta[1 + T] = S
 //   accumulate:  (table, keys, positions, seg_start, seg_meta, distinct_ids, accum, counts): one
 //                warp per segment; table t's o-th distinct id goes to distinct_ids[kKeysAt + o],
 //                its summed row to accum[kAccumAt + o * dim ...], counts[t] = its distinct ids
+//   update:      (table, keys, positions, seg_start, seg_meta): one warp per segment of tables
+//                [t0, t1), which share `step`: sums the segment's rows as accumulate does and
+//                steps the table's row of that id and its state in place; `segments` bounds
+//                the tables' segments (the grid)
 Kernel sortKeysKernel(const SortedBackwardShape& s);
 Kernel sortHistogramKernel(const SortedBackwardShape& s, int pass);
 Kernel sortScanKernel(const SortedBackwardShape& s, int64_t n);
@@ -81,6 +107,8 @@ Kernel sortScatterKernel(const SortedBackwardShape& s, int pass);
 Kernel segmentCountKernel(const SortedBackwardShape& s);
 Kernel segmentsKernel(const SortedBackwardShape& s);
 Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_ids, int64_t accum_elements);
+Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, int64_t t0, int64_t t1,
+                           int64_t segments);
 
 // The device functions they call, part of every module's prelude.
 const std::string& embeddingSortDeviceFunctions();

@@ -4,16 +4,16 @@
 //
 // Sort, then segment-reduce (embedding_sort.h): the (table, id) keys of every id occurrence of
 // every table of the group are radix-sorted together with their positions, and one warp per
-// distinct (table, id) sums its occurrences' gradient rows in position order: no atomics, the
-// same bits on every run. Per-table data comes from an address table in device memory, so the
-// kernels' parameters do not grow with the table count. Then one Row kernel per table applies
-// the optimizer to the rows of its distinct ids (the dense table gradient never exists).
+// distinct (table, id) sums its occurrences' gradient rows in position order and steps the
+// optimizer on that row of the table, in place: no atomics, the same bits on every run, and
+// neither the dense table gradient nor the summed rows ever reach memory. Per-table data comes
+// from an address table in device memory, so the kernels' parameters do not grow with the table
+// count, and the tables sharing an optimizer configuration (RowStep) are one launch.
 #include <algorithm>
 #include <optional>
 
 #include "codegen/emit/embedding_sort.h"
 #include "codegen/emit/emitter_registry.h"
-#include "codegen/emit/optimizer.h"
 #include "ir/optimizer.h"
 
 namespace kiln::codegen::emit {
@@ -37,19 +37,27 @@ struct Accumulated {
   BagIds bag;
   int64_t rows = 0;  // -1: unchecked (a squared-norm probe has no table)
   std::optional<GradSource> source;
-  // Set by accumulateAll: the table's number in the group, where its distinct ids start in
+  // Set by sortAll: the table's number in the group, where its distinct ids start in
   // SortedRows::distinct_ids and its summed rows in SortedRows::accum.
   int64_t index = -1, keys_at = 0, accum_at = 0;
 };
 
-// What the sorted backward leaves for the row updates, shared by every table of the group:
-// counts[t] distinct ids of table t, listed at distinct_ids[keys_at + o], the o-th one's summed
-// gradient row at accum[accum_at + o * dim ...] (only the first counts[t] are written).
+// What the sort leaves, shared by every table of the group (embedding_sort.h names the
+// buffers): the address table, the sorted keys and positions, the segments.
+struct Sorted {
+  SortedBackwardShape shape;
+  int table = -1, keys = -1, positions = -1, starts = -1, meta = -1;
+  int counts = -1;  // i64 [T], cleared by the keys kernel: the accumulation's distinct-id counts
+};
+
+// What the squared-norm probe's accumulation leaves: counts[t] distinct ids of table t, listed
+// at distinct_ids[keys_at + o], the o-th one's summed gradient row at accum[accum_at + o * dim
+// ...] (only the first counts[t] are written).
 struct SortedRows {
   int distinct_ids = -1, accum = -1, counts = -1;
 };
 
-// One table's shape and where its gradient is read (accumulateAll lays the group out).
+// One table's shape and where its gradient is read (sortAll lays the group out).
 Expected<Accumulated> prepareAccumulate(GroupLowering& gl, const Op& op, const ir::EmbeddingUpdateLayout& l,
                                         int64_t rows, const GradSource* source) {
   const Value* ids = op.operand(static_cast<unsigned>(l.ids));
@@ -88,10 +96,37 @@ int bitsFor(uint64_t v) {
   return b;
 }
 
-// The jagged scan, then the sorted backward (embedding_sort.h) over every table of `tables`:
-// the keys, a stable radix sort of (table, id) keys with their positions, the segments, and one
-// warp per segment summing its gradient rows in position order. Fills each table's place.
-Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& tables) {
+// The optimizer step of an update table (an embedding_bag_update; nullopt for the squared-norm
+// probe, which has none).
+std::optional<RowStep> rowStepOf(const Accumulated& a) {
+  const Op& op = *a.op;
+  if (a.layout.table < 0) return std::nullopt;
+  RowStep r;
+  r.optimizer = op.strAttr("optimizer");
+  r.table = op.operand(static_cast<unsigned>(a.layout.table))->type().dtype();
+  if (a.layout.num_state > 0) r.state = op.operand(static_cast<unsigned>(a.layout.state_begin))->type().dtype();
+  r.lr = op.floatAttr("lr");
+  r.eps = op.floatAttr("eps", 1e-8);
+  r.beta1 = op.floatAttr("beta1", 0.9);
+  r.beta2 = op.floatAttr("beta2", 0.999);
+  r.weight_decay = op.floatAttr("weight_decay");
+  return r;
+}
+
+ScalarCode scalarCode(DType t) {
+  switch (t) {
+    case DType::f64: return kScalarF64;
+    case DType::bf16: return kScalarBf16;
+    case DType::i32: return kScalarI32;
+    case DType::i64: return kScalarI64;
+    default: return kScalarF32;
+  }
+}
+
+// The jagged scan, then the sort of the backward (embedding_sort.h) over every table of
+// `tables`: the address table, the keys, a stable radix sort of (table, id) keys with their
+// positions, and the segments. Fills each table's place.
+Expected<Sorted> sortAll(GroupLowering& gl, std::vector<Accumulated>& tables) {
   std::vector<BagIds> bags;
   for (const Accumulated& a : tables) {
     if (a.bag.batch != tables.front().bag.batch)
@@ -100,7 +135,8 @@ Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& 
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
 
-  SortedBackwardShape shape;
+  Sorted out;
+  SortedBackwardShape& shape = out.shape;
   shape.tables = static_cast<int64_t>(tables.size());
   shape.batch = tables.front().bag.batch;
   std::vector<AddressWord> words;
@@ -139,6 +175,21 @@ Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& 
     row[kOccurrences].value = occurrences;
     row[kAccumAt].value = a.accum_at;
     row[kKeysAt].value = a.keys_at;
+    if (l.table >= 0) {
+      // The fused update writes the table and its state in place, and reads its scalars.
+      auto operand = [&](int j) { return op.operand(static_cast<unsigned>(j)); };
+      row[kTableAddress] = {gl.groupBuffer(operand(l.table), true), 0};
+      if (l.num_state > 0) row[kState0Address] = {gl.groupBuffer(operand(l.state_begin), true), 0};
+      if (l.num_state > 1) row[kState1Address] = {gl.groupBuffer(operand(l.state_begin + 1), true), 0};
+      row[kLrAddress] = {gl.groupBuffer(operand(l.lr), false), 0};
+      row[kStepAddress] = {gl.groupBuffer(operand(l.step), false), 0};
+      int64_t types = scalarCode(operand(l.lr)->type().dtype()) | scalarCode(operand(l.step)->type().dtype()) << 4;
+      if (l.grad_scale >= 0) {
+        row[kScaleAddress] = {gl.groupBuffer(operand(l.grad_scale), false), 0};
+        types |= scalarCode(operand(l.grad_scale)->type().dtype()) << 8;
+      }
+      row[kScalarTypes].value = types;
+    }
     words.insert(words.end(), row.begin(), row.end());
     shape.slots += occurrences;
     shape.max_segments += a.bound;
@@ -162,21 +213,18 @@ Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& 
     words[i * kTableWords + kFlagIndex].value = gl.errorSubject(
         valueName(tables[i].op->operand(static_cast<unsigned>(l.table >= 0 ? l.table : l.ids))), tables[i].rows);
   }
-  const int table = gl.addressTable("embedding_backward.tables", std::move(words));
+  out.table = gl.addressTable("embedding_backward.tables", std::move(words));
   const int keys[2] = {gl.tempBuffer("sort_keys.0", DType::i64, shape.slots),
                        gl.tempBuffer("sort_keys.1", DType::i64, shape.slots)};
   const int positions[2] = {gl.tempBuffer("sort_positions.0", DType::i32, shape.slots),
                             gl.tempBuffer("sort_positions.1", DType::i32, shape.slots)};
   const int hist = gl.tempBuffer("sort_histogram", DType::i32, histogramElements(shape));
-  SortedRows out;
   out.counts = gl.tempBuffer("distinct_counts", DType::i64, shape.tables);
-  const int starts = gl.tempBuffer("segment_starts", DType::i32, shape.max_segments + 1);
-  const int meta = gl.tempBuffer("segment_meta", DType::i64, shape.tables + 1);
-  out.distinct_ids = gl.tempBuffer("distinct_ids", DType::i64, std::max<int64_t>(1, distinct_ids));
-  out.accum = gl.tempBuffer("row_grads", DType::f32, std::max<int64_t>(1, accum));
+  out.starts = gl.tempBuffer("segment_starts", DType::i32, shape.max_segments + 1);
+  out.meta = gl.tempBuffer("segment_meta", DType::i64, shape.tables + 2);
 
   KILN_RETURN_IF_ERROR(
-      addSortKernel(gl, sortKeysKernel(shape), {table, keys[0], positions[0], hist, out.counts, gl.errorFlag()}));
+      addSortKernel(gl, sortKeysKernel(shape), {out.table, keys[0], positions[0], hist, out.counts, gl.errorFlag()}));
   const int passes = sortPasses(shape);
   for (int pass = 0; pass < passes; ++pass) {
     const int from = pass % 2, to = 1 - from;
@@ -185,28 +233,70 @@ Expected<SortedRows> accumulateAll(GroupLowering& gl, std::vector<Accumulated>& 
     KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScatterKernel(shape, pass),
                                        {keys[from], positions[from], hist, keys[to], positions[to]}));
   }
-  const int sorted = passes % 2;
-  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentCountKernel(shape), {keys[sorted], hist}));
+  out.keys = keys[passes % 2];
+  out.positions = positions[passes % 2];
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentCountKernel(shape), {out.keys, hist}));
   KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScanKernel(shape, sortTiles(shape)), {hist}));
-  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentsKernel(shape), {keys[sorted], hist, starts, meta}));
-  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentAccumulateKernel(shape, std::max<int64_t>(1, distinct_ids),
-                                                                 std::max<int64_t>(1, accum)),
-                                     {table, keys[sorted], positions[sorted], starts, meta, out.distinct_ids,
-                                      out.accum, out.counts}));
+  KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentsKernel(shape), {out.keys, hist, out.starts, out.meta}));
   return out;
 }
 
-// Whether an accumulated table has an o-th distinct id (o < counts[t]), and that id
-// (distinct_ids[keys_at + o]).
+// One warp per segment summing its gradient rows into the tables' accumulated rows, which the
+// squared-norm probe reads.
+Expected<SortedRows> accumulateRows(GroupLowering& gl, const std::vector<Accumulated>& tables, const Sorted& sorted) {
+  int64_t distinct_ids = 0, accum = 0;
+  for (const Accumulated& a : tables) {
+    distinct_ids += a.bound;
+    accum += a.bound * a.dim;
+  }
+  SortedRows out;
+  out.counts = sorted.counts;
+  out.distinct_ids = gl.tempBuffer("distinct_ids", DType::i64, std::max<int64_t>(1, distinct_ids));
+  out.accum = gl.tempBuffer("row_grads", DType::f32, std::max<int64_t>(1, accum));
+  KILN_RETURN_IF_ERROR(addSortKernel(
+      gl, segmentAccumulateKernel(sorted.shape, std::max<int64_t>(1, distinct_ids), std::max<int64_t>(1, accum)),
+      {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta, out.distinct_ids, out.accum,
+       out.counts}));
+  return out;
+}
+
+// The optimizer on every distinct (table, id) row: one fused launch per run of consecutive
+// tables sharing a RowStep (orderBySteps puts them next to each other).
+Status updateAll(GroupLowering& gl, const std::vector<Accumulated>& tables, const Sorted& sorted) {
+  for (size_t t0 = 0; t0 < tables.size();) {
+    const std::optional<RowStep> step = rowStepOf(tables[t0]);
+    if (!step) return Status::errorf("{} is not an embedding_bag_update", opLabel(*tables[t0].op));
+    size_t t1 = t0;
+    int64_t segments = 0;
+    for (; t1 < tables.size() && rowStepOf(tables[t1]) == step; ++t1) segments += tables[t1].bound;
+    KILN_RETURN_IF_ERROR(addSortKernel(
+        gl, segmentUpdateKernel(sorted.shape, *step, static_cast<int64_t>(t0), static_cast<int64_t>(t1), segments),
+        {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta}));
+    t0 = t1;
+  }
+  return Status::ok();
+}
+
+// Tables of one RowStep next to each other, in their first table's order (stable otherwise),
+// so each step is one launch over a contiguous range of tables.
+void orderBySteps(std::vector<Accumulated>& tables) {
+  std::vector<std::optional<RowStep>> seen;
+  auto rank = [&](const Accumulated& a) {
+    const std::optional<RowStep> s = rowStepOf(a);
+    auto it = std::find(seen.begin(), seen.end(), s);
+    if (it == seen.end()) it = seen.insert(seen.end(), s);
+    return it - seen.begin();
+  };
+  for (const Accumulated& a : tables) rank(a);
+  std::stable_sort(tables.begin(), tables.end(),
+                   [&](const Accumulated& x, const Accumulated& y) { return rank(x) < rank(y); });
+}
+
+// Whether an accumulated table has an o-th distinct id (o < counts[t]).
 int hasDistinct(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o) {
   ExprGraph& g = kb.g();
   return g.binary(ExprOp::Lt, o, g.load(gl.bind(kb, rows.counts, false), DType::i64, g.intConstant(a.index)));
 }
-int distinctId(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o) {
-  ExprGraph& g = kb.g();
-  return g.load(gl.bind(kb, rows.distinct_ids, false), DType::i64, g.binary(ExprOp::Add, o, g.intConstant(a.keys_at)));
-}
-
 // The summed gradient of the o-th distinct id's element d.
 int accumulated(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, const SortedRows& rows, int o, int d) {
   ExprGraph& g = kb.g();
@@ -214,7 +304,7 @@ int accumulated(GroupLowering& gl, KernelBuilder& kb, const Accumulated& a, cons
   return g.load(gl.bind(kb, rows.accum, false), DType::f32, at);
 }
 
-// An embedding_bag_update's table (accumulateAll follows).
+// An embedding_bag_update's table (sortAll follows).
 Expected<Accumulated> prepareUpdate(GroupLowering& gl, const Op& op, const GradSource* source = nullptr) {
   auto l = ir::embeddingUpdateLayout(op);
   if (!l) return Status::errorf("{} has an unknown optimizer", opLabel(op));
@@ -222,59 +312,11 @@ Expected<Accumulated> prepareUpdate(GroupLowering& gl, const Op& op, const GradS
   return prepareAccumulate(gl, op, *l, (ts)[0], source);
 }
 
-// The sparse optimizer applied to the rows of an accumulated table's distinct ids.
-Status updateRows(GroupLowering& gl, const Accumulated& a, const SortedRows& rows) {
-  const Op& op = *a.op;
-  const ir::EmbeddingUpdateLayout& l = a.layout;
-  const Value* table = op.operand(static_cast<unsigned>(l.table));
-  std::string kind = op.strAttr("optimizer");
-  // One row per distinct id of the table, walking its list.
-  KernelBuilder kb = KernelBuilder::row("embedding_update_" + kind, {a.bound}, {a.dim});
-  Kernel& k = kb.k;
-  ExprGraph& g = k.exprs;
-  DType ct = computeType(table->type().dtype());
-  Hyper h = hyper(gl, kb, op, l.lr, l.step, l.grad_scale, ct);
-  int d = g.coord(1);
-  k.guard = hasDistinct(gl, kb, a, rows, g.coord(0));
-  int key = distinctId(gl, kb, a, rows, g.coord(0));
-  int elem = g.binary(ExprOp::Add, g.binary(ExprOp::Mul, key, g.intConstant(a.dim)), d);
-  int tw = gl.bindValue(kb, table, true);
-  int w = g.load(tw, table->type().dtype(), elem);
-  int grad = g.cast(accumulated(gl, kb, a, rows, g.coord(0), d), ct);
-  auto state = [&](int j) { return op.operand(static_cast<unsigned>(l.state_begin + j)); };
-  Phase map;
-  if (kind == "rowwise_adagrad") {
-    auto c = [&](double v) { return g.constant(v, ct); };
-    int gr = h.scale >= 0 ? g.binary(ExprOp::Mul, grad, h.scale) : grad;
-    if (h.weight_decay != 0) gr = g.binary(ExprOp::Add, gr, g.binary(ExprOp::Mul, c(h.weight_decay), w));
-    k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, g.binary(ExprOp::Mul, gr, gr), {}});
-    int sb = gl.bindValue(kb, state(0), true);
-    int s = g.binary(ExprOp::Add, g.load(sb, state(0)->type().dtype(), key),
-                     g.binary(ExprOp::Mul, g.rowValue(0, ct), c(1.0 / static_cast<double>(a.dim))));
-    int step = g.binary(ExprOp::Div, h.lr, g.binary(ExprOp::Add, g.unary(ExprOp::Sqrt, s), c(h.eps)));
-    map.stores.push_back(
-        {tw, elem, g.cast(g.binary(ExprOp::Sub, w, g.binary(ExprOp::Mul, step, gr)), table->type().dtype()),
-         -1});
-    k.phases.push_back(map);
-    // After every thread has read the old accumulator (phases end with a barrier).
-    k.stores.push_back({sb, key, g.cast(s, state(0)->type().dtype()), -1});
-  } else {
-    auto st = [&](int j) { return g.load(gl.bindValue(kb, state(j), true), state(j)->type().dtype(), elem); };
-    auto store_st = [&](int j, int v) {
-      map.stores.push_back({gl.bindValue(kb, state(j), true), elem, g.cast(v, state(j)->type().dtype()), -1});
-    };
-    int nw = elementUpdate(g, kind, h, w, grad, ct, st, store_st);
-    map.stores.push_back({tw, elem, g.cast(nw, table->type().dtype()), -1});
-    k.phases.push_back(map);
-  }
-  return gl.finish(kb);
-}
-
 Status lowerEmbeddingUpdate(GroupLowering& gl, const std::vector<const Op*>& ops) {
   KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *ops.back()));
   std::vector<Accumulated> tables = {a};
-  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
-  return updateRows(gl, tables.front(), rows);
+  KILN_ASSIGN_OR_RETURN(auto sorted, sortAll(gl, tables));
+  return updateAll(gl, tables, sorted);
 }
 
 Status lowerGradSqnorm(GroupLowering& gl, const std::vector<const Op*>& ops) {
@@ -282,7 +324,8 @@ Status lowerGradSqnorm(GroupLowering& gl, const std::vector<const Op*>& ops) {
   auto l = ir::embeddingUpdateLayout(op);
   KILN_ASSIGN_OR_RETURN(auto a, prepareAccumulate(gl, op, *l, -1, nullptr));
   std::vector<Accumulated> tables = {a};
-  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
+  KILN_ASSIGN_OR_RETURN(auto sorted, sortAll(gl, tables));
+  KILN_ASSIGN_OR_RETURN(auto rows, accumulateRows(gl, tables, sorted));
   KernelBuilder kb = KernelBuilder::row("embedding_grad_sqnorm", {1}, {a.bound, a.dim});
   ExprGraph& g = kb.g();
   // The rows of the distinct ids; the rest of the table is never written.
@@ -324,9 +367,9 @@ Status lowerEmbeddingUpdates(GroupLowering& gl, const std::vector<const Op*>& op
     KILN_ASSIGN_OR_RETURN(auto a, prepareUpdate(gl, *op, &source));
     tables.push_back(a);
   }
-  KILN_ASSIGN_OR_RETURN(auto rows, accumulateAll(gl, tables));
-  for (const Accumulated& a : tables) KILN_RETURN_IF_ERROR(updateRows(gl, a, rows));
-  return Status::ok();
+  orderBySteps(tables);
+  KILN_ASSIGN_OR_RETURN(auto sorted, sortAll(gl, tables));
+  return updateAll(gl, tables, sorted);
 }
 
 }  // namespace

@@ -163,7 +163,9 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   Value* s1 = c.param("tables.1.rowwise_adagrad_sum", DType::f32, S({8}), Fill::Positive);
   Value* ids0 = c.input("cats.0", DType::i64, S({batch, 3}), Fill::Ids, 5);
   Value* ids1 = c.input("cats.1", DType::i64, S({batch, 2}), Fill::Ids, 8);
-  Value* grad = c.input("grad", DType::f32, S({batch, 13}));
+  Value* t2 = c.param("tables.2", DType::f32, S({6, 3}));
+  Value* ids2 = c.input("cats.2", DType::i32, S({batch, 1}), Fill::Ids, 6);
+  Value* grad = c.input("grad", DType::f32, S({batch, 16}));
   Value* lr = c.input("lr", DType::f32, {}, Fill::Positive);
   Value* step = c.input("step", DType::f32, {}, Fill::Ids, 4);
   auto slice = [&](int64_t start, int64_t limit) {
@@ -178,6 +180,8 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   Value* g1 = slice(7, 13);
   c.op("kiln.embedding_bag_update", {t1, ids1, g1, s1, lr, step},
        {{"optimizer", Attribute("rowwise_adagrad")}, {"lr", Attribute(0.05)}});
+  Value* g2 = slice(13, 16);
+  c.op("kiln.embedding_bag_update", {t2, ids2, g2, lr, step}, {{"optimizer", Attribute("sgd")}, {"lr", Attribute(0.1)}});
   fuseOps(*c.f, c.members(), "embedding_update");
 
   auto groups = codegen::lowerFunction(*c.f, c.symbols);
@@ -185,12 +189,17 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   ASSERT_EQ(groups->size(), 1u);
   const LoweredGroup& g = groups->front();
   EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
-  // ONE sorted backward for both tables (keys, one radix pass: scan and scatter, the segments:
-  // count, scan and list, the sums), then an update per table; no slice copies. Its kernels are
-  // CUDA source: simt_embedding_backward_test runs such groups against the CPU reference.
-  ASSERT_EQ(g.kernels.size(), 9u);
-  for (size_t k = 0; k < 7; ++k) EXPECT_EQ(g.kernels[k].kind, codegen::KernelKind::Source) << g.kernels[k].name;
-  for (size_t k = 7; k < 9; ++k) EXPECT_EQ(g.kernels[k].kind, codegen::KernelKind::Row) << g.kernels[k].name;
+  // ONE sorted backward for all tables (keys, one radix pass: scan and scatter, the segments:
+  // count, scan and list), then one fused sum-and-update launch per optimizer configuration:
+  // the two sgd tables at lr 0.1 share one though the rowwise_adagrad table sits between them.
+  // No slice copies. The kernels are CUDA source: simt_embedding_backward_test runs such groups
+  // against the CPU reference.
+  ASSERT_EQ(g.kernels.size(), 8u);
+  for (const codegen::Kernel& k : g.kernels) EXPECT_EQ(k.kind, codegen::KernelKind::Source) << k.name;
+  EXPECT_EQ(g.kernels[6].name, "embedding_update_sgd");
+  EXPECT_EQ(g.kernels[7].name, "embedding_update_rowwise_adagrad");
+  EXPECT_NE(g.kernels[6].source.find("b4, 9LL, 3, 0, 2,"), std::string::npos) << g.kernels[6].source;  // tables [0, 2)
+  EXPECT_NE(g.kernels[7].source.find("b4, 9LL, 3, 2, 3,"), std::string::npos) << g.kernels[7].source;
 }
 
 // Builds matmul(x, w^T) + b, then `act`, fused as a gemm_epilogue group.
