@@ -773,6 +773,8 @@ Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec
   // A batch that cannot be staged (another size: the data's short last batch, which another
   // executor runs) is left to its own step, which reports any error in it.
   if (ahead && ahead->batch && ahead->batch->size == batch_size && ahead->step > 0) {
+    runtime::Tracer::Scope scope(options_.tracer, "stage next batch", runtime::TraceCategory::Data, rank(),
+                                 runtime::kHostTrack, {{"step", ahead->step}});
     StepInputs next_inputs(*ahead->batch,
                            {{"lr", static_cast<float>(ahead->lr_factor)}, {"step", static_cast<float>(ahead->step)}});
     if (auto t = exec.stage(next_inputs.views()))
