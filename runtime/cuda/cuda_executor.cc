@@ -169,6 +169,8 @@ struct CudaExecutor::Impl {
   InputPipeline pipeline;
   std::unique_ptr<Stream> copy_stream;
   StagingLayout input_layout;   // per entry of built.inputs, at full (bound) size
+  DeviceBuffer input_block;     // the step's inputs, laid out as input_layout (inputs_contiguous)
+  bool inputs_contiguous = false;
   StagingLayout result_layout;  // per program result, then one {code, table} pair per error flag
   std::vector<Slot> slots;
   // The ticket launched with the tracer recording (-1: none), and its origin on the host clock.
@@ -415,10 +417,29 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       DeviceBuffer::allocate(drv, static_cast<size_t>(std::max<int64_t>(p.arena_bytes, kArenaAlignment)),
                              fmt::format("the {}-byte arena of @{}", p.arena_bytes, f.name())));
   im.arena = std::move(arena);
+  // The inputs lie in one block laid out as the input pipeline's slots, so that the copy-in
+  // from a landing slot is one device copy (R1 has 28 inputs: 26 id tensors, dense, label);
+  // an input the planner put in the arena (none today) makes it one copy per input.
+  std::vector<size_t> input_bytes;
+  std::map<int, size_t> input_index;  // buffer id -> its entry of built.inputs
+  im.inputs_contiguous = true;
+  for (size_t i = 0; i < im.built.inputs.size(); ++i) {
+    const codegen::Buffer& b = p.buffers[static_cast<size_t>(im.built.inputs[i])];
+    input_bytes.push_back(static_cast<size_t>(b.bytes));
+    input_index[b.id] = i;
+    if (b.inArena()) im.inputs_contiguous = false;
+  }
+  im.input_layout = StagingLayout::plan(input_bytes, kArenaAlignment);
+  if (im.inputs_contiguous) {
+    KILN_ASSIGN_OR_RETURN(im.input_block, DeviceBuffer::allocate(drv, im.input_layout.total,
+                                                                 fmt::format("the inputs of @{}", f.name())));
+  }
   im.address.assign(p.buffers.size(), 0);
   for (const codegen::Buffer& b : p.buffers) {
     if (b.inArena()) {
       im.address[b.id] = im.arena.ptr() + static_cast<CUdeviceptr>(b.offset);
+    } else if (im.inputs_contiguous && input_index.count(b.id)) {
+      im.address[b.id] = im.input_block.ptr() + im.input_layout.offset[input_index.at(b.id)];
     } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) && !error_flag_buffers.count(b.id) &&
                !address_tables.count(b.id)) {
       auto it = si.params.find(b.name);
@@ -506,10 +527,7 @@ Status CudaExecutor::Impl::createPipeline(int slot_count) {
   pipeline = InputPipeline(slot_count);
   KILN_ASSIGN_OR_RETURN(auto cs, Stream::create(drv));
   copy_stream = std::move(cs);
-  std::vector<size_t> bytes;
-  for (int id : built.inputs) bytes.push_back(static_cast<size_t>(program.buffers[id].bytes));
-  input_layout = StagingLayout::plan(bytes, kArenaAlignment);
-  bytes.clear();
+  std::vector<size_t> bytes;  // input_layout is create()'s, which placed the inputs by it
   for (int id : program.results) {
     const codegen::Buffer& b = program.buffers[id];
     bytes.push_back(static_cast<size_t>(product(built.shapes[id]) * ir::dtypeBytes(b.type.dtype())));
@@ -583,7 +601,12 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
       KILN_CU(drv, cuStreamWaitEvent(st0, slot.uploaded->get(), 0), "stream 0 of @" + fn);
       break;
     case PipelineOpKind::CopyIn:
-      // Into the buffers the step (and its graph) was built on; a few copies at device speed.
+      // Into the buffers the step (and its graph) was built on, at device speed.
+      if (inputs_contiguous) {
+        KILN_CU(drv, cuMemcpyDtoDAsync(input_block.ptr(), slot.landing.ptr(), input_layout.total, st0),
+                "the inputs of @" + fn);
+        break;
+      }
       for (size_t i = 0; i < built.inputs.size(); ++i) {
         const int id = built.inputs[i];
         if (input_layout.bytes[i])
