@@ -196,6 +196,11 @@ struct CudaExecutor::Impl {
   Status apply(const PipelineOp& op, const std::vector<const ir::TensorView*>* views,
                const std::vector<size_t>* bytes, std::vector<ir::HostTensor>* out);
   Status runStepOnStream0(int64_t ticket);
+  // Forgets a ticket (InputPipeline::drop), and its trace if it was the traced one.
+  Status drop(int64_t ticket) {
+    if (ticket == traced_ticket) traced_ticket = -1;
+    return pipeline.drop(ticket);
+  }
   Status runStep(const Step& step, CUstream st);
   Status enqueue(bool traced = false);
   Status compileKernels(const ir::Function& f, const std::vector<codegen::LoweredGroup>& groups);
@@ -687,7 +692,10 @@ Status CudaExecutor::Impl::runStepOnStream0(int64_t ticket) {
   CUstream st = streams.at(0);
   if (options.poison_arena)
     KILN_CU(drv, cuMemsetD8Async(arena.ptr(), 0xFF, arena.bytes(), st), "poisoning the arena");
-  runtime::Tracer* tracer = options.tracer && options.tracer->recording() ? options.tracer : nullptr;
+  // One traced step at a time: its timing events are read when it is collected (a caller two
+  // steps ahead runs the second one untraced).
+  runtime::Tracer* tracer =
+      options.tracer && options.tracer->recording() && traced_ticket < 0 ? options.tracer : nullptr;
   if (tracer) {
     KILN_RETURN_IF_ERROR(beginTrace(&trace_origin_us, *tracer));
     traced_ticket = ticket;
@@ -735,7 +743,7 @@ Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch& ba
   for (const PipelineOp& op : ops) {
     Status s = im.apply(op, &views, &bytes, nullptr);
     if (!s) {
-      (void)im.pipeline.drop(t);
+      (void)im.drop(t);
       return s;
     }
   }
@@ -750,7 +758,7 @@ Status CudaExecutor::launch(Ticket ticket) {
   for (const PipelineOp& op : ops) {
     Status s = im.apply(op, nullptr, nullptr, nullptr);
     if (!s) {
-      (void)im.pipeline.drop(ticket);  // nobody will collect it; the slots stay usable
+      (void)im.drop(ticket);  // nobody will collect it; the slots stay usable
       return s;
     }
   }
@@ -767,7 +775,7 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket ticket) {
   return out;
 }
 
-Status CudaExecutor::drop(Ticket ticket) { return impl_->pipeline.drop(ticket); }
+Status CudaExecutor::drop(Ticket ticket) { return impl_->drop(ticket); }
 std::vector<CudaExecutor::Ticket> CudaExecutor::staged() const { return impl_->pipeline.staged(); }
 
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch& batch) {
