@@ -135,6 +135,39 @@ __device__ __forceinline__ void kiln_st(int* p, long long i, int v) { p[i] = v; 
 __device__ __forceinline__ void kiln_st(long long* p, long long i, long long v) { p[i] = v; }
 __device__ __forceinline__ void kiln_st(bool* p, long long i, bool v) { p[i] = v; }
 
+// Elements [4v, 4v + 4) as one 16-byte (f32, i32) or 8-byte (bf16) access: a vectorized
+// Pointwise kernel's loads and stores at its flat index (the buffers are 256-byte aligned).
+struct alignas(16) kiln_v4f { float x[4]; };
+struct alignas(16) kiln_v4i { int x[4]; };
+struct alignas(8) kiln_v4h { kiln_bf16 x[4]; };
+__device__ __forceinline__ void kiln_ld4(const float* p, long long v, float (&out)[4]) {
+  const kiln_v4f t = ((const kiln_v4f*)p)[v];
+  for (int j = 0; j < 4; ++j) out[j] = t.x[j];
+}
+__device__ __forceinline__ void kiln_ld4(const int* p, long long v, int (&out)[4]) {
+  const kiln_v4i t = ((const kiln_v4i*)p)[v];
+  for (int j = 0; j < 4; ++j) out[j] = t.x[j];
+}
+__device__ __forceinline__ void kiln_ld4(const kiln_bf16* p, long long v, float (&out)[4]) {
+  const kiln_v4h t = ((const kiln_v4h*)p)[v];
+  for (int j = 0; j < 4; ++j) out[j] = kiln_bf16_to_f32(t.x[j]);
+}
+__device__ __forceinline__ void kiln_st4(float* p, long long v, const float (&in)[4]) {
+  kiln_v4f t;
+  for (int j = 0; j < 4; ++j) t.x[j] = in[j];
+  ((kiln_v4f*)p)[v] = t;
+}
+__device__ __forceinline__ void kiln_st4(int* p, long long v, const int (&in)[4]) {
+  kiln_v4i t;
+  for (int j = 0; j < 4; ++j) t.x[j] = in[j];
+  ((kiln_v4i*)p)[v] = t;
+}
+__device__ __forceinline__ void kiln_st4(kiln_bf16* p, long long v, const float (&in)[4]) {
+  kiln_v4h t;
+  for (int j = 0; j < 4; ++j) t.x[j] = kiln_f32_to_bf16(in[j]);
+  ((kiln_v4h*)p)[v] = t;
+}
+
 // Scatter-adds. bf16 has no hardware atomic add of its own here (no cuda_bf16.h): a 16-bit CAS
 // loop rounds each sum to nearest even like kiln_st does.
 __device__ __forceinline__ void kiln_atomic_add(float* p, long long i, float v) { atomicAdd(p + i, v); }
@@ -297,6 +330,50 @@ std::string floatLiteral(double v, DType t) {
   return v < 0 ? "(" + s + ")" : s;
 }
 
+// How a Pointwise kernel runs four consecutive elements per thread: the loads and stores at
+// the kernel's flat index (a same-shape operand, the result) become one 16-byte (8 for bf16)
+// access each, the rest stay per element (a broadcast bias, a transpose's gather).
+struct VectorPlan {
+  static constexpr int kWidth = 4;
+  bool vectorized = false;
+  std::vector<int> loads;       // Load nodes at the flat index
+  std::vector<size_t> stores;   // indices into Kernel::stores, at the flat index
+};
+
+// A buffer can be accessed 4 elements at a time over the whole space: f32, i32 or bf16, and
+// its allocation a multiple of 4 elements holding the space (so a hoisted load out of a
+// select's branch stays in bounds, and host buffers ending at a page keep their alignment).
+bool vectorizable(const KernelBuffer& b, int64_t n) {
+  return (b.dtype == DType::f32 || b.dtype == DType::i32 || b.dtype == DType::bf16) && b.elements >= n &&
+         b.elements % VectorPlan::kWidth == 0;
+}
+
+VectorPlan vectorPlan(const Kernel& k) {
+  VectorPlan plan;
+  const int64_t n = k.spaceSize();
+  // Below a few thousand elements the launch dominates whatever the loads do.
+  if (k.kind != KernelKind::Pointwise || n % VectorPlan::kWidth != 0 || n < 4096) return plan;
+  // The flat index as the lowering writes it (rowMajorOffset of the coordinates): built again
+  // in a copy, hash-consing finds the node if the kernel has one.
+  ExprGraph copy = k.exprs;
+  std::vector<int> coords;
+  for (size_t d = 0; d < k.space.size(); ++d) coords.push_back(copy.coord(static_cast<int>(d)));
+  const int flat = rowMajorOffset(copy, coords, k.space);
+  if (flat >= static_cast<int>(k.exprs.size())) return plan;
+  for (const Store& st : k.stores) {
+    if (st.accumulate) return plan;
+    if (st.index == flat && st.guard < 0 && vectorizable(k.buffers[static_cast<size_t>(st.buffer)], n))
+      plan.stores.push_back(static_cast<size_t>(&st - k.stores.data()));
+  }
+  for (size_t id = 0; id < k.exprs.size(); ++id) {
+    const Expr& e = k.exprs[static_cast<int>(id)];
+    if (e.op == ExprOp::Load && e.a == flat && vectorizable(k.buffers[static_cast<size_t>(e.buffer)], n))
+      plan.loads.push_back(static_cast<int>(id));
+  }
+  plan.vectorized = !plan.loads.empty() || !plan.stores.empty();
+  return plan;
+}
+
 class KernelPrinter {
  public:
   explicit KernelPrinter(const Kernel& k) : k_(k), g_(k.exprs) {}
@@ -442,6 +519,8 @@ class KernelPrinter {
 
   void printPointwise() {
     const int64_t n = k_.spaceSize();
+    const VectorPlan plan = vectorPlan(k_);
+    if (plan.vectorized) return printPointwiseVector(plan);
     if (n <= int64_t{UINT32_MAX} - (int64_t{1} << 24)) {
       // 32-bit index math: i plus a grid's stride (at most 16384 x 1024 threads) cannot wrap.
       line(1, fmt::format("const unsigned n = {}u;", n));
@@ -455,6 +534,49 @@ class KernelPrinter {
     openScope();
     emitStores(2, k_.stores);
     closeScope();
+    line(1, "}");
+  }
+
+  // Four consecutive elements a thread: the flat-index loads as one vector load each before
+  // the elements' math, the flat-index stores gathered and written as one vector store after.
+  void printPointwiseVector(const VectorPlan& plan) {
+    const int64_t n = k_.spaceSize(), vectors = n / VectorPlan::kWidth;
+    const bool narrow = n <= int64_t{UINT32_MAX} - (int64_t{1} << 24);
+    const char* type = narrow ? "unsigned" : "long long";
+    line(1, fmt::format("const {0} vectors = {1}{2};", type, vectors, narrow ? "u" : "LL"));
+    line(1, fmt::format("for ({0} v = ({0})blockIdx.x * blockDim.x + threadIdx.x; v < vectors;", type));
+    line(1, fmt::format("     v += ({})gridDim.x * blockDim.x) {{", type));
+    for (int id : plan.loads) {
+      const Expr& e = g_[id];
+      line(2, fmt::format("{} l{}[4];", cType(e.type), id));
+      line(2, fmt::format("kiln_ld4(b{}, v, l{});", e.buffer, id));
+    }
+    for (size_t s : plan.stores)
+      line(2, fmt::format("{} s{}[4];", cType(computeType(k_.buffers[static_cast<size_t>(k_.stores[s].buffer)].dtype)), s));
+    line(2, "#pragma unroll");
+    line(2, "for (int j = 0; j < 4; ++j) {");
+    line(3, fmt::format("const {} i = 4 * v + j;", type));
+    coords(3, "i", k_.space, 0);
+    openScope();
+    for (int id : plan.loads) {
+      named_[id] = fmt::format("l{}[j]", id);
+      scoped_.back().push_back(id);
+    }
+    std::vector<int> roots;
+    for (const Store& st : k_.stores) roots.insert(roots.end(), {st.index, st.value, st.guard});
+    emitScope(3, roots);
+    for (size_t s = 0; s < k_.stores.size(); ++s) {
+      const Store& st = k_.stores[s];
+      if (std::find(plan.stores.begin(), plan.stores.end(), s) != plan.stores.end()) {
+        line(3, fmt::format("s{}[j] = {};", s, ref(st.value)));
+        continue;
+      }
+      const std::string text = fmt::format("kiln_st(b{}, {}, {});", st.buffer, ref(st.index), ref(st.value));
+      line(3, st.guard >= 0 ? fmt::format("if ({}) {}", ref(st.guard), text) : text);
+    }
+    closeScope();
+    line(2, "}");
+    for (size_t s : plan.stores) line(2, fmt::format("kiln_st4(b{}, v, s{});", k_.stores[s].buffer, s));
     line(1, "}");
   }
 
@@ -610,8 +732,10 @@ int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 LaunchConfig launchConfig(const Kernel& k) {
   switch (k.kind) {
     case KernelKind::Pointwise: {
-      // Enough blocks to fill an H200 many times over; the grid-stride loop covers the rest.
-      return {std::clamp<int64_t>(ceilDiv(k.spaceSize(), 256), 1, 16384), 256};
+      // Enough blocks to fill an H200 many times over; the grid-stride loop covers the rest. A
+      // vectorized kernel's thread takes four elements.
+      const int64_t threads = vectorPlan(k).vectorized ? k.spaceSize() / VectorPlan::kWidth : k.spaceSize();
+      return {std::clamp<int64_t>(ceilDiv(threads, 256), 1, 16384), 256};
     }
     case KernelKind::Row: {
       int64_t rows = k.rowSize();

@@ -246,10 +246,54 @@ TEST(CudaEmitter, IndexMathIs32BitWhereTheSpaceAllows) {
   EXPECT_NE(narrow.find("unsigned rest0 = (unsigned)i;"), std::string::npos) << narrow;
   EXPECT_NE(narrow.find("rest0 % 6u;"), std::string::npos) << narrow;
   EXPECT_EQ(narrow.find("long long i"), std::string::npos) << narrow;
-  const std::string wide = pointwise({3, int64_t{1} << 31});
+  // An odd count: one element a thread (VectorizesTheFlatIndexAccesses has the other form).
+  const std::string wide = pointwise({3, (int64_t{1} << 31) + 1});
   EXPECT_NE(wide.find("for (long long i = "), std::string::npos) << wide;
   EXPECT_NE(wide.find("long long rest0 = (long long)i;"), std::string::npos) << wide;
-  EXPECT_NE(wide.find("rest0 % 2147483648LL;"), std::string::npos) << wide;
+  EXPECT_NE(wide.find("rest0 % 2147483649LL;"), std::string::npos) << wide;
+}
+
+// Issue 36, item 4: a Pointwise kernel whose space is a multiple of 4 (and not tiny) takes four
+// consecutive elements a thread; its loads and stores at the flat index are one vector access
+// each, the others (a broadcast bias, a transposed read) stay per element, and the grid counts
+// vectors. Odd spaces and small ones keep one element a thread. simt_ops_test runs the
+// vectorized form's math (op cases elementwise_chain_vectorized, vectorized_bf16_i32).
+TEST(CudaEmitter, VectorizesTheFlatIndexAccesses) {
+  auto kernel = [](int64_t rows, int64_t cols, codegen::DType out_type) {
+    codegen::Kernel k;
+    k.name = "bias_add";
+    k.kind = codegen::KernelKind::Pointwise;
+    k.space = {rows, cols};
+    codegen::ExprGraph& g = k.exprs;
+    const int x = k.addBuffer("x", codegen::DType::f32, rows * cols);
+    const int bias = k.addBuffer("bias", codegen::DType::f32, cols);
+    const int xt = k.addBuffer("xt", codegen::DType::f32, rows * cols);
+    const int y = k.addBuffer("y", out_type, rows * cols, true);
+    const int r = g.coord(0), c = g.coord(1);
+    const int flat = codegen::rowMajorOffset(g, {r, c}, k.space);
+    const int sum = g.binary(codegen::ExprOp::Add, g.load(x, codegen::DType::f32, flat),
+                             g.load(bias, codegen::DType::f32, c));
+    const int v = g.binary(codegen::ExprOp::Add, sum,
+                           g.load(xt, codegen::DType::f32, codegen::rowMajorOffset(g, {c, r}, {cols, rows})));
+    k.stores.push_back({y, flat, g.cast(v, codegen::computeType(out_type)), -1});
+    EXPECT_TRUE(codegen::validate(k).isOk()) << codegen::validate(k).message();
+    return k;
+  };
+  const codegen::Kernel k = kernel(64, 96, codegen::DType::f32);
+  const std::string text = codegen::emitKernel(k);
+  EXPECT_NE(text.find("kiln_ld4(b0, v, l"), std::string::npos) << text;
+  EXPECT_NE(text.find("kiln_st4(b3, v, s0);"), std::string::npos) << text;
+  EXPECT_NE(text.find("kiln_ld(b1, c1)"), std::string::npos) << text;  // the bias
+  EXPECT_EQ(text.find("kiln_ld4(b1"), std::string::npos) << text;
+  EXPECT_EQ(text.find("kiln_ld4(b2"), std::string::npos) << text;  // the transposed read
+  EXPECT_EQ(codegen::launchConfig(k).grid, 64 * 96 / 4 / 256);
+  EXPECT_NE(codegen::emitKernel(kernel(64, 96, codegen::DType::bf16)).find("kiln_st4(b3, v, s0);"), std::string::npos);
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{63, 97}, {8, 16}}) {
+    const codegen::Kernel scalar = kernel(rows, cols, codegen::DType::f32);
+    const std::string t = codegen::emitKernel(scalar);
+    EXPECT_EQ(t.find("kiln_ld4"), std::string::npos) << t;
+    EXPECT_EQ(codegen::launchConfig(scalar).grid, (rows * cols + 255) / 256);
+  }
 }
 
 }  // namespace

@@ -144,6 +144,34 @@ inline std::vector<OpCase> allOpCases() {
     b.kernels(1);
     add(b);
   }
+  {  // The same chain large enough that its kernel takes four elements a thread: x, y and both
+     // results at the flat index as 16-byte accesses, the broadcast bias per element.
+    CaseBuilder b("elementwise_chain_vectorized");
+    Value* x = b.input("x", f32, S({64, 96}));
+    Value* bias = b.input("bias", f32, S({96}));
+    Value* y = b.input("y", f32, S({64, 96}));
+    Value* s = b.op("kiln.add", {x, bias})->result();
+    Value* m = b.op("kiln.mul", {b.op("kiln.relu", {s})->result(), y})->result();
+    b.op("kiln.sub", {m, s});
+    b.kernels(1);
+    add(b);
+  }
+  {  // Vectorized bf16: 8-byte loads widened to f32, a rounded bf16 result.
+    CaseBuilder b("vectorized_bf16");
+    Value* x = b.input("x", DType::bf16, S({32, 128}));
+    Value* y = b.op("kiln.cast", {b.input("y", f32, S({32, 128}))}, {{"to", Attribute("bf16")}})->result();
+    b.op("kiln.silu", {b.op("kiln.mul", {x, y})->result()});
+    b.kernels(1);
+    b.tol(1e-2);
+    add(b);
+  }
+  {  // Vectorized i32 accesses next to a transpose whose loads are not at the flat index.
+    CaseBuilder b("vectorized_i32_transpose");
+    Value* i = b.input("i", DType::i32, S({64, 64}), Fill::Ids, 1000);
+    b.op("kiln.add", {i, b.op("kiln.transpose", {i}, {{"perm", Attribute::ints({1, 0})}})->result()});
+    b.kernels(1);
+    add(b);
+  }
   for (const char* u : {"kiln.neg", "kiln.abs", "kiln.exp", "kiln.tanh", "kiln.sigmoid", "kiln.relu",
                         "kiln.gelu", "kiln.silu", "kiln.softplus", "kiln.hardswish"}) {
     CaseBuilder b(std::string("unary_") + (u + 5));
