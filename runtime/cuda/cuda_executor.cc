@@ -94,6 +94,9 @@ Status CudaSession::uploadParameters(const runtime::ParameterStore& store) {
     }
     if (bytes) KILN_RETURN_IF_ERROR(it->second.upload(t.view.data, bytes));
   }
+  // A copy from pageable memory may return before its DMA lands, and the steps' streams do not
+  // wait for the legacy stream it ran on.
+  KILN_CU(im.drv(), cuCtxSynchronize(), "waiting for the parameters' upload");
   return Status::ok();
 }
 
