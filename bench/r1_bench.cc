@@ -2,7 +2,8 @@
 // models/dlrm_dcnv2.kiln at rows_cap 1000000, batch 16384, SGD. Prints one `KILN {json}` line:
 // ms/step of the CUDA-graph step (inputs already on the host, copied per step as in training;
 // `ms_per_step` with each batch staged during the step before, as the trainer does,
-// `ms_per_step_serial` through run(), upload and step in series), and a per-kernel profile summed into GEMM time and FLOPs and embedding forward/backward time.
+// `ms_per_step_serial` through run(), upload and step in series), and a per-kernel profile
+// summed into GEMM time and FLOPs and embedding forward/backward time.
 //
 //   r1_bench [--model FILE] [--batch B] [--rows-cap N] [--steps N] [--precision bf16|f32]
 //            [--disable-pass NAME]
@@ -130,8 +131,9 @@ int main(int argc, char** argv) {
     loss = *(*r)[0].as<float>();
     step += 1;
   }
-  const double serial_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count() /
-                           static_cast<double>(steps);
+  const double serial_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count() /
+      static_cast<double>(steps);
   // The trainer's order (docs/runtime.md, "Feeding the GPU"): batch i+1 copied to pinned memory
   // and uploaded on the copy stream while step i runs; the host waits for step i's loss only.
   s0 = std::chrono::steady_clock::now();
@@ -178,13 +180,16 @@ int main(int argc, char** argv) {
   double fwd_bytes = static_cast<double>(batch) * static_cast<double>(lookups) * static_cast<double>(dim) * 4;
   double bwd_bytes = 2 * fwd_bytes;
   std::printf(
-      "KILN {\"ms_per_step\": %.3f, \"ms_per_step_serial\": %.3f, \"samples_per_s\": %.0f, \"kernels\": %d, \"gemms\": %d, \"graph\": %s, "
+      "KILN {\"ms_per_step\": %.3f, \"ms_per_step_serial\": %.3f, \"samples_per_s\": %.0f, \"kernels\": %d, "
+      "\"gemms\": %d, \"graph\": %s, "
       "\"profile_ms\": {\"gemm\": %.3f, \"emb_fwd\": %.3f, \"emb_bwd\": %.3f, \"other\": %.3f}, "
-      "\"gemm_tflops\": %.1f, \"emb_fwd_tbps\": %.3f, \"emb_bwd_tbps\": %.3f, \"loss_first\": %.5f, \"loss_last\": %.5f, "
+      "\"gemm_tflops\": %.1f, \"emb_fwd_tbps\": %.3f, \"emb_bwd_tbps\": %.3f, \"loss_first\": %.5f, "
+      "\"loss_last\": %.5f, "
       "\"setup_s\": %.1f, \"fusion\": %s, \"precision\": \"%s\", \"device\": \"%s\"}\n",
       ms, serial_ms, static_cast<double>(batch) / ms * 1e3, (*ex)->numKernels(), (*ex)->numGemms(),
       (*ex)->graphCaptured() ? "true" : "false", gemm_ms, emb_fwd_ms, emb_bwd_ms, other_ms,
-      gemm_ms > 0 ? gemm_flops / (gemm_ms * 1e-3) / 1e12 : 0.0, emb_fwd_ms > 0 ? fwd_bytes / (emb_fwd_ms * 1e-3) / 1e12 : 0.0,
+      gemm_ms > 0 ? gemm_flops / (gemm_ms * 1e-3) / 1e12 : 0.0,
+      emb_fwd_ms > 0 ? fwd_bytes / (emb_fwd_ms * 1e-3) / 1e12 : 0.0,
       emb_bwd_ms > 0 ? bwd_bytes / (emb_bwd_ms * 1e-3) / 1e12 : 0.0, first_loss, loss, setup_s,
       disabled.count("fusion") ? "false" : "true", precision.c_str(), (*cs)->deviceName().c_str());
   // The ten slowest launches, to see where the time goes.

@@ -634,8 +634,8 @@ StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std
 }
 
 Expected<StepOutputs> Session::run(const std::string& function, const data::Batch& batch,
-                                        const std::vector<std::pair<std::string, float>>& scalars,
-                                        const data::Batch* next, const NextStep* ahead) {
+                                   const std::vector<std::pair<std::string, float>>& scalars,
+                                   const data::Batch* next, const NextStep* ahead) {
   StepInputs step_inputs(batch, scalars);
   const bool pipelined_step = function == "train_step" && pipelined();
   if (pipelined_step) {
@@ -752,8 +752,9 @@ Expected<StepOutputs> Session::run(const std::string& function, const data::Batc
   return out;
 }
 
-Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec, const runtime::cpu::Batch& inputs,
-                                                       int64_t batch_size, float step, const NextStep* ahead) {
+Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec,
+                                                        const runtime::cpu::Batch& inputs, int64_t batch_size,
+                                                        float step, const NextStep* ahead) {
   // The batch the previous step staged on this executor is this one's when the step and size
   // match; otherwise it is dropped (the caller trained on another batch). An evaluation in
   // between runs another executor and leaves it staged.
@@ -775,8 +776,8 @@ Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec
   if (ahead && ahead->batch && ahead->batch->size == batch_size && ahead->step > 0) {
     runtime::Tracer::Scope scope(options_.tracer, "stage next batch", runtime::TraceCategory::Data, rank(),
                                  runtime::kHostTrack, {{"step", ahead->step}});
-    StepInputs next_inputs(*ahead->batch,
-                           {{"lr", static_cast<float>(ahead->lr_factor)}, {"step", static_cast<float>(ahead->step)}});
+    StepInputs next_inputs(*ahead->batch, {{"lr", static_cast<float>(ahead->lr_factor)},
+                                           {"step", static_cast<float>(ahead->step)}});
     if (auto t = exec.stage(next_inputs.views()))
       staged_ = StagedStep{&exec, static_cast<float>(ahead->step), batch_size, *t};
   }

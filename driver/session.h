@@ -220,7 +220,8 @@ class Session {
     double lr_factor = 1;
     int64_t step = 0;
   };
-  Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step, const NextStep& next);
+  Expected<StepOutputs> trainStep(const data::Batch& batch, double lr_factor, int64_t step,
+                                  const NextStep& next);
   // Whether passing the next step overlaps anything: the GPU, and a step that is not pipelined
   // (whose inputs would include the previous step's results).
   bool stagesAhead() const { return cuda_ != nullptr && !pipelined(); }

@@ -171,8 +171,8 @@ struct CudaExecutor::Impl {
   };
   InputPipeline pipeline;
   std::unique_ptr<Stream> copy_stream;
-  StagingLayout input_layout;   // per entry of built.inputs, at full (bound) size
-  DeviceBuffer input_block;     // the step's inputs, laid out as input_layout (inputs_contiguous)
+  StagingLayout input_layout;  // per entry of built.inputs, at full (bound) size
+  DeviceBuffer input_block;    // the step's inputs, laid out as input_layout (inputs_contiguous)
   bool inputs_contiguous = false;
   StagingLayout result_layout;  // per program result, then one {code, table} pair per error flag
   std::vector<Slot> slots;
@@ -448,8 +448,8 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
       im.address[b.id] = im.arena.ptr() + static_cast<CUdeviceptr>(b.offset);
     } else if (im.inputs_contiguous && input_index.count(b.id)) {
       im.address[b.id] = im.input_block.ptr() + im.input_layout.offset[input_index.at(b.id)];
-    } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) && !error_flag_buffers.count(b.id) &&
-               !address_tables.count(b.id)) {
+    } else if (b.kind == codegen::BufferKind::Parameter && !constants.count(b.id) &&
+               !error_flag_buffers.count(b.id) && !address_tables.count(b.id)) {
       auto it = si.params.find(b.name);
       if (it == si.params.end())
         return Status::errorf("cuda executor: parameter '{}' of @{} is not on the device (upload the store first)",
@@ -547,8 +547,9 @@ Status CudaExecutor::Impl::createPipeline(int slot_count) {
     const std::string what = fmt::format("input slot {} of @{}", i, program.function);
     KILN_ASSIGN_OR_RETURN(slot.pinned, PinnedBuffer::allocate(drv, input_layout.total, what));
     KILN_ASSIGN_OR_RETURN(slot.landing, DeviceBuffer::allocate(drv, input_layout.total, what));
-    KILN_ASSIGN_OR_RETURN(slot.results, PinnedBuffer::allocate(drv, result_layout.total,
-                                                               fmt::format("result slot {} of @{}", i, program.function)));
+    KILN_ASSIGN_OR_RETURN(slot.results,
+                          PinnedBuffer::allocate(drv, result_layout.total,
+                                                 fmt::format("result slot {} of @{}", i, program.function)));
     KILN_ASSIGN_OR_RETURN(slot.uploaded, Event::create(drv, "the upload of " + what));
     KILN_ASSIGN_OR_RETURN(slot.consumed, Event::create(drv, "the copy-in of " + what));
     KILN_ASSIGN_OR_RETURN(slot.done, Event::create(drv, "the results of " + what));
@@ -557,21 +558,24 @@ Status CudaExecutor::Impl::createPipeline(int slot_count) {
   return Status::ok();
 }
 
-Status CudaExecutor::Impl::checkInputs(const runtime::cpu::Batch& batch, std::vector<const ir::TensorView*>& views,
+Status CudaExecutor::Impl::checkInputs(const runtime::cpu::Batch& batch,
+                                       std::vector<const ir::TensorView*>& views,
                                        std::vector<size_t>& bytes) const {
   for (int id : built.inputs) {
     const codegen::Buffer& b = program.buffers[id];
     const std::vector<int64_t>& shape = built.shapes[id];
     auto it = batch.find(b.name);
-    if (it == batch.end()) return Status::errorf("@{}: the batch has no input '{}'", program.function, b.name);
+    if (it == batch.end())
+      return Status::errorf("@{}: the batch has no input '{}'", program.function, b.name);
     const ir::TensorView& v = it->second;
     // A bounded 1-d input (jagged ids, `?(3*B)`) may hold fewer elements than its bound: the
     // kernels read only the ids the lengths cover.
     const bool within_bound = b.type.rank() == 1 && b.type.dim(0).isBounded() && v.shape.size() == 1 &&
                               v.shape[0] <= shape[0];
     if (v.dtype != b.type.dtype() || (v.shape != shape && !within_bound))
-      return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}", program.function, b.name,
-                            ir::dtypeName(v.dtype), shapeStr(v.shape), ir::dtypeName(b.type.dtype()), shapeStr(shape));
+      return Status::errorf("@{}: input '{}' is {} {}, the CUDA program was built for {} {}",
+                            program.function, b.name, ir::dtypeName(v.dtype), shapeStr(v.shape),
+                            ir::dtypeName(b.type.dtype()), shapeStr(shape));
     views.push_back(&v);
     bytes.push_back(static_cast<size_t>(product(v.shape) * ir::dtypeBytes(v.dtype)));
   }
@@ -588,11 +592,13 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
   const std::string& fn = program.function;
   switch (op.kind) {
     case PipelineOpKind::HostWaitUploaded:
-      KILN_CU(drv, cuEventSynchronize(slot.uploaded->get()), fmt::format("waiting for input slot {} of @{}", op.slot, fn));
+      KILN_CU(drv, cuEventSynchronize(slot.uploaded->get()),
+              fmt::format("waiting for input slot {} of @{}", op.slot, fn));
       break;
     case PipelineOpKind::FillPinned:
       for (size_t i = 0; i < views->size(); ++i)
-        if ((*bytes)[i]) std::memcpy(slot.pinned.data() + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
+        if ((*bytes)[i])
+          std::memcpy(slot.pinned.data() + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
       break;
     case PipelineOpKind::CopyWaitConsumed:
       KILN_CU(drv, cuStreamWaitEvent(copy, slot.consumed->get(), 0), "the copy stream of @" + fn);
@@ -618,7 +624,9 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
       for (size_t i = 0; i < built.inputs.size(); ++i) {
         const int id = built.inputs[i];
         if (input_layout.bytes[i])
-          KILN_CU(drv, cuMemcpyDtoDAsync(address[id], slot.landing.ptr() + input_layout.offset[i], input_layout.bytes[i], st0),
+          KILN_CU(drv,
+                  cuMemcpyDtoDAsync(address[id], slot.landing.ptr() + input_layout.offset[i],
+                                    input_layout.bytes[i], st0),
                   "input " + program.buffers[id].name);
       }
       break;
@@ -631,12 +639,16 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
       size_t r = 0;
       for (int id : program.results) {
         if (result_layout.bytes[r])
-          KILN_CU(drv, cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], address[id], result_layout.bytes[r], st0),
+          KILN_CU(drv,
+                  cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], address[id],
+                                    result_layout.bytes[r], st0),
                   "result " + program.buffers[id].name);
         ++r;
       }
       for (const ErrorFlag& f : flags) {
-        KILN_CU(drv, cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], f.ptr, result_layout.bytes[r], st0),
+        KILN_CU(drv,
+                cuMemcpyDtoHAsync(slot.results.data() + result_layout.offset[r], f.ptr,
+                                  result_layout.bytes[r], st0),
                 "the embedding error flag of " + f.kernel);
         ++r;
       }
@@ -653,8 +665,8 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
       if (!done) return Status::errorf("@{} on the GPU: {}", fn, done.message());
       if (tracer) {
         traced_ticket = -1;
-        tracer->complete("synchronize @" + fn, runtime::TraceCategory::Wait, options.rank, runtime::kHostTrack,
-                         wait_begin, runtime::Tracer::Clock::now());
+        tracer->complete("synchronize @" + fn, runtime::TraceCategory::Wait, options.rank,
+                         runtime::kHostTrack, wait_begin, runtime::Tracer::Clock::now());
         KILN_RETURN_IF_ERROR(finishTrace(*tracer, trace_origin_us));
       }
       break;
@@ -667,19 +679,22 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
         std::memcpy(flag, slot.results.data() + result_layout.offset[nresults + k], sizeof(flag));
         if (!flag[0]) continue;
         auto at = [&](const std::vector<std::string>& names) {
-          return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size() ? names[static_cast<size_t>(flag[1])]
-                                                                              : std::to_string(flag[1]);
+          return flag[1] >= 0 && static_cast<size_t>(flag[1]) < names.size()
+                     ? names[static_cast<size_t>(flag[1])]
+                     : std::to_string(flag[1]);
         };
         if (flag[0] == 2)
-          return Status::errorf("@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
-                                fn, at(f.subjects), at(f.checkers));
-        return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", fn, at(f.subjects),
-                              at(f.checkers));
+          return Status::errorf(
+              "@{}: jagged lengths '{}' are negative or add up to more ids than the batch holds (kernel {})",
+              fn, at(f.subjects), at(f.checkers));
+        return Status::errorf("@{}: an id is out of range for embedding table '{}' (kernel {})", fn,
+                              at(f.subjects), at(f.checkers));
       }
       for (size_t r = 0; r < nresults; ++r) {
         const int id = program.results[r];
         ir::HostTensor t(program.buffers[id].type.dtype(), built.shapes[id]);
-        if (!t.storage.empty()) std::memcpy(t.storage.data(), slot.results.data() + result_layout.offset[r], t.storage.size());
+        if (!t.storage.empty())
+          std::memcpy(t.storage.data(), slot.results.data() + result_layout.offset[r], t.storage.size());
         out->push_back(std::move(t));
       }
       break;
@@ -717,7 +732,9 @@ Status CudaExecutor::Impl::runStepOnStream0(int64_t ticket) {
       return Status::errorf("capturing @{} as a CUDA graph: {}", program.function, s.message());
     }
     auto captured = CudaGraph::endCapture(drv, st);
-    if (!captured) return Status::errorf("capturing @{} as a CUDA graph: {}", program.function, captured.status().message());
+    if (!captured)
+      return Status::errorf("capturing @{} as a CUDA graph: {}", program.function,
+                            captured.status().message());
     graph = captured.take();
     KILN_RETURN_IF_ERROR(graph->launch(st));
   } else {
@@ -849,7 +866,9 @@ Expected<std::unique_ptr<CudaExecutor>> CudaExecutor::create(const ir::Function&
   return Status::error("no CUDA: this kiln was built without the CUDA toolkit's headers");
 }
 Expected<std::vector<ir::HostTensor>> CudaExecutor::run(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
-Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch&) { return Status::error("no CUDA"); }
+Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch&) {
+  return Status::error("no CUDA");
+}
 Status CudaExecutor::launch(Ticket) { return Status::error("no CUDA"); }
 Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket) { return Status::error("no CUDA"); }
 Status CudaExecutor::drop(Ticket) { return Status::error("no CUDA"); }

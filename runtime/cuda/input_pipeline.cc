@@ -21,24 +21,39 @@ StagingLayout StagingLayout::plan(const std::vector<size_t>& bytes, size_t align
 
 const char* pipelineOpName(PipelineOpKind k) {
   switch (k) {
-    case PipelineOpKind::HostWaitUploaded: return "HostWaitUploaded";
-    case PipelineOpKind::FillPinned: return "FillPinned";
-    case PipelineOpKind::CopyWaitConsumed: return "CopyWaitConsumed";
-    case PipelineOpKind::Upload: return "Upload";
-    case PipelineOpKind::RecordUploaded: return "RecordUploaded";
-    case PipelineOpKind::ComputeWaitUploaded: return "ComputeWaitUploaded";
-    case PipelineOpKind::CopyIn: return "CopyIn";
-    case PipelineOpKind::RecordConsumed: return "RecordConsumed";
-    case PipelineOpKind::RunStep: return "RunStep";
-    case PipelineOpKind::Download: return "Download";
-    case PipelineOpKind::RecordDone: return "RecordDone";
-    case PipelineOpKind::HostWaitDone: return "HostWaitDone";
-    case PipelineOpKind::ReadResults: return "ReadResults";
+    case PipelineOpKind::HostWaitUploaded:
+      return "HostWaitUploaded";
+    case PipelineOpKind::FillPinned:
+      return "FillPinned";
+    case PipelineOpKind::CopyWaitConsumed:
+      return "CopyWaitConsumed";
+    case PipelineOpKind::Upload:
+      return "Upload";
+    case PipelineOpKind::RecordUploaded:
+      return "RecordUploaded";
+    case PipelineOpKind::ComputeWaitUploaded:
+      return "ComputeWaitUploaded";
+    case PipelineOpKind::CopyIn:
+      return "CopyIn";
+    case PipelineOpKind::RecordConsumed:
+      return "RecordConsumed";
+    case PipelineOpKind::RunStep:
+      return "RunStep";
+    case PipelineOpKind::Download:
+      return "Download";
+    case PipelineOpKind::RecordDone:
+      return "RecordDone";
+    case PipelineOpKind::HostWaitDone:
+      return "HostWaitDone";
+    case PipelineOpKind::ReadResults:
+      return "ReadResults";
   }
   return "?";
 }
 
-std::string PipelineOp::str() const { return fmt::format("{}(slot {}, ticket {})", pipelineOpName(kind), slot, ticket); }
+std::string PipelineOp::str() const {
+  return fmt::format("{}(slot {}, ticket {})", pipelineOpName(kind), slot, ticket);
+}
 
 InputPipeline::InputPipeline(int slots) : slots_(std::max(slots, 1)) {}
 
@@ -53,9 +68,10 @@ Expected<int64_t> InputPipeline::stage(std::vector<PipelineOp>& ops) {
   // Landing slot s is read by ticket n - slots's CopyIn: its `consumed` must be recorded before
   // the new upload's wait is enqueued, or the wait would see an older record.
   if (stateOf(n - slots_) == State::Staged)
-    return Status::errorf("input pipeline: {} batches are staged and not launched (ticket {} holds slot {}); launch "
-                          "or drop one first",
-                          slots_, n - slots_, s);
+    return Status::errorf(
+        "input pipeline: {} batches are staged and not launched (ticket {} holds slot {}); launch "
+        "or drop one first",
+        slots_, n - slots_, s);
   ++next_;
   tickets_[n] = State::Staged;
   if (n >= slots_) ops.push_back({PipelineOpKind::HostWaitUploaded, s, n});
@@ -68,26 +84,30 @@ Expected<int64_t> InputPipeline::stage(std::vector<PipelineOp>& ops) {
 
 Status InputPipeline::launch(int64_t ticket, std::vector<PipelineOp>& ops) {
   if (stateOf(ticket) != State::Staged)
-    return Status::errorf("input pipeline: ticket {} is not staged (launched, dropped or never handed out)", ticket);
+    return Status::errorf("input pipeline: ticket {} is not staged (launched, dropped or never handed out)",
+                          ticket);
   const std::vector<int64_t> waiting = staged();
   if (waiting.front() != ticket)
     return Status::errorf("input pipeline: ticket {} launched before ticket {}, staged earlier", ticket,
                           waiting.front());
   // Result slot s still holds ticket - slots's results until the host reads them.
   if (stateOf(ticket - slots_) == State::Launched)
-    return Status::errorf("input pipeline: collect ticket {} before launching ticket {} (they share result slot {})",
-                          ticket - slots_, ticket, slotOf(ticket));
+    return Status::errorf(
+        "input pipeline: collect ticket {} before launching ticket {} (they share result slot {})",
+        ticket - slots_, ticket, slotOf(ticket));
   const int s = slotOf(ticket);
   tickets_[ticket] = State::Launched;
-  for (PipelineOpKind k : {PipelineOpKind::ComputeWaitUploaded, PipelineOpKind::CopyIn, PipelineOpKind::RecordConsumed,
-                           PipelineOpKind::RunStep, PipelineOpKind::Download, PipelineOpKind::RecordDone})
+  for (PipelineOpKind k :
+       {PipelineOpKind::ComputeWaitUploaded, PipelineOpKind::CopyIn, PipelineOpKind::RecordConsumed,
+        PipelineOpKind::RunStep, PipelineOpKind::Download, PipelineOpKind::RecordDone})
     ops.push_back({k, s, ticket});
   return Status::ok();
 }
 
 Status InputPipeline::collect(int64_t ticket, std::vector<PipelineOp>& ops) {
   if (stateOf(ticket) != State::Launched)
-    return Status::errorf("input pipeline: ticket {} is not in flight (not launched, or collected already)", ticket);
+    return Status::errorf("input pipeline: ticket {} is not in flight (not launched, or collected already)",
+                          ticket);
   tickets_.erase(ticket);
   ops.push_back({PipelineOpKind::HostWaitDone, slotOf(ticket), ticket});
   ops.push_back({PipelineOpKind::ReadResults, slotOf(ticket), ticket});
@@ -146,7 +166,7 @@ struct Memory {
 
 std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops, int slots) {
   std::vector<std::string> hazards;
-  std::array<Clock, 3> clock{};  // per agent
+  std::array<Clock, 3> clock{};                   // per agent
   std::map<std::pair<int, int>, Clock> recorded;  // (record kind, slot) -> clock at the record
   std::map<std::string, Memory> memory;
 
@@ -158,7 +178,8 @@ std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops,
       hazards.push_back(fmt::format("{}: {} is not ordered after {}", name, here.op, m.write.op));
     if (write) {
       for (const Access& r : m.reads)
-        if (!ordered(r, a)) hazards.push_back(fmt::format("{}: {} is not ordered after {}", name, here.op, r.op));
+        if (!ordered(r, a))
+          hazards.push_back(fmt::format("{}: {} is not ordered after {}", name, here.op, r.op));
       m.written = true;
       m.write = here;
       m.ticket = op.ticket;
@@ -188,30 +209,48 @@ std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops,
       case PipelineOpKind::HostWaitUploaded:
       case PipelineOpKind::FillPinned:
       case PipelineOpKind::HostWaitDone:
-      case PipelineOpKind::ReadResults: a = kHost; break;
+      case PipelineOpKind::ReadResults:
+        a = kHost;
+        break;
       case PipelineOpKind::CopyWaitConsumed:
       case PipelineOpKind::Upload:
-      case PipelineOpKind::RecordUploaded: a = kCopy; break;
-      default: a = kCompute; break;
+      case PipelineOpKind::RecordUploaded:
+        a = kCopy;
+        break;
+      default:
+        a = kCompute;
+        break;
     }
     // Stream work runs after everything the host did before enqueuing it.
     if (a != kHost) join(clock[a], clock[kHost]);
     ++clock[a][a];
     switch (op.kind) {
-      case PipelineOpKind::HostWaitUploaded: waitFor(kHost, kUploaded, s); break;
-      case PipelineOpKind::FillPinned: touch(kHost, pinned, true, op); break;
-      case PipelineOpKind::CopyWaitConsumed: waitFor(kCopy, kConsumed, s); break;
+      case PipelineOpKind::HostWaitUploaded:
+        waitFor(kHost, kUploaded, s);
+        break;
+      case PipelineOpKind::FillPinned:
+        touch(kHost, pinned, true, op);
+        break;
+      case PipelineOpKind::CopyWaitConsumed:
+        waitFor(kCopy, kConsumed, s);
+        break;
       case PipelineOpKind::Upload:
         touch(kCopy, pinned, false, op);
         touch(kCopy, landing, true, op);
         break;
-      case PipelineOpKind::RecordUploaded: recorded[{kUploaded, s}] = clock[kCopy]; break;
-      case PipelineOpKind::ComputeWaitUploaded: waitFor(kCompute, kUploaded, s); break;
+      case PipelineOpKind::RecordUploaded:
+        recorded[{kUploaded, s}] = clock[kCopy];
+        break;
+      case PipelineOpKind::ComputeWaitUploaded:
+        waitFor(kCompute, kUploaded, s);
+        break;
       case PipelineOpKind::CopyIn:
         touch(kCompute, landing, false, op);
         touch(kCompute, "inputs", true, op);
         break;
-      case PipelineOpKind::RecordConsumed: recorded[{kConsumed, s}] = clock[kCompute]; break;
+      case PipelineOpKind::RecordConsumed:
+        recorded[{kConsumed, s}] = clock[kCompute];
+        break;
       case PipelineOpKind::RunStep:
         touch(kCompute, "inputs", false, op);
         touch(kCompute, "results", true, op);
@@ -220,9 +259,15 @@ std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops,
         touch(kCompute, "results", false, op);
         touch(kCompute, result_slot, true, op);
         break;
-      case PipelineOpKind::RecordDone: recorded[{kDone, s}] = clock[kCompute]; break;
-      case PipelineOpKind::HostWaitDone: waitFor(kHost, kDone, s); break;
-      case PipelineOpKind::ReadResults: touch(kHost, result_slot, false, op); break;
+      case PipelineOpKind::RecordDone:
+        recorded[{kDone, s}] = clock[kCompute];
+        break;
+      case PipelineOpKind::HostWaitDone:
+        waitFor(kHost, kDone, s);
+        break;
+      case PipelineOpKind::ReadResults:
+        touch(kHost, result_slot, false, op);
+        break;
     }
   }
   return hazards;

@@ -42,11 +42,11 @@ struct StagingLayout {
 
 enum class PipelineOpKind : uint8_t {
   // stage(): the host fills pinned slot s, the copy stream uploads it.
-  HostWaitUploaded,   // host: cuEventSynchronize(uploaded[s]) (the slot's previous upload read it)
-  FillPinned,         // host: memcpy of the batch into pinned[s]
-  CopyWaitConsumed,   // copy stream: cuStreamWaitEvent(consumed[s]) (landing[s] copied out)
-  Upload,             // copy stream: pinned[s] -> landing[s]
-  RecordUploaded,     // copy stream: cuEventRecord(uploaded[s])
+  HostWaitUploaded,  // host: cuEventSynchronize(uploaded[s]) (the slot's previous upload read it)
+  FillPinned,        // host: memcpy of the batch into pinned[s]
+  CopyWaitConsumed,  // copy stream: cuStreamWaitEvent(consumed[s]) (landing[s] copied out)
+  Upload,            // copy stream: pinned[s] -> landing[s]
+  RecordUploaded,    // copy stream: cuEventRecord(uploaded[s])
   // launch(): the compute stream takes the inputs, runs the step and downloads its results.
   ComputeWaitUploaded,  // compute stream: cuStreamWaitEvent(uploaded[s])
   CopyIn,               // compute stream: landing[s] -> the step's input buffers

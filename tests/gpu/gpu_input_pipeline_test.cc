@@ -22,10 +22,13 @@ using testing::ModelCase;
 constexpr int64_t kBatch = 256;
 constexpr int kSteps = 6;
 
-std::unique_ptr<driver::Session> gpuSession(const ModelCase& c) { return testing::makeSession(c, kBatch, "2000", "cuda", 2); }
+std::unique_ptr<driver::Session> gpuSession(const ModelCase& c) {
+  return testing::makeSession(c, kBatch, "2000", "cuda", 2);
+}
 
 bool sameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 class GpuInputPipeline : public ::testing::TestWithParam<ModelCase> {};
@@ -62,8 +65,9 @@ TEST_P(GpuInputPipeline, StagedStepsTrainAsUnstagedOnes) {
   for (int i = 0; i < kSteps; ++i)
     deterministic = deterministic && c[i].loss == p[i].loss && sameBits(c[i].logits, p[i].logits);
   if (!deterministic) {
-    std::printf("note: two unstaged GPU sessions of %s differ; the staged run is compared within tolerances\n",
-                GetParam().name().c_str());
+    std::printf(
+        "note: two unstaged GPU sessions of %s differ; the staged run is compared within tolerances\n",
+        GetParam().name().c_str());
     RecordProperty("deterministic", "no");
   }
   for (int i = 0; i < kSteps; ++i) {
@@ -83,7 +87,8 @@ TEST_P(GpuInputPipeline, StagedStepsTrainAsUnstagedOnes) {
     if (deterministic) {
       EXPECT_EQ(std::memcmp(want->storage.data(), got->storage.data(), want->storage.size()), 0) << name;
     } else {
-      testing::TensorDiff d = testing::compareTensors(*got, *want, testing::stateTolerance(GetParam(), want->view.dtype));
+      testing::TensorDiff d =
+          testing::compareTensors(*got, *want, testing::stateTolerance(GetParam(), want->view.dtype));
       EXPECT_LE(d.off, d.allowed()) << name << ": " << d.str();
     }
   }
@@ -116,7 +121,8 @@ TEST(GpuInputPipelineDrop, AStagedBatchNotTrainedOnIsDropped) {
   EXPECT_NEAR(s2->loss, p2->loss, testing::lossTolerance(c) * (1 + std::fabs(p2->loss)));
   ASSERT_EQ(s2->logits.size(), p2->logits.size());
   for (size_t i = 0; i < p2->logits.size(); ++i)
-    ASSERT_NEAR(s2->logits[i], p2->logits[i], testing::logitTolerance(c) * (1 + std::fabs(p2->logits[i]))) << "logit " << i;
+    ASSERT_NEAR(s2->logits[i], p2->logits[i], testing::logitTolerance(c) * (1 + std::fabs(p2->logits[i])))
+        << "logit " << i;
 }
 
 #ifdef KILN_HAVE_CUDA_HEADERS
@@ -146,7 +152,8 @@ TEST(GpuInputPipelineExecutor, TwoBatchesAheadGiveEachBatchItsOwnResult) {
   const int steps = 7;
   std::vector<std::vector<float>> xs(steps, std::vector<float>(static_cast<size_t>(n)));
   for (int i = 0; i < steps; ++i)
-    for (int64_t j = 0; j < n; ++j) xs[static_cast<size_t>(i)][static_cast<size_t>(j)] = static_cast<float>(i * 1000 + j % 997);
+    for (int64_t j = 0; j < n; ++j)
+      xs[static_cast<size_t>(i)][static_cast<size_t>(j)] = static_cast<float>(i * 1000 + j % 997);
   auto stage = [&](int i) {
     // The batch is gone once staged: its memory is rewritten at once.
     std::vector<float> copy = xs[static_cast<size_t>(i)];
@@ -167,7 +174,8 @@ TEST(GpuInputPipelineExecutor, TwoBatchesAheadGiveEachBatchItsOwnResult) {
     ASSERT_TRUE(out) << out.status().message();
     const float* got = (*out)[0].as<float>();
     for (int64_t j = 0; j < n; j += 4099)
-      ASSERT_EQ(got[j], 2 * xs[static_cast<size_t>(d)][static_cast<size_t>(j)]) << "batch " << d << " at " << j;
+      ASSERT_EQ(got[j], 2 * xs[static_cast<size_t>(d)][static_cast<size_t>(j)])
+          << "batch " << d << " at " << j;
   };
   for (int i = 0; i < steps; ++i) {
     ASSERT_TRUE(e.launch(tickets[static_cast<size_t>(i)]));

@@ -57,8 +57,8 @@ TEST(InputPipeline, FirstUseOfASlotWaitsForNothingLaterUsesWait) {
   auto t2 = p.stage(ops);  // slot 0 again: waits for its upload and for step 0's CopyIn
   ASSERT_TRUE(t2);
   EXPECT_EQ(*t2, 2);
-  EXPECT_EQ(kinds(ops),
-            (std::vector<K>{K::HostWaitUploaded, K::FillPinned, K::CopyWaitConsumed, K::Upload, K::RecordUploaded}));
+  EXPECT_EQ(kinds(ops), (std::vector<K>{K::HostWaitUploaded, K::FillPinned, K::CopyWaitConsumed, K::Upload,
+                                        K::RecordUploaded}));
   for (const PipelineOp& op : ops) EXPECT_EQ(op.slot, 0);
 }
 
@@ -131,16 +131,17 @@ TEST(InputPipeline, TwoAheadIsSafe) {
 // Without any one kind of wait the deep order races: the checker must say so, naming the memory.
 TEST(InputPipeline, EveryKindOfWaitIsNeeded) {
   const std::vector<std::pair<K, std::string>> cases = {
-      {K::HostWaitUploaded, "pinned["},     // the host refills a slot the copy stream still reads
-      {K::CopyWaitConsumed, "landing["},    // an upload overwrites a slot a step has not copied in
-      {K::ComputeWaitUploaded, "landing["}, // a step copies in a slot before its upload lands
-      {K::HostWaitDone, "result slot["},    // the host reads results before their download
+      {K::HostWaitUploaded, "pinned["},      // the host refills a slot the copy stream still reads
+      {K::CopyWaitConsumed, "landing["},     // an upload overwrites a slot a step has not copied in
+      {K::ComputeWaitUploaded, "landing["},  // a step copies in a slot before its upload lands
+      {K::HostWaitDone, "result slot["},     // the host reads results before their download
   };
   for (const auto& [removed, memory] : cases) {
     InputPipeline p(2);
     std::vector<PipelineOp> ops = deepSchedule(p, 6);
-    ops.erase(std::remove_if(ops.begin(), ops.end(), [&](const PipelineOp& op) { return op.kind == removed; }),
-              ops.end());
+    ops.erase(
+        std::remove_if(ops.begin(), ops.end(), [&](const PipelineOp& op) { return op.kind == removed; }),
+        ops.end());
     std::vector<std::string> hazards = findPipelineHazards(ops, 2);
     ASSERT_FALSE(hazards.empty()) << "without " << pipelineOpName(removed);
     EXPECT_NE(joined(hazards).find(memory), std::string::npos) << joined(hazards);
@@ -154,7 +155,8 @@ TEST(InputPipeline, CheckerCatchesASlotMixUp) {
   for (PipelineOp& op : ops)
     if (op.ticket == 1 && op.kind == K::CopyIn) op.slot = 0;
   const std::string hazards = joined(findPipelineHazards(ops, 2));
-  EXPECT_NE(hazards.find("landing[0]: CopyIn(slot 0, ticket 1) reads ticket 0's data"), std::string::npos) << hazards;
+  EXPECT_NE(hazards.find("landing[0]: CopyIn(slot 0, ticket 1) reads ticket 0's data"), std::string::npos)
+      << hazards;
 }
 
 TEST(InputPipeline, RefusesUnsafeCalls) {
@@ -171,7 +173,7 @@ TEST(InputPipeline, RefusesUnsafeCalls) {
   EXPECT_FALSE(p.collect(0, ops));  // not launched
   ASSERT_TRUE(p.launch(0, ops));
   ASSERT_TRUE(p.launch(1, ops));
-  ASSERT_TRUE(p.stage(ops));  // ticket 2
+  ASSERT_TRUE(p.stage(ops));         // ticket 2
   Status unread = p.launch(2, ops);  // ticket 0's results still in result slot 0
   ASSERT_FALSE(unread);
   EXPECT_NE(unread.message().find("collect ticket 0"), std::string::npos) << unread.message();
