@@ -14,6 +14,7 @@
 #include <set>
 
 #include "codegen/emit/emitter_registry.h"
+#include "codegen/emit/fold.h"
 #include "ir/target.h"
 
 namespace kiln::codegen::emit {
@@ -54,43 +55,35 @@ std::set<int64_t> axesOf(const Op& op, size_t rank) {
   return axes;
 }
 
-// A fold of x over some of its dims into `out`, which is x's kept dims in order (size-1 dims may
-// be dropped or kept: the flat index is the same). out = cast(combiner over the folded
-// elements, times `scale` when it is not 1).
-struct Fold {
-  std::string name;
-  const Value* x = nullptr;
-  std::vector<int64_t> xs;
-  std::vector<bool> folded;  // per dim of x
-  Combiner combiner = Combiner::Sum;
-  double scale = 1;
-  const Value* out = nullptr;
+}  // namespace
 
-  std::vector<int64_t> keptDims(bool drop_ones) const {
-    std::vector<int64_t> d;
-    for (size_t i = 0; i < xs.size(); ++i)
-      if (!folded[i] && !(drop_ones && xs[i] == 1)) d.push_back(xs[i]);
-    return d;
+std::vector<int64_t> Fold::keptDims(bool drop_ones) const {
+  std::vector<int64_t> d;
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (!folded[i] && !(drop_ones && xs[i] == 1)) d.push_back(xs[i]);
+  return d;
+}
+
+std::vector<int64_t> Fold::foldedDims(bool drop_ones) const {
+  std::vector<int64_t> d;
+  for (size_t i = 0; i < xs.size(); ++i)
+    if (folded[i] && !(drop_ones && xs[i] == 1)) d.push_back(xs[i]);
+  return d;
+}
+
+bool Fold::foldsLeadingDims() const {
+  bool seen_kept = false;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    if (xs[i] == 1) continue;
+    if (!folded[i])
+      seen_kept = true;
+    else if (seen_kept)
+      return false;
   }
-  std::vector<int64_t> foldedDims(bool drop_ones) const {
-    std::vector<int64_t> d;
-    for (size_t i = 0; i < xs.size(); ++i)
-      if (folded[i] && !(drop_ones && xs[i] == 1)) d.push_back(xs[i]);
-    return d;
-  }
-  // The folded dims all come before the kept ones (size-1 dims aside).
-  bool foldsLeadingDims() const {
-    bool seen_kept = false;
-    for (size_t i = 0; i < xs.size(); ++i) {
-      if (xs[i] == 1) continue;
-      if (!folded[i])
-        seen_kept = true;
-      else if (seen_kept)
-        return false;
-    }
-    return true;
-  }
-};
+  return true;
+}
+
+namespace {
 
 // The coordinates of x's dims: kept dims numbered from `kept_first`, folded ones from
 // `folded_first` (each in x's order); size-1 dims are 0 when `drop_ones`.
@@ -141,7 +134,7 @@ Status lowerColumnFold(GroupLowering& gl, const Fold& f) {
   ExprGraph& g = first.g();
   const int row_first = static_cast<int>(first.k.space.size());
   std::vector<int> coords = foldCoords(g, f, 1, row_first, true);
-  KILN_ASSIGN_OR_RETURN(int v, gl.valueAt(first, f.x, coords));
+  KILN_ASSIGN_OR_RETURN(int v, f.element(first, coords));
   first.k.phases.push_back({Phase::Kind::Reduce, f.combiner, v, {}});
   const DType ct = g.typeOf(v);
   const int acc = g.rowValue(0, ct);
@@ -182,7 +175,7 @@ Status lowerRowFold(GroupLowering& gl, const Fold& f) {
     KernelBuilder kb = KernelBuilder::row(f.name, kept, row_space);
     ExprGraph& g = kb.g();
     std::vector<int> coords = foldCoords(g, f, 0, static_cast<int>(kb.k.space.size()), false);
-    KILN_ASSIGN_OR_RETURN(int v, gl.valueAt(kb, f.x, coords));
+    KILN_ASSIGN_OR_RETURN(int v, f.element(kb, coords));
     kb.k.phases.push_back({Phase::Kind::Reduce, f.combiner, v, {}});
     kb.k.stores.push_back({gl.bindValue(kb, f.out, true), rowMajorOffset(g, kb.spaceCoords(), kb.k.space),
                            finishFold(g, f, g.rowValue(0, g.typeOf(v))), -1});
@@ -207,7 +200,7 @@ Status lowerRowFold(GroupLowering& gl, const Fold& f) {
   std::vector<int> coords(f.xs.size());
   for (size_t i = 0, ki = 0, fi = 0; i < f.xs.size(); ++i)
     coords[i] = f.folded[i] ? folded_coords[fi++] : g.coord(static_cast<int>(ki++));
-  KILN_ASSIGN_OR_RETURN(int v, gl.valueAt(first, f.x, coords));
+  KILN_ASSIGN_OR_RETURN(int v, f.element(first, coords));
   const DType ct = g.typeOf(v);
   // The last chunk's tail past the row reads nothing: the combiner's identity instead.
   const double identity = f.combiner == Combiner::Max ? -std::numeric_limits<double>::infinity() : 0.0;
@@ -231,8 +224,17 @@ Status lowerRowFold(GroupLowering& gl, const Fold& f) {
   return gl.finish(second);
 }
 
+}  // namespace
+
 Status lowerFold(GroupLowering& gl, const Fold& f) {
   return f.foldsLeadingDims() ? lowerColumnFold(gl, f) : lowerRowFold(gl, f);
+}
+
+namespace {
+
+// The fold of a value of the group.
+Fold::Element valueElement(GroupLowering& gl, const Value* x) {
+  return [&gl, x](KernelBuilder& kb, const std::vector<int>& coords) { return gl.valueAt(kb, x, coords); };
 }
 
 Status lowerReduce(GroupLowering& gl, const std::vector<const Op*>& ops) {
@@ -243,9 +245,8 @@ Status lowerReduce(GroupLowering& gl, const std::vector<const Op*>& ops) {
     return Status::errorf("{} on the CUDA backend needs a float operand", opLabel(op));
   const std::set<int64_t> axes = axesOf(op, xs.size());
   const std::string kind = op.strAttr("kind");
-  Fold f{
-      "reduce_" + kind, x, xs, std::vector<bool>(xs.size()), kind == "max" ? Combiner::Max : Combiner::Sum, 1,
-      op.result()};
+  Fold f{"reduce_" + kind, xs, std::vector<bool>(xs.size()), kind == "max" ? Combiner::Max : Combiner::Sum, 1,
+         op.result(), valueElement(gl, x)};
   int64_t folded = 1;
   for (size_t i = 0; i < xs.size(); ++i)
     if ((f.folded[i] = axes.count(static_cast<int64_t>(i)) > 0)) folded *= xs[i];
@@ -263,7 +264,7 @@ Status lowerSumTo(GroupLowering& gl, const std::vector<const Op*>& ops) {
   KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
   KILN_ASSIGN_OR_RETURN(auto os, gl.shapeOf(op.result()));
   const size_t lead = xs.size() - os.size();
-  Fold f{"sum_to", x, xs, std::vector<bool>(xs.size()), Combiner::Sum, 1, op.result()};
+  Fold f{"sum_to", xs, std::vector<bool>(xs.size()), Combiner::Sum, 1, op.result(), valueElement(gl, x)};
   for (size_t i = 0; i < xs.size(); ++i) f.folded[i] = i < lead || (os[i - lead] == 1 && xs[i] != 1);
   return lowerFold(gl, f);
 }

@@ -1,7 +1,9 @@
-// The softmax and loss emitter: Row kernels for softmax, the losses (bce_with_logits,
-// softmax_cross_entropy) and softmax cross-entropy's gradient. softmax and bce_with_logits
-// compute a pointwise producer chain of their group inline.
+// The softmax and loss emitter: Row kernels for softmax, softmax cross-entropy's per-row losses
+// and its gradient; the losses' totals are folds (fold.h), so a loss over 100M elements is cut
+// over many blocks rather than summed by one. softmax and bce_with_logits compute a pointwise
+// producer chain of their group inline.
 #include "codegen/emit/emitter_registry.h"
+#include "codegen/emit/fold.h"
 
 namespace kiln::codegen::emit {
 namespace {
@@ -52,28 +54,22 @@ Status lowerBce(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Value* x = op.operand(0);
   const Value* y = op.operand(1);
   KILN_ASSIGN_OR_RETURN(auto xs, gl.shapeOf(x));
-  KernelBuilder kb = KernelBuilder::row("bce_with_logits", {1}, xs.empty() ? std::vector<int64_t>{1} : xs);
-  Kernel& k = kb.k;
-  ExprGraph& g = k.exprs;
-  std::vector<int> coords;
-  for (size_t i = 0; i < xs.size(); ++i) coords.push_back(g.coord(static_cast<int>(i) + 1));
-  KILN_ASSIGN_OR_RETURN(auto xv, gl.valueAt(kb, x, coords));
-  KILN_ASSIGN_OR_RETURN(auto yv, gl.valueAt(kb, y, coords));
-  DType ct = g.typeOf(xv);
-  int yy = g.cast(yv, ct);
-  // max(x, 0) - x*y + log1p(exp(-|x|)): no overflow for large |x|.
-  int loss =
-      g.binary(ExprOp::Add, g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, xv), g.binary(ExprOp::Mul, xv, yy)),
+  Fold f{"bce_with_logits", xs, std::vector<bool>(xs.size(), true), Combiner::Sum,
+         isMean(op) ? 1.0 / static_cast<double>(product(xs)) : 1.0, op.result(),
+         [&](KernelBuilder& kb, const std::vector<int>& coords) -> Expected<int> {
+           ExprGraph& g = kb.g();
+           KILN_ASSIGN_OR_RETURN(auto xv, gl.valueAt(kb, x, coords));
+           KILN_ASSIGN_OR_RETURN(auto yv, gl.valueAt(kb, y, coords));
+           const int yy = g.cast(yv, g.typeOf(xv));
+           // max(x, 0) - x*y + log1p(exp(-|x|)): no overflow for large |x|.
+           return g.binary(
+               ExprOp::Add, g.binary(ExprOp::Sub, g.unary(ExprOp::Relu, xv), g.binary(ExprOp::Mul, xv, yy)),
                g.unary(ExprOp::Log1p, g.unary(ExprOp::Exp, g.unary(ExprOp::Neg, g.unary(ExprOp::Abs, xv)))));
-  k.phases.push_back({Phase::Kind::Reduce, Combiner::Sum, loss, {}});
-  int acc = g.rowValue(0, ct);
-  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(product(xs)), ct));
-  int out = gl.bindValue(kb, op.result(), true);
-  k.stores.push_back({out, g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
-  return gl.finish(kb);
+         }};
+  return lowerFold(gl, f);
 }
 
-// Two kernels: per-row losses into a temporary, then their sum (or mean).
+// Per-row losses into a temporary, then their sum (or mean): a fold.
 Status lowerSoftmaxCrossEntropy(GroupLowering& gl, const std::vector<const Op*>& ops) {
   const Op& op = *ops.back();
   const Value* x = op.operand(0);
@@ -112,16 +108,11 @@ Status lowerSoftmaxCrossEntropy(GroupLowering& gl, const std::vector<const Op*>&
     k.stores.push_back({gl.bind(kb, rows, true), ar.outer[0], g.cast(loss, DType::f32), -1});
     KILN_RETURN_IF_ERROR(gl.finish(kb));
   }
-  KernelBuilder kb = KernelBuilder::row("softmax_xent_total", {1}, {n});
-  Kernel& k = kb.k;
-  ExprGraph& g = k.exprs;
-  k.phases.push_back(
-      {Phase::Kind::Reduce, Combiner::Sum, g.load(gl.bind(kb, rows, false), DType::f32, g.coord(1)), {}});
-  int acc = g.rowValue(0, DType::f32);
-  if (isMean(op)) acc = g.binary(ExprOp::Mul, acc, g.constant(1.0 / static_cast<double>(n), DType::f32));
-  k.stores.push_back(
-      {gl.bindValue(kb, op.result(), true), g.intConstant(0), g.cast(acc, op.result()->type().dtype()), -1});
-  return gl.finish(kb);
+  Fold f{"softmax_xent_total", {n}, {true}, Combiner::Sum, isMean(op) ? 1.0 / static_cast<double>(n) : 1.0,
+         op.result(), [&](KernelBuilder& kb, const std::vector<int>& coords) -> Expected<int> {
+           return kb.g().load(gl.bind(kb, rows, false), DType::f32, coords[0]);
+         }};
+  return lowerFold(gl, f);
 }
 
 // g (softmax(x) * sum_c p - p) per row, / N for a mean; p is one-hot for class ids.

@@ -317,6 +317,21 @@ inline std::vector<OpCase> allOpCases() {
     b.tol(1e-5);
     add(b);
   }
+  {  // A loss of 131,072 elements: its total is a two-pass fold (16 slabs, then their partials).
+    CaseBuilder b("bce_with_logits_two_pass");
+    b.op("kiln.bce_with_logits", {b.input("x", f32, S({512, 256})), b.input("y", f32, S({512, 256}), Fill::Labels01)});
+    b.kernels(2);
+    b.tol(1e-5);
+    add(b);
+  }
+  {  // 32,768 rows: the per-row losses, then their mean as a two-pass fold.
+    CaseBuilder b("softmax_cross_entropy_two_pass");
+    b.op("kiln.softmax_cross_entropy",
+         {b.input("x", f32, S({32768, 4})), b.input("y", DType::i64, S({32768}), Fill::Ids, 4)});
+    b.kernels(3);
+    b.tol(1e-5);
+    add(b);
+  }
   {
     CaseBuilder b("softmax_cross_entropy_ids");
     b.op("kiln.softmax_cross_entropy", {b.input("x", f32, S({6, 5})), b.input("y", DType::i64, S({6}), Fill::Ids, 5)});

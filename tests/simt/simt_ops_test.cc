@@ -347,6 +347,27 @@ TEST(SimtFoldShapes, ProductionFoldsUseAWaveOfBlocks) {
   EXPECT_EQ(buildFold({"bias_grad_16384x1", "sum_to", "sum", {16384, 1}, {}, {1}}).group.kernels.size(), 1u);
 }
 
+// The losses' totals are folds too: a 100M-element bce_with_logits and the mean of 50M rows'
+// softmax cross-entropies spread over a wave of blocks, where each was one block before.
+TEST(SimtFoldShapes, LossTotalsUseAWaveOfBlocks) {
+  CaseBuilder bce("bce_100M");
+  bce.op("kiln.bce_with_logits", {bce.input("x", DType::f32, S({100000000})), bce.input("y", DType::f32, S({100000000}))});
+  CaseBuilder xent("softmax_xent_50M_rows");
+  xent.op("kiln.softmax_cross_entropy",
+          {xent.input("x", DType::f32, S({50000000, 2})), xent.input("y", DType::i64, S({50000000}))});
+  for (CaseBuilder* b : {&bce, &xent}) {
+    OpCase c = b->take();
+    SCOPED_TRACE(c.name);
+    auto g = codegen::lowerGroup(c.group, c.symbols);
+    ASSERT_TRUE(g) << g.status().message();
+    ASSERT_GE(g->kernels.size(), 2u);
+    const codegen::Kernel& total = g->kernels[g->kernels.size() - 2];  // the first pass of the total
+    EXPECT_EQ(total.kind, codegen::KernelKind::ColumnReduce);
+    EXPECT_GE(codegen::launchConfig(total).grid, 132 * 8);
+    EXPECT_EQ(g->kernels.back().kind, codegen::KernelKind::ColumnReduce);
+  }
+}
+
 // The emulator itself: what it must run, and the mistakes it must catch.
 codegen::CudaModule handWritten(const std::string& kernel, const std::string& body) {
   codegen::CudaModule m;
