@@ -38,6 +38,10 @@ const char* epilogueName(Epilogue e) {
       return "gelu";
     case Epilogue::BiasGelu:
       return "bias+gelu";
+    case Epilogue::BiasGradA:
+      return "bgrad(A)";
+    case Epilogue::BiasGradB:
+      return "bgrad(B)";
   }
   return "?";
 }
@@ -209,9 +213,12 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
       shape.c_type = g.buffers[static_cast<size_t>(call.c)].dtype;
       const bool bias = call.bias >= 0;
       if (bias) shape.bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
-      shape.epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
-                       : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
-                                                   : (bias ? Epilogue::Bias : Epilogue::None);
+      if (call.bias_gradient_of)
+        shape.epilogue = call.bias_gradient_of == 'a' ? Epilogue::BiasGradA : Epilogue::BiasGradB;
+      else
+        shape.epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
+                         : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
+                                                     : (bias ? Epilogue::Bias : Epilogue::None);
       CudaStep s;
       s.group = static_cast<int>(gi);
       s.gemm = shape;

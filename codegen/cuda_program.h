@@ -30,11 +30,24 @@
 
 namespace kiln::codegen {
 
-enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu };
+// What cuBLASLt does besides the product. BiasGradA and BiasGradB write a bias gradient instead
+// of reading a bias: the sum over K of op(A) (length M) or of op(B) (length N), the reduction of
+// a gradient that is also the GEMM's operand (a weight gradient dW = g^T x and db = sum_rows(g));
+// A and B are the row-major operands here, so BiasGradA is cuBLASLt's BGRADB (cublaslt.cc).
+enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu, BiasGradA, BiasGradB };
 const char* epilogueName(Epilogue e);
+// Whether the epilogue reads a bias (bias[N]), or writes a bias gradient (BiasGradA: [M],
+// BiasGradB: [N]) through the same pointer.
+// (Inline: runtime/cuda/cublaslt.cc uses them without linking the code generator.)
+inline bool epilogueReadsBias(Epilogue e) {
+  return e == Epilogue::Bias || e == Epilogue::BiasRelu || e == Epilogue::BiasGelu;
+}
+inline bool epilogueWritesBiasGradient(Epilogue e) {
+  return e == Epilogue::BiasGradA || e == Epilogue::BiasGradB;
+}
 
-// A row-major GEMM: C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU), as
-// cuBLASLt runs it (runtime/cuda/cublaslt.h).
+// A row-major GEMM: C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU; or with the
+// bias gradient of A or B written beside it), as cuBLASLt runs it (runtime/cuda/cublaslt.h).
 struct GemmShape {
   int64_t m = 0, n = 0, k = 0;
   bool transpose_a = false, transpose_b = false;
@@ -61,7 +74,7 @@ struct CudaStep {
   LaunchConfig launch;    // kernels
   GemmShape gemm;         // the GEMM: shape, types and epilogue
   std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias
-                          // (-1: no bias)
+                          // (-1: none; the bias gradient it writes with BiasGradA/BiasGradB)
   bool isGemm() const { return kernel < 0; }
 };
 

@@ -62,11 +62,14 @@ struct GroupBuffer {
 // group buffer i lives.
 std::vector<int64_t> addressTableWords(const GroupBuffer& table, const std::vector<uint64_t>& address);
 
-// One cuBLASLt call: C = epilogue(op(A) op(B) + bias). Fields are indices into
-// LoweredGroup::buffers; `bias` is -1 without one.
+// One cuBLASLt call: C = epilogue(op(A) op(B) + bias), or C = op(A) op(B) with a bias gradient
+// written beside it. Fields are indices into LoweredGroup::buffers; `bias` is -1 without one.
 struct GemmCall {
   int a = -1, b = -1, c = -1, bias = -1;
   std::string activation;  // "", "relu" or "gelu" (cuBLASLt's GELU is the tanh form, as ours)
+  // 'a' or 'b': `bias` is written, the sum over K of op(A) or op(B) (a kiln.sum_to of the group
+  // folding the leading dim of that operand); 0: `bias`, if any, is read.
+  char bias_gradient_of = 0;
 };
 
 // What the `table` word of a group's error flag (Kernel::error_flag) names: an embedding table

@@ -118,10 +118,15 @@ ir::SymbolBindings planningSymbols(const ir::Module& m) {
 }
 
 ir::SymbolBindings bindAllSymbols(const ir::Function& f, ir::SymbolBindings symbols) {
+  auto bind = [&](const ir::Value* v) {
+    for (const ir::Dim& d : v->type().shape())
+      if (!d.sym().empty() && !symbols.count(d.sym())) symbols[d.sym()] = CostModel::kDefaultSymbolValue;
+  };
+  // The function's arguments too: a symbol may appear in no op's result (a sum_to folding B away).
+  if (!f.body().empty())
+    for (unsigned i = 0; i < f.entry().numArguments(); ++i) bind(f.entry().argument(i));
   const_cast<ir::Function&>(f).walk([&](ir::Op& op) {
-    for (const ir::Value* r : op.results())
-      for (const ir::Dim& d : r->type().shape())
-        if (!d.sym().empty() && !symbols.count(d.sym())) symbols[d.sym()] = CostModel::kDefaultSymbolValue;
+    for (const ir::Value* r : op.results()) bind(r);
   });
   return symbols;
 }

@@ -57,6 +57,9 @@ struct Group {
   Kind kind = Kind::Other;
   std::vector<Op*> members;  // in block order
   bool closed = false;       // takes no more members
+  // Members that share operands, not results (a bias gradient beside its weight gradient) may
+  // run as early as their operands allow instead of where the last of them was (materialize).
+  bool run_early = false;
   bool has(const Op* op) const { return std::find(members.begin(), members.end(), op) != members.end(); }
 };
 
@@ -64,8 +67,16 @@ class FunctionFuser {
  public:
   // `leave_recomputed`: ops remat cloned stay out of groups (a group runs where its last op
   // was, which can move a clone away from the reader it was placed for).
-  FunctionFuser(ir::Function& f, const CostModel& cost, bool leave_recomputed = false)
-      : f_(f), cost_(cost), namer_(f), deps_(f.entry()), leave_recomputed_(leave_recomputed) {
+  // `keep_bias_gradients_apart`: the block positions of sum_to ops to leave out of
+  // weight-gradient GEMMs (fuseModule's answer to a planned peak that would rise).
+  FunctionFuser(ir::Function& f, const CostModel& cost, bool leave_recomputed = false,
+                std::set<int> keep_bias_gradients_apart = {})
+      : f_(f),
+        cost_(cost),
+        namer_(f),
+        deps_(f.entry()),
+        leave_recomputed_(leave_recomputed),
+        keep_apart_(std::move(keep_bias_gradients_apart)) {
     for (size_t i = 0; i < deps_.ops().size(); ++i) pos_[deps_.ops()[i]] = static_cast<int>(i);
   }
 
@@ -75,6 +86,7 @@ class FunctionFuser {
     report.launches_before = countLaunches(f_);
     formEmbeddingGroups();
     formEmbeddingUpdateGroups();
+    formBiasGradientGroups();
     for (Op* op : deps_.ops()) {
       if (!CostModel::launchesWork(*op) || group_of_.count(op)) continue;
       if (leave_recomputed_ && op->boolAttr("kiln.recompute")) continue;
@@ -362,6 +374,158 @@ class FunctionFuser {
     for (Value* src : order) newGroup(Kind::EmbeddingUpdate, by_source[src], true);
   }
 
+  // The weight gradient of a linear layer with a bias, dW = g^T x (matmul(g, x) with
+  // transpose_a; or x^T g, g as B), and its bias gradient db = sum_to(g) folding g's leading dim
+  // read the same g: cuBLASLt computes db in the GEMM's epilogue (BGRADA/BGRADB) while g passes
+  // through it, so the fold stops being kernels of its own and g is read once. The GEMM may read
+  // g narrowed to bf16 (mixed precision): cuBLASLt then sums the bf16 values it multiplies, as
+  // a bf16 backward does (codegen/emit/gemm.cc). Returns the matmul, or why none fits.
+  FusionDecision biasGradientGemm(const Op& sum, Op** found) const {
+    auto forbid = [&](std::string why) {
+      return FusionDecision::forbid(
+          fmt::format("cannot fuse kiln.sum_to into a weight-gradient GEMM: {}", why));
+    };
+    Value* g = sum.operand(0);
+    const ir::TensorType& gt = g->type();
+    const ir::TensorType& st = sum.result()->type();
+    if (gt.rank() != 2 || st.rank() != 1 || !(st.dim(0) == gt.dim(1)))
+      return forbid(fmt::format("it folds {} to {}, not the leading dim of a matrix", gt.str(), st.str()));
+    // The values a GEMM may read for g: g, or g cast to bf16/f16.
+    std::vector<Value*> reads = {g};
+    for (const ir::Use& u : g->uses())
+      if (u.user->is(ir::OpCode::Cast) && gt.dtype() == ir::DType::f32 &&
+          (u.user->result()->type().dtype() == ir::DType::bf16 ||
+           u.user->result()->type().dtype() == ir::DType::f16))
+        reads.push_back(u.user->result());
+    std::string why = "no matmul folds g's leading dim as its K (g^T x, or x^T g)";
+    for (Value* v : reads)
+      for (const ir::Use& u : v->uses()) {
+        Op* mm = u.user;
+        if (!mm->is(ir::OpCode::Matmul) || group_of_.count(mm) || pos_.find(mm) == pos_.end()) continue;
+        bool k_leading = (u.operand_index == 0 && mm->boolAttr("transpose_a")) ||
+                         (u.operand_index == 1 && !mm->boolAttr("transpose_b"));
+        if (!k_leading || mm->operand(0)->type().rank() != 2 || mm->operand(1)->type().rank() != 2) continue;
+        if (mm->boolAttr("kiln.recompute") != sum.boolAttr("kiln.recompute")) {
+          why = "one is recomputed in the backward pass (remat)";
+          continue;
+        }
+        *found = mm;
+        return FusionDecision::allow();
+      }
+    return forbid(why);
+  }
+
+  void formBiasGradientGroups() {
+    for (Op* sum : deps_.ops()) {
+      if (!sum->is(ir::OpCode::SumTo) || group_of_.count(sum) || keep_apart_.count(pos_.at(sum))) continue;
+      if (leave_recomputed_ && sum->boolAttr("kiln.recompute")) continue;
+      Op* mm = nullptr;
+      FusionDecision d = biasGradientGemm(*sum, &mm);
+      if (!d) {
+        // Only a fold some matmul reads the operand of is worth a reason in --explain.
+        for (const ir::Use& u : sum->operand(0)->uses())
+          if (u.user->is(ir::OpCode::Matmul) || u.user->is(ir::OpCode::Cast)) {
+            refuse(*sum, *u.user, d.reason());
+            break;
+          }
+        continue;
+      }
+      std::vector<Op*> members = {mm, sum};
+      // A bf16 product widened to f32 at once is the GEMM's f32 accumulator (as in every
+      // gemm_epilogue group); the bias gradient then has the f32 output's type.
+      const ir::Use* only = mm->result()->uses().size() == 1 ? &mm->result()->uses().front() : nullptr;
+      if (only && ir::isWideningCast(*mm, *only->user) && !group_of_.count(only->user))
+        members.push_back(only->user);
+      const ir::DType out = members.size() == 3 ? ir::DType::f32 : mm->result()->type().dtype();
+      if (sum->result()->type().dtype() != out) {
+        refuse(*sum, *mm,
+               fmt::format("cannot fuse kiln.sum_to into a weight-gradient GEMM: a {} bias gradient of a "
+                           "{} product (cuBLASLt writes it in the output's type)",
+                           ir::dtypeName(sum->result()->type().dtype()), ir::dtypeName(out)));
+        continue;
+      }
+      if (FusionDecision m = siblingsMayMeet(members); !m) {
+        refuse(*sum, *mm, m.reason());
+        continue;
+      }
+      std::vector<const Op*> cost_members(members.begin(), members.end());
+      if (double gain = cost_.fusionBenefit(cost_members); gain <= 0) {
+        refuse(*sum, *mm,
+               fmt::format("cannot fuse kiln.sum_to into a weight-gradient GEMM: not profitable: the cost "
+                           "model predicts {:.3f} us saved",
+                           gain * 1e6));
+        continue;
+      }
+      const double early = siblingExtraBytes(members, true), late = siblingExtraBytes(members, false);
+      groups_[static_cast<size_t>(newGroup(Kind::Gemm, members, true))].run_early = early <= late;
+      bias_gradient_groups_.push_back({pos_.at(sum), std::min(early, late)});
+    }
+  }
+
+  // Ops that share an operand but not a result run as one unit either where the last of them
+  // was (the earlier ones move down: what only they read lives longer) or as early as their
+  // operands allow (the later ones move up: what they write lives longer). No op between them
+  // may have to follow an earlier one (a reader of its result, an in-place writer of what it
+  // reads).
+  FusionDecision siblingsMayMeet(std::vector<Op*> members) const {
+    std::sort(members.begin(), members.end(), [&](Op* a, Op* b) { return pos_.at(a) < pos_.at(b); });
+    auto forbid = [&](std::string why) {
+      return FusionDecision::forbid(
+          fmt::format("cannot fuse {} with {}: {}", members.front()->name(), members.back()->name(), why));
+    };
+    const int last = pos_.at(members.back());
+    for (Op* m : members) {
+      if (m == members.back()) break;
+      for (int q : deps_.successors(pos_.at(m))) {
+        const Op* after = deps_.ops()[static_cast<size_t>(q)];
+        if (q < last && std::find(members.begin(), members.end(), after) == members.end())
+          return forbid(fmt::format("fusing would delay {} (it must follow {})", label(*after), label(*m)));
+      }
+    }
+    return FusionDecision::allow();
+  }
+
+  // The bytes a sibling group (members in block order) keeps live longer across the allocating
+  // ops between its first and last member, run early or late (above). Mixed precision's bias
+  // gradient shows both sides: late, the f32 g the sum_to reads lives across the data-gradient
+  // GEMM ([B, N]); early, the weight gradient does ([N, K], f32 and its bf16 product). Which is
+  // less depends on B against K: fusion takes the smaller (the peak check has the last word).
+  double siblingExtraBytes(const std::vector<Op*>& members, bool early) const {
+    const int first = pos_.at(members.front()), last = pos_.at(members.back());
+    auto member = [&](const Op* op) {
+      return std::find(members.begin(), members.end(), op) != members.end();
+    };
+    int last_alloc = -1;
+    for (int q = last - 1; q > first && last_alloc < 0; --q) {
+      const Op* op = deps_.ops()[static_cast<size_t>(q)];
+      if (!member(op) && CostModel::launchesWork(*op) && op->numResults() > 0) last_alloc = q;
+    }
+    if (last_alloc < 0) return 0;
+    double bytes = 0;
+    if (early) {
+      for (const Op* m : members)
+        if (m != members.front())
+          for (const Value* r : m->results()) bytes += cost_.valueBytes(*r);
+      return bytes;
+    }
+    std::unordered_set<const Value*> seen;
+    for (const Op* m : members) {
+      if (m == members.back()) continue;
+      for (const Value* v : m->operands()) {
+        const Op* d = v->definingOp();
+        if (!d || member(d) || d->hasTrait(ir::kSource) || !seen.insert(v).second) continue;
+        bool live_there = false;  // read by a non-member at or after the last allocating op
+        for (const ir::Use& u : v->uses()) {
+          if (member(u.user)) continue;
+          auto it = pos_.find(u.user);
+          live_there |= it == pos_.end() || it->second >= last_alloc;
+        }
+        if (!live_there) bytes += cost_.valueBytes(*v);
+      }
+    }
+    return bytes;
+  }
+
   // Builds one kiln.fused op per group of two or more ops, then restores a valid order.
   void materialize() {
     ir::Block& block = f_.entry();
@@ -398,7 +562,7 @@ class FunctionFuser {
       for (Value* v : inputs) body.addArgument(v->type(), v->nameHint());
       // At the last member: every reader of what the group writes in place still comes first.
       Op* fop = block.insertBefore(grp.members.back(), std::move(fused));
-      key[fop] = pos_[grp.members.back()];
+      key[fop] = pos_[grp.run_early ? grp.members.front() : grp.members.back()];
       for (size_t i = 0; i < outputs.size(); ++i) {
         fop->result(static_cast<unsigned>(i))->setNameHint(outputs[i]->nameHint());
         std::vector<ir::Use> uses = outputs[i]->uses();
@@ -429,6 +593,13 @@ class FunctionFuser {
   std::unordered_map<const Op*, int> group_of_;
   std::vector<RefusedFusion> refused_;
   bool leave_recomputed_ = false;
+  std::set<int> keep_apart_;
+  std::vector<std::pair<int, double>> bias_gradient_groups_;  // (sum_to position, extra live bytes)
+
+ public:
+  // The bias-gradient groups formed: their sum_to's block position and the bytes the group
+  // keeps live longer (siblingExtraBytes), for fuseModule to drop the costliest first.
+  const std::vector<std::pair<int, double>>& biasGradientGroups() const { return bias_gradient_groups_; }
 };
 
 }  // namespace
@@ -447,20 +618,42 @@ Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOption
     if (f->body().empty()) continue;
     // The lifetime rule refuses most fusions that would keep memory live; what it cannot see
     // (the arena's layout after groups move) is checked here: fusion is tried on a copy, then
-    // without remat's clones, and kept only in a form that does not raise the planned peak.
+    // without the bias-gradient groups, then without remat's clones (with and without them), and
+    // kept only in a form that does not raise the planned peak.
     const ir::SymbolBindings bound = bindAllSymbols(*f, symbols);
     KILN_ASSIGN_OR_RETURN(auto before, estimatePeakBytes(*f, bound));
     bool fused = false;
     for (bool leave_recomputed : {false, true}) {
-      ir::Module scratch;
-      ir::Function& trial = ir::cloneFunction(*f, scratch, f->name());
-      KILN_ASSIGN_OR_RETURN(auto t, FunctionFuser(trial, cost, leave_recomputed).run());
-      KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(trial, bound));
-      if (after > before) continue;
-      KILN_ASSIGN_OR_RETURN(auto r, FunctionFuser(*f, cost, leave_recomputed).run());
-      reports.push_back(std::move(r));
-      fused = true;
-      break;
+      std::set<int> keep_apart;
+      for (;;) {
+        ir::Module scratch;
+        ir::Function& trial = ir::cloneFunction(*f, scratch, f->name());
+        FunctionFuser fuser(trial, cost, leave_recomputed, keep_apart);
+        KILN_ASSIGN_OR_RETURN(auto t, fuser.run());
+        KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(trial, bound));
+        if (after <= before) {
+          std::vector<std::string> apart;  // named before fusion renames and reorders
+          const ir::ValueNamer namer(*f);
+          const std::vector<Op*> ops = f->entry().opList();
+          for (int at : keep_apart)
+            apart.push_back(
+                fmt::format("{} = kiln.sum_to", namer.name(ops[static_cast<size_t>(at)]->result())));
+          KILN_ASSIGN_OR_RETURN(auto r, FunctionFuser(*f, cost, leave_recomputed, keep_apart).run());
+          for (const std::string& sum : apart)
+            r.refused.push_back(
+                {sum, "", "kept out of its weight-gradient GEMM: with it the planned peak rises"});
+          reports.push_back(std::move(r));
+          fused = true;
+          break;
+        }
+        // Too much: the bias-gradient group that keeps the most bytes live goes first.
+        const auto& formed = fuser.biasGradientGroups();
+        if (formed.empty()) break;
+        keep_apart.insert(std::max_element(formed.begin(), formed.end(), [](const auto& a, const auto& b) {
+                            return a.second < b.second;
+                          })->first);
+      }
+      if (fused) break;
     }
     if (!fused) {
       FusionReport r;

@@ -4,6 +4,8 @@
 //   reduction        a reduction (reduce, softmax, bce_with_logits, sum_to) with its pointwise
 //                    producers computed inline (they must not be used outside the group);
 //   gemm_epilogue    matmul + bias add + activation (+ cast): one cuBLASLt call with an epilogue;
+//                    or a weight-gradient matmul and the sum_to of its gradient operand beside
+//                    it (the bias gradient; cuBLASLt's BGRADA/BGRADB epilogue);
 //   embedding        every fixed-hotness embedding_bag of a collection feeding one concat, and
 //                    the concat: one lookup kernel writing the concatenated rows;
 //   embedding_update the slices of one concatenated gradient and the embedding_bag_update ops

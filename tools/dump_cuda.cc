@@ -102,7 +102,10 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
     std::string origin = g.fused_kind.empty() ? "" : fmt::format("{} #{} ", g.fused_kind, g.fused_index);
     if (g.gemm) {
       const codegen::GemmCall& c = g.gemm_call;
-      std::string epilogue = c.bias >= 0 ? "bias" : "";
+      std::string epilogue = c.bias_gradient_of
+                                 ? fmt::format("bgrad({})", c.bias_gradient_of == 'a' ? 'A' : 'B')
+                             : c.bias >= 0 ? "bias"
+                                           : "";
       if (!c.activation.empty()) epilogue += (epilogue.empty() ? "" : "+") + c.activation;
       out << fmt::format("//   {}gemm (cuBLASLt{}{}{}, {} out): {}\n", origin, ir::allowsTf32(*g.gemm) ? ", tf32" : "",
                          epilogue.empty() ? "" : ", epilogue ", epilogue,

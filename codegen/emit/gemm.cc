@@ -1,5 +1,6 @@
-// The GEMM emitter: a kiln.matmul, alone or with the epilogue of a fused `gemm_epilogue` group,
-// as ONE cuBLASLt call (LoweredGroup::gemm); it emits no kernels.
+// The GEMM emitter: a kiln.matmul, alone or with the epilogue of a fused `gemm_epilogue` group
+// (a bias add, activation and cast after it, or a bias gradient beside it), as ONE cuBLASLt call
+// (LoweredGroup::gemm); it emits no kernels.
 #include "codegen/emit/emitter_registry.h"
 #include "ir/op_def.h"
 
@@ -16,11 +17,60 @@ using ir::Value;
 // accumulator without the rounding in between, so bias and activation run in cuBLASLt's f32
 // epilogue and only the result is stored. The CPU rounds there; the results differ by at most
 // that rounding.
-Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& ops) {
+//
+// A kiln.sum_to in the group (the fusion pass's bias-gradient sibling, passes/fusion.cc) is the
+// bias gradient cuBLASLt writes beside a weight gradient: it must fold the leading dim K of an
+// operand stored [K, X] (A with transpose_a, B without transpose_b) to [X]. It reads that operand
+// or the f32 value the operand was narrowed from (mixed precision's cast to bf16 for the GEMM):
+// cuBLASLt then sums the bf16 values it multiplies, as a bf16 backward does, where the CPU sums
+// their f32 originals; they differ by at most the rounding of each term.
+Status biasGradientOf(const Op& mm, const Op& sum, GemmCall& call) {
+  // Values as outside the fused region: a region's arguments stand for the fused op's operands.
+  const Value* g = outerValue(sum.operand(0));
+  auto reads = [&](unsigned i) {
+    const Value* v = outerValue(mm.operand(i));
+    if (v == g) return true;
+    const Op* d = v->definingOp();
+    return d && d->is(ir::OpCode::Cast) && d->operand(0) == g && g->type().dtype() == DType::f32 &&
+           (v->type().dtype() == DType::bf16 || v->type().dtype() == DType::f16);
+  };
+  const ir::TensorType& gt = g->type();
+  const ir::TensorType& st = sum.result()->type();
+  if (gt.rank() != 2 || st.rank() != 1 || !(st.dim(0) == gt.dim(1)))
+    return Status::errorf("{} folds {} to {}: a bias gradient folds the leading dim of a matrix",
+                          opLabel(sum), gt.str(), st.str());
+  if (mm.operand(0)->type().rank() != 2 || mm.operand(1)->type().rank() != 2)
+    return Status::errorf("{}: a bias gradient needs an unbatched GEMM", opLabel(mm));
+  if (reads(0) && mm.boolAttr("transpose_a"))
+    call.bias_gradient_of = 'a';
+  else if (reads(1) && !mm.boolAttr("transpose_b"))
+    call.bias_gradient_of = 'b';
+  else
+    return Status::errorf(
+        "{} does not fold the K dim of an operand of {} (A stored [K, M] or B stored [K, N])", opLabel(sum),
+        opLabel(mm));
+  return Status::ok();
+}
+
+Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
+  // The bias-gradient sum_to runs beside the GEMM, not after it: set it apart.
+  std::vector<const Op*> ops;
+  const Op* sum = nullptr;
+  for (const Op* op : all) {
+    if (!op->is(ir::OpCode::SumTo)) {
+      ops.push_back(op);
+    } else if (sum) {
+      return Status::errorf("{}: a GEMM writes one bias gradient", opLabel(*op));
+    } else {
+      sum = op;
+    }
+  }
+  if (ops.empty() || !ops.front()->is(ir::OpCode::Matmul))
+    return Status::errorf("a GEMM group starts with {}, not kiln.matmul",
+                          opLabel(ops.empty() ? *sum : *ops.front()));
   const Op& mm = *ops.front();
-  if (!mm.is(ir::OpCode::Matmul))
-    return Status::errorf("a GEMM group starts with {}, not kiln.matmul", opLabel(mm));
   GemmCall call;
+  if (sum) KILN_RETURN_IF_ERROR(biasGradientOf(mm, *sum, call));
   const Value* cur = mm.result();
   const Value* bias = nullptr;
   // The group's ops after the matmul, less a widening cast right after a low-precision
@@ -65,6 +115,11 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& ops) {
   if (ta != tb || (ta != DType::f32 && ta != DType::bf16 && ta != DType::f16))
     return Status::errorf("{}: cuBLASLt multiplies f32, bf16 or f16 pairs, not {} x {}", opLabel(mm),
                           ir::dtypeName(ta), ir::dtypeName(tb));
+  if (sum && (bias || !call.activation.empty()))
+    return Status::errorf("{}: cuBLASLt's bias gradient epilogue takes no bias or activation", opLabel(mm));
+  if (sum && sum->result()->type().dtype() != tc)
+    return Status::errorf("{}: a {} bias gradient of a {} GEMM; cuBLASLt's has the output's type",
+                          opLabel(*sum), ir::dtypeName(sum->result()->type().dtype()), ir::dtypeName(tc));
   if (ops.size() > 1) {
     if (ta == DType::f32 && tc != DType::f32)
       return Status::errorf("{}: cuBLASLt has no f32 x f32 -> {} GEMM", opLabel(mm), ir::dtypeName(tc));
@@ -82,6 +137,7 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& ops) {
   call.b = gl.groupBuffer(mm.operand(1), false);
   if (bias) call.bias = gl.groupBuffer(bias, false);
   call.c = gl.groupBuffer(cur, true);
+  if (sum) call.bias = gl.groupBuffer(sum->result(), true);
   gl.setGemm(mm, call);
   return Status::ok();
 }

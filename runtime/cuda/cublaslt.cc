@@ -84,11 +84,17 @@ cublasLtEpilogue_t epilogueOf(Epilogue e) {
     case Epilogue::BiasRelu: return CUBLASLT_EPILOGUE_RELU_BIAS;
     case Epilogue::Gelu: return CUBLASLT_EPILOGUE_GELU;
     case Epilogue::BiasGelu: return CUBLASLT_EPILOGUE_GELU_BIAS;
+    // cuBLASLt's A is our B (toColumnMajor): the gradient of our A is its BGRADB.
+    case Epilogue::BiasGradA:
+      return CUBLASLT_EPILOGUE_BGRADB;
+    case Epilogue::BiasGradB:
+      return CUBLASLT_EPILOGUE_BGRADA;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-bool hasBias(Epilogue e) { return e == Epilogue::Bias || e == Epilogue::BiasRelu || e == Epilogue::BiasGelu; }
+// The bias pointer: read by a bias epilogue, written by a bias-gradient one.
+bool hasBias(Epilogue e) { return codegen::epilogueReadsBias(e) || codegen::epilogueWritesBiasGradient(e); }
 
 }  // namespace
 
@@ -200,7 +206,9 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
 
 Status CublasLt::matmul(const GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
                         CUstream stream) {
-  if (hasBias(s.epilogue) && bias == 0) return Status::errorf("{}: the epilogue needs a bias", s.str());
+  if (hasBias(s.epilogue) && bias == 0)
+    return Status::errorf("{}: the epilogue needs a bias {}", s.str(),
+                          codegen::epilogueWritesBiasGradient(s.epilogue) ? "gradient buffer" : "");
   auto p = plan(s);
   if (!p) return p.status();
   const Api& api = *api_;

@@ -1,6 +1,7 @@
 // GEMMs through cuBLASLt, loaded at run time (libcublasLt.so.13, .so.12 or .so; never linked):
-// row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU), f32 or bf16 in
-// and out, f32 accumulation, optionally batched. The algorithm for each distinct problem is
+// row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU; or writing the
+// bias gradient, the sum over K of op(A) or op(B)), f32 or bf16 in and out, f32 accumulation,
+// optionally batched. The algorithm for each distinct problem is
 // chosen once by cuBLASLt's heuristic and cached. The problem is a codegen::GemmShape
 // (codegen/cuda_program.h), as the Program's steps carry it.
 #pragma once
@@ -41,7 +42,8 @@ class CublasLt {
                                                     size_t workspace_bytes = kCublasLtWorkspaceBytes);
   ~CublasLt();
 
-  // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0.
+  // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0 unless
+  // the epilogue reads a bias or writes a bias gradient there (codegen::Epilogue).
   Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
                 CUstream stream);
 

@@ -14,6 +14,7 @@
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/parameter_store.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/nvrtc/bias_gradient_case.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
 
@@ -110,6 +111,36 @@ INSTANTIATE_TEST_SUITE_P(Epilogues, GpuGemmEpilogue,
                                            EpilogueCase{"bias_relu_bf16", "kiln.relu", DType::bf16, 3e-2},
                                            EpilogueCase{"widened_bias_relu_bf16", "kiln.relu", DType::bf16, 1e-2, true}),
                          [](const ::testing::TestParamInfo<EpilogueCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// A weight gradient and the bias gradient beside it (tests/nvrtc/bias_gradient_case.h) as ONE
+// cuBLASLt call with its BGRADA/BGRADB epilogue, against the unfused ops' CPU references; the
+// case's tolerances cover summing g or its TF32 rounding (cuBLASLt does not say which).
+class GpuBiasGradient : public ::testing::TestWithParam<BiasGradientCase> {};
+
+TEST_P(GpuBiasGradient, OneCublasLtCallMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const BiasGradientCase bc = GetParam();
+  auto bf = buildBiasGradient(bc);
+  fuseOps(*bf->f, bf->group, "gemm_epilogue");
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(*bf->f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numGemms(), 1);
+  EXPECT_EQ((*ex)->numKernels(), bc.bf16 ? 1 : 0) << "only the narrowing cast of g is a kernel";
+  for (int run = 0; run < 2; ++run) {  // eager, then captured
+    auto out = (*ex)->run(bf->inputs);
+    ASSERT_TRUE(out) << out.status().message();
+    expectBiasGradientsClose(*out, *bf, bc, "GPU run " + std::to_string(run));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpuBiasGradient, ::testing::ValuesIn(biasGradientCases()),
+                         [](const ::testing::TestParamInfo<BiasGradientCase>& i) {
                            return std::string(i.param.name);
                          });
 

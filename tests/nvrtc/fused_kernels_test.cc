@@ -2,12 +2,14 @@
 // becomes one unit of GPU work, or is split with its reason. The kernels' math is checked on
 // the CPU by the kernel interpreter against the ops' CPU references, run on the unfused ops;
 // every value a kernel writes is poisoned (NaN) first.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <limits>
 
+#include "codegen/cuda_program.h"
 #include "codegen/kernel_lowering.h"
 #include "ir/builder.h"
 #include "tests/nvrtc/fused_groups.h"
@@ -292,6 +294,81 @@ TEST(FusedKernels, Bf16ProductWidenedAfterTheBiasIsSplit) {
   ASSERT_GE(groups->size(), 2u);
   EXPECT_NE(groups->front().split_reason.find("widens a bf16 product"), std::string::npos)
       << groups->front().split_reason;
+}
+
+// A weight gradient and its bias gradient beside it (the fusion pass's group): ONE cuBLASLt call
+// whose epilogue writes the sum over K of the operand the sum_to folds; `which` picks g as A
+// (g^T x, the form autodiff writes) or as B (x^T g).
+LoweredGroup lowerBiasGradient(FusedCase& c, char which, bool narrowed, std::vector<LoweredGroup>* all) {
+  const DType t = narrowed ? DType::bf16 : DType::f32;
+  Value* g = c.input("g", DType::f32, S({8, 3}));
+  Value* x = c.input("x", t, S({8, 5}));
+  std::vector<ir::Op*> members;
+  ir::Op* sum = c.opWithType("kiln.sum_to", {g}, TensorType(DType::f32, S({3})));
+  members.push_back(sum);
+  Value* gm = narrowed ? c.op("kiln.cast", {g}, {{"to", Attribute("bf16")}})->result() : g;
+  ir::Op* mm = which == 'a' ? c.op("kiln.matmul", {gm, x}, {{"transpose_a", Attribute(true)}})
+                            : c.op("kiln.matmul", {x, gm}, {{"transpose_a", Attribute(true)}});
+  members.push_back(mm);
+  Value* dw = mm->result();
+  if (narrowed) {
+    ir::Op* wide = c.op("kiln.cast", {dw}, {{"to", Attribute("f32")}});
+    members.push_back(wide);
+    dw = wide->result();
+  }
+  EXPECT_TRUE(c.b.createWithTypes("func.return", {dw, sum->result()}, {}));
+  fuseOps(*c.f, members, "gemm_epilogue");
+  auto groups = codegen::lowerFunction(*c.f, c.symbols);
+  EXPECT_TRUE(groups) << groups.status().message();
+  *all = *groups;
+  return groups->back();
+}
+
+TEST(FusedKernels, BiasGradientIsTheWeightGradientGemmsEpilogue) {
+  for (char which : {'a', 'b'})
+    for (bool narrowed : {false, true}) {
+      const std::string what = fmt::format("g as {}{}", which, narrowed ? ", bf16" : "");
+      FusedCase c;
+      std::vector<LoweredGroup> groups;
+      LoweredGroup g = lowerBiasGradient(c, which, narrowed, &groups);
+      ASSERT_EQ(groups.size(), narrowed ? 2u : 1u) << what;  // the narrowing cast is its own kernel
+      EXPECT_TRUE(g.split_reason.empty()) << what << ": " << g.split_reason;
+      ASSERT_NE(g.gemm, nullptr) << what;
+      EXPECT_TRUE(g.kernels.empty()) << what;
+      EXPECT_EQ(g.gemm_call.bias_gradient_of, which) << what;
+      EXPECT_TRUE(g.gemm_call.activation.empty()) << what;
+      ASSERT_GE(g.gemm_call.bias, 0) << what;
+      const codegen::GroupBuffer& db = g.buffers[static_cast<size_t>(g.gemm_call.bias)];
+      EXPECT_TRUE(db.written && db.defined) << what;
+      EXPECT_EQ(db.dtype, DType::f32) << what;
+      EXPECT_EQ(db.elements, 3) << what;
+      EXPECT_EQ(g.buffers[static_cast<size_t>(g.gemm_call.c)].dtype, DType::f32) << what;
+      // The step carries the epilogue for the runtime.
+      auto built = codegen::buildCudaProgram(*c.f, groups, c.symbols);
+      ASSERT_TRUE(built) << built.status().message();
+      const codegen::CudaStep& step = built->steps[built->group_steps.back().first];
+      ASSERT_TRUE(step.isGemm());
+      EXPECT_EQ(step.gemm.epilogue,
+                which == 'a' ? codegen::Epilogue::BiasGradA : codegen::Epilogue::BiasGradB);
+      EXPECT_GE(step.args[3], 0);
+    }
+}
+
+TEST(FusedKernels, SumToThatIsNoBiasGradientOfTheGemmIsSplit) {
+  // sum_to(g) beside g w (no transpose: K is g's trailing dim), grouped by hand: cuBLASLt
+  // cannot write that fold, so the group splits with the reason and both still run.
+  FusedCase c;
+  Value* g = c.input("g", DType::f32, S({8, 3}));
+  Value* w = c.param("w", DType::f32, S({3, 5}));
+  ir::Op* sum = c.opWithType("kiln.sum_to", {g}, TensorType(DType::f32, S({3})));
+  ir::Op* mm = c.op("kiln.matmul", {g, w});
+  ASSERT_TRUE(c.b.createWithTypes("func.return", {mm->result(), sum->result()}, {}));
+  fuseOps(*c.f, {sum, mm}, "gemm_epilogue");
+  auto groups = codegen::lowerFunction(*c.f, c.symbols);
+  ASSERT_TRUE(groups) << groups.status().message();
+  ASSERT_EQ(groups->size(), 2u);
+  for (const LoweredGroup& lg : *groups)
+    EXPECT_NE(lg.split_reason.find("does not fold the K dim"), std::string::npos) << lg.split_reason;
 }
 
 TEST(FusedKernels, OuterValueSeesThroughFusedRegions) {

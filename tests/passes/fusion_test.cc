@@ -162,6 +162,94 @@ func.func @f(%x: !kiln.tensor<Bx64xf32>, %y: !kiln.tensor<Bx64xf32>, %w: !kiln.t
   EXPECT_LE(*estimatePeakBytes(*m->lookup("f"), options.symbols), before);
 }
 
+// The weight gradient dW = g^T x and the bias gradient sum_to(g) read the same g: one
+// gemm_epilogue group (cuBLASLt's bias-gradient epilogue), whichever comes first.
+TEST(Fusion, BiasGradientJoinsTheWeightGradientGemm) {
+  for (bool sum_first : {true, false}) {
+    const std::string sum = R"(  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+)";
+    const std::string mm =
+        R"(  %dw = "kiln.matmul"(%g, %x) {transpose_a = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<4x8xf32>
+)";
+    auto m = parse(R"(
+func.func @f(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xf32>) -> (!kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>) {
+)" + (sum_first ? sum + mm : mm + sum) +
+                   R"(  return %dw, %db : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
+}
+)");
+    ASSERT_TRUE(m);
+    auto r = fuseModule(*m);
+    ASSERT_TRUE(r) << r.status().str();
+    ASSERT_TRUE(ir::verify(*m).isOk()) << ir::verify(*m).str();
+    EXPECT_EQ(groupKinds(*m->lookup("f")), std::vector<std::string>{"gemm_epilogue"}) << explainFusion(*r);
+    EXPECT_EQ((*r)[0].launches_before, 2);
+    EXPECT_EQ((*r)[0].launches_after, 1);
+  }
+}
+
+TEST(Fusion, BiasGradientOfANarrowedOperandTakesTheWideningCastToo) {
+  // Mixed precision: the GEMM reads g cast to bf16 and widens its product at once; the sum_to
+  // reads the f32 g. The group is the matmul, the widening cast and the sum_to; the narrowing
+  // cast of g stays outside (the pointwise kernel that computes g writes it).
+  auto m = parse(R"(
+func.func @f(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xbf16>) -> (!kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>) {
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %g16 = "kiln.cast"(%g) {to = "bf16"} : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xbf16>
+  %p = "kiln.matmul"(%g16, %x) {transpose_a = true} : (!kiln.tensor<Bx4xbf16>, !kiln.tensor<Bx8xbf16>) -> !kiln.tensor<4x8xbf16>
+  %dw = "kiln.cast"(%p) {to = "f32"} : (!kiln.tensor<4x8xbf16>) -> !kiln.tensor<4x8xf32>
+  return %dw, %db : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
+}
+)");
+  ASSERT_TRUE(m);
+  auto r = fuseModule(*m);
+  ASSERT_TRUE(r) << r.status().str();
+  ASSERT_TRUE(ir::verify(*m).isOk()) << ir::verify(*m).str();
+  const ir::Function& f = *m->lookup("f");
+  ASSERT_EQ(groupKinds(f), std::vector<std::string>{"gemm_epilogue"}) << explainFusion(*r);
+  ASSERT_EQ((*r)[0].groups.size(), 1u);
+  EXPECT_EQ((*r)[0].groups[0].ops,
+            (std::vector<std::string>{"%db = kiln.sum_to", "%p = kiln.matmul", "%dw = kiln.cast"}));
+}
+
+TEST(Fusion, BiasGradientRefusals) {
+  struct Case {
+    const char* what;
+    const char* body;
+    const char* reason;
+  };
+  const Case cases[] = {
+      // The data-gradient GEMM g W contracts g's trailing dim: no bias gradient there.
+      {"dgrad", R"(
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %dw = "kiln.matmul"(%g, %w) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<Bx8xf32>
+  %r = "kiln.mul"(%dw, %x) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<Bx8xf32>
+  return %r, %db : !kiln.tensor<Bx8xf32>, !kiln.tensor<4xf32>)",
+       "no matmul folds g's leading dim"},
+      // The bias gradient is read between the two: the sum_to may not move past that reader.
+      {"reader between", R"(
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %e = "kiln.exp"(%db) : (!kiln.tensor<4xf32>) -> !kiln.tensor<4xf32>
+  %dw = "kiln.matmul"(%g, %x) {transpose_a = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<4x8xf32>
+  %r = "kiln.mul"(%dw, %w) : (!kiln.tensor<4x8xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<4x8xf32>
+  return %r, %e : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>)",
+       "fusing would delay %e = kiln.exp"},
+  };
+  for (const Case& c : cases) {
+    auto m = parse(std::string(R"(
+func.func @f(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>) -> ()") +
+                   (std::string(c.what) == "dgrad" ? "!kiln.tensor<Bx8xf32>" : "!kiln.tensor<4x8xf32>") +
+                   ", !kiln.tensor<4xf32>) {" + c.body + "\n}\n");
+    ASSERT_TRUE(m) << c.what;
+    auto r = fuseModule(*m);
+    ASSERT_TRUE(r) << r.status().str();
+    for (const std::string& kind : groupKinds(*m->lookup("f"))) EXPECT_NE(kind, "gemm_epilogue") << c.what;
+    bool found = false;
+    for (const RefusedFusion& x : (*r)[0].refused)
+      found |= x.producer == "%db = kiln.sum_to" && x.reason.find(c.reason) != std::string::npos;
+    EXPECT_TRUE(found) << c.what << "\n" << explainFusion(*r);
+  }
+}
+
 TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
   auto m = trainingModule(GetParam());
   ASSERT_TRUE(m) << m.status().str();
@@ -183,6 +271,13 @@ TEST_P(FusionOnModels, FewerLaunchesSameNumbers) {
     EXPECT_NE(std::find(kinds.begin(), kinds.end(), "embedding_update"), kinds.end());
   }
   EXPECT_NE(std::find(kinds.begin(), kinds.end(), "gemm_epilogue"), kinds.end());
+  // Every bias gradient (a sum_to folding the batch dim of a layer's gradient) rides its weight
+  // gradient's GEMM: none is left a reduction of its own.
+  int loose_bias_gradients = 0;
+  for (const auto& op : (*m)->lookup("train_step")->entry().ops())
+    loose_bias_gradients +=
+        op->name() == "kiln.sum_to" && op->result()->type().rank() == 1 && op->operand(0)->type().rank() == 2;
+  EXPECT_EQ(loose_bias_gradients, 0) << explainFusion(*r);
   // The text form reads back.
   auto again = ir::parseModule(ir::printModule(**m));
   ASSERT_TRUE(again) << again.status().str();

@@ -36,8 +36,15 @@ void store(void* p, ir::DType t, int64_t i, float v) {
     static_cast<float*>(p)[i] = v;
 }
 
-bool hasBias(codegen::Epilogue e) {
-  return e == codegen::Epilogue::Bias || e == codegen::Epilogue::BiasRelu || e == codegen::Epilogue::BiasGelu;
+// f32 sum of x[0, n) in eight running sums, as the dot products below.
+float sum8(const float* x, int64_t n) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8)
+    for (int l = 0; l < 8; ++l) part[l] += x[k + l];
+  float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  for (; k < n; ++k) acc += x[k];
+  return acc;
 }
 
 // cuBLASLt's CUBLAS_COMPUTE_32F_FAST_TF32 on an f32 input: rounded to TF32's 10-bit mantissa,
@@ -53,7 +60,7 @@ float roundToTf32(float x) {
 
 }  // namespace
 
-void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, const void* bias) {
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias) {
   const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
   // cuBLASLt's operands: its A is our B, its B our A. A layout is the matrix as stored; the
   // operation applies to it. Both are first packed as f32, op(A) by rows and op(B) by columns,
@@ -71,6 +78,15 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
       for (int64_t k = 0; k < g.k; ++k)  // op(B)[k, j]
         cols[static_cast<size_t>(j * g.k + k)] =
             load(second, s.a_type, bt * second_stride + (g.trans_second ? j + k * g.ld_second : k + j * g.ld_second));
+    // The bias gradient folds an operand over k. Our A is cuBLASLt's B, so BiasGradA is its
+    // BGRADB: each column of its op(B), s.m values; BiasGradB (BGRADA) each row of its op(A),
+    // s.n values. It is taken before the TF32 rounding of the product's inputs (which values
+    // cuBLASLt sums is not documented; the tests' tolerances cover either). Unbatched only
+    // (codegen/emit/gemm.cc).
+    if (s.epilogue == codegen::Epilogue::BiasGradA)
+      for (int64_t j = 0; j < g.n; ++j) store(bias, s.bias_type, j, sum8(cols.data() + j * g.k, g.k));
+    if (s.epilogue == codegen::Epilogue::BiasGradB)
+      for (int64_t i = 0; i < g.m; ++i) store(bias, s.bias_type, i, sum8(rows.data() + i * g.k, g.k));
     if (s.tf32) {
       for (float& v : rows) v = roundToTf32(v);
       for (float& v : cols) v = roundToTf32(v);
@@ -85,7 +101,8 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
           for (int l = 0; l < 8; ++l) part[l] += x[k + l] * y[k + l];
         float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         for (; k < g.k; ++k) acc += x[k] * y[k];
-        if (hasBias(s.epilogue)) acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
+        if (codegen::epilogueReadsBias(s.epilogue))
+          acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
         if (s.epilogue == codegen::Epilogue::Relu || s.epilogue == codegen::Epilogue::BiasRelu)
           acc = std::max(acc, 0.0f);
         if (s.epilogue == codegen::Epilogue::Gelu || s.epilogue == codegen::Epilogue::BiasGelu)
@@ -231,7 +248,11 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
       if (s.isGemm()) {
         // Each operand's buffer must hold the matrices cuBLASLt will touch.
         const codegen::GemmShape& g = s.gemm;
-        const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n, g.n};
+        const int64_t bias_elements = g.epilogue == codegen::Epilogue::BiasGradA   ? g.batch * g.m
+                                      : g.epilogue == codegen::Epilogue::BiasGradB ? g.batch * g.n
+                                                                                   : g.n;
+        const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n,
+                                     bias_elements};
         const ir::DType types[4] = {g.a_type, g.b_type, g.c_type, g.bias_type};
         for (int o = 0; o < 4; ++o) {
           if (s.args[static_cast<size_t>(o)] < 0) continue;

@@ -24,9 +24,10 @@ namespace kiln::simt {
 
 // C = epilogue(op(A) op(B) + bias) computed the way cuBLASLt reads the column-major problem
 // cuda::toColumnMajor(s) describes (its A is our B, its bias runs along its rows), with f32
-// accumulation and bf16 rounding of bf16 outputs. `a`, `b`, `c` and `bias` are what the
-// executor passes to CublasLt::matmul, as host pointers.
-void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, const void* bias);
+// accumulation and bf16 rounding of bf16 outputs; a bias-gradient epilogue writes the sum over
+// K of op(A) or op(B) to `bias` instead. `a`, `b`, `c` and `bias` are what the executor passes
+// to CublasLt::matmul, as host pointers.
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias);
 
 class HostProgram {
  public:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "codegen/kernel_lowering.h"
 #include "ir/ops/kernel_util.h"
 #include "runtime/data/batch_reader.h"
 #include "tests/model_compare.h"
@@ -42,6 +43,18 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
   auto program = simt::HostProgram::create(*f, {{"B", kBatch}});
   ASSERT_TRUE(program) << program.status().message();
   EXPECT_GT((*program)->numKernels(), 0);
+  // The bias gradients below come from cuBLASLt's bias-gradient epilogue (gemmAsCublasLt's
+  // emulation of it): every model here has a layer with a bias.
+  auto groups = codegen::lowerFunction(*f, {{"B", kBatch}});
+  ASSERT_TRUE(groups) << groups.status().message();
+  int bias_gradient_gemms = 0;
+  for (const codegen::LoweredGroup& g : *groups) {
+    bias_gradient_gemms += g.gemm && g.gemm_call.bias_gradient_of != 0;
+    if (g.fused_kind == "gemm_epilogue") {
+      EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
+    }
+  }
+  EXPECT_GT(bias_gradient_gemms, 0);
   std::vector<data::Batch> bs = batches(*cpu, 2);
   ASSERT_EQ(bs.size(), 2u);
   for (int step = 1; step <= 2; ++step) {

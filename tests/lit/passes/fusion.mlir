@@ -76,3 +76,62 @@ func.func @lifetime(%x: !kiln.tensor<Bx64xf32>, %y: !kiln.tensor<Bx64xf32>, %w: 
   %s = "kiln.add"(%p, %u) : (!kiln.tensor<Bx64xf32>, !kiln.tensor<Bx64xf32>) -> !kiln.tensor<Bx64xf32>
   return %s, %big : !kiln.tensor<Bx64xf32>, !kiln.tensor<Bx256xf32>
 }
+
+// -----
+
+// A linear layer's backward: the bias gradient sum_to(%g) joins the weight gradient's GEMM
+// (%g^T %x, K = B) as cuBLASLt's bias-gradient epilogue; the data gradient %g %w contracts %g's
+// trailing dim and stays alone. The group runs as early as its operands allow: first here.
+// CHECK-LABEL: func.func @bias_gradient
+// CHECK:         %[[G:.*]]:2 = "kiln.fused"(%g, %x) ({
+// CHECK-NEXT:    ^bb0(%[[A0:.*]]: !kiln.tensor<Bx4xf32>, %[[A1:.*]]: !kiln.tensor<Bx8xf32>):
+// CHECK-NEXT:      %[[DB:.*]] = "kiln.sum_to"(%[[A0]])
+// CHECK-NEXT:      %[[DW:.*]] = "kiln.matmul"(%[[A0]], %[[A1]]) {transpose_a = true}
+// CHECK-NEXT:      "kiln.yield"(%[[DB]], %[[DW]])
+// CHECK:         }) {kind = "gemm_epilogue"}
+// CHECK-NEXT:    %[[DX:.*]] = "kiln.matmul"(%g, %w)
+// CHECK-NEXT:    return %[[DX]], %[[G]]#1, %[[G]]#0
+func.func @bias_gradient(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>) -> (!kiln.tensor<Bx8xf32>, !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>) {
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %dx = "kiln.matmul"(%g, %w) : (!kiln.tensor<Bx4xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<Bx8xf32>
+  %dw = "kiln.matmul"(%g, %x) {transpose_a = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<4x8xf32>
+  return %dx, %dw, %db : !kiln.tensor<Bx8xf32>, !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
+}
+
+// -----
+
+// Mixed precision: the GEMM reads %g narrowed to bf16 and widens its product at once. The
+// group holds the sum_to of the f32 %g, the matmul and the widening cast; the narrowing cast
+// stays outside (cuBLASLt sums the bf16 values it multiplies, codegen/emit/gemm.cc).
+// CHECK-LABEL: func.func @bias_gradient_bf16
+// CHECK:         %[[G16:.*]] = "kiln.cast"(%g) {to = "bf16"}
+// CHECK:         %[[G:.*]]:2 = "kiln.fused"(%g, %[[G16]], %x) ({
+// CHECK:           "kiln.sum_to"
+// CHECK-NEXT:      "kiln.matmul"
+// CHECK-NEXT:      "kiln.cast"
+// CHECK-NEXT:      "kiln.yield"
+// CHECK:         }) {kind = "gemm_epilogue"}
+func.func @bias_gradient_bf16(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xbf16>) -> (!kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>) {
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %g16 = "kiln.cast"(%g) {to = "bf16"} : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<Bx4xbf16>
+  %p = "kiln.matmul"(%g16, %x) {transpose_a = true} : (!kiln.tensor<Bx4xbf16>, !kiln.tensor<Bx8xbf16>) -> !kiln.tensor<4x8xbf16>
+  %dw = "kiln.cast"(%p) {to = "f32"} : (!kiln.tensor<4x8xbf16>) -> !kiln.tensor<4x8xf32>
+  return %dw, %db : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
+}
+
+// -----
+
+// The bias gradient is read before the weight gradient's GEMM: the sum_to may not move past
+// that reader, so it stays a reduction of its own and --explain says why.
+// CHECK-LABEL: func.func @bias_gradient_read_between
+// CHECK:         %db = "kiln.sum_to"(%g)
+// CHECK-NEXT:    %e = "kiln.exp"(%db)
+// CHECK-NEXT:    %dw = "kiln.matmul"(%g, %x)
+// CHECK-NOT:     "kiln.fused"
+func.func @bias_gradient_read_between(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<4x8xf32>) -> (!kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>) {
+  %db = "kiln.sum_to"(%g) : (!kiln.tensor<Bx4xf32>) -> !kiln.tensor<4xf32>
+  %e = "kiln.exp"(%db) : (!kiln.tensor<4xf32>) -> !kiln.tensor<4xf32>
+  %dw = "kiln.matmul"(%g, %x) {transpose_a = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<Bx8xf32>) -> !kiln.tensor<4x8xf32>
+  %r = "kiln.mul"(%dw, %w) : (!kiln.tensor<4x8xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<4x8xf32>
+  return %r, %e : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
+}
