@@ -1,7 +1,8 @@
 // The embedding lookup emitter: every embedding_bag of a group as ONE EmbeddingForward kernel
-// (after ONE BagOffsets scan for jagged bags), the fused `embedding` group (bags and their
-// concat: the kernel writes each bag's rows at its columns of the concatenated output), and
-// the gradient of the per-id weights (a Row kernel reading the table's rows at the ids).
+// (after ONE BagOffsets scan for jagged bags; a few of each past GroupLowering::kMaxKernelParams,
+// some 100 tables a launch), the fused `embedding` group (bags and their concat: the kernel
+// writes each bag's rows at its columns of the concatenated output), and the gradient of the
+// per-id weights (a Row kernel reading the table's rows at the ids).
 #include "codegen/emit/emitter_registry.h"
 
 namespace kiln::codegen::emit {
@@ -9,6 +10,44 @@ namespace {
 
 using ir::Op;
 using ir::Value;
+
+// The lookup kernels of a group under construction: a table goes into the current one, which
+// is finished and a new one begun when its parameters would pass kMaxKernelParams.
+class LookupKernels {
+ public:
+  LookupKernels(GroupLowering& gl, std::string name, int64_t batch) : gl_(gl), name_(std::move(name)), batch_(batch) {
+    begin();
+  }
+  // The kernel the next table goes into.
+  Expected<KernelBuilder*> next() {
+    // A table binds its weight, ids, per-id weights, offsets and output; the flag comes last.
+    if (!kb_.k.tables.empty() && kb_.k.buffers.size() + 6 > GroupLowering::kMaxKernelParams)
+      KILN_RETURN_IF_ERROR(flush());
+    return &kb_;
+  }
+  Status finish() { return flush(); }
+  bool empty() const { return kb_.k.tables.empty() && launches_ == 0; }
+
+ private:
+  void begin() {
+    kb_ = KernelBuilder::ofKind(name_, KernelKind::EmbeddingForward);
+    kb_.k.batch = batch_;
+  }
+  Status flush() {
+    if (kb_.k.tables.empty()) return Status::ok();
+    kb_.k.error_flag = gl_.bind(kb_, gl_.errorFlag(), true);
+    Status s = gl_.finish(kb_);
+    ++launches_;
+    begin();
+    return s;
+  }
+
+  GroupLowering& gl_;
+  std::string name_;
+  int64_t batch_;
+  KernelBuilder kb_;
+  int launches_ = 0;
+};
 
 // One bag's table in a lookup kernel, writing `out` at columns [offset, offset + dim) of rows of
 // `stride` elements.
@@ -40,12 +79,12 @@ Status lowerEmbeddingForward(GroupLowering& gl, const std::vector<const Op*>& op
     bags.push_back(b);
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
-  KernelBuilder kb = KernelBuilder::ofKind("embedding_bags", KernelKind::EmbeddingForward);
-  kb.k.batch = bags.empty() ? 0 : bags.front().batch;
-  for (size_t i = 0; i < ops.size(); ++i)
-    KILN_RETURN_IF_ERROR(addLookupTable(gl, kb, *ops[i], bags[i], -1, -1, 0));
-  kb.k.error_flag = gl.bind(kb, gl.errorFlag(), true);
-  return gl.finish(kb);
+  LookupKernels kernels(gl, "embedding_bags", bags.empty() ? 0 : bags.front().batch);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    KILN_ASSIGN_OR_RETURN(KernelBuilder * kb, kernels.next());
+    KILN_RETURN_IF_ERROR(addLookupTable(gl, *kb, *ops[i], bags[i], -1, -1, 0));
+  }
+  return kernels.finish();
 }
 
 // Bags of a collection and their concat: ONE lookup kernel writing each bag's pooled rows at
@@ -74,8 +113,7 @@ Status lowerEmbeddingConcat(GroupLowering& gl, const std::vector<const Op*>& ops
   }
   KILN_RETURN_IF_ERROR(gl.scanLengths(bags));
   int out = gl.groupBuffer(cat.result(), true);
-  KernelBuilder kb = KernelBuilder::ofKind("embedding_bags_concat", KernelKind::EmbeddingForward);
-  kb.k.batch = (cs)[0];
+  LookupKernels kernels(gl, "embedding_bags_concat", (cs)[0]);
   std::vector<std::pair<const Value*, int64_t>> copies;
   int64_t at = 0;
   for (const Value* x : cat.operands()) {
@@ -83,15 +121,15 @@ Status lowerEmbeddingConcat(GroupLowering& gl, const std::vector<const Op*>& ops
     const Op* bag = x->definingOp();
     if (bag && gl.inGroup(bag)) {
       KILN_ASSIGN_OR_RETURN(auto ids, gl.bagIdsOf(*bag));
-      KILN_RETURN_IF_ERROR(addLookupTable(gl, kb, *bag, ids, out, width, at));
+      KILN_ASSIGN_OR_RETURN(KernelBuilder * kb, kernels.next());
+      KILN_RETURN_IF_ERROR(addLookupTable(gl, *kb, *bag, ids, out, width, at));
     } else {
       copies.push_back({x, at});
     }
     at += (xs)[1];
   }
-  if (kb.k.tables.empty()) return Status::errorf("{}: the embedding group has no bag", opLabel(cat));
-  kb.k.error_flag = gl.bind(kb, gl.errorFlag(), true);
-  KILN_RETURN_IF_ERROR(gl.finish(kb));
+  if (kernels.empty()) return Status::errorf("{}: the embedding group has no bag", opLabel(cat));
+  KILN_RETURN_IF_ERROR(kernels.finish());
   for (const auto& [x, offset] : copies) {
     auto xs = gl.shapeOf(x);
     KernelBuilder cb = KernelBuilder::pointwise("concat_columns", *xs);

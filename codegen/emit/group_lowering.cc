@@ -257,13 +257,22 @@ const Value* GroupLowering::bagWeights(const Op& bag) {
 }
 
 Status GroupLowering::scanLengths(const std::vector<BagIds>& bags) {
+  const int64_t batch = bags.empty() ? 0 : bags.front().batch;
   KernelBuilder kb = KernelBuilder::ofKind("bag_offsets", KernelKind::BagOffsets);
-  Kernel& k = kb.k;
+  auto flush = [&]() -> Status {
+    if (kb.k.tables.empty()) return Status::ok();
+    kb.k.error_flag = bind(kb, errorFlag(), true);
+    KILN_RETURN_IF_ERROR(finish(kb));
+    kb = KernelBuilder::ofKind("bag_offsets", KernelKind::BagOffsets);
+    return Status::ok();
+  };
   for (const BagIds& b : bags) {
     if (!b.lengths || offsets_of_.count(b.lengths)) continue;
-    if (!k.tables.empty() && b.batch != k.batch)
-      return Status::errorf("jagged bags of one group must share the batch ({} vs {})", b.batch, k.batch);
-    k.batch = b.batch;
+    if (b.batch != batch)
+      return Status::errorf("jagged bags of one group must share the batch ({} vs {})", b.batch, batch);
+    // A table adds its lengths and offsets; the error flag comes last.
+    if (kb.k.buffers.size() + 3 > kMaxKernelParams) KILN_RETURN_IF_ERROR(flush());
+    kb.k.batch = b.batch;
     int offsets = tempBuffer(valueName(b.lengths) + ".offsets", DType::i64, b.batch + 1);
     offsets_of_[b.lengths] = offsets;
     EmbeddingTable t;
@@ -271,11 +280,9 @@ Status GroupLowering::scanLengths(const std::vector<BagIds>& bags) {
     t.offsets = bind(kb, offsets, true);
     t.num_ids = b.num_ids;
     t.flag_index = errorSubject(valueName(b.lengths), b.num_ids);
-    k.tables.push_back(t);
+    kb.k.tables.push_back(t);
   }
-  if (k.tables.empty()) return Status::ok();
-  k.error_flag = bind(kb, errorFlag(), true);
-  return finish(kb);
+  return flush();
 }
 
 void GroupLowering::bindIds(KernelBuilder& kb, EmbeddingTable& t, const BagIds& b) {

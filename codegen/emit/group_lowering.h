@@ -60,6 +60,11 @@ struct BagIds {
 
 class GroupLowering {
  public:
+  // Pointer parameters one kernel may take: 3.5 KB of the 4 KB every CUDA device accepts (CUDA
+  // 12.1 raised it to 32 KB on Volta and later). Kernels with per-table parameters (the lookups,
+  // the lengths' scans) are cut into several launches past it.
+  static constexpr size_t kMaxKernelParams = 448;
+
   GroupLowering(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols);
 
   const std::vector<const ir::Op*>& ops() const { return out_.ops; }
@@ -114,8 +119,9 @@ class GroupLowering {
   // The ids of an embedding_bag: (table, ids[, weights]) or (table, ids, lengths[, weights]).
   Expected<BagIds> bagIdsOf(const ir::Op& bag);
   static const ir::Value* bagWeights(const ir::Op& bag);
-  // ONE BagOffsets kernel scanning the lengths of every jagged bag of `bags` not scanned yet in
-  // this group (bags sharing lengths share offsets); runs before the kernels reading them.
+  // ONE BagOffsets kernel (more past kMaxKernelParams) scanning the lengths of every jagged bag of
+  // `bags` not scanned yet in this group (bags sharing lengths share offsets); runs before the
+  // kernels reading them.
   Status scanLengths(const std::vector<BagIds>& bags);
   // The group temporary holding the offsets of jagged `lengths` (scanLengths made it).
   int offsetsOf(const ir::Value* lengths) const { return offsets_of_.at(lengths); }

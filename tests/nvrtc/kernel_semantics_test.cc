@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <random>
 
 #include "codegen/kernel_interpreter.h"
 #include "codegen/kernel_lowering.h"
@@ -80,6 +81,52 @@ TEST(KernelSemanticsByHand, EmbeddingIdOutOfRangeIsAnError) {
   EXPECT_FLOAT_EQ(out[0], 1 + 7);  // sample 0 pools rows 0 and 3
   EXPECT_FLOAT_EQ(out[1], 2 + 8);
   EXPECT_FLOAT_EQ(out[2], 3);  // sample 1: row 1, the bad id contributes nothing
+}
+
+// 600 bags in one group, 240 of them jagged: the lookups and the lengths' scans are cut into
+// several launches, each under CUDA's 4 KB of parameters, and every pooled row still matches the
+// CPU reference, as does the table an out-of-range id in a later launch is reported as.
+TEST(KernelSemanticsManyTables, LookupsAndScansSplitUnderFourKilobytes) {
+  CaseBuilder b("many_bags");
+  const int64_t batch = 3;
+  for (int i = 0; i < 600; ++i) {
+    const std::string n = std::to_string(i);
+    Value* t = b.param("tables." + n, DType::f32, S({5, 2 + i % 3}));
+    if (i % 5 < 2)
+      b.op("kiln.embedding_bag", {t, b.input("cats." + n, DType::i64, S({7}), Fill::Ids, 5),
+                                  b.input("cats." + n + ".lengths", DType::i32, S({batch}), Fill::Lengths, 7)});
+    else
+      b.op("kiln.embedding_bag", {t, b.input("cats." + n, DType::i32, S({batch, 2}), Fill::Ids, 5)},
+           {{"mode", Attribute(i % 2 ? "mean" : "sum")}});
+  }
+  OpCase c = b.take();
+  std::mt19937 rng(5);
+  auto run = runReference(c, rng);
+  ASSERT_TRUE(run) << run.status().message();
+  auto g = codegen::lowerGroup(c.group, c.symbols);
+  ASSERT_TRUE(g) << g.status().message();
+  int scans = 0, lookups = 0;
+  for (const codegen::Kernel& k : g->kernels) {
+    EXPECT_LE(k.buffers.size() * sizeof(void*), 4096u) << k.name;
+    scans += k.kind == codegen::KernelKind::BagOffsets;
+    lookups += k.kind == codegen::KernelKind::EmbeddingForward;
+  }
+  EXPECT_EQ(scans, 2);    // 240 tables x 2 buffers + the flag
+  EXPECT_GE(lookups, 5);  // 3 buffers a table (table, ids, out), 4 when jagged: 2,040 in all
+  std::vector<ir::HostTensor> storage = groupStorage(*g, *run);
+  std::vector<void*> ptrs;
+  for (ir::HostTensor& t : storage) ptrs.push_back(t.view.data);
+  Status s = codegen::interpretGroup(*g, ptrs);
+  ASSERT_TRUE(s.isOk()) << s.message();
+  EXPECT_EQ(expectGroupMatchesReference(*g, storage, *run, 1e-5, "kernel"), 600);
+
+  // Table 599's ids are read by the last lookup launch.
+  for (size_t i = 0; i < g->buffers.size(); ++i)
+    if (g->buffers[i].value && g->buffers[i].value->definingOp()->strAttr("name") == "cats.599")
+      storage[i].as<int32_t>()[1] = 5;  // rows [0, 5)
+  s = codegen::interpretGroup(*g, ptrs);
+  ASSERT_FALSE(s.isOk());
+  EXPECT_NE(s.message().find("tables.599"), std::string::npos) << s.message();
 }
 
 // Jagged bags by hand: lengths {2, 0, 3} over 5 ids, mean pooling; the empty bag gives zeros.
