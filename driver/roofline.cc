@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "codegen/kernel_lowering.h"
+#include "ir/ops/kernel_util.h"
 #include "ir/precision.h"
 #include "passes/cost_model.h"
 
@@ -65,6 +67,20 @@ Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const 
   std::map<std::string, KernelClassCost> by_kind;
   for (const codegen::LoweredGroup& g : groups) {
     passes::GroupCost c = cost.groupCost(g.ops);
+    // A GEMM reads only the buffers its call names: a bias gradient's sum_to may read the f32
+    // value the GEMM's bf16 operand was narrowed from, which cuBLASLt never touches.
+    if (g.gemm) {
+      std::set<const ir::Value*> bound, unbound;
+      for (const codegen::GroupBuffer& b : g.buffers) bound.insert(b.value);
+      for (const ir::Op* op : g.ops)
+        for (const ir::Value* v : op->operands()) {
+          const ir::Value* outer = codegen::outerValue(v);
+          const ir::Op* d = v->definingOp();
+          if (!(d && std::find(g.ops.begin(), g.ops.end(), d) != g.ops.end()) && !bound.count(outer))
+            unbound.insert(outer);
+        }
+      for (const ir::Value* v : unbound) c.bytes -= ir::kernels::typeBytes(v->type(), symbols);
+    }
     // The expert GEMMs run at the GEMM rate too (the cost model's groupCost counts kiln.matmul's
     // flops alone as GEMM flops); Kiln's grouped GEMM kernels have no TF32 path, so f32 experts
     // run at the f32 rate.

@@ -58,6 +58,36 @@ TEST(Roofline, AGemmAndItsReluByHand) {
   EXPECT_NE(table.find("launches: 2\n"), std::string::npos) << table;
 }
 
+// A weight gradient with its bias gradient beside it under bf16, as the fusion pass groups them:
+// cuBLASLt reads the bf16 g and x and writes dW and db; the f32 g the sum_to names in the IR is
+// never read (the epilogue sums the bf16 g), so it is no traffic of the GEMM's.
+const char* kBiasGradient = R"(
+func.func @step(%g: !kiln.tensor<Bx32xf32>, %x: !kiln.tensor<Bx64xbf16>) -> (!kiln.tensor<32x64xf32>, !kiln.tensor<32xf32>) {
+  %g16 = "kiln.cast"(%g) {to = "bf16"} : (!kiln.tensor<Bx32xf32>) -> !kiln.tensor<Bx32xbf16>
+  %r:2 = "kiln.fused"(%g, %g16, %x) ({
+  ^bb0(%a: !kiln.tensor<Bx32xf32>, %b: !kiln.tensor<Bx32xbf16>, %c: !kiln.tensor<Bx64xbf16>):
+    %db = "kiln.sum_to"(%a) : (!kiln.tensor<Bx32xf32>) -> !kiln.tensor<32xf32>
+    %p = "kiln.matmul"(%b, %c) {transpose_a = true} : (!kiln.tensor<Bx32xbf16>, !kiln.tensor<Bx64xbf16>) -> !kiln.tensor<32x64xbf16>
+    %dw = "kiln.cast"(%p) {to = "f32"} : (!kiln.tensor<32x64xbf16>) -> !kiln.tensor<32x64xf32>
+    "kiln.yield"(%db, %dw) : (!kiln.tensor<32xf32>, !kiln.tensor<32x64xf32>) -> ()
+  }) {kind = "gemm_epilogue"} : (!kiln.tensor<Bx32xf32>, !kiln.tensor<Bx32xbf16>, !kiln.tensor<Bx64xbf16>) -> (!kiln.tensor<32xf32>, !kiln.tensor<32x64xf32>)
+  return %r#1, %r#0 : !kiln.tensor<32x64xf32>, !kiln.tensor<32xf32>
+}
+)";
+
+TEST(Roofline, ABiasGradientGemmMovesWhatCublasLtReads) {
+  auto m = ir::parseModule(kBiasGradient, "<test>");
+  ASSERT_TRUE(m) << m.status().str();
+  auto r = estimateRoofline(*(*m)->lookup("step"), 1024, h200Target());
+  ASSERT_TRUE(r) << r.status().str();
+  const KernelClassCost* gemm = find(*r, "gemm bf16");
+  ASSERT_NE(gemm, nullptr) << formatRoofline(*r);
+  EXPECT_EQ(gemm->launches, 1);
+  // g and x in bf16 read, dW and db in f32 written.
+  EXPECT_DOUBLE_EQ(gemm->bytes, (1024.0 * 32 + 1024 * 64) * 2 + (32 * 64 + 32) * 4) << formatRoofline(*r);
+  EXPECT_EQ(find(*r, "reduction"), nullptr) << formatRoofline(*r);
+}
+
 // A GEMM with enough flops a byte (K = 1024, N = 256) that the H200's f32 rate, not its memory,
 // bounds it in exact f32, and its memory in TF32.
 const char* kWide = R"(
