@@ -11,8 +11,8 @@ using ir::Op;
 using ir::Value;
 
 // A matmul, optionally with its epilogue (bias add, then relu or gelu, then an output cast),
-// as ONE cuBLASLt call. Only what cuBLASLt computes as the ops do is accepted, with one
-// allowance (XLA's "excess precision"): a bf16 or f16 product that the group at once widens
+// as ONE cuBLASLt call. Only what cuBLASLt computes as the ops do is accepted, with two
+// allowances. One is XLA's "excess precision": a bf16 or f16 product that the group at once widens
 // back to f32 (mixed precision's `cast(matmul(bf16, bf16), f32)`) is taken from cuBLASLt's f32
 // accumulator without the rounding in between, so bias and activation run in cuBLASLt's f32
 // epilogue and only the result is stored. The CPU rounds there; the results differ by at most
@@ -23,7 +23,7 @@ using ir::Value;
 // operand stored [K, X] (A with transpose_a, B without transpose_b) to [X]. It reads that operand
 // or the f32 value the operand was narrowed from (mixed precision's cast to bf16 for the GEMM):
 // cuBLASLt then sums the bf16 values it multiplies, as a bf16 backward does, where the CPU sums
-// their f32 originals; they differ by at most the rounding of each term.
+// their f32 originals; they differ by at most the rounding of each term (the other allowance).
 Status biasGradientOf(const Op& mm, const Op& sum, GemmCall& call) {
   // Values as outside the fused region: a region's arguments stand for the fused op's operands.
   const Value* g = outerValue(sum.operand(0));
