@@ -11,6 +11,7 @@
 
 #include "codegen/emit/embedding_sort.h"
 #include "codegen/emit/moe.h"
+#include "codegen/emit/optimizer.h"
 
 namespace kiln::codegen {
 
@@ -299,7 +300,7 @@ __device__ __forceinline__ void kiln_bag_offsets(const L* lengths, long long* of
   if (negative || (tid == 0 && carry > n)) kiln_flag_error(err, 2, t);
 }
 )CUDA" +
-      emit::embeddingSortDeviceFunctions() + emit::moeDeviceFunctions();
+      emit::optimizerDeviceFunctions() + emit::embeddingSortDeviceFunctions() + emit::moeDeviceFunctions();
   return prelude;
 }
 

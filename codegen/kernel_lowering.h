@@ -11,17 +11,18 @@
 //   - embedding_lookup.cc: every embedding_bag over sources (per stream): ONE EmbeddingForward
 //     kernel; jagged bags (ids[N] + lengths[B]) first get their offsets from ONE BagOffsets scan
 //     kernel;
-//   - embedding_update.cc: an embedding_bag_update: (a scan for jagged ids,) clear, accumulate
-//     (duplicate ids combined in a hash table) and one Row kernel applying the sparse optimizer
-//     to the touched rows;
-//   - optimizer.cc: dense optimizer updates;
+//   - embedding_update.cc: embedding_bag_updates: (a scan for jagged ids,) a radix sort of the
+//     ids of every table, their segments, and one launch per optimizer summing each distinct
+//     id's gradient rows and stepping that row;
+//   - optimizer.cc: every dense optimizer update of a group (groupOps gathers a stream's): one
+//     multi-tensor launch per configuration;
 //   - gemm.cc: a matmul: no kernel (cuBLASLt runs it); lowerGroup returns it with `gemm` set;
 //   - scatter.cc: a scatter_add: a copy of the base, then one atomic add per update.
 // groupOps() forms groups greedily over ops the fusion pass left alone. lowerFunction takes the
 // fusion pass's `kiln.fused` ops as they are: each becomes one group (a pointwise or reduction
 // kernel, ONE cuBLASLt call with its epilogue, one lookup kernel writing the concatenated rows,
-// the accumulate + row-update kernels of every table reading the concatenated gradient), or,
-// where the backend cannot run it as one unit, is split by groupOps with the reason recorded.
+// the sorted backward of every table reading the concatenated gradient), or, where the backend
+// cannot run it as one unit, is split by groupOps with the reason recorded.
 // These entry points live in codegen/emit/lower_groups.cc; codegen/cuda_program.h builds the
 // Program that runs the lowered groups. See docs/cuda.md.
 #pragma once
@@ -116,7 +117,9 @@ bool isSourceOrTerminator(const ir::Op& op);
 // EmitterRegistry.
 bool isPointwiseOp(const ir::Op& op);
 
-// Splits the ops of a block (sources and terminators skipped) into groups in execution order.
+// Splits the ops of a block (sources and terminators skipped) into groups in execution order. A
+// kiln.fused op is a group of its own. A stream's dense optimizer updates wait and form one group,
+// placed before the first op that reads or writes a parameter or state they update, else last.
 std::vector<std::vector<const ir::Op*>> groupOps(const std::vector<const ir::Op*>& ops);
 
 // Lowers one group under concrete symbol values. Errors name the op and say what the CUDA

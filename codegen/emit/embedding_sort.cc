@@ -120,10 +120,10 @@ Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, in
       default: return "float";
     }
   };
-  const char* optimizer = step.optimizer == "adagrad"           ? "KILN_EMB_ADAGRAD"
+  const char* optimizer = step.optimizer == "adagrad"           ? "KILN_OPT_ADAGRAD"
                           : step.optimizer == "rowwise_adagrad" ? "KILN_EMB_ROWWISE_ADAGRAD"
-                          : step.optimizer == "adam"            ? "KILN_EMB_ADAM"
-                                                                : "KILN_EMB_SGD";
+                          : step.optimizer == "adam"            ? "KILN_OPT_ADAM"
+                                                                : "KILN_OPT_SGD";
   // Doubles print exactly ({:.17g}); the kernel rounds them to its compute type as the Row
   // kernels' constants are.
   Kernel k = sourceKernel(
@@ -441,24 +441,13 @@ __device__ void kiln_emb_accumulate(const long long* tab, const long long* keys,
   }
 }
 
-// A scalar operand of the update (lr, step, grad scale) of type `code` (ScalarCode), as C.
-template <typename C>
-__device__ __forceinline__ C kiln_emb_scalar(long long address, long long code) {
-  switch (code) {
-    case 1: return (C)*(const double*)address;
-    case 2: return (C)kiln_ld((const kiln_bf16*)address, 0);
-    case 3: return (C)*(const int*)address;
-    case 4: return (C)*(const long long*)address;
-    default: return (C)*(const float*)address;
-  }
-}
-
-// The optimizers of the fused update (ir/ops/optimizer.cc states their math).
-enum kiln_emb_optimizer { KILN_EMB_SGD, KILN_EMB_ADAGRAD, KILN_EMB_ROWWISE_ADAGRAD, KILN_EMB_ADAM };
+// rowwise_adagrad, the one optimizer the dense step (kiln_opt_element) does not have.
+constexpr int KILN_EMB_ROWWISE_ADAGRAD = -1;
 
 // The fused row update: one warp per segment of tables [t0, t1) sums the segment's gradient
 // rows (kiln_emb_segment_sum), then steps that id's row of its table and the row's optimizer
-// state in place, computing in C (f32, or f64 for f64 tables) in the order the reference does.
+// state in place (kOptimizer: a kiln_opt_kind, or KILN_EMB_ROWWISE_ADAGRAD), computing in C
+// (f32, or f64 for f64 tables) in the order the reference does.
 // Each (table, id) is one segment, so no two warps touch one row: no atomics, and the summed
 // rows never go through memory. The hyperparameters are the tables' shared attributes; lr,
 // step and the gradient scale are read through the address table.
@@ -481,10 +470,10 @@ __device__ void kiln_emb_update(const long long* tab, const long long* keys, con
   S* s0 = (S*)d[KILN_EMB_STATE0];
   S* s1 = (S*)d[KILN_EMB_STATE1];
   const long long types = d[KILN_EMB_SCALAR_TYPES];
-  const C lr = (C)lr_attr * kiln_emb_scalar<C>(d[KILN_EMB_LR], types & 15);
-  const C scale = d[KILN_EMB_SCALE] ? kiln_emb_scalar<C>(d[KILN_EMB_SCALE], (types >> 8) & 15) : (C)1;
-  const C wd = (C)weight_decay;
+  const C lr = (C)lr_attr * kiln_opt_scalar<C>(d[KILN_EMB_LR], types & 15);
+  const C scale = d[KILN_EMB_SCALE] ? kiln_opt_scalar<C>(d[KILN_EMB_SCALE], (types >> 8) & 15) : (C)1;
   if (kOptimizer == KILN_EMB_ROWWISE_ADAGRAD) {
+    const C wd = (C)weight_decay;
     // One accumulator per row, grown by the mean of g^2 over the row (a warp-wide sum).
     C g[kPer];
     C sq = 0;
@@ -511,35 +500,14 @@ __device__ void kiln_emb_update(const long long* tab, const long long* keys, con
     if (lane == 0) kiln_st(s0, id, sum);
     return;
   }
-  C bias1 = 1, bias2 = 1;
-  if (kOptimizer == KILN_EMB_ADAM) {
-    const C step = kiln_emb_scalar<C>(d[KILN_EMB_STEP], (types >> 4) & 15);
-    bias1 = (C)1 - kiln_fn::pow((C)beta1, step);
-    bias2 = (C)1 - kiln_fn::pow((C)beta2, step);
-  }
+  const kiln_opt_hyper<C> h = kiln_opt_make_hyper<kOptimizer, C>(
+      lr, kiln_opt_scalar<C>(d[KILN_EMB_STEP], (types >> 4) & 15), eps, beta1, beta2, weight_decay, 0.0);
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     const long long e = lane + 32 * k;
-    if (e >= dim) continue;
-    const long long at = row + e;
-    const C p = (C)kiln_ld(w, at);
-    C g = (C)acc[k] * scale;
-    if (weight_decay != 0) g = g + wd * p;
-    C next;
-    if (kOptimizer == KILN_EMB_SGD) {
-      next = p - lr * g;
-    } else if (kOptimizer == KILN_EMB_ADAGRAD) {
-      const C sum = (C)kiln_ld(s0, at) + g * g;
-      kiln_st(s0, at, sum);
-      next = p - (lr * g) / (kiln_fn::sqrt(sum) + (C)eps);
-    } else {
-      const C m = (C)beta1 * (C)kiln_ld(s0, at) + (C)(1.0 - beta1) * g;
-      const C v = (C)beta2 * (C)kiln_ld(s1, at) + (C)(1.0 - beta2) * g * g;
-      kiln_st(s0, at, m);
-      kiln_st(s1, at, v);
-      next = p - (lr * (m / bias1)) / (kiln_fn::sqrt(v / bias2) + (C)eps);
-    }
-    kiln_st(w, at, next);
+    if (e < dim)
+      kiln_st(w, row + e,
+              kiln_opt_element<kOptimizer, C, S>((C)kiln_ld(w, row + e), (C)acc[k] * scale, s0, s1, row + e, h));
   }
 }
 )CUDA";

@@ -45,13 +45,11 @@ enum TableWord : int {
   kLrAddress,
   kStepAddress,
   kScaleAddress,
-  kScalarTypes,      // ScalarCode of lr | step << 4 | scale << 8
+  kScalarTypes,      // ScalarCode (optimizer.h) of lr | step << 4 | scale << 8
   kTableWords = 24,  // words per table (two spare); a last row holds kBegin = the slot count
 };
 // kFlags bits.
 constexpr int64_t kIdsI64 = 1, kGradBf16 = 2, kMean = 4, kWeightsBf16 = 8;
-// How kScalarTypes names a scalar's type.
-enum ScalarCode : int64_t { kScalarF32, kScalarF64, kScalarBf16, kScalarI32, kScalarI64 };
 
 // The shape of one group's sorted backward, which its kernels are specialized to.
 struct SortedBackwardShape {

@@ -14,6 +14,7 @@
 
 #include "codegen/emit/embedding_sort.h"
 #include "codegen/emit/emitter_registry.h"
+#include "codegen/emit/optimizer.h"
 #include "ir/optimizer.h"
 
 namespace kiln::codegen::emit {
@@ -111,16 +112,6 @@ std::optional<RowStep> rowStepOf(const Accumulated& a) {
   r.beta2 = op.floatAttr("beta2", 0.999);
   r.weight_decay = op.floatAttr("weight_decay");
   return r;
-}
-
-ScalarCode scalarCode(DType t) {
-  switch (t) {
-    case DType::f64: return kScalarF64;
-    case DType::bf16: return kScalarBf16;
-    case DType::i32: return kScalarI32;
-    case DType::i64: return kScalarI64;
-    default: return kScalarF32;
-  }
 }
 
 // The jagged scan, then the sort of the backward (embedding_sort.h) over every table of

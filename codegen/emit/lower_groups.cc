@@ -61,6 +61,17 @@ std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) 
   std::vector<std::vector<const Op*>> groups;
   // Bags over sources, per stream: each stream's bags form one group at its first bag's place.
   std::map<int, std::pair<size_t, std::vector<const Op*>>> bags;
+  // Dense optimizer updates, per stream, wait to form one group (one multi-tensor launch): it
+  // is placed before the first op that reads or writes what one of them updates, or at the end
+  // (their operands are all defined by then, so moving an update later changes nothing else).
+  std::map<int, std::vector<const Op*>> updates;
+  std::set<const Value*> updated;
+  auto flushUpdates = [&] {
+    for (auto& [_, group] : updates)
+      if (!group.empty()) groups.push_back(std::move(group));
+    updates.clear();
+    updated.clear();
+  };
   auto sourcesOnly = [](const Op* op) {
     for (const Value* v : op->operands())
       if (!v->definingOp() || !isSourceOrTerminator(*v->definingOp())) return false;
@@ -75,6 +86,27 @@ std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) 
   };
   for (const Op* op : ops) {
     if (isSourceOrTerminator(*op)) continue;
+    for (const Value* v : op->operands())
+      if (updated.count(v)) {
+        flush();
+        flushUpdates();
+        break;
+      }
+    // A kiln.fused op is a group of its own, where the fusion pass placed it; the bags before it
+    // are grouped apart from those after.
+    if (op->is(ir::OpCode::Fused)) {
+      flush();
+      for (auto& [_, slot_bags] : bags) groups[slot_bags.first] = std::move(slot_bags.second);
+      bags.clear();
+      groups.push_back({op});
+      continue;
+    }
+    if (op->is(ir::OpCode::OptimizerUpdate)) {
+      updates[streamOf(*op)].push_back(op);
+      for (unsigned i : ir::writtenOperands(*op))
+        updated.insert(op->operand(i));
+      continue;
+    }
     // Every bag over sources joins one group (per stream), at the first bag's place.
     if (op->is(ir::OpCode::EmbeddingBag) && sourcesOnly(op)) {
       flush();
@@ -97,6 +129,7 @@ std::vector<std::vector<const Op*>> groupOps(const std::vector<const Op*>& ops) 
     if (!isPointwiseOp(*op)) flush();
   }
   flush();
+  flushUpdates();
   for (auto& [_, slot_bags] : bags) groups[slot_bags.first] = std::move(slot_bags.second);
   return groups;
 }
@@ -148,25 +181,19 @@ Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vecto
 
 Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols) {
   std::vector<LoweredGroup> out;
-  // Ops outside fused groups are grouped greedily between them (a fused op is a barrier: it runs
-  // where the fusion pass placed it).
-  std::vector<const Op*> loose;
-  auto lowerLoose = [&]() -> Status {
-    for (const auto& group : groupOps(loose)) {
-      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
-      g.stream = streamOf(*group.front());
-      out.push_back(std::move(g));
-    }
-    loose.clear();
-    return Status::ok();
-  };
+  // Ops outside fused groups are grouped greedily between them (a fused op runs where the fusion
+  // pass placed it); the dense optimizer updates wait past them (groupOps).
+  std::vector<const Op*> all;
+  for (const auto& op : f.entry().ops()) all.push_back(op.get());
   int fused_index = 0;
-  for (const auto& op : f.entry().ops()) {
+  for (const auto& group : groupOps(all)) {
+    const Op* op = group.front();
     if (!op->is(ir::OpCode::Fused)) {
-      loose.push_back(op.get());
+      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
+      g.stream = streamOf(*op);
+      out.push_back(std::move(g));
       continue;
     }
-    KILN_RETURN_IF_ERROR(lowerLoose());
     std::vector<const Op*> ops;
     if (!op->regions().empty() && !op->regions().front()->empty())
       for (const auto& inner : op->regions().front()->front().ops())
@@ -193,7 +220,6 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     }
     ++fused_index;
   }
-  KILN_RETURN_IF_ERROR(lowerLoose());
   return out;
 }
 

@@ -1,30 +1,38 @@
-// The optimizer step's math as kernel expressions, shared by the dense optimizer emitter
-// (optimizer.cc) and the sparse row update of the embedding update emitter
-// (embedding_update.cc).
+// The optimizer step on the GPU, shared by the dense optimizer emitter (optimizer.cc: every
+// kiln.optimizer_update of a group as one multi-tensor launch per configuration) and the sparse
+// row update of the embedding backward (embedding_sort.cc): one device definition of each
+// optimizer's per-element math, in the reference's order of operations (ir/ops/optimizer.cc).
 #pragma once
 
-#include <functional>
 #include <string>
 
-#include "codegen/emit/group_lowering.h"
+#include "codegen/kernel_ir.h"
 
 namespace kiln::codegen::emit {
 
-// An update's hyper-parameters: lr, step and the gradient scale as nodes (-1: no scale), the
-// rest from the op's attributes.
-struct Hyper {
-  int lr = -1, step = -1, scale = -1;
-  double eps, beta1, beta2, weight_decay, momentum;
-  bool nesterov;
+// How the address tables name a scalar operand's type (lr, step, gradient scale).
+enum ScalarCode : int64_t { kScalarF32, kScalarF64, kScalarBf16, kScalarI32, kScalarI64 };
+ScalarCode scalarCode(DType t);
+
+// The words of one tensor's row of the dense update's address table.
+enum DenseWord : int {
+  kDenseParam,       // the parameter, updated in place
+  kDenseGrad,        // its gradient
+  kDenseState0,      // its state slots (0: none)
+  kDenseState1,
+  kDenseElements,    // elements of the parameter
+  kDenseFirstBlock,  // the launch's first block over this tensor; a last row holds the total
+  kDenseLr,          // the lr factor, step and gradient scale scalars (scale 0: unscaled)
+  kDenseStep,
+  kDenseScale,
+  kDenseScalarTypes,  // ScalarCode of lr | step << 4 | scale << 8
+  kDenseWords = 12,   // words per tensor (two spare)
 };
+// Elements one block of the dense update steps: 256 threads x 16.
+constexpr int64_t kDenseChunk = 4096;
 
-// Loads the lr, step (and scale) operands of `op` into kernel `kb`, at compute type ct.
-Hyper hyper(GroupLowering& gl, KernelBuilder& kb, const ir::Op& op, int lr_operand, int step_operand,
-            int scale_operand, DType ct);
-
-// The per-element update of sgd / adagrad / adam / adamw: stores the new values of w's state
-// through `store_state(i, v)` (state i at the element is `state(i)`); returns the new w.
-int elementUpdate(ExprGraph& g, const std::string& kind, const Hyper& h, int w, int grad, DType ct,
-                  const std::function<int(int)>& state, const std::function<void(int, int)>& store_state);
+// The device functions (kiln_opt_element, kiln_opt_scalar, kiln_opt_dense), part of every
+// module's prelude before the embedding backward's, which calls them.
+const std::string& optimizerDeviceFunctions();
 
 }  // namespace kiln::codegen::emit

@@ -264,6 +264,37 @@ TEST(KernelLowering, GroupsElementwiseChainsAndEmbeddingCollections) {
   EXPECT_TRUE(g->kernels.empty());
 }
 
+// Dense optimizer updates wait to form one group (one multi-tensor launch): past other ops, up
+// to the first op that reads a parameter one of them updates, which must see it updated.
+TEST(KernelLowering, OptimizerUpdatesFormOneGroupBeforeTheirParametersAreRead) {
+  CaseBuilder b("updates");
+  Value* lr = b.input("lr", DType::f32, {});
+  Value* step = b.input("step", DType::f32, {});
+  auto update = [&](Value* p, Value* g) {
+    return b.op("kiln.optimizer_update", {p, g, lr, step}, {{"kind", Attribute("sgd")}, {"lr", Attribute(0.1)}});
+  };
+  Value* w0 = b.param("w0", DType::f32, S({4}));
+  Value* w1 = b.param("w1", DType::f32, S({4}));
+  Value* w2 = b.param("w2", DType::f32, S({4}));
+  ir::Op* u0 = update(w0, b.input("g0", DType::f32, S({4})));
+  ir::Op* r = b.op("kiln.relu", {b.input("x", DType::f32, S({4}))});
+  ir::Op* u1 = update(w1, b.input("g1", DType::f32, S({4})));
+  ir::Op* reads = b.op("kiln.add", {w0, r->result()});  // after u0: the updated w0
+  ir::Op* u2 = update(w2, reads->result());
+  OpCase c = b.take();
+  auto groups = codegen::groupOps(c.group);
+  // [relu] [u0, u1] [add] [u2]
+  ASSERT_EQ(groups.size(), 4u);
+  EXPECT_EQ(groups[0], std::vector<const ir::Op*>{r});
+  EXPECT_EQ(groups[1], (std::vector<const ir::Op*>{u0, u1}));
+  EXPECT_EQ(groups[2], std::vector<const ir::Op*>{reads});
+  EXPECT_EQ(groups[3], std::vector<const ir::Op*>{u2});
+  auto g = codegen::lowerGroup(groups[1], {});
+  ASSERT_TRUE(g) << g.status().message();
+  ASSERT_EQ(g->kernels.size(), 1u);
+  EXPECT_EQ(g->kernels[0].name, "optimizer_multi_tensor");
+}
+
 TEST(KernelLowering, UnboundSymbolIsAClearError) {
   CaseBuilder b("unbound");
   b.op("kiln.relu", {b.input("x", DType::f32, {Dim::symbol("B"), Dim::fixed(3)})});

@@ -433,6 +433,32 @@ inline std::vector<OpCase> allOpCases() {
     b.tol(1e-4);
     add(b);
   }
+  {  // Three parameters stepped by one group: two adam tensors of 9,000 and 300 elements (3 and 1
+     // blocks of one multi-tensor launch; the second scaled by a clipping factor, which is a
+     // per-tensor word) and an sgd with momentum (a launch of its own).
+    CaseBuilder b("optimizer_multi_tensor");
+    Value* lr = b.input("lr", f32, {}, Fill::Positive);
+    Value* step = b.input("step", f32, {}, Fill::Ids, 3);
+    auto adam = [&](const std::string& n, ir::Shape shape, Value* scale) {
+      std::vector<Value*> operands = {b.param("w" + n, f32, shape), b.input("g" + n, f32, shape),
+                                      b.param("m" + n, f32, shape, Fill::Positive),
+                                      b.param("v" + n, f32, shape, Fill::Positive), lr, step};
+      AttrDict attrs = {{"kind", Attribute("adam")}, {"lr", Attribute(0.05)}, {"weight_decay", Attribute(0.01)}};
+      if (scale) {
+        operands.push_back(scale);
+        attrs["scaled"] = Attribute(true);
+      }
+      b.op("kiln.optimizer_update", operands, attrs);
+    };
+    adam("0", S({90, 100}), nullptr);
+    b.op("kiln.optimizer_update",
+         {b.param("w2", f32, S({7, 3})), b.input("g2", f32, S({7, 3})), b.param("s2", f32, S({7, 3})), lr, step},
+         {{"kind", Attribute("sgd")}, {"lr", Attribute(0.1)}, {"momentum", Attribute(0.9)}});
+    adam("1", S({300}), b.input("clip", f32, {}, Fill::Positive));
+    b.kernels(2);
+    b.tol(1e-4);
+    add(b);
+  }
   {  // Two tables of one collection in one launch: sum and weighted mean.
     CaseBuilder b("embedding_bags_two_tables");
     Value* t0 = b.param("tables.0", f32, S({10, 8}));
