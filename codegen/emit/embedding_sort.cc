@@ -12,6 +12,8 @@ int sortPasses(const SortedBackwardShape& s) { return std::max(1, (s.id_bits + s
 
 int64_t histogramElements(const SortedBackwardShape& s) { return 256 * sortTiles(s) + 1; }
 
+int64_t partialRows(const SortedBackwardShape& s) { return std::max<int64_t>(1, (s.slots + kPiece - 1) / kPiece); }
+
 namespace {
 
 Kernel sourceKernel(std::string name, int64_t grid, int block, std::string body) {
@@ -95,16 +97,31 @@ Kernel segmentsKernel(const SortedBackwardShape& s) {
 // Elements of a row each lane holds: ceil(max_dim / 32).
 int perLane(const SortedBackwardShape& s) { return static_cast<int>(std::max<int64_t>(1, (s.max_dim + 31) / 32)); }
 
+Kernel segmentPartialsKernel(const SortedBackwardShape& s) {
+  // One warp per multiple of kPiece from 1 on.
+  const int64_t warps = std::max<int64_t>(1, partialRows(s) - 1);
+  Kernel k = sourceKernel("embedding_grad_partials", (warps + 7) / 8, 256,
+                          fmt::format("  kiln_emb_partials<{}, {}>(b0, b1, b2, b3, {}LL, {}LL, {}, {}LL, {}LL);\n",
+                                      perLane(s), kPiece, s.slots, s.batch, s.id_bits, s.max_dim, s.tables));
+  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_positions", DType::i32, s.slots);
+  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim), true);
+  return k;
+}
+
 Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_ids, int64_t accum_elements) {
   const int per_lane = perLane(s);
   Kernel k = sourceKernel("embedding_grad_accumulate", (s.max_segments + 7) / 8, 256,
-                          fmt::format("  kiln_emb_accumulate<{}>(b0, b1, b2, b3, b4, b5, b6, b7, {}LL, {});\n",
-                                      per_lane, s.batch, s.id_bits));
+                          fmt::format("  kiln_emb_accumulate<{}, {}>(b0, b1, b2, b3, b4, b5, b6, b7, b8, {}LL, {}, "
+                                      "{}LL);\n",
+                                      per_lane, kPiece, s.batch, s.id_bits, s.max_dim));
   k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
   k.addBuffer("sort_keys", DType::i64, s.slots);
   k.addBuffer("sort_positions", DType::i32, s.slots);
   k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
   k.addBuffer("segment_meta", DType::i64, s.tables + 2);
+  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim));
   k.addBuffer("distinct_ids", DType::i64, distinct_ids, true);
   k.addBuffer("row_grads", DType::f32, accum_elements, true);
   k.addBuffer("distinct_counts", DType::i64, s.tables, true);
@@ -128,16 +145,17 @@ Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, in
   // kernels' constants are.
   Kernel k = sourceKernel(
       "embedding_update_" + step.optimizer, (segments + 7) / 8, 256,
-      fmt::format("  kiln_emb_update<{}, {}, {}, {}, {}>(b0, b1, b2, b3, b4, {}LL, {}, {}, {}, {:.17g}, {:.17g}, "
-                  "{:.17g}, {:.17g}, {:.17g});\n",
-                  perLane(s), optimizer, ctype(step.table), ctype(step.state),
-                  step.table == DType::f64 ? "double" : "float", s.batch, s.id_bits, t0, t1, step.lr, step.eps,
-                  step.beta1, step.beta2, step.weight_decay));
+      fmt::format("  kiln_emb_update<{}, {}, {}, {}, {}, {}>(b0, b1, b2, b3, b4, b5, {}LL, {}, {}LL, {}, {}, {:.17g}, "
+                  "{:.17g}, {:.17g}, {:.17g}, {:.17g});\n",
+                  perLane(s), kPiece, optimizer, ctype(step.table), ctype(step.state),
+                  step.table == DType::f64 ? "double" : "float", s.batch, s.id_bits, s.max_dim, t0, t1, step.lr,
+                  step.eps, step.beta1, step.beta2, step.weight_decay));
   k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
   k.addBuffer("sort_keys", DType::i64, s.slots);
   k.addBuffer("sort_positions", DType::i32, s.slots);
   k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
   k.addBuffer("segment_meta", DType::i64, s.tables + 2);
+  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim));
   return k;
 }
 
@@ -413,12 +431,65 @@ __device__ __forceinline__ void kiln_emb_segment_sum(const long long* d, const i
   }
 }
 
+// A hot id's segment is cut at the multiples of kPiece sorted slots: one warp per multiple b
+// that continues a segment (its slot's key equals the one before) sums slots [b kPiece, the
+// piece's end: the segment's end or the next multiple) into partial row b, so no warp sums more
+// than kPiece rows however skewed the ids are.
+template <int kPer, int kPiece>
+__device__ void kiln_emb_partials(const long long* tab, const long long* keys, const int* pos, float* partials,
+                                  long long n, long long batch, int id_bits, long long max_dim, long long tables) {
+  const long long b = 1 + (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+  const int lane = threadIdx.x & 31;
+  const long long q = b * kPiece;
+  if (q >= n) return;  // the whole warp
+  const unsigned long long key = (unsigned long long)keys[q];
+  const long long t = (long long)(key >> id_bits);
+  // A segment starts here, or the key is no table's (padding, a bad id: they sort last).
+  if (key != (unsigned long long)keys[q - 1] || t >= tables) return;
+  long long hi = q + kPiece < n ? q + kPiece : n;
+  for (long long c = q + 1; c < hi; c += 32) {
+    const unsigned other = __ballot_sync(0xffffffffu, c + lane < hi && (unsigned long long)keys[c + lane] != key);
+    if (other) {
+      hi = c + __popc((other & (0u - other)) - 1u);  // the first lane with another key
+      break;
+    }
+  }
+  const long long* d = tab + t * KILN_EMB_WORDS;
+  float acc[kPer];
+  kiln_emb_segment_sum<kPer>(d, pos, (int)q, (int)hi, batch, lane, acc);
+  float* row = partials + b * max_dim;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const long long e = lane + 32 * k;
+    if (e < d[KILN_EMB_DIM]) row[e] = acc[k];
+  }
+}
+
+// Segment [lo, hi)'s summed gradient row: its slots up to the first multiple of kPiece past lo
+// directly, then the partial row of each multiple of kPiece below hi (kiln_emb_partials), in
+// slot order.
+template <int kPer, int kPiece>
+__device__ __forceinline__ void kiln_emb_segment_total(const long long* d, const int* pos, const float* partials,
+                                                       int lo, int hi, long long batch, long long max_dim, int lane,
+                                                       float (&acc)[kPer]) {
+  const int first = (lo / kPiece + 1) * kPiece;
+  kiln_emb_segment_sum<kPer>(d, pos, lo, hi < first ? hi : first, batch, lane, acc);
+  for (int b = first; b < hi; b += kPiece) {
+    const float* row = partials + (long long)(b / kPiece) * max_dim;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      const long long e = lane + 32 * k;
+      if (e < d[KILN_EMB_DIM]) acc[k] += row[e];
+    }
+  }
+}
+
 // One warp per segment: its summed gradient row into the table's o-th accumulated row; lane 0
 // lists the id and, for the table's last segment, its count (the squared-norm probe reads them).
-template <int kPer>
+template <int kPer, int kPiece>
 __device__ void kiln_emb_accumulate(const long long* tab, const long long* keys, const int* pos, const int* starts,
-                                    const long long* meta, long long* distinct_ids, float* accum, long long* counts,
-                                    long long batch, int id_bits) {
+                                    const long long* meta, const float* partials, long long* distinct_ids, float* accum,
+                                    long long* counts, long long batch, int id_bits, long long max_dim) {
   const long long s = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (s >= meta[0]) return;  // the whole warp
@@ -428,7 +499,7 @@ __device__ void kiln_emb_accumulate(const long long* tab, const long long* keys,
   const long long* d = tab + t * KILN_EMB_WORDS;
   const long long o = s - meta[1 + t], dim = d[KILN_EMB_DIM];
   float acc[kPer];
-  kiln_emb_segment_sum<kPer>(d, pos, lo, hi, batch, lane, acc);
+  kiln_emb_segment_total<kPer, kPiece>(d, pos, partials, lo, hi, batch, max_dim, lane, acc);
   float* row = accum + d[KILN_EMB_ACCUM_AT] + o * dim;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
@@ -451,10 +522,11 @@ constexpr int KILN_EMB_ROWWISE_ADAGRAD = -1;
 // Each (table, id) is one segment, so no two warps touch one row: no atomics, and the summed
 // rows never go through memory. The hyperparameters are the tables' shared attributes; lr,
 // step and the gradient scale are read through the address table.
-template <int kPer, int kOptimizer, typename W, typename S, typename C>
+template <int kPer, int kPiece, int kOptimizer, typename W, typename S, typename C>
 __device__ void kiln_emb_update(const long long* tab, const long long* keys, const int* pos, const int* starts,
-                                const long long* meta, long long batch, int id_bits, int t0, int t1, double lr_attr,
-                                double eps, double beta1, double beta2, double weight_decay) {
+                                const long long* meta, const float* partials, long long batch, int id_bits,
+                                long long max_dim, int t0, int t1, double lr_attr, double eps, double beta1,
+                                double beta2, double weight_decay) {
   if (meta[0] == 0) return;  // no segments: meta[1 + t] was never written
   const long long s = meta[1 + t0] + (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
   const int lane = threadIdx.x & 31;
@@ -463,7 +535,7 @@ __device__ void kiln_emb_update(const long long* tab, const long long* keys, con
   const unsigned long long key = (unsigned long long)keys[lo];
   const long long* d = tab + (long long)(key >> id_bits) * KILN_EMB_WORDS;
   float acc[kPer];
-  kiln_emb_segment_sum<kPer>(d, pos, lo, hi, batch, lane, acc);
+  kiln_emb_segment_total<kPer, kPiece>(d, pos, partials, lo, hi, batch, max_dim, lane, acc);
 
   const long long id = (long long)(key & ((1ull << id_bits) - 1ull)), dim = d[KILN_EMB_DIM], row = id * dim;
   W* w = (W*)d[KILN_EMB_TABLE];

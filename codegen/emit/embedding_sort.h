@@ -64,6 +64,13 @@ struct SortedBackwardShape {
 
 // Occurrences each block of the key, histogram, scatter and segment kernels takes.
 constexpr int64_t kSortTile = 4096;
+// A segment (one id's occurrences, sorted) is summed by one warp up to the first multiple of
+// kPiece sorted slots after its start; each further piece of kPiece slots (a hot id's) is summed
+// by its own warp into a partial row that the segment's warp then adds, in slot order.
+constexpr int64_t kPiece = 256;
+// The pieces' partial rows: one per multiple of kPiece below the slot count (row 0 unused), of
+// max_dim f32 each.
+int64_t partialRows(const SortedBackwardShape& s);
 int64_t sortTiles(const SortedBackwardShape& s);
 // 8-bit radix passes: as many as the key's bits need.
 int sortPasses(const SortedBackwardShape& s);
@@ -91,10 +98,14 @@ struct RowStep {
 //   segments:    (keys, hist, seg_start, seg_meta): seg_start[s] = first sorted slot of
 //                segment s, seg_start[S] = end of the valid keys; seg_meta[0] = S,
 //                seg_meta[1 + t] = the first segment of a table >= t, seg_meta[1 + T] = S
-//   accumulate:  (table, keys, positions, seg_start, seg_meta, distinct_ids, accum, counts): one
-//                warp per segment; table t's o-th distinct id goes to distinct_ids[kKeysAt + o],
-//                its summed row to accum[kAccumAt + o * dim ...], counts[t] = its distinct ids
-//   update:      (table, keys, positions, seg_start, seg_meta): one warp per segment of tables
+//   partials:    (table, keys, positions, partials): one warp per multiple b of kPiece whose slot
+//                continues a segment: the sum of slots [b kPiece, the piece's end) into
+//                partials[b * max_dim ...]
+//   accumulate:  (table, keys, positions, seg_start, seg_meta, partials, distinct_ids, accum,
+//                counts): one warp per segment; table t's o-th distinct id goes to
+//                distinct_ids[kKeysAt + o], its summed row to accum[kAccumAt + o * dim ...],
+//                counts[t] = its distinct ids
+//   update:      (table, keys, positions, seg_start, seg_meta, partials): one warp per segment of tables
 //                [t0, t1), which share `step`: sums the segment's rows as accumulate does and
 //                steps the table's row of that id and its state in place; `segments` bounds
 //                the tables' segments (the grid)
@@ -104,6 +115,7 @@ Kernel sortScanKernel(const SortedBackwardShape& s, int64_t n);
 Kernel sortScatterKernel(const SortedBackwardShape& s, int pass);
 Kernel segmentCountKernel(const SortedBackwardShape& s);
 Kernel segmentsKernel(const SortedBackwardShape& s);
+Kernel segmentPartialsKernel(const SortedBackwardShape& s);
 Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_ids, int64_t accum_elements);
 Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, int64_t t0, int64_t t1,
                            int64_t segments);

@@ -48,7 +48,8 @@ struct Accumulated {
 struct Sorted {
   SortedBackwardShape shape;
   int table = -1, keys = -1, positions = -1, starts = -1, meta = -1;
-  int counts = -1;  // i64 [T], cleared by the keys kernel: the accumulation's distinct-id counts
+  int counts = -1;    // i64 [T], cleared by the keys kernel: the accumulation's distinct-id counts
+  int partials = -1;  // the hot ids' pieces' partial rows (segmentPartialsKernel)
 };
 
 // What the squared-norm probe's accumulation leaves: counts[t] distinct ids of table t, listed
@@ -229,6 +230,11 @@ Expected<Sorted> sortAll(GroupLowering& gl, std::vector<Accumulated>& tables) {
   KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentCountKernel(shape), {out.keys, hist}));
   KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScanKernel(shape, sortTiles(shape)), {hist}));
   KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentsKernel(shape), {out.keys, hist, out.starts, out.meta}));
+  out.partials = gl.tempBuffer("piece_partials", DType::f32, partialRows(shape) * std::max<int64_t>(1, shape.max_dim));
+  // With fewer slots than a piece no segment can be cut.
+  if (shape.slots > kPiece)
+    KILN_RETURN_IF_ERROR(
+        addSortKernel(gl, segmentPartialsKernel(shape), {out.table, out.keys, out.positions, out.partials}));
   return out;
 }
 
@@ -246,8 +252,8 @@ Expected<SortedRows> accumulateRows(GroupLowering& gl, const std::vector<Accumul
   out.accum = gl.tempBuffer("row_grads", DType::f32, std::max<int64_t>(1, accum));
   KILN_RETURN_IF_ERROR(addSortKernel(
       gl, segmentAccumulateKernel(sorted.shape, std::max<int64_t>(1, distinct_ids), std::max<int64_t>(1, accum)),
-      {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta, out.distinct_ids, out.accum,
-       out.counts}));
+      {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta, sorted.partials, out.distinct_ids,
+       out.accum, out.counts}));
   return out;
 }
 
@@ -262,7 +268,7 @@ Status updateAll(GroupLowering& gl, const std::vector<Accumulated>& tables, cons
     for (; t1 < tables.size() && rowStepOf(tables[t1]) == step; ++t1) segments += tables[t1].bound;
     KILN_RETURN_IF_ERROR(addSortKernel(
         gl, segmentUpdateKernel(sorted.shape, *step, static_cast<int64_t>(t0), static_cast<int64_t>(t1), segments),
-        {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta}));
+        {sorted.table, sorted.keys, sorted.positions, sorted.starts, sorted.meta, sorted.partials}));
     t0 = t1;
   }
   return Status::ok();

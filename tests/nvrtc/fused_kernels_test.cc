@@ -200,8 +200,9 @@ TEST(FusedKernels, EmbeddingUpdateGroupReadsTheConcatenatedGradient) {
   for (const codegen::Kernel& k : g.kernels) EXPECT_EQ(k.kind, codegen::KernelKind::Source) << k.name;
   EXPECT_EQ(g.kernels[6].name, "embedding_update_sgd");
   EXPECT_EQ(g.kernels[7].name, "embedding_update_rowwise_adagrad");
-  EXPECT_NE(g.kernels[6].source.find("b4, 9LL, 3, 0, 2,"), std::string::npos) << g.kernels[6].source;  // tables [0, 2)
-  EXPECT_NE(g.kernels[7].source.find("b4, 9LL, 3, 2, 3,"), std::string::npos) << g.kernels[7].source;
+  // Tables [0, 2), then [2, 3) (after the batch, the id bits and the widest row).
+  EXPECT_NE(g.kernels[6].source.find("b5, 9LL, 3, 6LL, 0, 2,"), std::string::npos) << g.kernels[6].source;
+  EXPECT_NE(g.kernels[7].source.find("b5, 9LL, 3, 6LL, 2, 3,"), std::string::npos) << g.kernels[7].source;
 }
 
 // Builds matmul(x, w^T) + b, then `act`, fused as a gemm_epilogue group.
