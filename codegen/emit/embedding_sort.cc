@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "codegen/emit/optimizer.h"
+
 namespace kiln::codegen::emit {
 
 int64_t sortTiles(const SortedBackwardShape& s) { return std::max<int64_t>(1, (s.slots + kSortTile - 1) / kSortTile); }
@@ -13,6 +15,8 @@ int sortPasses(const SortedBackwardShape& s) { return std::max(1, (s.id_bits + s
 int64_t histogramElements(const SortedBackwardShape& s) { return 256 * sortTiles(s) + 1; }
 
 int64_t partialRows(const SortedBackwardShape& s) { return std::max<int64_t>(1, (s.slots + kPiece - 1) / kPiece); }
+
+int64_t partialElements(const SortedBackwardShape& s) { return partialRows(s) * std::max<int64_t>(1, s.max_dim); }
 
 namespace {
 
@@ -94,8 +98,23 @@ Kernel segmentsKernel(const SortedBackwardShape& s) {
   return k;
 }
 
+namespace {
+
 // Elements of a row each lane holds: ceil(max_dim / 32).
 int perLane(const SortedBackwardShape& s) { return static_cast<int>(std::max<int64_t>(1, (s.max_dim + 31) / 32)); }
+
+// The first six parameters of the kernels walking the segments (accumulate, update): the address
+// table, the sorted keys and positions, the segments and the pieces' partial rows, all read.
+void addSegmentBuffers(Kernel& k, const SortedBackwardShape& s) {
+  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
+  k.addBuffer("sort_keys", DType::i64, s.slots);
+  k.addBuffer("sort_positions", DType::i32, s.slots);
+  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
+  k.addBuffer("segment_meta", DType::i64, s.tables + 2);
+  k.addBuffer("piece_partials", DType::f32, partialElements(s));
+}
+
+}  // namespace
 
 Kernel segmentPartialsKernel(const SortedBackwardShape& s) {
   // One warp per multiple of kPiece from 1 on.
@@ -106,7 +125,7 @@ Kernel segmentPartialsKernel(const SortedBackwardShape& s) {
   k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
   k.addBuffer("sort_keys", DType::i64, s.slots);
   k.addBuffer("sort_positions", DType::i32, s.slots);
-  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim), true);
+  k.addBuffer("piece_partials", DType::f32, partialElements(s), true);
   return k;
 }
 
@@ -116,12 +135,7 @@ Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_id
                           fmt::format("  kiln_emb_accumulate<{}, {}>(b0, b1, b2, b3, b4, b5, b6, b7, b8, {}LL, {}, "
                                       "{}LL);\n",
                                       per_lane, kPiece, s.batch, s.id_bits, s.max_dim));
-  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
-  k.addBuffer("sort_keys", DType::i64, s.slots);
-  k.addBuffer("sort_positions", DType::i32, s.slots);
-  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
-  k.addBuffer("segment_meta", DType::i64, s.tables + 2);
-  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim));
+  addSegmentBuffers(k, s);
   k.addBuffer("distinct_ids", DType::i64, distinct_ids, true);
   k.addBuffer("row_grads", DType::f32, accum_elements, true);
   k.addBuffer("distinct_counts", DType::i64, s.tables, true);
@@ -130,13 +144,6 @@ Kernel segmentAccumulateKernel(const SortedBackwardShape& s, int64_t distinct_id
 
 Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, int64_t t0, int64_t t1,
                            int64_t segments) {
-  auto ctype = [](DType t) {
-    switch (t) {
-      case DType::f64: return "double";
-      case DType::bf16: return "kiln_bf16";
-      default: return "float";
-    }
-  };
   const char* optimizer = step.optimizer == "adagrad"           ? "KILN_OPT_ADAGRAD"
                           : step.optimizer == "rowwise_adagrad" ? "KILN_EMB_ROWWISE_ADAGRAD"
                           : step.optimizer == "adam"            ? "KILN_OPT_ADAM"
@@ -147,15 +154,10 @@ Kernel segmentUpdateKernel(const SortedBackwardShape& s, const RowStep& step, in
       "embedding_update_" + step.optimizer, (segments + 7) / 8, 256,
       fmt::format("  kiln_emb_update<{}, {}, {}, {}, {}, {}>(b0, b1, b2, b3, b4, b5, {}LL, {}, {}LL, {}, {}, {:.17g}, "
                   "{:.17g}, {:.17g}, {:.17g}, {:.17g});\n",
-                  perLane(s), kPiece, optimizer, ctype(step.table), ctype(step.state),
+                  perLane(s), kPiece, optimizer, floatCType(step.table), floatCType(step.state),
                   step.table == DType::f64 ? "double" : "float", s.batch, s.id_bits, s.max_dim, t0, t1, step.lr,
                   step.eps, step.beta1, step.beta2, step.weight_decay));
-  k.addBuffer("tables", DType::i64, (s.tables + 1) * kTableWords);
-  k.addBuffer("sort_keys", DType::i64, s.slots);
-  k.addBuffer("sort_positions", DType::i32, s.slots);
-  k.addBuffer("segment_starts", DType::i32, s.max_segments + 1);
-  k.addBuffer("segment_meta", DType::i64, s.tables + 2);
-  k.addBuffer("piece_partials", DType::f32, partialRows(s) * std::max<int64_t>(1, s.max_dim));
+  addSegmentBuffers(k, s);
   return k;
 }
 

@@ -71,6 +71,7 @@ constexpr int64_t kPiece = 256;
 // The pieces' partial rows: one per multiple of kPiece below the slot count (row 0 unused), of
 // max_dim f32 each.
 int64_t partialRows(const SortedBackwardShape& s);
+int64_t partialElements(const SortedBackwardShape& s);
 int64_t sortTiles(const SortedBackwardShape& s);
 // 8-bit radix passes: as many as the key's bits need.
 int sortPasses(const SortedBackwardShape& s);

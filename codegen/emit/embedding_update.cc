@@ -230,7 +230,7 @@ Expected<Sorted> sortAll(GroupLowering& gl, std::vector<Accumulated>& tables) {
   KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentCountKernel(shape), {out.keys, hist}));
   KILN_RETURN_IF_ERROR(addSortKernel(gl, sortScanKernel(shape, sortTiles(shape)), {hist}));
   KILN_RETURN_IF_ERROR(addSortKernel(gl, segmentsKernel(shape), {out.keys, hist, out.starts, out.meta}));
-  out.partials = gl.tempBuffer("piece_partials", DType::f32, partialRows(shape) * std::max<int64_t>(1, shape.max_dim));
+  out.partials = gl.tempBuffer("piece_partials", DType::f32, partialElements(shape));
   // With fewer slots than a piece no segment can be cut.
   if (shape.slots > kPiece)
     KILN_RETURN_IF_ERROR(

@@ -26,18 +26,18 @@ ScalarCode scalarCode(DType t) {
   }
 }
 
-namespace {
-
-using ir::Op;
-using ir::Value;
-
-const char* ctypeOf(DType t) {
+const char* floatCType(DType t) {
   switch (t) {
     case DType::f64: return "double";
     case DType::bf16: return "kiln_bf16";
     default: return "float";
   }
 }
+
+namespace {
+
+using ir::Op;
+using ir::Value;
 
 // What one launch is specialized to: the optimizer, the tensors' types and the attributes.
 struct DenseStep {
@@ -87,7 +87,7 @@ Kernel denseKernel(const DenseStep& step, int64_t tensors, int64_t first, int64_
   k.source = fmt::format(
       "  kiln_opt_dense<{}, {}, {}, {}, {}>(b0 + {}LL * KILN_OPT_WORDS, {}, {:.17g}, {:.17g}, {:.17g}, {:.17g}, "
       "{:.17g}, {:.17g});\n",
-      step.kind, ctypeOf(step.param), ctypeOf(step.grad), ctypeOf(step.state), ctypeOf(compute), first, tensors,
+      step.kind, floatCType(step.param), floatCType(step.grad), floatCType(step.state), floatCType(compute), first, tensors,
       step.lr, step.eps, step.beta1, step.beta2, step.weight_decay, step.momentum);
   k.addBuffer("optimizer.tensors", DType::i64, table_rows * kDenseWords);
   return k;

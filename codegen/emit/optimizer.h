@@ -13,6 +13,8 @@ namespace kiln::codegen::emit {
 // How the address tables name a scalar operand's type (lr, step, gradient scale).
 enum ScalarCode : int64_t { kScalarF32, kScalarF64, kScalarBf16, kScalarI32, kScalarI64 };
 ScalarCode scalarCode(DType t);
+// The device type of a float tensor of the optimizer kernels: float, double or kiln_bf16.
+const char* floatCType(DType t);
 
 // The words of one tensor's row of the dense update's address table.
 enum DenseWord : int {
