@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include "runtime/checkpoint.h"
 #include "runtime/data/batch_reader.h"
@@ -48,13 +49,19 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
     for (const ir::Attribute& name : a->asArray()) aux_names.push_back(name.asString());
   std::vector<runtime::RunningMean> balancing(aux_names.size());
   std::vector<double> aux(aux_names.size());
-  data::Batch batch, share;
+  data::Batch batch, share, ahead;
   EvalResult r;
   std::vector<float> scores, labels;
   // On N ranks each evaluates its 1/N of every global batch; the scores and labels of all of
   // them meet on every rank, in global order, for one AUC (o.batch is the global batch).
   const int ranks = s.ranks();
   comm::Communicator* c = s.communicator();
+  // On the GPU (one rank) batch i+1 is read while batch i is handed to the step, and staged (its
+  // upload on the copy stream) while batch i computes, as the trainer does: the read's result
+  // waits here for its turn, so an error after good batches still comes after their scores.
+  const bool stage_ahead = ranks == 1 && s.stagesForwardAhead();
+  std::optional<Expected<bool>> read_ahead;
+  int64_t number = 0;
   int64_t left_out = 0;
   int64_t columns = k;  // the values per sample on_scores receives
   // Values each rank computed over its equal share of the batch: the global batch's are the
@@ -68,8 +75,17 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
     return Status::ok();
   };
   while (true) {
-    KILN_ASSIGN_OR_RETURN(auto more, prefetch.next(batch));
-    if (!more) break;
+    Expected<bool> more = true;
+    if (read_ahead) {
+      more = std::move(*read_ahead);
+      read_ahead.reset();
+      if (more && *more) std::swap(batch, ahead);
+    } else {
+      more = prefetch.next(batch);
+    }
+    if (!more) return more.status();
+    if (!*more) break;
+    ++number;
     const data::Batch* mine = &batch;
     int64_t local = batch.size;
     if (ranks > 1) {
@@ -80,7 +96,17 @@ Expected<EvalResult> evaluateModel(Session& s, const EvalDataOptions& o, const S
       KILN_ASSIGN_OR_RETURN(share, data::sliceBatch(batch, spec, s.rank() * local, local));
       mine = &share;
     }
-    KILN_ASSIGN_OR_RETURN(auto out, s.forward(*mine));
+    Expected<StepOutputs> step = Status::error("not run");
+    if (stage_ahead) {
+      read_ahead = prefetch.next(ahead);
+      Session::NextStep next;
+      if (*read_ahead && **read_ahead && ahead.size == batch.size) next = {&ahead, 1, number + 1};
+      step = s.forward(*mine, number, next);
+    } else {
+      step = s.forward(*mine);
+    }
+    if (!step) return step.status();
+    StepOutputs& out = *step;
     double batch_loss = out.loss;
     if (!aux_names.empty()) {
       std::fill(aux.begin(), aux.end(), 0.0);

@@ -635,7 +635,7 @@ StepInputs::StepInputs(const data::Batch& batch, const std::vector<std::pair<std
 
 Expected<StepOutputs> Session::run(const std::string& function, const data::Batch& batch,
                                    const std::vector<std::pair<std::string, float>>& scalars,
-                                   const data::Batch* next, const NextStep* ahead) {
+                                   const data::Batch* next, const NextStep* ahead, int64_t number) {
   StepInputs step_inputs(batch, scalars);
   const bool pipelined_step = function == "train_step" && pipelined();
   if (pipelined_step) {
@@ -671,7 +671,7 @@ Expected<StepOutputs> Session::run(const std::string& function, const data::Batc
       host_touched_ = false;
     }
     KILN_ASSIGN_OR_RETURN(auto exec, cudaExecutorFor(function, batch.size));
-    float step = 0;  // as the step reads it (a staged batch matches on it)
+    float step = static_cast<float>(number);  // as the step reads it (a staged batch matches on it)
     for (const auto& [name, value] : scalars)
       if (name == "step") step = value;
     results = runOnGpu(*exec, inputs, batch.size, step, ahead);
@@ -759,12 +759,12 @@ Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec
   // match; otherwise it is dropped (the caller trained on another batch). An evaluation in
   // between runs another executor and leaves it staged.
   cuda::CudaExecutor::Ticket ticket = -1;
-  if (staged_ && staged_->exec == &exec) {
-    if (staged_->step == step && staged_->batch_size == batch_size && step > 0)
-      ticket = staged_->ticket;
+  if (auto it = staged_.find(&exec); it != staged_.end()) {
+    if (it->second.step == step && it->second.batch_size == batch_size && step > 0)
+      ticket = it->second.ticket;
     else
-      (void)staged_->exec->drop(staged_->ticket);
-    staged_.reset();
+      (void)exec.drop(it->second.ticket);
+    staged_.erase(it);
   }
   if (ticket < 0) {
     KILN_ASSIGN_OR_RETURN(ticket, exec.stage(inputs));
@@ -779,9 +779,16 @@ Expected<std::vector<ir::HostTensor>> Session::runOnGpu(cuda::CudaExecutor& exec
     StepInputs next_inputs(*ahead->batch, {{"lr", static_cast<float>(ahead->lr_factor)},
                                            {"step", static_cast<float>(ahead->step)}});
     if (auto t = exec.stage(next_inputs.views()))
-      staged_ = StagedStep{&exec, static_cast<float>(ahead->step), batch_size, *t};
+      staged_[&exec] = StagedStep{&exec, static_cast<float>(ahead->step), batch_size, *t};
   }
   return exec.collect(ticket);
+}
+
+Expected<std::shared_ptr<data::StagingPool>> Session::trainStagingPool(int64_t batch_size, int buffers) {
+  if (!stagesAhead()) return std::shared_ptr<data::StagingPool>();
+  auto it = cuda_executors_.find(std::make_pair(std::string("train_step"), batch_size));
+  if (it == cuda_executors_.end()) return std::shared_ptr<data::StagingPool>();
+  return it->second->stagingPool(buffers);
 }
 
 Expected<StepOutputs> Session::trainStep(const data::Batch& batch, double lr_factor, int64_t step,
@@ -801,6 +808,10 @@ Expected<StepOutputs> Session::trainStep(const data::Batch& batch, const data::B
 }
 
 Expected<StepOutputs> Session::forward(const data::Batch& batch) { return run("forward", batch, {}); }
+
+Expected<StepOutputs> Session::forward(const data::Batch& batch, int64_t number, const NextStep& next) {
+  return run("forward", batch, {}, nullptr, &next, number);
+}
 
 Expected<StepOutputs> Session::forwardWithRows(const data::Batch& batch, const serving::GatheredRows& rows) {
   if (cuda_) return Status::error("serving from a store runs on the CPU (--device cpu)");

@@ -23,6 +23,7 @@
 #include "runtime/cuda/cuda_executor.h"
 #include "runtime/cuda/kernel_set.h"
 #include "runtime/data/batch.h"
+#include "runtime/data/staging_pool.h"
 #include "runtime/memory.h"
 #include "runtime/parameter_store.h"
 #include "runtime/sharded_checkpoint.h"
@@ -35,6 +36,9 @@ namespace kiln::driver {
 // --eval-every). The memory check counts these many batches, plus the one being read and the one
 // being used.
 inline constexpr int kTrainPrefetchDepth = 4;
+// The page-locked buffers the training data thread copies batches into on the GPU: the queue's,
+// the one being read, and the two the trainer holds (this step's and the next, staged).
+inline constexpr int kTrainStagingBuffers = kTrainPrefetchDepth + 3;
 inline constexpr int kEvalPrefetchDepth = 2;
 
 struct SessionOptions {
@@ -225,10 +229,20 @@ class Session {
   // Whether passing the next step overlaps anything: the GPU, and a step that is not pipelined
   // (whose inputs would include the previous step's results).
   bool stagesAhead() const { return cuda_ != nullptr && !pipelined(); }
+  // When stagesAhead(): the page-locked staging pool of @train_step's executor at `batch_size`
+  // (CudaExecutor::stagingPool), for the data thread to copy batches into
+  // (data::Prefetcher::stageInto); nullptr before that executor's first step and off the GPU.
+  Expected<std::shared_ptr<data::StagingPool>> trainStagingPool(int64_t batch_size, int buffers);
   // Forget the routes of the next batch: the next trainStep routes its own batch first.
   void resetPipeline() { carried_.clear(); }
   // The forward pass: the loss (when the model has one and the batch has labels) and logits.
   Expected<StepOutputs> forward(const data::Batch& batch);
+  // The same for an evaluation on the GPU that stages the following batch while this one runs:
+  // `number` is the batch's (1-based) in the evaluation, `next` the following one's batch and
+  // number (its lr_factor unused), matched as trainStep's NextStep is.
+  Expected<StepOutputs> forward(const data::Batch& batch, int64_t number, const NextStep& next);
+  // Whether forward(batch, number, next) overlaps anything: on the GPU.
+  bool stagesForwardAhead() const { return cuda_ != nullptr; }
   // With SessionOptions::external_tables: the tables this session does not hold, and the forward
   // pass over one batch's gathered rows of them (serving::gatherRows): `batch`'s id inputs are
   // read from `rows.remapped_inputs`.
@@ -280,21 +294,24 @@ class Session {
   std::vector<ir::HostTensor> carried_;
   // `next`: the pipelined step's next batch (its inputs as "next.<name>").
   // `ahead`: on the GPU, the batch of the following step, staged while this one computes.
+  // `number`: the batch's number a staged batch matches on, when the function reads no step.
   Expected<StepOutputs> run(const std::string& function, const data::Batch& batch,
                             const std::vector<std::pair<std::string, float>>& scalars,
-                            const data::Batch* next = nullptr, const NextStep* ahead = nullptr);
+                            const data::Batch* next = nullptr, const NextStep* ahead = nullptr,
+                            int64_t number = 0);
   // One GPU step: launches the batch staged for it (or stages it now), stages `ahead` while it
   // computes, and collects its results.
   Expected<std::vector<ir::HostTensor>> runOnGpu(cuda::CudaExecutor& exec, const runtime::cpu::Batch& inputs,
                                                  int64_t batch_size, float step, const NextStep* ahead);
-  // The batch a trainStep staged for the next (NextStep): its executor, step, size and ticket.
+  // The batch a step staged for the next (NextStep), per executor (an evaluation's forward steps
+  // leave the training step's staged batch alone): its executor, step, size and ticket.
   struct StagedStep {
     cuda::CudaExecutor* exec = nullptr;
     float step = 0;  // the "step" input's value
     int64_t batch_size = 0;
     cuda::CudaExecutor::Ticket ticket = -1;
   };
-  std::optional<StagedStep> staged_;
+  std::map<const cuda::CudaExecutor*, StagedStep> staged_;
 
   SessionOptions options_;
   std::shared_ptr<const CompiledModel> compiled_;  // fromCompiled()

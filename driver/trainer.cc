@@ -139,6 +139,7 @@ class Trainer::Impl {
   runtime::DirLock lock_;      // held from start to exit: one writer per checkpoint directory
   runtime::RunInputs inputs_;  // recorded in every checkpoint, checked on resume
   std::unique_ptr<data::Prefetcher> prefetch_;
+  bool staging_asked_ = false;  // whether the prefetcher was given the GPU's staging pool
   ir::AttrDict schedule_;  // kiln.train's lr_schedule
   int64_t step_ = 0, start_step_ = 0;
   // The step the checkpoint directory holds (a resumed run's start, then each save): the end of
@@ -600,6 +601,18 @@ Status Trainer::Impl::loop() {
         }
       }
       out = s_.trainStep(*mine, lr, step_ + 1, next);
+      // The step made its executor: from now on the data thread copies batches into its
+      // page-locked staging buffers, and stage() only enqueues their upload. On one rank (a
+      // rank's share is a slice of the batch, copied anyway).
+      if (out && !staging_asked_ && ranks_ == 1 && batch.size == f_.batch) {
+        staging_asked_ = true;
+        auto pool = s_.trainStagingPool(batch.size, kTrainStagingBuffers);
+        if (!pool)
+          warn(fmt::format("batches are copied to pinned memory on the training thread: {}",
+                           pool.status().message()));
+        else if (*pool)
+          prefetch_->stageInto(*pool);
+      }
     } else {
       out = s_.trainStep(*mine, lr, step_ + 1);
     }

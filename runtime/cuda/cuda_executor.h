@@ -11,7 +11,8 @@
 // (CudaExecutorOptions::kernels: NVRTC is then never loaded), and resolves every kernel argument
 // to a device address.
 // A run goes through the input pipeline (input_pipeline.h): stage() copies the batch into a
-// pinned slot and uploads it on the executor's copy stream into a device landing slot; launch()
+// pinned slot and uploads it (a batch the data thread already copied into a buffer of
+// stagingPool(): that buffer) on the executor's copy stream into a device landing slot; launch()
 // makes stream 0 wait for that upload, copy the landing slot into the step's input buffers, run
 // each Program stream on its own CUstream (kiln.matmul through cuBLASLt) and download the results
 // and the embedding kernels' error flags into a pinned result slot; collect() waits for that
@@ -45,6 +46,10 @@
 #include "runtime/cuda/kernel_set.h"
 #include "runtime/parameter_store.h"
 #include "runtime/trace.h"
+
+namespace kiln::data {
+class StagingPool;
+}
 
 namespace kiln::cuda {
 
@@ -123,8 +128,22 @@ class CudaExecutor {
   using Ticket = int64_t;
   // Checks the batch and copies it into a free pinned slot (waiting, if need be, for that slot's
   // previous upload), then enqueues its upload on the copy stream. The batch may be freed after.
+  // A batch whose inputs lie in a buffer of stagingPool() at their places is not copied: the
+  // upload reads that buffer (after the host writes the inputs outside it, such as lr and step,
+  // into it), and the pool hands the buffer out again only once that upload is done.
   // At most options.input_slots batches may be staged and not launched.
   Expected<Ticket> stage(const runtime::cpu::Batch& batch);
+  // Page-locked buffers (cuMemHostAlloc, portable) laid out as this executor's input slots, for
+  // the data thread to copy batches into (data::Prefetcher::stageInto). Made at the first call
+  // with `buffers` buffers; later calls return the same pool.
+  Expected<std::shared_ptr<data::StagingPool>> stagingPool(int buffers);
+  // How stage() found its batches: uploaded from their staging buffer, or copied by the host
+  // into a pinned slot; and the bytes the host copied (in place: the inputs outside the buffer).
+  struct StagingStats {
+    int64_t in_place = 0, filled = 0;
+    uint64_t host_bytes = 0;
+  };
+  StagingStats stagingStats() const;
   // Enqueues the step on a staged batch (the oldest staged first). The results of the ticket
   // input_slots before must have been collected. A launch that fails forgets its ticket.
   Status launch(Ticket ticket);

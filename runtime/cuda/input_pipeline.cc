@@ -25,6 +25,8 @@ const char* pipelineOpName(PipelineOpKind k) {
       return "HostWaitUploaded";
     case PipelineOpKind::FillPinned:
       return "FillPinned";
+    case PipelineOpKind::FillPinnedSkipped:
+      return "FillPinnedSkipped";
     case PipelineOpKind::CopyWaitConsumed:
       return "CopyWaitConsumed";
     case PipelineOpKind::Upload:
@@ -52,7 +54,35 @@ const char* pipelineOpName(PipelineOpKind k) {
 }
 
 std::string PipelineOp::str() const {
-  return fmt::format("{}(slot {}, ticket {})", pipelineOpName(kind), slot, ticket);
+  return fmt::format("{}(slot {}, ticket {}{})", pipelineOpName(kind), slot, ticket,
+                     from_buffer ? ", from its buffer" : "");
+}
+
+HostFill planHostFill(const StagingLayout& layout, const std::vector<const void*>& data,
+                      const std::vector<size_t>& bytes, const data::StagingPool* pool) {
+  HostFill fill;
+  std::vector<int> in_buffer(data.size(), -1);
+  if (pool && pool->layout().total == layout.total) {
+    for (size_t i = 0; i < data.size(); ++i) {
+      if (bytes[i] == 0) continue;  // an empty view's address means nothing
+      in_buffer[i] = pool->find(data[i]);
+      if (in_buffer[i] < 0) continue;
+      const bool at_its_offset = data[i] == pool->base(in_buffer[i]) + layout.offset[i];
+      if (!at_its_offset || (fill.buffer >= 0 && fill.buffer != in_buffer[i])) {
+        fill.buffer = -1;  // laid out by another executor, or split over buffers: copy it all
+        std::fill(in_buffer.begin(), in_buffer.end(), -1);
+        break;
+      }
+      fill.buffer = in_buffer[i];
+    }
+  }
+  for (size_t i = 0; i < data.size(); ++i) {
+    if (fill.inPlace() && in_buffer[i] == fill.buffer) continue;
+    if (bytes[i] == 0) continue;
+    fill.copies.push_back(i);
+    fill.copy_bytes += bytes[i];
+  }
+  return fill;
 }
 
 InputPipeline::InputPipeline(int slots) : slots_(std::max(slots, 1)) {}
@@ -62,7 +92,7 @@ InputPipeline::State InputPipeline::stateOf(int64_t ticket) const {
   return it == tickets_.end() ? State::Finished : it->second;
 }
 
-Expected<int64_t> InputPipeline::stage(std::vector<PipelineOp>& ops) {
+Expected<int64_t> InputPipeline::stage(std::vector<PipelineOp>& ops, bool in_place) {
   const int64_t n = next_;
   const int s = slotOf(n);
   // Landing slot s is read by ticket n - slots's CopyIn: its `consumed` must be recorded before
@@ -74,10 +104,15 @@ Expected<int64_t> InputPipeline::stage(std::vector<PipelineOp>& ops) {
         slots_, n - slots_, s);
   ++next_;
   tickets_[n] = State::Staged;
-  if (n >= slots_) ops.push_back({PipelineOpKind::HostWaitUploaded, s, n});
-  ops.push_back({PipelineOpKind::FillPinned, s, n});
+  if (in_place) {
+    // pinned[s] is not written: no host wait. The buffer's own reuse waits in the pool.
+    ops.push_back({PipelineOpKind::FillPinnedSkipped, s, n, true});
+  } else {
+    if (n >= slots_) ops.push_back({PipelineOpKind::HostWaitUploaded, s, n});
+    ops.push_back({PipelineOpKind::FillPinned, s, n});
+  }
   if (n >= slots_) ops.push_back({PipelineOpKind::CopyWaitConsumed, s, n});
-  ops.push_back({PipelineOpKind::Upload, s, n});
+  ops.push_back({PipelineOpKind::Upload, s, n, in_place});
   ops.push_back({PipelineOpKind::RecordUploaded, s, n});
   return n;
 }
@@ -202,12 +237,15 @@ std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops,
       hazards.push_back(fmt::format("{}: no slot {} of {}", op.str(), s, slots));
       continue;
     }
+    // A staging buffer holds one ticket's batch: the pool, not this plan, orders its reuse.
+    const std::string buffer = fmt::format("staging buffer of ticket {}", op.ticket);
     const std::string pinned = fmt::format("pinned[{}]", s), landing = fmt::format("landing[{}]", s),
                       result_slot = fmt::format("result slot[{}]", s);
     Agent a = kHost;
     switch (op.kind) {
       case PipelineOpKind::HostWaitUploaded:
       case PipelineOpKind::FillPinned:
+      case PipelineOpKind::FillPinnedSkipped:
       case PipelineOpKind::HostWaitDone:
       case PipelineOpKind::ReadResults:
         a = kHost;
@@ -231,11 +269,14 @@ std::vector<std::string> findPipelineHazards(const std::vector<PipelineOp>& ops,
       case PipelineOpKind::FillPinned:
         touch(kHost, pinned, true, op);
         break;
+      case PipelineOpKind::FillPinnedSkipped:
+        touch(kHost, buffer, true, op);  // the scalars outside the data thread's copy
+        break;
       case PipelineOpKind::CopyWaitConsumed:
         waitFor(kCopy, kConsumed, s);
         break;
       case PipelineOpKind::Upload:
-        touch(kCopy, pinned, false, op);
+        touch(kCopy, op.from_buffer ? buffer : pinned, false, op);
         touch(kCopy, landing, true, op);
         break;
       case PipelineOpKind::RecordUploaded:

@@ -18,6 +18,12 @@
 //   - the host waits for its ticket's `done` (after the results' download) before reading them.
 // Per-step order on the compute stream covers the rest (CopyIn of step n+1 comes after step n
 // finished reading its inputs, since the Program joins every stream back to stream 0).
+//
+// A batch the data thread already copied into a buffer of the executor's staging pool
+// (runtime/data/staging_pool.h, laid out as the slots) skips the first hop: FillPinnedSkipped
+// copies only the inputs outside the buffer (the lr and step scalars, a few bytes) into it, and
+// the Upload reads the buffer instead of pinned[s]. The pool waits for that upload (a fence on
+// uploaded[s]) before handing the buffer out again; pinned[s], untouched, needs no host wait.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +33,7 @@
 #include <vector>
 
 #include "ir/status.h"
+#include "runtime/data/staging_pool.h"
 
 namespace kiln::cuda {
 
@@ -42,11 +49,12 @@ struct StagingLayout {
 
 enum class PipelineOpKind : uint8_t {
   // stage(): the host fills pinned slot s, the copy stream uploads it.
-  HostWaitUploaded,  // host: cuEventSynchronize(uploaded[s]) (the slot's previous upload read it)
-  FillPinned,        // host: memcpy of the batch into pinned[s]
-  CopyWaitConsumed,  // copy stream: cuStreamWaitEvent(consumed[s]) (landing[s] copied out)
-  Upload,            // copy stream: pinned[s] -> landing[s]
-  RecordUploaded,    // copy stream: cuEventRecord(uploaded[s])
+  HostWaitUploaded,   // host: cuEventSynchronize(uploaded[s]) (the slot's previous upload read it)
+  FillPinned,         // host: memcpy of the batch into pinned[s]
+  FillPinnedSkipped,  // host: the batch lies in a staging buffer; only inputs outside it copied there
+  CopyWaitConsumed,   // copy stream: cuStreamWaitEvent(consumed[s]) (landing[s] copied out)
+  Upload,             // copy stream: pinned[s] (or the batch's staging buffer) -> landing[s]
+  RecordUploaded,     // copy stream: cuEventRecord(uploaded[s])
   // launch(): the compute stream takes the inputs, runs the step and downloads its results.
   ComputeWaitUploaded,  // compute stream: cuStreamWaitEvent(uploaded[s])
   CopyIn,               // compute stream: landing[s] -> the step's input buffers
@@ -64,8 +72,24 @@ struct PipelineOp {
   PipelineOpKind kind;
   int slot = 0;
   int64_t ticket = 0;
-  std::string str() const;  // "Upload(slot 1, ticket 3)"
+  bool from_buffer = false;  // FillPinnedSkipped and its Upload: the batch's staging buffer
+  std::string str() const;   // "Upload(slot 1, ticket 3)", "Upload(slot 1, ticket 3, from its buffer)"
 };
+
+// How stage() gets a batch into page-locked memory: the block its Upload reads, and the inputs
+// the host copies into that block first.
+struct HostFill {
+  int buffer = -1;             // the staging buffer the batch lies in; -1: the slot's pinned memory
+  std::vector<size_t> copies;  // indices of the inputs to copy: all of them, or those outside the buffer
+  size_t copy_bytes = 0;
+  bool inPlace() const { return buffer >= 0; }
+};
+// `data[i]` and `bytes[i]`: input i's view (`layout` places it); `pool`: the executor's staging
+// pool (nullptr: none). In place when some input lies in a pool buffer and every input that does
+// lies in that buffer at its own offset; an input lying anywhere else in a pool buffer makes it a
+// plain fill.
+HostFill planHostFill(const StagingLayout& layout, const std::vector<const void*>& data,
+                      const std::vector<size_t>& bytes, const data::StagingPool* pool);
 
 // Hands out tickets and says, for each call, which operations the executor issues in which
 // order. Refuses the calls that would make a slot's reuse unsafe (they are caller bugs, reported
@@ -81,7 +105,8 @@ class InputPipeline {
   // Stages the next batch: appends its operations to `ops` and returns its ticket. At most
   // `slots` batches may be staged and not launched (the landing slot of ticket n is free once
   // ticket n - slots has been launched: its CopyIn is then ordered before the new upload).
-  Expected<int64_t> stage(std::vector<PipelineOp>& ops);
+  // `in_place`: the batch lies in a staging buffer (HostFill::inPlace), which the upload reads.
+  Expected<int64_t> stage(std::vector<PipelineOp>& ops, bool in_place = false);
   // Launches a staged ticket, the oldest staged first. Its result slot must have been read:
   // ticket - slots collected (or dropped, or never launched).
   Status launch(int64_t ticket, std::vector<PipelineOp>& ops);

@@ -45,6 +45,14 @@ void Prefetcher::run() {
       got = Status::errorf("reading the next batch failed: {}", e.what());
     }
     std::unique_lock<std::mutex> lock(mu_);
+    if (got && *got && staging_) {
+      // Into page-locked memory here, off the training thread (outside the lock: a copy of
+      // megabytes, and perhaps a wait for the buffer's last upload).
+      std::shared_ptr<StagingPool> pool = staging_;
+      lock.unlock();
+      pool->place(batch);
+      lock.lock();
+    }
     if (!got || !*got) {
       if (!got) error_ = got.status();
       if (got) skipped_at_end_ = reader_->skippedAtEnd();
@@ -57,6 +65,11 @@ void Prefetcher::run() {
     queue_.push_back(std::move(batch));
     not_empty_.notify_one();
   }
+}
+
+void Prefetcher::stageInto(std::shared_ptr<StagingPool> pool) {
+  std::lock_guard<std::mutex> lock(mu_);
+  staging_ = std::move(pool);
 }
 
 Expected<bool> Prefetcher::next(Batch& batch) {

@@ -3,6 +3,9 @@
 // place in the stream, and again on every later call). Destroying the prefetcher stops and
 // joins the thread at once, even when the queue is full. Malformed lines are reported and counted
 // as their batches are handed out: lines in batches read ahead and never used are neither.
+// Given a staging pool (stageInto), the thread also copies each batch it reads into one of the
+// pool's buffers (page-locked memory laid out as the GPU executor uploads it), so that the
+// training thread's stage() only enqueues the upload.
 #pragma once
 
 #include <condition_variable>
@@ -12,6 +15,7 @@
 #include <thread>
 
 #include "runtime/data/batch_reader.h"
+#include "runtime/data/staging_pool.h"
 
 namespace kiln::data {
 
@@ -32,6 +36,9 @@ class Prefetcher {
   int64_t malformed() const { return malformed_; }
   // The lines skipped after the last sample, once next() has returned false.
   const std::vector<SkippedLine>& skippedAtEnd() const { return skipped_at_end_; }
+  // From now on, copies the batches it reads into `pool`'s buffers (those that fit and find a
+  // free buffer; the others come as read). Batches already queued stay as they are. nullptr stops.
+  void stageInto(std::shared_ptr<StagingPool> pool);
 
  private:
   void run();
@@ -44,6 +51,7 @@ class Prefetcher {
   bool done_ = false;   // the producer has finished (end of data or error)
   bool stop_ = false;   // the consumer is going away
   Status error_;
+  std::shared_ptr<StagingPool> staging_;     // guarded by mu_
   std::vector<SkippedLine> skipped_at_end_;  // set by the producer when done_
   // The consumer's own (not guarded by mu_).
   int64_t malformed_ = 0;
