@@ -728,30 +728,38 @@ class KernelPrinter {
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A grid-stride kernel's grid: the blocks its work needs (at least one), at most kGridWaves full
+// waves of the kernel's GPU (PyTorch and OneFlow size grid-stride grids as SMs x resident blocks x
+// waves). Whole waves leave no SM idle in the last one; a few of them, rather than one, even out
+// blocks that finish unevenly and occupancy below the threads' (a kernel's registers).
+constexpr int64_t kGridWaves = 4;
+int64_t gridStrideBlocks(const Kernel& k, int64_t blocks_needed, int block) {
+  return std::clamp<int64_t>(blocks_needed, 1, kGridWaves * waveBlocks(k.sms, block));
+}
+
 }  // namespace
 
 LaunchConfig launchConfig(const Kernel& k) {
   switch (k.kind) {
     case KernelKind::Pointwise: {
-      // Enough blocks to fill an H200 many times over; the grid-stride loop covers the rest. A
-      // vectorized kernel's thread takes four elements.
+      // A vectorized kernel's thread takes four elements.
       const int64_t threads = vectorPlan(k).vectorized ? k.spaceSize() / VectorPlan::kWidth : k.spaceSize();
-      return {std::clamp<int64_t>(ceilDiv(threads, 256), 1, 16384), 256};
+      return {gridStrideBlocks(k, ceilDiv(threads, 256), 256), 256};
     }
     case KernelKind::Row: {
       int64_t rows = k.rowSize();
       int block = 32;
-      int cap = k.spaceSize() >= 1024 ? 256 : 1024;  // many rows: smaller blocks, more of them
+      // Rows enough for a wave of 256-thread blocks: smaller blocks, more of them.
+      int cap = k.spaceSize() >= waveBlocks(k.sms, 256) ? 256 : 1024;
       while (block < rows && block < cap) block *= 2;
-      // One block per outer element up to 65536 blocks (some 30 waves on an H200); past that a
-      // block takes several in turn, so an element its guard skips (an empty hash slot) costs
-      // a loop iteration rather than a block launch.
-      return {std::clamp<int64_t>(k.spaceSize(), 1, 1 << 16), block};
+      // One block per outer element up to the waves; past that a block takes several in turn, so
+      // an element its guard skips (an empty hash slot) costs a loop iteration, not a block.
+      return {gridStrideBlocks(k, k.spaceSize(), block), block};
     }
     case KernelKind::ColumnReduce: {
-      // A block per tile (slab x strip of columns) up to 65536; past that blocks take several.
+      // A block per tile (slab x strip of columns) up to the waves; past that blocks take several.
       const ColumnTile t = columnTile(k);
-      return {std::clamp<int64_t>(t.slabs * t.strips, 1, 1 << 16), ColumnTile::kThreads};
+      return {gridStrideBlocks(k, t.slabs * t.strips, ColumnTile::kThreads), ColumnTile::kThreads};
     }
     case KernelKind::EmbeddingForward:
       return {std::max<int64_t>(1, ceilDiv(static_cast<int64_t>(k.tables.size()) * k.batch, 8)), 256};

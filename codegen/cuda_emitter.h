@@ -24,6 +24,8 @@ struct LaunchConfig {
 
 // How a kernel is launched: one block per outer element for Row kernels, a grid-stride loop of
 // 256-thread blocks for Pointwise kernels, one warp per bag (or per id) for embedding kernels.
+// Pointwise, Row and ColumnReduce grids stop at a few full waves of the kernel's GPU (Kernel::sms
+// x the blocks an SM holds, waveBlocks); their loops stride over the rest.
 LaunchConfig launchConfig(const Kernel& k);
 
 struct EmittedKernel {

@@ -42,6 +42,14 @@ const char* epilogueName(Epilogue e) {
       return "bgrad(A)";
     case Epilogue::BiasGradB:
       return "bgrad(B)";
+    case Epilogue::ReluAux:
+      return "relu+mask";
+    case Epilogue::BiasReluAux:
+      return "bias+relu+mask";
+    case Epilogue::DRelu:
+      return "drelu";
+    case Epilogue::DGelu:
+      return "dgelu";
   }
   return "?";
 }
@@ -103,6 +111,12 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
   const ir::Op* ret = f.returnOp();
   if (ret)
     for (const ir::Value* v : ret->operands()) returned.insert(v);
+  // The ReLU outputs whose buffers also carry the bit mask their GEMM writes (RELU_AUX), for a
+  // DRELU epilogue of the backward to read.
+  std::set<const ir::Value*> masked;
+  for (const LoweredGroup& g : groups)
+    if (g.gemm && g.gemm_call.writes_relu_mask)
+      masked.insert(g.buffers[static_cast<size_t>(g.gemm_call.c)].value);
   auto addBuffer = [&](BufferKind kind, std::string name, ir::TensorType type, std::vector<int64_t> shape,
                        ir::DType dtype) {
     Buffer b;
@@ -134,6 +148,12 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
       kind = BufferKind::Parameter;  // outside the arena, uploaded once
     }
     int id = addBuffer(kind, name, v->type(), shape, v->type().dtype());
+    if (masked.count(v)) {
+      if (kind != BufferKind::Temp && kind != BufferKind::Output)
+        return Status::errorf("cuda executor: {} carries a ReLU mask but is not computed", name);
+      Buffer& b = p.buffers[static_cast<size_t>(id)];
+      b.bytes = reluMaskOffset(b.bytes) + reluMaskBytes(product({shape.begin(), shape.end() - 1}), shape.back());
+    }
     if (def->is(ir::OpCode::Constant)) out.constants.push_back({id, def});
     if (kind == BufferKind::Input) out.inputs.push_back(id);
     value_buffer[v] = id;
@@ -215,15 +235,36 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
       if (bias) shape.bias_type = g.buffers[static_cast<size_t>(call.bias)].dtype;
       if (call.bias_gradient_of)
         shape.epilogue = call.bias_gradient_of == 'a' ? Epilogue::BiasGradA : Epilogue::BiasGradB;
+      else if (call.activation_grad == "relu")
+        shape.epilogue = Epilogue::DRelu;
+      else if (call.activation_grad == "gelu")
+        shape.epilogue = Epilogue::DGelu;
+      else if (call.writes_relu_mask)
+        shape.epilogue = bias ? Epilogue::BiasReluAux : Epilogue::ReluAux;
       else
         shape.epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
                          : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
                                                      : (bias ? Epilogue::Bias : Epilogue::None);
       CudaStep s;
       s.group = static_cast<int>(gi);
-      s.gemm = shape;
       s.name = fmt::format("{} at {}", shape.str(), g.gemm->location().str());
-      for (int a : {call.a, call.b, call.c, call.bias})
+      // The aux buffer: the output's own for the mask it writes, the ReLU output whose mask the
+      // DRELU reads (which some forward GEMM must have written), or the GELU input.
+      const int aux = epilogueWritesReluMask(shape.epilogue) ? call.c : call.aux;
+      if (epilogueHasAux(shape.epilogue)) {
+        if (aux < 0) return Status::errorf("cuda executor: {} has no aux buffer", s.name);
+        if (shape.batch != 1) return Status::errorf("cuda executor: {}: a batched GEMM with an aux buffer", s.name);
+        const ir::Value* v = g.buffers[static_cast<size_t>(aux)].value;
+        if (shape.epilogue == Epilogue::DRelu && !masked.count(v))
+          return Status::errorf("cuda executor: {} reads the ReLU mask of {}, which no GEMM writes", s.name,
+                                v ? v->nameHint() : "a temporary");
+        if (shape.epilogue != Epilogue::DGelu) {
+          const std::vector<int64_t>& dims = out.shapes[static_cast<size_t>(gb[static_cast<size_t>(aux)])];
+          s.aux_offset = reluMaskOffset(product(dims) * ir::dtypeBytes(v->type().dtype()));
+        }
+      }
+      s.gemm = shape;
+      for (int a : {call.a, call.b, call.c, call.bias, epilogueHasAux(shape.epilogue) ? aux : -1})
         s.args.push_back(a < 0 ? -1 : gb[static_cast<size_t>(a)]);
       out.steps.push_back(std::move(s));
     }

@@ -34,17 +34,45 @@ namespace kiln::codegen {
 // of reading a bias: the sum over K of op(A) (length M) or of op(B) (length N), the reduction of
 // a gradient that is also the GEMM's operand (a weight gradient dW = g^T x and db = sum_rows(g));
 // A and B are the row-major operands here, so BiasGradA is cuBLASLt's BGRADB (cublaslt.cc).
-enum class Epilogue : uint8_t { None, Bias, Relu, BiasRelu, Gelu, BiasGelu, BiasGradA, BiasGradB };
+//
+// The activations' backward through an auxiliary buffer (cuBLASLt's EPILOGUE_AUX_POINTER):
+// ReluAux and BiasReluAux are Relu and BiasRelu that also write the ReLU's bit mask (RELU_AUX);
+// DRelu multiplies the product by the ReLU derivative that mask holds (DRELU), DGelu by GELU's
+// derivative at the GELU input it reads (DGELU). So a layer's activation backward,
+// g_z = g_h * f'(z) with g_h = g_next W^T, is the epilogue of the GEMM that makes g_h. Their
+// BGRAD forms are not needed: the bias gradient of g_z is the BiasGradA/B of the weight-gradient
+// GEMM that reads g_z anyway (passes/fusion.cc).
+enum class Epilogue : uint8_t {
+  None, Bias, Relu, BiasRelu, Gelu, BiasGelu, BiasGradA, BiasGradB, ReluAux, BiasReluAux, DRelu, DGelu
+};
 const char* epilogueName(Epilogue e);
 // Whether the epilogue reads a bias (bias[N]), or writes a bias gradient (BiasGradA: [M],
 // BiasGradB: [N]) through the same pointer.
 // (Inline: runtime/cuda/cublaslt.cc uses them without linking the code generator.)
 inline bool epilogueReadsBias(Epilogue e) {
-  return e == Epilogue::Bias || e == Epilogue::BiasRelu || e == Epilogue::BiasGelu;
+  return e == Epilogue::Bias || e == Epilogue::BiasRelu || e == Epilogue::BiasGelu || e == Epilogue::BiasReluAux;
 }
 inline bool epilogueWritesBiasGradient(Epilogue e) {
   return e == Epilogue::BiasGradA || e == Epilogue::BiasGradB;
 }
+inline bool epilogueAppliesRelu(Epilogue e) {
+  return e == Epilogue::Relu || e == Epilogue::BiasRelu || e == Epilogue::ReluAux || e == Epilogue::BiasReluAux;
+}
+// The auxiliary buffer: a ReLU bit mask written (ReluAux, BiasReluAux) or read (DRelu), or the
+// GELU input read (DGelu, in the output's type and layout: [M, N], row stride N).
+inline bool epilogueWritesReluMask(Epilogue e) { return e == Epilogue::ReluAux || e == Epilogue::BiasReluAux; }
+inline bool epilogueHasAux(Epilogue e) {
+  return epilogueWritesReluMask(e) || e == Epilogue::DRelu || e == Epilogue::DGelu;
+}
+
+// The ReLU bit mask of an [M, N] row-major output (cuBLASLt's column-major D is [N, M]): one bit
+// per element, each of the M rows padded to a multiple of 128 bits (the leading dimension
+// cuBLASLt requires). The mask rides in the buffer of the ReLU's output, after its data at a
+// 256-byte boundary, so that it lives exactly as long as the output the backward reads anyway
+// and the memory plan needs no value of its own (cuda_program.cc).
+inline int64_t reluMaskLd(int64_t n) { return (n + 127) / 128 * 128; }  // bits
+inline int64_t reluMaskBytes(int64_t m, int64_t n) { return m * reluMaskLd(n) / 8; }
+inline int64_t reluMaskOffset(int64_t data_bytes) { return (data_bytes + 255) / 256 * 256; }
 
 // A row-major GEMM: C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU; or with the
 // bias gradient of A or B written beside it), as cuBLASLt runs it (runtime/cuda/cublaslt.h).
@@ -73,8 +101,9 @@ struct CudaStep {
   std::string name;       // the kernel's symbol, or the GEMM's description
   LaunchConfig launch;    // kernels
   GemmShape gemm;         // the GEMM: shape, types and epilogue
-  std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias
+  std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias, aux
                           // (-1: none; the bias gradient it writes with BiasGradA/BiasGradB)
+  int64_t aux_offset = 0;  // a GEMM's aux lies this many bytes into its buffer (the ReLU mask)
   bool isGemm() const { return kernel < 0; }
 };
 

@@ -4,7 +4,23 @@
 #include <bit>
 #include <cstring>
 
+#include "ir/target.h"
+
 namespace kiln::codegen {
+
+int defaultGridSms() {
+  static const int sms = h200Target().cores;
+  return sms;
+}
+
+int gridSms(const Target& target) { return target.kind == TargetKind::gpu ? target.cores : defaultGridSms(); }
+
+int64_t waveBlocks(int sms, int block) {
+  // Registers and shared memory are the kernel's (ptxas's); threads and the block cap are the
+  // same on every target, so any target's rules give them.
+  static const Target gpu = h200Target();
+  return int64_t{sms} * blocksPerSm(gpu, block, 0, 0).blocks;
+}
 
 const char* exprOpName(ExprOp op) {
   if (auto fn = scalarFnOf(op)) return ir::scalarFnInfo(*fn).spelling.data();

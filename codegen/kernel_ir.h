@@ -37,6 +37,10 @@
 #include "ir/scalar_fn.h"
 #include "ir/types.h"
 
+namespace kiln {
+struct Target;
+}
+
 namespace kiln::codegen {
 
 using ir::DType;
@@ -178,6 +182,15 @@ enum class KernelKind : uint8_t {
 };
 const char* kernelKindName(KernelKind k);
 
+// The SMs grids are sized for when no GPU target is given: the default GPU target's
+// (h200Target(), 132 SMs).
+int defaultGridSms();
+// The SMs grids are sized for on `target`: its SMs (Target::cores) on a GPU, else the default's.
+int gridSms(const Target& target);
+// One full wave: the blocks of `block` threads that `sms` SMs hold at once when threads are the
+// limit (blocksPerSm without registers or shared memory: 2048 / block, at most 32, an SM).
+int64_t waveBlocks(int sms, int block);
+
 struct Kernel {
   std::string name;  // a readable stem ("add_relu"); the emitter appends a content hash
   KernelKind kind = KernelKind::Pointwise;
@@ -210,6 +223,9 @@ struct Kernel {
   // Source: __launch_bounds__'s second argument when positive: blocks an SM must fit at once,
   // which caps the registers a thread may use at 64K / (block * min_blocks_per_sm).
   int min_blocks_per_sm = 0;
+  // Pointwise, Row, ColumnReduce: the SMs of the GPU the grid is sized for (gridSms of the
+  // lowering's target). launchConfig (cuda_emitter.h) stops their grids at a few full waves.
+  int sms = defaultGridSms();
 
   int addBuffer(std::string name, DType dtype, int64_t elements, bool written = false);
   int64_t spaceSize() const;

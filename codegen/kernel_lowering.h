@@ -32,6 +32,7 @@
 
 #include "codegen/kernel_ir.h"
 #include "ir/ir.h"
+#include "ir/target.h"
 
 namespace kiln::codegen {
 
@@ -71,6 +72,14 @@ struct GemmCall {
   // 'a' or 'b': `bias` is written, the sum over K of op(A) or op(B) (a kiln.sum_to of the group
   // folding the leading dim of that operand); 0: `bias`, if any, is read.
   char bias_gradient_of = 0;
+  // The activation backward through cuBLASLt's aux buffer (cuda_program.h, Epilogue):
+  // `activation_grad` "relu" or "gelu": C is the product times that activation's derivative, at
+  // the ReLU mask in the buffer of group buffer `aux` (the forward ReLU's output) or at the GELU
+  // input `aux`. `writes_relu_mask`: the group's ReLU is the operand of such a GEMM, so its output
+  // C also carries the mask (its op has attribute kiln.relu_mask, set by the fusion pass).
+  std::string activation_grad;
+  int aux = -1;
+  bool writes_relu_mask = false;
 };
 
 // What the `table` word of a group's error flag (Kernel::error_flag) names: an embedding table
@@ -123,17 +132,22 @@ bool isPointwiseOp(const ir::Op& op);
 std::vector<std::vector<const ir::Op*>> groupOps(const std::vector<const ir::Op*>& ops);
 
 // Lowers one group under concrete symbol values. Errors name the op and say what the CUDA
-// backend does not support.
-Expected<LoweredGroup> lowerGroup(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols);
+// backend does not support. The kernels' grids, and the pieces a long fold is cut into, are
+// sized for `target`'s SMs (gridSms: the H200's unless it is a GPU), so a step lowered for one
+// GPU runs on any (grid-stride loops) but fills that one's SMs in whole waves.
+Expected<LoweredGroup> lowerGroup(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols,
+                                  const Target& target = h200Target());
 
 // Lowers the ops of one kiln.fused op (its region's ops, the yield excluded) as one unit of the
 // given kind; an error says why the backend cannot (the caller then splits the group).
 Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vector<const ir::Op*>& ops,
-                                       const ir::SymbolBindings& symbols);
+                                       const ir::SymbolBindings& symbols,
+                                       const Target& target = h200Target());
 
 // Every group of a function, lowered, in execution order: what `kiln dump --stage=cuda` prints
 // and the CUDA executor runs. Top-level kiln.fused ops are consumed as described above.
-Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols);
+Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                                  const Target& target = h200Target());
 
 // The concrete shape of a type under symbol values (bounded dims at their bound).
 Expected<std::vector<int64_t>> concreteShape(const ir::TensorType& t, const ir::SymbolBindings& symbols);

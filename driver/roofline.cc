@@ -58,7 +58,7 @@ std::string megabytes(double b) { return fmt::format("{:.1f}", b / 1e6); }
 
 Expected<Roofline> estimateRoofline(const ir::Function& f, int64_t batch, const Target& target) {
   const ir::SymbolBindings symbols{{"B", batch}};
-  KILN_ASSIGN_OR_RETURN(auto groups, codegen::lowerFunction(f, symbols));
+  KILN_ASSIGN_OR_RETURN(auto groups, codegen::lowerFunction(f, symbols, target));
   passes::CostModel cost(target, symbols);
   Roofline r;
   r.function = f.name();

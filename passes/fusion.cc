@@ -194,6 +194,9 @@ class FunctionFuser {
         if (grp.members.size() != head || has_bias) return forbid("the bias add must directly follow the GEMM");
         if (other->type().rank() != 1) return forbid("the added value is not a bias vector (rank 1)");
         if (!(consumer.result()->type() == producer.result()->type())) return forbid("the bias add changes the shape");
+      } else if (consumer.is(ir::OpCode::ActivationGrad)) {
+        if (FusionDecision d = activationBackwardEpilogue(producer, consumer, grp.members.size() == head); !d)
+          return forbid(d.reason());
       } else if (isActivation(consumer)) {
         if (has_act) return forbid("the epilogue already has an activation");
       } else if (consumer.is(ir::OpCode::Cast)) {
@@ -241,6 +244,38 @@ class FunctionFuser {
     std::vector<const Op*> before(grp.members.begin(), grp.members.end()), after(with.begin(), with.end());
     double gain = cost_.fusionBenefit(after) - cost_.fusionBenefit(before) - 0.0;
     if (gain <= 0) return forbid(fmt::format("not profitable: the cost model predicts {:.3f} us saved", gain * 1e6));
+    return FusionDecision::allow();
+  }
+
+  // cuBLASLt's DRELU/DGELU: the GEMM that makes a layer's output gradient g_h (= g_next W^T)
+  // multiplies it by the activation's derivative in its epilogue, so that
+  // activation_grad(·, g_h) is no kernel of its own. DGELU reads the GELU's input z; DRELU reads
+  // a bit mask that only the forward GEMM of that ReLU can write (RELU_AUX), so the ReLU must end
+  // a gemm_epilogue group, which then writes the mask beside its output (kiln.relu_mask).
+  // `first`: the group is the bare product (or it widened to f32).
+  FusionDecision activationBackwardEpilogue(const Op& producer, const Op& grad, bool first) const {
+    auto forbid = [](std::string why) { return FusionDecision::forbid(std::move(why)); };
+    if (!first) return forbid("an activation backward epilogue must directly follow the GEMM");
+    if (grad.operand(1) != producer.result() || grad.operand(0) == producer.result())
+      return forbid("the GEMM's result is not the gradient kiln.activation_grad scales");
+    const std::string act = grad.strAttr("activation");
+    if (act != "relu" && act != "gelu") return forbid(fmt::format("cuBLASLt has no {} backward epilogue", act));
+    const ir::TensorType& t = grad.result()->type();
+    if (t.rank() != 2) return forbid(fmt::format("the gradient is {}, not a matrix", t.str()));
+    const Value* x = grad.operand(0);
+    if (act == "gelu") {
+      // cuBLASLt reads the GELU input with a leading dimension that is a multiple of 8.
+      if (!t.dim(1).isStatic() || t.dim(1).size() % 8 != 0)
+        return forbid(fmt::format("the GELU input {} has rows of other than a multiple of 8", t.str()));
+      return FusionDecision::allow();
+    }
+    const Op* relu = x->definingOp();
+    auto it = relu ? group_of_.find(relu) : group_of_.end();
+    if (it == group_of_.end() || groups_[static_cast<size_t>(it->second)].kind != Kind::Gemm ||
+        groups_[static_cast<size_t>(it->second)].members.back() != relu || !relu->is(ir::OpCode::Relu))
+      return forbid(fmt::format("{} is not the output of a GEMM whose epilogue ends in relu (only such a GEMM writes "
+                                "the ReLU mask DRELU reads)",
+                                namer_.name(x)));
     return FusionDecision::allow();
   }
 
@@ -308,6 +343,9 @@ class FunctionFuser {
           Group& grp = groups_[static_cast<size_t>(g)];
           grp.members.push_back(op);
           group_of_[op] = g;
+          // A DRELU epilogue: the ReLU's own GEMM writes the mask it reads.
+          if (grp.kind == Kind::Gemm && op->is(ir::OpCode::ActivationGrad) && op->strAttr("activation") == "relu")
+            op->operand(0)->definingOp()->setAttr("kiln.relu_mask", ir::Attribute(true));
           if (grp.kind == Kind::Pointwise && isReduction(*op)) {
             grp.kind = Kind::Reduction;
             grp.closed = true;

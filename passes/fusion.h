@@ -5,7 +5,10 @@
 //                    producers computed inline (they must not be used outside the group);
 //   gemm_epilogue    matmul + bias add + activation (+ cast): one cuBLASLt call with an epilogue;
 //                    or a weight-gradient matmul and the sum_to of its gradient operand beside
-//                    it (the bias gradient; cuBLASLt's BGRADA/BGRADB epilogue);
+//                    it (the bias gradient; cuBLASLt's BGRADA/BGRADB epilogue); or matmul +
+//                    activation_grad of relu or gelu (cuBLASLt's DRELU/DGELU: the product is
+//                    the gradient it scales; a ReLU's mask comes from its forward GEMM, whose
+//                    relu op gets attribute kiln.relu_mask);
 //   embedding        every fixed-hotness embedding_bag of a collection feeding one concat, and
 //                    the concat: one lookup kernel writing the concatenated rows;
 //   embedding_update the slices of one concatenated gradient and the embedding_bag_update ops

@@ -76,7 +76,7 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
     err << "error: the module has neither @train_step nor @forward\n";
     return kExitError;
   }
-  auto groups = codegen::lowerFunction(*f, {{"B", batch}});
+  auto groups = codegen::lowerFunction(*f, {{"B", batch}}, options.target);
   if (!groups) {
     err << groups.status().str() << "\n";
     return kExitError;
@@ -107,6 +107,8 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
                              : c.bias >= 0 ? "bias"
                                            : "";
       if (!c.activation.empty()) epilogue += (epilogue.empty() ? "" : "+") + c.activation;
+      if (c.writes_relu_mask) epilogue += "+mask";
+      if (!c.activation_grad.empty()) epilogue += "d" + c.activation_grad;
       out << fmt::format("//   {}gemm (cuBLASLt{}{}{}, {} out): {}\n", origin, ir::allowsTf32(*g.gemm) ? ", tf32" : "",
                          epilogue.empty() ? "" : ", epilogue ", epilogue,
                          ir::dtypeName(g.buffers[static_cast<size_t>(c.c)].dtype), ops);

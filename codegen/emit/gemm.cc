@@ -1,6 +1,6 @@
 // The GEMM emitter: a kiln.matmul, alone or with the epilogue of a fused `gemm_epilogue` group
-// (a bias add, activation and cast after it, or a bias gradient beside it), as ONE cuBLASLt call
-// (LoweredGroup::gemm); it emits no kernels.
+// (a bias add, activation and cast after it, a bias gradient beside it, or an activation's
+// backward after it), as ONE cuBLASLt call (LoweredGroup::gemm); it emits no kernels.
 #include "codegen/emit/emitter_registry.h"
 #include "ir/op_def.h"
 
@@ -52,6 +52,11 @@ Status biasGradientOf(const Op& mm, const Op& sum, GemmCall& call) {
   return Status::ok();
 }
 
+// A kiln.activation_grad of relu or gelu right after the product (its dy) is cuBLASLt's DRELU or
+// DGELU epilogue, which reads the derivative's argument through the aux pointer: the GELU input
+// itself, or the bit mask the ReLU's own GEMM wrote beside its output (RELU_AUX; that ReLU carries
+// attribute kiln.relu_mask, and codegen/cuda_program.cc checks the pairing). Both are exact: the
+// mask is x > 0 at the stored output, which is where the CPU's derivative of relu is 1.
 Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   // The bias-gradient sum_to runs beside the GEMM, not after it: set it apart.
   std::vector<const Op*> ops;
@@ -73,6 +78,7 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   if (sum) KILN_RETURN_IF_ERROR(biasGradientOf(mm, *sum, call));
   const Value* cur = mm.result();
   const Value* bias = nullptr;
+  const Value* aux = nullptr;
   // The group's ops after the matmul, less a widening cast right after a low-precision
   // product (taken as the accumulator's own f32).
   size_t first = 1;
@@ -101,8 +107,18 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
       bias = e.operand(0) == cur ? e.operand(1) : e.operand(0);
       if (bias->type().rank() != 1)
         return Status::errorf("{} adds {}, not a bias vector", opLabel(e), bias->type().str());
-    } else if ((e.is(ir::OpCode::Relu) || e.is(ir::OpCode::Gelu)) && call.activation.empty()) {
+    } else if ((e.is(ir::OpCode::Relu) || e.is(ir::OpCode::Gelu)) && call.activation.empty() &&
+               call.activation_grad.empty()) {
       call.activation = shortOpName(e);
+      call.writes_relu_mask = e.is(ir::OpCode::Relu) && e.boolAttr("kiln.relu_mask");
+    } else if (e.is(ir::OpCode::ActivationGrad) && i == first && e.operand(1) == cur && e.operand(0) != cur) {
+      // dy * f'(aux): the product is dy; aux is the ReLU's output (whose buffer carries the
+      // mask its forward GEMM wrote) or the GELU's input.
+      call.activation_grad = e.strAttr("activation");
+      if (call.activation_grad != "relu" && call.activation_grad != "gelu")
+        return Status::errorf("{}: cuBLASLt has no {} backward epilogue (relu and gelu only)", opLabel(e),
+                              call.activation_grad);
+      aux = e.operand(0);
     } else if (e.is(ir::OpCode::Cast)) {
     } else {
       return Status::errorf("{} has no cuBLASLt epilogue (a bias add, then relu or gelu, then a cast)",
@@ -115,7 +131,12 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   if (ta != tb || (ta != DType::f32 && ta != DType::bf16 && ta != DType::f16))
     return Status::errorf("{}: cuBLASLt multiplies f32, bf16 or f16 pairs, not {} x {}", opLabel(mm),
                           ir::dtypeName(ta), ir::dtypeName(tb));
-  if (sum && (bias || !call.activation.empty()))
+  if (!call.activation_grad.empty() && ops.size() != first + 1)
+    return Status::errorf("{}: an activation backward epilogue ends the group", opLabel(mm));
+  if (call.activation_grad == "gelu" && aux->type().dtype() != tc)
+    return Status::errorf("{}: a {} GELU input for a {} output; cuBLASLt reads it in the output's type",
+                          opLabel(mm), ir::dtypeName(aux->type().dtype()), ir::dtypeName(tc));
+  if (sum && (bias || !call.activation.empty() || !call.activation_grad.empty()))
     return Status::errorf("{}: cuBLASLt's bias gradient epilogue takes no bias or activation", opLabel(mm));
   if (sum && sum->result()->type().dtype() != tc)
     return Status::errorf("{}: a {} bias gradient of a {} GEMM; cuBLASLt's has the output's type",
@@ -138,6 +159,7 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   if (bias) call.bias = gl.groupBuffer(bias, false);
   call.c = gl.groupBuffer(cur, true);
   if (sum) call.bias = gl.groupBuffer(sum->result(), true);
+  if (aux) call.aux = gl.groupBuffer(aux, false);
   gl.setGemm(mm, call);
   return Status::ok();
 }

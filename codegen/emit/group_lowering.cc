@@ -64,8 +64,8 @@ std::vector<int> KernelBuilder::spaceCoords() {
   return coords;
 }
 
-GroupLowering::GroupLowering(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols)
-    : symbols_(symbols), in_group_(ops.begin(), ops.end()) {
+GroupLowering::GroupLowering(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols, int sms)
+    : symbols_(symbols), sms_(sms), in_group_(ops.begin(), ops.end()) {
   out_.ops = ops;
 }
 
@@ -141,6 +141,7 @@ Status GroupLowering::addSourceKernel(Kernel k, const std::vector<int>& group_bu
 
 Status GroupLowering::finish(KernelBuilder& kb) {
   KILN_RETURN_IF_ERROR(validate(kb.k));
+  kb.k.sms = sms_;
   out_.kernels.push_back(std::move(kb.k));
   out_.args.push_back(std::move(kb.args));
   return Status::ok();

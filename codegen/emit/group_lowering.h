@@ -65,11 +65,13 @@ class GroupLowering {
   // the lengths' scans) are cut into several launches past it.
   static constexpr size_t kMaxKernelParams = 448;
 
-  GroupLowering(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols);
+  // `sms`: the SMs of the GPU the kernels' grids and a fold's pieces are sized for (gridSms).
+  GroupLowering(const std::vector<const ir::Op*>& ops, const ir::SymbolBindings& symbols, int sms);
 
   const std::vector<const ir::Op*>& ops() const { return out_.ops; }
   bool inGroup(const ir::Op* op) const { return in_group_.count(op) > 0; }
   LoweredGroup take() { return std::move(out_); }
+  int sms() const { return sms_; }
   // The GEMM of the group (cuBLASLt runs it; the group has no kernels).
   void setGemm(const ir::Op& matmul, const GemmCall& call);
 
@@ -87,7 +89,8 @@ class GroupLowering {
   int bindValue(KernelBuilder& kb, const ir::Value* v, bool written) {
     return bind(kb, groupBuffer(v, written), written);
   }
-  // Validates the kernel and appends it (with its buffer binding) to the group.
+  // Validates the kernel and appends it (with its buffer binding) to the group, its grid sized
+  // for the group's SMs.
   Status finish(KernelBuilder& kb);
   // Appends a Source kernel written with its buffers declared (moe_kernels.cc, embedding_sort.cc),
   // binding parameter i to group_buffers[i]: each must hold what the kernel declares (its dtype,
@@ -137,6 +140,7 @@ class GroupLowering {
   Expected<int> computeValueAt(KernelBuilder& kb, const ir::Value* v, const std::vector<int>& coords);
 
   const ir::SymbolBindings& symbols_;
+  int sms_;
   std::set<const ir::Op*> in_group_;
   LoweredGroup out_;
   std::map<const ir::Value*, int> value_buffer_;

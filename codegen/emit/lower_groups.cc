@@ -163,15 +163,16 @@ Status lowerOps(GroupLowering& gl) {
 
 }  // namespace emit
 
-Expected<LoweredGroup> lowerGroup(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols) {
-  emit::GroupLowering gl(ops, symbols);
+Expected<LoweredGroup> lowerGroup(const std::vector<const Op*>& ops, const ir::SymbolBindings& symbols,
+                                  const Target& target) {
+  emit::GroupLowering gl(ops, symbols, gridSms(target));
   KILN_RETURN_IF_ERROR(emit::lowerOps(gl));
   return gl.take();
 }
 
 Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vector<const Op*>& ops,
-                                       const ir::SymbolBindings& symbols) {
-  emit::GroupLowering gl(ops, symbols);
+                                       const ir::SymbolBindings& symbols, const Target& target) {
+  emit::GroupLowering gl(ops, symbols, gridSms(target));
   if (ops.empty()) return Status::error("the fused group is empty");
   emit::GroupEmitterFn lower = emit::EmitterRegistry::get().fusedEmitter(kind);
   if (!lower) return Status::errorf("the CUDA backend runs no '{}' group as one unit", kind);
@@ -179,7 +180,8 @@ Expected<LoweredGroup> lowerFusedGroup(const std::string& kind, const std::vecto
   return gl.take();
 }
 
-Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols) {
+Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const ir::SymbolBindings& symbols,
+                                                  const Target& target) {
   std::vector<LoweredGroup> out;
   // Ops outside fused groups are grouped greedily between them (a fused op runs where the fusion
   // pass placed it); the dense optimizer updates wait past them (groupOps).
@@ -189,7 +191,7 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
   for (const auto& group : groupOps(all)) {
     const Op* op = group.front();
     if (!op->is(ir::OpCode::Fused)) {
-      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
+      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols, target));
       g.stream = streamOf(*op);
       out.push_back(std::move(g));
       continue;
@@ -201,7 +203,7 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     std::string kind = op->strAttr("kind");
     // An op inside a fused group runs on the group's stream.
     const int stream = streamOf(*op);
-    auto whole = lowerFusedGroup(kind, ops, symbols);
+    auto whole = lowerFusedGroup(kind, ops, symbols, target);
     if (whole) {
       whole->stream = stream;
       whole->fused_kind = kind;
@@ -211,7 +213,7 @@ Expected<std::vector<LoweredGroup>> lowerFunction(const ir::Function& f, const i
     }
     // Not one unit on this backend: the greedy grouping over the group's ops, reason kept.
     for (const auto& group : groupOps(ops)) {
-      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols));
+      KILN_ASSIGN_OR_RETURN(auto g, lowerGroup(group, symbols, target));
       g.stream = stream;
       g.fused_kind = kind;
       g.fused_index = fused_index;

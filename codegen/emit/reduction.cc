@@ -15,7 +15,6 @@
 
 #include "codegen/emit/emitter_registry.h"
 #include "codegen/emit/fold.h"
-#include "ir/target.h"
 
 namespace kiln::codegen::emit {
 namespace {
@@ -23,13 +22,6 @@ namespace {
 using ir::Op;
 using ir::Value;
 
-// The blocks a reduction aims to keep busy: a full wave of 256-thread blocks (8 per SM) on the
-// default GPU target. Kernels are specialized to shapes, not devices, so one lowered step (and
-// the ahead-of-time kernel set) serves every GPU; an A100's 108 SMs take it in 1.2 waves.
-int64_t reductionBlocks() {
-  static const int64_t blocks = int64_t{h200Target().cores} * 8;
-  return blocks;
-}
 // A thread folds at least this many elements before a fold is cut into more blocks, and a fold
 // is cut into at least kMinPieces or not at all: a second pass costs a launch, and a block of few
 // elements is mostly its start and its tree.
@@ -39,9 +31,11 @@ constexpr int64_t kMinPieces = 4;
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // How many pieces to cut a fold of `rows` per output into, when `outputs` independent folds
-// already occupy `outputs` blocks of `threads` threads each.
-int64_t piecesFor(int64_t rows, int64_t outputs, int64_t threads) {
-  const int64_t wanted = ceilDiv(reductionBlocks(), std::max<int64_t>(outputs, 1));
+// already occupy `outputs` blocks of `threads` threads each: enough for one full wave of
+// 256-thread blocks on the group's GPU (waveBlocks, as launchConfig counts the first pass's
+// waves), so the first pass's grid is that wave and the second pass reads that many partials.
+int64_t piecesFor(const GroupLowering& gl, int64_t rows, int64_t outputs, int64_t threads) {
+  const int64_t wanted = ceilDiv(waveBlocks(gl.sms(), 256), std::max<int64_t>(outputs, 1));
   const int64_t most = std::max<int64_t>(1, rows / (threads * kMinElementsPerThread));
   int64_t pieces = std::clamp<int64_t>(wanted, 1, most);
   if (pieces < kMinPieces) return 1;
@@ -114,7 +108,7 @@ Status lowerColumnFold(GroupLowering& gl, const Fold& f) {
   int64_t lanes = 1;
   while (lanes < 32 && lanes < columns) lanes *= 2;
   const int64_t strips = ceilDiv(columns, lanes);
-  const int64_t slabs = piecesFor(row_count, strips, ColumnTile::kThreads / lanes);
+  const int64_t slabs = piecesFor(gl, row_count, strips, ColumnTile::kThreads / lanes);
 
   auto columnKernel = [&](std::string name, int64_t kernel_slabs, std::vector<int64_t> row_space) {
     KernelBuilder kb = KernelBuilder::ofKind(std::move(name), KernelKind::ColumnReduce);
@@ -168,8 +162,8 @@ Status lowerRowFold(GroupLowering& gl, const Fold& f) {
   const std::vector<int64_t> kept = f.keptDims(false), rows = f.foldedDims(false);
   const int64_t outputs = product(kept), row_count = product(rows);
   // A Row kernel of few outer elements runs 1024-thread blocks (launchConfig); the chunks' kernel
-  // has enough of them for 256.
-  const int64_t chunks = piecesFor(row_count, outputs, 256);
+  // takes a wave of them, 256-thread blocks.
+  const int64_t chunks = piecesFor(gl, row_count, outputs, 256);
   const std::vector<int64_t> row_space = rows.empty() ? std::vector<int64_t>{1} : rows;
   if (chunks == 1) {
     KernelBuilder kb = KernelBuilder::row(f.name, kept, row_space);

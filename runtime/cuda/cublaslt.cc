@@ -89,6 +89,10 @@ cublasLtEpilogue_t epilogueOf(Epilogue e) {
       return CUBLASLT_EPILOGUE_BGRADB;
     case Epilogue::BiasGradB:
       return CUBLASLT_EPILOGUE_BGRADA;
+    case Epilogue::ReluAux: return CUBLASLT_EPILOGUE_RELU_AUX;
+    case Epilogue::BiasReluAux: return CUBLASLT_EPILOGUE_RELU_AUX_BIAS;
+    case Epilogue::DRelu: return CUBLASLT_EPILOGUE_DRELU;
+    case Epilogue::DGelu: return CUBLASLT_EPILOGUE_DGELU;
   }
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
@@ -170,6 +174,14 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
        (st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type))) !=
            CUBLAS_STATUS_SUCCESS))
     return fail(st, "cublasLtMatmulDescSetAttribute");
+  // The aux buffer's leading dimension, along cuBLASLt's rows (our N): in bits for the ReLU mask
+  // (a multiple of 128), in elements for the GELU input (our row stride).
+  if (codegen::epilogueHasAux(s.epilogue)) {
+    int64_t aux_ld = s.epilogue == Epilogue::DGelu ? s.n : codegen::reluMaskLd(s.n);
+    if ((st = a.descSet(p->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld))) !=
+        CUBLAS_STATUS_SUCCESS)
+      return fail(st, "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)");
+  }
   auto layout = [&](cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld) {
     cublasStatus_t r = a.layoutCreate(l, t, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld);
     if (r == CUBLAS_STATUS_SUCCESS && s.batch > 1) {
@@ -205,16 +217,22 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
 }
 
 Status CublasLt::matmul(const GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
-                        CUstream stream) {
+                        CUdeviceptr aux, CUstream stream) {
   if (hasBias(s.epilogue) && bias == 0)
     return Status::errorf("{}: the epilogue needs a bias {}", s.str(),
                           codegen::epilogueWritesBiasGradient(s.epilogue) ? "gradient buffer" : "");
+  if (codegen::epilogueHasAux(s.epilogue) && aux == 0)
+    return Status::errorf("{}: the epilogue needs an aux buffer", s.str());
   auto p = plan(s);
   if (!p) return p.status();
   const Api& api = *api_;
   if (hasBias(s.epilogue)) {
     void* bias_ptr = reinterpret_cast<void*>(bias);
     api.descSet((*p)->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr));
+  }
+  if (codegen::epilogueHasAux(s.epilogue)) {
+    void* aux_ptr = reinterpret_cast<void*>(aux);
+    api.descSet((*p)->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr));
   }
   float alpha = 1.0f, beta = 0.0f;
   cublasStatus_t st = api.matmul(static_cast<cublasLtHandle_t>(handle_), (*p)->desc, &alpha,

@@ -1,6 +1,7 @@
 // GEMMs through cuBLASLt, loaded at run time (libcublasLt.so.13, .so.12 or .so; never linked):
-// row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU; or writing the
-// bias gradient, the sum over K of op(A) or op(B)), f32 or bf16 in and out, f32 accumulation,
+// row-major C[M, N] = op(A)[M, K] * op(B)[K, N] (+ bias[N], then ReLU/GELU, the ReLU's mask
+// written beside; or writing the bias gradient, the sum over K of op(A) or op(B); or times the
+// ReLU/GELU derivative read from an aux buffer), f32 or bf16 in and out, f32 accumulation,
 // optionally batched. The algorithm for each distinct problem is
 // chosen once by cuBLASLt's heuristic and cached. The problem is a codegen::GemmShape
 // (codegen/cuda_program.h), as the Program's steps carry it.
@@ -43,9 +44,10 @@ class CublasLt {
   ~CublasLt();
 
   // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0 unless
-  // the epilogue reads a bias or writes a bias gradient there (codegen::Epilogue).
+  // the epilogue reads a bias or writes a bias gradient there, aux unless it writes or reads
+  // the ReLU mask or reads the GELU input there (codegen::Epilogue).
   Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
-                CUstream stream);
+                CUdeviceptr aux, CUstream stream);
 
   size_t cachedAlgorithms() const { return algos_.size(); }
   size_t version() const { return version_; }

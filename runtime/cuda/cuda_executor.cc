@@ -135,7 +135,7 @@ Expected<CudaSession::MemoryInfo> CudaSession::memoryInfo() const {
 struct Step {
   const codegen::CudaStep* plan = nullptr;  // in Impl::built.steps
   CUfunction fn = nullptr;         // kernels
-  std::vector<CUdeviceptr> args;   // kernel arguments; a GEMM's a, b, c and bias (0: none)
+  std::vector<CUdeviceptr> args;   // kernel arguments; a GEMM's a, b, c, bias and aux (0: none)
 };
 
 // A group's embedding {code, table} flag, outside the arena so it survives the step: code 1 from
@@ -326,7 +326,8 @@ Status CudaExecutor::Impl::finishTrace(runtime::Tracer& tracer, double origin_us
 Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
   const codegen::CudaStep& plan = *step.plan;
   if (plan.isGemm()) {
-    Status r = s().blas->matmul(plan.gemm, step.args[0], step.args[1], step.args[2], step.args[3], st);
+    const CUdeviceptr aux = step.args[4] ? step.args[4] + static_cast<CUdeviceptr>(plan.aux_offset) : 0;
+    Status r = s().blas->matmul(plan.gemm, step.args[0], step.args[1], step.args[2], step.args[3], aux, st);
     if (!r) return Status::errorf("cuBLASLt {}: {}", plan.name, r.message());
     return Status::ok();
   }

@@ -12,8 +12,10 @@
 #include "ir/builder.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/cuda_executor.h"
+#include "passes/fusion.h"
 #include "runtime/parameter_store.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/nvrtc/activation_gradient_case.h"
 #include "tests/nvrtc/bias_gradient_case.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
@@ -141,6 +143,39 @@ TEST_P(GpuBiasGradient, OneCublasLtCallMatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GpuBiasGradient, ::testing::ValuesIn(biasGradientCases()),
                          [](const ::testing::TestParamInfo<BiasGradientCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// A layer's activation backward as cuBLASLt's DRELU/DGELU epilogue (tests/nvrtc/
+// activation_gradient_case.h), the forward GEMM writing the ReLU mask (RELU_AUX_BIAS), against
+// the CPU references: the one check of the mask's layout, which only cuBLASLt writes and reads.
+class GpuActivationGradient : public ::testing::TestWithParam<ActivationGradientCase> {};
+
+TEST_P(GpuActivationGradient, DerivativeInTheGemmEpilogueMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const ActivationGradientCase ac = GetParam();
+  auto af = buildActivationGradient(ac);
+  passes::FusionOptions fusion;
+  fusion.target = h200Target();
+  auto r = passes::fuseModule(af->module, fusion);
+  ASSERT_TRUE(r) << r.status().message();
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(*af->f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numGemms(), 2);
+  EXPECT_EQ((*ex)->numKernels(), std::string(ac.activation) == "relu" ? 0 : 1);
+  for (int run = 0; run < 2; ++run) {  // eager, then captured
+    auto out = (*ex)->run(af->inputs);
+    ASSERT_TRUE(out) << out.status().message();
+    expectActivationGradientClose(*out, *af, ac, "GPU run " + std::to_string(run));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Activations, GpuActivationGradient, ::testing::ValuesIn(activationGradientCases()),
+                         [](const ::testing::TestParamInfo<ActivationGradientCase>& i) {
                            return std::string(i.param.name);
                          });
 

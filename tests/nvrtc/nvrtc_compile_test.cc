@@ -223,6 +223,56 @@ TEST(CudaEmitter, LaunchConfigurations) {
   EXPECT_EQ(codegen::launchConfig(k), (codegen::LaunchConfig{38, 256}));  // 300 warps, 8 a block
 }
 
+// Grid-stride kernels launch at most four full waves of the GPU they were lowered for: its SMs x
+// the blocks an SM holds by threads (2048 a SM). An H200 (132 SMs) and an A100 (108) differ; a
+// kernel whose work needs fewer blocks gets only those.
+TEST(CudaEmitter, GridsAreWholeWavesOfTheTargetsSms) {
+  const int h200 = 132, a100 = 108;
+  EXPECT_EQ(codegen::gridSms(h200Target()), h200);
+  EXPECT_EQ(codegen::gridSms(a100Target()), a100);
+  EXPECT_EQ(codegen::gridSms(cpuTarget()), h200);  // no GPU given: the H200's
+  EXPECT_EQ(codegen::Kernel{}.sms, h200);
+  auto grid = [](codegen::Kernel k, int sms) {
+    k.sms = sms;
+    return codegen::launchConfig(k);
+  };
+  codegen::Kernel pointwise;
+  pointwise.kind = codegen::KernelKind::Pointwise;
+  // 65536 blocks of work: 4224 blocks on an H200, 3456 on an A100.
+  pointwise.space = {int64_t{1} << 24};
+  EXPECT_EQ(grid(pointwise, h200), (codegen::LaunchConfig{4 * 132 * 8, 256}));
+  EXPECT_EQ(grid(pointwise, a100), (codegen::LaunchConfig{4 * 108 * 8, 256}));
+  // Less than a wave: the blocks it needs.
+  pointwise.space = {300 * 256};
+  EXPECT_EQ(grid(pointwise, h200), (codegen::LaunchConfig{300, 256}));
+  EXPECT_EQ(grid(pointwise, a100), (codegen::LaunchConfig{300, 256}));
+  pointwise.space = {1};
+  EXPECT_EQ(grid(pointwise, a100), (codegen::LaunchConfig{1, 256}));
+
+  codegen::Kernel row;
+  row.kind = codegen::KernelKind::Row;
+  row.space = {100000};  // many rows: 256-thread blocks, each taking rows in turn
+  row.row_space = {1000};
+  EXPECT_EQ(grid(row, h200), (codegen::LaunchConfig{4 * 132 * 8, 256}));
+  EXPECT_EQ(grid(row, a100), (codegen::LaunchConfig{4 * 108 * 8, 256}));
+  row.space = {500};  // fewer rows than a wave of 256-thread blocks: 1024 threads, one block each
+  row.row_space = {100000};
+  EXPECT_EQ(grid(row, h200), (codegen::LaunchConfig{500, 1024}));
+  EXPECT_EQ(grid(row, a100), (codegen::LaunchConfig{500, 1024}));
+  row.space = {1000};  // a wave of 256-thread blocks on an A100 (864), not on an H200 (1056)
+  EXPECT_EQ(grid(row, h200), (codegen::LaunchConfig{1000, 1024}));
+  EXPECT_EQ(grid(row, a100), (codegen::LaunchConfig{1000, 256}));
+
+  codegen::Kernel columns;
+  columns.kind = codegen::KernelKind::ColumnReduce;
+  columns.space = {1, 1 << 20};  // one slab of 32768 strips of 32 columns
+  columns.row_space = {64};
+  EXPECT_EQ(grid(columns, h200), (codegen::LaunchConfig{4 * 132 * 8, 256}));
+  EXPECT_EQ(grid(columns, a100), (codegen::LaunchConfig{4 * 108 * 8, 256}));
+  columns.space = {3, 100};  // 3 slabs x 4 strips
+  EXPECT_EQ(grid(columns, a100), (codegen::LaunchConfig{12, 256}));
+}
+
 // Index math is 32-bit where the iteration space allows (issue 36, item 4): the loop index and
 // the divisions that split it into coordinates; a space of 2^32 elements or more keeps 64 bits.
 TEST(CudaEmitter, IndexMathIs32BitWhereTheSpaceAllows) {

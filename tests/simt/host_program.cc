@@ -60,7 +60,9 @@ float roundToTf32(float x) {
 
 }  // namespace
 
-void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias) {
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias, void* aux) {
+  uint8_t* mask = static_cast<uint8_t*>(aux);
+  const int64_t mask_ld = codegen::reluMaskLd(s.n);
   const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
   // cuBLASLt's operands: its A is our B, its B our A. A layout is the matrix as stored; the
   // operation applies to it. Both are first packed as f32, op(A) by rows and op(B) by columns,
@@ -103,8 +105,15 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
         for (; k < g.k; ++k) acc += x[k] * y[k];
         if (codegen::epilogueReadsBias(s.epilogue))
           acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
-        if (s.epilogue == codegen::Epilogue::Relu || s.epilogue == codegen::Epilogue::BiasRelu)
-          acc = std::max(acc, 0.0f);
+        if (codegen::epilogueAppliesRelu(s.epilogue)) acc = std::max(acc, 0.0f);
+        const int64_t bit = bt * g.n * mask_ld + i + j * mask_ld;
+        if (codegen::epilogueWritesReluMask(s.epilogue)) {
+          const uint8_t b8 = static_cast<uint8_t>(1u << (bit % 8));
+          mask[bit / 8] = static_cast<uint8_t>(acc > 0 ? mask[bit / 8] | b8 : mask[bit / 8] & ~b8);
+        }
+        if (s.epilogue == codegen::Epilogue::DRelu) acc *= ((mask[bit / 8] >> (bit % 8)) & 1) ? 1.0f : 0.0f;
+        if (s.epilogue == codegen::Epilogue::DGelu)
+          acc *= ir::scalar::GeluDerivative(load(aux, s.c_type, bt * g.m * g.n + i + j * g.ld_c));
         if (s.epilogue == codegen::Epilogue::Gelu || s.epilogue == codegen::Epilogue::BiasGelu)
           acc = 0.5f * acc * (1.0f + std::tanh(0.7978845608028654f * (acc + 0.044715f * acc * acc * acc)));
         store(c, s.c_type, bt * g.m * g.n + i + j * g.ld_c, acc);
@@ -254,14 +263,20 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
         const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n,
                                      bias_elements};
         const ir::DType types[4] = {g.a_type, g.b_type, g.c_type, g.bias_type};
-        for (int o = 0; o < 4; ++o) {
+        int64_t bytes[5];
+        for (int o = 0; o < 4; ++o) bytes[o] = elements[o] * ir::dtypeBytes(types[o]);
+        bytes[4] = g.epilogue == codegen::Epilogue::DGelu ? bytes[2]
+                                                          : s.aux_offset + g.batch * codegen::reluMaskBytes(g.m, g.n);
+        for (int o = 0; o < 5; ++o) {
           if (s.args[static_cast<size_t>(o)] < 0) continue;
           const codegen::Buffer& b = p.buffers[static_cast<size_t>(s.args[static_cast<size_t>(o)])];
-          if (b.bytes < elements[o] * ir::dtypeBytes(types[o]))
-            return Status::errorf("{}: operand {} ('{}') holds {} bytes, the GEMM reads {}", s.name, "ABCb"[o], b.name,
-                                  b.bytes, elements[o] * ir::dtypeBytes(types[o]));
+          if (b.bytes < bytes[o])
+            return Status::errorf("{}: operand {} ('{}') holds {} bytes, the GEMM touches {}", s.name,
+                                  "ABCba"[o], b.name, b.bytes, bytes[o]);
         }
-        gemmAsCublasLt(g, args[0], args[1], args[2], args[3]);
+        void* aux = args[4] ? static_cast<char*>(args[4]) + s.aux_offset : nullptr;
+        if (codegen::epilogueHasAux(g.epilogue) && !aux) return Status::errorf("{}: no aux buffer", s.name);
+        gemmAsCublasLt(g, args[0], args[1], args[2], args[3], aux);
       } else {
         KILN_RETURN_IF_ERROR(im.module->launch(s.name, s.launch, args));
       }

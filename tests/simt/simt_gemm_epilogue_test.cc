@@ -1,7 +1,8 @@
 // cuBLASLt's bias-gradient epilogues (BGRADA/BGRADB) as simt emulates them, against plain loops;
 // then a linear layer's weight and bias gradients through the fusion pass, the CUDA lowering and
 // the CUDA program on the host (one cuBLASLt call), against the unfused ops' CPU references.
-// gpu_fused_test runs the second comparison through the real cuBLASLt.
+// Last, a layer's activation backward as the DRELU/DGELU epilogue of the GEMM that makes its
+// output gradient. gpu_fused_test runs the last two comparisons through the real cuBLASLt.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include "codegen/kernel_lowering.h"
 #include "passes/fusion.h"
 #include "runtime/cuda/cublaslt.h"
+#include "tests/nvrtc/activation_gradient_case.h"
 #include "tests/nvrtc/bias_gradient_case.h"
 #include "tests/nvrtc/op_cases.h"
 #include "tests/simt/host_program.h"
@@ -101,6 +103,42 @@ TEST_P(SimtBiasGradient, OneCublasLtCallMatchesCpuReference) {
 
 INSTANTIATE_TEST_SUITE_P(Layouts, SimtBiasGradient, ::testing::ValuesIn(biasGradientCases()),
                          [](const ::testing::TestParamInfo<BiasGradientCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+class SimtActivationGradient : public ::testing::TestWithParam<ActivationGradientCase> {};
+
+TEST_P(SimtActivationGradient, DerivativeInTheGemmEpilogueMatchesCpuReference) {
+  const ActivationGradientCase ac = GetParam();
+  const bool relu = std::string(ac.activation) == "relu";
+  auto af = buildActivationGradient(ac);
+  passes::FusionOptions options;
+  options.target = h200Target();
+  auto r = passes::fuseModule(af->module, options);
+  ASSERT_TRUE(r) << r.status().message();
+  EXPECT_EQ(af->h->definingOp()->boolAttr("kiln.relu_mask"), relu) << "the forward ReLU writes its mask";
+  auto groups = codegen::lowerFunction(*af->f, {});
+  ASSERT_TRUE(groups) << groups.status().message();
+  int backward = 0, masks = 0;
+  for (const codegen::LoweredGroup& lg : *groups) {
+    EXPECT_TRUE(lg.split_reason.empty()) << lg.split_reason;
+    backward += lg.gemm && lg.gemm_call.activation_grad == ac.activation;
+    masks += lg.gemm && lg.gemm_call.writes_relu_mask;
+  }
+  EXPECT_EQ(backward, 1) << passes::explainFusion(*r);
+  EXPECT_EQ(masks, relu ? 1 : 0);
+  auto program = simt::HostProgram::create(*af->f, {});
+  ASSERT_TRUE(program) << program.status().message();
+  EXPECT_EQ((*program)->numGemms(), 2);
+  EXPECT_EQ((*program)->numKernels(), relu ? 0 : 1) << "only the forward GELU is a kernel";
+  runtime::ParameterStore params;
+  auto out = (*program)->run(af->inputs, params, 1);
+  ASSERT_TRUE(out) << out.status().message();
+  expectActivationGradientClose(*out, *af, ac, "simt");
+}
+
+INSTANTIATE_TEST_SUITE_P(Activations, SimtActivationGradient, ::testing::ValuesIn(activationGradientCases()),
+                         [](const ::testing::TestParamInfo<ActivationGradientCase>& i) {
                            return std::string(i.param.name);
                          });
 

@@ -44,17 +44,22 @@ TEST_P(SimtModel, TrainingStepMatchesCpu) {
   ASSERT_TRUE(program) << program.status().message();
   EXPECT_GT((*program)->numKernels(), 0);
   // The bias gradients below come from cuBLASLt's bias-gradient epilogue (gemmAsCublasLt's
-  // emulation of it): every model here has a layer with a bias.
+  // emulation of it): every model here has a layer with a bias. Its ReLU layers' backward is
+  // the DRELU epilogue of the GEMM before, reading the mask the forward GEMM wrote.
   auto groups = codegen::lowerFunction(*f, {{"B", kBatch}});
   ASSERT_TRUE(groups) << groups.status().message();
-  int bias_gradient_gemms = 0;
+  int bias_gradient_gemms = 0, drelu_gemms = 0, mask_gemms = 0;
   for (const codegen::LoweredGroup& g : *groups) {
     bias_gradient_gemms += g.gemm && g.gemm_call.bias_gradient_of != 0;
+    drelu_gemms += g.gemm && g.gemm_call.activation_grad == "relu";
+    mask_gemms += g.gemm && g.gemm_call.writes_relu_mask;
     if (g.fused_kind == "gemm_epilogue") {
       EXPECT_TRUE(g.split_reason.empty()) << g.split_reason;
     }
   }
   EXPECT_GT(bias_gradient_gemms, 0);
+  EXPECT_GT(drelu_gemms, 0);
+  EXPECT_EQ(mask_gemms, drelu_gemms) << "each DRELU reads the mask of its own forward GEMM";
   std::vector<data::Batch> bs = batches(*cpu, 2);
   ASSERT_EQ(bs.size(), 2u);
   for (int step = 1; step <= 2; ++step) {

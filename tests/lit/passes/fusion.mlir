@@ -135,3 +135,62 @@ func.func @bias_gradient_read_between(%g: !kiln.tensor<Bx4xf32>, %x: !kiln.tenso
   %r = "kiln.mul"(%dw, %w) : (!kiln.tensor<4x8xf32>, !kiln.tensor<4x8xf32>) -> !kiln.tensor<4x8xf32>
   return %r, %e : !kiln.tensor<4x8xf32>, !kiln.tensor<4xf32>
 }
+
+// -----
+
+// A ReLU layer's backward: the data gradient of the layer above (%gn %w2^T) is scaled by relu'
+// in its GEMM's epilogue (cuBLASLt's DRELU), which reads the bit mask the forward GEMM of that
+// ReLU writes beside %h: the forward relu is marked kiln.relu_mask.
+// CHECK-LABEL: func.func @drelu
+// CHECK:         "kiln.fused"
+// CHECK:           "kiln.matmul"
+// CHECK-NEXT:      "kiln.add"
+// CHECK-NEXT:      "kiln.relu"({{.*}}) {kiln.relu_mask = true}
+// CHECK:         }) {kind = "gemm_epilogue"}
+// CHECK:         "kiln.fused"
+// CHECK-NEXT:    ^bb0
+// CHECK-NEXT:      %[[GH:.*]] = "kiln.matmul"({{.*}}) {transpose_b = true}
+// CHECK-NEXT:      %[[GZ:.*]] = "kiln.activation_grad"({{.*}}, %[[GH]]) {activation = "relu"}
+// CHECK-NEXT:      "kiln.yield"(%[[GZ]])
+// CHECK:         }) {kind = "gemm_epilogue"}
+func.func @drelu(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<8x16xf32>, %b: !kiln.tensor<16xf32>, %gn: !kiln.tensor<Bx4xf32>, %w2: !kiln.tensor<16x4xf32>) -> (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) {
+  %p = "kiln.matmul"(%x, %w) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<8x16xf32>) -> !kiln.tensor<Bx16xf32>
+  %z = "kiln.add"(%p, %b) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<16xf32>) -> !kiln.tensor<Bx16xf32>
+  %h = "kiln.relu"(%z) : (!kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  %gh = "kiln.matmul"(%gn, %w2) {transpose_b = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<16x4xf32>) -> !kiln.tensor<Bx16xf32>
+  %gz = "kiln.activation_grad"(%h, %gh) {activation = "relu"} : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %h, %gz : !kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>
+}
+
+// -----
+
+// A ReLU that no GEMM computes has no mask for DRELU to read: its backward stays out of the
+// GEMM (here it joins the relu's pointwise kernel).
+// CHECK-LABEL: func.func @drelu_without_forward_gemm
+// CHECK-NOT:     kiln.relu_mask
+// CHECK:         %gh = "kiln.matmul"
+// CHECK-NEXT:    "kiln.fused"(%z, %gh)
+// CHECK:           "kiln.relu"
+// CHECK-NEXT:      "kiln.activation_grad"
+// CHECK:         }) {kind = "pointwise"}
+func.func @drelu_without_forward_gemm(%z: !kiln.tensor<Bx16xf32>, %gn: !kiln.tensor<Bx4xf32>, %w2: !kiln.tensor<16x4xf32>) -> (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) {
+  %h = "kiln.relu"(%z) : (!kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  %gh = "kiln.matmul"(%gn, %w2) {transpose_b = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<16x4xf32>) -> !kiln.tensor<Bx16xf32>
+  %gz = "kiln.activation_grad"(%h, %gh) {activation = "relu"} : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %h, %gz : !kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>
+}
+
+// -----
+
+// GELU's backward reads the GELU input %z itself (cuBLASLt's DGELU), whoever computed it.
+// CHECK-LABEL: func.func @dgelu
+// CHECK:         "kiln.fused"(%gn, %w2, %z)
+// CHECK-NEXT:    ^bb0
+// CHECK-NEXT:      %[[GH:.*]] = "kiln.matmul"
+// CHECK-NEXT:      %[[GZ:.*]] = "kiln.activation_grad"(%{{.*}}, %[[GH]]) {activation = "gelu"}
+// CHECK:         }) {kind = "gemm_epilogue"}
+func.func @dgelu(%z: !kiln.tensor<Bx16xf32>, %gn: !kiln.tensor<Bx4xf32>, %w2: !kiln.tensor<16x4xf32>) -> !kiln.tensor<Bx16xf32> {
+  %gh = "kiln.matmul"(%gn, %w2) {transpose_b = true} : (!kiln.tensor<Bx4xf32>, !kiln.tensor<16x4xf32>) -> !kiln.tensor<Bx16xf32>
+  %gz = "kiln.activation_grad"(%z, %gh) {activation = "gelu"} : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %gz : !kiln.tensor<Bx16xf32>
+}
