@@ -14,6 +14,7 @@
 #include "runtime/cuda/cublaslt.h"
 #include "runtime/cuda/cuda_driver.h"
 #include "runtime/cuda/nvrtc_compiler.h"
+#include "runtime/data/staging_pool.h"
 
 namespace kiln::cuda {
 
@@ -167,7 +168,8 @@ struct CudaExecutor::Impl {
   struct Slot {
     PinnedBuffer pinned, results;
     DeviceBuffer landing;
-    std::unique_ptr<Event> uploaded, consumed, done;
+    std::shared_ptr<Event> uploaded;  // shared with the fences of the staging buffers it uploads
+    std::unique_ptr<Event> consumed, done;
   };
   InputPipeline pipeline;
   std::unique_ptr<Stream> copy_stream;
@@ -176,6 +178,8 @@ struct CudaExecutor::Impl {
   bool inputs_contiguous = false;
   StagingLayout result_layout;  // per program result, then one {code, table} pair per error flag
   std::vector<Slot> slots;
+  std::shared_ptr<data::StagingPool> staging;  // stagingPool(): batches the data thread placed
+  CudaExecutor::StagingStats staging_stats;
   // The ticket launched with the tracer recording (-1: none), and its origin on the host clock.
   int64_t traced_ticket = -1;
   double trace_origin_us = 0;
@@ -195,9 +199,10 @@ struct CudaExecutor::Impl {
   // bytes it holds.
   Status checkInputs(const runtime::cpu::Batch& batch, std::vector<const ir::TensorView*>& views,
                      std::vector<size_t>& bytes) const;
-  // One operation of the pipeline's plan: `views`/`bytes` for FillPinned, `out` for ReadResults.
+  // One operation of the pipeline's plan: `views`/`bytes`/`fill` for stage()'s, `out` for
+  // ReadResults.
   Status apply(const PipelineOp& op, const std::vector<const ir::TensorView*>* views,
-               const std::vector<size_t>* bytes, std::vector<ir::HostTensor>* out);
+               const std::vector<size_t>* bytes, const HostFill* fill, std::vector<ir::HostTensor>* out);
   Status runStepOnStream0(int64_t ticket);
   // Forgets a ticket (InputPipeline::drop), and its trace if it was the traced one.
   Status drop(int64_t ticket) {
@@ -586,7 +591,8 @@ Status CudaExecutor::Impl::checkInputs(const runtime::cpu::Batch& batch,
 // The driver calls of one planned operation. Nothing here waits on the host but the two host
 // waits: for a pinned slot's previous upload, and for a step's results.
 Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const ir::TensorView*>* views,
-                                 const std::vector<size_t>* bytes, std::vector<ir::HostTensor>* out) {
+                                 const std::vector<size_t>* bytes, const HostFill* fill,
+                                 std::vector<ir::HostTensor>* out) {
   CudaDriver* drv = s().drv();
   Slot& slot = slots[static_cast<size_t>(op.slot)];
   CUstream st0 = streams.at(0), copy = copy_stream->get();
@@ -597,20 +603,42 @@ Status CudaExecutor::Impl::apply(const PipelineOp& op, const std::vector<const i
               fmt::format("waiting for input slot {} of @{}", op.slot, fn));
       break;
     case PipelineOpKind::FillPinned:
-      for (size_t i = 0; i < views->size(); ++i)
-        if ((*bytes)[i])
-          std::memcpy(slot.pinned.data() + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
+      for (size_t i : fill->copies)
+        std::memcpy(slot.pinned.data() + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
       break;
+    case PipelineOpKind::FillPinnedSkipped: {
+      // The data thread copied the batch into this buffer; the inputs it does not hold (lr and
+      // step) go next to them. A batch staged a second time may still be uploading from it.
+      KILN_RETURN_IF_ERROR(staging->waitFence(fill->buffer));
+      uint8_t* base = staging->base(fill->buffer);
+      for (size_t i : fill->copies)
+        std::memcpy(base + input_layout.offset[i], (*views)[i]->data, (*bytes)[i]);
+      break;
+    }
     case PipelineOpKind::CopyWaitConsumed:
       KILN_CU(drv, cuStreamWaitEvent(copy, slot.consumed->get(), 0), "the copy stream of @" + fn);
       break;
     case PipelineOpKind::Upload:
       // The whole slot in one copy: a bounded input's tail past the batch's ids is never read.
-      KILN_CU(drv, cuMemcpyHtoDAsync(slot.landing.ptr(), slot.pinned.data(), input_layout.total, copy),
+      KILN_CU(drv,
+              cuMemcpyHtoDAsync(slot.landing.ptr(),
+                                op.from_buffer ? staging->base(fill->buffer) : slot.pinned.data(),
+                                input_layout.total, copy),
               fmt::format("uploading the inputs of @{}", fn));
       break;
     case PipelineOpKind::RecordUploaded:
       KILN_CU(drv, cuEventRecord(slot.uploaded->get(), copy), "the copy stream of @" + fn);
+      if (fill && fill->inPlace()) {
+        // The buffer's next batch waits for this upload (or a later one on the same in-order
+        // stream, when the slot's event has been recorded again by then). On the data thread.
+        staging->setFence(fill->buffer, [session = session, uploaded = slot.uploaded, fn]() -> Status {
+          KILN_RETURN_IF_ERROR(session->impl().ctx->makeCurrent());
+          CudaDriver* d = session->impl().drv();
+          KILN_CU(d, cuEventSynchronize(uploaded->get()),
+                  "waiting for an upload from a staging buffer of @" + fn);
+          return Status::ok();
+        });
+      }
       break;
     case PipelineOpKind::ComputeWaitUploaded:
       KILN_CU(drv, cuStreamWaitEvent(st0, slot.uploaded->get(), 0), "stream 0 of @" + fn);
@@ -759,15 +787,20 @@ Expected<CudaExecutor::Ticket> CudaExecutor::stage(const runtime::cpu::Batch& ba
   std::vector<const ir::TensorView*> views;
   std::vector<size_t> bytes;
   KILN_RETURN_IF_ERROR(im.checkInputs(batch, views, bytes));
+  std::vector<const void*> data;
+  for (const ir::TensorView* v : views) data.push_back(v->data);
+  const HostFill fill = planHostFill(im.input_layout, data, bytes, im.staging.get());
   std::vector<PipelineOp> ops;
-  KILN_ASSIGN_OR_RETURN(Ticket t, im.pipeline.stage(ops));
+  KILN_ASSIGN_OR_RETURN(Ticket t, im.pipeline.stage(ops, fill.inPlace()));
   for (const PipelineOp& op : ops) {
-    Status s = im.apply(op, &views, &bytes, nullptr);
+    Status s = im.apply(op, &views, &bytes, &fill, nullptr);
     if (!s) {
       (void)im.drop(t);
       return s;
     }
   }
+  ++(fill.inPlace() ? im.staging_stats.in_place : im.staging_stats.filled);
+  im.staging_stats.host_bytes += fill.copy_bytes;
   return t;
 }
 
@@ -777,7 +810,7 @@ Status CudaExecutor::launch(Ticket ticket) {
   std::vector<PipelineOp> ops;
   KILN_RETURN_IF_ERROR(im.pipeline.launch(ticket, ops));
   for (const PipelineOp& op : ops) {
-    Status s = im.apply(op, nullptr, nullptr, nullptr);
+    Status s = im.apply(op, nullptr, nullptr, nullptr, nullptr);
     if (!s) {
       (void)im.drop(ticket);  // nobody will collect it; the slots stay usable
       return s;
@@ -792,12 +825,44 @@ Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket ticket) {
   std::vector<PipelineOp> ops;
   KILN_RETURN_IF_ERROR(im.pipeline.collect(ticket, ops));
   std::vector<ir::HostTensor> out;
-  for (const PipelineOp& op : ops) KILN_RETURN_IF_ERROR(im.apply(op, nullptr, nullptr, &out));
+  for (const PipelineOp& op : ops) KILN_RETURN_IF_ERROR(im.apply(op, nullptr, nullptr, nullptr, &out));
   return out;
 }
 
 Status CudaExecutor::drop(Ticket ticket) { return impl_->drop(ticket); }
 std::vector<CudaExecutor::Ticket> CudaExecutor::staged() const { return impl_->pipeline.staged(); }
+
+CudaExecutor::StagingStats CudaExecutor::stagingStats() const { return impl_->staging_stats; }
+
+Expected<std::shared_ptr<data::StagingPool>> CudaExecutor::stagingPool(int buffers) {
+  Impl& im = *impl_;
+  if (im.staging) return im.staging;
+  KILN_RETURN_IF_ERROR(im.s().ctx->makeCurrent());
+  data::StagingBufferLayout layout;
+  for (size_t i = 0; i < im.built.inputs.size(); ++i) {
+    layout.names.push_back(im.program.buffers[static_cast<size_t>(im.built.inputs[i])].name);
+    layout.offset.push_back(im.input_layout.offset[i]);
+    layout.bytes.push_back(im.input_layout.bytes[i]);
+  }
+  layout.total = im.input_layout.total;
+  // Portable: pinned for every context, so a buffer stays valid whichever thread frees it. The
+  // last lease may die on any thread: each call makes the context current first.
+  data::StagingMemory memory;
+  memory.kind = "page-locked";
+  std::shared_ptr<CudaSession> session = im.session;
+  memory.allocate = [session](size_t bytes) -> Expected<void*> {
+    KILN_RETURN_IF_ERROR(session->impl().ctx->makeCurrent());
+    void* p = nullptr;
+    KILN_CU(session->impl().drv(), cuMemHostAlloc(&p, bytes, CU_MEMHOSTALLOC_PORTABLE),
+            fmt::format("{} page-locked bytes for a staging buffer", bytes));
+    return p;
+  };
+  memory.release = [session](void* p) {
+    if (session->impl().ctx->makeCurrent().isOk()) session->impl().drv()->cuMemFreeHost(p);
+  };
+  KILN_ASSIGN_OR_RETURN(im.staging, data::StagingPool::create(std::move(layout), buffers, std::move(memory)));
+  return im.staging;
+}
 
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch& batch) {
   Impl& im = *impl_;
@@ -874,6 +939,10 @@ Status CudaExecutor::launch(Ticket) { return Status::error("no CUDA"); }
 Expected<std::vector<ir::HostTensor>> CudaExecutor::collect(Ticket) { return Status::error("no CUDA"); }
 Status CudaExecutor::drop(Ticket) { return Status::error("no CUDA"); }
 std::vector<CudaExecutor::Ticket> CudaExecutor::staged() const { return {}; }
+Expected<std::shared_ptr<data::StagingPool>> CudaExecutor::stagingPool(int) {
+  return Status::error("no CUDA");
+}
+CudaExecutor::StagingStats CudaExecutor::stagingStats() const { return {}; }
 Expected<std::vector<CudaExecutor::Timing>> CudaExecutor::profile(const runtime::cpu::Batch&) {
   return Status::error("no CUDA");
 }
