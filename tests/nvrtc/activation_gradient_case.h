@@ -65,15 +65,7 @@ inline std::unique_ptr<ActivationGradientFunction> buildActivationGradient(const
   std::mt19937 rng(23);
   const DType mm = ac.bf16 ? DType::bf16 : DType::f32;
   auto input = [&](const char* name, ir::Shape shape, DType dtype) {
-    auto op = b.createWithTypes("kiln.input", {}, {TensorType(dtype, shape)}, {{"name", Attribute(name)}});
-    EXPECT_TRUE(op) << op.status().message();
-    std::vector<int64_t> dims;
-    for (const Dim& d : shape) dims.push_back(d.size());
-    ir::HostTensor t(dtype, dims);
-    fillTensor(t, Fill::Normal, 0, rng);
-    Value* v = (*op)->result();
-    af.values[v] = t;
-    return v;
+    return addRandomInput(b, rng, af.values, name, shape, dtype);
   };
   Value* x = input("x", S({batch, k}), mm);
   Value* w = input("w", S({k, n}), mm);

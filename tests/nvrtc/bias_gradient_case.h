@@ -60,15 +60,7 @@ inline std::unique_ptr<BiasGradientFunction> buildBiasGradient(const BiasGradien
   ir::Builder b(bf.f->entry());
   std::mt19937 rng(17);
   auto input = [&](const char* name, ir::Shape shape, DType dtype) {
-    auto op = b.createWithTypes("kiln.input", {}, {TensorType(dtype, shape)}, {{"name", Attribute(name)}});
-    EXPECT_TRUE(op) << op.status().message();
-    std::vector<int64_t> dims;
-    for (const Dim& d : shape) dims.push_back(d.size());
-    ir::HostTensor t(dtype, dims);
-    fillTensor(t, Fill::Normal, 0, rng);
-    Value* v = (*op)->result();
-    bf.values[v] = t;
-    return v;
+    return addRandomInput(b, rng, bf.values, name, shape, dtype);
   };
   bf.g = input("g", S({batch, n}), DType::f32);
   Value* x = input("x", S({batch, k}), bc.bf16 ? DType::bf16 : DType::f32);

@@ -662,6 +662,22 @@ inline void fillTensor(ir::HostTensor& t, Fill fill, int64_t range, std::mt19937
   }
 }
 
+// A kiln.input `name` of static `shape` built at `b`, filled Normal from `rng`, its tensor put in
+// `values`: for tests that build a function op by op beside its CPU references.
+inline Value* addRandomInput(ir::Builder& b, std::mt19937& rng, std::map<const Value*, ir::HostTensor>& values,
+                             const char* name, const ir::Shape& shape, DType dtype) {
+  auto op = b.createWithTypes("kiln.input", {}, {TensorType(dtype, shape)}, {{"name", Attribute(name)}});
+  EXPECT_TRUE(op) << op.status().message();
+  if (!op) return nullptr;
+  std::vector<int64_t> dims;
+  for (const Dim& d : shape) dims.push_back(d.size());
+  ir::HostTensor t(dtype, dims);
+  fillTensor(t, Fill::Normal, 0, rng);
+  Value* v = (*op)->result();
+  values[v] = std::move(t);
+  return v;
+}
+
 // ---- Running a case: inputs, the CPU reference, poisoning and comparison ---------------------
 // Shared by the interpreter test (tests/nvrtc/kernel_semantics_test.cc) and the GPU test
 // (tests/gpu/gpu_ops_test.cc), which run the same cases against the same oracle.
