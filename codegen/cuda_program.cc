@@ -55,10 +55,10 @@ const char* epilogueName(Epilogue e) {
 }
 
 std::string GemmShape::str() const {
-  return fmt::format("gemm {}x{}x{}{} {}{}{}{} -> {} epilogue {}", m, n, k,
+  return fmt::format("gemm {}x{}x{}{} {}{}{}{}{} -> {} epilogue {}", m, n, k,
                      batch > 1 ? fmt::format(" batch {}", batch) : "", ir::dtypeName(a_type), tf32 ? " tf32" : "",
-                     transpose_a ? " (A^T)" : "", transpose_b ? " (B^T)" : "", ir::dtypeName(c_type),
-                     epilogueName(epilogue));
+                     transpose_a ? " (A^T)" : "", transpose_b ? " (B^T)" : "", residual ? " + C" : "",
+                     ir::dtypeName(c_type), epilogueName(epilogue));
 }
 
 Expected<GemmShape> gemmShapeOf(const ir::Op& op, const ir::SymbolBindings& symbols) {
@@ -245,6 +245,7 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
         shape.epilogue = call.activation == "relu"   ? (bias ? Epilogue::BiasRelu : Epilogue::Relu)
                          : call.activation == "gelu" ? (bias ? Epilogue::BiasGelu : Epilogue::Gelu)
                                                      : (bias ? Epilogue::Bias : Epilogue::None);
+      shape.residual = call.residual >= 0;
       CudaStep s;
       s.group = static_cast<int>(gi);
       s.name = fmt::format("{} at {}", shape.str(), g.gemm->location().str());
@@ -263,8 +264,14 @@ Expected<CudaProgram> buildCudaProgram(const ir::Function& f, const std::vector<
           s.aux_offset = reluMaskOffset(product(dims) * ir::dtypeBytes(v->type().dtype()));
         }
       }
+      if (shape.residual) {
+        if (shape.batch != 1) return Status::errorf("cuda executor: {}: a batched GEMM adding C", s.name);
+        if (epilogueWritesBiasGradient(shape.epilogue) || shape.epilogue == Epilogue::DRelu ||
+            shape.epilogue == Epilogue::DGelu)
+          return Status::errorf("cuda executor: {}: C is added only before a forward epilogue", s.name);
+      }
       s.gemm = shape;
-      for (int a : {call.a, call.b, call.c, call.bias, epilogueHasAux(shape.epilogue) ? aux : -1})
+      for (int a : {call.a, call.b, call.c, call.bias, epilogueHasAux(shape.epilogue) ? aux : -1, call.residual})
         s.args.push_back(a < 0 ? -1 : gb[static_cast<size_t>(a)]);
       out.steps.push_back(std::move(s));
     }

@@ -85,10 +85,15 @@ struct GemmShape {
   int64_t batch = 1;  // batched with packed strides (M*K, K*N, M*N elements)
   // f32 inputs on the tensor cores in TF32 (CUBLAS_COMPUTE_32F_FAST_TF32; ir::allowsTf32).
   bool tf32 = false;
+  // C[M, N] = epilogue(op(A) op(B) + R + bias): a matrix R of C's type and layout added before
+  // the bias and activation (cuBLASLt's C input with beta = 1; D is our C). Unbatched, and only
+  // with None, Bias, the activations and their mask-writing forms.
+  bool residual = false;
   auto key() const {
-    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch, tf32);
+    return std::tuple(m, n, k, transpose_a, transpose_b, a_type, b_type, c_type, bias_type, epilogue, batch, tf32,
+                      residual);
   }
-  std::string str() const;  // "gemm 16384x512x13 f32 tf32 (B^T) -> f32 epilogue bias+relu"
+  std::string str() const;  // "gemm 16384x512x13 f32 tf32 (B^T) + C -> f32 epilogue bias+relu"
 };
 
 // The row-major GEMM a kiln.matmul is, at concrete shapes (types from its operands, no
@@ -101,8 +106,9 @@ struct CudaStep {
   std::string name;       // the kernel's symbol, or the GEMM's description
   LaunchConfig launch;    // kernels
   GemmShape gemm;         // the GEMM: shape, types and epilogue
-  std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias, aux
-                          // (-1: none; the bias gradient it writes with BiasGradA/BiasGradB)
+  std::vector<int> args;  // a kernel's buffers in parameter order; a GEMM's a, b, c, bias, aux,
+                          // residual (-1: none; bias is the bias gradient it writes with
+                          // BiasGradA/BiasGradB)
   int64_t aux_offset = 0;  // a GEMM's aux lies this many bytes into its buffer (the ReLU mask)
   bool isGemm() const { return kernel < 0; }
 };

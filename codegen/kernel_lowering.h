@@ -80,6 +80,8 @@ struct GemmCall {
   std::string activation_grad;
   int aux = -1;
   bool writes_relu_mask = false;
+  // A matrix added before the activation (cuBLASLt's C, beta = 1), in C's type and shape.
+  int residual = -1;
 };
 
 // What the `table` word of a group's error flag (Kernel::error_flag) names: an embedding table

@@ -45,6 +45,21 @@ bool isActivation(const Op& op) {
                 *fn == ir::ScalarFn::Tanh);
 }
 
+// What a kiln.add adds to the other operand, the running value of a GEMM's epilogue: a bias
+// vector (rank 1, cuBLASLt's BIAS), a matrix of the result's own type (cuBLASLt's C with
+// beta = 1: a residual, or another product to sum with), or neither.
+enum class AddedTerm { None, Bias, Matrix };
+AddedTerm addedTerm(const Op& add) {
+  if (!add.is(ir::OpCode::Add) || add.numOperands() != 2) return AddedTerm::None;
+  const ir::TensorType& r = add.result()->type();
+  for (unsigned i = 0; i < 2; ++i) {
+    const ir::TensorType& t = add.operand(i)->type();
+    if (t.rank() == 1 && r.rank() >= 1) return AddedTerm::Bias;
+  }
+  if (add.operand(0)->type() == r && add.operand(1)->type() == r) return AddedTerm::Matrix;
+  return AddedTerm::None;
+}
+
 // "226.5 MB": byte counts in reasons.
 std::string byteSize(double bytes) {
   if (bytes >= 1e9) return fmt::format("{:.1f} GB", bytes / 1e9);
@@ -67,16 +82,19 @@ class FunctionFuser {
  public:
   // `leave_recomputed`: ops remat cloned stay out of groups (a group runs where its last op
   // was, which can move a clone away from the reader it was placed for).
-  // `keep_bias_gradients_apart`: the block positions of sum_to ops to leave out of
-  // weight-gradient GEMMs (fuseModule's answer to a planned peak that would rise).
+  // `keep_apart`: the block positions of sum_to ops to leave out of weight-gradient GEMMs, and
+  // of adds to leave out of a GEMM's epilogue (fuseModule's answer to a planned peak that would
+  // rise; optional_joins_).
+  // `siblings`: sibling fusion (joinSibling) is tried.
   FunctionFuser(ir::Function& f, const CostModel& cost, bool leave_recomputed = false,
-                std::set<int> keep_bias_gradients_apart = {})
+                std::set<int> keep_apart = {}, bool siblings = true)
       : f_(f),
         cost_(cost),
         namer_(f),
         deps_(f.entry()),
         leave_recomputed_(leave_recomputed),
-        keep_apart_(std::move(keep_bias_gradients_apart)) {
+        siblings_(siblings),
+        keep_apart_(std::move(keep_apart)) {
     for (size_t i = 0; i < deps_.ops().size(); ++i) pos_[deps_.ops()[i]] = static_cast<int>(i);
   }
 
@@ -187,18 +205,36 @@ class FunctionFuser {
       // A bf16/f16 product widened to f32 at once is cuBLASLt's f32 accumulator (the lowering
       // skips that rounding, as XLA's excess precision does); the epilogue continues after it.
       const size_t head = grp.members.size() > 1 && ir::isWideningCast(*grp.members[0], *grp.members[1]) ? 2 : 1;
-      bool has_act = std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); });
-      bool has_bias = grp.members.size() > head && grp.members[head]->is(ir::OpCode::Add);
+      auto adds = [&](AddedTerm t) {
+        return std::any_of(grp.members.begin() + static_cast<std::ptrdiff_t>(head), grp.members.end(),
+                           [&](Op* o) { return addedTerm(*o) == t; });
+      };
       if (consumer.is(ir::OpCode::Add)) {
-        const Value* other = consumer.operand(0) == producer.result() ? consumer.operand(1) : consumer.operand(0);
-        if (grp.members.size() != head || has_bias) return forbid("the bias add must directly follow the GEMM");
-        if (other->type().rank() != 1) return forbid("the added value is not a bias vector (rank 1)");
-        if (!(consumer.result()->type() == producer.result()->type())) return forbid("the bias add changes the shape");
+        // D = act(A B + C + bias): the bias vector and a matrix C (beta = 1, a residual or a
+        // second product) are added before the activation, each once, in either order.
+        const AddedTerm term = addedTerm(consumer);
+        if (grp.members.size() != head && !grp.members.back()->is(ir::OpCode::Add))
+          return forbid("an add must come before the epilogue's activation or cast");
+        if (!(consumer.result()->type() == producer.result()->type())) return forbid("the add changes the shape");
+        if (term == AddedTerm::Bias) {
+          if (adds(AddedTerm::Bias)) return forbid("the epilogue already adds a bias");
+        } else if (term == AddedTerm::Matrix) {
+          if (adds(AddedTerm::Matrix)) return forbid("the epilogue already adds a matrix (cuBLASLt reads one C)");
+          if (consumer.operand(0) == consumer.operand(1)) return forbid("the add doubles the product");
+          // fuseModule's answer to a planned peak that rose with this add in the GEMM.
+          if (keep_apart_.count(pos_.at(&consumer))) return forbid("with the add of C in the GEMM the planned peak rises");
+          if (consumer.result()->type().rank() != 2 || producer.numResults() != 1 ||
+              grp.members.front()->is(ir::OpCode::SumTo))
+            return forbid("cuBLASLt adds C only to an unbatched product without a bias gradient");
+        } else {
+          return forbid("the added value is neither a bias vector (rank 1) nor a matrix of the product's type (C)");
+        }
       } else if (consumer.is(ir::OpCode::ActivationGrad)) {
         if (FusionDecision d = activationBackwardEpilogue(producer, consumer, grp.members.size() == head); !d)
           return forbid(d.reason());
       } else if (isActivation(consumer)) {
-        if (has_act) return forbid("the epilogue already has an activation");
+        if (std::any_of(grp.members.begin(), grp.members.end(), [](Op* o) { return isActivation(*o); }))
+          return forbid("the epilogue already has an activation");
       } else if (consumer.is(ir::OpCode::Cast)) {
         // A cast ends the epilogue (the GEMM's output type), unless it widens the product.
       } else {
@@ -279,6 +315,27 @@ class FunctionFuser {
     return FusionDecision::allow();
   }
 
+  // The bytes the ops strictly between block positions `from` and `to` allocate.
+  double allocatedBetween(int from, int to) const {
+    double bytes = 0;
+    for (int q = from + 1; q < to; ++q) {
+      const Op* op = deps_.ops()[static_cast<size_t>(q)];
+      if (CostModel::launchesWork(*op))
+        for (const Value* r : op->results()) bytes += cost_.valueBytes(*r);
+    }
+    return bytes;
+  }
+
+  // The last op strictly between block positions `from` and `to` that launches work and
+  // allocates a result, or null.
+  const Op* lastAllocatingOpBetween(int from, int to) const {
+    for (int q = to - 1; q > from; --q) {
+      const Op* op = deps_.ops()[static_cast<size_t>(q)];
+      if (CostModel::launchesWork(*op) && op->numResults() > 0) return op;
+    }
+    return nullptr;
+  }
+
   // A fused group runs where its last op was (`from`); taking `consumer` moves it to the
   // consumer (`to`). Values the group reads that would have died in it then live across the ops
   // in between, while the group's results that only it and the consumer read stop living there.
@@ -286,14 +343,10 @@ class FunctionFuser {
   // an allocating op in between: e.g. a gradient sum fused across the backward pass would keep
   // one [B, d] term per layer live to its end, and the clones made by remat along with them.
   FusionDecision keepsLiveSetBounded(const Group& grp, const Op& consumer) const {
-    const int from = pos_.at(grp.members.back()), to = pos_.at(&consumer);
     // The extension is largest at the last op in between that allocates.
-    int last_alloc = -1;
-    for (int q = to - 1; q > from && last_alloc < 0; --q) {
-      const Op* op = deps_.ops()[static_cast<size_t>(q)];
-      if (CostModel::launchesWork(*op) && op->numResults() > 0) last_alloc = q;
-    }
-    if (last_alloc < 0) return FusionDecision::allow();
+    const Op* alloc = lastAllocatingOpBetween(pos_.at(grp.members.back()), pos_.at(&consumer));
+    if (!alloc) return FusionDecision::allow();
+    const int last_alloc = pos_.at(alloc);
     double freed = 0;
     for (const Op* m : grp.members)
       for (const Value* r : m->results()) {
@@ -329,6 +382,30 @@ class FunctionFuser {
         static_cast<int64_t>(kept - freed)));
   }
 
+  // Sibling fusion (XLA's multi-output fusion of siblings): an elementwise op that no producer's
+  // group takes joins an earlier pointwise group that reads one of its operands, when the group
+  // iterates over the op's shape: the shared operand is read once, by one kernel that stores
+  // both results. The legality and cost checks are a consumer's (canFuse): no cycle through
+  // another group, nothing delayed, the live set bounded, and a gain the cost model predicts
+  // (the shared read). A refusal here is not reported: most candidates are simply unrelated.
+  bool joinSibling(Op* op, std::set<int>& tried) {
+    for (Value* v : op->operands()) {
+      if (v->type().rank() == 0) continue;  // a scalar shared by many ops is no reason to group them
+      for (const ir::Use& u : v->uses()) {
+        auto it = group_of_.find(u.user);
+        if (u.user == op || it == group_of_.end()) continue;
+        const int g = it->second;
+        Group& grp = groups_[static_cast<size_t>(g)];
+        if (grp.kind != Kind::Pointwise || !tried.insert(g).second) continue;
+        if (!canFuse(*u.user, *op, g)) continue;
+        grp.members.push_back(op);
+        group_of_[op] = g;
+        return true;
+      }
+    }
+    return false;
+  }
+
   // Puts `op` into the first group of an operand producer that may take it, else into a new one.
   void place(Op* op) {
     std::set<int> tried;
@@ -343,6 +420,10 @@ class FunctionFuser {
           Group& grp = groups_[static_cast<size_t>(g)];
           grp.members.push_back(op);
           group_of_[op] = g;
+          // A matrix added in the GEMM moves it to the add, past whatever allocates in between:
+          // an optional join fuseModule may undo (the bytes allocated in between first).
+          if (grp.kind == Kind::Gemm && addedTerm(*op) == AddedTerm::Matrix)
+            optional_joins_.push_back({pos_.at(op), allocatedBetween(pos_.at(grp.members.front()), pos_.at(op))});
           // A DRELU epilogue: the ReLU's own GEMM writes the mask it reads.
           if (grp.kind == Kind::Gemm && op->is(ir::OpCode::ActivationGrad) && op->strAttr("activation") == "relu")
             op->operand(0)->definingOp()->setAttr("kiln.relu_mask", ir::Attribute(true));
@@ -355,6 +436,7 @@ class FunctionFuser {
         refuse(*p, *op, d.reason());
       }
     }
+    if (siblings_ && ir::isPointwise(*op) && joinSibling(op, tried)) return;
     if (op->is(ir::OpCode::Matmul))
       newGroup(Kind::Gemm, {op}, false);
     else if (ir::isPointwise(*op))
@@ -496,7 +578,7 @@ class FunctionFuser {
       }
       const double early = siblingExtraBytes(members, true), late = siblingExtraBytes(members, false);
       groups_[static_cast<size_t>(newGroup(Kind::Gemm, members, true))].run_early = early <= late;
-      bias_gradient_groups_.push_back({pos_.at(sum), std::min(early, late)});
+      optional_joins_.push_back({pos_.at(sum), std::min(early, late)});
     }
   }
 
@@ -631,13 +713,16 @@ class FunctionFuser {
   std::unordered_map<const Op*, int> group_of_;
   std::vector<RefusedFusion> refused_;
   bool leave_recomputed_ = false;
+  bool siblings_ = true;
   std::set<int> keep_apart_;
-  std::vector<std::pair<int, double>> bias_gradient_groups_;  // (sum_to position, extra live bytes)
+  // Joins fuseModule may undo when the planned peak rises: a bias gradient's sum_to beside its
+  // weight-gradient GEMM, an add of C in a GEMM. (block position of the sum_to or add, the
+  // extra bytes the join may keep live.)
+  std::vector<std::pair<int, double>> optional_joins_;
 
  public:
-  // The bias-gradient groups formed: their sum_to's block position and the bytes the group
-  // keeps live longer (siblingExtraBytes), for fuseModule to drop the costliest first.
-  const std::vector<std::pair<int, double>>& biasGradientGroups() const { return bias_gradient_groups_; }
+  // The optional joins made (optional_joins_), for fuseModule to undo the costliest first.
+  const std::vector<std::pair<int, double>>& optionalJoins() const { return optional_joins_; }
 };
 
 }  // namespace
@@ -656,42 +741,45 @@ Expected<std::vector<FusionReport>> fuseModule(ir::Module& m, const FusionOption
     if (f->body().empty()) continue;
     // The lifetime rule refuses most fusions that would keep memory live; what it cannot see
     // (the arena's layout after groups move) is checked here: fusion is tried on a copy, then
-    // without the bias-gradient groups, then without remat's clones (with and without them), and
-    // kept only in a form that does not raise the planned peak.
+    // without the optional joins one by one (bias gradients, adds of C), then without remat's
+    // clones (with and without them), then all of that again without sibling fusion, and kept
+    // only in a form that does not raise the planned peak.
     const ir::SymbolBindings bound = bindAllSymbols(*f, symbols);
     KILN_ASSIGN_OR_RETURN(auto before, estimatePeakBytes(*f, bound));
     bool fused = false;
-    for (bool leave_recomputed : {false, true}) {
+    for (int attempt = 0; attempt < 4 && !fused; ++attempt) {
+      const bool siblings = attempt < 2, leave_recomputed = attempt % 2 == 1;
       std::set<int> keep_apart;
       for (;;) {
         ir::Module scratch;
         ir::Function& trial = ir::cloneFunction(*f, scratch, f->name());
-        FunctionFuser fuser(trial, cost, leave_recomputed, keep_apart);
+        FunctionFuser fuser(trial, cost, leave_recomputed, keep_apart, siblings);
         KILN_ASSIGN_OR_RETURN(auto t, fuser.run());
         KILN_ASSIGN_OR_RETURN(auto after, estimatePeakBytes(trial, bound));
         if (after <= before) {
           std::vector<std::string> apart;  // named before fusion renames and reorders
           const ir::ValueNamer namer(*f);
           const std::vector<Op*> ops = f->entry().opList();
-          for (int at : keep_apart)
-            apart.push_back(
-                fmt::format("{} = kiln.sum_to", namer.name(ops[static_cast<size_t>(at)]->result())));
-          KILN_ASSIGN_OR_RETURN(auto r, FunctionFuser(*f, cost, leave_recomputed, keep_apart).run());
+          for (int at : keep_apart) {
+            const Op& op = *ops[static_cast<size_t>(at)];
+            apart.push_back(fmt::format("{} = {}", namer.name(op.result()), op.name()));
+          }
+          KILN_ASSIGN_OR_RETURN(auto r, FunctionFuser(*f, cost, leave_recomputed, keep_apart, siblings).run());
           for (const std::string& sum : apart)
-            r.refused.push_back(
-                {sum, "", "kept out of its weight-gradient GEMM: with it the planned peak rises"});
+            r.refused.push_back({sum, "", "kept out of its GEMM: with it the planned peak rises"});
+          if (!siblings)
+            r.refused.push_back({"@" + f->name(), "", "no sibling fusion: with it the planned peak rises"});
           reports.push_back(std::move(r));
           fused = true;
           break;
         }
-        // Too much: the bias-gradient group that keeps the most bytes live goes first.
-        const auto& formed = fuser.biasGradientGroups();
+        // Too much: the optional join that may keep the most bytes live goes first.
+        const auto& formed = fuser.optionalJoins();
         if (formed.empty()) break;
         keep_apart.insert(std::max_element(formed.begin(), formed.end(), [](const auto& a, const auto& b) {
                             return a.second < b.second;
                           })->first);
       }
-      if (fused) break;
     }
     if (!fused) {
       FusionReport r;

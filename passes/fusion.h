@@ -3,7 +3,9 @@
 //   pointwise        elementwise and data-movement ops of one result shape;
 //   reduction        a reduction (reduce, softmax, bce_with_logits, sum_to) with its pointwise
 //                    producers computed inline (they must not be used outside the group);
-//   gemm_epilogue    matmul + bias add + activation (+ cast): one cuBLASLt call with an epilogue;
+//   gemm_epilogue    matmul + bias add + activation (+ cast): one cuBLASLt call with an epilogue,
+//                    which may also add a matrix of the product's type before the activation
+//                    (cuBLASLt's C with beta = 1: a residual, or the sum of two products);
 //                    or a weight-gradient matmul and the sum_to of its gradient operand beside
 //                    it (the bias gradient; cuBLASLt's BGRADA/BGRADB epilogue); or matmul +
 //                    activation_grad of relu or gelu (cuBLASLt's DRELU/DGELU: the product is

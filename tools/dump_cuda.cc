@@ -102,10 +102,11 @@ int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostr
     std::string origin = g.fused_kind.empty() ? "" : fmt::format("{} #{} ", g.fused_kind, g.fused_index);
     if (g.gemm) {
       const codegen::GemmCall& c = g.gemm_call;
-      std::string epilogue = c.bias_gradient_of
-                                 ? fmt::format("bgrad({})", c.bias_gradient_of == 'a' ? 'A' : 'B')
-                             : c.bias >= 0 ? "bias"
-                                           : "";
+      std::string epilogue = c.residual >= 0 ? "C" : "";
+      if (c.bias_gradient_of)
+        epilogue = fmt::format("bgrad({})", c.bias_gradient_of == 'a' ? 'A' : 'B');
+      else if (c.bias >= 0)
+        epilogue += epilogue.empty() ? "bias" : "+bias";
       if (!c.activation.empty()) epilogue += (epilogue.empty() ? "" : "+") + c.activation;
       if (c.writes_relu_mask) epilogue += "+mask";
       if (!c.activation_grad.empty()) epilogue += "d" + c.activation_grad;

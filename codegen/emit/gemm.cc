@@ -11,7 +11,9 @@ using ir::Op;
 using ir::Value;
 
 // A matmul, optionally with its epilogue (bias add, then relu or gelu, then an output cast),
-// as ONE cuBLASLt call. Only what cuBLASLt computes as the ops do is accepted, with two
+// as ONE cuBLASLt call. Before the activation the epilogue may also add a matrix of the output's
+// type: cuBLASLt's C with beta = 1, so D = act(A B + C + bias) reads C where a kernel of its own
+// would read the product back (a residual connection, or a gradient summed over two paths). Only what cuBLASLt computes as the ops do is accepted, with two
 // allowances. One is XLA's "excess precision": a bf16 or f16 product that the group at once widens
 // back to f32 (mixed precision's `cast(matmul(bf16, bf16), f32)`) is taken from cuBLASLt's f32
 // accumulator without the rounding in between, so bias and activation run in cuBLASLt's f32
@@ -79,6 +81,7 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   const Value* cur = mm.result();
   const Value* bias = nullptr;
   const Value* aux = nullptr;
+  const Value* residual = nullptr;
   // The group's ops after the matmul, less a widening cast right after a low-precision
   // product (taken as the accumulator's own f32).
   size_t first = 1;
@@ -103,10 +106,17 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
                               opLabel(*ops[i - 1]));
     if (i > first && ops[i - 1]->is(ir::OpCode::Cast))
       return Status::errorf("{} follows the output cast", opLabel(e));
-    if (e.is(ir::OpCode::Add) && i == first && e.numOperands() == 2) {
-      bias = e.operand(0) == cur ? e.operand(1) : e.operand(0);
-      if (bias->type().rank() != 1)
-        return Status::errorf("{} adds {}, not a bias vector", opLabel(e), bias->type().str());
+    if (e.is(ir::OpCode::Add) && e.numOperands() == 2 && (i == first || ops[i - 1]->is(ir::OpCode::Add))) {
+      // Before the activation: a bias vector, and a matrix of the result's type (C, beta = 1).
+      const Value* other = e.operand(0) == cur ? e.operand(1) : e.operand(0);
+      if (other->type().rank() == 1 && !bias) {
+        bias = other;
+      } else if (other->type() == e.result()->type() && other != cur && !residual) {
+        residual = other;
+      } else {
+        return Status::errorf("{} adds {}: an epilogue adds one bias vector and one matrix of the product's type",
+                              opLabel(e), other->type().str());
+      }
     } else if ((e.is(ir::OpCode::Relu) || e.is(ir::OpCode::Gelu)) && call.activation.empty() &&
                call.activation_grad.empty()) {
       call.activation = shortOpName(e);
@@ -138,6 +148,11 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
                           opLabel(mm), ir::dtypeName(aux->type().dtype()), ir::dtypeName(tc));
   if (sum && (bias || !call.activation.empty() || !call.activation_grad.empty()))
     return Status::errorf("{}: cuBLASLt's bias gradient epilogue takes no bias or activation", opLabel(mm));
+  if (residual && (sum || mm.operand(0)->type().rank() != 2 || mm.operand(1)->type().rank() != 2))
+    return Status::errorf("{}: cuBLASLt adds C to an unbatched product without a bias gradient", opLabel(mm));
+  if (residual && residual->type().dtype() != tc)
+    return Status::errorf("{}: a {} matrix added to a {} output; cuBLASLt's C has the output's type", opLabel(mm),
+                          ir::dtypeName(residual->type().dtype()), ir::dtypeName(tc));
   if (sum && sum->result()->type().dtype() != tc)
     return Status::errorf("{}: a {} bias gradient of a {} GEMM; cuBLASLt's has the output's type",
                           opLabel(*sum), ir::dtypeName(sum->result()->type().dtype()), ir::dtypeName(tc));
@@ -160,6 +175,7 @@ Status lowerGemm(GroupLowering& gl, const std::vector<const Op*>& all) {
   call.c = gl.groupBuffer(cur, true);
   if (sum) call.bias = gl.groupBuffer(sum->result(), true);
   if (aux) call.aux = gl.groupBuffer(aux, false);
+  if (residual) call.residual = gl.groupBuffer(residual, false);
   gl.setGemm(mm, call);
   return Status::ok();
 }

@@ -217,12 +217,13 @@ Expected<CublasLt::Plan*> CublasLt::plan(const GemmShape& s) {
 }
 
 Status CublasLt::matmul(const GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
-                        CUdeviceptr aux, CUstream stream) {
+                        CUdeviceptr aux, CUdeviceptr residual, CUstream stream) {
   if (hasBias(s.epilogue) && bias == 0)
     return Status::errorf("{}: the epilogue needs a bias {}", s.str(),
                           codegen::epilogueWritesBiasGradient(s.epilogue) ? "gradient buffer" : "");
   if (codegen::epilogueHasAux(s.epilogue) && aux == 0)
     return Status::errorf("{}: the epilogue needs an aux buffer", s.str());
+  if (s.residual && residual == 0) return Status::errorf("{}: the matrix C to add is missing", s.str());
   auto p = plan(s);
   if (!p) return p.status();
   const Api& api = *api_;
@@ -234,10 +235,13 @@ Status CublasLt::matmul(const GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdevi
     void* aux_ptr = reinterpret_cast<void*>(aux);
     api.descSet((*p)->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux_ptr, sizeof(aux_ptr));
   }
-  float alpha = 1.0f, beta = 0.0f;
+  // D = alpha op(A) op(B) + beta C: C is the residual (beta = 1), laid out as D, or D itself
+  // with beta = 0 (then never read).
+  float alpha = 1.0f, beta = s.residual ? 1.0f : 0.0f;
+  const CUdeviceptr c_in = s.residual ? residual : c;
   cublasStatus_t st = api.matmul(static_cast<cublasLtHandle_t>(handle_), (*p)->desc, &alpha,
                                  reinterpret_cast<const void*>(b), (*p)->a, reinterpret_cast<const void*>(a), (*p)->b,
-                                 &beta, reinterpret_cast<const void*>(c), (*p)->c, reinterpret_cast<void*>(c), (*p)->c,
+                                 &beta, reinterpret_cast<const void*>(c_in), (*p)->c, reinterpret_cast<void*>(c), (*p)->c,
                                  &(*p)->algo, reinterpret_cast<void*>(workspace_.ptr()), workspace_.bytes(),
                                  reinterpret_cast<cudaStream_t>(stream));
   if (st != CUBLAS_STATUS_SUCCESS) return Status::errorf("cublasLtMatmul for {}: {}", s.str(), api.statusString(st));

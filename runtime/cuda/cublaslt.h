@@ -43,11 +43,12 @@ class CublasLt {
                                                     size_t workspace_bytes = kCublasLtWorkspaceBytes);
   ~CublasLt();
 
-  // C = epilogue(op(A) op(B) + bias); all pointers are device addresses, bias may be 0 unless
-  // the epilogue reads a bias or writes a bias gradient there, aux unless it writes or reads
-  // the ReLU mask or reads the GELU input there (codegen::Epilogue).
+  // C = epilogue(op(A) op(B) [+ R] + bias); all pointers are device addresses, bias may be 0
+  // unless the epilogue reads a bias or writes a bias gradient there, aux unless it writes or
+  // reads the ReLU mask or reads the GELU input there (codegen::Epilogue), residual (R, laid out
+  // as C) unless s.residual.
   Status matmul(const codegen::GemmShape& s, CUdeviceptr a, CUdeviceptr b, CUdeviceptr c, CUdeviceptr bias,
-                CUdeviceptr aux, CUstream stream);
+                CUdeviceptr aux, CUdeviceptr residual, CUstream stream);
 
   size_t cachedAlgorithms() const { return algos_.size(); }
   size_t version() const { return version_; }

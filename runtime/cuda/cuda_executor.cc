@@ -332,7 +332,8 @@ Status CudaExecutor::Impl::runStep(const Step& step, CUstream st) {
   const codegen::CudaStep& plan = *step.plan;
   if (plan.isGemm()) {
     const CUdeviceptr aux = step.args[4] ? step.args[4] + static_cast<CUdeviceptr>(plan.aux_offset) : 0;
-    Status r = s().blas->matmul(plan.gemm, step.args[0], step.args[1], step.args[2], step.args[3], aux, st);
+    Status r =
+        s().blas->matmul(plan.gemm, step.args[0], step.args[1], step.args[2], step.args[3], aux, step.args[5], st);
     if (!r) return Status::errorf("cuBLASLt {}: {}", plan.name, r.message());
     return Status::ok();
   }

@@ -16,6 +16,7 @@
 #include "runtime/parameter_store.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/nvrtc/activation_gradient_case.h"
+#include "tests/nvrtc/residual_case.h"
 #include "tests/nvrtc/bias_gradient_case.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
@@ -178,6 +179,36 @@ INSTANTIATE_TEST_SUITE_P(Activations, GpuActivationGradient, ::testing::ValuesIn
                          [](const ::testing::TestParamInfo<ActivationGradientCase>& i) {
                            return std::string(i.param.name);
                          });
+
+// Matrices added in GEMM epilogues as cuBLASLt's C with beta = 1 (tests/nvrtc/residual_case.h),
+// before a bias and a ReLU and alone, and the sibling kernel reading their sum.
+class GpuResidual : public ::testing::TestWithParam<ResidualCase> {};
+
+TEST_P(GpuResidual, MatrixAddedAsCMatchesCpuReference) {
+  SKIP_WITHOUT_GPU();
+  const ResidualCase rc = GetParam();
+  auto rf = buildResidual(rc);
+  passes::FusionOptions fusion;
+  fusion.target = h200Target();
+  auto r = passes::fuseModule(rf->module, fusion);
+  ASSERT_TRUE(r) << r.status().message();
+  auto session = cuda::CudaSession::create();
+  ASSERT_TRUE(session) << session.status().message();
+  cuda::CudaExecutorOptions options;
+  options.poison_arena = true;
+  auto ex = cuda::CudaExecutor::create(*rf->f, {}, *session, options);
+  ASSERT_TRUE(ex) << ex.status().message();
+  EXPECT_EQ((*ex)->numGemms(), 2);
+  EXPECT_EQ((*ex)->numKernels(), 1);
+  for (int run = 0; run < 2; ++run) {  // eager, then captured
+    auto out = (*ex)->run(rf->inputs);
+    ASSERT_TRUE(out) << out.status().message();
+    expectResidualClose(*out, *rf, rc, "GPU run " + std::to_string(run));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, GpuResidual, ::testing::ValuesIn(residualCases()),
+                         [](const ::testing::TestParamInfo<ResidualCase>& i) { return std::string(i.param.name); });
 
 // A function with sources as inputs and parameters, built flat, its reference computed, then
 // fused; run on the GPU through the executor.

@@ -200,22 +200,30 @@ TEST(GpuInputPipelinePool, PlacedBatchesTrainAsUnstagedOnesAndForwardStagesAhead
 
 #ifdef KILN_HAVE_CUDA_HEADERS
 
+// y = x + x over n f32 elements: the step the executor tests below stage batches for.
+ir::Function& doubling(ir::Module& module, int64_t n) {
+  ir::Function& f = module.addFunction("f");
+  f.body().addBlock();
+  ir::Builder b(f.entry());
+  auto x = b.createWithTypes("kiln.input", {}, {ir::TensorType(ir::DType::f32, testing::S({n}))},
+                             {{"name", ir::Attribute("x")}});
+  EXPECT_TRUE(x) << x.status().message();
+  if (!x) return f;
+  auto y = b.create("kiln.add", {(*x)->result(), (*x)->result()});
+  EXPECT_TRUE(y) << y.status().message();
+  if (!y) return f;
+  EXPECT_TRUE(b.createWithTypes("func.return", {(*y)->result()}, {}));
+  f.setResultTypes({(*y)->result()->type()});
+  return f;
+}
+
 // The executor's own API two batches ahead: y = x + x over batches staged before the step
 // before them ran, through the eager first launch and the captured graph's replays.
 TEST(GpuInputPipelineExecutor, TwoBatchesAheadGiveEachBatchItsOwnResult) {
   SKIP_WITHOUT_GPU();
   const int64_t n = 1 << 20;
   ir::Module module;
-  ir::Function& f = module.addFunction("f");
-  f.body().addBlock();
-  ir::Builder b(f.entry());
-  auto x = b.createWithTypes("kiln.input", {}, {ir::TensorType(ir::DType::f32, testing::S({n}))},
-                             {{"name", ir::Attribute("x")}});
-  ASSERT_TRUE(x);
-  auto y = b.create("kiln.add", {(*x)->result(), (*x)->result()});
-  ASSERT_TRUE(y) << y.status().message();
-  ASSERT_TRUE(b.createWithTypes("func.return", {(*y)->result()}, {}));
-  f.setResultTypes({(*y)->result()->type()});
+  ir::Function& f = doubling(module, n);
   auto session = cuda::CudaSession::create();
   ASSERT_TRUE(session) << session.status().message();
   auto ex = cuda::CudaExecutor::create(f, {}, *session);
@@ -271,16 +279,7 @@ TEST(GpuInputPipelineExecutor, BatchesInTheStagingPoolAreUploadedFromThere) {
   SKIP_WITHOUT_GPU();
   const int64_t n = 1 << 20;
   ir::Module module;
-  ir::Function& f = module.addFunction("f");
-  f.body().addBlock();
-  ir::Builder b(f.entry());
-  auto x = b.createWithTypes("kiln.input", {}, {ir::TensorType(ir::DType::f32, testing::S({n}))},
-                             {{"name", ir::Attribute("x")}});
-  ASSERT_TRUE(x);
-  auto y = b.create("kiln.add", {(*x)->result(), (*x)->result()});
-  ASSERT_TRUE(y) << y.status().message();
-  ASSERT_TRUE(b.createWithTypes("func.return", {(*y)->result()}, {}));
-  f.setResultTypes({(*y)->result()->type()});
+  ir::Function& f = doubling(module, n);
   auto session = cuda::CudaSession::create();
   ASSERT_TRUE(session) << session.status().message();
   auto ex = cuda::CudaExecutor::create(f, {}, *session);

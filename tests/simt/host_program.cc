@@ -60,7 +60,8 @@ float roundToTf32(float x) {
 
 }  // namespace
 
-void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias, void* aux) {
+void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias, void* aux,
+                    const void* residual) {
   uint8_t* mask = static_cast<uint8_t*>(aux);
   const int64_t mask_ld = codegen::reluMaskLd(s.n);
   const cuda::ColumnMajorGemm g = cuda::toColumnMajor(s);
@@ -103,6 +104,7 @@ void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, v
           for (int l = 0; l < 8; ++l) part[l] += x[k + l] * y[k + l];
         float acc = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
         for (; k < g.k; ++k) acc += x[k] * y[k];
+        if (s.residual) acc += load(residual, s.c_type, bt * g.m * g.n + i + j * g.ld_c);  // beta = 1
         if (codegen::epilogueReadsBias(s.epilogue))
           acc += load(bias, s.bias_type, i);  // along cuBLASLt's rows
         if (codegen::epilogueAppliesRelu(s.epilogue)) acc = std::max(acc, 0.0f);
@@ -263,20 +265,22 @@ Expected<std::vector<ir::HostTensor>> HostProgram::run(const runtime::cpu::Batch
         const int64_t elements[4] = {g.batch * g.m * g.k, g.batch * g.k * g.n, g.batch * g.m * g.n,
                                      bias_elements};
         const ir::DType types[4] = {g.a_type, g.b_type, g.c_type, g.bias_type};
-        int64_t bytes[5];
+        int64_t bytes[6];
         for (int o = 0; o < 4; ++o) bytes[o] = elements[o] * ir::dtypeBytes(types[o]);
         bytes[4] = g.epilogue == codegen::Epilogue::DGelu ? bytes[2]
                                                           : s.aux_offset + g.batch * codegen::reluMaskBytes(g.m, g.n);
-        for (int o = 0; o < 5; ++o) {
+        bytes[5] = bytes[2];  // the residual, laid out as C
+        for (int o = 0; o < 6; ++o) {
           if (s.args[static_cast<size_t>(o)] < 0) continue;
           const codegen::Buffer& b = p.buffers[static_cast<size_t>(s.args[static_cast<size_t>(o)])];
           if (b.bytes < bytes[o])
             return Status::errorf("{}: operand {} ('{}') holds {} bytes, the GEMM touches {}", s.name,
-                                  "ABCba"[o], b.name, b.bytes, bytes[o]);
+                                  "ABCbaR"[o], b.name, b.bytes, bytes[o]);
         }
         void* aux = args[4] ? static_cast<char*>(args[4]) + s.aux_offset : nullptr;
         if (codegen::epilogueHasAux(g.epilogue) && !aux) return Status::errorf("{}: no aux buffer", s.name);
-        gemmAsCublasLt(g, args[0], args[1], args[2], args[3], aux);
+        if (g.residual && !args[5]) return Status::errorf("{}: no matrix to add", s.name);
+        gemmAsCublasLt(g, args[0], args[1], args[2], args[3], aux, args[5]);
       } else {
         KILN_RETURN_IF_ERROR(im.module->launch(s.name, s.launch, args));
       }

@@ -22,16 +22,18 @@
 
 namespace kiln::simt {
 
-// C = epilogue(op(A) op(B) + bias) computed the way cuBLASLt reads the column-major problem
+// C = epilogue(op(A) op(B) [+ R] + bias) computed the way cuBLASLt reads the column-major problem
 // cuda::toColumnMajor(s) describes (its A is our B, its bias runs along its rows), with f32
 // accumulation and bf16 rounding of bf16 outputs; a bias-gradient epilogue writes the sum over
 // K of op(A) or op(B) to `bias` instead. ReluAux and BiasReluAux also write the ReLU's bit mask
 // to `aux` (bit i + j * reluMaskLd of cuBLASLt's element (i, j), bit b of a byte being 1 << b);
-// DRelu multiplies by that mask, DGelu by GELU's derivative at the [M, N] input `aux`. `a`, `b`,
-// `c`, `bias` and `aux` are what the executor passes to CublasLt::matmul, as host pointers.
+// DRelu multiplies by that mask, DGelu by GELU's derivative at the [M, N] input `aux`. With
+// s.residual, `residual` (laid out as C) is added to the product before the bias (beta = 1).
+// `a`, `b`, `c`, `bias`, `aux` and `residual` are what the executor passes to
+// CublasLt::matmul, as host pointers.
 // (The mask's bit order is this emulation's: on a GPU only cuBLASLt writes and reads it.)
 void gemmAsCublasLt(const codegen::GemmShape& s, const void* a, const void* b, void* c, void* bias,
-                    void* aux = nullptr);
+                    void* aux = nullptr, const void* residual = nullptr);
 
 class HostProgram {
  public:

@@ -1,8 +1,10 @@
 // cuBLASLt's bias-gradient epilogues (BGRADA/BGRADB) as simt emulates them, against plain loops;
 // then a linear layer's weight and bias gradients through the fusion pass, the CUDA lowering and
 // the CUDA program on the host (one cuBLASLt call), against the unfused ops' CPU references.
-// Last, a layer's activation backward as the DRELU/DGELU epilogue of the GEMM that makes its
-// output gradient. gpu_fused_test runs the last two comparisons through the real cuBLASLt.
+// Then a layer's activation backward as the DRELU/DGELU epilogue of the GEMM that makes its
+// output gradient; last, matrices added in GEMM epilogues as cuBLASLt's C (beta = 1) and the
+// sibling kernel reading their sum. gpu_fused_test runs the last three comparisons through the
+// real cuBLASLt.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include "tests/nvrtc/activation_gradient_case.h"
 #include "tests/nvrtc/bias_gradient_case.h"
 #include "tests/nvrtc/op_cases.h"
+#include "tests/nvrtc/residual_case.h"
 #include "tests/simt/host_program.h"
 
 namespace kiln::testing {
@@ -141,6 +144,34 @@ INSTANTIATE_TEST_SUITE_P(Activations, SimtActivationGradient, ::testing::ValuesI
                          [](const ::testing::TestParamInfo<ActivationGradientCase>& i) {
                            return std::string(i.param.name);
                          });
+
+class SimtResidual : public ::testing::TestWithParam<ResidualCase> {};
+
+TEST_P(SimtResidual, MatrixAddedAsCMatchesCpuReference) {
+  const ResidualCase rc = GetParam();
+  auto rf = buildResidual(rc);
+  passes::FusionOptions options;
+  options.target = h200Target();
+  auto r = passes::fuseModule(rf->module, options);
+  ASSERT_TRUE(r) << r.status().message();
+  auto groups = codegen::lowerFunction(*rf->f, {});
+  ASSERT_TRUE(groups) << groups.status().message();
+  int residuals = 0;
+  for (const codegen::LoweredGroup& lg : *groups) residuals += lg.gemm && lg.gemm_call.residual >= 0;
+  EXPECT_EQ(residuals, 2) << passes::explainFusion(*r);
+  auto program = simt::HostProgram::create(*rf->f, {});
+  ASSERT_TRUE(program) << program.status().message();
+  EXPECT_EQ((*program)->numGemms(), 2);
+  EXPECT_EQ((*program)->numKernels(), 1) << "the two products of y are one sibling kernel\n"
+                                         << passes::explainFusion(*r);
+  runtime::ParameterStore params;
+  auto out = (*program)->run(rf->inputs, params, 1);
+  ASSERT_TRUE(out) << out.status().message();
+  expectResidualClose(*out, *rf, rc, "simt");
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, SimtResidual, ::testing::ValuesIn(residualCases()),
+                         [](const ::testing::TestParamInfo<ResidualCase>& i) { return std::string(i.param.name); });
 
 }  // namespace
 }  // namespace kiln::testing

@@ -194,3 +194,59 @@ func.func @dgelu(%z: !kiln.tensor<Bx16xf32>, %gn: !kiln.tensor<Bx4xf32>, %w2: !k
   %gz = "kiln.activation_grad"(%z, %gh) {activation = "gelu"} : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
   return %gz : !kiln.tensor<Bx16xf32>
 }
+
+// -----
+
+// A matrix of the product's type added before the activation is cuBLASLt's C (beta = 1): the
+// residual joins the GEMM, after or before the bias add, and the relu still ends the epilogue.
+// CHECK-LABEL: func.func @residual_add
+// CHECK:         "kiln.fused"(%x, %w, %b, %res)
+// CHECK-NEXT:    ^bb0
+// CHECK-NEXT:      "kiln.matmul"
+// CHECK-NEXT:      "kiln.add"
+// CHECK-NEXT:      "kiln.add"
+// CHECK-NEXT:      "kiln.relu"
+// CHECK:         }) {kind = "gemm_epilogue"}
+func.func @residual_add(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<8x16xf32>, %b: !kiln.tensor<16xf32>, %res: !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32> {
+  %p = "kiln.matmul"(%x, %w) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<8x16xf32>) -> !kiln.tensor<Bx16xf32>
+  %z = "kiln.add"(%p, %b) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<16xf32>) -> !kiln.tensor<Bx16xf32>
+  %r = "kiln.add"(%res, %z) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  %h = "kiln.relu"(%r) : (!kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %h : !kiln.tensor<Bx16xf32>
+}
+
+// -----
+
+// After the activation an add is no longer cuBLASLt's C: it stays out of the GEMM.
+// CHECK-LABEL: func.func @residual_after_activation
+// CHECK:         %[[G:.*]] = "kiln.fused"(%x, %w, %b)
+// CHECK:           "kiln.relu"
+// CHECK-NEXT:      "kiln.yield"
+// CHECK:         }) {kind = "gemm_epilogue"}
+// CHECK:         "kiln.add"(%[[G]], %res)
+func.func @residual_after_activation(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<8x16xf32>, %b: !kiln.tensor<16xf32>, %res: !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32> {
+  %p = "kiln.matmul"(%x, %w) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<8x16xf32>) -> !kiln.tensor<Bx16xf32>
+  %z = "kiln.add"(%p, %b) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<16xf32>) -> !kiln.tensor<Bx16xf32>
+  %h = "kiln.relu"(%z) : (!kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  %r = "kiln.add"(%h, %res) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %r : !kiln.tensor<Bx16xf32>
+}
+
+// -----
+
+// Sibling fusion: two products of %g that no producer's group takes (a GEMM's epilogue has no
+// multiply) share one pointwise kernel, which reads %g once and stores both.
+// CHECK-LABEL: func.func @siblings
+// CHECK:         %[[G:.*]] = "kiln.matmul"
+// CHECK-NEXT:    "kiln.fused"(%[[G]], %u, %v)
+// CHECK-NEXT:    ^bb0
+// CHECK-NEXT:      "kiln.mul"
+// CHECK-NEXT:      "kiln.mul"
+// CHECK:         }) {kind = "pointwise"}
+// CHECK-NOT:     "kiln.mul"
+func.func @siblings(%x: !kiln.tensor<Bx8xf32>, %w: !kiln.tensor<8x16xf32>, %u: !kiln.tensor<Bx16xf32>, %v: !kiln.tensor<Bx16xf32>) -> (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) {
+  %g = "kiln.matmul"(%x, %w) : (!kiln.tensor<Bx8xf32>, !kiln.tensor<8x16xf32>) -> !kiln.tensor<Bx16xf32>
+  %a = "kiln.mul"(%g, %u) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  %c = "kiln.mul"(%g, %v) : (!kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>) -> !kiln.tensor<Bx16xf32>
+  return %a, %c : !kiln.tensor<Bx16xf32>, !kiln.tensor<Bx16xf32>
+}
