@@ -8,8 +8,6 @@
 #include "codegen/cuda_emitter.h"
 #include "codegen/kernel_lowering.h"
 #include "ir/precision.h"
-#include "passes/pass_manager.h"
-#include "passes/pipeline.h"
 #include "runtime/cuda/nvrtc_compiler.h"
 #include "tools/cli.h"
 
@@ -56,16 +54,10 @@ int printResources(const codegen::CudaModule& m, const std::vector<const codegen
 int printCudaStage(ir::Module& module, const OptimizeOptions& options, std::ostream& out, std::ostream& err,
                    bool resources) {
   const int64_t batch = options.batch;
-  // The passes `kiln train --device cuda` runs (fusion included), so the kernels shown are the
-  // kernels that run.
+  // The passes `kiln train --device cuda` runs (fusion included), planned at --batch as it plans
+  // them at its batch, so the kernels shown are the kernels that run.
   if (module.attrs().count("kiln.train") && !module.lookup("train_step")) {
-    passes::PassManager pm({.target = options.target});
-    Status s = pm.addPipeline(passes::defaultPipeline(true, options.memory_budget));
-    if (s.isOk()) {
-      auto r = pm.run(module);
-      if (!r) s = r.status();
-    }
-    if (!s.isOk()) {
+    if (Status s = runTrainingPipeline(module, options); !s.isOk()) {
       err << s.str() << "\n";
       return kExitError;
     }
