@@ -37,21 +37,21 @@ struct Model {
   int ep = 1;  // expert parallelism of its MoE layers
 };
 
-// Model `path` with its 26 Criteo sparse features cut to one per entry of `rows` (each the
-// table's rows), in a file of its own. The rows are every size the 26 capped at 97 have: tables
+// Model `m` with its 26 Criteo sparse features cut to one per entry of `rows` (each the table's
+// rows), in a file of its own. The rows below are every size the 26 capped at 97 have: tables
 // smaller than the rank count (3), row counts the ranks do not divide (97, 63, 10, 14) and several
 // tables per rank. (If the model no longer declares `ids[B, 26]`, the original file is kept and
 // its 26 features against these tables are a located error, not a silently different test.)
-inline Model withSparseFeatures(const char* name, const char* path, const std::vector<int>& rows) {
-  std::ifstream in(std::string(KILN_SOURCE_DIR) + "/" + path);
+inline Model withSparseFeatures(Model m, const std::vector<int>& rows = {97, 97, 3, 63, 10, 4, 14, 36}) {
+  std::ifstream in(std::string(KILN_SOURCE_DIR) + "/" + m.path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  Model m{name, path, {{"rows", fmt::format("[{}]", fmt::join(rows, ", "))}}};
+  m.overrides["rows"] = fmt::format("[{}]", fmt::join(rows, ", "));
   const std::string criteo = "ids[B, 26]";
   const size_t at = text.find(criteo);
   if (at == std::string::npos) return m;
   text.replace(at, criteo.size(), fmt::format("ids[B, {}]", rows.size()));
   const auto copy = std::filesystem::temp_directory_path() /
-                    fmt::format("kiln_{}_{}features_{}.kiln", name, rows.size(), ::getpid());
+                    fmt::format("kiln_{}_{}features_{}.kiln", m.name, rows.size(), ::getpid());
   std::ofstream(copy) << text;
   m.path = copy.string();
   return m;
@@ -62,7 +62,6 @@ inline Model withSparseFeatures(const char* name, const char* path, const std::v
 // the passes' time grows faster than the table count (their sharded steps compiled at 26
 // features took 4x dlrm's, ~60% of this test's time); dlrm, dlrm_dcnv2 and dcn keep all 26.
 inline std::vector<Model> models() {
-  const std::vector<int> rows = {97, 97, 3, 63, 10, 4, 14, 36};
   return {
       {"tiny", "tests/reliability/Inputs/tiny.kiln", {}},
       {"dlrm", "models/dlrm.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}, {"top", "[16, 1]"}}},
@@ -70,8 +69,8 @@ inline std::vector<Model> models() {
        "models/dlrm_dcnv2.kiln",
        {{"rows_cap", "97"}, {"emb_dim", "8"}, {"cross_rank", "8"}, {"top", "[16, 1]"}}},
       {"dcn", "models/dcn.kiln", {{"rows_cap", "97"}, {"emb_dim", "8"}}},
-      withSparseFeatures("deepfm", "models/deepfm.kiln", rows),
-      withSparseFeatures("wide_deep", "models/wide_deep.kiln", rows),
+      withSparseFeatures({"deepfm", "models/deepfm.kiln", {}}),
+      withSparseFeatures({"wide_deep", "models/wide_deep.kiln", {}}),
   };
 }
 
