@@ -9,17 +9,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "ir/builder.h"
 #include "ir/scalar_fn.h"
-#include "runtime/cpu/executor.h"
-#include "tests/nvrtc/fused_groups.h"
-#include "tests/nvrtc/op_cases.h"
+#include "tests/nvrtc/case_function.h"
 
 namespace kiln::testing {
 
@@ -42,11 +37,7 @@ inline const std::vector<ActivationGradientCase>& activationGradientCases() {
   return cases;
 }
 
-struct ActivationGradientFunction {
-  ir::Module module;
-  ir::Function* f = nullptr;
-  std::map<const ir::Value*, ir::HostTensor> values;  // inputs, then the reference's results
-  runtime::cpu::Batch inputs;
+struct ActivationGradientFunction : CaseFunction {
   ir::Value *h = nullptr, *z = nullptr, *gh = nullptr, *gz = nullptr;
 };
 
@@ -57,39 +48,19 @@ inline std::unique_ptr<ActivationGradientFunction> buildActivationGradient(const
   const int64_t batch = 300, k = 36, n = 40, p = 24;
   auto out = std::make_unique<ActivationGradientFunction>();
   ActivationGradientFunction& af = *out;
-  af.module.mutableAttrs()["kiln.train"] =
-      ir::Attribute(ir::AttrDict{{"precision", ir::Attribute(std::string(ac.precision))}});
-  af.f = &af.module.addFunction("f");
-  af.f->body().addBlock();
-  ir::Builder b(af.f->entry());
-  std::mt19937 rng(23);
+  CaseFunctionBuilder c(af, ac.precision, 23);
   const DType mm = ac.bf16 ? DType::bf16 : DType::f32;
-  auto input = [&](const char* name, ir::Shape shape, DType dtype) {
-    return addRandomInput(b, rng, af.values, name, shape, dtype);
-  };
-  Value* x = input("x", S({batch, k}), mm);
-  Value* w = input("w", S({k, n}), mm);
-  Value* bias = input("b", S({n}), DType::f32);
-  Value* g = input("g", S({batch, p}), mm);
-  Value* w2 = input("w2", S({n, p}), mm);
-  for (const auto& [v, t] : af.values) af.inputs[v->definingOp()->strAttr("name")] = t.view;
-  std::vector<const ir::Op*> flat;
-  auto add = [&](const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
-    auto op = b.create(name, operands, std::move(attrs));
-    EXPECT_TRUE(op) << op.status().message();
-    flat.push_back(*op);
-    return (*op)->result();
-  };
-  auto widened = [&](Value* v) { return ac.bf16 ? add("kiln.cast", {v}, {{"to", Attribute("f32")}}) : v; };
-  af.z = add("kiln.add", {widened(add("kiln.matmul", {x, w})), bias});
-  af.h = add(std::string("kiln.") + ac.activation, {af.z});
-  af.gh = widened(add("kiln.matmul", {g, w2}, {{"transpose_b", Attribute(true)}}));
+  Value* x = c.input("x", S({batch, k}), mm);
+  Value* w = c.input("w", S({k, n}), mm);
+  Value* bias = c.input("b", S({n}), DType::f32);
+  Value* g = c.input("g", S({batch, p}), mm);
+  Value* w2 = c.input("w2", S({n, p}), mm);
+  af.z = c.add("kiln.add", {c.widened(c.add("kiln.matmul", {x, w}), ac.bf16), bias});
+  af.h = c.add(std::string("kiln.") + ac.activation, {af.z});
+  af.gh = c.widened(c.add("kiln.matmul", {g, w2}, {{"transpose_b", Attribute(true)}}), ac.bf16);
   Value* arg = std::string(ac.activation) == "relu" ? af.h : af.z;
-  af.gz = add("kiln.activation_grad", {arg, af.gh}, {{"activation", Attribute(ac.activation)}});
-  EXPECT_TRUE(b.createWithTypes("func.return", {af.h, af.gz}, {}));
-  af.f->setResultTypes({af.h->type(), af.gz->type()});
-  Status ref = referenceRun(flat, {}, af.values);
-  EXPECT_TRUE(ref.isOk()) << ref.message();
+  af.gz = c.add("kiln.activation_grad", {arg, af.gh}, {{"activation", Attribute(ac.activation)}});
+  c.finish({af.h, af.gz});
   return out;
 }
 

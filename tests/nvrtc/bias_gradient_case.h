@@ -7,16 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "ir/builder.h"
-#include "runtime/cpu/executor.h"
-#include "tests/nvrtc/fused_groups.h"
-#include "tests/nvrtc/op_cases.h"
+#include "tests/nvrtc/case_function.h"
 
 namespace kiln::testing {
 
@@ -38,11 +33,7 @@ inline const std::vector<BiasGradientCase>& biasGradientCases() {
   return cases;
 }
 
-struct BiasGradientFunction {
-  ir::Module module;
-  ir::Function* f = nullptr;
-  std::map<const ir::Value*, ir::HostTensor> values;  // inputs, then the reference's results
-  runtime::cpu::Batch inputs;
+struct BiasGradientFunction : CaseFunction {
   std::vector<ir::Op*> group;  // the ops of the gemm_epilogue group: sum_to, matmul (, cast)
   ir::Value* g = nullptr;
   ir::HostTensor want_dw, want_db;
@@ -53,39 +44,19 @@ inline std::unique_ptr<BiasGradientFunction> buildBiasGradient(const BiasGradien
   const int64_t batch = 300, n = 24, k = 40;
   auto out = std::make_unique<BiasGradientFunction>();
   BiasGradientFunction& bf = *out;
-  bf.module.mutableAttrs()["kiln.train"] =
-      ir::Attribute(ir::AttrDict{{"precision", ir::Attribute(std::string(bc.precision))}});
-  bf.f = &bf.module.addFunction("f");
-  bf.f->body().addBlock();
-  ir::Builder b(bf.f->entry());
-  std::mt19937 rng(17);
-  auto input = [&](const char* name, ir::Shape shape, DType dtype) {
-    return addRandomInput(b, rng, bf.values, name, shape, dtype);
+  CaseFunctionBuilder c(bf, bc.precision, 17);
+  bf.g = c.input("g", S({batch, n}), DType::f32);
+  Value* x = c.input("x", S({batch, k}), bc.bf16 ? DType::bf16 : DType::f32);
+  auto member = [&](ir::Op* op) {
+    bf.group.push_back(op);
+    return op ? op->result() : nullptr;
   };
-  bf.g = input("g", S({batch, n}), DType::f32);
-  Value* x = input("x", S({batch, k}), bc.bf16 ? DType::bf16 : DType::f32);
-  for (const auto& [v, t] : bf.values) bf.inputs[v->definingOp()->strAttr("name")] = t.view;
-  std::vector<const ir::Op*> flat;
-  auto add = [&](const std::string& name, const std::vector<Value*>& operands, AttrDict attrs, bool member) {
-    auto op = b.create(name, operands, std::move(attrs));
-    EXPECT_TRUE(op) << op.status().message();
-    flat.push_back(*op);
-    if (member) bf.group.push_back(*op);
-    return (*op)->result();
-  };
-  auto sum = b.createWithTypes("kiln.sum_to", {bf.g}, {TensorType(DType::f32, S({n}))});
-  EXPECT_TRUE(sum) << sum.status().message();
-  flat.push_back(*sum);
-  bf.group.push_back(*sum);
-  Value* db = (*sum)->result();
-  Value* gm = bc.bf16 ? add("kiln.cast", {bf.g}, {{"to", Attribute("bf16")}}, false) : bf.g;
-  Value* dw = bc.g_as_a ? add("kiln.matmul", {gm, x}, {{"transpose_a", Attribute(true)}}, true)
-                        : add("kiln.matmul", {x, gm}, {{"transpose_a", Attribute(true)}}, true);
-  if (bc.bf16) dw = add("kiln.cast", {dw}, {{"to", Attribute("f32")}}, true);
-  EXPECT_TRUE(b.createWithTypes("func.return", {dw, db}, {}));
-  bf.f->setResultTypes({dw->type(), db->type()});
-  Status ref = referenceRun(flat, {}, bf.values);
-  EXPECT_TRUE(ref.isOk()) << ref.message();
+  Value* db = member(c.opOfType("kiln.sum_to", {bf.g}, TensorType(DType::f32, S({n}))));
+  Value* gm = bc.bf16 ? c.add("kiln.cast", {bf.g}, {{"to", Attribute("bf16")}}) : bf.g;
+  Value* dw = member(bc.g_as_a ? c.op("kiln.matmul", {gm, x}, {{"transpose_a", Attribute(true)}})
+                               : c.op("kiln.matmul", {x, gm}, {{"transpose_a", Attribute(true)}}));
+  if (bc.bf16) dw = member(c.op("kiln.cast", {dw}, {{"to", Attribute("f32")}}));
+  c.finish({dw, db});
   bf.want_dw = bf.values.at(dw);
   bf.want_db = bf.values.at(db);
   return out;

@@ -10,16 +10,11 @@
 
 #include <gtest/gtest.h>
 
-#include <map>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "ir/builder.h"
-#include "runtime/cpu/executor.h"
-#include "tests/nvrtc/fused_groups.h"
-#include "tests/nvrtc/op_cases.h"
+#include "tests/nvrtc/case_function.h"
 
 namespace kiln::testing {
 
@@ -41,11 +36,7 @@ inline const std::vector<ResidualCase>& residualCases() {
   return cases;
 }
 
-struct ResidualFunction {
-  ir::Module module;
-  ir::Function* f = nullptr;
-  std::map<const ir::Value*, ir::HostTensor> values;  // inputs, then the reference's results
-  runtime::cpu::Batch inputs;
+struct ResidualFunction : CaseFunction {
   std::vector<ir::Value*> results;  // y, h, gx0, gz
 };
 
@@ -54,43 +45,21 @@ struct ResidualFunction {
 inline std::unique_ptr<ResidualFunction> buildResidual(const ResidualCase& rc) {
   const int64_t batch = 300, r = 24, k = 36, n = 40;
   auto out = std::make_unique<ResidualFunction>();
-  ResidualFunction& rf = *out;
-  rf.module.mutableAttrs()["kiln.train"] =
-      ir::Attribute(ir::AttrDict{{"precision", ir::Attribute(std::string(rc.precision))}});
-  rf.f = &rf.module.addFunction("f");
-  rf.f->body().addBlock();
-  ir::Builder b(rf.f->entry());
-  std::mt19937 rng(31);
+  CaseFunctionBuilder c(*out, rc.precision, 31);
   const DType mm = rc.bf16 ? DType::bf16 : DType::f32;
-  auto input = [&](const char* name, ir::Shape shape, DType dtype) {
-    return addRandomInput(b, rng, rf.values, name, shape, dtype);
-  };
-  Value* t = input("t", S({batch, r}), mm);
-  Value* v = input("v", S({r, n}), mm);
-  Value* g = input("g", S({batch, n}), DType::f32);
-  Value* u = input("u", S({batch, k}), mm);
-  Value* w = input("w", S({k, n}), mm);
-  Value* bias = input("b", S({n}), DType::f32);
-  Value* x0 = input("x0", S({batch, n}), DType::f32);
-  Value* z = input("z", S({batch, n}), DType::f32);
-  for (const auto& [val, ten] : rf.values) rf.inputs[val->definingOp()->strAttr("name")] = ten.view;
-  std::vector<const ir::Op*> flat;
-  auto add = [&](const std::string& name, const std::vector<Value*>& operands, AttrDict attrs = {}) {
-    auto op = b.create(name, operands, std::move(attrs));
-    EXPECT_TRUE(op) << op.status().message();
-    flat.push_back(*op);
-    return (*op)->result();
-  };
-  auto widened = [&](Value* x) { return rc.bf16 ? add("kiln.cast", {x}, {{"to", Attribute("f32")}}) : x; };
-  Value* y = add("kiln.add", {g, widened(add("kiln.matmul", {t, v}))});
-  Value* h = add("kiln.relu", {add("kiln.add", {add("kiln.add", {widened(add("kiln.matmul", {u, w})), bias}), y})});
-  Value* gx0 = add("kiln.mul", {y, x0});
-  Value* gz = add("kiln.mul", {y, z});
-  rf.results = {y, h, gx0, gz};
-  EXPECT_TRUE(b.createWithTypes("func.return", rf.results, {}));
-  rf.f->setResultTypes({y->type(), h->type(), gx0->type(), gz->type()});
-  Status ref = referenceRun(flat, {}, rf.values);
-  EXPECT_TRUE(ref.isOk()) << ref.message();
+  Value* t = c.input("t", S({batch, r}), mm);
+  Value* v = c.input("v", S({r, n}), mm);
+  Value* g = c.input("g", S({batch, n}), DType::f32);
+  Value* u = c.input("u", S({batch, k}), mm);
+  Value* w = c.input("w", S({k, n}), mm);
+  Value* bias = c.input("b", S({n}), DType::f32);
+  Value* x0 = c.input("x0", S({batch, n}), DType::f32);
+  Value* z = c.input("z", S({batch, n}), DType::f32);
+  Value* y = c.add("kiln.add", {g, c.widened(c.add("kiln.matmul", {t, v}), rc.bf16)});
+  Value* p = c.widened(c.add("kiln.matmul", {u, w}), rc.bf16);
+  Value* h = c.add("kiln.relu", {c.add("kiln.add", {c.add("kiln.add", {p, bias}), y})});
+  out->results = {y, h, c.add("kiln.mul", {y, x0}), c.add("kiln.mul", {y, z})};
+  c.finish(out->results);
   return out;
 }
 
