@@ -156,9 +156,7 @@ TEST_P(GpuActivationGradient, DerivativeInTheGemmEpilogueMatchesCpuReference) {
   SKIP_WITHOUT_GPU();
   const ActivationGradientCase ac = GetParam();
   auto af = buildActivationGradient(ac);
-  passes::FusionOptions fusion;
-  fusion.target = h200Target();
-  auto r = passes::fuseModule(af->module, fusion);
+  auto r = af->fuseForGpu();
   ASSERT_TRUE(r) << r.status().message();
   auto session = cuda::CudaSession::create();
   ASSERT_TRUE(session) << session.status().message();
@@ -188,9 +186,7 @@ TEST_P(GpuResidual, MatrixAddedAsCMatchesCpuReference) {
   SKIP_WITHOUT_GPU();
   const ResidualCase rc = GetParam();
   auto rf = buildResidual(rc);
-  passes::FusionOptions fusion;
-  fusion.target = h200Target();
-  auto r = passes::fuseModule(rf->module, fusion);
+  auto r = rf->fuseForGpu();
   ASSERT_TRUE(r) << r.status().message();
   auto session = cuda::CudaSession::create();
   ASSERT_TRUE(session) << session.status().message();

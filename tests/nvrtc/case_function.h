@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "ir/builder.h"
+#include "passes/fusion.h"
 #include "runtime/cpu/executor.h"
 #include "tests/nvrtc/fused_groups.h"
 #include "tests/nvrtc/op_cases.h"
@@ -23,6 +24,13 @@ struct CaseFunction {
   ir::Function* f = nullptr;
   std::map<const ir::Value*, ir::HostTensor> values;  // inputs, then the reference's results
   runtime::cpu::Batch inputs;                          // the inputs by name, as a run takes them
+
+  // The fusion pass over the module, planned for the H200 as the CUDA backend runs it.
+  Expected<std::vector<passes::FusionReport>> fuseForGpu() {
+    passes::FusionOptions options;
+    options.target = h200Target();
+    return passes::fuseModule(module, options);
+  }
 };
 
 class CaseFunctionBuilder {

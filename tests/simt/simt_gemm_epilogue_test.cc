@@ -82,9 +82,7 @@ TEST_P(SimtBiasGradient, OneCublasLtCallMatchesCpuReference) {
   const BiasGradientCase bc = GetParam();
   auto bf = buildBiasGradient(bc);
   // The fusion pass groups them; the lowering makes the group one cuBLASLt call.
-  passes::FusionOptions options;
-  options.target = h200Target();
-  auto r = passes::fuseModule(bf->module, options);
+  auto r = bf->fuseForGpu();
   ASSERT_TRUE(r) << r.status().message();
   auto groups = codegen::lowerFunction(*bf->f, {});
   ASSERT_TRUE(groups) << groups.status().message();
@@ -115,9 +113,7 @@ TEST_P(SimtActivationGradient, DerivativeInTheGemmEpilogueMatchesCpuReference) {
   const ActivationGradientCase ac = GetParam();
   const bool relu = std::string(ac.activation) == "relu";
   auto af = buildActivationGradient(ac);
-  passes::FusionOptions options;
-  options.target = h200Target();
-  auto r = passes::fuseModule(af->module, options);
+  auto r = af->fuseForGpu();
   ASSERT_TRUE(r) << r.status().message();
   EXPECT_EQ(af->h->definingOp()->boolAttr("kiln.relu_mask"), relu) << "the forward ReLU writes its mask";
   auto groups = codegen::lowerFunction(*af->f, {});
@@ -150,9 +146,7 @@ class SimtResidual : public ::testing::TestWithParam<ResidualCase> {};
 TEST_P(SimtResidual, MatrixAddedAsCMatchesCpuReference) {
   const ResidualCase rc = GetParam();
   auto rf = buildResidual(rc);
-  passes::FusionOptions options;
-  options.target = h200Target();
-  auto r = passes::fuseModule(rf->module, options);
+  auto r = rf->fuseForGpu();
   ASSERT_TRUE(r) << r.status().message();
   auto groups = codegen::lowerFunction(*rf->f, {});
   ASSERT_TRUE(groups) << groups.status().message();
