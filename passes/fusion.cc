@@ -222,7 +222,8 @@ class FunctionFuser {
           if (adds(AddedTerm::Matrix)) return forbid("the epilogue already adds a matrix (cuBLASLt reads one C)");
           if (consumer.operand(0) == consumer.operand(1)) return forbid("the add doubles the product");
           // fuseModule's answer to a planned peak that rose with this add in the GEMM.
-          if (keep_apart_.count(pos_.at(&consumer))) return forbid("with the add of C in the GEMM the planned peak rises");
+          if (keep_apart_.count(pos_.at(&consumer)))
+            return forbid("with the add of C in the GEMM the planned peak rises");
           if (consumer.result()->type().rank() != 2 || producer.numResults() != 1 ||
               grp.members.front()->is(ir::OpCode::SumTo))
             return forbid("cuBLASLt adds C only to an unbatched product without a bias gradient");

@@ -13,12 +13,12 @@ using ir::Value;
 // A matmul, optionally with its epilogue (bias add, then relu or gelu, then an output cast),
 // as ONE cuBLASLt call. Before the activation the epilogue may also add a matrix of the output's
 // type: cuBLASLt's C with beta = 1, so D = act(A B + C + bias) reads C where a kernel of its own
-// would read the product back (a residual connection, or a gradient summed over two paths). Only what cuBLASLt computes as the ops do is accepted, with two
-// allowances. One is XLA's "excess precision": a bf16 or f16 product that the group at once widens
-// back to f32 (mixed precision's `cast(matmul(bf16, bf16), f32)`) is taken from cuBLASLt's f32
-// accumulator without the rounding in between, so bias and activation run in cuBLASLt's f32
-// epilogue and only the result is stored. The CPU rounds there; the results differ by at most
-// that rounding.
+// would read the product back (a residual connection, or a gradient summed over two paths).
+// Only what cuBLASLt computes as the ops do is accepted, with two allowances. One is XLA's
+// "excess precision": a bf16 or f16 product that the group at once widens back to f32 (mixed
+// precision's `cast(matmul(bf16, bf16), f32)`) is taken from cuBLASLt's f32 accumulator without
+// the rounding in between, so bias and activation run in cuBLASLt's f32 epilogue and only the
+// result is stored. The CPU rounds there; the results differ by at most that rounding.
 //
 // A kiln.sum_to in the group (the fusion pass's bias-gradient sibling, passes/fusion.cc) is the
 // bias gradient cuBLASLt writes beside a weight gradient: it must fold the leading dim K of an
